@@ -1,0 +1,1 @@
+"""tether deployment: local launcher, command-line entry point, Kubernetes and Prometheus files."""

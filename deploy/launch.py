@@ -1,0 +1,231 @@
+"""``tether launch``: a local cluster of shard and worker processes on this machine.
+
+Shards bind port 0 and report the port they got through a port file, so no port is ever
+guessed. Every wait is bounded; on Ctrl-C, on an error or at the end of the job every child
+is stopped (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO
+
+from tether.worker.config import WorkerConfig
+
+__all__ = ["ClusterError", "LocalCluster", "run_job"]
+
+log = logging.getLogger(__name__)
+
+
+class ClusterError(RuntimeError):
+    """A local cluster process failed to start or exited with an error."""
+
+
+def _pump(stream: IO[str], prefix: str, sink: IO[str] | None, echo: bool) -> None:
+    for line in stream:
+        if sink is not None:
+            sink.write(line)
+            sink.flush()
+        if echo:
+            sys.stdout.write(f"{prefix}{line}")
+            sys.stdout.flush()
+
+
+@dataclass
+class _Child:
+    name: str
+    proc: subprocess.Popen
+    pump: threading.Thread
+    log_path: Path
+
+
+class LocalCluster:
+    """Shards and workers as separate processes on 127.0.0.1."""
+
+    def __init__(self, log_dir: str | Path | None = None, host: str = "127.0.0.1", grace_s: float = 10.0) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="tether-") if log_dir is None else None
+        self.log_dir = Path(log_dir or self._tmp.name)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.host = host
+        self.grace_s = grace_s
+        self.shards: list[_Child] = []
+        self.workers: list[_Child] = []
+        self.addresses: list[str] = []
+        self.metrics_ports: dict[str, int] = {}
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, argv: list[str], echo: bool, env: dict[str, str] | None = None) -> _Child:
+        log_path = self.log_dir / f"{name}.log"
+        proc = subprocess.Popen(
+            [sys.executable, *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+        sink = log_path.open("w")
+        pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{name}] ", sink, echo), daemon=True)
+        pump.start()
+        return _Child(name, proc, pump, log_path)
+
+    def start_shards(self, num_shards: int, extra_args: Sequence[str] = (), metrics: bool = False, timeout_s: float = 60.0) -> list[str]:
+        """Start ``num_shards`` shard processes and wait until each serves.
+
+        Raises:
+            ClusterError: a shard exited or did not report its port within ``timeout_s``.
+        """
+        port_files = []
+        for i in range(num_shards):
+            pf = self.log_dir / f"shard-{i}.port"
+            pf.unlink(missing_ok=True)
+            port_files.append(pf)
+            argv = ["-m", "tether.server", "--host", self.host, "--port", "0", "--port-file", str(pf),
+                    "--shard-index", str(i), "--num-shards", str(num_shards), *extra_args]
+            if metrics:
+                argv += ["--metrics-port", str(_free_port(self.host))]
+            self.shards.append(self._spawn(f"shard-{i}", argv, echo=False))
+        deadline = time.monotonic() + timeout_s
+        self.addresses = []
+        for child, pf in zip(self.shards[-num_shards:], port_files):
+            while not pf.exists():
+                if child.proc.poll() is not None:
+                    raise ClusterError(f"{child.name} exited with code {child.proc.returncode}; see {child.log_path}:\n{_tail(child.log_path)}")
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"{child.name} did not start within {timeout_s:.0f}s; see {child.log_path}")
+                time.sleep(0.05)
+            self.addresses.append(f"{self.host}:{int(pf.read_text())}")
+        return self.addresses
+
+    def start_workers(self, template: WorkerConfig, extra_args: Sequence[str] = (), echo: bool = True, metrics: bool = False) -> None:
+        """Start ``template.num_workers`` worker processes against the running shards."""
+        for i in range(template.num_workers):
+            cfg = replace(template, shards=tuple(self.addresses), worker_index=i)
+            argv = ["-m", "tether.worker", *worker_argv(cfg), *extra_args]
+            if metrics:
+                port = _free_port(self.host)
+                self.metrics_ports[f"worker-{i}"] = port
+                argv += ["--metrics-port", str(port)]
+            self.workers.append(self._spawn(f"worker-{i}", argv, echo=echo))
+
+    def wait_workers(self, timeout_s: float) -> None:
+        """Wait for every worker to exit.
+
+        Raises:
+            ClusterError: a worker failed or the job ran past ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        for child in self.workers:
+            remaining = deadline - time.monotonic()
+            try:
+                code = child.proc.wait(timeout=max(remaining, 0.01))
+            except subprocess.TimeoutExpired:
+                raise ClusterError(f"job did not finish within {timeout_s:.0f}s ({child.name} still running)") from None
+            child.pump.join(timeout=5)
+            if code != 0:
+                raise ClusterError(f"{child.name} exited with code {code}; see {child.log_path}:\n{_tail(child.log_path)}")
+
+    def stop(self) -> None:
+        """Stop every child: SIGTERM, then SIGKILL after the grace period."""
+        children = self.workers + self.shards
+        for child in children:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for child in children:
+            try:
+                child.proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait(timeout=5)
+            child.pump.join(timeout=2)
+        self.workers, self.shards = [], []
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def worker_argv(cfg: WorkerConfig) -> list[str]:
+    """``tether worker`` flags that reproduce ``cfg``."""
+    argv = [
+        "--shards", ",".join(cfg.shards), "--worker-index", str(cfg.worker_index), "--num-workers", str(cfg.num_workers),
+        "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size), "--data", cfg.data,
+        "--vocab-size", str(cfg.vocab_size), "--num-sparse", str(cfg.num_sparse), "--embedding-dim", str(cfg.embedding_dim),
+        "--optimizer", cfg.optimizer, "--lr", repr(cfg.lr), "--seed", str(cfg.seed),
+        "--eval-samples", str(cfg.eval_samples), "--eval-every", str(cfg.eval_every), "--device", cfg.device,
+        "--log-every", str(cfg.log_every), "--timeout", repr(cfg.timeout_s), "--wire-dtype", cfg.wire_dtype,
+    ]
+    if not cfg.prefetch:
+        argv.append("--no-prefetch")
+    if cfg.out:
+        argv += ["--out", cfg.out]
+    return argv
+
+
+def run_job(
+    template: WorkerConfig,
+    num_shards: int,
+    out: str | Path | None = None,
+    timeout_s: float = 3600.0,
+    echo: bool = True,
+    metrics: bool = False,
+) -> dict[str, object]:
+    """Run a whole job locally, evaluate the result, and write ``summary.json`` to ``out``."""
+    from tether.worker.trainer import evaluate_job
+
+    out_dir = Path(out) if out else None
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    with LocalCluster(log_dir=out_dir / "logs" if out_dir else None) as cluster:
+        workdir = out_dir or cluster.log_dir
+        template = replace(template, out=str(workdir))
+        addresses = cluster.start_shards(num_shards, metrics=metrics)
+        print(f"tether: {num_shards} shard(s) at {', '.join(addresses)}; starting {template.num_workers} worker(s)", flush=True)
+        t0 = time.perf_counter()
+        cluster.start_workers(template, echo=echo, metrics=metrics)
+        cluster.wait_workers(timeout_s)
+        wall = time.perf_counter() - t0
+        workers = [json.loads((workdir / f"worker-{i}.json").read_text()) for i in range(template.num_workers)]
+        evaluation = evaluate_job(replace(template, shards=tuple(addresses)))
+    total = sum(int(w["samples"]) for w in workers)
+    train_wall = max(float(w["wall_s"]) for w in workers)
+    summary: dict[str, object] = {
+        **evaluation,
+        "samples_per_sec": total / train_wall,
+        "total_samples": total,
+        "train_wall_s": train_wall,
+        "job_wall_s": wall,
+        "num_shards": num_shards,
+        "num_workers": template.num_workers,
+        "workers": [{k: w[k] for k in ("worker_index", "samples", "wall_s", "samples_per_sec", "phase_seconds")} for w in workers],
+    }
+    if out_dir:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,143 @@
+"""Tensor <-> wire codec: raw little-endian bytes in a protobuf ``bytes`` field.
+
+Decoding never loops over elements: the payload is viewed with ``numpy.frombuffer`` and
+handed to torch without a copy (the view is read-only, so callers that keep or mutate the
+result copy it themselves).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from tether.protos import tether_pb2 as pb
+from tether.protos.errors import InvalidArgument
+
+__all__ = [
+    "CodecError",
+    "decode_ids",
+    "decode_tensor",
+    "encode_ids",
+    "encode_tensor",
+    "torch_dtype",
+    "wire_dtype",
+]
+
+
+class CodecError(InvalidArgument):
+    """A payload that cannot be decoded as the tensor it claims to be."""
+
+
+_TO_TORCH = {
+    pb.FLOAT32: torch.float32,
+    pb.FLOAT16: torch.float16,
+    pb.BFLOAT16: torch.bfloat16,
+    pb.INT64: torch.int64,
+}
+_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+# bfloat16 has no numpy dtype: carry its bits as int16 and reinterpret in torch.
+_NUMPY_VIEW = {
+    pb.FLOAT32: np.dtype("<f4"),
+    pb.FLOAT16: np.dtype("<f2"),
+    pb.BFLOAT16: np.dtype("<i2"),
+    pb.INT64: np.dtype("<i8"),
+}
+
+
+def torch_dtype(dtype: int) -> torch.dtype:
+    """Torch dtype of a wire ``DType`` value.
+
+    Raises:
+        CodecError: for an unknown or unspecified dtype.
+    """
+    try:
+        return _TO_TORCH[dtype]
+    except KeyError:
+        raise CodecError(f"unsupported wire dtype {dtype!r}") from None
+
+
+def wire_dtype(dtype: torch.dtype) -> int:
+    """Wire ``DType`` value of a torch dtype.
+
+    Raises:
+        CodecError: for a dtype the wire cannot carry.
+    """
+    try:
+        return _FROM_TORCH[dtype]
+    except KeyError:
+        raise CodecError(f"dtype {dtype} cannot be sent; use float32, float16, bfloat16 or int64") from None
+
+
+def encode_tensor(t: torch.Tensor, out: pb.Tensor | None = None, dtype: torch.dtype | None = None) -> pb.Tensor:
+    """Write ``t`` (on any device) into a ``Tensor`` message, optionally cast to ``dtype``."""
+    msg = pb.Tensor() if out is None else out
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    msg.dtype = wire_dtype(t.dtype)
+    msg.shape[:] = t.shape
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    msg.data = t.numpy().tobytes()
+    return msg
+
+
+def decode_tensor(msg: pb.Tensor, expect_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """View a ``Tensor`` message as a torch tensor without copying its payload.
+
+    Args:
+        msg: the message.
+        expect_dtype: if given, a float payload of another float dtype is upcast to it.
+
+    Raises:
+        CodecError: unknown dtype, negative dims, or a payload whose length does not match
+            the shape.
+    """
+    torch_dt = torch_dtype(msg.dtype)
+    np_dt = _NUMPY_VIEW[msg.dtype]
+    shape = tuple(msg.shape)
+    if any(d < 0 for d in shape):
+        raise CodecError(f"tensor shape {shape} has a negative dimension")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * np_dt.itemsize != len(msg.data):
+        raise CodecError(
+            f"tensor payload is {len(msg.data)} bytes but shape {shape} of {torch_dt} needs {numel * np_dt.itemsize}"
+        )
+    arr = np.frombuffer(msg.data, dtype=np_dt) if numel else np.empty(0, dtype=np_dt)
+    with warnings.catch_warnings():
+        # The view is read-only by design (zero copy); torch warns about that.
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(arr)
+    if msg.dtype == pb.BFLOAT16:
+        t = t.view(torch.bfloat16)
+    t = t.reshape(shape)
+    if expect_dtype is not None and t.dtype != expect_dtype:
+        if not (t.is_floating_point() and expect_dtype.is_floating_point):
+            raise CodecError(f"expected a {expect_dtype} tensor, got {t.dtype}")
+        t = t.to(expect_dtype)
+    return t
+
+
+def encode_ids(ids: torch.Tensor | np.ndarray) -> bytes:
+    """Raw little-endian int64 bytes of a 1-D id array."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    return np.ascontiguousarray(ids, dtype="<i8").tobytes()
+
+
+def decode_ids(data: bytes) -> np.ndarray:
+    """View raw id bytes as a read-only int64 array (no copy).
+
+    Raises:
+        CodecError: if the length is not a multiple of 8.
+    """
+    if len(data) % 8:
+        raise CodecError(f"id payload of {len(data)} bytes is not a whole number of int64 ids")
+    return np.frombuffer(data, dtype="<i8")

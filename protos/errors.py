@@ -1,0 +1,84 @@
+"""tether's exception hierarchy and the one table between it and gRPC status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+__all__ = [
+    "DeadlineExceeded",
+    "FailedPrecondition",
+    "InvalidArgument",
+    "NotFound",
+    "ResourceExhausted",
+    "TetherError",
+    "TooStale",
+    "Unauthenticated",
+    "Unavailable",
+    "error_from_status",
+    "status_of",
+]
+
+
+class TetherError(Exception):
+    """Base of every error tether raises on purpose."""
+
+
+class InvalidArgument(TetherError, ValueError):
+    """The request is malformed: bad dtype, shape, ids or values."""
+
+
+class NotFound(TetherError, KeyError):
+    """An unknown table or dense tensor."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class FailedPrecondition(TetherError):
+    """The request does not fit the shard's state (wrong shard, conflicting spec)."""
+
+
+class ResourceExhausted(TetherError):
+    """A size or concurrency limit was hit."""
+
+
+class Unauthenticated(TetherError):
+    """Missing or wrong credentials."""
+
+
+class TooStale(TetherError):
+    """A push was rejected because its gradients are staler than the hard limit."""
+
+
+class Unavailable(TetherError):
+    """A shard could not be reached, even after retries."""
+
+
+class DeadlineExceeded(TetherError, TimeoutError):
+    """A call or a wait ran past its deadline."""
+
+
+_TABLE: tuple[tuple[type[TetherError], grpc.StatusCode], ...] = (
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (TooStale, grpc.StatusCode.ABORTED),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+)
+_BY_CODE = {code: cls for cls, code in _TABLE}
+
+
+def status_of(exc: TetherError) -> grpc.StatusCode:
+    """gRPC status code for a tether error."""
+    for cls, code in _TABLE:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def error_from_status(code: grpc.StatusCode, details: str) -> TetherError:
+    """tether error for a gRPC status code (``TetherError`` itself for codes not in the table)."""
+    return _BY_CODE.get(code, TetherError)(f"{code.name}: {details}")

@@ -1,0 +1,73 @@
+"""The one key -> shard partition function, shared by workers and shards."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+__all__ = ["dense_shard", "mix64", "shard_of_ids", "split_ids"]
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser: a bijective scramble of uint64 keys (vectorised)."""
+    z = x.astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        z ^= z >> np.uint64(30)
+        z *= _M1
+        z ^= z >> np.uint64(27)
+        z *= _M2
+        z ^= z >> np.uint64(31)
+    return z
+
+
+def shard_of_ids(ids: np.ndarray, num_shards: int) -> np.ndarray:
+    """Shard index (int64) of each id: ``mix64(id) % num_shards``.
+
+    Hashing first spreads ids that share low bits (for example hashed features of one field).
+
+    Raises:
+        ValueError: if ``num_shards`` < 1.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if num_shards == 1:
+        return np.zeros(len(ids), dtype=np.int64)
+    arr = np.asarray(ids, dtype=np.int64)
+    return (mix64(arr.view(np.uint64)) % np.uint64(num_shards)).astype(np.int64)
+
+
+def split_ids(ids: np.ndarray, num_shards: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Group ``ids`` by shard.
+
+    Returns:
+        For each shard, ``(positions, ids)``: where in ``ids`` its ids sit, and the ids.
+    """
+    owner = shard_of_ids(ids, num_shards)
+    order = np.argsort(owner, kind="stable")
+    counts = np.bincount(owner, minlength=num_shards)
+    bounds = np.concatenate(([0], np.cumsum(counts)))
+    out = []
+    for s in range(num_shards):
+        pos = order[bounds[s] : bounds[s + 1]]
+        out.append((pos, ids[pos]))
+    return out
+
+
+def dense_shard(name: str, index: int, num_shards: int) -> int:
+    """Shard that owns chunk ``index`` of dense parameter ``name``.
+
+    Chunks of one parameter go round-robin from a start chosen by a stable hash of the name,
+    so both a tensor's chunks and different small tensors spread over the shards.
+
+    Raises:
+        ValueError: if ``num_shards`` < 1 or ``index`` < 0.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if index < 0:
+        raise ValueError(f"chunk index must be >= 0, got {index}")
+    return (zlib.crc32(name.encode()) + index) % num_shards

@@ -1,0 +1,1 @@
+"""tether shard: embedding and dense parameter storage, server-side optimizers, gRPC service."""

@@ -1,0 +1,75 @@
+"""``tether server`` / ``python -m tether.server``: run one shard until SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from tether.server.config import ShardConfig, load_config
+from tether.server.service import start_shard
+
+__all__ = ["main", "run"]
+
+log = logging.getLogger("tether.server")
+
+
+def _write_port_file(path: str, port: int) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{port}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run(config: ShardConfig) -> int:
+    """Serve until SIGTERM/SIGINT, then drain and exit 0."""
+    metrics = None
+    if config.metrics_port is not None:
+        from prometheus_client import CollectorRegistry
+
+        from tether.server.metrics import ShardMetrics, serve_metrics
+
+        registry = CollectorRegistry()
+        metrics = ShardMetrics(registry)
+        _, mport = serve_metrics(registry, config.metrics_port, host=config.host)
+        log.info("metrics on http://%s:%d/metrics", config.host, mport)
+    running = start_shard(config, metrics=metrics)
+    if metrics is not None:
+        metrics.serving.set(1)
+    log.info("shard %d/%d serving on %s:%d", config.shard_index, config.num_shards, config.host, running.port)
+    if config.port_file:
+        _write_port_file(config.port_file, running.port)
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s, draining for up to %.1fs", signal.Signals(signum).name, config.grace_seconds)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    stop.wait()
+    if metrics is not None:
+        metrics.serving.set(0)
+    running.stop(config.grace_seconds)
+    log.info("shard %d stopped", config.shard_index)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``tether server``."""
+    logging.basicConfig(level=os.environ.get("TETHER_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = load_config(argv)
+    except ValueError as exc:
+        print(f"tether server: {exc}", file=sys.stderr)
+        return 2
+    return run(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

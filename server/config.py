@@ -1,0 +1,81 @@
+"""Configuration of one shard process: one frozen dataclass, loaded in one place."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["ShardConfig", "load_config"]
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Everything a shard process needs to start."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    shard_index: int = 0
+    num_shards: int = 1
+    metrics_port: int | None = None
+    threads: int = 8
+    max_message_bytes: int = 256 * 1024 * 1024
+    max_concurrent_rpcs: int = 64
+    port_file: str | None = None
+    grace_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {self.num_shards!r}")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(f"shard_index must be in [0, {self.num_shards}), got {self.shard_index!r}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port!r}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads!r}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes!r}")
+        if self.max_concurrent_rpcs < 1:
+            raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs!r}")
+        if self.grace_seconds < 0:
+            raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds!r}")
+
+
+def _env(name: str, default: object) -> object:
+    return os.environ.get(name, default)
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Flags of ``tether server``; each falls back to a ``TETHER_*`` environment variable."""
+    p = parser or argparse.ArgumentParser(prog="tether server", description="Run one parameter-server shard.")
+    p.add_argument("--host", default=_env("TETHER_HOST", "127.0.0.1"), help="address to bind (env TETHER_HOST)")
+    p.add_argument("--port", type=int, default=_env("TETHER_PORT", 50051), help="gRPC port, 0 picks a free one (env TETHER_PORT)")
+    p.add_argument("--shard-index", type=int, default=_env("TETHER_SHARD_INDEX", 0), help="this shard's index (env TETHER_SHARD_INDEX)")
+    p.add_argument("--num-shards", type=int, default=_env("TETHER_NUM_SHARDS", 1), help="shards in the job (env TETHER_NUM_SHARDS)")
+    p.add_argument("--metrics-port", type=int, default=_env("TETHER_METRICS_PORT", None), help="serve Prometheus /metrics on this port (env TETHER_METRICS_PORT)")
+    p.add_argument("--threads", type=int, default=_env("TETHER_THREADS", 8), help="gRPC worker threads")
+    p.add_argument("--max-message-mb", type=int, default=_env("TETHER_MAX_MESSAGE_MB", 256), help="largest request or response, MiB")
+    p.add_argument("--max-concurrent-rpcs", type=int, default=_env("TETHER_MAX_CONCURRENT_RPCS", 64), help="calls beyond this get RESOURCE_EXHAUSTED")
+    p.add_argument("--port-file", default=_env("TETHER_PORT_FILE", None), help="write the bound port here once serving")
+    p.add_argument("--grace-seconds", type=float, default=_env("TETHER_GRACE_SECONDS", 5.0), help="drain time on SIGTERM")
+    return p
+
+
+def load_config(argv: Sequence[str] | None = None) -> ShardConfig:
+    """Parse flags (with env fallbacks) into a validated ``ShardConfig``."""
+    a = build_parser().parse_args(argv)
+    return ShardConfig(
+        host=a.host,
+        port=int(a.port),
+        shard_index=int(a.shard_index),
+        num_shards=int(a.num_shards),
+        metrics_port=None if a.metrics_port in (None, "") else int(a.metrics_port),
+        threads=int(a.threads),
+        max_message_bytes=int(a.max_message_mb) * 1024 * 1024,
+        max_concurrent_rpcs=int(a.max_concurrent_rpcs),
+        port_file=a.port_file,
+        grace_seconds=float(a.grace_seconds),
+    )

@@ -1,0 +1,205 @@
+"""gRPC adapter of a shard: request -> domain call -> response, and nothing else."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tether.protos import tether_pb2 as pb
+from tether.protos import tether_pb2_grpc as pb_grpc
+from tether.protos.codec import decode_ids, decode_tensor, encode_tensor, torch_dtype
+from tether.protos.errors import InvalidArgument, TetherError, status_of
+from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.server.config import ShardConfig
+from tether.server.shard import DenseDecl, DenseUpdate, PushResult, Shard, SparseUpdate
+
+__all__ = ["RunningShard", "ShardServicer", "start_shard"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "tether.v1.ParameterServer"
+
+
+def _domain(fn: Callable[..., object]) -> Callable[..., object]:
+    """Turn tether errors (and config ValueErrors) into status codes; record metrics."""
+    rpc = fn.__name__
+
+    @functools.wraps(fn)
+    def wrapper(self: ShardServicer, request: object, context: grpc.ServicerContext) -> object:
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            response = fn(self, request, context)
+            return response
+        except TetherError as exc:
+            code = status_of(exc)
+            self._count_rejected(rpc, code)
+            context.abort(code, str(exc))
+        except ValueError as exc:  # a config dataclass refused a declared spec
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            self._count_rejected(rpc, code)
+            context.abort(code, str(exc))
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("%s failed", rpc)
+            context.abort(code, f"internal error in {rpc}; see the shard's log")
+        finally:
+            m = self.metrics
+            if m is not None:
+                m.requests.labels(rpc=rpc, code=code.name).inc()
+                m.request_seconds.labels(rpc=rpc).observe(time.perf_counter() - start)
+                m.received_bytes.labels(rpc=rpc).inc(request.ByteSize())
+        return None  # unreachable: abort raises
+
+    return wrapper
+
+
+class ShardServicer(pb_grpc.ParameterServerServicer):
+    """Implements ``tether.v1.ParameterServer`` over a ``Shard``."""
+
+    def __init__(self, shard: Shard, metrics: object | None = None) -> None:
+        self.shard = shard
+        self.metrics = metrics
+
+    def _count_rejected(self, rpc: str, code: grpc.StatusCode) -> None:
+        if self.metrics is not None and rpc in ("Push", "PushPull"):
+            self.metrics.updates_rejected.labels(reason=code.name.lower()).inc()
+
+    def _sent(self, rpc: str, response: object) -> object:
+        if self.metrics is not None:
+            self.metrics.sent_bytes.labels(rpc=rpc).inc(response.ByteSize())
+        return response
+
+    @_domain
+    def Declare(self, request: pb.DeclareRequest, context: grpc.ServicerContext) -> pb.DeclareResponse:
+        tables = [TableConfig.from_proto(t) for t in request.tables]
+        dense = [
+            DenseDecl(name=d.name, index=d.index, init=decode_tensor(d.init), optimizer=OptimizerConfig.from_proto(d.optimizer))
+            for d in request.dense
+        ]
+        self.shard.declare(tables, dense)
+        self._update_table_gauges()
+        return pb.DeclareResponse(shard_index=self.shard.shard_index, num_shards=self.shard.num_shards)
+
+    def _pull(self, request: pb.PullRequest) -> pb.PullResponse:
+        wire = torch_dtype(request.wire_dtype) if request.wire_dtype else torch.float32
+        if not wire.is_floating_point:
+            raise InvalidArgument(f"wire_dtype must be a float type, got {wire}")
+        sparse = [(b.table, decode_ids(b.ids)) for b in request.sparse]
+        dense = [(b.name, b.index) for b in request.dense]
+        rows, values = self.shard.pull(sparse, dense)
+        response = pb.PullResponse()
+        for (name, ids), (r, version), b in zip(sparse, rows, request.sparse):
+            out = response.sparse.add(table=name, ids=b.ids, read_version=version)
+            encode_tensor(r, out.values, dtype=wire)
+        for (name, index), (v, version) in zip(dense, values):
+            out = response.dense.add(name=name, index=index, read_version=version)
+            encode_tensor(v, out.value, dtype=wire)
+        self._update_table_gauges()
+        return response
+
+    def _push(self, request: pb.PushRequest) -> PushResult:
+        sparse = [
+            SparseUpdate(b.table, decode_ids(b.ids), decode_tensor(b.values, torch.float32), b.read_version)
+            for b in request.sparse
+        ]
+        dense = [DenseUpdate(b.name, b.index, decode_tensor(b.value, torch.float32), b.read_version) for b in request.dense]
+        return self.shard.push(request.worker_id, request.seq, sparse, dense)
+
+    @_domain
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullResponse:
+        return self._sent("Pull", self._pull(request))
+
+    @_domain
+    def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushResponse:
+        result = self._push(request)
+        return pb.PushResponse(applied=result.applied, max_staleness=result.max_staleness)
+
+    @_domain
+    def PushPull(self, request: pb.PushPullRequest, context: grpc.ServicerContext) -> pb.PushPullResponse:
+        result = self._push(request.push)
+        pulled = self._pull(request.pull)
+        response = pb.PushPullResponse(
+            push=pb.PushResponse(applied=result.applied, max_staleness=result.max_staleness), pull=pulled
+        )
+        return self._sent("PushPull", response)
+
+    @_domain
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
+        s = self.shard
+        response = pb.InfoResponse(
+            shard_index=s.shard_index,
+            num_shards=s.num_shards,
+            applied_pushes=s.applied_pushes,
+            duplicate_pushes=s.duplicate_pushes,
+            rejected_pushes=s.rejected_pushes,
+        )
+        for name, t in sorted(s.tables.items()):
+            response.tables.add(
+                name=name, dim=t.dim, rows=t.rows, version=t.version, optimizer=t.config.optimizer.name, memory_bytes=t.memory_bytes
+            )
+        for (name, index), c in sorted(s.dense.items()):
+            response.dense.add(name=name, index=index, numel=c.numel, version=c.version, optimizer=c.optimizer.name)
+        return response
+
+    def _update_table_gauges(self) -> None:
+        if self.metrics is None:
+            return
+        for name, t in list(self.shard.tables.items()):
+            self.metrics.table_rows.labels(table=name).set(t.rows)
+            self.metrics.table_memory_bytes.labels(table=name).set(t.memory_bytes)
+
+
+@dataclass
+class RunningShard:
+    """A started gRPC server and what it serves."""
+
+    server: grpc.Server
+    port: int
+    shard: Shard
+    health: health.HealthServicer
+
+    def stop(self, grace: float | None = None) -> None:
+        """Mark NOT_SERVING, let in-flight calls finish for ``grace`` seconds, and stop."""
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+
+
+def start_shard(config: ShardConfig, shard: Shard | None = None, metrics: object | None = None) -> RunningShard:
+    """Build and start the gRPC server of one shard (returns once it is listening).
+
+    Raises:
+        RuntimeError: if the port cannot be bound.
+    """
+    shard = shard or Shard(config.shard_index, config.num_shards, metrics)
+    options = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="tether-rpc"),
+        options=options,
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+    )
+    pb_grpc.add_ParameterServerServicer_to_server(ShardServicer(shard, metrics), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot bind {config.host}:{config.port}: {exc}") from exc
+    if port == 0:
+        raise RuntimeError(f"cannot bind {config.host}:{config.port}")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningShard(server=server, port=port, shard=shard, health=health_servicer)

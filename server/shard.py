@@ -1,0 +1,256 @@
+"""The shard's domain logic: declare, pull and push, independent of gRPC.
+
+Every request is validated completely before anything is applied, so a rejected request
+changes no parameter. A push carries ``(worker_id, seq)``; one that was applied before is
+acknowledged and not applied again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tether.protos.errors import FailedPrecondition, InvalidArgument, NotFound
+from tether.protos.partition import dense_shard, shard_of_ids
+from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.server.tables import DenseChunk, EmbeddingTable
+
+__all__ = ["DenseDecl", "DenseUpdate", "PushResult", "Shard", "SparseUpdate"]
+
+log = logging.getLogger(__name__)
+
+_SEQ_WINDOW = 4096
+
+
+@dataclass(frozen=True)
+class DenseDecl:
+    """A dense chunk to create, with its initial value."""
+
+    name: str
+    index: int
+    init: torch.Tensor
+    optimizer: OptimizerConfig
+
+
+@dataclass(frozen=True)
+class SparseUpdate:
+    """Gradients for rows of one table."""
+
+    table: str
+    ids: np.ndarray
+    grads: torch.Tensor
+    read_version: int = 0
+
+
+@dataclass(frozen=True)
+class DenseUpdate:
+    """Gradient for one dense chunk."""
+
+    name: str
+    index: int
+    grad: torch.Tensor
+    read_version: int = 0
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """Outcome of a push."""
+
+    applied: bool
+    max_staleness: int
+
+
+class _SeqWindow:
+    """Recently applied sequence numbers of one worker (bounded)."""
+
+    def __init__(self) -> None:
+        self.seen: OrderedDict[int, None] = OrderedDict()
+
+    def add(self, seq: int) -> bool:
+        """Record ``seq``; False if it was already there."""
+        if seq in self.seen:
+            return False
+        self.seen[seq] = None
+        if len(self.seen) > _SEQ_WINDOW:
+            self.seen.popitem(last=False)
+        return True
+
+
+class Shard:
+    """Embedding tables and dense chunks owned by one shard."""
+
+    def __init__(self, shard_index: int = 0, num_shards: int = 1, metrics: object | None = None) -> None:
+        if num_shards < 1 or not 0 <= shard_index < num_shards:
+            raise ValueError(f"shard_index {shard_index!r} is not in [0, num_shards={num_shards!r})")
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+        self.metrics = metrics
+        self.tables: dict[str, EmbeddingTable] = {}
+        self.dense: dict[tuple[str, int], DenseChunk] = {}
+        self.applied_pushes = 0
+        self.duplicate_pushes = 0
+        self.rejected_pushes = 0
+        self._declare_lock = threading.Lock()
+        self._seq_lock = threading.Lock()
+        self._seqs: dict[str, _SeqWindow] = {}
+
+    # -- declare -----------------------------------------------------------------------------
+
+    def declare(self, tables: list[TableConfig], dense: list[DenseDecl]) -> None:
+        """Create tables and dense chunks; re-declaring the same spec is a no-op.
+
+        Raises:
+            FailedPrecondition: a spec conflicts with an existing one, or a chunk belongs to
+                another shard.
+            InvalidArgument: a malformed initial value.
+        """
+        with self._declare_lock:
+            for cfg in tables:
+                have = self.tables.get(cfg.name)
+                if have is not None and have.config != cfg:
+                    raise FailedPrecondition(f"table {cfg.name!r} exists with another spec: {have.config} != {cfg}")
+            for d in dense:
+                owner = dense_shard(d.name, d.index, self.num_shards)
+                if owner != self.shard_index:
+                    raise FailedPrecondition(f"dense chunk {d.name}[{d.index}] belongs to shard {owner}, not {self.shard_index}")
+                if d.init.dim() != 1 or d.init.numel() == 0 or not d.init.is_floating_point():
+                    raise InvalidArgument(f"dense chunk {d.name}[{d.index}] init must be a non-empty 1-D float tensor")
+                if not torch.isfinite(d.init).all():
+                    raise InvalidArgument(f"dense chunk {d.name}[{d.index}] init has NaN or Inf values")
+                have_chunk = self.dense.get((d.name, d.index))
+                if have_chunk is not None and (have_chunk.numel != d.init.numel() or have_chunk.optimizer != d.optimizer):
+                    raise FailedPrecondition(f"dense chunk {d.name}[{d.index}] exists with another size or optimizer")
+            for cfg in tables:
+                if cfg.name not in self.tables:
+                    self.tables[cfg.name] = EmbeddingTable(cfg)
+                    log.info("created table %s (dim %d, %s)", cfg.name, cfg.dim, cfg.optimizer.name)
+            for d in dense:
+                if (d.name, d.index) not in self.dense:
+                    self.dense[(d.name, d.index)] = DenseChunk(d.name, d.index, d.init, d.optimizer)
+
+    # -- validation --------------------------------------------------------------------------
+
+    def _table(self, name: str) -> EmbeddingTable:
+        try:
+            return self.tables[name]
+        except KeyError:
+            raise NotFound(f"unknown table {name!r}") from None
+
+    def _chunk(self, name: str, index: int) -> DenseChunk:
+        try:
+            return self.dense[(name, index)]
+        except KeyError:
+            raise NotFound(f"unknown dense chunk {name}[{index}]") from None
+
+    def _check_ids(self, table: str, ids: np.ndarray) -> None:
+        if ids.size == 0:
+            return
+        if ids.min() < 0:
+            raise InvalidArgument(f"table {table!r}: ids must be >= 0, got {int(ids.min())}")
+        if np.unique(ids).size != ids.size:
+            raise InvalidArgument(f"table {table!r}: ids in one request must be unique")
+        if self.num_shards > 1:
+            owners = shard_of_ids(ids, self.num_shards)
+            wrong = owners != self.shard_index
+            if wrong.any():
+                raise FailedPrecondition(
+                    f"table {table!r}: id {int(ids[wrong][0])} belongs to shard {int(owners[wrong][0])}, not {self.shard_index}"
+                )
+
+    def _check_sparse(self, u: SparseUpdate) -> EmbeddingTable:
+        table = self._table(u.table)
+        self._check_ids(u.table, u.ids)
+        if tuple(u.grads.shape) != (u.ids.size, table.dim):
+            raise InvalidArgument(
+                f"table {u.table!r}: gradient shape {tuple(u.grads.shape)} does not match ({u.ids.size}, {table.dim})"
+            )
+        if not u.grads.is_floating_point():
+            raise InvalidArgument(f"table {u.table!r}: gradients must be floating point, got {u.grads.dtype}")
+        if not torch.isfinite(u.grads).all():
+            raise InvalidArgument(f"table {u.table!r}: gradients contain NaN or Inf")
+        return table
+
+    def _check_dense(self, u: DenseUpdate) -> DenseChunk:
+        chunk = self._chunk(u.name, u.index)
+        if tuple(u.grad.shape) != (chunk.numel,):
+            raise InvalidArgument(f"dense chunk {u.name}[{u.index}]: gradient shape {tuple(u.grad.shape)} != ({chunk.numel},)")
+        if not u.grad.is_floating_point():
+            raise InvalidArgument(f"dense chunk {u.name}[{u.index}]: gradient must be floating point, got {u.grad.dtype}")
+        if not torch.isfinite(u.grad).all():
+            raise InvalidArgument(f"dense chunk {u.name}[{u.index}]: gradient contains NaN or Inf")
+        return chunk
+
+    # -- pull / push -------------------------------------------------------------------------
+
+    def pull(
+        self, sparse: list[tuple[str, np.ndarray]], dense: list[tuple[str, int]]
+    ) -> tuple[list[tuple[torch.Tensor, int]], list[tuple[torch.Tensor, int]]]:
+        """Rows for each (table, ids) and values for each (name, index), with versions.
+
+        Raises:
+            NotFound: unknown table or chunk.
+            InvalidArgument: malformed ids.
+            FailedPrecondition: ids that belong to another shard.
+        """
+        tables = [self._table(t) for t, _ in sparse]
+        chunks = [self._chunk(n, i) for n, i in dense]
+        for (name, ids) in sparse:
+            self._check_ids(name, ids)
+        rows = [table.pull(ids) for table, (_, ids) in zip(tables, sparse)]
+        values = [chunk.pull() for chunk in chunks]
+        if self.metrics is not None:
+            for (name, ids) in sparse:
+                self.metrics.rows_pulled.labels(table=name).inc(ids.size)
+        return rows, values
+
+    def push(
+        self,
+        worker_id: str,
+        seq: int,
+        sparse: list[SparseUpdate],
+        dense: list[DenseUpdate],
+        lr_scale: float = 1.0,
+    ) -> PushResult:
+        """Validate every block, then apply them all.
+
+        Raises:
+            NotFound, InvalidArgument, FailedPrecondition: nothing was applied.
+        """
+        try:
+            tables = [self._check_sparse(u) for u in sparse]
+            chunks = [self._check_dense(u) for u in dense]
+            if not worker_id:
+                raise InvalidArgument("worker_id must be set on a push")
+        except Exception:
+            self.rejected_pushes += 1
+            raise
+        with self._seq_lock:
+            fresh = self._seqs.setdefault(worker_id, _SeqWindow()).add(seq)
+        if not fresh:
+            self.duplicate_pushes += 1
+            if self.metrics is not None:
+                self.metrics.updates_rejected.labels(reason="duplicate").inc()
+            return PushResult(applied=False, max_staleness=0)
+        staleness = 0
+        for table, u in zip(tables, sparse):
+            staleness = max(staleness, table.version - u.read_version)
+            table.push(u.ids, u.grads, lr_scale)
+        for chunk, u in zip(chunks, dense):
+            staleness = max(staleness, chunk.version - u.read_version)
+            chunk.push(u.grad, lr_scale)
+        self.applied_pushes += 1
+        if self.metrics is not None:
+            m = self.metrics
+            if sparse:
+                m.updates_applied.labels(kind="sparse").inc(len(sparse))
+            if dense:
+                m.updates_applied.labels(kind="dense").inc(len(dense))
+            for u in sparse:
+                m.rows_pushed.labels(table=u.table).inc(u.ids.size)
+            m.push_staleness.observe(max(staleness, 0))
+        return PushResult(applied=True, max_staleness=max(staleness, 0))

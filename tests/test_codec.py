@@ -1,0 +1,54 @@
+import numpy as np
+import pytest
+import torch
+
+from tether.protos import tether_pb2 as pb
+from tether.protos.codec import CodecError, decode_ids, decode_tensor, encode_ids, encode_tensor
+from tether.protos.errors import InvalidArgument
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
+def test_round_trip(dtype: torch.dtype) -> None:
+    t = (torch.arange(24, dtype=torch.float32).view(2, 3, 4) - 7).to(dtype)
+    back = decode_tensor(encode_tensor(t))
+    assert back.dtype == dtype and back.shape == t.shape
+    assert torch.equal(back, t)
+
+
+def test_wire_cast_and_upcast() -> None:
+    t = torch.tensor([1.5, -2.25, 3.0])
+    msg = encode_tensor(t, dtype=torch.bfloat16)
+    assert msg.dtype == pb.BFLOAT16 and len(msg.data) == 6
+    assert torch.equal(decode_tensor(msg, torch.float32), t)
+
+
+def test_decode_is_zero_copy() -> None:
+    msg = encode_tensor(torch.ones(1000))
+    t = decode_tensor(msg)
+    assert t.numpy().base is not None or not t.numpy().flags.owndata
+
+
+def test_payload_length_mismatch() -> None:
+    msg = pb.Tensor(dtype=pb.FLOAT32, shape=[2, 3], data=b"\0" * 20)
+    with pytest.raises(CodecError, match="20 bytes but shape"):
+        decode_tensor(msg)
+    assert issubclass(CodecError, InvalidArgument)
+
+
+def test_bad_dtype_and_shape() -> None:
+    with pytest.raises(CodecError, match="unsupported wire dtype"):
+        decode_tensor(pb.Tensor(dtype=pb.DTYPE_UNSPECIFIED, shape=[1], data=b"\0" * 4))
+    with pytest.raises(CodecError, match="negative"):
+        decode_tensor(pb.Tensor(dtype=pb.FLOAT32, shape=[-1, 2], data=b""))
+    with pytest.raises(CodecError, match="cannot be sent"):
+        encode_tensor(torch.ones(2, dtype=torch.float64))
+    with pytest.raises(CodecError, match="expected a torch.float32"):
+        decode_tensor(encode_tensor(torch.ones(2, dtype=torch.int64)), torch.float32)
+
+
+def test_ids() -> None:
+    ids = np.array([0, 5, 2**62], dtype=np.int64)
+    assert np.array_equal(decode_ids(encode_ids(ids)), ids)
+    assert np.array_equal(decode_ids(encode_ids(torch.from_numpy(ids))), ids)
+    with pytest.raises(CodecError, match="whole number"):
+        decode_ids(b"\0" * 7)

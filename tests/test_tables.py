@@ -1,0 +1,70 @@
+import numpy as np
+import pytest
+import torch
+
+from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.server.tables import DenseChunk, EmbeddingTable, init_rows
+
+
+def test_rows_created_on_first_touch_deterministically() -> None:
+    cfg = TableConfig("emb", 8, init_scale=0.1, seed=3)
+    a, b = EmbeddingTable(cfg), EmbeddingTable(cfg)
+    ids = np.array([10, 2**40, 7, 99], dtype=np.int64)
+    rows_a, v = a.pull(ids)
+    # Touch in another order and in pieces: the same id gets the same row.
+    b.pull(ids[::-1].copy())
+    rows_b, _ = b.pull(ids)
+    assert v == 0 and a.rows == 4
+    assert torch.equal(rows_a, rows_b)
+    assert rows_a.abs().max() <= 0.1 and rows_a.std() > 0.01
+    other_seed = EmbeddingTable(TableConfig("emb", 8, init_scale=0.1, seed=4)).pull(ids)[0]
+    assert not torch.equal(rows_a, other_seed)
+    assert torch.equal(init_rows(ids, 8, 3, "emb", 0.1), rows_a)
+
+
+def test_growth_keeps_rows_and_state() -> None:
+    table = EmbeddingTable(TableConfig("t", 4, OptimizerConfig("adagrad", 0.5)), initial_capacity=2)
+    first = np.arange(3, dtype=np.int64)
+    table.push(first, torch.ones(3, 4))
+    before = table.snapshot()
+    table.pull(np.arange(3, 5000, dtype=np.int64))
+    after = table.snapshot()
+    assert table.rows == 5000
+    assert torch.equal(after["weights"][:3], before["weights"])
+    assert torch.equal(after["state"]["sum"][:3], torch.ones(3, 4))
+
+
+def test_push_sgd_exact() -> None:
+    table = EmbeddingTable(TableConfig("t", 2, OptimizerConfig("sgd", 1.0), init_scale=0.0))
+    for _ in range(3):
+        version = table.push(np.array([5, 6]), torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    assert version == 3
+    rows, v = table.pull(np.array([6, 5]))
+    assert v == 3
+    assert rows.tolist() == [[-9.0, -12.0], [-3.0, -6.0]]
+
+
+def test_lookup_is_vectorised_for_a_million_rows() -> None:
+    table = EmbeddingTable(TableConfig("big", 4, OptimizerConfig("sgd", 1.0)))
+    ids = np.random.default_rng(0).choice(2**62, 200_000, replace=False).astype(np.int64)
+    table.pull(ids)
+    rows, _ = table.pull(ids[:4096])
+    assert rows.shape == (4096, 4)
+    snap = table.snapshot()
+    assert np.all(np.diff(snap["ids"]) > 0) and len(snap["ids"]) == 200_000
+
+
+def test_dense_chunk() -> None:
+    chunk = DenseChunk("w", 0, torch.zeros(4), OptimizerConfig("sgd", 0.5))
+    assert chunk.push(torch.ones(4)) == 1
+    assert chunk.pull()[0].tolist() == [-0.5] * 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"name": ""}, "table name"), ({"dim": 0}, "dim must be in"), ({"init_scale": -1.0}, "init_scale")],
+)
+def test_table_config_validation(kwargs: dict, message: str) -> None:
+    base = {"name": "t", "dim": 4}
+    with pytest.raises(ValueError, match=message):
+        TableConfig(**{**base, **kwargs})

@@ -1,0 +1,1 @@
+"""tether worker: client over all shards, sharded PyTorch modules, training loop."""

@@ -1,0 +1,380 @@
+"""Client over all shards: ``push``, ``pull``, ``push_pull`` and ``wait`` (the ps-lite API).
+
+Each call splits its ids and dense chunks by owning shard (one request per shard, every table
+in it), sends the requests in parallel and returns a ``Handle`` at once; ``wait`` (or
+``Handle.result``) gathers the answers. Every RPC has a deadline; UNAVAILABLE and
+DEADLINE_EXCEEDED are retried with exponential backoff, and a retried push keeps its sequence
+number so the shard applies it once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+
+from tether.protos import tether_pb2 as pb
+from tether.protos import tether_pb2_grpc as pb_grpc
+from tether.protos.codec import decode_tensor, encode_ids, encode_tensor, wire_dtype
+from tether.protos.errors import InvalidArgument, TetherError, Unavailable, error_from_status
+from tether.protos.partition import dense_shard, split_ids
+from tether.protos.specs import OptimizerConfig, TableConfig
+
+__all__ = ["ClientConfig", "Handle", "PSClient", "PullResult"]
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Where the shards are and how to call them."""
+
+    addresses: tuple[str, ...]
+    worker_id: str
+    timeout_s: float = 30.0
+    retries: int = 8
+    backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+    max_message_bytes: int = 256 * 1024 * 1024
+    chunk_elems: int = 1 << 20
+    wire_dtype: torch.dtype = torch.float32
+    threads: int = 8
+
+    def __post_init__(self) -> None:
+        if not self.addresses:
+            raise ValueError("at least one shard address is needed")
+        for a in self.addresses:
+            if ":" not in a:
+                raise ValueError(f"shard address must be host:port, got {a!r}")
+        if not self.worker_id:
+            raise ValueError("worker_id must not be empty")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries!r}")
+        if self.chunk_elems < 1:
+            raise ValueError(f"chunk_elems must be >= 1, got {self.chunk_elems!r}")
+        if self.wire_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"wire_dtype must be float32, float16 or bfloat16, got {self.wire_dtype}")
+
+
+@dataclass
+class PullResult:
+    """Pulled rows per table (in the order of the ids asked for) and dense tensors."""
+
+    rows: dict[str, torch.Tensor]
+    dense: dict[str, torch.Tensor]
+    # Versions the values were read at, to be sent back with the gradients they produce.
+    table_versions: dict[tuple[int, str], int]
+    dense_versions: dict[tuple[str, int], int]
+
+
+class Handle:
+    """An operation in flight on one or more shards."""
+
+    def __init__(self, futures: Sequence[Future], combine: Callable[[list[object]], object]) -> None:
+        self._futures = list(futures)
+        self._combine = combine
+
+    def done(self) -> bool:
+        """Whether every shard has answered."""
+        return all(f.done() for f in self._futures)
+
+    def result(self, timeout: float | None = None) -> object:
+        """Wait for every shard and return the combined answer.
+
+        Raises:
+            TetherError: the first shard error (after retries).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        answers = []
+        for f in self._futures:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            answers.append(f.result(remaining))
+        return self._combine(answers)
+
+
+@dataclass(frozen=True)
+class _DenseLayout:
+    shape: tuple[int, ...]
+    numel: int
+    chunks: tuple[tuple[int, int, int], ...]  # (index, start, stop) into the flat tensor
+
+
+class PSClient:
+    """Push/pull over all shards of a job."""
+
+    def __init__(self, config: ClientConfig, metrics: object | None = None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.num_shards = len(config.addresses)
+        options = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+        ]
+        self._channels = [grpc.insecure_channel(a, options=options) for a in config.addresses]
+        self._stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
+        self._pool = ThreadPoolExecutor(max_workers=max(config.threads, self.num_shards), thread_name_prefix="tether-client")
+        self._seq = [itertools.count(1) for _ in range(self.num_shards)]
+        self._seq_lock = threading.Lock()
+        self._dims: dict[str, int] = {}
+        self._dense: dict[str, _DenseLayout] = {}
+
+    def close(self) -> None:
+        """Close channels and the fan-out pool."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for c in self._channels:
+            c.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the one place RpcError is caught -----------------------------------------------------
+
+    def _call(self, shard: int, method: str, request: object, timeout: float | None = None) -> object:
+        cfg = self.config
+        fn = getattr(self._stubs[shard], method)
+        backoff = cfg.backoff_s
+        for attempt in range(cfg.retries + 1):
+            try:
+                return fn(request, timeout=timeout or cfg.timeout_s)
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if self.metrics is not None:
+                    self.metrics.rpc_errors.labels(rpc=method, code=code.name).inc()
+                if code not in _RETRYABLE or attempt == cfg.retries:
+                    if code in _RETRYABLE:
+                        raise Unavailable(
+                            f"shard {shard} ({cfg.addresses[shard]}) {method} failed after {attempt + 1} tries: {code.name}: {exc.details()}"
+                        ) from exc
+                    raise error_from_status(code, f"shard {shard} {method}: {exc.details()}") from exc
+                if self.metrics is not None:
+                    self.metrics.retries.labels(rpc=method).inc()
+                log.warning("shard %d %s: %s, retry %d in %.2fs", shard, method, code.name, attempt + 1, backoff)
+                time.sleep(backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, cfg.max_backoff_s)
+        raise AssertionError("unreachable")
+
+    def _fan_out(self, method: str, requests: Mapping[int, object], combine: Callable[[dict[int, object]], object]) -> Handle:
+        shards = list(requests)
+        futures = [self._pool.submit(self._call, s, method, requests[s]) for s in shards]
+        return Handle(futures, lambda answers: combine(dict(zip(shards, answers))))
+
+    # -- declare -----------------------------------------------------------------------------
+
+    def declare(
+        self,
+        tables: Sequence[TableConfig] = (),
+        dense: Mapping[str, torch.Tensor] | None = None,
+        dense_optimizer: OptimizerConfig | None = None,
+    ) -> None:
+        """Create tables on every shard and dense parameters (split into chunks) on their owners.
+
+        Idempotent: every worker of a job may declare the same model. The first declaration of
+        a dense chunk sets its initial value.
+
+        Raises:
+            FailedPrecondition: a table or chunk exists with another spec.
+        """
+        opt = (dense_optimizer or OptimizerConfig()).to_proto()
+        requests = {s: pb.DeclareRequest() for s in range(self.num_shards)}
+        for t in tables:
+            spec = t.to_proto()
+            for r in requests.values():
+                r.tables.append(spec)
+        layouts = {}
+        for name, tensor in (dense or {}).items():
+            flat = tensor.detach().reshape(-1).to("cpu", torch.float32)
+            step = self.config.chunk_elems
+            chunks = tuple((i, a, min(a + step, flat.numel())) for i, a in enumerate(range(0, flat.numel(), step)))
+            layouts[name] = _DenseLayout(tuple(tensor.shape), flat.numel(), chunks)
+            for index, a, b in chunks:
+                d = requests[dense_shard(name, index, self.num_shards)].dense.add(name=name, index=index, optimizer=opt)
+                encode_tensor(flat[a:b], d.init)
+        self._fan_out("Declare", requests, lambda _: None).result()
+        for t in tables:
+            self._dims[t.name] = t.dim
+        self._dense.update(layouts)
+
+    # -- pull --------------------------------------------------------------------------------
+
+    def _check_ids(self, table: str, ids: torch.Tensor) -> np.ndarray:
+        if table not in self._dims:
+            raise InvalidArgument(f"table {table!r} was not declared by this client")
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise InvalidArgument(f"table {table!r}: ids must be a 1-D int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+        return ids.detach().cpu().numpy()
+
+    def _pull_requests(self, sparse: Mapping[str, torch.Tensor], dense: Sequence[str]) -> tuple[dict[int, pb.PullRequest], dict]:
+        requests: dict[int, pb.PullRequest] = {}
+
+        def req(s: int) -> pb.PullRequest:
+            if s not in requests:
+                requests[s] = pb.PullRequest(worker_id=self.config.worker_id, wire_dtype=wire_dtype(self.config.wire_dtype))
+            return requests[s]
+
+        placement: dict[str, list[tuple[int, np.ndarray]]] = {}
+        for table, ids in sparse.items():
+            arr = self._check_ids(table, ids)
+            placement[table] = []
+            for s, (pos, part) in enumerate(split_ids(arr, self.num_shards)):
+                if part.size:
+                    req(s).sparse.add(table=table, ids=encode_ids(part))
+                    placement[table].append((s, pos))
+        for name in dense:
+            layout = self._dense_layout(name)
+            for index, _, _ in layout.chunks:
+                req(dense_shard(name, index, self.num_shards)).dense.add(name=name, index=index)
+        return requests, {"placement": placement, "sizes": {t: len(ids) for t, ids in sparse.items()}}
+
+    def _dense_layout(self, name: str) -> _DenseLayout:
+        try:
+            return self._dense[name]
+        except KeyError:
+            raise InvalidArgument(f"dense parameter {name!r} was not declared by this client") from None
+
+    def _combine_pull(self, answers: dict[int, pb.PullResponse], plan: dict, dense: Sequence[str]) -> PullResult:
+        rows = {t: torch.empty(n, self._dims[t]) for t, n in plan["sizes"].items()}
+        table_versions: dict[tuple[int, str], int] = {}
+        dense_versions: dict[tuple[str, int], int] = {}
+        flats = {name: torch.empty(self._dense[name].numel) for name in dense}
+        for table, parts in plan["placement"].items():
+            for s, pos in parts:
+                block = next(b for b in answers[s].sparse if b.table == table)
+                rows[table][torch.from_numpy(pos)] = decode_tensor(block.values, torch.float32)
+                table_versions[(s, table)] = block.read_version
+        for s, response in answers.items():
+            for b in response.dense:
+                _, a, stop = self._dense[b.name].chunks[b.index]
+                flats[b.name][a:stop] = decode_tensor(b.value, torch.float32)
+                dense_versions[(b.name, b.index)] = b.read_version
+        out_dense = {name: flats[name].view(self._dense[name].shape) for name in dense}
+        return PullResult(rows, out_dense, table_versions, dense_versions)
+
+    def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = ()) -> Handle:
+        """Start pulling rows of ``sparse`` (table -> unique int64 ids) and dense tensors.
+
+        Returns:
+            A handle whose result is a ``PullResult``.
+
+        Raises:
+            InvalidArgument: undeclared table or tensor, or ids that are not 1-D int64.
+        """
+        sparse = sparse or {}
+        requests, plan = self._pull_requests(sparse, dense)
+        return self._fan_out("Pull", requests, lambda answers: self._combine_pull(answers, plan, dense))
+
+    # -- push --------------------------------------------------------------------------------
+
+    def _next_seq(self, shard: int) -> int:
+        with self._seq_lock:
+            return next(self._seq[shard])
+
+    def _push_requests(
+        self,
+        sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+        dense: Mapping[str, torch.Tensor],
+        clock: int,
+        versions: PullResult | None,
+    ) -> dict[int, pb.PushRequest]:
+        requests: dict[int, pb.PushRequest] = {}
+        wire = self.config.wire_dtype
+
+        def req(s: int) -> pb.PushRequest:
+            if s not in requests:
+                requests[s] = pb.PushRequest(worker_id=self.config.worker_id, clock=clock)
+            return requests[s]
+
+        for table, (ids, grads) in sparse.items():
+            arr = self._check_ids(table, ids)
+            if tuple(grads.shape) != (arr.size, self._dims[table]):
+                raise InvalidArgument(f"table {table!r}: gradient shape {tuple(grads.shape)} != ({arr.size}, {self._dims[table]})")
+            grads = grads.detach().to("cpu")
+            for s, (pos, part) in enumerate(split_ids(arr, self.num_shards)):
+                if part.size:
+                    rv = versions.table_versions.get((s, table), 0) if versions else 0
+                    b = req(s).sparse.add(table=table, ids=encode_ids(part), read_version=rv)
+                    encode_tensor(grads[torch.from_numpy(pos)], b.values, dtype=wire)
+        for name, grad in dense.items():
+            layout = self._dense_layout(name)
+            if tuple(grad.shape) != layout.shape:
+                raise InvalidArgument(f"dense {name!r}: gradient shape {tuple(grad.shape)} != {layout.shape}")
+            flat = grad.detach().reshape(-1).to("cpu")
+            for index, a, b in layout.chunks:
+                rv = versions.dense_versions.get((name, index), 0) if versions else 0
+                d = req(dense_shard(name, index, self.num_shards)).dense.add(name=name, index=index, read_version=rv)
+                encode_tensor(flat[a:b], d.value, dtype=wire)
+        for s, r in requests.items():
+            r.seq = self._next_seq(s)
+        return requests
+
+    def push(
+        self,
+        sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        dense: Mapping[str, torch.Tensor] | None = None,
+        clock: int = 0,
+        versions: PullResult | None = None,
+    ) -> Handle:
+        """Start pushing row gradients (table -> (unique ids, grads)) and dense gradients.
+
+        Args:
+            sparse: per table, the ids and their gradients (rows x dim).
+            dense: per dense parameter, its full gradient.
+            clock: the worker's clock (steps completed) for these gradients.
+            versions: the pull the gradients were computed from (staleness accounting).
+
+        Returns:
+            A handle whose result is the largest staleness any shard saw.
+        """
+        requests = self._push_requests(sparse or {}, dense or {}, clock, versions)
+        return self._fan_out("Push", requests, lambda answers: max((a.max_staleness for a in answers.values()), default=0))
+
+    def push_pull(
+        self,
+        push_sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        push_dense: Mapping[str, torch.Tensor] | None = None,
+        pull_sparse: Mapping[str, torch.Tensor] | None = None,
+        pull_dense: Sequence[str] = (),
+        clock: int = 0,
+        versions: PullResult | None = None,
+    ) -> Handle:
+        """Push gradients and pull parameters in one round trip per shard.
+
+        Returns:
+            A handle whose result is a ``PullResult``.
+        """
+        pushes = self._push_requests(push_sparse or {}, push_dense or {}, clock, versions)
+        pulls, plan = self._pull_requests(pull_sparse or {}, pull_dense)
+        requests = {}
+        for s in set(pushes) | set(pulls):
+            push = pushes.get(s) or pb.PushRequest(worker_id=self.config.worker_id, clock=clock, seq=self._next_seq(s))
+            pull = pulls.get(s) or pb.PullRequest(worker_id=self.config.worker_id)
+            requests[s] = pb.PushPullRequest(push=push, pull=pull)
+
+        def combine(answers: dict[int, pb.PushPullResponse]) -> PullResult:
+            return self._combine_pull({s: a.pull for s, a in answers.items()}, plan, pull_dense)
+
+        return self._fan_out("PushPull", requests, combine)
+
+    @staticmethod
+    def wait(handle: Handle, timeout: float | None = None) -> object:
+        """Wait for ``handle`` (ps-lite's ``Wait``)."""
+        return handle.result(timeout)
+
+    def info(self) -> list[pb.InfoResponse]:
+        """Every shard's ``Info``."""
+        return list(self._fan_out("Info", {s: pb.InfoRequest() for s in range(self.num_shards)}, lambda a: [a[s] for s in sorted(a)]).result())

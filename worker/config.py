@@ -1,0 +1,132 @@
+"""Configuration of one worker process: one frozen dataclass, loaded in one place."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tether.protos.specs import OPTIMIZERS
+
+__all__ = ["WorkerConfig", "add_training_flags", "build_parser", "config_from_args", "load_config"]
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs: where the shards are, the model, the data and the schedule."""
+
+    shards: tuple[str, ...]
+    worker_index: int = 0
+    num_workers: int = 1
+    steps: int = 400
+    batch_size: int = 256
+    data: str = "synthetic"
+    vocab_size: int = 100_000
+    num_sparse: int = 8
+    embedding_dim: int = 16
+    optimizer: str = "adagrad"
+    lr: float = 0.05
+    seed: int = 0
+    eval_samples: int = 20_000
+    eval_every: int = 0
+    device: str = "auto"
+    prefetch: bool = True
+    log_every: int = 50
+    metrics_port: int | None = None
+    out: str | None = None
+    timeout_s: float = 30.0
+    wire_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not self.shards:
+            raise ValueError("at least one shard address is needed (--shards host:port,...)")
+        if self.num_workers < 1 or not 0 <= self.worker_index < self.num_workers:
+            raise ValueError(f"worker_index must be in [0, num_workers={self.num_workers}), got {self.worker_index!r}")
+        for name in ("steps", "batch_size", "vocab_size", "num_sparse", "embedding_dim", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.eval_samples < 0 or self.eval_every < 0:
+            raise ValueError(f"eval_samples and eval_every must be >= 0, got {self.eval_samples!r}, {self.eval_every!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.data != "synthetic" and not self.data.startswith("criteo:"):
+            raise ValueError(f"data must be 'synthetic' or 'criteo:PATH', got {self.data!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.wire_dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"wire_dtype must be float32, float16 or bfloat16, got {self.wire_dtype!r}")
+
+
+def _env(name: str, default: object) -> object:
+    return os.environ.get(name, default)
+
+
+def add_training_flags(p: argparse.ArgumentParser) -> None:
+    """Flags that describe the job (shared by ``tether worker`` and ``tether launch``)."""
+    p.add_argument("--steps", type=int, default=_env("TETHER_STEPS", 400), help="training steps per worker (env TETHER_STEPS)")
+    p.add_argument("--batch-size", type=int, default=_env("TETHER_BATCH_SIZE", 256), help="samples per step (env TETHER_BATCH_SIZE)")
+    p.add_argument("--data", default=_env("TETHER_DATA", "synthetic"), help="'synthetic' or 'criteo:PATH' to a Criteo TSV file")
+    p.add_argument("--vocab-size", type=int, default=_env("TETHER_VOCAB_SIZE", 100_000), help="synthetic data: ids per field")
+    p.add_argument("--num-sparse", type=int, default=_env("TETHER_NUM_SPARSE", 8), help="synthetic data: categorical fields")
+    p.add_argument("--embedding-dim", type=int, default=_env("TETHER_EMBEDDING_DIM", 16))
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=_env("TETHER_OPTIMIZER", "adagrad"), help="server-side update rule")
+    p.add_argument("--lr", type=float, default=_env("TETHER_LR", 0.05))
+    p.add_argument("--seed", type=int, default=_env("TETHER_SEED", 0))
+    p.add_argument("--eval-samples", type=int, default=_env("TETHER_EVAL_SAMPLES", 20_000), help="held-out samples")
+    p.add_argument("--eval-every", type=int, default=_env("TETHER_EVAL_EVERY", 0), help="worker 0 evaluates every N steps (0: only at the end)")
+    p.add_argument("--device", default=_env("TETHER_DEVICE", "auto"), help="auto (CUDA when present), cpu, cuda[:N]")
+    p.add_argument("--no-prefetch", action="store_true", help="pull each batch after the previous push instead of during compute")
+    p.add_argument("--log-every", type=int, default=_env("TETHER_LOG_EVERY", 50), help="print progress every N steps")
+    p.add_argument("--timeout", type=float, default=_env("TETHER_TIMEOUT", 30.0), help="deadline of each RPC, seconds")
+    p.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), default=_env("TETHER_WIRE_DTYPE", "float32"), help="element type of parameters and gradients on the wire")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of ``tether worker``; each falls back to a ``TETHER_*`` environment variable."""
+    p = argparse.ArgumentParser(prog="tether worker", description="Train with parameters held on tether shards.")
+    p.add_argument("--shards", default=_env("TETHER_SHARDS", ""), help="comma-separated host:port of every shard, in shard order (env TETHER_SHARDS)")
+    p.add_argument("--worker-index", type=int, default=_env("TETHER_WORKER_INDEX", _env("JOB_COMPLETION_INDEX", 0)), help="env TETHER_WORKER_INDEX or JOB_COMPLETION_INDEX")
+    p.add_argument("--num-workers", type=int, default=_env("TETHER_NUM_WORKERS", 1), help="env TETHER_NUM_WORKERS")
+    p.add_argument("--metrics-port", type=int, default=_env("TETHER_METRICS_PORT", None), help="serve Prometheus /metrics on this port")
+    p.add_argument("--out", default=_env("TETHER_OUT", None), help="write worker-<index>.json with the loss history here")
+    add_training_flags(p)
+    return p
+
+
+def config_from_args(a: argparse.Namespace, **overrides: object) -> WorkerConfig:
+    """``WorkerConfig`` from parsed flags (``overrides`` win)."""
+    values: dict[str, object] = dict(
+        shards=tuple(s.strip() for s in str(getattr(a, "shards", "") or "").split(",") if s.strip()),
+        worker_index=int(getattr(a, "worker_index", 0)),
+        num_workers=int(getattr(a, "num_workers", 1)),
+        steps=int(a.steps),
+        batch_size=int(a.batch_size),
+        data=a.data,
+        vocab_size=int(a.vocab_size),
+        num_sparse=int(a.num_sparse),
+        embedding_dim=int(a.embedding_dim),
+        optimizer=a.optimizer,
+        lr=float(a.lr),
+        seed=int(a.seed),
+        eval_samples=int(a.eval_samples),
+        eval_every=int(a.eval_every),
+        device=a.device,
+        prefetch=not a.no_prefetch,
+        log_every=int(a.log_every),
+        metrics_port=None if getattr(a, "metrics_port", None) in (None, "") else int(a.metrics_port),
+        out=getattr(a, "out", None),
+        timeout_s=float(a.timeout),
+        wire_dtype=a.wire_dtype,
+    )
+    values.update(overrides)
+    return WorkerConfig(**values)
+
+
+def load_config(argv: Sequence[str] | None = None) -> WorkerConfig:
+    """Parse ``tether worker`` flags into a validated ``WorkerConfig``."""
+    return config_from_args(build_parser().parse_args(argv))

@@ -1,0 +1,157 @@
+"""PyTorch modules whose parameters live on the shards.
+
+``ShardedEmbeddingBag`` looks rows up in rows pulled from the shards; its backward hands the
+row gradients to a push buffer, so one push per shard carries every table's gradients.
+``PSModel`` binds a model's embedding bags and dense parameters to a ``PSClient``: it pulls
+what a batch needs (ahead of time, so the pull overlaps the previous step's compute), loads
+it onto the device, and collects the gradients to push.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tether.protos.errors import InvalidArgument
+from tether.worker.client import Handle, PSClient, PullResult
+
+__all__ = ["PSModel", "Prefetch", "ShardedEmbeddingBag"]
+
+
+class ShardedEmbeddingBag(nn.Module):
+    """Embedding bag over rows of a table held on the shards.
+
+    ``forward(ids)`` takes int64 ids of shape [B] (one id per sample) or [B, L] (a bag of L
+    ids per sample, reduced with ``mode``) and returns [B, dim].
+    """
+
+    def __init__(self, table: str, dim: int, mode: str = "sum") -> None:
+        super().__init__()
+        if mode not in ("sum", "mean", "max"):
+            raise ValueError(f"mode must be sum, mean or max, got {mode!r}")
+        self.table = table
+        self.dim = dim
+        self.mode = mode
+        self._ids: torch.Tensor | None = None  # sorted unique ids of the bound rows (on device)
+        self._rows: torch.Tensor | None = None
+        self._fetch: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+        self.grad_sink: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def bind(self, ids: torch.Tensor, rows: torch.Tensor, train: bool) -> None:
+        """Use ``rows`` (for sorted unique ``ids``) in the next forward passes."""
+        if train:
+            rows = rows.detach().requires_grad_(True)
+            ids_cpu = ids.detach().cpu()
+
+            def _hook(grad: torch.Tensor) -> None:
+                if self.grad_sink is not None:
+                    self.grad_sink[self.table] = (ids_cpu, grad)
+
+            rows.register_hook(_hook)
+        self._ids, self._rows = ids, rows
+
+    def set_fetcher(self, fetch: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+        """Function ``fetch(table, unique_ids) -> rows`` used for ids that were not bound."""
+        self._fetch = fetch
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype != torch.int64:
+            raise InvalidArgument(f"table {self.table!r}: ids must be int64, got {ids.dtype}")
+        flat = ids.reshape(-1)
+        pos = None
+        if self._ids is not None and self._ids.numel():
+            pos = torch.searchsorted(self._ids, flat).clamp_(max=self._ids.numel() - 1)
+            if not torch.equal(self._ids[pos], flat):
+                pos = None
+        if pos is None:
+            if self._fetch is None:
+                raise InvalidArgument(f"table {self.table!r}: ids were not pulled and no fetcher is set")
+            unique = torch.unique(flat)
+            self.bind(unique, self._fetch(self.table, unique).to(flat.device), train=False)
+            pos = torch.searchsorted(self._ids, flat)
+        rows = self._rows[pos]
+        if ids.dim() == 1:
+            return rows
+        rows = rows.view(*ids.shape, self.dim)
+        if self.mode == "sum":
+            return rows.sum(dim=-2)
+        if self.mode == "mean":
+            return rows.mean(dim=-2)
+        return rows.max(dim=-2).values
+
+
+@dataclass
+class Prefetch:
+    """A pull in flight for one batch: its unique ids per table and the handle."""
+
+    ids: dict[str, torch.Tensor]
+    handle: Handle
+
+
+class PSModel:
+    """Binds a model to the shards: pull before forward, push after backward."""
+
+    def __init__(self, model: nn.Module, client: PSClient, device: torch.device) -> None:
+        self.model = model
+        self.client = client
+        self.device = device
+        self.bags: dict[str, ShardedEmbeddingBag] = {
+            m.table: m for m in model.modules() if isinstance(m, ShardedEmbeddingBag)
+        }
+        self.dense: dict[str, nn.Parameter] = dict(model.named_parameters())
+        self._grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pin = device.type == "cuda"
+        for bag in self.bags.values():
+            bag.grad_sink = self._grads
+            bag.set_fetcher(self._fetch)
+
+    def dense_tensors(self) -> dict[str, torch.Tensor]:
+        """The model's dense parameters (the initial values to declare)."""
+        return {n: p.detach() for n, p in self.dense.items()}
+
+    def _fetch(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        return self.client.pull({table: ids.cpu()}).result(self.client.config.timeout_s * 2).rows[table]
+
+    def prefetch(self, sparse: Mapping[str, torch.Tensor], with_dense: bool = True) -> Prefetch:
+        """Start pulling the rows of ``sparse`` (table -> ids of any shape) and the dense values."""
+        unique = {t: torch.unique(ids.reshape(-1).cpu()) for t, ids in sparse.items()}
+        names = list(self.dense) if with_dense else []
+        return Prefetch(unique, self.client.pull(unique, names))
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self._pin:
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def install(self, prefetch: Prefetch, train: bool = True, timeout: float | None = None) -> PullResult:
+        """Wait for a prefetch and load its rows and dense values into the model."""
+        pulled = prefetch.handle.result(timeout)
+        for table, ids in prefetch.ids.items():
+            self.bags[table].bind(self._to_device(ids), self._to_device(pulled.rows[table]), train)
+        with torch.no_grad():
+            for name, value in pulled.dense.items():
+                self.dense[name].copy_(self._to_device(value))
+        self._grads.clear()
+        return pulled
+
+    def gradients(self) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
+        """Row gradients collected by the bags' backward hooks and the dense gradients."""
+        sparse = {t: (ids, g.to("cpu", non_blocking=False)) for t, (ids, g) in self._grads.items()}
+        dense = {n: p.grad.to("cpu") for n, p in self.dense.items() if p.grad is not None}
+        return sparse, dense
+
+    def push(self, clock: int, versions: PullResult) -> Handle:
+        """Push the collected gradients (one request per shard) and clear them."""
+        sparse, dense = self.gradients()
+        handle = self.client.push(sparse, dense, clock=clock, versions=versions)
+        self._grads.clear()
+        for p in self.dense.values():
+            p.grad = None
+        return handle
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """Dense parameters of the model."""
+        return iter(self.dense.values())
