@@ -1,9 +1,8 @@
-"""The ``tether`` command: ``server``, ``worker`` and ``launch``."""
+"""The ``tether`` command: ``server``, ``worker``, ``launch``, ``compare`` and ``sweep``."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 
@@ -52,10 +51,63 @@ def _launch(argv: Sequence[str]) -> int:
     return 0
 
 
+def _comparison(command: str, argv: Sequence[str]) -> int:
+    sweep = command == "sweep"
+    p = argparse.ArgumentParser(
+        prog=f"tether {command}",
+        description="Tune the staleness bound: run ssp:S for each S." if sweep else "Run the same job under several consistency modes.",
+    )
+    if sweep:
+        p.add_argument("--bounds", default="0,1,2,4,8", help="comma-separated staleness bounds S to try")
+        p.add_argument("--tolerance", type=float, default=0.01, help="final loss may be this much (relative) above the best")
+    else:
+        p.add_argument("--modes", default="sync,ssp:0,ssp:4,async", help="comma-separated modes: async, ssp:S, sync")
+    p.add_argument("--shards", type=int, default=2, help="shard processes per run")
+    p.add_argument("--workers", type=int, default=4, help="workers per run")
+    p.add_argument("--straggler", type=float, default=1.0, help="the last worker computes this many times slower")
+    p.add_argument("--target-loss", type=float, default=None, help="eval loss for time-to-target (default: 90%% of the worst mode's gain)")
+    p.add_argument("--out", required=True, help="write curves.csv, curves.png, summary.json and each run here")
+    p.add_argument("--job-timeout", type=float, default=3600.0, help="limit per run, seconds")
+    p.add_argument("--verbose", action="store_true", help="show every worker's progress")
+    add_training_flags(p)
+    a = p.parse_args(argv)
+    from tether.deploy.compare import compare, format_table
+    from tether.deploy.compare import sweep as run_sweep
+    from tether.deploy.launch import ClusterError
+
+    try:
+        template = config_from_args(a, shards=("pending:0",), num_workers=a.workers, worker_index=0)
+        common = dict(straggler=a.straggler, target_loss=a.target_loss, timeout_s=a.job_timeout, echo=a.verbose)
+        if sweep:
+            bounds = [int(b) for b in a.bounds.split(",") if b.strip()]
+            summary = run_sweep(template, bounds, a.shards, a.out, tolerance=a.tolerance, **common)
+        else:
+            modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+            summary = compare(template, modes, a.shards, a.out, **common)
+    except ValueError as exc:
+        print(f"tether {command}: {exc}", file=sys.stderr)
+        return 2
+    except ClusterError as exc:
+        print(f"tether {command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"tether {command}: interrupted; every process was stopped", file=sys.stderr)
+        return 130
+    print(format_table(summary))
+    print(f"wrote {a.out}/summary.json, curves.csv and curves.png")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tether`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"server": "run one shard", "worker": "run one worker", "launch": "run a local cluster"}
+    commands = {
+        "server": "run one shard",
+        "worker": "run one worker",
+        "launch": "run a local cluster (shards + workers) and report the result",
+        "compare": "run the same job under several consistency modes",
+        "sweep": "tune the staleness bound S of ssp:S",
+    }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: tether {" + ",".join(commands) + "} [flags]\n")
         for name, text in commands.items():
@@ -71,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tether.worker.__main__ import main as worker_main
 
         return worker_main(rest)
+    if command in ("compare", "sweep"):
+        return _comparison(command, rest)
     return _launch(rest)
 
 

@@ -113,7 +113,17 @@ class LocalCluster:
         return self.addresses
 
     def start_workers(self, template: WorkerConfig, extra_args: Sequence[str] = (), echo: bool = True, metrics: bool = False) -> None:
-        """Start ``template.num_workers`` worker processes against the running shards."""
+        """Start ``template.num_workers`` worker processes against the running shards.
+
+        In sync mode the workers are the ranks of one ``torchrun``.
+        """
+        if template.consistency[0] == "sync":
+            cfg = replace(template, shards=tuple(self.addresses), worker_index=0)
+            argv = ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(template.num_workers),
+                    "--master-addr", self.host, "--master-port", str(_free_port(self.host)),
+                    "-m", "tether.worker", *worker_argv(cfg), *extra_args]
+            self.workers.append(self._spawn("torchrun", argv, echo=echo))
+            return
         for i in range(template.num_workers):
             cfg = replace(template, shards=tuple(self.addresses), worker_index=i)
             argv = ["-m", "tether.worker", *worker_argv(cfg), *extra_args]
@@ -157,6 +167,13 @@ class LocalCluster:
         self.workers, self.shards = [], []
 
 
+def _quantile(sorted_values: list[int], q: float) -> float:
+    """Nearest-rank quantile of sorted values (0 for none)."""
+    if not sorted_values:
+        return 0.0
+    return float(sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))])
+
+
 def _tail(path: Path, lines: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -181,7 +198,12 @@ def worker_argv(cfg: WorkerConfig) -> list[str]:
         "--optimizer", cfg.optimizer, "--lr", repr(cfg.lr), "--seed", str(cfg.seed),
         "--eval-samples", str(cfg.eval_samples), "--eval-every", str(cfg.eval_every), "--device", cfg.device,
         "--log-every", str(cfg.log_every), "--timeout", repr(cfg.timeout_s), "--wire-dtype", cfg.wire_dtype,
+        "--mode", cfg.mode, "--ssp-timeout", repr(cfg.ssp_timeout_s), "--slowdown", repr(cfg.slowdown),
     ]
+    if cfg.slow_worker is not None:
+        argv += ["--slow-worker", str(cfg.slow_worker)]
+    if cfg.staleness_aware:
+        argv.append("--staleness-aware")
     if not cfg.prefetch:
         argv.append("--no-prefetch")
     if cfg.out:
@@ -198,7 +220,7 @@ def run_job(
     metrics: bool = False,
 ) -> dict[str, object]:
     """Run a whole job locally, evaluate the result, and write ``summary.json`` to ``out``."""
-    from tether.worker.trainer import evaluate_job
+    from tether.worker.trainer import evaluate_job, open_dataset, reference_losses
 
     out_dir = Path(out) if out else None
     if out_dir:
@@ -213,10 +235,16 @@ def run_job(
         cluster.wait_workers(timeout_s)
         wall = time.perf_counter() - t0
         workers = [json.loads((workdir / f"worker-{i}.json").read_text()) for i in range(template.num_workers)]
-        evaluation = evaluate_job(replace(template, shards=tuple(addresses)))
+        if template.consistency[0] == "sync":
+            # Dense parameters live on the ranks, so rank 0 evaluated the final model.
+            evaluation = {**workers[0]["final_eval"], **reference_losses(open_dataset(template))}
+        else:
+            evaluation = evaluate_job(replace(template, shards=tuple(addresses)))
     total = sum(int(w["samples"]) for w in workers)
     train_wall = max(float(w["wall_s"]) for w in workers)
+    lags = sorted(int(x) for w in workers for x in w["clock_staleness"])
     summary: dict[str, object] = {
+        "mode": template.mode,
         **evaluation,
         "samples_per_sec": total / train_wall,
         "total_samples": total,
@@ -224,6 +252,9 @@ def run_job(
         "job_wall_s": wall,
         "num_shards": num_shards,
         "num_workers": template.num_workers,
+        "staleness_p50": _quantile(lags, 0.5),
+        "staleness_p99": _quantile(lags, 0.99),
+        "staleness_max": lags[-1] if lags else 0,
         "workers": [{k: w[k] for k in ("worker_index", "samples", "wall_s", "samples_per_sec", "phase_seconds")} for w in workers],
     }
     if out_dir:

@@ -135,26 +135,56 @@ class PullResponse(_message.Message):
     def __init__(self, sparse: _Optional[_Iterable[_Union[SparseBlock, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseBlock, _Mapping]]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("worker_id", "seq", "clock", "sparse", "dense")
+    __slots__ = ("worker_id", "seq", "clock", "sparse", "dense", "staleness_aware")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_AWARE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     seq: int
     clock: int
     sparse: _containers.RepeatedCompositeFieldContainer[SparseBlock]
     dense: _containers.RepeatedCompositeFieldContainer[DenseBlock]
-    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., clock: _Optional[int] = ..., sparse: _Optional[_Iterable[_Union[SparseBlock, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseBlock, _Mapping]]] = ...) -> None: ...
+    staleness_aware: bool
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., clock: _Optional[int] = ..., sparse: _Optional[_Iterable[_Union[SparseBlock, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseBlock, _Mapping]]] = ..., staleness_aware: _Optional[bool] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("applied", "max_staleness")
+    __slots__ = ("applied", "max_staleness", "clock_staleness")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_STALENESS_FIELD_NUMBER: _ClassVar[int]
     applied: bool
     max_staleness: int
-    def __init__(self, applied: _Optional[bool] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+    clock_staleness: int
+    def __init__(self, applied: _Optional[bool] = ..., max_staleness: _Optional[int] = ..., clock_staleness: _Optional[int] = ...) -> None: ...
+
+class ClockRequest(_message.Message):
+    __slots__ = ("worker_id", "clock", "leave", "wait_bound", "wait_timeout_ms")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_BOUND_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    clock: int
+    leave: bool
+    wait_bound: int
+    wait_timeout_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., clock: _Optional[int] = ..., leave: _Optional[bool] = ..., wait_bound: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class ClockResponse(_message.Message):
+    __slots__ = ("min_clock", "max_clock", "live_workers", "ready")
+    MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    MAX_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    min_clock: int
+    max_clock: int
+    live_workers: int
+    ready: bool
+    def __init__(self, min_clock: _Optional[int] = ..., max_clock: _Optional[int] = ..., live_workers: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
     __slots__ = ("push", "pull")

@@ -59,6 +59,11 @@ class ParameterServerStub:
                 request_serializer=tether_dot_protos_dot_tether__pb2.InfoRequest.SerializeToString,
                 response_deserializer=tether_dot_protos_dot_tether__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Clock = channel.unary_unary(
+                '/tether.v1.ParameterServer/Clock',
+                request_serializer=tether_dot_protos_dot_tether__pb2.ClockRequest.SerializeToString,
+                response_deserializer=tether_dot_protos_dot_tether__pb2.ClockResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -99,6 +104,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Clock(self, request, context):
+        """Report a worker clock and wait on the staleness bound.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +138,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=tether_dot_protos_dot_tether__pb2.InfoRequest.FromString,
                     response_serializer=tether_dot_protos_dot_tether__pb2.InfoResponse.SerializeToString,
+            ),
+            'Clock': grpc.unary_unary_rpc_method_handler(
+                    servicer.Clock,
+                    request_deserializer=tether_dot_protos_dot_tether__pb2.ClockRequest.FromString,
+                    response_serializer=tether_dot_protos_dot_tether__pb2.ClockResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +280,33 @@ class ParameterServer:
             '/tether.v1.ParameterServer/Info',
             tether_dot_protos_dot_tether__pb2.InfoRequest.SerializeToString,
             tether_dot_protos_dot_tether__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Clock(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tether.v1.ParameterServer/Clock',
+            tether_dot_protos_dot_tether__pb2.ClockRequest.SerializeToString,
+            tether_dot_protos_dot_tether__pb2.ClockResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,6 +24,8 @@ class ShardConfig:
     max_concurrent_rpcs: int = 64
     port_file: str | None = None
     grace_seconds: float = 5.0
+    lease_seconds: float = 10.0
+    max_staleness: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -40,6 +42,10 @@ class ShardConfig:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes!r}")
         if self.max_concurrent_rpcs < 1:
             raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs!r}")
+        if not self.lease_seconds > 0:
+            raise ValueError(f"lease_seconds must be > 0, got {self.lease_seconds!r}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness!r}")
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds!r}")
 
@@ -61,6 +67,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--max-concurrent-rpcs", type=int, default=_env("TETHER_MAX_CONCURRENT_RPCS", 64), help="calls beyond this get RESOURCE_EXHAUSTED")
     p.add_argument("--port-file", default=_env("TETHER_PORT_FILE", None), help="write the bound port here once serving")
     p.add_argument("--grace-seconds", type=float, default=_env("TETHER_GRACE_SECONDS", 5.0), help="drain time on SIGTERM")
+    p.add_argument("--lease-seconds", type=float, default=_env("TETHER_LEASE_SECONDS", 10.0), help="a worker silent this long no longer holds SSP back")
+    p.add_argument("--max-staleness", type=int, default=_env("TETHER_MAX_STALENESS", None), help="reject pushes staler than this many updates (ABORTED); unset: no limit")
     return p
 
 
@@ -78,4 +86,6 @@ def load_config(argv: Sequence[str] | None = None) -> ShardConfig:
         max_concurrent_rpcs=int(a.max_concurrent_rpcs),
         port_file=a.port_file,
         grace_seconds=float(a.grace_seconds),
+        lease_seconds=float(a.lease_seconds),
+        max_staleness=None if a.max_staleness in (None, "") else int(a.max_staleness),
     )

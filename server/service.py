@@ -26,6 +26,16 @@ __all__ = ["RunningShard", "ShardServicer", "start_shard"]
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "tether.v1.ParameterServer"
+# Longest a Clock call waits on the shard before answering ready=false; clients loop.
+MAX_CLOCK_WAIT_S = 5.0
+_REJECT_REASON = {
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
+    grpc.StatusCode.NOT_FOUND: "not_found",
+    grpc.StatusCode.FAILED_PRECONDITION: "failed_precondition",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",
+    grpc.StatusCode.ABORTED: "too_stale",
+    grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
+}
 
 
 def _domain(fn: Callable[..., object]) -> Callable[..., object]:
@@ -71,7 +81,7 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
 
     def _count_rejected(self, rpc: str, code: grpc.StatusCode) -> None:
         if self.metrics is not None and rpc in ("Push", "PushPull"):
-            self.metrics.updates_rejected.labels(reason=code.name.lower()).inc()
+            self.metrics.reject(_REJECT_REASON.get(code, "invalid_argument"))
 
     def _sent(self, rpc: str, response: object) -> object:
         if self.metrics is not None:
@@ -112,7 +122,12 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
             for b in request.sparse
         ]
         dense = [DenseUpdate(b.name, b.index, decode_tensor(b.value, torch.float32), b.read_version) for b in request.dense]
-        return self.shard.push(request.worker_id, request.seq, sparse, dense)
+        result = self.shard.push(
+            request.worker_id, request.seq, sparse, dense, clock=request.clock, staleness_aware=request.staleness_aware
+        )
+        if request.clock:
+            self._update_clock_gauges()
+        return result
 
     @_domain
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullResponse:
@@ -121,14 +136,15 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
     @_domain
     def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushResponse:
         result = self._push(request)
-        return pb.PushResponse(applied=result.applied, max_staleness=result.max_staleness)
+        return pb.PushResponse(applied=result.applied, max_staleness=result.max_staleness, clock_staleness=result.clock_staleness)
 
     @_domain
     def PushPull(self, request: pb.PushPullRequest, context: grpc.ServicerContext) -> pb.PushPullResponse:
         result = self._push(request.push)
         pulled = self._pull(request.pull)
         response = pb.PushPullResponse(
-            push=pb.PushResponse(applied=result.applied, max_staleness=result.max_staleness), pull=pulled
+            push=pb.PushResponse(applied=result.applied, max_staleness=result.max_staleness, clock_staleness=result.clock_staleness),
+            pull=pulled,
         )
         return self._sent("PushPull", response)
 
@@ -149,6 +165,30 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         for (name, index), c in sorted(s.dense.items()):
             response.dense.add(name=name, index=index, numel=c.numel, version=c.version, optimizer=c.optimizer.name)
         return response
+
+    @_domain
+    def Clock(self, request: pb.ClockRequest, context: grpc.ServicerContext) -> pb.ClockResponse:
+        if not request.worker_id:
+            raise InvalidArgument("worker_id must be set on a Clock call")
+        clocks = self.shard.clocks
+        clocks.update(request.worker_id, request.clock, leave=request.leave)
+        if request.wait_bound >= 0 and not request.leave:
+            if self.metrics is not None:
+                self.metrics.set_staleness_bound(int(request.wait_bound))
+            timeout = min(request.wait_timeout_ms / 1000.0, MAX_CLOCK_WAIT_S)
+            ready, state = clocks.wait(request.clock, request.wait_bound, timeout)
+        else:
+            ready, state = True, clocks.state()
+        self._update_clock_gauges()
+        return pb.ClockResponse(min_clock=state.min_clock, max_clock=state.max_clock, live_workers=state.live_workers, ready=ready)
+
+    def _update_clock_gauges(self) -> None:
+        if self.metrics is None:
+            return
+        state = self.shard.clocks.state()
+        self.metrics.live_workers.set(state.live_workers)
+        self.metrics.worker_clock_min.set(state.min_clock)
+        self.metrics.worker_clock_max.set(state.max_clock)
 
     def _update_table_gauges(self) -> None:
         if self.metrics is None:
@@ -179,7 +219,9 @@ def start_shard(config: ShardConfig, shard: Shard | None = None, metrics: object
     Raises:
         RuntimeError: if the port cannot be bound.
     """
-    shard = shard or Shard(config.shard_index, config.num_shards, metrics)
+    shard = shard or Shard(
+        config.shard_index, config.num_shards, metrics, lease_s=config.lease_seconds, max_staleness=config.max_staleness
+    )
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),

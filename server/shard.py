@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tether.protos.errors import FailedPrecondition, InvalidArgument, NotFound
+from tether.protos.errors import FailedPrecondition, InvalidArgument, NotFound, TooStale
 from tether.protos.partition import dense_shard, shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.server.clocks import WorkerClocks
 from tether.server.tables import DenseChunk, EmbeddingTable
 
 __all__ = ["DenseDecl", "DenseUpdate", "PushResult", "Shard", "SparseUpdate"]
@@ -63,6 +64,7 @@ class PushResult:
 
     applied: bool
     max_staleness: int
+    clock_staleness: int = 0
 
 
 class _SeqWindow:
@@ -84,9 +86,21 @@ class _SeqWindow:
 class Shard:
     """Embedding tables and dense chunks owned by one shard."""
 
-    def __init__(self, shard_index: int = 0, num_shards: int = 1, metrics: object | None = None) -> None:
+    def __init__(
+        self,
+        shard_index: int = 0,
+        num_shards: int = 1,
+        metrics: object | None = None,
+        lease_s: float = 10.0,
+        max_staleness: int | None = None,
+    ) -> None:
         if num_shards < 1 or not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index!r} is not in [0, num_shards={num_shards!r})")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, got {max_staleness!r}")
+        self.clocks = WorkerClocks(lease_s)
+        self.max_staleness = max_staleness
+        self.too_stale_pushes = 0
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.metrics = metrics
@@ -214,43 +228,61 @@ class Shard:
         seq: int,
         sparse: list[SparseUpdate],
         dense: list[DenseUpdate],
-        lr_scale: float = 1.0,
+        clock: int = 0,
+        staleness_aware: bool = False,
     ) -> PushResult:
-        """Validate every block, then apply them all.
+        """Validate every block, check staleness, then apply them all.
+
+        Args:
+            worker_id, seq: identify the push; a repeated pair is acknowledged, not applied.
+            sparse, dense: the gradients.
+            clock: the pushing worker's clock after this step (0: not tracked).
+            staleness_aware: divide each block's learning rate by its staleness.
 
         Raises:
-            NotFound, InvalidArgument, FailedPrecondition: nothing was applied.
+            NotFound, InvalidArgument, FailedPrecondition: malformed; nothing was applied.
+            TooStale: a block is staler than the hard limit; nothing was applied.
         """
         try:
-            tables = [self._check_sparse(u) for u in sparse]
-            chunks = [self._check_dense(u) for u in dense]
             if not worker_id:
                 raise InvalidArgument("worker_id must be set on a push")
+            tables = [self._check_sparse(u) for u in sparse]
+            chunks = [self._check_dense(u) for u in dense]
         except Exception:
             self.rejected_pushes += 1
             raise
+        stale = [max(t.version - u.read_version, 0) for t, u in zip(tables, sparse)]
+        stale += [max(c.version - u.read_version, 0) for c, u in zip(chunks, dense)]
+        staleness = max(stale, default=0)
+        if self.max_staleness is not None and staleness > self.max_staleness:
+            self.rejected_pushes += 1
+            self.too_stale_pushes += 1
+            raise TooStale(f"push from {worker_id!r} is {staleness} updates stale; this shard's limit is {self.max_staleness}")
         with self._seq_lock:
             fresh = self._seqs.setdefault(worker_id, _SeqWindow()).add(seq)
         if not fresh:
             self.duplicate_pushes += 1
             if self.metrics is not None:
-                self.metrics.updates_rejected.labels(reason="duplicate").inc()
+                self.metrics.reject("duplicate")
             return PushResult(applied=False, max_staleness=0)
-        staleness = 0
-        for table, u in zip(tables, sparse):
-            staleness = max(staleness, table.version - u.read_version)
-            table.push(u.ids, u.grads, lr_scale)
-        for chunk, u in zip(chunks, dense):
-            staleness = max(staleness, chunk.version - u.read_version)
-            chunk.push(u.grad, lr_scale)
+        clock_lag = self.clocks.lag(clock) if clock else 0
+        blocks = [(t, u.ids, u.grads) for t, u in zip(tables, sparse)] + [(c, None, u.grad) for c, u in zip(chunks, dense)]
+        for (target, ids, grad), s in zip(blocks, stale):
+            scale = 1.0 / max(s, 1) if staleness_aware else 1.0
+            if ids is None:
+                target.push(grad, scale)
+            else:
+                target.push(ids, grad, scale)
+        if clock:
+            self.clocks.update(worker_id, clock)
         self.applied_pushes += 1
         if self.metrics is not None:
             m = self.metrics
-            if sparse:
-                m.updates_applied.labels(kind="sparse").inc(len(sparse))
-            if dense:
-                m.updates_applied.labels(kind="dense").inc(len(dense))
+            m.applied("sparse", len(sparse))
+            m.applied("dense", len(dense))
             for u in sparse:
                 m.rows_pushed.labels(table=u.table).inc(u.ids.size)
-            m.push_staleness.observe(max(staleness, 0))
-        return PushResult(applied=True, max_staleness=max(staleness, 0))
+            m.push_update_staleness.observe(staleness)
+            if clock:
+                m.push_staleness.observe(clock_lag)
+        return PushResult(applied=True, max_staleness=staleness, clock_staleness=clock_lag)

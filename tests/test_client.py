@@ -27,8 +27,8 @@ def test_pull_push_round_trip_across_shards(two_shards: list[str]) -> None:
     assert torch.equal(pulled.rows["e"], torch.zeros(4, 3))
     assert torch.equal(pulled.dense["w"], torch.arange(20.0).view(4, 5))
     grads = torch.arange(12.0).view(4, 3)
-    staleness = client.push({"e": (ids, grads)}, {"w": torch.ones(4, 5)}, versions=pulled).result(10)
-    assert staleness == 0
+    ack = client.push({"e": (ids, grads)}, {"w": torch.ones(4, 5)}, versions=pulled).result(10)
+    assert (ack.staleness, ack.duplicates) == (0, 0)
     after = client.push_pull(pull_sparse={"e": ids[[3, 0]]}, pull_dense=["w"]).result(10)
     assert torch.equal(after.rows["e"], -grads[[3, 0]])
     assert torch.equal(after.dense["w"], torch.arange(20.0).view(4, 5) - 1)
@@ -46,7 +46,7 @@ def test_staleness_counts_updates_since_the_read(two_shards: list[str]) -> None:
     read = a.pull({"e": ids}, ["w"]).result(10)
     for _ in range(3):
         b.push({"e": (ids, torch.ones(10, 2))}, {"w": torch.ones(3)}).result(10)
-    assert a.push({"e": (ids, torch.ones(10, 2))}, {"w": torch.ones(3)}, versions=read).result(10) == 3
+    assert a.push({"e": (ids, torch.ones(10, 2))}, {"w": torch.ones(3)}, versions=read).result(10).staleness == 3
     a.close()
     b.close()
 

@@ -29,7 +29,7 @@ from tether.protos.errors import InvalidArgument, TetherError, Unavailable, erro
 from tether.protos.partition import dense_shard, split_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
 
-__all__ = ["ClientConfig", "Handle", "PSClient", "PullResult"]
+__all__ = ["ClientConfig", "ClockReply", "Handle", "PSClient", "PushAck", "PullResult"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class ClientConfig:
     chunk_elems: int = 1 << 20
     wire_dtype: torch.dtype = torch.float32
     threads: int = 8
+    staleness_aware: bool = False
 
     def __post_init__(self) -> None:
         if not self.addresses:
@@ -78,6 +79,25 @@ class PullResult:
     # Versions the values were read at, to be sent back with the gradients they produce.
     table_versions: dict[tuple[int, str], int]
     dense_versions: dict[tuple[str, int], int]
+
+
+@dataclass(frozen=True)
+class PushAck:
+    """What the shards said of a push."""
+
+    staleness: int  # largest number of updates a block's values were behind
+    clock_staleness: int  # ticks the slowest live worker was behind this step
+    duplicates: int  # shards that had already applied it (a retried push)
+
+
+@dataclass(frozen=True)
+class ClockReply:
+    """Clocks of the live workers as the coordinating shard sees them."""
+
+    min_clock: int
+    max_clock: int
+    live_workers: int
+    ready: bool
 
 
 class Handle:
@@ -318,8 +338,13 @@ class PSClient:
                 rv = versions.dense_versions.get((name, index), 0) if versions else 0
                 d = req(dense_shard(name, index, self.num_shards)).dense.add(name=name, index=index, read_version=rv)
                 encode_tensor(flat[a:b], d.value, dtype=wire)
+        if clock:
+            # Every shard tracks every worker's clock, so each gets the push, empty or not.
+            for s in range(self.num_shards):
+                req(s)
         for s, r in requests.items():
             r.seq = self._next_seq(s)
+            r.staleness_aware = self.config.staleness_aware
         return requests
 
     def push(
@@ -338,10 +363,10 @@ class PSClient:
             versions: the pull the gradients were computed from (staleness accounting).
 
         Returns:
-            A handle whose result is the largest staleness any shard saw.
+            A handle whose result is a ``PushAck``.
         """
         requests = self._push_requests(sparse or {}, dense or {}, clock, versions)
-        return self._fan_out("Push", requests, lambda answers: max((a.max_staleness for a in answers.values()), default=0))
+        return self._fan_out("Push", requests, _ack)
 
     def push_pull(
         self,
@@ -370,6 +395,25 @@ class PSClient:
 
         return self._fan_out("PushPull", requests, combine)
 
+    def clock(self, clock: int, wait_bound: int = -1, timeout_s: float = 60.0, leave: bool = False) -> ClockReply:
+        """Report this worker's clock to shard 0 and, with ``wait_bound`` >= 0, wait until the
+        slowest live worker is at most ``wait_bound`` ticks behind ``clock``.
+
+        Returns:
+            The clocks; ``ready`` is False if ``timeout_s`` passed first.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            wait_ms = int(max(remaining, 0) * 1000) if wait_bound >= 0 else 0
+            request = pb.ClockRequest(
+                worker_id=self.config.worker_id, clock=clock, leave=leave, wait_bound=wait_bound, wait_timeout_ms=wait_ms
+            )
+            # The shard holds the call for at most a few seconds; allow for that in the deadline.
+            reply = self._call(0, "Clock", request, timeout=self.config.timeout_s + wait_ms / 1000.0)
+            if reply.ready or remaining <= 0:
+                return ClockReply(reply.min_clock, reply.max_clock, reply.live_workers, reply.ready)
+
     @staticmethod
     def wait(handle: Handle, timeout: float | None = None) -> object:
         """Wait for ``handle`` (ps-lite's ``Wait``)."""
@@ -378,3 +422,12 @@ class PSClient:
     def info(self) -> list[pb.InfoResponse]:
         """Every shard's ``Info``."""
         return list(self._fan_out("Info", {s: pb.InfoRequest() for s in range(self.num_shards)}, lambda a: [a[s] for s in sorted(a)]).result())
+
+
+def _ack(answers: dict[int, pb.PushResponse]) -> PushAck:
+    values = list(answers.values())
+    return PushAck(
+        staleness=max((a.max_staleness for a in values), default=0),
+        clock_staleness=max((a.clock_staleness for a in values), default=0),
+        duplicates=sum(not a.applied for a in values),
+    )

@@ -9,7 +9,21 @@ from dataclasses import dataclass
 
 from tether.protos.specs import OPTIMIZERS
 
-__all__ = ["WorkerConfig", "add_training_flags", "build_parser", "config_from_args", "load_config"]
+__all__ = ["WorkerConfig", "add_training_flags", "build_parser", "config_from_args", "load_config", "parse_mode"]
+
+
+def parse_mode(mode: str) -> tuple[str, int | None]:
+    """Split a consistency mode into its kind and bound: ``async``, ``ssp:S`` or ``sync``.
+
+    Raises:
+        ValueError: anything else, or a negative S.
+    """
+    if mode in ("async", "sync"):
+        return mode, None
+    kind, _, bound = mode.partition(":")
+    if kind == "ssp" and bound.isdigit():
+        return "ssp", int(bound)
+    raise ValueError(f"mode must be 'async', 'ssp:S' (S >= 0) or 'sync', got {mode!r}")
 
 
 @dataclass(frozen=True)
@@ -37,8 +51,30 @@ class WorkerConfig:
     out: str | None = None
     timeout_s: float = 30.0
     wire_dtype: str = "float32"
+    mode: str = "async"
+    staleness_aware: bool = False
+    slowdown: float = 1.0
+    slow_worker: int | None = None
+    ssp_timeout_s: float = 300.0
+
+    @property
+    def my_slowdown(self) -> float:
+        """This worker's slowdown factor (1 unless it is the straggler)."""
+        if self.slow_worker is None or self.slow_worker == self.worker_index:
+            return self.slowdown
+        return 1.0
+
+    @property
+    def consistency(self) -> tuple[str, int | None]:
+        """``(kind, bound)`` of ``mode``."""
+        return parse_mode(self.mode)
 
     def __post_init__(self) -> None:
+        parse_mode(self.mode)
+        if not self.slowdown >= 1.0:
+            raise ValueError(f"slowdown must be >= 1 (1 = full speed), got {self.slowdown!r}")
+        if not self.ssp_timeout_s > 0:
+            raise ValueError(f"ssp_timeout_s must be > 0, got {self.ssp_timeout_s!r}")
         if not self.shards:
             raise ValueError("at least one shard address is needed (--shards host:port,...)")
         if self.num_workers < 1 or not 0 <= self.worker_index < self.num_workers:
@@ -83,6 +119,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefetch", action="store_true", help="pull each batch after the previous push instead of during compute")
     p.add_argument("--log-every", type=int, default=_env("TETHER_LOG_EVERY", 50), help="print progress every N steps")
     p.add_argument("--timeout", type=float, default=_env("TETHER_TIMEOUT", 30.0), help="deadline of each RPC, seconds")
+    p.add_argument("--mode", default=_env("TETHER_MODE", "async"), help="consistency: async, ssp:S (at most S steps ahead of the slowest live worker) or sync (all-reduce; start with torchrun)")
+    p.add_argument("--staleness-aware", action="store_true", help="divide each update's learning rate by its staleness (Zhang et al. 2016)")
+    p.add_argument("--ssp-timeout", type=float, default=_env("TETHER_SSP_TIMEOUT", 300.0), help="longest wait on the staleness bound before failing, seconds")
     p.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), default=_env("TETHER_WIRE_DTYPE", "float32"), help="element type of parameters and gradients on the wire")
 
 
@@ -94,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-workers", type=int, default=_env("TETHER_NUM_WORKERS", 1), help="env TETHER_NUM_WORKERS")
     p.add_argument("--metrics-port", type=int, default=_env("TETHER_METRICS_PORT", None), help="serve Prometheus /metrics on this port")
     p.add_argument("--out", default=_env("TETHER_OUT", None), help="write worker-<index>.json with the loss history here")
+    p.add_argument("--slowdown", type=float, default=_env("TETHER_SLOWDOWN", 1.0), help="make compute this many times slower (straggler experiments)")
+    p.add_argument("--slow-worker", type=int, default=_env("TETHER_SLOW_WORKER", None), help="only the worker with this index is slowed (default: this worker)")
     add_training_flags(p)
     return p
 
@@ -122,6 +163,11 @@ def config_from_args(a: argparse.Namespace, **overrides: object) -> WorkerConfig
         out=getattr(a, "out", None),
         timeout_s=float(a.timeout),
         wire_dtype=a.wire_dtype,
+        mode=a.mode,
+        staleness_aware=bool(a.staleness_aware),
+        slowdown=float(getattr(a, "slowdown", 1.0)),
+        slow_worker=None if getattr(a, "slow_worker", None) in (None, "") else int(a.slow_worker),
+        ssp_timeout_s=float(a.ssp_timeout),
     )
     values.update(overrides)
     return WorkerConfig(**values)

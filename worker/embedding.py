@@ -94,10 +94,12 @@ class Prefetch:
 class PSModel:
     """Binds a model to the shards: pull before forward, push after backward."""
 
-    def __init__(self, model: nn.Module, client: PSClient, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, client: PSClient, device: torch.device, dense_on_shards: bool = True) -> None:
         self.model = model
         self.client = client
         self.device = device
+        # False in sync mode: dense parameters stay on the workers and are all-reduced.
+        self.dense_on_shards = dense_on_shards
         self.bags: dict[str, ShardedEmbeddingBag] = {
             m.table: m for m in model.modules() if isinstance(m, ShardedEmbeddingBag)
         }
@@ -118,7 +120,7 @@ class PSModel:
     def prefetch(self, sparse: Mapping[str, torch.Tensor], with_dense: bool = True) -> Prefetch:
         """Start pulling the rows of ``sparse`` (table -> ids of any shape) and the dense values."""
         unique = {t: torch.unique(ids.reshape(-1).cpu()) for t, ids in sparse.items()}
-        names = list(self.dense) if with_dense else []
+        names = list(self.dense) if with_dense and self.dense_on_shards else []
         return Prefetch(unique, self.client.pull(unique, names))
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -139,14 +141,22 @@ class PSModel:
 
     def gradients(self) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
         """Row gradients collected by the bags' backward hooks and the dense gradients."""
-        sparse = {t: (ids, g.to("cpu", non_blocking=False)) for t, (ids, g) in self._grads.items()}
+        sparse = {t: (ids, g.to("cpu")) for t, (ids, g) in self._grads.items()}
         dense = {n: p.grad.to("cpu") for n, p in self.dense.items() if p.grad is not None}
         return sparse, dense
 
-    def push(self, clock: int, versions: PullResult) -> Handle:
-        """Push the collected gradients (one request per shard) and clear them."""
+    def push(self, clock: int, versions: PullResult, sparse_scale: float = 1.0) -> Handle:
+        """Push the collected gradients (one request per shard) and clear them.
+
+        Args:
+            clock: this worker's clock once the step is done.
+            versions: the pull the gradients were computed from.
+            sparse_scale: factor on row gradients (sync mode averages over ranks).
+        """
         sparse, dense = self.gradients()
-        handle = self.client.push(sparse, dense, clock=clock, versions=versions)
+        if sparse_scale != 1.0:
+            sparse = {t: (ids, g * sparse_scale) for t, (ids, g) in sparse.items()}
+        handle = self.client.push(sparse, dense if self.dense_on_shards else {}, clock=clock, versions=versions)
         self._grads.clear()
         for p in self.dense.values():
             p.grad = None

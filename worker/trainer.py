@@ -6,17 +6,21 @@ launcher once every worker has finished.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from tether.protos.errors import DeadlineExceeded
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.client import ClientConfig, PSClient
 from tether.worker.config import WorkerConfig
@@ -25,7 +29,18 @@ from tether.worker.embedding import PSModel, ShardedEmbeddingBag
 from tether.worker.evaluation import auc, constant_baseline_loss, log_loss
 from tether.worker.model import CTRModel
 
-__all__ = ["Dataset", "build_model", "connect", "evaluate_job", "evaluate_remote", "open_dataset", "pick_device", "train"]
+__all__ = [
+    "Dataset",
+    "build_model",
+    "connect",
+    "evaluate_job",
+    "evaluate_remote",
+    "local_optimizer",
+    "open_dataset",
+    "pick_device",
+    "reference_losses",
+    "train",
+]
 
 log = logging.getLogger(__name__)
 
@@ -103,21 +118,32 @@ def build_model(cfg: WorkerConfig, ds: Dataset) -> CTRModel:
 
 
 def connect(cfg: WorkerConfig, model: CTRModel, device: torch.device, metrics: object | None = None) -> PSModel:
-    """Declare the model on the shards and bind it to them."""
+    """Declare the model on the shards and bind it to them (dense stays local in sync mode)."""
     client = PSClient(
         ClientConfig(
             addresses=cfg.shards,
             worker_id=f"worker-{cfg.worker_index}",
             timeout_s=cfg.timeout_s,
             wire_dtype=_WIRE[cfg.wire_dtype],
+            staleness_aware=cfg.staleness_aware,
         ),
         metrics,
     )
     opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr)
     tables = [TableConfig(name=t, dim=cfg.embedding_dim, optimizer=opt, init_scale=0.05, seed=cfg.seed) for t in model.table_names()]
-    ps = PSModel(model.to(device), client, device)
-    client.declare(tables, ps.dense_tensors(), opt)
+    dense_on_shards = cfg.consistency[0] != "sync"
+    ps = PSModel(model.to(device), client, device, dense_on_shards=dense_on_shards)
+    client.declare(tables, ps.dense_tensors() if dense_on_shards else None, opt)
     return ps
+
+
+def local_optimizer(cfg: WorkerConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The torch optimizer that matches the shards' update rule (sync mode's dense step)."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr)
+    if cfg.optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=cfg.lr, eps=1e-8)
+    return torch.optim.Adam(params, lr=cfg.lr, eps=1e-8)
 
 
 def _sparse(batch: Batch) -> dict[str, torch.Tensor]:
@@ -142,52 +168,128 @@ def evaluate_remote(ps: PSModel, batch: Batch, batch_size: int = 4096, timeout: 
     return {"eval_loss": log_loss(scores, batch.labels), "eval_auc": auc(scores, batch.labels)}
 
 
+class _AllReduce:
+    """Sync mode: average dense gradients over the ranks with one flat all-reduce."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.params = params
+        self.world = dist.get_world_size()
+
+    def __call__(self) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.dist.all_reduce(flat)
+        flat /= self.world
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p)
+            offset += n
+
+    def digest(self) -> str:
+        """Short hash of the dense parameters (identical on every rank after every step)."""
+        data = torch.cat([p.detach().reshape(-1).cpu() for p in self.params]).numpy().tobytes()
+        return hashlib.sha1(data).hexdigest()[:16]
+
+
+def _init_sync(cfg: WorkerConfig, device: torch.device) -> WorkerConfig:
+    """Join the torchrun process group (NCCL when every rank has CUDA, else gloo)."""
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        raise ValueError("sync mode runs under torchrun, which sets RANK and WORLD_SIZE; see the README")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=max(cfg.timeout_s * 4, 60)))
+    return replace(cfg, worker_index=dist.get_rank(), num_workers=dist.get_world_size())
+
+
 def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[str], None] = print) -> dict[str, object]:
-    """Run the training loop of one worker and return its record (also written to ``cfg.out``)."""
+    """Run the training loop of one worker and return its record (also written to ``cfg.out``).
+
+    Raises:
+        DeadlineExceeded: an ``ssp`` wait ran past ``cfg.ssp_timeout_s``.
+        TetherError: a shard call failed after retries.
+    """
+    kind, bound = cfg.consistency
     device = pick_device(cfg.device)
+    if kind == "sync":
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        cfg = _init_sync(cfg, device)
     ds = open_dataset(cfg)
     model = build_model(cfg, ds)
     ps = connect(cfg, model, device, metrics)
+    allreduce = _AllReduce(list(ps.parameters())) if kind == "sync" else None
+    dense_opt = local_optimizer(cfg, list(ps.parameters())) if kind == "sync" else None
     name = f"worker {cfg.worker_index}/{cfg.num_workers}"
-    printer(f"{name}: {len(cfg.shards)} shard(s), device {device}, {cfg.steps} steps x {cfg.batch_size} samples")
+    printer(f"{name}: mode {cfg.mode}, {len(cfg.shards)} shard(s), device {device}, {cfg.steps} steps x {cfg.batch_size} samples")
     stream = ds.train_batches(cfg.batch_size, cfg.steps, cfg.worker_index, cfg.num_workers)
+    # Prefetching the next batch during compute reads before this step's push lands: fine
+    # without a bound, but ssp and sync pull only once the bound (or the barrier) allows.
+    prefetch = cfg.prefetch and kind == "async"
     history: list[dict[str, object]] = []
+    staleness: list[int] = []
+    digests: list[str] = []
     batch = next(stream)
-    pending = ps.prefetch(_sparse(batch))
+    pending = None
     push = None
-    phase = {"pull_wait": 0.0, "compute": 0.0, "push": 0.0}
-    window_loss, window_n, samples = 0.0, 0, 0
+    phase = {"staleness_wait": 0.0, "pull_wait": 0.0, "compute": 0.0, "push": 0.0}
+    window_loss, window_n, samples, eval_time = 0.0, 0, 0, 0.0
     t_start = time.perf_counter()
     for step in range(cfg.steps):
         t0 = time.perf_counter()
+        if kind == "ssp":
+            reply = ps.client.clock(step, wait_bound=bound, timeout_s=cfg.ssp_timeout_s)
+            if not reply.ready:
+                raise DeadlineExceeded(
+                    f"{name} waited {cfg.ssp_timeout_s:.0f}s at clock {step} for the slowest live worker (clock {reply.min_clock}, bound {bound})"
+                )
+        tw = time.perf_counter()
+        if pending is None:
+            pending = ps.prefetch(_sparse(batch))
         pulled = ps.install(pending, train=True, timeout=cfg.timeout_s * 4)
+        pending = None
         t1 = time.perf_counter()
         upcoming = next(stream, None) if step + 1 < cfg.steps else None
-        if cfg.prefetch and upcoming is not None:
+        if prefetch and upcoming is not None:
             pending = ps.prefetch(_sparse(upcoming))
         logits = model(batch.dense.to(device, non_blocking=True), batch.sparse.to(device, non_blocking=True))
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(device, non_blocking=True))
         loss.backward()
+        if allreduce is not None:
+            allreduce()
+            dense_opt.step()
+            dense_opt.zero_grad(set_to_none=True)
         loss_value = float(loss.detach())
+        if cfg.my_slowdown > 1.0:
+            time.sleep((cfg.my_slowdown - 1.0) * (time.perf_counter() - t1))
         t2 = time.perf_counter()
         if push is not None:
-            push.result(cfg.timeout_s * 4)  # at most one push in flight
-        push = ps.push(clock=step + 1, versions=pulled)
-        if not cfg.prefetch:
-            push.result(cfg.timeout_s * 4)
-            if upcoming is not None:
-                pending = ps.prefetch(_sparse(upcoming))
+            staleness.append(push.result(cfg.timeout_s * 4).clock_staleness)
+        push = ps.push(clock=step + 1, versions=pulled, sparse_scale=1.0 / cfg.num_workers if kind == "sync" else 1.0)
+        if kind != "async":
+            # The step's updates must land before this worker's clock (or the barrier) lets
+            # anyone read past them.
+            staleness.append(push.result(cfg.timeout_s * 4).clock_staleness)
+            push = None
+            if allreduce is not None:
+                allreduce.dist.barrier()
+                digests.append(allreduce.digest())
         t3 = time.perf_counter()
         samples += batch.labels.numel()
         window_loss += loss_value
         window_n += 1
-        phase["pull_wait"] += t1 - t0
-        phase["compute"] += t2 - t1
-        phase["push"] += t3 - t2
+        durations = {"staleness_wait": tw - t0, "pull_wait": t1 - tw, "compute": t2 - t1, "push": t3 - t2}
+        for key, value in durations.items():
+            phase[key] += value
         if metrics is not None:
-            metrics.phase_seconds.labels(phase="pull_wait").observe(t1 - t0)
-            metrics.phase_seconds.labels(phase="compute").observe(t2 - t1)
-            metrics.phase_seconds.labels(phase="push").observe(t3 - t2)
+            for key, value in durations.items():
+                metrics.observe_phase(key, value)
             metrics.step_seconds.observe(t3 - t0)
             metrics.samples.inc(batch.labels.numel())
             metrics.steps.inc()
@@ -197,7 +299,7 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
         last = step + 1 == cfg.steps
         evaluate = cfg.worker_index == 0 and cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last)
         if (step + 1) % cfg.log_every == 0 or last or evaluate:
-            wall = time.perf_counter() - t_start
+            wall = time.perf_counter() - t_start - eval_time
             record: dict[str, object] = {
                 "step": step + 1,
                 "samples": samples,
@@ -205,37 +307,56 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
                 "train_loss": round(window_loss / max(window_n, 1), 6),
             }
             if evaluate:
-                push.result(cfg.timeout_s * 4)
+                # Evaluation time is left out of the wall clock so curves compare training.
+                te = time.perf_counter()
                 record.update(evaluate_remote(ps, ds.eval_set, timeout=cfg.timeout_s * 4))
+                eval_time += time.perf_counter() - te
             history.append(record)
             busy = sum(phase.values()) or 1.0
             extra = f" eval_loss {record['eval_loss']:.4f} auc {record['eval_auc']:.4f}" if evaluate else ""
-            printer(
-                f"{name} step {step + 1}/{cfg.steps} loss {record['train_loss']:.4f} {samples / wall:,.0f} samples/s"
-                f" (pull {phase['pull_wait'] / busy:.0%} compute {phase['compute'] / busy:.0%} push {phase['push'] / busy:.0%}){extra}"
-            )
+            split = " ".join(f"{k} {v / busy:.0%}" for k, v in phase.items() if k != "staleness_wait" or kind == "ssp")
+            printer(f"{name} step {step + 1}/{cfg.steps} loss {record['train_loss']:.4f} {samples / max(wall, 1e-9):,.0f} samples/s ({split}){extra}")
             window_loss, window_n = 0.0, 0
         if upcoming is None:
             break
         batch = upcoming
     if push is not None:
-        push.result(cfg.timeout_s * 4)
-    wall = time.perf_counter() - t_start
+        staleness.append(push.result(cfg.timeout_s * 4).clock_staleness)
+    wall = time.perf_counter() - t_start - eval_time
+    if kind == "ssp":
+        ps.client.clock(cfg.steps, leave=True)
     result: dict[str, object] = {
         "worker_index": cfg.worker_index,
+        "mode": cfg.mode,
         "samples": samples,
         "wall_s": wall,
         "samples_per_sec": samples / wall if wall > 0 else math.nan,
         "phase_seconds": phase,
+        "clock_staleness": staleness,
         "history": history,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
     }
+    if kind == "sync":
+        result["dense_digests"] = digests
+        if cfg.worker_index == 0:
+            # Dense parameters live on the ranks in sync mode, so rank 0 reports the final model.
+            result["final_eval"] = evaluate_remote(ps, ds.eval_set, timeout=cfg.timeout_s * 4)
+        allreduce.dist.barrier()
+        allreduce.dist.destroy_process_group()
     ps.client.close()
     if cfg.out:
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"worker-{cfg.worker_index}.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def reference_losses(ds: Dataset) -> dict[str, float]:
+    """The constant predictor's held-out loss (and the best possible, for synthetic data)."""
+    out = {"baseline_loss": constant_baseline_loss(ds.label_mean, ds.eval_set.labels)}
+    if ds.bayes_loss is not None:
+        out["bayes_loss"] = ds.bayes_loss
+    return out
 
 
 def evaluate_job(cfg: WorkerConfig) -> dict[str, float]:
@@ -247,7 +368,4 @@ def evaluate_job(cfg: WorkerConfig) -> dict[str, float]:
         result = evaluate_remote(ps, ds.eval_set, timeout=cfg.timeout_s * 4)
     finally:
         ps.client.close()
-    result["baseline_loss"] = constant_baseline_loss(ds.label_mean, ds.eval_set.labels)
-    if ds.bayes_loss is not None:
-        result["bayes_loss"] = ds.bayes_loss
-    return result
+    return {**result, **reference_losses(ds)}

@@ -1,0 +1,89 @@
+"""Worker clocks and leases: the shard side of stale synchronous parallel (SSP).
+
+A worker's clock is the number of steps it has completed. A worker that has not been heard
+from for ``lease_s`` seconds is not live and does not hold the others back; any later call
+from it re-registers it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["ClockState", "WorkerClocks"]
+
+
+@dataclass(frozen=True)
+class ClockState:
+    """Clocks of the live workers."""
+
+    min_clock: int
+    max_clock: int
+    live_workers: int
+
+
+class WorkerClocks:
+    """Clocks and leases of the workers of a job, with a bounded wait on the slowest."""
+
+    def __init__(self, lease_s: float = 10.0, now: Callable[[], float] = time.monotonic) -> None:
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s!r}")
+        self.lease_s = lease_s
+        self._now = now
+        self._cond = threading.Condition()
+        self._clock: dict[str, int] = {}
+        self._seen: dict[str, float] = {}
+
+    def _expire(self) -> None:
+        cutoff = self._now() - self.lease_s
+        for worker in [w for w, t in self._seen.items() if t < cutoff]:
+            del self._seen[worker], self._clock[worker]
+
+    def update(self, worker_id: str, clock: int, leave: bool = False) -> None:
+        """Record that ``worker_id`` completed ``clock`` steps (clocks never go back)."""
+        with self._cond:
+            if leave:
+                self._clock.pop(worker_id, None)
+                self._seen.pop(worker_id, None)
+            else:
+                self._clock[worker_id] = max(clock, self._clock.get(worker_id, 0))
+                self._seen[worker_id] = self._now()
+            self._cond.notify_all()
+
+    def state(self) -> ClockState:
+        """Clocks of the live workers (zeros when there are none)."""
+        with self._cond:
+            self._expire()
+            return self._state()
+
+    def _state(self) -> ClockState:
+        if not self._clock:
+            return ClockState(0, 0, 0)
+        values = self._clock.values()
+        return ClockState(min(values), max(values), len(self._clock))
+
+    def lag(self, clock: int) -> int:
+        """Clock ticks the slowest live worker is behind a step that ends at ``clock``."""
+        s = self.state()
+        return max(clock - 1 - s.min_clock, 0) if s.live_workers else 0
+
+    def wait(self, clock: int, bound: int, timeout_s: float) -> tuple[bool, ClockState]:
+        """Wait until ``clock - min live clock <= bound`` or ``timeout_s`` passes.
+
+        Returns:
+            Whether the bound holds, and the clocks at that moment.
+        """
+        deadline = self._now() + timeout_s
+        with self._cond:
+            while True:
+                self._expire()
+                s = self._state()
+                if s.live_workers == 0 or clock - s.min_clock <= bound:
+                    return True, s
+                remaining = deadline - self._now()
+                if remaining <= 0:
+                    return False, s
+                # Wake up at least every quarter lease so expired leases are noticed.
+                self._cond.wait(min(remaining, self.lease_s / 4))

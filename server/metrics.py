@@ -1,0 +1,141 @@
+"""Prometheus metrics of one shard, registered in a caller-supplied registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tether.protos.metrics_http import serve_metrics
+
+__all__ = [
+    "CHECKPOINT_BUCKETS",
+    "REJECT_REASONS",
+    "REQUEST_BUCKETS",
+    "STALENESS_BUCKETS",
+    "UPDATE_KINDS",
+    "ShardMetrics",
+    "serve_metrics",
+]
+
+# 50us .. 5s: a loopback Info call is ~100us, a 256 MiB push is seconds.
+REQUEST_BUCKETS: tuple[float, ...] = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+    0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+)
+# Clock ticks a pushed gradient's read values were behind; fine-grained where ssp bounds live.
+STALENESS_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
+CHECKPOINT_BUCKETS: tuple[float, ...] = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+UPDATE_KINDS: tuple[str, ...] = ("sparse", "dense")
+REJECT_REASONS: tuple[str, ...] = (
+    "invalid_argument",
+    "not_found",
+    "failed_precondition",
+    "resource_exhausted",
+    "too_stale",
+    "duplicate",
+    "unauthenticated",
+)
+
+
+class ShardMetrics:
+    """Every metric a shard exports; label values are bounded (rpc, code, table, kind, reason)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        """Create the metrics in ``registry``; a second instance needs a second registry."""
+        if registry is None:
+            raise ValueError("registry must be a CollectorRegistry, got None")
+        r = registry
+        self.registry = registry
+
+        self.requests = Counter(
+            "tether_shard_requests_total", "RPCs handled, by method and gRPC status code.",
+            ["rpc", "code"], registry=r)
+        self.request_seconds = Histogram(
+            "tether_shard_request_duration_seconds", "Time to handle one RPC, by method.",
+            ["rpc"], buckets=REQUEST_BUCKETS, registry=r)
+        self.received_bytes = Counter(
+            "tether_shard_received_bytes_total", "Serialized request bytes received, by method.",
+            ["rpc"], registry=r)
+        self.sent_bytes = Counter(
+            "tether_shard_sent_bytes_total", "Serialized response bytes sent, by method.",
+            ["rpc"], registry=r)
+
+        self.rows_pulled = Counter(
+            "tether_shard_rows_pulled_total", "Embedding rows returned by Pull, by table.",
+            ["table"], registry=r)
+        self.rows_pushed = Counter(
+            "tether_shard_rows_pushed_total", "Embedding row gradients applied, by table.",
+            ["table"], registry=r)
+        self.table_rows = Gauge(
+            "tether_shard_table_rows", "Embedding rows resident on this shard, by table.",
+            ["table"], registry=r)
+        self.table_memory_bytes = Gauge(
+            "tether_shard_table_memory_bytes", "Bytes held by a table's rows and optimizer state.",
+            ["table"], registry=r)
+        self.rows_evicted = Counter(
+            "tether_shard_rows_evicted_total", "Embedding rows evicted, by table.",
+            ["table"], registry=r)
+
+        self.updates_applied = Counter(
+            "tether_shard_updates_applied_total", "Gradient blocks applied, by kind (sparse or dense).",
+            ["kind"], registry=r)
+        self.updates_rejected = Counter(
+            "tether_shard_updates_rejected_total", "Pushes not applied, by reason.",
+            ["reason"], registry=r)
+        self.push_staleness = Histogram(
+            "tether_shard_push_staleness",
+            "Clock ticks the slowest live worker was behind a pushed step (what ssp:S keeps <= S).",
+            buckets=STALENESS_BUCKETS, registry=r)
+        self.push_update_staleness = Histogram(
+            "tether_shard_push_update_staleness",
+            "Updates applied to a block between the read of its values and the push of their gradient.",
+            buckets=STALENESS_BUCKETS, registry=r)
+        self.staleness_bound = Gauge(
+            "tether_shard_staleness_bound", "The job's staleness bound S (ssp:S); -1 when unbounded.",
+            registry=r)
+
+        self.live_workers = Gauge(
+            "tether_shard_live_workers", "Workers whose lease has not expired.", registry=r)
+        self.worker_clock_min = Gauge(
+            "tether_shard_worker_clock_min", "Smallest clock among live workers.", registry=r)
+        self.worker_clock_max = Gauge(
+            "tether_shard_worker_clock_max", "Largest clock among live workers.", registry=r)
+
+        self.last_checkpoint_timestamp = Gauge(
+            "tether_shard_last_checkpoint_timestamp_seconds",
+            "Unix time of the last completed checkpoint.", registry=r)
+        self.checkpoint_seconds = Histogram(
+            "tether_shard_checkpoint_duration_seconds", "Time to write one checkpoint.",
+            buckets=CHECKPOINT_BUCKETS, registry=r)
+
+        self.serving = Gauge("tether_shard_up", "1 while the shard is serving, else 0.", registry=r)
+
+        # Export the bounded series at 0 from the start so rate() and alerts see them.
+        for kind in UPDATE_KINDS:
+            self.updates_applied.labels(kind=kind)
+        for reason in REJECT_REASONS:
+            self.updates_rejected.labels(reason=reason)
+        self.staleness_bound.set(-1)
+
+    def set_staleness_bound(self, bound: int | None) -> None:
+        """Record the job's staleness bound; ``None`` means unbounded (async)."""
+        if bound is None:
+            self.staleness_bound.set(-1)
+            return
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+            raise ValueError(f"staleness bound must be an int >= 0 or None, got {bound!r}")
+        self.staleness_bound.set(bound)
+
+    def reject(self, reason: str) -> None:
+        """Count one rejected push; ``reason`` must be one of ``REJECT_REASONS``."""
+        if reason not in REJECT_REASONS:
+            raise ValueError(f"reason must be one of {REJECT_REASONS}, got {reason!r}")
+        self.updates_rejected.labels(reason=reason).inc()
+
+    def applied(self, kind: str, blocks: int = 1) -> None:
+        """Count applied gradient blocks; ``kind`` must be one of ``UPDATE_KINDS``."""
+        if kind not in UPDATE_KINDS:
+            raise ValueError(f"kind must be one of {UPDATE_KINDS}, got {kind!r}")
+        if blocks < 0:
+            raise ValueError(f"blocks must be >= 0, got {blocks!r}")
+        self.updates_applied.labels(kind=kind).inc(blocks)

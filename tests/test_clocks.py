@@ -1,0 +1,77 @@
+import threading
+import time
+
+import pytest
+
+from tether.server.clocks import WorkerClocks
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_min_max_and_monotonic_clocks() -> None:
+    clocks = WorkerClocks(lease_s=10)
+    clocks.update("a", 3)
+    clocks.update("b", 7)
+    clocks.update("a", 2)  # late message: clocks never go back
+    s = clocks.state()
+    assert (s.min_clock, s.max_clock, s.live_workers) == (3, 7, 2)
+    assert clocks.lag(8) == 4
+
+
+def test_expired_lease_drops_worker_and_return_re_registers() -> None:
+    now = FakeTime()
+    clocks = WorkerClocks(lease_s=5, now=now)
+    clocks.update("slow", 1)
+    clocks.update("fast", 9)
+    now.t = 3
+    clocks.update("fast", 10)
+    now.t = 6  # slow's lease (last seen at 0) has expired
+    assert clocks.state().min_clock == 10 and clocks.state().live_workers == 1
+    clocks.update("slow", 2)
+    assert clocks.state().min_clock == 2
+
+
+def test_leave_removes_worker() -> None:
+    clocks = WorkerClocks()
+    clocks.update("a", 1)
+    clocks.update("b", 5)
+    clocks.update("a", 1, leave=True)
+    assert clocks.state().min_clock == 5
+
+
+def test_wait_blocks_until_bound_holds() -> None:
+    clocks = WorkerClocks(lease_s=30)
+    clocks.update("slow", 0)
+    clocks.update("fast", 5)
+    ok, _ = clocks.wait(5, bound=2, timeout_s=0.2)
+    assert not ok
+    threading.Timer(0.2, lambda: clocks.update("slow", 3)).start()
+    start = time.monotonic()
+    ok, state = clocks.wait(5, bound=2, timeout_s=10)
+    assert ok and state.min_clock == 3 and time.monotonic() - start < 5
+
+
+def test_wait_ends_when_the_straggler_lease_expires() -> None:
+    clocks = WorkerClocks(lease_s=0.4)
+    clocks.update("dead", 0)
+    clocks.update("alive", 4)
+
+    def keep_alive() -> None:
+        for _ in range(10):
+            clocks.update("alive", 4)
+            time.sleep(0.1)
+
+    threading.Thread(target=keep_alive, daemon=True).start()
+    ok, state = clocks.wait(4, bound=1, timeout_s=5)
+    assert ok and state.live_workers == 1
+
+
+def test_bad_lease() -> None:
+    with pytest.raises(ValueError, match="lease_s must be > 0, got 0"):
+        WorkerClocks(lease_s=0)

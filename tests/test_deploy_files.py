@@ -1,0 +1,430 @@
+"""deploy/: Prometheus config and alerts (promtool), Grafana dashboard, Kubernetes manifests, Dockerfile."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tether.server.metrics import ShardMetrics
+from tether.worker.metrics import WorkerMetrics
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+PROM = DEPLOY / "prometheus"
+K8S = DEPLOY / "k8s"
+DASHBOARD = DEPLOY / "grafana" / "tether-dashboard.json"
+K8S_VERSIONS = ("1.30", "latest")  # 1.30: oldest we support (pod-index label, grpc probes GA)
+NAMESPACE = "tether"
+
+# The CLI the manifests call (tether.deploy.cli); every one of these must be passed explicitly.
+SERVER_FLAGS = ("--host", "--port", "--shard-index", "--num-shards", "--metrics-port", "--checkpoint-dir")
+WORKER_FLAGS = ("--shards", "--worker-index", "--num-workers", "--mode", "--steps", "--batch-size", "--metrics-port")
+
+# ---------------------------------------------------------------- helpers
+
+
+def _yaml() -> Any:
+    try:
+        import yaml
+    except ImportError:
+        pytest.fail("PyYAML not installed: pip install pyyaml")
+    return yaml
+
+
+def _kubernetes_validate() -> Any:
+    try:
+        import kubernetes_validate
+    except ImportError:
+        pytest.fail("kubernetes-validate not installed: pip install kubernetes-validate")
+    return kubernetes_validate
+
+
+def _promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail("promtool not found: apt-get install prometheus (Debian/Ubuntu) or put the Prometheus release's promtool on PATH")
+    return path
+
+
+def _run_promtool(*args: str) -> str:
+    proc = subprocess.run([_promtool(), *args], capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"promtool {' '.join(args)} failed:\n{out}"
+    return out
+
+
+def _load_all(path: Path) -> list[dict[str, Any]]:
+    return [d for d in _yaml().safe_load_all(path.read_text()) if d]
+
+
+def _k8s_docs() -> list[tuple[str, dict[str, Any]]]:
+    return [(p.name, d) for p in sorted(K8S.glob("*.yaml")) for d in _load_all(p)]
+
+
+def _find(kind: str, name: str) -> dict[str, Any]:
+    hits = [d for _, d in _k8s_docs() if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(hits) == 1, f"expected one {kind}/{name} under deploy/k8s, found {len(hits)}"
+    return hits[0]
+
+
+def _exposed_names() -> set[str]:
+    """Every series name ShardMetrics and WorkerMetrics can expose, suffixes included."""
+    registry = CollectorRegistry()
+    ShardMetrics(registry)
+    WorkerMetrics(registry)
+    suffixes = {
+        "counter": ("_total", "_created"),
+        "gauge": ("",),
+        "histogram": ("_bucket", "_count", "_sum", "_created"),
+        "summary": ("", "_count", "_sum", "_created"),
+    }
+    return {m.name + s for m in registry.collect() for s in suffixes[m.type]}
+
+
+_KEYWORDS = {"and", "or", "unless", "bool", "offset", "inf", "nan", "by", "without", "on", "ignoring",
+             "group_left", "group_right"}
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression selects (Grafana $variables allowed)."""
+    s = re.sub(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`', '""', expr)
+    s = re.sub(r"\{[^}]*\}", " ", s)
+    s = re.sub(r"\[[^\]]*\]", " ", s)
+    s = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)
+    s = re.sub(r"\$\{?\w+\}?", " ", s)
+    names = set()
+    for m in re.finditer(r"(?<![\w.:$])([A-Za-z_:][\w:]*)(?![\w:]|\s*\()", s):
+        if m.group(1).lower() not in _KEYWORDS:
+            names.add(m.group(1))
+    return names
+
+
+def test_promql_metric_names_parser() -> None:
+    expr = ('histogram_quantile(0.99, sum by (job, le) (rate(tether_shard_push_staleness_bucket'
+            '{job=~"$shard_job", le!="x y"}[$__rate_interval]))) >= on (job) 0.8 * max(foo:bar) > 1e9'
+            ' and time() - up offset 5m')
+    assert promql_metric_names(expr) == {"tether_shard_push_staleness_bucket", "foo:bar", "up"}
+
+
+# ---------------------------------------------------------------- prometheus
+
+
+def _supports_kubernetes_sd(tmp_path: Path) -> bool:
+    probe = tmp_path / "probe.yml"
+    probe.write_text("scrape_configs:\n  - job_name: p\n    kubernetes_sd_configs:\n      - role: pod\n")
+    proc = subprocess.run([_promtool(), "check", "config", str(probe)], capture_output=True, text=True, timeout=60)
+    return proc.returncode == 0
+
+
+def test_prometheus_config(tmp_path: Path) -> None:
+    config = _yaml().safe_load((PROM / "prometheus.yml").read_text())
+    assert config["rule_files"] == ["alerts.yml"]
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert any("static_configs" in j for j in jobs.values()), "no static job for a local cluster"
+    k8s_jobs = [j for j in jobs.values() if "kubernetes_sd_configs" in j]
+    assert k8s_jobs, "no kubernetes_sd_configs job"
+    if _supports_kubernetes_sd(tmp_path):
+        _run_promtool("check", "config", str(PROM / "prometheus.yml"))
+        return
+    # Debian's promtool is built without Kubernetes discovery: check everything else it can
+    # (relabel rules included) with the discovery block swapped for an empty static one.
+    for job in k8s_jobs:
+        del job["kubernetes_sd_configs"]
+        job["static_configs"] = [{"targets": []}]
+    config["rule_files"] = [str(PROM / "alerts.yml")]
+    stripped = tmp_path / "prometheus.yml"
+    stripped.write_text(_yaml().safe_dump(config))
+    _run_promtool("check", "config", str(stripped))
+
+
+def test_kubernetes_scrape_job_matches_manifests() -> None:
+    config = _yaml().safe_load((PROM / "prometheus.yml").read_text())
+    (job,) = [j for j in config["scrape_configs"] if "kubernetes_sd_configs" in j]
+    (sd,) = job["kubernetes_sd_configs"]
+    assert sd["role"] == "pod"
+    assert sd["namespaces"]["names"] == [NAMESPACE]
+    relabels = job["relabel_configs"]
+    sources = {src for r in relabels for src in r.get("source_labels", [])}
+    for ann in ("prometheus.io/scrape", "prometheus.io/port", "prometheus.io/path"):
+        meta = "__meta_kubernetes_pod_annotation_" + re.sub(r"[^A-Za-z0-9_]", "_", ann)
+        assert meta in sources, f"{meta} not used by the relabel rules"
+    (keep,) = [r for r in relabels if r.get("action") == "keep"]
+    # every scraped pod template carries the annotations and a component label -> job tether-<component>
+    (job_rule,) = [r for r in relabels if r.get("target_label") == "job"]
+    for kind, name in (("StatefulSet", "tether-shard"), ("Job", "tether-worker-async"), ("Job", "tether-worker-sync")):
+        meta = _find(kind, name)["spec"]["template"]["metadata"]
+        assert re.fullmatch(keep["regex"], meta["annotations"]["prometheus.io/scrape"])
+        ports = {p["name"]: p["containerPort"] for p in _find(kind, name)["spec"]["template"]["spec"]["containers"][0]["ports"]}
+        assert int(meta["annotations"]["prometheus.io/port"]) == ports["metrics"]
+        component = meta["labels"]["app.kubernetes.io/component"]
+        job_name = re.sub(re.compile(job_rule["regex"]), job_rule["replacement"].replace("$1", r"\1"), component)
+        assert job_name in ("tether-shard", "tether-worker"), job_name
+
+
+def test_alert_rules_check() -> None:
+    out = _run_promtool("check", "rules", str(PROM / "alerts.yml"))
+    assert "SUCCESS: 4 rules found" in out, out
+
+
+def test_alert_rules_unit_tests() -> None:
+    test_file = PROM / "alerts_test.yml"
+    tests = _yaml().safe_load(test_file.read_text())["tests"]
+    tested = {t["alertname"] for group in tests for t in group.get("alert_rule_test", []) if t.get("exp_alerts")}
+    assert {"TetherWorkerStuck", "TetherRejectedUpdatesRising"} <= tested, tested
+    out = _run_promtool("test", "rules", str(test_file))
+    assert "SUCCESS" in out, out
+
+
+def test_alert_rules_shape_and_metric_names() -> None:
+    groups = _yaml().safe_load((PROM / "alerts.yml").read_text())["groups"]
+    rules = {r["alert"]: r for g in groups for r in g["rules"]}
+    assert set(rules) == {"TetherWorkerStuck", "TetherStalenessNearBound", "TetherShardDown", "TetherRejectedUpdatesRising"}
+    known = _exposed_names() | {"up"}
+    for name, rule in rules.items():
+        assert rule.get("for"), f"{name} has no for:"
+        assert rule["labels"]["severity"] in ("info", "warning", "critical"), name
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
+        unknown = promql_metric_names(rule["expr"]) - known
+        assert not unknown, f"{name} uses metrics nobody exports: {sorted(unknown)}"
+    assert "tether_shard_staleness_bound" in rules["TetherStalenessNearBound"]["expr"]
+    assert "histogram_quantile(0.99" in rules["TetherStalenessNearBound"]["expr"]
+    assert "absent(" in rules["TetherShardDown"]["expr"]
+
+
+# ---------------------------------------------------------------- grafana
+
+
+def _panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for p in dashboard["panels"]:
+        out.append(p)
+        out.extend(p.get("panels", []))  # collapsed rows nest their panels
+    return out
+
+
+def test_dashboard_parses_and_is_importable() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert 36 <= dashboard["schemaVersion"] <= 41
+    assert dashboard["uid"] and dashboard["title"]
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    ids = [p["id"] for p in _panels(dashboard)]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for p in _panels(dashboard):
+        if p["type"] == "row":
+            continue
+        assert p["datasource"]["uid"] == "${datasource}", p["title"]
+        assert p["targets"], p["title"]
+        assert set(p["gridPos"]) == {"h", "w", "x", "y"} and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24, p["title"]
+        for t in p["targets"]:
+            assert t["datasource"]["uid"] == "${datasource}", p["title"]
+
+
+def test_dashboard_queries_use_only_exported_metrics() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    known = _exposed_names()
+    used: set[str] = set()
+    for p in _panels(dashboard):
+        for t in p.get("targets", []):
+            names = promql_metric_names(t["expr"])
+            assert names, f"panel {p['title']!r}: no metric in {t['expr']!r}"
+            unknown = names - known
+            assert not unknown, f"panel {p['title']!r} queries metrics nobody exports: {sorted(unknown)}"
+            used |= names
+    for v in dashboard["templating"]["list"]:
+        if v["type"] == "query":
+            (metric,) = re.findall(r"label_values\((\w+)", v["definition"])
+            assert metric in known, v["name"]
+    wanted = {
+        "tether_worker_samples_total", "tether_worker_train_loss", "tether_worker_step_phase_seconds_sum",
+        "tether_shard_push_staleness_bucket", "tether_shard_rows_pulled_total", "tether_shard_rows_pushed_total",
+        "tether_shard_table_rows", "tether_shard_table_memory_bytes", "tether_shard_live_workers",
+        "tether_shard_worker_clock_min", "tether_shard_worker_clock_max", "tether_shard_requests_total",
+        "tether_shard_request_duration_seconds_bucket", "tether_shard_last_checkpoint_timestamp_seconds",
+        "tether_shard_updates_rejected_total",
+    }
+    assert not wanted - used, f"dashboard lacks panels for {sorted(wanted - used)}"
+
+
+def test_dashboard_promql_parses(tmp_path: Path) -> None:
+    """Every panel query is valid PromQL once Grafana's variables are substituted."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    rules = []
+    for p in _panels(dashboard):
+        for t in p.get("targets", []):
+            expr = t["expr"].replace("$__rate_interval", "1m").replace("$__interval", "1m")
+            expr = re.sub(r"\$\{?\w+\}?", ".*", expr)
+            rules.append({"record": f"tether:dashboard_panel{p['id']}_{t['refId']}:check", "expr": expr})
+    path = tmp_path / "dashboard_rules.yml"
+    path.write_text(_yaml().safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    _run_promtool("check", "rules", str(path))
+
+
+# ---------------------------------------------------------------- kubernetes
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_manifests_validate_against_kubernetes_schemas(version: str) -> None:
+    kv = _kubernetes_validate()
+    if version == "latest":
+        version = kv.latest_version()
+    docs = _k8s_docs()
+    assert {d["kind"] for _, d in docs} >= {"ConfigMap", "Service", "StatefulSet", "Job"}
+    for filename, doc in docs:
+        try:
+            kv.validate(doc, version, strict=True)
+        except kv.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            pytest.fail(f"{filename}: {doc['kind']}/{doc['metadata']['name']} invalid for Kubernetes {version} at {path}: {exc.message}")
+        except kv.SchemaNotFoundError as exc:
+            pytest.fail(f"{filename}: {exc.message}")
+        assert doc["metadata"].get("namespace", NAMESPACE) == NAMESPACE or doc["kind"] == "Namespace"
+
+
+def test_kubernetes_validate_catches_a_typo() -> None:
+    kv = _kubernetes_validate()
+    sts = _find("StatefulSet", "tether-shard")
+    broken = json.loads(json.dumps(sts))
+    broken["spec"]["template"]["spec"]["containers"][0]["readynessProbe"] = {}
+    with pytest.raises(kv.ValidationError):
+        kv.validate(broken, "1.30", strict=True)
+
+
+def _container(workload: dict[str, Any]) -> dict[str, Any]:
+    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _flag_values(args: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for i, a in enumerate(args):
+        if a.startswith("--") and "=" not in a and i + 1 < len(args):
+            out[a] = args[i + 1]
+    return out
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_shards_statefulset() -> None:
+    config = _find("ConfigMap", "tether-config")["data"]
+    svc = _find("Service", "tether-shard")
+    sts = _find("StatefulSet", "tether-shard")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert _selects(sts["spec"]["selector"]["matchLabels"], pod_labels)
+    assert _selects(svc["spec"]["selector"], pod_labels)
+    replicas = sts["spec"]["replicas"]
+    assert replicas == 2 == int(config["TETHER_NUM_SHARDS"])
+    expected = ",".join(f"tether-shard-{i}.tether-shard.{NAMESPACE}.svc.cluster.local:50051" for i in range(replicas))
+    assert config["TETHER_SHARDS"] == expected
+
+    c = _container(sts)
+    assert c["args"][0] == "server"
+    flags = _flag_values(c["args"])
+    assert set(SERVER_FLAGS) <= set(flags), sorted(set(SERVER_FLAGS) - set(flags))
+    assert flags["--host"] == "0.0.0.0" and flags["--port"] == "50051" and flags["--metrics-port"] == "9100"
+    assert flags["--shard-index"] == "$(TETHER_SHARD_INDEX)"
+    env = {e["name"]: e for e in c.get("env", [])}
+    assert env["TETHER_SHARD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"grpc": 50051, "metrics": 9100}
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["grpc"]["port"] == 50051, probe
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    (mount,) = c["volumeMounts"]
+    assert mount["name"] == claim["metadata"]["name"]
+    assert mount["mountPath"] == flags["--checkpoint-dir"] == "/var/lib/tether"
+    ann = sts["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "9100"
+
+
+@pytest.mark.parametrize("name", ["tether-worker-async", "tether-worker-sync"])
+def test_worker_jobs(name: str) -> None:
+    config = _find("ConfigMap", "tether-config")["data"]
+    job = _find("Job", name)
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["parallelism"] == spec["completions"] == 4 == int(config["TETHER_NUM_WORKERS"])
+    c = _container(job)
+    args = c["args"]
+    if name == "tether-worker-async":
+        assert "command" not in c and args[0] == "worker"
+        assert _flag_values(args)["--mode"] == "$(TETHER_MODE)"
+        assert config["TETHER_MODE"] in ("async",) or config["TETHER_MODE"].startswith("ssp:")
+    else:
+        assert c["command"] == ["torchrun"]
+        assert args[args.index("-m") + 1] == "tether.worker"
+        torchrun = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args[: args.index("-m")]}
+        assert torchrun["--nnodes"] == "$(TETHER_NUM_WORKERS)" and torchrun["--nproc-per-node"] == "1"
+        assert torchrun["--rdzv-backend"] == "c10d"
+        host, port = torchrun["--rdzv-endpoint"].rsplit(":", 1)
+        svc = _find("Service", job["spec"]["template"]["spec"]["subdomain"])
+        assert svc["spec"]["clusterIP"] == "None"
+        assert host == f"{name}-0.{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+        assert int(port) in {p["port"] for p in svc["spec"]["ports"]}
+        assert _selects(svc["spec"]["selector"], {**job["spec"]["template"]["metadata"]["labels"], "batch.kubernetes.io/job-name": name})
+        args = args[args.index("-m") + 2 :]
+        assert _flag_values(args)["--mode"] == "sync"
+    flags = _flag_values(args)
+    assert set(WORKER_FLAGS) <= set(flags), sorted(set(WORKER_FLAGS) - set(flags))
+    assert flags["--worker-index"] == "$(JOB_COMPLETION_INDEX)"
+    assert flags["--shards"] == "$(TETHER_SHARDS)"
+    assert flags["--metrics-port"] == "9100"
+    # $(VAR) references must resolve from the container's environment or Kubernetes' own.
+    env_names = set(config) | {e["name"] for e in c.get("env", [])} | {"JOB_COMPLETION_INDEX"}
+    assert any(src["configMapRef"]["name"] == "tether-config" for src in c["envFrom"])
+    for ref in re.findall(r"\$\((\w+)\)", " ".join(args)):
+        assert ref in env_names, ref
+
+
+def test_servicemonitor_selects_the_shard_service() -> None:
+    docs = _load_all(K8S / "prometheus-operator" / "servicemonitor.yaml")
+    (sm,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    svc = _find("Service", "tether-shard")
+    assert _selects(sm["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"])
+    assert sm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "shard"
+    assert svc["metadata"]["namespace"] in sm["spec"]["namespaceSelector"]["matchNames"]
+    svc_ports = {p["name"] for p in svc["spec"]["ports"]}
+    for endpoint in sm["spec"]["endpoints"]:
+        assert endpoint["port"] in svc_ports
+    pms = [d for d in docs if d["kind"] == "PodMonitor"]
+    for pm in pms:
+        assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+        for job_name in ("tether-worker-async", "tether-worker-sync"):
+            job = _find("Job", job_name)
+            assert _selects(pm["spec"]["selector"]["matchLabels"], job["spec"]["template"]["metadata"]["labels"])
+            names = {p["name"] for p in _container(job)["ports"]}
+            assert {e["port"] for e in pm["spec"]["podMetricsEndpoints"]} <= names
+
+
+# ---------------------------------------------------------------- docker
+
+
+def test_dockerfile() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)", "\n".join(lines), flags=re.M))
+    (base,) = [ln.split()[1] for ln in lines if ln.startswith("FROM ")]
+    base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base)
+    assert base == "python:3.11-slim"
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert re.search(r'pip install --index-url "\$\{TORCH_INDEX_URL\}"', text)
+    assert re.search(r"^COPY \. ", text, flags=re.M)
+    assert re.search(r"pip install /src", text)
+    assert 'ENTRYPOINT ["tether"]' in lines
+    assert re.search(r"^USER ", text, flags=re.M), "run as a non-root user"
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^tether = "tether\.deploy\.cli:main"', pyproject, flags=re.M)

@@ -1,0 +1,66 @@
+"""Prometheus metrics of one worker, registered in a caller-supplied registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tether.protos.metrics_http import serve_metrics
+
+__all__ = ["PHASES", "PHASE_BUCKETS", "STEP_BUCKETS", "WorkerMetrics", "serve_metrics"]
+
+PHASES: tuple[str, ...] = ("pull_wait", "compute", "push", "staleness_wait")
+# 50us .. 10s: a prefetched pull costs ~nothing, an ssp wait behind a straggler costs seconds.
+PHASE_BUCKETS: tuple[float, ...] = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+    0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+STEP_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+
+class WorkerMetrics:
+    """Every metric a worker exports; label values are bounded (phase, rpc, code)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        """Create the metrics in ``registry``; a second instance needs a second registry."""
+        if registry is None:
+            raise ValueError("registry must be a CollectorRegistry, got None")
+        r = registry
+        self.registry = registry
+
+        self.phase_seconds = Histogram(
+            "tether_worker_step_phase_seconds",
+            "Time spent in one phase of a step (pull_wait, compute, push, staleness_wait).",
+            ["phase"], buckets=PHASE_BUCKETS, registry=r)
+        self.step_seconds = Histogram(
+            "tether_worker_step_duration_seconds", "Wall time of one training step.",
+            buckets=STEP_BUCKETS, registry=r)
+        self.samples = Counter("tether_worker_samples_total", "Training samples processed.", registry=r)
+        self.steps = Counter("tether_worker_steps_total", "Training steps completed.", registry=r)
+        self.train_loss = Gauge("tether_worker_train_loss", "Loss of the last training batch.", registry=r)
+        self.clock = Gauge("tether_worker_clock", "This worker's clock (completed steps).", registry=r)
+        self.staleness_wait_seconds = Counter(
+            "tether_worker_staleness_wait_seconds_total",
+            "Seconds spent blocked by the staleness bound.", registry=r)
+        self.retries = Counter(
+            "tether_worker_retries_total", "RPC attempts retried after a transient failure, by method.",
+            ["rpc"], registry=r)
+        self.rpc_errors = Counter(
+            "tether_worker_rpc_errors_total", "RPCs that failed, by method and gRPC status code.",
+            ["rpc", "code"], registry=r)
+        self.last_step_timestamp = Gauge(
+            "tether_worker_last_step_timestamp_seconds", "Unix time the last step finished.", registry=r)
+
+        for phase in PHASES:
+            self.phase_seconds.labels(phase=phase)
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        """Record ``seconds`` spent in ``phase``; staleness waits also feed the wait counter."""
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        if seconds < 0:
+            raise ValueError(f"seconds must be >= 0, got {seconds!r}")
+        self.phase_seconds.labels(phase=phase).observe(seconds)
+        if phase == "staleness_wait":
+            self.staleness_wait_seconds.inc(seconds)
