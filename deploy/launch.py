@@ -77,7 +77,9 @@ class LocalCluster:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            # One intra-op thread per process unless the user says otherwise: several processes
+            # share the cores, and OpenMP spin-waiting under oversubscription halves throughput.
+            env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         sink = log_path.open("w")
         pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{name}] ", sink, echo), daemon=True)

@@ -208,6 +208,26 @@ def _init_sync(cfg: WorkerConfig, device: torch.device) -> WorkerConfig:
     return replace(cfg, worker_index=dist.get_rank(), num_workers=dist.get_world_size())
 
 
+def _join(ps: PSModel, cfg: WorkerConfig) -> int:
+    """SSP start: register, then wait (bounded) until every worker of the job has, so no one
+    runs ahead of a worker that has not started yet.
+
+    Returns:
+        The clock to start from: 0 in a new job; a worker restarted into a running job starts
+        at the slowest other worker's clock rather than holding everyone back at 0.
+    """
+    deadline = time.monotonic() + cfg.ssp_timeout_s
+    while True:
+        reply = ps.client.clock(0)
+        if reply.live_workers >= cfg.num_workers:
+            return reply.min_other_clock
+        if time.monotonic() > deadline:
+            raise DeadlineExceeded(
+                f"only {reply.live_workers} of {cfg.num_workers} workers joined within {cfg.ssp_timeout_s:.0f}s"
+            )
+        time.sleep(0.05)
+
+
 def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[str], None] = print) -> dict[str, object]:
     """Run the training loop of one worker and return its record (also written to ``cfg.out``).
 
@@ -235,6 +255,7 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
     history: list[dict[str, object]] = []
     staleness: list[int] = []
     digests: list[str] = []
+    start_clock = _join(ps, cfg) if kind == "ssp" else 0
     batch = next(stream)
     pending = None
     push = None
@@ -244,10 +265,10 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         if kind == "ssp":
-            reply = ps.client.clock(step, wait_bound=bound, timeout_s=cfg.ssp_timeout_s)
+            reply = ps.client.clock(start_clock + step, wait_bound=bound, timeout_s=cfg.ssp_timeout_s)
             if not reply.ready:
                 raise DeadlineExceeded(
-                    f"{name} waited {cfg.ssp_timeout_s:.0f}s at clock {step} for the slowest live worker (clock {reply.min_clock}, bound {bound})"
+                    f"{name} waited {cfg.ssp_timeout_s:.0f}s at clock {start_clock + step} for the slowest live worker (clock {reply.min_clock}, bound {bound})"
                 )
         tw = time.perf_counter()
         if pending is None:
@@ -271,7 +292,7 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
         t2 = time.perf_counter()
         if push is not None:
             staleness.append(push.result(cfg.timeout_s * 4).clock_staleness)
-        push = ps.push(clock=step + 1, versions=pulled, sparse_scale=1.0 / cfg.num_workers if kind == "sync" else 1.0)
+        push = ps.push(clock=start_clock + step + 1, versions=pulled, sparse_scale=1.0 / cfg.num_workers if kind == "sync" else 1.0)
         if kind != "async":
             # The step's updates must land before this worker's clock (or the barrier) lets
             # anyone read past them.
@@ -294,7 +315,7 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
             metrics.samples.inc(batch.labels.numel())
             metrics.steps.inc()
             metrics.train_loss.set(loss_value)
-            metrics.clock.set(step + 1)
+            metrics.clock.set(start_clock + step + 1)
             metrics.last_step_timestamp.set(time.time())
         last = step + 1 == cfg.steps
         evaluate = cfg.worker_index == 0 and cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last)
@@ -324,7 +345,7 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
         staleness.append(push.result(cfg.timeout_s * 4).clock_staleness)
     wall = time.perf_counter() - t_start - eval_time
     if kind == "ssp":
-        ps.client.clock(cfg.steps, leave=True)
+        ps.client.clock(start_clock + cfg.steps, leave=True)
     result: dict[str, object] = {
         "worker_index": cfg.worker_index,
         "mode": cfg.mode,
