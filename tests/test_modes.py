@@ -43,7 +43,7 @@ def test_async_straggler_goes_past_the_bound(tmp_path: Path) -> None:
 
 
 def test_killed_worker_does_not_deadlock_ssp(tmp_path: Path) -> None:
-    cfg = replace(BASE, mode="ssp:1", steps=60, shards=())
+    cfg = replace(BASE, mode="ssp:1", steps=60)
     with LocalCluster(log_dir=tmp_path / "logs", grace_s=5) as cluster:
         addresses = cluster.start_shards(2, extra_args=["--lease-seconds", "2"])
         cluster.start_workers(replace(cfg, shards=tuple(addresses), out=str(tmp_path)), echo=False)
