@@ -46,6 +46,7 @@ def time_op(
     min_iters: int = 1,
     warmup: int = 1,
     max_seconds: float | None = None,
+    warmup_seconds: float = 0.0,
 ) -> list[float]:
     """Run ``op`` repeatedly and return the latency of each call in seconds.
 
@@ -56,20 +57,25 @@ def time_op(
         warmup: untimed calls made first (connection set-up, allocator warm-up).
         max_seconds: hard stop for the timed loop even if ``min_iters`` is not reached;
             defaults to ``10 * min_seconds + 30``.
+        warmup_seconds: keep making untimed calls (after ``warmup``) until this much time
+            has passed; large payloads need a while for the allocators to settle.
 
     Raises:
         ValueError: if a bound is negative or ``min_iters`` < 1.
     """
-    if min_seconds < 0 or warmup < 0 or min_iters < 1:
+    if min(min_seconds, warmup, warmup_seconds) < 0 or min_iters < 1:
         raise ValueError(
-            f"need min_seconds >= 0, warmup >= 0, min_iters >= 1; got "
-            f"{min_seconds=}, {warmup=}, {min_iters=}"
+            f"need min_seconds, warmup, warmup_seconds >= 0 and min_iters >= 1; got "
+            f"{min_seconds=}, {warmup=}, {warmup_seconds=}, {min_iters=}"
         )
     limit = 10 * min_seconds + 30 if max_seconds is None else max_seconds
+    clock = time.perf_counter
     for _ in range(warmup):
         op()
+    warm_until = clock() + warmup_seconds
+    while clock() < warm_until:
+        op()
     latencies: list[float] = []
-    clock = time.perf_counter
     start = clock()
     while True:
         t0 = clock()

@@ -132,7 +132,9 @@ class SocketEchoPeer:
 
     def roundtrip_mbps(self, size: int, seconds: float) -> float:
         """MiB/s (sent + received) of back-to-back round trips of ``size`` bytes."""
-        lat = time_op(lambda: self.roundtrip(size), min_seconds=seconds, min_iters=3)
+        lat = time_op(
+            lambda: self.roundtrip(size), seconds, min_iters=3, warmup_seconds=seconds / 2
+        )
         return mib_per_s(2 * size, lat)
 
 
@@ -211,7 +213,7 @@ class GrpcEchoPeer:
     def echo_mbps(self, size: int, seconds: float) -> float:
         """MiB/s (request + response bytes) of back-to-back echo calls of ``size`` bytes."""
         payload = bytes(size)
-        lat = time_op(lambda: self.echo(payload), min_seconds=seconds, min_iters=3)
+        lat = time_op(lambda: self.echo(payload), seconds, min_iters=3, warmup_seconds=seconds / 2)
         return mib_per_s(2 * size, lat)
 
     def small_calls(self, seconds: float, size: int = 8) -> dict[str, float]:

@@ -244,7 +244,9 @@ def _dense_job(sizes: list[int], seconds: float) -> dict[int, float]:
             _call("ps0", "push", name, grad)
             _call("ps0", "pull", name)
 
-        out[size] = mib_per_s(2 * size, time_op(step, min_seconds=seconds, min_iters=3))
+        out[size] = mib_per_s(
+            2 * size, time_op(step, seconds, min_iters=3, warmup_seconds=seconds / 2)
+        )
     return out
 
 
@@ -285,7 +287,7 @@ def _sparse_job(num_servers: int, num_ids: int, seconds: float) -> float:
         for f in pushes:
             f.wait()
 
-    lat = time_op(step, min_seconds=seconds, min_iters=3, warmup=2)
+    lat = time_op(step, seconds, min_iters=3, warmup=2, warmup_seconds=seconds / 2)
     return num_ids * len(lat) / sum(lat)
 
 
