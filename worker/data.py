@@ -41,6 +41,7 @@ class SyntheticConfig:
     vocab_size: int = 100_000
     zipf_exponent: float = 1.1
     interaction_dim: int = 4
+    id_scale: float = 0.55
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -50,6 +51,8 @@ class SyntheticConfig:
             raise ValueError(f"vocab_size must be >= 2, got {self.vocab_size!r}")
         if not self.zipf_exponent > 0:
             raise ValueError(f"zipf_exponent must be > 0, got {self.zipf_exponent!r}")
+        if not self.id_scale >= 0:
+            raise ValueError(f"id_scale must be >= 0, got {self.id_scale!r}")
         if self.interaction_dim < 1:
             raise ValueError(f"interaction_dim must be >= 1, got {self.interaction_dim!r}")
 
@@ -78,7 +81,6 @@ class SyntheticClickLog:
     """
 
     BIAS = -1.2
-    ID_SCALE = 0.55
     DENSE_SCALE = 0.35
     INTERACTION_SCALE = 0.7
 
@@ -111,7 +113,7 @@ class SyntheticClickLog:
         keys = ids.astype(np.uint64)
         salt = c.seed * 1_000_003
         logit = self.BIAS + dense.astype(np.float64) @ self._dense_w
-        logit = logit + self.ID_SCALE * _normal(keys, salt + 11).sum(axis=1)
+        logit = logit + c.id_scale * _normal(keys, salt + 11).sum(axis=1)
         k = c.interaction_dim
         dims = np.arange(k, dtype=np.uint64)[None, :] * _GOLDEN
         with np.errstate(over="ignore"):
@@ -242,7 +244,9 @@ def iterate(data: Batch, batch_size: int, rank: int = 0, world_size: int = 1, ep
 def write_criteo_sample(path: str | Path, num_lines: int, seed: int = 0, missing_rate: float = 0.05) -> None:
     """Write a small, valid Criteo-format TSV drawn from the synthetic generator (with missing
     values), for tests and for trying the Criteo path without the real data set."""
-    gen = SyntheticClickLog(SyntheticConfig(num_dense=CRITEO_DENSE, num_sparse=CRITEO_SPARSE, vocab_size=5000, seed=seed))
+    # Per-field weights scaled so 26 fields carry about as much signal as the default 8.
+    config = SyntheticConfig(num_dense=CRITEO_DENSE, num_sparse=CRITEO_SPARSE, vocab_size=2000, id_scale=0.3, seed=seed)
+    gen = SyntheticClickLog(config)
     batch = next(gen.batches(num_lines, 1))
     rng = np.random.default_rng([seed, 99])
     counts = np.floor(np.exp(np.abs(batch.dense.numpy()) * 2)).astype(np.int64)
