@@ -8,6 +8,7 @@ column per categorical field (each field is its own embedding table ``cat_<j>``)
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 
 from tether.protos.partition import mix64
 
-__all__ = ["Batch", "SyntheticClickLog", "SyntheticConfig", "iterate", "load_criteo", "write_criteo_sample"]
+__all__ = ["Batch", "CriteoTSV", "SyntheticClickLog", "SyntheticConfig", "iterate", "load_criteo", "write_criteo_sample"]
 
 _ID_MASK = np.uint64((1 << 62) - 1)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -161,46 +162,128 @@ class SyntheticClickLog:
 CRITEO_DENSE = 13
 CRITEO_SPARSE = 26
 
+# A categorical value is 1-16 hex digits; int(s, 16) alone would also take "0x1f", "-1f",
+# "1_f" and " 1f", and a 17th digit would overflow the uint64 it is stored in.
+_HEX = re.compile(r"[0-9a-fA-F]{1,16}")
+# Missing categorical values are stored as this raw value (so each field gets one reserved id).
+_MISSING = (1 << 64) - 1
+# Dense counts are clamped here before log1p; far beyond any real count, and float64-safe.
+_DENSE_CAP = 1 << 62
 
-def _parse_criteo(path: Path) -> Batch:
-    labels: list[float] = []
-    dense: list[list[float]] = []
-    cats: list[list[int]] = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            cols = line.rstrip("\n").split("\t")
-            if len(cols) != 1 + CRITEO_DENSE + CRITEO_SPARSE:
-                raise ValueError(f"{path}:{lineno}: expected {1 + CRITEO_DENSE + CRITEO_SPARSE} tab-separated columns, got {len(cols)}")
+
+class CriteoTSV:
+    """A Criteo-format TSV file: ``label``, integer columns, hex categorical columns, any empty.
+
+    Dense values: missing or negative -> 0, then ``log1p``. Categorical values: the hex value
+    hashed with its field index into a non-negative int64 id (so fields do not collide);
+    missing -> one reserved id per field.
+
+    Args:
+        path: the file.
+        num_dense: integer columns per line (13 in Criteo).
+        num_sparse: categorical columns per line (26 in Criteo).
+
+    Raises:
+        ValueError: a column count below 1.
+    """
+
+    def __init__(self, path: str | Path, num_dense: int = CRITEO_DENSE, num_sparse: int = CRITEO_SPARSE) -> None:
+        if num_dense < 1 or num_sparse < 1:
+            raise ValueError(f"num_dense and num_sparse must be >= 1, got {num_dense!r}, {num_sparse!r}")
+        self.path = Path(path)
+        self.num_dense = num_dense
+        self.num_sparse = num_sparse
+        with np.errstate(over="ignore"):
+            self._field_salts = mix64(np.arange(num_sparse, dtype=np.uint64)[None, :] + np.uint64(0xC817E0))
+
+    def _parse_line(self, lineno: int, line: str) -> tuple[float, list[int], list[int]]:
+        """One line as (label, dense counts, raw categorical values).
+
+        Raises:
+            ValueError: a malformed line; the message names the file and line.
+        """
+        cols = line.rstrip("\r\n").split("\t")
+        want = 1 + self.num_dense + self.num_sparse
+        if len(cols) != want:
+            raise ValueError(f"{self.path}:{lineno}: expected {want} tab-separated columns, got {len(cols)}")
+        if cols[0] not in ("0", "1"):
+            raise ValueError(f"{self.path}:{lineno}: label must be 0 or 1, got {cols[0]!r}")
+        dense = []
+        for j, v in enumerate(cols[1 : 1 + self.num_dense]):
             try:
-                label = int(cols[0])
-                if label not in (0, 1):
-                    raise ValueError
+                dense.append(min(max(int(v), 0), _DENSE_CAP) if v else 0)
             except ValueError:
-                raise ValueError(f"{path}:{lineno}: label must be 0 or 1, got {cols[0]!r}") from None
-            row = []
-            for j, v in enumerate(cols[1 : 1 + CRITEO_DENSE]):
-                try:
-                    row.append(max(int(v), 0) if v else 0)
-                except ValueError:
-                    raise ValueError(f"{path}:{lineno}: integer column {j + 1} is not an integer: {v!r}") from None
-            cat = []
-            for j, v in enumerate(cols[1 + CRITEO_DENSE :]):
-                try:
-                    cat.append(int(v, 16) if v else -1)
-                except ValueError:
-                    raise ValueError(f"{path}:{lineno}: categorical column {j + 1} is not hex: {v!r}") from None
-            labels.append(float(label))
-            dense.append(row)
-            cats.append(cat)
-    if not labels:
-        raise ValueError(f"{path}: no samples")
-    dense_arr = np.log1p(np.asarray(dense, dtype=np.float64)).astype(np.float32)
-    raw = np.asarray(cats, dtype=np.int64)
-    fields = np.arange(CRITEO_SPARSE, dtype=np.uint64)[None, :]
-    # Hash (field, value) so fields do not collide; missing values (-1) get one id per field.
-    with np.errstate(over="ignore"):
-        ids = mix64(raw.view(np.uint64) ^ mix64(fields + np.uint64(0xC817E0)))
-    return Batch(torch.from_numpy(dense_arr), torch.from_numpy((ids & _ID_MASK).astype(np.int64)), torch.tensor(labels, dtype=torch.float32))
+                raise ValueError(f"{self.path}:{lineno}: integer column {j + 1} is not an integer: {v!r}") from None
+        cats = []
+        for j, v in enumerate(cols[1 + self.num_dense :]):
+            if not v:
+                cats.append(_MISSING)
+            elif _HEX.fullmatch(v):
+                cats.append(int(v, 16))
+            else:
+                raise ValueError(f"{self.path}:{lineno}: categorical column {j + 1} is not hex (1-16 digits): {v!r}")
+        return float(cols[0]), dense, cats
+
+    def _to_batch(self, labels: list[float], dense: list[list[int]], cats: list[list[int]]) -> Batch:
+        dense_arr = np.log1p(np.asarray(dense, dtype=np.float64).reshape(-1, self.num_dense)).astype(np.float32)
+        raw = np.asarray(cats, dtype=np.uint64).reshape(-1, self.num_sparse)
+        with np.errstate(over="ignore"):
+            ids = mix64(raw ^ self._field_salts)
+        return Batch(torch.from_numpy(dense_arr), torch.from_numpy((ids & _ID_MASK).astype(np.int64)), torch.tensor(labels, dtype=torch.float32))
+
+    def batches(self, batch_size: int, num_batches: int | None = None, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
+        """One pass over the file in batches of ``rank``'s lines (line ``i`` goes to rank
+        ``i % world_size``); the last batch may be short.
+
+        Args:
+            batch_size: samples per batch.
+            num_batches: stop after this many batches; ``None``: at the end of the file.
+            rank: this worker's index in ``[0, world_size)``.
+            world_size: workers sharing the file.
+
+        Raises:
+            ValueError: bad sizes or rank, or a malformed line of this rank's share.
+            FileNotFoundError: no such file.
+        """
+        if batch_size < 1 or (num_batches is not None and num_batches < 0):
+            raise ValueError(f"batch_size must be >= 1 and num_batches >= 0 or None, got {batch_size!r}, {num_batches!r}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size!r}), got {rank!r}")
+        if num_batches == 0:
+            return
+        done = 0
+        labels: list[float] = []
+        dense: list[list[int]] = []
+        cats: list[list[int]] = []
+        with self.path.open() as f:
+            for i, line in enumerate(f):
+                # Other ranks' lines are skipped unparsed: each worker pays only for its share.
+                if i % world_size != rank:
+                    continue
+                label, d, c = self._parse_line(i + 1, line)
+                labels.append(label)
+                dense.append(d)
+                cats.append(c)
+                if len(labels) == batch_size:
+                    yield self._to_batch(labels, dense, cats)
+                    labels, dense, cats = [], [], []
+                    done += 1
+                    if done == num_batches:
+                        return
+        if labels:
+            yield self._to_batch(labels, dense, cats)
+
+    def read_all(self) -> Batch:
+        """Every line of the file as one batch.
+
+        Raises:
+            ValueError: a malformed line, or an empty file.
+            FileNotFoundError: no such file.
+        """
+        parts = list(self.batches(1 << 16))
+        if not parts:
+            raise ValueError(f"{self.path}: no samples")
+        return Batch(*(torch.cat(ts) for ts in zip(*parts)))
 
 
 def load_criteo(path: str | Path, eval_fraction: float = 0.1) -> tuple[Batch, Batch]:
@@ -215,7 +298,7 @@ def load_criteo(path: str | Path, eval_fraction: float = 0.1) -> tuple[Batch, Ba
     """
     if not 0 < eval_fraction < 1:
         raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
-    everything = _parse_criteo(Path(path))
+    everything = CriteoTSV(path).read_all()
     n = everything.labels.numel()
     cut = n - max(1, int(round(n * eval_fraction)))
     if cut < 1:

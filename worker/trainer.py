@@ -349,6 +349,7 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
     result: dict[str, object] = {
         "worker_index": cfg.worker_index,
         "mode": cfg.mode,
+        "device": str(device),
         "samples": samples,
         "wall_s": wall,
         "samples_per_sec": samples / wall if wall > 0 else math.nan,
@@ -359,6 +360,7 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
     }
     if kind == "sync":
         result["dense_digests"] = digests
+        result["backend"] = allreduce.dist.get_backend()
         if cfg.worker_index == 0:
             # Dense parameters live on the ranks in sync mode, so rank 0 reports the final model.
             result["final_eval"] = evaluate_remote(ps, ds.eval_set, timeout=cfg.timeout_s * 4)
