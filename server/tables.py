@@ -1,8 +1,8 @@
 """Parameter storage of one shard: embedding tables and dense chunks.
 
 Embedding rows live in one contiguous tensor per table (plus one per optimizer state), and
-ids map to row slots through a sorted int64 key array searched with ``numpy.searchsorted``:
-no Python object per row and no Python loop over ids. Updates to one table are applied in a
+ids map to row slots through a vectorised hash index (``tether.server.index``): no Python
+object per row and no Python loop over ids. Updates to one table are applied in a
 short vectorised critical section (gather, update, scatter) under that table's own lock, so
 concurrent pushes never lose an update while pushes to other tables and dense chunks, and all
 pulls, go on in parallel (pulls read without a lock, Hogwild-style).
@@ -18,6 +18,7 @@ import torch
 from tether.protos.errors import InvalidArgument
 from tether.protos.partition import mix64
 from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.server.index import IdIndex
 from tether.server.optimizers import state_shapes, step
 
 __all__ = ["DenseChunk", "EmbeddingTable", "TableConfig", "init_rows"]
@@ -46,9 +47,7 @@ class EmbeddingTable:
         self._lock = threading.Lock()
         self._state_shapes = state_shapes(config.optimizer, config.dim)
         self._rows = 0
-        # (sorted keys, slot of each key): replaced as a whole so lock-free readers always
-        # see a consistent pair.
-        self._index: tuple[np.ndarray, np.ndarray] = (np.empty(0, np.int64), np.empty(0, np.int64))
+        self._index = IdIndex(initial_capacity)
         self._weights = torch.empty(initial_capacity, config.dim)
         self._state = {k: torch.zeros(initial_capacity, *s) for k, s in self._state_shapes.items()}
 
@@ -60,17 +59,8 @@ class EmbeddingTable:
     @property
     def memory_bytes(self) -> int:
         """Bytes held by rows, optimizer state and the id index (allocated capacity)."""
-        keys, slots = self._index
-        total = self._weights.nbytes + keys.nbytes + slots.nbytes
+        total = self._weights.nbytes + self._index.nbytes
         return total + sum(t.nbytes for t in self._state.values())
-
-    def _find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        keys, slots = self._index
-        if len(keys) == 0:
-            return np.full(len(ids), -1, np.int64), np.zeros(len(ids), bool)
-        pos = np.minimum(np.searchsorted(keys, ids), len(keys) - 1)
-        found = keys[pos] == ids
-        return np.where(found, slots[pos], -1), found
 
     def _grow(self, need: int) -> None:
         cap = self._weights.shape[0]
@@ -95,21 +85,24 @@ class EmbeddingTable:
         if "sum" in self._state and cfg.optimizer.initial_accumulator:
             self._state["sum"][n : n + k] = cfg.optimizer.initial_accumulator
         self._rows = n + k
-        keys, slots = self._index
-        pos = np.searchsorted(keys, new_ids)
-        self._index = (np.insert(keys, pos, new_ids), np.insert(slots, pos, np.arange(n, n + k, dtype=np.int64)))
+        self._index.insert(new_ids, np.arange(n, n + k, dtype=np.int64))
 
     def slots(self, ids: np.ndarray) -> torch.Tensor:
         """Row slots of ``ids`` (unique, non-negative int64), creating missing rows."""
-        slots, found = self._find(ids)
-        if not found.all():
+        slots = self._index.lookup(ids)
+        missing = slots < 0
+        if missing.any():
             with self._lock:
-                missing = ids[~found]
-                again, present = self._find(missing)
-                fresh = np.sort(missing[~present])
-                if len(fresh):
+                # Another writer may have created some of them meanwhile.
+                want = ids[missing]
+                again = self._index.lookup(want)
+                new = again < 0
+                if new.any():
+                    fresh, inverse = np.unique(want[new], return_inverse=True)
+                    first = self._rows
                     self._insert(fresh)
-                slots[~found], _ = self._find(missing)
+                    again[new] = first + inverse
+                slots[missing] = again
         return torch.from_numpy(slots)
 
     def pull(self, ids: np.ndarray) -> tuple[torch.Tensor, int]:
@@ -138,10 +131,10 @@ class EmbeddingTable:
     def snapshot(self) -> dict[str, object]:
         """Ids, rows, optimizer state and version, sorted by id (for checkpoints and tests)."""
         with self._lock:
-            keys, slots = self._index
+            keys, slots = self._index.items()
             idx = torch.from_numpy(slots)
             return {
-                "ids": keys.copy(),
+                "ids": keys,
                 "weights": self._weights.index_select(0, idx),
                 "state": {k: t.index_select(0, idx) for k, t in self._state.items()},
                 "version": self.version,

@@ -138,6 +138,8 @@ class SyntheticClickLog:
             raise ValueError(f"batch_size must be >= 1 and num_batches >= 0, got {batch_size!r}, {num_batches!r}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size!r}), got {rank!r}")
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start!r}")
         for i in range(start, start + num_batches):
             yield self._batch(np.random.default_rng([self.config.seed, 1, i * world_size + rank]), batch_size)
 
@@ -313,6 +315,10 @@ def iterate(data: Batch, batch_size: int, rank: int = 0, world_size: int = 1, ep
     passes (``None``: forever)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size!r}), got {rank!r}")
+    if epochs is not None and epochs < 0:
+        raise ValueError(f"epochs must be >= 0 or None, got {epochs!r}")
     share = Batch(*(t[rank::world_size] for t in data))
     n = share.labels.numel()
     if n == 0:
@@ -327,6 +333,10 @@ def iterate(data: Batch, batch_size: int, rank: int = 0, world_size: int = 1, ep
 def write_criteo_sample(path: str | Path, num_lines: int, seed: int = 0, missing_rate: float = 0.05) -> None:
     """Write a small, valid Criteo-format TSV drawn from the synthetic generator (with missing
     values), for tests and for trying the Criteo path without the real data set."""
+    if num_lines < 1:
+        raise ValueError(f"num_lines must be >= 1, got {num_lines!r}")
+    if not 0 <= missing_rate <= 1:
+        raise ValueError(f"missing_rate must be in [0, 1], got {missing_rate!r}")
     # Per-field weights scaled so 26 fields carry about as much signal as the default 8.
     config = SyntheticConfig(num_dense=CRITEO_DENSE, num_sparse=CRITEO_SPARSE, vocab_size=2000, id_scale=0.3, seed=seed)
     gen = SyntheticClickLog(config)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["auc", "constant_baseline_loss", "log_loss"]
+from tether.worker.data import Batch
+
+__all__ = ["auc", "constant_baseline_loss", "evaluate", "log_loss"]
 
 
 def log_loss(logits: torch.Tensor, labels: torch.Tensor) -> float:
@@ -30,6 +33,9 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     if scores.shape != labels.shape:
         raise ValueError(f"scores {tuple(scores.shape)} and labels {tuple(labels.shape)} differ in shape")
     s = scores.double().reshape(-1)
+    if not bool(torch.isfinite(s).all()):
+        # A NaN would sort arbitrarily and give a meaningless number instead of an error.
+        raise ValueError(f"scores must be finite, got {int((~torch.isfinite(s)).sum())} non-finite values")
     y = labels.reshape(-1) > 0.5
     pos, neg = int(y.sum()), int((~y).sum())
     if pos == 0 or neg == 0:
@@ -50,6 +56,44 @@ def constant_baseline_loss(p: float, labels: torch.Tensor) -> float:
     """Log loss of always predicting probability ``p`` (clamped away from 0 and 1)."""
     if not 0 <= p <= 1:
         raise ValueError(f"p must be a probability, got {p!r}")
+    if labels.numel() == 0:
+        raise ValueError("labels must be non-empty")
     p = min(max(p, 1e-7), 1 - 1e-7)
     y = labels.double()
     return float(-(y * math.log(p) + (1 - y) * math.log(1 - p)).mean())
+
+
+def evaluate(model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch: Batch, batch_size: int = 4096) -> dict[str, float]:
+    """Held-out log loss and AUC of an in-process ``model(dense, sparse) -> logits``.
+
+    Runs in eval mode without gradients, in chunks of ``batch_size`` on the model's device,
+    and puts the model back in the mode it was in.
+
+    Returns:
+        ``{"eval_loss": ..., "eval_auc": ...}``.
+
+    Raises:
+        ValueError: ``batch_size < 1``, an empty batch, or labels of one class only.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+    n = batch.labels.numel()
+    if n == 0:
+        raise ValueError("cannot evaluate on an empty batch")
+    is_module = isinstance(model, torch.nn.Module)
+    param = next(model.parameters(), None) if is_module else None
+    device = param.device if param is not None else torch.device("cpu")
+    was_training = model.training if is_module else False
+    if is_module:
+        model.eval()
+    logits = []
+    try:
+        with torch.no_grad():
+            for start in range(0, n, batch_size):
+                part = Batch(*(t[start : start + batch_size] for t in batch))
+                logits.append(model(part.dense.to(device), part.sparse.to(device)).float().cpu())
+    finally:
+        if is_module:
+            model.train(was_training)
+    scores = torch.cat(logits)
+    return {"eval_loss": log_loss(scores, batch.labels), "eval_auc": auc(scores, batch.labels)}
