@@ -115,3 +115,20 @@ def test_sweep_recommends_a_bound(tmp_path: Path) -> None:
     chosen = next(m for m in summary["modes"] if m["mode"] == f"ssp:{summary['recommended_staleness']}")
     assert chosen["final_eval_loss"] <= best * (1 + summary["tolerance"])
     assert "recommended staleness bound" in proc.stdout
+
+
+def test_hard_staleness_limit_rejects_and_training_goes_on(tmp_path: Path) -> None:
+    cfg = replace(BASE, mode="async", steps=40, slowdown=3.0, slow_worker=2)
+    with LocalCluster(log_dir=tmp_path / "logs", grace_s=5) as cluster:
+        addresses = cluster.start_shards(1, extra_args=["--max-staleness", "2"])
+        cluster.start_workers(replace(cfg, shards=tuple(addresses), out=str(tmp_path)), echo=False)
+        cluster.wait_workers(180)
+        from conftest import make_client
+
+        client = make_client(addresses)
+        rejected = client.info()[0].rejected_pushes
+        client.close()
+    records = [json.loads((tmp_path / f"worker-{i}.json").read_text()) for i in range(3)]
+    dropped = sum(r["rejected_too_stale"] for r in records)
+    assert dropped > 0 and dropped == rejected
+    assert all(r["samples"] == 40 * 128 for r in records)

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tether.protos.errors import DeadlineExceeded
+from tether.protos.errors import DeadlineExceeded, TooStale
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.worker.client import ClientConfig, PSClient
+from tether.worker.client import ClientConfig, Handle, PSClient
 from tether.worker.config import WorkerConfig
 from tether.worker.data import Batch, SyntheticClickLog, SyntheticConfig, iterate, load_criteo
 from tether.worker.embedding import PSModel, ShardedEmbeddingBag
@@ -291,6 +291,17 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
     prefetch = cfg.prefetch and kind == "async"
     history: list[dict[str, object]] = []
     staleness: list[int] = []
+    too_stale = 0
+
+    def settle(handle: Handle) -> None:
+        """Wait for a push; one a shard rejected as too stale is dropped and counted."""
+        nonlocal too_stale
+        try:
+            staleness.append(handle.result(cfg.timeout_s * 4).clock_staleness)
+        except TooStale as exc:
+            too_stale += 1
+            log.info("%s", exc)
+
     digests: list[str] = []
     start_clock = _join(ps, cfg) if kind == "ssp" else 0
     batch = next(stream)
@@ -328,12 +339,12 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
             time.sleep((cfg.my_slowdown - 1.0) * (time.perf_counter() - t1))
         t2 = time.perf_counter()
         if push is not None:
-            staleness.append(push.result(cfg.timeout_s * 4).clock_staleness)
+            settle(push)
         push = ps.push(clock=start_clock + step + 1, versions=pulled, sparse_scale=1.0 / cfg.num_workers if kind == "sync" else 1.0)
         if kind != "async":
             # The step's updates must land before this worker's clock (or the barrier) lets
             # anyone read past them.
-            staleness.append(push.result(cfg.timeout_s * 4).clock_staleness)
+            settle(push)
             push = None
             if allreduce is not None:
                 allreduce.dist.barrier()
@@ -379,7 +390,7 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
             break
         batch = upcoming
     if push is not None:
-        staleness.append(push.result(cfg.timeout_s * 4).clock_staleness)
+        settle(push)
     wall = time.perf_counter() - t_start - eval_time
     if kind == "ssp":
         ps.client.clock(start_clock + cfg.steps, leave=True)
@@ -392,6 +403,7 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
         "samples_per_sec": samples / wall if wall > 0 else math.nan,
         "phase_seconds": phase,
         "clock_staleness": staleness,
+        "rejected_too_stale": too_stale,
         "history": history,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
     }
