@@ -1,7 +1,5 @@
 """CTRModel and LocalHashEmbedding: shapes, tables, init, factory contract, and that it learns."""
 
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -42,16 +40,21 @@ def test_factory_builds_one_table_per_field_and_gets_that_fields_ids() -> None:
     assert {id(p) for p in model.parameters()} == {id(p) for p in model.dense_parameters()}
 
 
+def _small(name: str, dim: int) -> nn.Module:
+    return LocalHashEmbedding(dim, num_buckets=1 << 14)
+
+
 def test_interaction_width_and_init_determinism() -> None:
     torch.manual_seed(1)
     model = CTRModel(13, 8, embedding_dim=16, bottom_mlp=(32,), top_mlp=(8,))
     # Top MLP input: bottom output (16) + C(9, 2) = 36 pairwise dots.
     assert model.top[0].in_features == 16 + 36 and model.bottom[-2].out_features == 16
     assert "_pairs" not in model.state_dict()
+    assert model.embeddings[0].table.weight.shape == (1 << 18, 16)  # the documented default
     torch.manual_seed(1)
     same = CTRModel(13, 8, embedding_dim=16, bottom_mlp=(32,), top_mlp=(8,))
     torch.manual_seed(2)
-    other = CTRModel(13, 8, embedding_dim=16, bottom_mlp=(32,), top_mlp=(8,))
+    other = CTRModel(13, 8, embedding_dim=16, bottom_mlp=(32,), top_mlp=(8,), embedding_factory=_small)
     sd, sd_same, sd_other = model.state_dict(), same.state_dict(), other.state_dict()
     assert all(torch.equal(sd[k], sd_same[k]) for k in sd)
     assert not torch.equal(sd["top.0.weight"], sd_other["top.0.weight"])
@@ -99,12 +102,12 @@ def test_adam_training_beats_the_constant_predictor() -> None:
     gen = SyntheticClickLog(SyntheticConfig(vocab_size=5000, seed=3))
     held_out = gen.eval_set(5000)
     torch.manual_seed(0)
-    model = CTRModel(13, 8, embedding_dim=8, top_mlp=(32,))
+    # 2**14 buckets for 5000 ids a field: few collisions, and a fast test.
+    model = CTRModel(13, 8, embedding_dim=8, top_mlp=(32,), embedding_factory=_small)
     # Adam rejects sparse gradients: SparseAdam for the embedding rows, Adam for the MLPs.
     emb_params = [p for e in model.embeddings for p in e.parameters()]
     opts = [torch.optim.SparseAdam(emb_params, lr=0.02), torch.optim.Adam(model.dense_parameters(), lr=3e-3)]
     labels_seen = []
-    begin = time.perf_counter()
     for batch in gen.batches(256, 250):
         loss = F.binary_cross_entropy_with_logits(model(batch.dense, batch.sparse), batch.labels)
         for opt in opts:
@@ -113,13 +116,12 @@ def test_adam_training_beats_the_constant_predictor() -> None:
         for opt in opts:
             opt.step()
         labels_seen.append(batch.labels)
-    elapsed = time.perf_counter() - begin
     baseline = constant_baseline_loss(float(torch.cat(labels_seen).mean()), held_out.labels)
     bayes = gen.bayes_log_loss(held_out)
     result = evaluate(model, held_out)
-    # 64k samples: about 0.60 -> 0.47 against a best possible 0.40; AUC about 0.80 (0.87 best).
-    assert result["eval_loss"] < baseline - 0.08, (result, baseline, bayes)
+    # 64k samples: 0.631 (constant) -> about 0.48, against 0.404 for the true model; AUC about
+    # 0.815 (seeds 0-3 of the init all land within 0.004 of that).
+    assert result["eval_loss"] < baseline - 0.12, (result, baseline, bayes)
     assert result["eval_loss"] > bayes - 0.01  # nothing beats the true model (sampling slack)
-    assert result["eval_auc"] > 0.77, result
+    assert result["eval_auc"] > 0.79, result
     assert model.training  # evaluate put it back
-    assert elapsed < 30  # about 2 s on one core; a guard against a pathological slowdown
