@@ -6,10 +6,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from tether.worker.data import Batch
 from tether.worker.evaluation import auc, constant_baseline_loss, evaluate, log_loss
+from torch import nn
 
 
 def _pairwise_auc(scores: list[float], labels: list[int]) -> float:

@@ -80,12 +80,12 @@ def evaluate(model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch:
     n = batch.labels.numel()
     if n == 0:
         raise ValueError("cannot evaluate on an empty batch")
-    is_module = isinstance(model, torch.nn.Module)
-    param = next(model.parameters(), None) if is_module else None
+    module = model if isinstance(model, torch.nn.Module) else None
+    param = next(module.parameters(), None) if module is not None else None
     device = param.device if param is not None else torch.device("cpu")
-    was_training = model.training if is_module else False
-    if is_module:
-        model.eval()
+    was_training = module.training if module is not None else False
+    if module is not None:
+        module.eval()
     logits = []
     try:
         with torch.no_grad():
@@ -93,7 +93,7 @@ def evaluate(model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch:
                 part = Batch(*(t[start : start + batch_size] for t in batch))
                 logits.append(model(part.dense.to(device), part.sparse.to(device)).float().cpu())
     finally:
-        if is_module:
-            model.train(was_training)
+        if module is not None:
+            module.train(was_training)
     scores = torch.cat(logits)
     return {"eval_loss": log_loss(scores, batch.labels), "eval_auc": auc(scores, batch.labels)}

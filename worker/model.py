@@ -32,10 +32,12 @@ class LocalHashEmbedding(nn.Module):
         nn.init.uniform_(self.table.weight, -0.05, 0.05)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows [B, dim] for int64 ids [B] (any non-negative int64, bucketed)."""
         return self.table(torch.remainder(ids, self.num_buckets))
 
 
 def _mlp(sizes: Sequence[int], last_activation: bool) -> nn.Sequential:
+    """Linear layers through ``sizes`` with ReLUs between (and after the last if asked)."""
     layers: list[nn.Module] = []
     for i in range(len(sizes) - 1):
         layers.append(nn.Linear(sizes[i], sizes[i + 1]))
@@ -56,6 +58,8 @@ class CTRModel(nn.Module):
         embedding_factory: ``(table_name, dim) -> module`` mapping int64 ids [B] to [B, dim];
             by default a ``LocalHashEmbedding`` (tether passes one whose rows live on shards).
     """
+
+    _pairs: torch.Tensor  # upper-triangle (i, j) pairs of the interaction, a buffer
 
     def __init__(
         self,

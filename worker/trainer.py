@@ -28,7 +28,7 @@ from tether.worker.client import ClientConfig, Handle, PSClient
 from tether.worker.config import WorkerConfig
 from tether.worker.data import Batch, SyntheticClickLog, SyntheticConfig, iterate, load_criteo
 from tether.worker.embedding import PSModel, ShardedEmbeddingBag
-from tether.worker.evaluation import auc, constant_baseline_loss, log_loss
+from tether.worker.evaluation import constant_baseline_loss, evaluate
 from tether.worker.model import CTRModel
 
 __all__ = [
@@ -153,21 +153,13 @@ def _sparse(batch: Batch) -> dict[str, torch.Tensor]:
 
 
 def evaluate_remote(ps: PSModel, batch: Batch, batch_size: int = 4096, timeout: float | None = None) -> dict[str, float]:
-    """Held-out log loss and AUC of the model with the shards' current parameters."""
-    model = ps.model
-    was_training = model.training
-    model.eval()
-    logits = []
-    try:
-        with torch.no_grad():
-            for start in range(0, batch.labels.numel(), batch_size):
-                part = Batch(*(t[start : start + batch_size] for t in batch))
-                ps.install(ps.prefetch(_sparse(part), with_dense=start == 0), train=False, timeout=timeout)
-                logits.append(model(part.dense.to(ps.device), part.sparse.to(ps.device)).float().cpu())
-    finally:
-        model.train(was_training)
-    scores = torch.cat(logits)
-    return {"eval_loss": log_loss(scores, batch.labels), "eval_auc": auc(scores, batch.labels)}
+    """Held-out log loss and AUC of the model with the shards' current parameters.
+
+    One pull fetches every row the held-out set needs (and the dense values), then the model
+    is evaluated in process.
+    """
+    ps.install(ps.prefetch(_sparse(batch)), train=False, timeout=timeout)
+    return evaluate(ps.model, batch, batch_size)
 
 
 class _AllReduce:
