@@ -195,11 +195,13 @@ def perf_summary(path: Path, top: int = 15) -> str:
     ) + "\n"
 
 
-def _record(pid: int, seconds: float, out: Path, rate: int, native: bool) -> subprocess.Popen:
+def _record(pid: int, seconds: float, out: Path, rate: int, native: bool, gil: bool = False) -> subprocess.Popen:
     argv = ["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", str(rate),
             "--format", "raw", "--threads", "--output", str(out)]
     # Native stacks need the process paused while sampling; Python-only sampling does not.
     argv.append("--native" if native else "--nonblocking")
+    if gil:
+        argv.append("--gil")
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -211,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=5.0, help="seconds to run before sampling")
     p.add_argument("--rate", type=int, default=200, help="samples per second")
     p.add_argument("--native", action="store_true", help="include native (C/C++) frames in py-spy's stacks")
+    p.add_argument("--gil", action="store_true",
+                   help="sample only the thread holding the GIL (Python-level CPU; C code that releases the GIL is not seen)")
     p.add_argument("--perf", action="store_true", help="also record every process with Linux perf (grpc core threads, kernel)")
     p.add_argument("--out", type=Path, default=None, help="directory for the raw profiles (default: a temp dir)")
     p.add_argument("--report-only", action="store_true", help="summarize the raw profiles already in --out")
@@ -259,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             perfs = {k: _perf(v, a.seconds, out / f"{a.workload}-{k}.perf") for k, v in pids.items()} if a.perf else {}
             recs = {
-                "shard": _record(cluster.shards[0].proc.pid, a.seconds, out / f"{a.workload}-shard.txt", a.rate, a.native),
-                "client" if client else "worker": _record(client_pid, a.seconds, out / f"{a.workload}-{'client' if client else 'worker'}.txt", a.rate, a.native),
+                "shard": _record(cluster.shards[0].proc.pid, a.seconds, out / f"{a.workload}-shard.txt", a.rate, a.native, a.gil),
+                "client" if client else "worker": _record(client_pid, a.seconds, out / f"{a.workload}-{'client' if client else 'worker'}.txt", a.rate, a.native, a.gil),
             }
             for name, rec in recs.items():
                 try:

@@ -30,6 +30,7 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 
+import step_budget as sb  # noqa: E402
 import tether_ps as tp  # noqa: E402  (sets OMP_NUM_THREADS=1 before torch is imported)
 from _common import MIB, QUICK_SIZES, SIZES, fmt_size, markdown_table  # noqa: E402
 
@@ -87,8 +88,30 @@ def machine_info() -> dict[str, str]:
         "protobuf": protobuf.__version__,
         "numpy": numpy.__version__,
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "load": _loadavg(),
         "commit": commit,
     }
+
+
+def _loadavg() -> str:
+    """1-minute load average (other work on the machine skews every figure)."""
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "unknown"
+
+
+def data_ms_per_batch(batch_size: int = 256, batches: int = 300) -> float:
+    """Milliseconds to generate one synthetic training batch (what the tether worker pays in its
+    data thread and the in-process side pays before its clock starts)."""
+    from tether.worker.data import SyntheticClickLog, SyntheticConfig
+
+    it = SyntheticClickLog(SyntheticConfig()).batches(batch_size, batches + 1)
+    next(it)
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+    return (time.perf_counter() - t0) / batches * 1e3
 
 
 # --------------------------------------------------------------------------- measuring
@@ -124,6 +147,7 @@ def measure(quick: bool, repeats: int, seconds: float, wire: str | None, log: An
         configs.append((1, 1, wire))
     model = tp.compare_model(steps, repeats, configs, log=log)
     res["model"] = {
+        "data_ms_per_batch": data_ms_per_batch(),
         "steps": steps,
         "batch_size": 256,
         "in_process": model["in_process"],
@@ -139,6 +163,11 @@ def measure(quick: bool, repeats: int, seconds: float, wire: str | None, log: An
                                      f"sparse {n} shard(s) ({wire} wire)")
             for n in (1, 2)
         }
+    log("stage budgets (in process)")
+    res["budget"] = {}
+    for key, fn in (("dense_4mib", lambda: sb.dense_budget(4.0, 30)), ("sparse_4096x64", lambda: sb.sparse_budget(30))):
+        rows, e2e = fn()
+        res["budget"][key] = {"stages": [[n, t] for n, t in rows], "e2e": e2e}
     res["wall_s"] = time.perf_counter() - t0
     return res
 
@@ -154,7 +183,7 @@ def _ratio(t: list[float], o: list[float], invert: bool = False) -> tuple[float,
     """Ratio of medians and the per-repeat range; ``invert`` for lower-is-better figures."""
     if invert:
         t, o = o, t
-    per = [a / b for a, b in zip(t, o)]
+    per = [a / b for a, b in zip(t, o, strict=True)]
     return _med(t) / _med(o), min(per), max(per)
 
 
@@ -201,19 +230,38 @@ def limits(res: dict[str, Any]) -> str:
     text = (
         f"**Dense.** A 4 MiB push + pull takes {t_t:.1f} ms through tether, {t_p:.1f} ms through the rpc peer, "
         f"{t_g:.1f} ms as a raw grpc identity echo of the same bytes (one call, no protobuf, no tensors) and "
-        f"{t_s:.1f} ms over a raw socket. The transport alone accounts for {t_g / t_t:.0%} of tether's step; "
-        f"the other {1 - min(t_g / t_t, 1):.0%} is tether's own work (two calls instead of one echo, tensor -> bytes "
-        f"copies, protobuf (de)serialisation, the client's thread-pool hop, the shard's optimizer step). "
+        f"{t_s:.1f} ms over a raw socket. "
     )
+    if t_g >= 0.8 * t_t:
+        text += (
+            f"tether runs at {t_g / t_t:.0%} of raw grpc's speed here, so its own work is small beside the transport. "
+        )
+    else:
+        text += (
+            f"The transport alone accounts for {t_g / t_t:.0%} of tether's step; the other {1 - t_g / t_t:.0%} is "
+            f"tether's own work (two calls instead of one echo, tensor -> bytes copies, protobuf (de)serialisation, the "
+            f"client's thread-pool hop, the shard's validation and optimizer step). "
+        )
     if t_g > need:
         text += (
             f"Meeting the target needs {need:.1f} ms per step, which even a raw grpc echo ({t_g:.1f} ms) misses by "
             f"{t_g / need:.1f}x: no tuning of tether's Python removes that, so large dense payloads need a path that "
-            f"does not copy them through grpc's unary message (a raw-socket or shared-memory data plane beside the grpc "
+            f"does not go through grpc's unary message path (a raw-socket or shared-memory data plane beside the grpc "
             f"control plane, or streamed chunks). "
         )
     else:
         text += f"Raw grpc ({t_g:.1f} ms) is within the target's {need:.1f} ms, so the gap is tether's own overhead. "
+    b = res.get("budget", {}).get("dense_4mib")
+    if b:
+        stages = sorted(b["stages"], key=lambda r: -r[1])
+        inproc = sum(t for _, t in b["stages"])
+        out_text = (
+            f"The stage budget (above) puts numbers on it: of a {b['e2e'] * 1e3:.1f} ms step, the request path's own "
+            f"stages, run in process, take {inproc * 1e3:.1f} ms, the largest being \"{stages[0][0]}\" "
+            f"({stages[0][1] * 1e3:.2f} ms) and \"{stages[1][0]}\" ({stages[1][1] * 1e3:.2f} ms); the other "
+            f"{max(b['e2e'] - inproc, 0) * 1e3:.1f} ms are grpc's transport and the hand-offs between threads."
+        )
+        text += out_text
     out.append(text)
 
     s = res["small"]
@@ -243,6 +291,15 @@ def limits(res: dict[str, Any]) -> str:
            if step_ms["2"] > step_ms["1"] else
            f"A second shard speeds the step up {step_ms['1'] / step_ms['2']:.2f}x.")
     )
+    b = res.get("budget", {}).get("sparse_4096x64")
+    if b:
+        stages = sorted(b["stages"], key=lambda r: -r[1])
+        inproc = sum(t for _, t in b["stages"])
+        out[-1] += (
+            f" In the stage budget, the in-process stages take {inproc * 1e3:.1f} ms of a {b['e2e'] * 1e3:.1f} ms step, "
+            f"led by \"{stages[0][0]}\" ({stages[0][1] * 1e3:.2f} ms); transport and thread hand-offs take the other "
+            f"{max(b['e2e'] - inproc, 0) * 1e3:.1f} ms."
+        )
 
     m = res["model"]
     one = _med(m["tether"]["1x1:float32"])
@@ -250,9 +307,12 @@ def limits(res: dict[str, Any]) -> str:
     ph = m["phases"]["1x1:float32"]
     out.append(
         f"**Model.** One worker and one shard reach {one:,.0f} samples/s, {one / local:.0%} of the {local:,.0f} samples/s "
-        f"of the same model in one process. The worker spends its step as {_phase_str(ph)}; everything but compute "
-        f"({1 - ph.get('compute', 0):.0%}) is waiting on the shard (pull_wait: the prefetched pull was not back when "
+        f"of the same model in one process. The worker spends its step as {_phase_str(ph)}; the part outside compute "
+        f"({1 - ph.get('compute', 0):.0%}) is the parameter server's (pull_wait: the prefetched pull was not back when "
         f"compute finished; push: encoding and sending the gradients before the next step). "
+        f"Note that the in-process side generates its batches before its clock starts, while a tether worker "
+        f"generates them on a background thread during training ({m['data_ms_per_batch']:.2f} ms per batch, "
+        f"{m['data_ms_per_batch'] / (256 / local * 1e3):.0%} of an in-process step). "
         + "Scaling: " + ", ".join(
             f"{k.split(':')[0].replace('x', ' worker(s) x ')} shard(s) {_med(v):,.0f}" for k, v in m["tether"].items()
             if k.endswith(":float32")
@@ -261,7 +321,10 @@ def limits(res: dict[str, Any]) -> str:
     return "\n\n".join(out)
 
 
-def render(res: dict[str, Any], info: dict[str, str], command: str, quick: bool, repeats: int, seconds: float) -> str:
+def render(
+    res: dict[str, Any], info: dict[str, str], command: str, quick: bool, repeats: int, seconds: float,
+    json_name: str = "bench/results.json",
+) -> str:
     """RESULTS.md without its GPU section."""
     L: list[str] = ["# Benchmark results", ""]
     L.append(
@@ -277,12 +340,15 @@ def render(res: dict[str, Any], info: dict[str, str], command: str, quick: bool,
         ["CPU", info["cpu"]], ["cores", info["cores"]], ["RAM", info["ram"]], ["OS", info["os"]],
         ["Python", info["python"]], ["torch", info["torch"]], ["grpcio", info["grpcio"]],
         ["protobuf", info["protobuf"]], ["numpy", info["numpy"]], ["date", info["date"]], ["commit", info["commit"]],
+        ["load average (1 min) at start / end", f"{info['load']} / {info.get('load_end', '?')}"],
     ]))
     L += ["", "## Command", "", "```", command, "```", "",
           f"{repeats} repeat(s), {seconds:g} s per dense size, {2 * seconds:g} s per small-call and sparse figure, "
           f"{res['model']['steps']} steps x {res['model']['batch_size']} samples per model run; one torch thread in every "
           f"process (`OMP_NUM_THREADS=1`, as `tether launch` gives its children); loopback. Whole run: "
-          f"{res['wall_s'] / 60:.1f} min. Raw per-repeat figures: `bench/results.json`."]
+          f"{res['wall_s'] / 60:.1f} min. Raw per-repeat figures: `{json_name}`. The machine was not reserved: a load "
+          f"average above {info['cores']} means other processes competed for the cores, which slows the figures "
+          f"(both sides of a comparison alike, since they alternate)."]
 
     L += ["", "## Targets (DESIGN.md)", ""]
     trows = []
@@ -368,6 +434,15 @@ def render(res: dict[str, Any], info: dict[str, str], command: str, quick: bool,
                           _med(res["sparse"][n]["peer"]), _rx(_ratio(res["sparse_wire"][n], res["sparse"][n]["peer"]))])
         L.append(markdown_table(["", f"tether {wd}", "tether fp32", "rpc peer", f"tether {wd} / peer"], wrows))
 
+    if "budget" in res:
+        L += ["", "## Where the time goes: stage budget (in process)", "",
+              "`bench/step_budget.py`: each stage of one step run alone in this process on the real objects (client "
+              "request building, protobuf, the shard's servicer handlers, result assembly), beside the end-to-end step "
+              "against a shard process; what the stages do not explain is grpc's transport and the thread hand-offs. "
+              "Medians of 30 runs per stage.", ""]
+        for key, title in (("dense_4mib", "dense 4 MiB fp32, push then pull"), ("sparse_4096x64", "sparse 4096 x 64, pull then push (SGD)")):
+            b = res["budget"][key]
+            L += [f"**{title}**", "", sb.budget_table([(n, t) for n, t in b["stages"]], b["e2e"]), ""]
     L += ["", "## What limits us", "", limits(res), ""]
     return "\n".join(L)
 
@@ -410,7 +485,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     info = machine_info()
     res = measure(a.quick, repeats, seconds, wire)
-    text = render(res, info, command, a.quick, repeats, seconds)
+    info["load_end"] = _loadavg()
+    try:
+        json_name = str(a.json.resolve().relative_to(_HERE.parent))
+    except ValueError:
+        json_name = str(a.json)
+    text = render(res, info, command, a.quick, repeats, seconds, json_name)
     gpu = _gpu_section(a.out)
     a.out.write_text(text.rstrip() + "\n\n" + gpu)
     a.json.write_text(json.dumps({"machine": info, "command": command, "repeats": repeats, "seconds": seconds,

@@ -43,7 +43,6 @@ from typing import Any
 # before torch is imported so this process and every child (shards, client) inherit it.
 os.environ["OMP_NUM_THREADS"] = "1"
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -568,7 +567,7 @@ def main(argv: list[str] | None = None) -> None:
     if "small" in only:
         s = compare_small(2 * seconds, a.repeats)
         for key in ("peer", "grpc"):
-            print(f"\n## small calls, tether push_pull vs {key}\n")
+            print(f"\n## small calls, tether push_pull vs {key} (ratio = tether / other: for latencies, lower is better)\n")
             print(markdown_table(headers, _cmp_rows(list(s[key].values()))))
     if "sparse" in only:
         for wire in wires:

@@ -1,0 +1,311 @@
+"""Time budget of one tether step, stage by stage, measured in process (no transport).
+
+    python bench/step_budget.py dense [--size-mib 4]   # push + pull of one fp32 tensor, 1 shard
+    python bench/step_budget.py sparse                 # 4096 x 64 pull + push, SGD, 1 shard
+    python bench/step_budget.py model                  # one step of the default model, 1 shard
+    add --cprofile to list the functions (file:line) with the most own time
+
+Each stage of the request path runs alone, in this process, on the real objects: the client
+builds the requests (``PSClient._push_requests`` / ``_pull_requests``), protobuf serialises and
+parses them, the shard's servicer handles them (``ShardServicer.Push`` / ``Pull``: decode,
+validate, apply, encode), protobuf carries the answer back, and the client assembles it
+(``_combine_pull``). The end-to-end step against a real shard process is measured beside, so
+what the stages do not explain is the transport (grpc, sockets, threads, scheduling).
+One torch thread, as in every benchmark. Private client methods are used on purpose: this is
+a profiling tool, and these are the pieces the fast path will change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+__all__ = ["budget_table", "dense_budget", "main", "sparse_budget"]
+
+_LR = 0.01
+
+
+def _t(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
+    """Median seconds of ``reps`` calls of ``fn`` and the last result."""
+    out, times = None, []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+class _Setup:
+    """A real shard process (for the end-to-end step), plus an in-process shard and servicer."""
+
+    def __init__(self) -> None:
+        from tether.deploy.launch import LocalCluster
+        from tether.server.service import ShardServicer
+        from tether.server.shard import Shard
+        from tether.worker.client import ClientConfig, PSClient
+
+        self.cluster = LocalCluster(grace_s=5.0)
+        addresses = self.cluster.start_shards(1, timeout_s=90)
+        self.client = PSClient(ClientConfig(addresses=tuple(addresses), worker_id="budget", timeout_s=60.0))
+        self.shard = Shard(0, 1)
+        self.servicer = ShardServicer(self.shard)
+
+    def declare_local(self, tables: list[Any] = (), dense: dict[str, torch.Tensor] | None = None, opt: Any = None) -> None:
+        """Declare on the shard process (through the client) and on the in-process shard alike."""
+        from tether.protos import tether_pb2 as pb
+
+        self.client.declare(tables, dense, opt)
+        # The same Declare request the client sent, handled by the in-process servicer.
+        request = pb.DeclareRequest()
+        for t in tables:
+            request.tables.append(t.to_proto())
+        from tether.protos.codec import encode_tensor
+        from tether.protos.partition import dense_shard
+
+        for name, tensor in (dense or {}).items():
+            flat = tensor.detach().reshape(-1).float()
+            for index, a, b in self.client._dense[name].chunks:
+                if dense_shard(name, index, 1) != 0:
+                    raise RuntimeError("one shard owns every chunk")
+                d = request.dense.add(name=name, index=index, optimizer=opt.to_proto())
+                encode_tensor(flat[a:b], d.init)
+        self.servicer.Declare(request, None)
+
+    def close(self) -> None:
+        self.client.close()
+        self.cluster.stop()
+
+
+def _stages_push_pull(s: _Setup, push_kw: dict[str, Any], pull_kw: dict[str, Any], reps: int) -> list[tuple[str, float]]:
+    """Per-stage median seconds of one push followed by one pull, all in this process."""
+    from tether.protos import tether_pb2 as pb
+
+    c, sv = s.client, s.servicer
+    rows: list[tuple[str, float]] = []
+    t, reqs = _t(lambda: c._push_requests(push_kw.get("sparse", {}), push_kw.get("dense", {}), 0, None), reps)
+    rows.append(("client: build push request (split, encode_tensor)", t))
+    req = reqs[0]
+    t, wire = _t(req.SerializeToString, reps)
+    rows.append((f"protobuf: serialise push request ({len(wire) / 2**20:.2f} MiB)", t))
+    t, parsed = _t(lambda: pb.PushRequest.FromString(wire), reps)
+    rows.append(("protobuf: parse push request (shard)", t))
+    seqs = iter(range(1 << 40, 1 << 62))
+
+    def push_once() -> Any:
+        parsed.seq = next(seqs)  # a fresh sequence number, or the shard would skip it as a retry
+        return sv.Push(parsed, None)
+
+    t, _ = _t(push_once, reps)
+    rows.append(("shard: Push handler (decode, validate, apply)", t))
+    t, (preqs, plan) = _t(lambda: c._pull_requests(pull_kw.get("sparse", {}), pull_kw.get("dense", ())), reps)
+    rows.append(("client: build pull request", t))
+    pwire = preqs[0].SerializeToString()
+    t, pparsed = _t(lambda: pb.PullRequest.FromString(pwire), reps)
+    rows.append(("protobuf: serialise + parse pull request", t + _t(preqs[0].SerializeToString, reps)[0]))
+    t, resp = _t(lambda: sv.Pull(pparsed, None), reps)
+    rows.append(("shard: Pull handler (lookup, gather, encode_tensor)", t))
+    t, rwire = _t(resp.SerializeToString, reps)
+    rows.append((f"protobuf: serialise pull response ({len(rwire) / 2**20:.2f} MiB)", t))
+    t, rparsed = _t(lambda: pb.PullResponse.FromString(rwire), reps)
+    rows.append(("protobuf: parse pull response (client)", t))
+    t, _ = _t(lambda: c._combine_pull({0: rparsed}, plan, pull_kw.get("dense", ())), reps)
+    rows.append(("client: assemble pull result (decode_tensor, scatter rows)", t))
+    return rows
+
+
+def budget_table(rows: list[tuple[str, float]], e2e: float) -> str:
+    """Markdown table of stage times against the end-to-end step."""
+    total = sum(t for _, t in rows)
+    lines = ["| stage | ms | share of end-to-end |", "|---|---:|---:|"]
+    lines += [f"| {name} | {t * 1e3:.3f} | {t / e2e:.0%} |" for name, t in rows]
+    lines.append(f"| **stages in process, total** | **{total * 1e3:.3f}** | **{total / e2e:.0%}** |")
+    lines.append(f"| transport and threads (end-to-end minus stages) | {max(e2e - total, 0) * 1e3:.3f} | {max(e2e - total, 0) / e2e:.0%} |")
+    lines.append(f"| **end-to-end step against a shard process** | **{e2e * 1e3:.3f}** | 100% |")
+    return "\n".join(lines)
+
+
+def _profile(fn: Callable[[], Any], reps: int, top: int = 18) -> None:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(reps):
+        fn()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).strip_dirs().sort_stats("tottime").print_stats(top)
+    print("\n```\n" + "\n".join(buf.getvalue().strip().splitlines()[:top + 8]) + "\n```")
+
+
+def dense_budget(size_mib: float, reps: int, cprofile: bool = False) -> tuple[list[tuple[str, float]], float]:
+    """Stage seconds and the end-to-end step of a dense push + pull of one fp32 tensor."""
+    from tether.protos.specs import OptimizerConfig
+
+    s = _Setup()
+    try:
+        n = int(size_mib * 2**20) // 4
+        s.declare_local(dense={"d": torch.zeros(n)}, opt=OptimizerConfig("sgd", lr=_LR))
+        grad = torch.randn(n)
+        push_kw, pull_kw = {"dense": {"d": grad}}, {"dense": ["d"]}
+        rows = _stages_push_pull(s, push_kw, pull_kw, reps)
+
+        def e2e_step() -> None:
+            s.client.push(dense={"d": grad}).result()
+            s.client.pull(dense=["d"]).result()
+
+        for _ in range(3):
+            e2e_step()
+        e2e, _ = _t(e2e_step, reps)
+        if cprofile:
+            _profile(lambda: _stages_push_pull(s, push_kw, pull_kw, 1), max(reps // 2, 3))
+        return rows, e2e
+    finally:
+        s.close()
+
+
+def sparse_budget(reps: int, cprofile: bool = False, num_ids: int = 4096, dim: int = 64) -> tuple[list[tuple[str, float]], float]:
+    """Stage seconds and the end-to-end step of a sparse pull + push of ``num_ids`` x ``dim`` (SGD)."""
+    from tether.protos.specs import OptimizerConfig, TableConfig
+
+    s = _Setup()
+    try:
+        s.declare_local([TableConfig("emb", dim=dim, optimizer=OptimizerConfig("sgd", lr=_LR))])
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 2**40, (2 * num_ids,), generator=gen).unique()[:num_ids]
+        ids = ids[torch.randperm(len(ids), generator=gen)]
+        grads = torch.randn(num_ids, dim).mul_(0.01)
+        push_kw, pull_kw = {"sparse": {"emb": (ids, grads)}}, {"sparse": {"emb": ids}}
+        rows = _stages_push_pull(s, push_kw, pull_kw, reps)
+
+        def e2e_step() -> None:
+            rows_ = s.client.pull({"emb": ids}).result().rows["emb"]
+            s.client.push({"emb": (ids, rows_.mul(0.01))}).result()
+
+        for _ in range(3):
+            e2e_step()
+        e2e, _ = _t(e2e_step, reps)
+        if cprofile:
+            _profile(lambda: _stages_push_pull(s, push_kw, pull_kw, 1), max(reps // 2, 3))
+        return rows, e2e
+    finally:
+        s.close()
+
+
+def budget_model(steps: int, cprofile: bool) -> None:
+    """One training step of the default model, serial (no prefetch), stage by stage."""
+    import torch.nn.functional as F
+
+    from tether.deploy.launch import LocalCluster
+    from tether.worker.config import WorkerConfig
+    from tether.worker.trainer import _sparse, build_model, connect, open_dataset
+
+    torch.set_num_threads(1)
+    with LocalCluster(grace_s=5.0) as cluster:
+        addresses = cluster.start_shards(1, timeout_s=90)
+        cfg = WorkerConfig(shards=tuple(addresses), steps=steps, batch_size=256, eval_samples=1000, device="cpu")
+        ds = open_dataset(cfg)
+        model = build_model(cfg, ds)
+        ps = connect(cfg, model, torch.device("cpu"))
+        batches = list(ds.train_batches(cfg.batch_size, steps + 20, 0, 1))
+        names = ["unique ids + build pull request (ps.prefetch)", "wait for pull (handle.result)", "bind rows + copy dense (install)",
+                 "forward", "backward", "gradients + build push request (ps.push)", "wait for push ack"]
+        times: dict[str, list[float]] = {n: [] for n in names}
+        client = ps.client
+
+        def step(b: Any, record: bool) -> None:
+            clock = time.perf_counter
+            t0 = clock()
+            pre = ps.prefetch(_sparse(b))
+            t1 = clock()
+            pre.handle.result(60)
+            t2 = clock()
+            pulled = ps.install(pre, train=True, timeout=60)
+            t3 = clock()
+            loss = F.binary_cross_entropy_with_logits(model(b.dense, b.sparse), b.labels)
+            t4 = clock()
+            loss.backward()
+            t5 = clock()
+            h = ps.push(clock=0, versions=pulled)
+            t6 = clock()
+            h.result(60)
+            t7 = clock()
+            if record:
+                for n, a, z in zip(names, (t0, t1, t2, t3, t4, t5, t6), (t1, t2, t3, t4, t5, t6, t7), strict=True):
+                    times[n].append(z - a)
+
+        for b in batches[:20]:
+            step(b, False)
+        t0 = time.perf_counter()
+        for b in batches[20:]:
+            step(b, True)
+        wall = (time.perf_counter() - t0) / steps
+        # The same model trained in one process: forward + backward + Adagrad.
+        from tether.worker.model import CTRModel
+
+        torch.manual_seed(0)
+        local = CTRModel(ds.num_dense, ds.num_sparse)
+        opt = torch.optim.Adagrad(local.parameters(), lr=0.05)
+
+        def local_step(b: Any) -> None:
+            loss = F.binary_cross_entropy_with_logits(local(b.dense, b.sparse), b.labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        for b in batches[:20]:
+            local_step(b)
+        local_batches = iter(batches[20:] * 2)
+        t_local, _ = _t(lambda: local_step(next(local_batches)), steps)
+        rows = [(n, statistics.median(v)) for n, v in times.items()]
+        print(f"\n## default model, one serial step (batch 256, {cfg.num_sparse} tables x dim {cfg.embedding_dim}, "
+              f"{len(ps.dense)} dense tensors), 1 shard\n")
+        print("| stage | ms (median) |")
+        print("|---|---:|")
+        for n, t in rows:
+            print(f"| {n} | {t * 1e3:.3f} |")
+        print(f"| **serial step, mean wall** | **{wall * 1e3:.3f}** |")
+        print(f"| in one process: forward + backward + Adagrad step | {t_local * 1e3:.3f} |")
+        uniq = {t: int(torch.unique(v).numel()) for t, v in _sparse(batches[-1]).items()}
+        print(f"\nunique ids per table in one batch: {uniq}")
+        if cprofile:
+            again = iter(batches[20:])
+            _profile(lambda: step(next(again), False), min(steps, 200))
+        client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the stage budget of one workload."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("workload", choices=["dense", "sparse", "model"])
+    p.add_argument("--size-mib", type=float, default=4.0, help="dense tensor size (default 4)")
+    p.add_argument("--reps", type=int, default=30, help="repetitions per stage (medians are reported)")
+    p.add_argument("--steps", type=int, default=200, help="model steps timed")
+    p.add_argument("--cprofile", action="store_true", help="also list the functions with the most own time")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    if a.workload == "dense":
+        rows, e2e = dense_budget(a.size_mib, a.reps, a.cprofile)
+        print(f"\n## dense {a.size_mib:g} MiB fp32: push then pull, 1 shard\n\n{budget_table(rows, e2e)}")
+    elif a.workload == "sparse":
+        rows, e2e = sparse_budget(a.reps, a.cprofile)
+        print(f"\n## sparse 4096 ids x 64: pull then push, 1 shard, SGD\n\n{budget_table(rows, e2e)}")
+    else:
+        budget_model(a.steps, a.cprofile)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
