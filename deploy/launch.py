@@ -74,6 +74,7 @@ class LocalCluster:
         log_path = self.log_dir / f"{name}.log"
         proc = subprocess.Popen(
             [sys.executable, *argv],
+            preexec_fn=_die_with_parent,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -181,6 +182,16 @@ def _quantile(sorted_values: list[int], q: float) -> float:
     if not sorted_values:
         return 0.0
     return float(sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))])
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it if the launcher dies, so a killed
+    launcher never leaves shards running."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -75,3 +75,24 @@ def test_malformed_criteo_file_fails_clearly(tmp_path: Path) -> None:
     proc = _tether(["launch", "--shards", "1", "--workers", "1", "--data", f"criteo:{data}", "--steps", "5", "--out", str(tmp_path / "o")], timeout=120)
     assert proc.returncode == 1
     assert "broken.tsv:1: expected 40 tab-separated columns, got 3" in proc.stderr
+
+
+def test_shards_die_with_a_killed_launcher() -> None:
+    import os
+    import time
+
+    code = (
+        "import os\nfrom tether.deploy.launch import LocalCluster\n"
+        "c = LocalCluster(grace_s=1)\nc.start_shards(1)\nprint(c.shards[0].proc.pid, flush=True)\nos._exit(0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    pid = int(proc.stdout.split()[-1])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(pid, 9)
+    raise AssertionError(f"shard {pid} outlived its launcher")
