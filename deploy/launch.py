@@ -7,6 +7,7 @@ is stopped (SIGTERM, then SIGKILL after a grace period).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -184,14 +185,16 @@ def _quantile(sorted_values: list[int], q: float) -> float:
     return float(sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))])
 
 
+# Loaded here, not in the child: between fork and exec only async-signal-safe work is safe.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: ask Linux to SIGTERM it if the launcher dies, so a killed
     launcher never leaves shards running."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _tail(path: Path, lines: int = 20) -> str:
