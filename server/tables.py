@@ -55,8 +55,9 @@ class CountMinSketch:
 
     ``depth`` rows of ``width`` 16-bit saturating counters; an id's count is the smallest of
     its cells (never an under-estimate). Conservative update raises only the cells that hold
-    that minimum, and every ``8 * width`` touches all counters are halved, so an endless
-    stream of new ids cannot fill the sketch up and admit everything.
+    that minimum, and every ``width`` touches all counters are halved, so an endless stream of
+    new ids cannot fill the sketch up and admit everything: an id is admitted when it comes
+    back ``min_count`` times within a few ``width`` touches of other ids.
     """
 
     def __init__(self, width: int, depth: int = 4, seed: int = 0) -> None:
@@ -96,7 +97,7 @@ class CountMinSketch:
         # np.maximum.at, not fancy assignment: two ids of one call may share a cell.
         np.maximum.at(self._counts, (np.broadcast_to(self._rows, cells.shape), cells), new)
         self._touches += ids.size
-        if self._touches >= 8 * self.width:
+        if self._touches >= self.width:
             self._counts >>= 1
             self._touches = 0
         return est
