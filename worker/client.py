@@ -180,8 +180,9 @@ class PSClient:
             # A restarted shard is found again within the client's own backoff, not grpc's
             # default of up to two minutes between reconnection attempts.
             ("grpc.initial_reconnect_backoff_ms", int(config.backoff_s * 1000)),
-            ("grpc.min_reconnect_backoff_ms", int(config.backoff_s * 1000)),
             ("grpc.max_reconnect_backoff_ms", int(config.max_backoff_s * 1000)),
+            # grpc takes this as the connection attempt's timeout: one call's deadline.
+            ("grpc.min_reconnect_backoff_ms", int(min(config.timeout_s, 20.0) * 1000)),
         ]
         credentials = config.security.channel_credentials()
         if credentials is None:
