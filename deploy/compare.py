@@ -31,6 +31,13 @@ def time_to_target(curve: Sequence[dict[str, object]], target: float) -> float |
     return None
 
 
+def _evals(curve: Sequence[dict[str, object]]) -> list[dict[str, object]]:
+    points = [p for p in curve if "eval_loss" in p]
+    if not points:
+        raise ValueError("worker 0 recorded no evaluation; set eval_every >= 1")
+    return points
+
+
 def _mode_dir(mode: str) -> str:
     return mode.replace(":", "-")
 
@@ -92,7 +99,8 @@ def compare(
                 curves[mode] = record["history"]
     baseline = float(next(iter(runs.values()))["baseline_loss"])
     if target_loss is None:
-        worst = max(float(r["eval_loss"]) for r in runs.values())
+        # From the curves themselves (worker 0's last evaluation), so every mode reaches it.
+        worst = max(float(_evals(c)[-1]["eval_loss"]) for c in curves.values())
         target_loss = baseline - target_fraction * (baseline - worst)
     results = []
     for mode, r in runs.items():
@@ -153,7 +161,7 @@ def write_plot(curves: dict[str, list[dict[str, object]]], path: Path, target: f
 
     fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
     for mode, curve in curves.items():
-        points = [p for p in curve if "eval_loss" in p]
+        points = _evals(curve)
         ax_t.plot([p["wall_s"] for p in points], [p["eval_loss"] for p in points], marker="o", ms=3, label=mode)
         ax_s.plot([p["samples"] for p in points], [p["eval_loss"] for p in points], marker="o", ms=3, label=mode)
     for ax, xlabel in ((ax_t, "wall time (s)"), (ax_s, "samples seen by worker 0")):

@@ -107,7 +107,9 @@ class LocalCluster:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            # One intra-op thread per process unless the user says otherwise: several processes
+            # share the cores, and OpenMP spin-waiting under oversubscription halves throughput.
+            env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         sink = log_path.open("a" if append else "w")
         pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{name}] ", sink, echo), daemon=True)
@@ -139,7 +141,9 @@ class LocalCluster:
             argv = ["-m", "tether.server", "--host", self.host, "--port", "0", "--port-file", str(pf),
                     "--shard-index", str(i), "--num-shards", str(num_shards), *extra_args]
             if metrics:
-                argv += ["--metrics-port", str(_free_port(self.host))]
+                port = _free_port(self.host)
+                self.metrics_ports[f"shard-{i}"] = port
+                argv += ["--metrics-port", str(port)]
             child = self._spawn(f"shard-{i}", argv, echo=False, env=env)
             child.port_file = pf
             started.append(child)
@@ -226,6 +230,11 @@ class LocalCluster:
             argv = ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(template.num_workers),
                     "--master-addr", self.host, "--master-port", str(_free_port(self.host)),
                     "-m", "tether.worker", *worker_argv(cfg), *extra_args]
+            if metrics:
+                # Each rank serves on the base port plus its local rank.
+                base = _free_port(self.host)
+                self.metrics_ports.update({f"worker-{i}": base + i for i in range(template.num_workers)})
+                argv += ["--metrics-port", str(base)]
             self.workers.append(self._spawn("torchrun", argv, echo=echo))
             return
         for i in range(template.num_workers):
@@ -350,6 +359,7 @@ def run_job(
         cluster.start_workers(template, echo=echo, metrics=metrics)
         cluster.wait_workers(timeout_s)
         wall = time.perf_counter() - t0
+        metrics_ports = dict(cluster.metrics_ports)
         workers = [json.loads((workdir / f"worker-{i}.json").read_text()) for i in range(template.num_workers)]
         if template.consistency[0] == "sync":
             # Dense parameters live on the ranks, so rank 0 evaluated the final model.
@@ -368,6 +378,7 @@ def run_job(
         "job_wall_s": wall,
         "num_shards": num_shards,
         "num_workers": template.num_workers,
+        "metrics_ports": metrics_ports,
         "staleness_p50": _quantile(lags, 0.5),
         "staleness_p99": _quantile(lags, 0.99),
         "staleness_max": lags[-1] if lags else 0,

@@ -26,6 +26,11 @@ __all__ = [
 ]
 
 
+# Decoded tensors are read-only views of the message (zero copy, by design); torch warns
+# about non-writable arrays, once per process, which is noise here.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+
+
 class CodecError(InvalidArgument):
     """A payload that cannot be decoded as the tensor it claims to be."""
 
@@ -111,10 +116,7 @@ def decode_tensor(msg: pb.Tensor, expect_dtype: torch.dtype | None = None) -> to
             f"tensor payload is {len(msg.data)} bytes but shape {shape} of {torch_dt} needs {numel * np_dt.itemsize}"
         )
     arr = np.frombuffer(msg.data, dtype=np_dt) if numel else np.empty(0, dtype=np_dt)
-    with warnings.catch_warnings():
-        # The view is read-only by design (zero copy); torch warns about that.
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch.from_numpy(arr)
+    t = torch.from_numpy(arr)
     if msg.dtype == pb.BFLOAT16:
         t = t.view(torch.bfloat16)
     t = t.reshape(shape)

@@ -46,6 +46,8 @@ def split_ids(ids: np.ndarray, num_shards: int) -> list[tuple[np.ndarray, np.nda
     Returns:
         For each shard, ``(positions, ids)``: where in ``ids`` its ids sit, and the ids.
     """
+    if num_shards == 1:
+        return [(np.arange(len(ids)), ids)]
     owner = shard_of_ids(ids, num_shards)
     order = np.argsort(owner, kind="stable")
     counts = np.bincount(owner, minlength=num_shards)

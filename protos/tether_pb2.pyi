@@ -179,16 +179,18 @@ class ClockRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., clock: _Optional[int] = ..., leave: _Optional[bool] = ..., wait_bound: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class ClockResponse(_message.Message):
-    __slots__ = ("min_clock", "max_clock", "live_workers", "ready")
+    __slots__ = ("min_clock", "max_clock", "live_workers", "ready", "min_other_clock")
     MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
     MAX_CLOCK_FIELD_NUMBER: _ClassVar[int]
     LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    MIN_OTHER_CLOCK_FIELD_NUMBER: _ClassVar[int]
     min_clock: int
     max_clock: int
     live_workers: int
     ready: bool
-    def __init__(self, min_clock: _Optional[int] = ..., max_clock: _Optional[int] = ..., live_workers: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
+    min_other_clock: int
+    def __init__(self, min_clock: _Optional[int] = ..., max_clock: _Optional[int] = ..., live_workers: _Optional[int] = ..., ready: _Optional[bool] = ..., min_other_clock: _Optional[int] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
     __slots__ = ("push", "pull")

@@ -64,6 +64,12 @@ class WorkerClocks:
         values = self._clock.values()
         return ClockState(min(values), max(values), len(self._clock))
 
+    def min_other(self, worker_id: str) -> int:
+        """Smallest clock among live workers other than ``worker_id`` (0 when none)."""
+        with self._cond:
+            self._expire()
+            return min((c for w, c in self._clock.items() if w != worker_id), default=0)
+
     def lag(self, clock: int) -> int:
         """Clock ticks the slowest live worker is behind a step that ends at ``clock``."""
         s = self.state()

@@ -187,7 +187,13 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         else:
             ready, state = True, clocks.state()
         self._update_clock_gauges()
-        return pb.ClockResponse(min_clock=state.min_clock, max_clock=state.max_clock, live_workers=state.live_workers, ready=ready)
+        return pb.ClockResponse(
+            min_clock=state.min_clock,
+            max_clock=state.max_clock,
+            live_workers=state.live_workers,
+            ready=ready,
+            min_other_clock=clocks.min_other(request.worker_id),
+        )
 
     @_domain
     def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.ServicerContext) -> pb.CheckpointResponse:

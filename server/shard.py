@@ -304,13 +304,14 @@ class Shard:
         except KeyError:
             raise NotFound(f"unknown dense chunk {name}[{index}]") from None
 
-    def _check_ids(self, table: str, ids: np.ndarray) -> None:
+    def _check_ids(self, table: str, ids: np.ndarray, unique: bool = True) -> None:
         if ids.size == 0:
             return
         if ids.min() < 0:
             raise InvalidArgument(f"table {table!r}: ids must be >= 0, got {int(ids.min())}")
-        if np.unique(ids).size != ids.size:
-            raise InvalidArgument(f"table {table!r}: ids in one request must be unique")
+        # A push must not name a row twice (one gradient per row); a pull may.
+        if unique and np.unique(ids).size != ids.size:
+            raise InvalidArgument(f"table {table!r}: ids in one push must be unique")
         if self.num_shards > 1:
             owners = shard_of_ids(ids, self.num_shards)
             wrong = owners != self.shard_index
@@ -357,7 +358,7 @@ class Shard:
         tables = [self._table(t) for t, _ in sparse]
         chunks = [self._chunk(n, i) for n, i in dense]
         for (name, ids) in sparse:
-            self._check_ids(name, ids)
+            self._check_ids(name, ids, unique=False)
         rows = [table.pull(ids) for table, (_, ids) in zip(tables, sparse)]
         values = [chunk.pull() for chunk in chunks]
         if self.metrics is not None:

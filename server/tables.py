@@ -1,15 +1,15 @@
 """Parameter storage of one shard: embedding tables and dense chunks.
 
 Embedding rows live in one contiguous tensor per table (plus one per optimizer state), and
-ids map to row slots through a sorted int64 key array searched with ``numpy.searchsorted``:
-no Python object per row and no Python loop over ids. Updates to one table are applied in a
+ids map to row slots through a vectorised hash index (``tether.server.index``): no Python
+object per row and no Python loop over ids. Updates to one table are applied in a
 short vectorised critical section (gather, update, scatter) under that table's own lock, so
 concurrent pushes never lose an update while pushes to other tables and dense chunks, and all
 pulls, go on in parallel (pulls of an unbounded table read without a lock, Hogwild-style).
 
 A table may be bounded (``TableConfig.capacity``): when a new row would not fit, the least
 recently touched rows are evicted in one batch (``numpy.argpartition`` over last-touch ticks)
-and their slots reused. Admission (``TableConfig.min_count``) keeps ids that were seen fewer
+(tombstoned in the index) and their slots reused. Admission (``TableConfig.min_count``) keeps ids that were seen fewer
 than N times out of the table altogether; their counts live in a fixed-size count-min sketch.
 """
 
@@ -26,6 +26,7 @@ import torch
 from tether.protos.errors import InvalidArgument
 from tether.protos.partition import mix64
 from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.server.index import IdIndex
 from tether.server.optimizers import state_shapes, step
 
 __all__ = ["CountMinSketch", "DenseChunk", "EmbeddingTable", "TableConfig", "init_rows"]
@@ -133,12 +134,10 @@ class EmbeddingTable:
         # Slots handed out so far; a slot below this is a row or sits in the free list.
         self._used = 0
         self._free = np.empty(0, np.int64)
-        # (sorted keys, slot of each key): replaced as a whole so lock-free readers always
-        # see a consistent pair.
-        self._index: tuple[np.ndarray, np.ndarray] = (np.empty(0, np.int64), np.empty(0, np.int64))
         cap = max(1, min(initial_capacity, max(16, _INITIAL_BYTES // (4 * config.dim))))
         if self.capacity:
             cap = min(cap, self.capacity)
+        self._index = IdIndex(cap)
         self._weights = torch.empty(cap, config.dim)
         self._state = {k: torch.zeros(cap, *s) for k, s in self._state_shapes.items()}
         # Bounded tables reuse slots, so a lock-free reader could read a slot after it was
@@ -151,26 +150,17 @@ class EmbeddingTable:
     @property
     def rows(self) -> int:
         """Number of resident rows."""
-        return len(self._index[0])
+        return self._index.size
 
     @property
     def memory_bytes(self) -> int:
         """Bytes held by rows, optimizer state, the id index and the LRU/admission bookkeeping."""
-        keys, slots = self._index
-        total = self._weights.nbytes + keys.nbytes + slots.nbytes + self._free.nbytes
+        total = self._weights.nbytes + self._index.nbytes + self._free.nbytes
         if self._touched is not None:
             total += self._touched.nbytes
         if self._sketch is not None:
             total += self._sketch.nbytes
         return total + sum(t.nbytes for t in self._state.values())
-
-    def _find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        keys, slots = self._index
-        if len(keys) == 0:
-            return np.full(len(ids), -1, np.int64), np.zeros(len(ids), bool)
-        pos = np.minimum(np.searchsorted(keys, ids), len(keys) - 1)
-        found = keys[pos] == ids
-        return np.where(found, slots[pos], -1), found
 
     def _grow(self, need: int) -> None:
         cap = self._weights.shape[0]
@@ -203,7 +193,7 @@ class EmbeddingTable:
         return np.concatenate([reuse, new])
 
     def _insert(self, new_ids: np.ndarray) -> None:
-        """Create rows for sorted, unique ids that are not present. Caller holds the lock."""
+        """Create rows for unique ids that are not present. Caller holds the lock."""
         k = len(new_ids)
         slots = self._alloc(k)
         idx = torch.from_numpy(slots)
@@ -215,13 +205,11 @@ class EmbeddingTable:
             t.index_fill_(0, idx, fill)
         if self._touched is not None:
             self._touched[slots] = self._tick
-        keys, old = self._index
-        pos = np.searchsorted(keys, new_ids)
-        self._index = (np.insert(keys, pos, new_ids), np.insert(old, pos, slots))
+        self._index.insert(new_ids, slots)
 
     def _evict(self, want: int) -> int:
         """Evict up to ``want`` least recently touched rows not touched by the current call."""
-        keys, slots = self._index
+        keys, slots = self._index.items(sort=False)
         touched = self._touched[slots]
         candidates = np.flatnonzero(touched < self._tick)
         n = min(want, len(candidates))
@@ -231,9 +219,7 @@ class EmbeddingTable:
             victims = candidates[np.argpartition(touched[candidates], n - 1)[:n]]
         else:
             victims = candidates
-        keep = np.ones(len(keys), bool)
-        keep[victims] = False
-        self._index = (keys[keep], slots[keep])
+        self._index.remove(keys[victims])
         self._free = np.concatenate([self._free, slots[victims]])
         self.evicted_rows += n
         if self._on_evict is not None:
@@ -241,7 +227,7 @@ class EmbeddingTable:
         return n
 
     def _admit(self, fresh: np.ndarray) -> None:
-        """Create rows for the sorted unique absent ``fresh`` ids that pass admission and fit."""
+        """Create rows for the sorted, unique, absent ``fresh`` ids that pass admission and fit."""
         if self._sketch is not None:
             fresh = fresh[self._sketch.add(fresh) >= self.config.min_count]
         if self.capacity:
@@ -256,15 +242,19 @@ class EmbeddingTable:
             self._insert(fresh)
 
     def _resolve(self, ids: np.ndarray) -> np.ndarray:
-        """Slots of unique ``ids`` (-1: not a row), admitting and evicting. Caller holds the lock."""
+        """Slots of ``ids`` (-1: not a row), admitting and evicting. Caller holds the lock.
+
+        A pull may name an id more than once; each distinct id is counted and created once.
+        """
         self._tick += 1
-        slots, found = self._find(ids)
+        slots = self._index.lookup(ids)
+        found = slots >= 0
         if self._touched is not None:
             self._touched[slots[found]] = self._tick
         if not found.all():
             missing = ids[~found]
-            self._admit(np.sort(missing))
-            slots[~found], _ = self._find(missing)
+            self._admit(np.unique(missing))
+            slots[~found] = self._index.lookup(missing)
         return slots
 
     def _gather(self, ids: np.ndarray, slots: np.ndarray) -> torch.Tensor:
@@ -289,8 +279,8 @@ class EmbeddingTable:
             with self._lock:
                 return self._gather(ids, self._resolve(ids)), self.version
         version = self.version
-        slots, found = self._find(ids)
-        if not found.all():
+        slots = self._index.lookup(ids)
+        if (slots < 0).any():
             with self._lock:
                 slots = self._resolve(ids)
         return self._gather(ids, slots), version
@@ -327,10 +317,10 @@ class EmbeddingTable:
     def snapshot(self) -> dict[str, object]:
         """Ids, rows, optimizer state and version, sorted by id (for checkpoints and tests)."""
         with self._lock:
-            keys, slots = self._index
+            keys, slots = self._index.items()
             idx = torch.from_numpy(slots)
             return {
-                "ids": keys.copy(),
+                "ids": keys,
                 "weights": self._weights.index_select(0, idx),
                 "state": {k: t.index_select(0, idx) for k, t in self._state.items()},
                 "version": self.version,
@@ -370,7 +360,9 @@ class EmbeddingTable:
             self._free = np.empty(0, np.int64)
             if self._touched is not None:
                 self._touched = np.zeros(max(n, 1), np.int64)
-            self._index = (np.array(ids, dtype=np.int64), np.arange(n, dtype=np.int64))
+            index = IdIndex(max(2 * n, 16))
+            index.insert(np.ascontiguousarray(ids, dtype=np.int64), np.arange(n, dtype=np.int64))
+            self._index = index
             self.version = int(version)
 
 

@@ -26,7 +26,11 @@ def run(config: WorkerConfig) -> int:
 
         registry = CollectorRegistry()
         metrics = WorkerMetrics(registry)
-        _, port = serve_metrics(registry, config.metrics_port)
+        port = config.metrics_port
+        if port and "LOCAL_RANK" in os.environ:
+            # torchrun ranks on one machine share the flag; each takes base + local rank.
+            port += int(os.environ["LOCAL_RANK"])
+        _, port = serve_metrics(registry, port)
         log.info("metrics on port %d", port)
     try:
         train(config, metrics=metrics, printer=lambda line: print(line, flush=True))

@@ -129,6 +129,7 @@ class ClockReply:
     max_clock: int
     live_workers: int
     ready: bool
+    min_other_clock: int = 0
 
 
 class Handle:
@@ -458,7 +459,7 @@ class PSClient:
             # The shard holds the call for at most a few seconds; allow for that in the deadline.
             reply = self._call(0, "Clock", request, timeout=self.config.timeout_s + wait_ms / 1000.0)
             if reply.ready or remaining <= 0:
-                return ClockReply(reply.min_clock, reply.max_clock, reply.live_workers, reply.ready)
+                return ClockReply(reply.min_clock, reply.max_clock, reply.live_workers, reply.ready, reply.min_other_clock)
 
     @staticmethod
     def wait(handle: Handle, timeout: float | None = None) -> object:

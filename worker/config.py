@@ -34,7 +34,7 @@ class WorkerConfig:
     shards: tuple[str, ...]
     worker_index: int = 0
     num_workers: int = 1
-    steps: int = 400
+    steps: int = 2000
     batch_size: int = 256
     data: str = "synthetic"
     vocab_size: int = 100_000
@@ -118,7 +118,7 @@ def _env(name: str, default: object) -> object:
 
 def add_training_flags(p: argparse.ArgumentParser) -> None:
     """Flags that describe the job (shared by ``tether worker`` and ``tether launch``)."""
-    p.add_argument("--steps", type=int, default=_env("TETHER_STEPS", 400), help="training steps per worker (env TETHER_STEPS)")
+    p.add_argument("--steps", type=int, default=_env("TETHER_STEPS", 2000), help="training steps per worker (env TETHER_STEPS)")
     p.add_argument("--batch-size", type=int, default=_env("TETHER_BATCH_SIZE", 256), help="samples per step (env TETHER_BATCH_SIZE)")
     p.add_argument("--data", default=_env("TETHER_DATA", "synthetic"), help="'synthetic' or 'criteo:PATH' to a Criteo TSV file")
     p.add_argument("--vocab-size", type=int, default=_env("TETHER_VOCAB_SIZE", 100_000), help="synthetic data: ids per field")

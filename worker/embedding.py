@@ -60,7 +60,7 @@ class ShardedEmbeddingBag(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype != torch.int64:
             raise InvalidArgument(f"table {self.table!r}: ids must be int64, got {ids.dtype}")
-        flat = ids.reshape(-1)
+        flat = ids.reshape(-1).contiguous()
         pos = None
         if self._ids is not None and self._ids.numel():
             pos = torch.searchsorted(self._ids, flat).clamp_(max=self._ids.numel() - 1)

@@ -11,6 +11,8 @@ import json
 import logging
 import math
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
@@ -20,13 +22,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tether.protos.errors import DeadlineExceeded
+from tether.protos.errors import DeadlineExceeded, TooStale
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.worker.client import ClientConfig, PSClient
+from tether.worker.client import ClientConfig, Handle, PSClient
 from tether.worker.config import WorkerConfig
 from tether.worker.data import Batch, SyntheticClickLog, SyntheticConfig, iterate, load_criteo
 from tether.worker.embedding import PSModel, ShardedEmbeddingBag
-from tether.worker.evaluation import auc, constant_baseline_loss, log_loss
+from tether.worker.evaluation import constant_baseline_loss, evaluate
 from tether.worker.model import CTRModel
 
 __all__ = [
@@ -152,21 +154,13 @@ def _sparse(batch: Batch) -> dict[str, torch.Tensor]:
 
 
 def evaluate_remote(ps: PSModel, batch: Batch, batch_size: int = 4096, timeout: float | None = None) -> dict[str, float]:
-    """Held-out log loss and AUC of the model with the shards' current parameters."""
-    model = ps.model
-    was_training = model.training
-    model.eval()
-    logits = []
-    try:
-        with torch.no_grad():
-            for start in range(0, batch.labels.numel(), batch_size):
-                part = Batch(*(t[start : start + batch_size] for t in batch))
-                ps.install(ps.prefetch(_sparse(part), with_dense=start == 0), train=False, timeout=timeout)
-                logits.append(model(part.dense.to(ps.device), part.sparse.to(ps.device)).float().cpu())
-    finally:
-        model.train(was_training)
-    scores = torch.cat(logits)
-    return {"eval_loss": log_loss(scores, batch.labels), "eval_auc": auc(scores, batch.labels)}
+    """Held-out log loss and AUC of the model with the shards' current parameters.
+
+    One pull fetches every row the held-out set needs (and the dense values), then the model
+    is evaluated in process.
+    """
+    ps.install(ps.prefetch(_sparse(batch)), train=False, timeout=timeout)
+    return evaluate(ps.model, batch, batch_size)
 
 
 class _AllReduce:
@@ -209,6 +203,61 @@ def _init_sync(cfg: WorkerConfig, device: torch.device) -> WorkerConfig:
     return replace(cfg, worker_index=dist.get_rank(), num_workers=dist.get_world_size())
 
 
+def _background(batches: Iterator[Batch], depth: int = 4) -> Iterator[Batch]:
+    """Produce batches on a background thread (like a DataLoader worker) so data preparation
+    overlaps the step instead of adding to it."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for b in batches:
+                while not stop.is_set():
+                    try:
+                        q.put(b, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(done)
+        except BaseException as exc:  # handed to the consumer
+            q.put(exc)
+
+    threading.Thread(target=produce, name="tether-data", daemon=True).start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
+def _join(ps: PSModel, cfg: WorkerConfig) -> int:
+    """SSP start: register, then wait (bounded) until every worker of the job has, so no one
+    runs ahead of a worker that has not started yet.
+
+    Returns:
+        The clock to start from: 0 in a new job; a worker restarted into a running job starts
+        at the slowest other worker's clock rather than holding everyone back at 0.
+    """
+    deadline = time.monotonic() + cfg.ssp_timeout_s
+    while True:
+        reply = ps.client.clock(0)
+        if reply.live_workers >= cfg.num_workers:
+            return reply.min_other_clock
+        if time.monotonic() > deadline:
+            raise DeadlineExceeded(
+                f"only {reply.live_workers} of {cfg.num_workers} workers joined within {cfg.ssp_timeout_s:.0f}s"
+            )
+        time.sleep(0.05)
+
+
 def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[str], None] = print) -> dict[str, object]:
     """Run the training loop of one worker and return its record (also written to ``cfg.out``).
 
@@ -229,13 +278,25 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
     dense_opt = local_optimizer(cfg, list(ps.parameters())) if kind == "sync" else None
     name = f"worker {cfg.worker_index}/{cfg.num_workers}"
     printer(f"{name}: mode {cfg.mode}, {len(cfg.shards)} shard(s), device {device}, {cfg.steps} steps x {cfg.batch_size} samples")
-    stream = ds.train_batches(cfg.batch_size, cfg.steps, cfg.worker_index, cfg.num_workers)
+    stream = _background(ds.train_batches(cfg.batch_size, cfg.steps, cfg.worker_index, cfg.num_workers))
     # Prefetching the next batch during compute reads before this step's push lands: fine
     # without a bound, but ssp and sync pull only once the bound (or the barrier) allows.
     prefetch = cfg.prefetch and kind == "async"
     history: list[dict[str, object]] = []
     staleness: list[int] = []
+    too_stale = 0
+
+    def settle(handle: Handle) -> None:
+        """Wait for a push; one a shard rejected as too stale is dropped and counted."""
+        nonlocal too_stale
+        try:
+            staleness.append(handle.result(cfg.timeout_s * 4).clock_staleness)
+        except TooStale as exc:
+            too_stale += 1
+            log.info("%s", exc)
+
     digests: list[str] = []
+    start_clock = _join(ps, cfg) if kind == "ssp" else 0
     batch = next(stream)
     pending = None
     push = None
@@ -245,10 +306,10 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         if kind == "ssp":
-            reply = ps.client.clock(step, wait_bound=bound, timeout_s=cfg.ssp_timeout_s)
+            reply = ps.client.clock(start_clock + step, wait_bound=bound, timeout_s=cfg.ssp_timeout_s)
             if not reply.ready:
                 raise DeadlineExceeded(
-                    f"{name} waited {cfg.ssp_timeout_s:.0f}s at clock {step} for the slowest live worker (clock {reply.min_clock}, bound {bound})"
+                    f"{name} waited {cfg.ssp_timeout_s:.0f}s at clock {start_clock + step} for the slowest live worker (clock {reply.min_clock}, bound {bound})"
                 )
         tw = time.perf_counter()
         if pending is None:
@@ -271,12 +332,12 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
             time.sleep((cfg.my_slowdown - 1.0) * (time.perf_counter() - t1))
         t2 = time.perf_counter()
         if push is not None:
-            staleness.append(push.result(cfg.timeout_s * 4).clock_staleness)
-        push = ps.push(clock=step + 1, versions=pulled, sparse_scale=1.0 / cfg.num_workers if kind == "sync" else 1.0)
+            settle(push)
+        push = ps.push(clock=start_clock + step + 1, versions=pulled, sparse_scale=1.0 / cfg.num_workers if kind == "sync" else 1.0)
         if kind != "async":
             # The step's updates must land before this worker's clock (or the barrier) lets
             # anyone read past them.
-            staleness.append(push.result(cfg.timeout_s * 4).clock_staleness)
+            settle(push)
             push = None
             if allreduce is not None:
                 allreduce.dist.barrier()
@@ -295,7 +356,7 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
             metrics.samples.inc(batch.labels.numel())
             metrics.steps.inc()
             metrics.train_loss.set(loss_value)
-            metrics.clock.set(step + 1)
+            metrics.clock.set(start_clock + step + 1)
             metrics.last_step_timestamp.set(time.time())
         last = step + 1 == cfg.steps
         evaluate = cfg.worker_index == 0 and cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last)
@@ -322,23 +383,26 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
             break
         batch = upcoming
     if push is not None:
-        staleness.append(push.result(cfg.timeout_s * 4).clock_staleness)
+        settle(push)
     wall = time.perf_counter() - t_start - eval_time
     if kind == "ssp":
-        ps.client.clock(cfg.steps, leave=True)
+        ps.client.clock(start_clock + cfg.steps, leave=True)
     result: dict[str, object] = {
         "worker_index": cfg.worker_index,
         "mode": cfg.mode,
+        "device": str(device),
         "samples": samples,
         "wall_s": wall,
         "samples_per_sec": samples / wall if wall > 0 else math.nan,
         "phase_seconds": phase,
         "clock_staleness": staleness,
+        "rejected_too_stale": too_stale,
         "history": history,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
     }
     if kind == "sync":
         result["dense_digests"] = digests
+        result["backend"] = allreduce.dist.get_backend()
         if cfg.worker_index == 0:
             # Dense parameters live on the ranks in sync mode, so rank 0 reports the final model.
             result["final_eval"] = evaluate_remote(ps, ds.eval_set, timeout=cfg.timeout_s * 4)

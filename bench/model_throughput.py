@@ -1,0 +1,101 @@
+"""Samples/s of the default CTR model: 1 worker + 1 shard through tether, against the same
+model trained in one process with no parameter server (the ceiling), side by side.
+
+    python bench/model_throughput.py [--quick] [--steps N] [--batch-size B] [--device cpu|cuda]
+
+Both sides get one intra-op thread per process (as ``tether launch`` gives its children), the
+same batches, model, seed and optimizer (Adagrad). The tether side is a real shard process and
+a real worker process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _common import markdown_table  # noqa: E402
+
+TARGET = 0.70
+
+
+def in_process(steps: int, batch_size: int, device: str, warmup: int = 20) -> float:
+    """Samples/s of the model trained in this process (local sparse embeddings + Adagrad)."""
+    import torch
+    import torch.nn.functional as F
+
+    from tether.worker.data import SyntheticClickLog, SyntheticConfig
+    from tether.worker.model import CTRModel
+
+    dev = torch.device(device)
+    gen = SyntheticClickLog(SyntheticConfig())
+    torch.manual_seed(0)
+    model = CTRModel(13, 8).to(dev)
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
+    batches = list(gen.batches(batch_size, steps + warmup))
+    start = None
+    for i, b in enumerate(batches):
+        if i == warmup:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+        loss = F.binary_cross_entropy_with_logits(model(b.dense.to(dev), b.sparse.to(dev)), b.labels.to(dev))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return steps * batch_size / (time.perf_counter() - start)
+
+
+def through_tether(steps: int, batch_size: int, device: str, shards: int = 1, workers: int = 1) -> dict:
+    """Samples/s of the same model through a local tether cluster (real processes)."""
+    from tether.deploy.launch import run_job
+    from tether.worker.config import WorkerConfig
+
+    cfg = WorkerConfig(shards=("pending:0",), num_workers=workers, steps=steps, batch_size=batch_size, eval_samples=2000, device=device, log_every=steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_job(cfg, shards, out=tmp, echo=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="CI-sized run")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--_inprocess", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    steps = a.steps or (200 if a.quick else 1500)
+    if a._inprocess:
+        print(in_process(steps, a.batch_size, a.device))
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # The ceiling runs in its own process so both sides get the same thread settings.
+    local = float(subprocess.run(
+        [sys.executable, __file__, "--_inprocess", "--steps", str(steps), "--batch-size", str(a.batch_size), "--device", a.device],
+        capture_output=True, text=True, check=True, env=env, timeout=1800,
+    ).stdout.split()[-1])
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    summary = through_tether(steps, a.batch_size, a.device)
+    ratio = summary["samples_per_sec"] / local
+    phases = summary["workers"][0]["phase_seconds"]
+    busy = sum(phases.values())
+    rows = [
+        ["in one process, no parameter server", local, "1.00"],
+        ["tether: 1 worker + 1 shard", summary["samples_per_sec"], f"{ratio:.2f}"],
+    ]
+    print(f"default CTR model, batch {a.batch_size}, {steps} steps, device {a.device}\n")
+    print(markdown_table(["setup", "samples/s", "ratio"], rows))
+    print("\nworker step time: " + ", ".join(f"{k} {v / busy:.0%}" for k, v in phases.items() if v))
+    print(f"\ntether / in-process = {ratio:.2f} (target >= {TARGET:.2f}: {'met' if ratio >= TARGET else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,571 @@
+"""tether measured exactly like the ``torch.distributed.rpc`` peer, side by side in one run.
+
+Every tether figure comes from real shard processes (``tether.deploy.launch.LocalCluster``)
+and a client in its own spawned process, each with one torch thread, as the peer's processes
+have (``bench/rpc_peer.py``). What is measured mirrors the peer step for step:
+
+- dense: declare one fp32 tensor of each size (4 KiB .. 64 MiB) with SGD on one shard; a step
+  pushes its gradient, then pulls its value; MiB/s counts bytes pushed plus bytes pulled.
+- small calls: a 2-float dense tensor, one ``push_pull`` round trip per call, sequential.
+- sparse: 4096 unique random int64 ids x 64 dims, pull then push (SGD), 1 and 2 shards; a row
+  counts once per step.
+- apply: the shard's own ``EmbeddingTable.push`` in this process (no RPC), SGD and Adagrad,
+  beside the same update done with raw torch on a preallocated table (no id index).
+- scaling: samples/s of the default CTR model with 1, 2 workers x 1, 2 shards (``run_job``),
+  beside the same model trained in one process with no parameter server.
+
+Each comparison runs ``--repeats`` times back to back, alternating which side goes first, and
+reports the median of each side and the ratio of the medians (large payloads are noisy).
+
+Run: ``python bench/tether_ps.py [--quick] [--repeats N] [--wire-dtype bfloat16]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Same setting as the peer and as ``tether launch``: one intra-op thread per process. Set
+# before torch is imported so this process and every child (shards, client) inherit it.
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (  # noqa: E402
+    QUICK_SIZES,
+    SIZES,
+    ChildProcess,
+    call_stats,
+    fmt_size,
+    markdown_table,
+    mib_per_s,
+    start_process,
+    time_op,
+)
+
+__all__ = [
+    "Comparison",
+    "apply_rows_per_s",
+    "compare_apply",
+    "compare_dense",
+    "compare_model",
+    "compare_small",
+    "compare_sparse",
+    "in_process_samples_per_s",
+    "main",
+    "raw_apply_rows_per_s",
+    "run_tether_client",
+    "tether_dense_mbps",
+    "tether_job_samples_per_s",
+    "tether_small_calls",
+    "tether_sparse_rows_per_s",
+]
+
+LR = 0.01  # the peer's learning rate
+WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_STARTUP_ALLOWANCE = 90.0  # spawn + import torch + shard start, on a loaded 2-core box
+_RPC_TIMEOUT = 60.0
+_HERE = Path(__file__).resolve().parent
+
+
+# --------------------------------------------------------------------------- client process
+
+
+def _client_main(
+    job: Callable[..., Any], addresses: list[str], kwargs: dict[str, Any], results: Any, threads: int
+) -> None:
+    """Child: run ``job(addresses, **kwargs)`` with ``threads`` torch threads and report."""
+    torch.set_num_threads(threads)
+    try:
+        results.put(("ok", job(addresses, **kwargs)))
+    except Exception:
+        results.put(("error", traceback.format_exc()))
+
+
+def run_tether_client(
+    job: Callable[..., Any],
+    kwargs: dict[str, Any],
+    num_shards: int,
+    timeout: float,
+    shard_args: Sequence[str] = (),
+    threads: int = 1,
+) -> Any:
+    """Start ``num_shards`` shard processes, run ``job(addresses, **kwargs)`` in a client process.
+
+    Args:
+        job: module-level function; gets the shard addresses and ``kwargs``.
+        num_shards: shard processes (``tether server``), each with ``OMP_NUM_THREADS=1``.
+        timeout: seconds for the job's result, start-up included.
+        shard_args: extra ``tether server`` flags.
+        threads: ``torch.set_num_threads`` in the client process.
+
+    Raises:
+        TimeoutError: no result within ``timeout``.
+        RuntimeError: the job raised (the message holds its traceback) or the client died.
+    """
+    from tether.deploy.launch import LocalCluster
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    child: ChildProcess | None = None
+    with LocalCluster(grace_s=5.0) as cluster:
+        addresses = cluster.start_shards(num_shards, extra_args=list(shard_args), timeout_s=_STARTUP_ALLOWANCE)
+        try:
+            child = start_process(_client_main, (job, list(addresses), kwargs, results, threads), "tether-client", ctx)
+            deadline = time.monotonic() + timeout
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    status, value = results.get(timeout=min(left, 0.5))
+                    break
+                except queue.Empty:
+                    if child.process.exitcode is not None:
+                        raise RuntimeError(f"tether client for {job.__name__} died (exit {child.process.exitcode})") from None
+            else:
+                raise TimeoutError(f"tether job {job.__name__} did not finish in {timeout:.0f} s")
+        finally:
+            if child is not None:
+                child.stop(timeout=10.0)
+    if status != "ok":
+        raise RuntimeError(f"tether job {job.__name__} failed in the client:\n{value}")
+    return value
+
+
+def _client(addresses: list[str], wire: str = "float32", chunk_elems: int | None = None) -> Any:
+    from tether.worker.client import ClientConfig, PSClient
+
+    extra = {} if chunk_elems is None else {"chunk_elems": chunk_elems}
+    return PSClient(
+        ClientConfig(addresses=tuple(addresses), worker_id="bench", timeout_s=_RPC_TIMEOUT, wire_dtype=WIRE_DTYPES[wire], **extra)
+    )
+
+
+# --------------------------------------------------------------------------- jobs (client side)
+
+
+def _dense_job(addresses: list[str], sizes: list[int], seconds: float, wire: str, chunk_elems: int | None) -> dict[int, float]:
+    from tether.protos.specs import OptimizerConfig
+
+    out: dict[int, float] = {}
+    with _client(addresses, wire, chunk_elems) as client:
+        sgd = OptimizerConfig("sgd", lr=LR)
+        for size in sizes:
+            name = f"dense{size}"
+            client.declare(dense={name: torch.zeros(size // 4)}, dense_optimizer=sgd)
+            grad = torch.randn(size // 4)
+
+            def step(name: str = name, grad: torch.Tensor = grad) -> None:
+                client.push(dense={name: grad}).result()
+                client.pull(dense=[name]).result()
+
+            # Bytes as the user sees them (fp32), whatever the wire carries.
+            out[size] = mib_per_s(2 * size, time_op(step, seconds, min_iters=3, warmup_seconds=seconds / 2))
+    return out
+
+
+def _small_job(addresses: list[str], seconds: float) -> dict[str, float]:
+    from tether.protos.specs import OptimizerConfig
+
+    with _client(addresses) as client:
+        client.declare(dense={"tiny": torch.zeros(2)}, dense_optimizer=OptimizerConfig("sgd", lr=LR))
+        grad = torch.zeros(2)  # 8 bytes each way
+        lat = time_op(
+            lambda: client.push_pull(push_dense={"tiny": grad}, pull_dense=["tiny"]).result(),
+            min_seconds=seconds,
+            min_iters=100,
+            warmup=20,
+        )
+    return call_stats(lat)
+
+
+def _unique_ids(num_ids: int, generator: torch.Generator) -> torch.Tensor:
+    """``num_ids`` distinct int64 ids from a 2**40 key space, in random order (as the peer)."""
+    ids = torch.randint(0, 2**40, (2 * num_ids,), generator=generator).unique()[:num_ids]
+    return ids[torch.randperm(len(ids), generator=generator)]
+
+
+def _sparse_job(addresses: list[str], num_ids: int, dim: int, seconds: float, wire: str) -> float:
+    from tether.protos.specs import OptimizerConfig, TableConfig
+
+    with _client(addresses, wire) as client:
+        client.declare([TableConfig("emb", dim=dim, optimizer=OptimizerConfig("sgd", lr=LR))])
+        gen = torch.Generator().manual_seed(0)
+        id_sets = [_unique_ids(num_ids, gen) for _ in range(8)]
+        it = iter(range(1 << 62))
+
+        def step() -> None:
+            ids = id_sets[next(it) % len(id_sets)]
+            rows = client.pull({"emb": ids}).result().rows["emb"]
+            client.push({"emb": (ids, rows.mul(0.01))}).result()
+
+        lat = time_op(step, seconds, min_iters=3, warmup=2, warmup_seconds=seconds / 2)
+    return num_ids * len(lat) / sum(lat)
+
+
+# --------------------------------------------------------------------------- public measurements
+
+
+def tether_dense_mbps(
+    sizes: Sequence[int], seconds: float, wire: str = "float32", chunk_elems: int | None = None
+) -> dict[int, float]:
+    """Dense push then pull MiB/s (fp32 bytes pushed + pulled) per size, one shard.
+
+    Raises:
+        ValueError: a size that is not a positive multiple of 4, or an unknown wire dtype.
+    """
+    bad = [s for s in sizes if s <= 0 or s % 4]
+    if bad:
+        raise ValueError(f"sizes must be positive multiples of 4 bytes, got {bad}")
+    if wire not in WIRE_DTYPES:
+        raise ValueError(f"wire dtype must be one of {sorted(WIRE_DTYPES)}, got {wire!r}")
+    return run_tether_client(
+        _dense_job,
+        {"sizes": list(sizes), "seconds": seconds, "wire": wire, "chunk_elems": chunk_elems},
+        num_shards=1,
+        timeout=_STARTUP_ALLOWANCE + len(sizes) * (3 * seconds + 30),
+    )
+
+
+def tether_small_calls(seconds: float) -> dict[str, float]:
+    """Sequential ``push_pull`` of a 2-float dense tensor: calls_per_s, p50_us, p99_us."""
+    return run_tether_client(_small_job, {"seconds": seconds}, num_shards=1, timeout=_STARTUP_ALLOWANCE + 3 * seconds + 30)
+
+
+def tether_sparse_rows_per_s(
+    num_shards: int, num_ids: int = 4096, dim: int = 64, seconds: float = 2.0, wire: str = "float32"
+) -> float:
+    """Embedding rows/s for pull + push of ``num_ids`` unique ids over ``num_shards`` shards (SGD).
+
+    Raises:
+        ValueError: if ``num_shards``, ``num_ids`` or ``dim`` is < 1.
+    """
+    if min(num_shards, num_ids, dim) < 1:
+        raise ValueError(f"need num_shards, num_ids, dim >= 1; got {num_shards=}, {num_ids=}, {dim=}")
+    return run_tether_client(
+        _sparse_job,
+        {"num_ids": num_ids, "dim": dim, "seconds": seconds, "wire": wire},
+        num_shards=num_shards,
+        timeout=_STARTUP_ALLOWANCE + 3 * seconds + 30,
+    )
+
+
+def apply_rows_per_s(optimizer: str, num_ids: int = 4096, dim: int = 64, seconds: float = 1.0) -> dict[str, float]:
+    """Rows/s of the shard's own ``EmbeddingTable.push`` in this process (no RPC).
+
+    Returns:
+        ``push`` (rows/s of whole pushes) and ``lookup`` (rows/s of the id -> slot lookup
+        alone, the part a raw table indexed by ``id % rows`` does not pay).
+    """
+    from tether.protos.specs import OptimizerConfig, TableConfig
+    from tether.server.tables import EmbeddingTable
+
+    table = EmbeddingTable(TableConfig("emb", dim=dim, optimizer=OptimizerConfig(optimizer, lr=LR)))
+    gen = torch.Generator().manual_seed(0)
+    id_sets = [_unique_ids(num_ids, gen).numpy() for _ in range(8)]
+    grads = torch.randn(num_ids, dim).mul_(0.01)
+    for ids in id_sets:  # create the rows first: this is the steady state, not first touch
+        table.pull(ids)
+    it = iter(range(1 << 62))
+    push = time_op(lambda: table.push(id_sets[next(it) % 8], grads), seconds, min_iters=5, warmup=3)
+    lookup = time_op(lambda: table.slots(id_sets[next(it) % 8]), seconds / 2, min_iters=5, warmup=3)
+    return {"push": num_ids * len(push) / sum(push), "lookup": num_ids * len(lookup) / sum(lookup)}
+
+
+def raw_apply_rows_per_s(optimizer: str, num_ids: int = 4096, dim: int = 64, seconds: float = 1.0, num_rows: int = 2**18) -> float:
+    """Rows/s of the same update in raw torch on a preallocated table indexed by ``id % rows``.
+
+    SGD is the peer's ``push_rows`` (``index_add_``); Adagrad gathers rows and state, updates
+    them and scatters them back.
+    """
+    w = torch.randn(num_rows, dim).mul_(0.01)
+    acc = torch.zeros(num_rows, dim)
+    gen = torch.Generator().manual_seed(0)
+    id_sets = [_unique_ids(num_ids, gen) for _ in range(8)]
+    grads = torch.randn(num_ids, dim).mul_(0.01)
+    it = iter(range(1 << 62))
+
+    def sgd() -> None:
+        w.index_add_(0, id_sets[next(it) % 8] % num_rows, grads, alpha=-LR)
+
+    def adagrad() -> None:
+        idx = id_sets[next(it) % 8] % num_rows
+        rows, a = w.index_select(0, idx), acc.index_select(0, idx)
+        a.addcmul_(grads, grads)
+        rows.addcdiv_(grads, a.sqrt().add_(1e-8), value=-LR)
+        w.index_copy_(0, idx, rows)
+        acc.index_copy_(0, idx, a)
+
+    lat = time_op(sgd if optimizer == "sgd" else adagrad, seconds, min_iters=5, warmup=3)
+    return num_ids * len(lat) / sum(lat)
+
+
+def in_process_samples_per_s(steps: int, batch_size: int = 256, timeout: float = 1800.0) -> float:
+    """Samples/s of the default model in one process, no parameter server (``model_throughput``)."""
+    out = subprocess.run(
+        [sys.executable, str(_HERE / "model_throughput.py"), "--_inprocess", "--steps", str(steps), "--batch-size", str(batch_size), "--device", "cpu"],
+        capture_output=True, text=True, check=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    return float(out.stdout.split()[-1])
+
+
+def tether_job_samples_per_s(workers: int, shards: int, steps: int, batch_size: int = 256, wire: str = "float32") -> dict[str, Any]:
+    """Samples/s of the default model through a local cluster (``run_job``) and the step split.
+
+    Returns:
+        ``samples_per_sec`` (all workers) and ``phases`` (fraction of worker step time per
+        phase, summed over workers).
+    """
+    from tether.deploy.launch import run_job
+    from tether.worker.config import WorkerConfig
+
+    cfg = WorkerConfig(
+        shards=("pending:0",), num_workers=workers, steps=steps, batch_size=batch_size,
+        eval_samples=2000, device="cpu", log_every=steps, wire_dtype=wire,
+    )
+    with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp, contextlib.redirect_stdout(io.StringIO()):
+        summary = run_job(cfg, shards, out=tmp, echo=False, timeout_s=max(600.0, steps * workers))
+    phases: dict[str, float] = {}
+    for w in summary["workers"]:
+        for k, v in w["phase_seconds"].items():
+            phases[k] = phases.get(k, 0.0) + float(v)
+    busy = sum(phases.values()) or 1.0
+    return {"samples_per_sec": float(summary["samples_per_sec"]), "phases": {k: v / busy for k, v in phases.items()}}
+
+
+# --------------------------------------------------------------------------- side by side
+
+
+@dataclass
+class Comparison:
+    """One metric, both sides, every repeat."""
+
+    label: str
+    tether: list[float] = field(default_factory=list)
+    other: list[float] = field(default_factory=list)
+
+    @property
+    def tether_median(self) -> float:
+        """Median of tether's repeats."""
+        return statistics.median(self.tether)
+
+    @property
+    def other_median(self) -> float:
+        """Median of the peer's (or ceiling's) repeats."""
+        return statistics.median(self.other)
+
+    @property
+    def ratio(self) -> float:
+        """tether median / other median."""
+        return self.tether_median / self.other_median
+
+    @property
+    def ratio_range(self) -> tuple[float, float]:
+        """Smallest and largest per-repeat ratio (how noisy the figure is)."""
+        rs = [t / o for t, o in zip(self.tether, self.other, strict=True)]
+        return min(rs), max(rs)
+
+
+def _side_by_side(
+    repeats: int, tether: Callable[[], Any], other: Callable[[], Any], log: Callable[[str], None], what: str
+) -> tuple[list[Any], list[Any]]:
+    """Run both sides ``repeats`` times back to back, alternating which goes first."""
+    t_runs, o_runs = [], []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        if r % 2 == 0:
+            o_runs.append(other())
+            t_runs.append(tether())
+        else:
+            t_runs.append(tether())
+            o_runs.append(other())
+        log(f"{what}: repeat {r + 1}/{repeats} done in {time.perf_counter() - t0:.0f}s")
+    return t_runs, o_runs
+
+
+def _stderr(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def compare_dense(
+    sizes: Sequence[int], seconds: float, repeats: int, wire: str = "float32", with_ceiling: bool = True,
+    log: Callable[[str], None] = _stderr,
+) -> dict[str, dict[int, Comparison]]:
+    """Dense MiB/s per size: tether against the rpc peer and (optionally) raw grpc echo.
+
+    Returns:
+        ``{"peer": {size: Comparison}, "grpc": {size: Comparison}}`` ("grpc" only with the
+        ceiling; it is measured in the same repeats).
+    """
+    from ceilings import GrpcEchoPeer
+    from rpc_peer import rpc_dense_mbps
+
+    def other() -> dict[str, dict[int, float]]:
+        res = {"peer": rpc_dense_mbps(list(sizes), seconds)}
+        if with_ceiling:
+            with GrpcEchoPeer() as g:
+                res["grpc"] = {s: g.echo_mbps(s, seconds) for s in sizes}
+        return res
+
+    t_runs, o_runs = _side_by_side(repeats, lambda: tether_dense_mbps(sizes, seconds, wire), other, log, f"dense ({wire} wire)")
+    out: dict[str, dict[int, Comparison]] = {}
+    for key in o_runs[0]:
+        out[key] = {s: Comparison(fmt_size(s), [t[s] for t in t_runs], [o[key][s] for o in o_runs]) for s in sizes}
+    return out
+
+
+def compare_small(seconds: float, repeats: int, log: Callable[[str], None] = _stderr) -> dict[str, dict[str, Comparison]]:
+    """Small-call rate and latency: tether ``push_pull`` against the peer and raw grpc echo."""
+    from ceilings import grpc_small_calls
+    from rpc_peer import rpc_small_calls
+
+    t_runs, o_runs = _side_by_side(
+        repeats, lambda: tether_small_calls(seconds),
+        lambda: {"peer": rpc_small_calls(seconds), "grpc": grpc_small_calls(seconds)}, log, "small calls",
+    )
+    return {
+        key: {m: Comparison(m, [t[m] for t in t_runs], [o[key][m] for o in o_runs]) for m in ("calls_per_s", "p50_us", "p99_us")}
+        for key in ("peer", "grpc")
+    }
+
+
+def compare_sparse(
+    shard_counts: Sequence[int], seconds: float, repeats: int, wire: str = "float32", log: Callable[[str], None] = _stderr
+) -> dict[int, Comparison]:
+    """Sparse rows/s (4096 ids x 64, pull + push) per shard count: tether against the peer."""
+    from rpc_peer import rpc_sparse_rows_per_s
+
+    out = {}
+    for n in shard_counts:
+        t, o = _side_by_side(
+            repeats, lambda n=n: tether_sparse_rows_per_s(n, seconds=seconds, wire=wire),
+            lambda n=n: rpc_sparse_rows_per_s(n, seconds=seconds), log, f"sparse {n} shard(s) ({wire} wire)",
+        )
+        out[n] = Comparison(f"{n} shard(s)", t, o)
+    return out
+
+
+def compare_apply(seconds: float, repeats: int, log: Callable[[str], None] = _stderr) -> dict[str, dict[str, Any]]:
+    """Shard apply rows/s (in process): ``EmbeddingTable.push`` against raw torch, per optimizer."""
+    torch.set_num_threads(1)
+    out: dict[str, dict[str, Any]] = {}
+    for opt in ("sgd", "adagrad"):
+        t, o = _side_by_side(repeats, lambda opt=opt: apply_rows_per_s(opt, seconds=seconds),
+                             lambda opt=opt: raw_apply_rows_per_s(opt, seconds=seconds), log, f"apply {opt}")
+        out[opt] = {
+            "cmp": Comparison(opt, [x["push"] for x in t], o),
+            "lookup": statistics.median(x["lookup"] for x in t),
+        }
+    return out
+
+
+def compare_model(
+    steps: int, repeats: int, configs: Sequence[tuple[int, int]] = ((1, 1), (1, 2), (2, 1), (2, 2)),
+    batch_size: int = 256, log: Callable[[str], None] = _stderr,
+) -> dict[str, Any]:
+    """Samples/s of the default model: in one process, and through tether per (workers, shards).
+
+    Returns:
+        ``in_process`` (list per repeat), ``tether`` ({(w, s): [samples/s per repeat]}),
+        ``phases`` ({(w, s): phase fractions of the median repeat's ... last repeat}).
+    """
+    local: list[float] = []
+    runs: dict[tuple[int, int], list[dict[str, Any]]] = {c: [] for c in configs}
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        order = list(configs) if r % 2 == 0 else list(reversed(configs))
+        if r % 2 == 0:
+            local.append(in_process_samples_per_s(steps, batch_size))
+        for w, s in order:
+            runs[(w, s)].append(tether_job_samples_per_s(w, s, steps, batch_size))
+        if r % 2 == 1:
+            local.append(in_process_samples_per_s(steps, batch_size))
+        log(f"model: repeat {r + 1}/{repeats} done in {time.perf_counter() - t0:.0f}s")
+    return {
+        "in_process": local,
+        "tether": {c: [x["samples_per_sec"] for x in v] for c, v in runs.items()},
+        "phases": {c: _median_phases([x["phases"] for x in v]) for c, v in runs.items()},
+    }
+
+
+def _median_phases(all_phases: list[dict[str, float]]) -> dict[str, float]:
+    keys = all_phases[0].keys()
+    return {k: statistics.median(p.get(k, 0.0) for p in all_phases) for k in keys}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _cmp_rows(cmps: Sequence[Comparison]) -> list[list[object]]:
+    rows = []
+    for c in cmps:
+        lo, hi = c.ratio_range
+        rows.append([c.label, c.tether_median, c.other_median, f"{c.ratio:.2f}", f"{lo:.2f}-{hi:.2f}"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print tether beside the rpc peer and the ceilings as Markdown tables."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="CI-sized run")
+    p.add_argument("--repeats", type=int, default=3, help="back-to-back repeats; medians are reported (default 3)")
+    p.add_argument("--seconds", type=float, help="time per measurement (default 1.0, quick 0.3)")
+    p.add_argument("--wire-dtype", choices=sorted(WIRE_DTYPES), default="float32", help="also measure tether with this wire dtype")
+    p.add_argument("--only", default="dense,small,sparse,apply,model", help="comma-separated subset")
+    a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {a.repeats}")
+    torch.set_num_threads(1)
+    sizes = QUICK_SIZES if a.quick else SIZES
+    seconds = a.seconds if a.seconds is not None else (0.3 if a.quick else 1.0)
+    only = set(a.only.split(","))
+    wires = ["float32"] + ([a.wire_dtype] if a.wire_dtype != "float32" else [])
+    headers = ["", "tether", "other", "ratio", "ratio range"]
+    if "dense" in only:
+        for wire in wires:
+            d = compare_dense(sizes, seconds, a.repeats, wire, with_ceiling=wire == "float32")
+            for key, what in (("peer", "rpc peer"), ("grpc", "grpc echo")):
+                if key in d:
+                    print(f"\n## dense push + pull, MiB/s, tether ({wire} wire) vs {what}\n")
+                    print(markdown_table(headers, _cmp_rows(list(d[key].values()))))
+    if "small" in only:
+        s = compare_small(2 * seconds, a.repeats)
+        for key in ("peer", "grpc"):
+            print(f"\n## small calls, tether push_pull vs {key}\n")
+            print(markdown_table(headers, _cmp_rows(list(s[key].values()))))
+    if "sparse" in only:
+        for wire in wires:
+            sp = compare_sparse((1, 2), 2 * seconds, a.repeats, wire)
+            print(f"\n## sparse rows/s (4096 x 64, pull + push), tether ({wire} wire) vs rpc peer\n")
+            print(markdown_table(headers, _cmp_rows(list(sp.values()))))
+    if "apply" in only:
+        ap = compare_apply(seconds, a.repeats)
+        print("\n## shard apply rows/s in process, EmbeddingTable.push vs raw torch\n")
+        print(markdown_table(headers, _cmp_rows([v["cmp"] for v in ap.values()])))
+    if "model" in only:
+        m = compare_model(150 if a.quick else 400, a.repeats)
+        local = statistics.median(m["in_process"])
+        rows = [["in one process", local, "1.00"]]
+        for (w, s), v in m["tether"].items():
+            rows.append([f"tether {w} worker(s) x {s} shard(s)", statistics.median(v), f"{statistics.median(v) / local:.2f}"])
+        print("\n## default model samples/s\n")
+        print(markdown_table(["setup", "samples/s", "ratio"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""ShardedEmbeddingBag and PSModel against a real in-process shard."""
+
+import pytest
+import torch
+
+from tether.protos.errors import InvalidArgument
+from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.worker.embedding import PSModel, ShardedEmbeddingBag
+
+from conftest import make_client
+
+SGD = OptimizerConfig("sgd", 1.0)
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = ShardedEmbeddingBag("e", 2, mode="sum")
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.bag(ids) * self.scale).sum()
+
+
+def test_backward_collects_row_gradients_and_push_applies_them(inproc_shard) -> None:
+    client = make_client([f"127.0.0.1:{inproc_shard.port}"])
+    client.declare([TableConfig("e", 2, SGD, init_scale=0.0)], {"scale": torch.ones(1)}, SGD)
+    model = Tiny()
+    ps = PSModel(model, client, torch.device("cpu"))
+    ids = torch.tensor([[5, 7], [5, 9]])  # bags of two ids; id 5 appears twice
+    pulled = ps.install(ps.prefetch({"e": ids}))
+    assert set(pulled.rows) == {"e"} and pulled.dense["scale"].item() == 1.0
+    model(ids).backward()
+    sparse, dense = ps.gradients()
+    got_ids, grads = sparse["e"]
+    assert got_ids.tolist() == [5, 7, 9]
+    assert grads.tolist() == [[2.0, 2.0], [1.0, 1.0], [1.0, 1.0]]
+    ps.push(clock=1, versions=pulled).result(10)
+    rows = client.pull({"e": torch.tensor([5, 7, 9])}).result(10).rows["e"]
+    assert rows.tolist() == [[-2.0, -2.0], [-1.0, -1.0], [-1.0, -1.0]]
+    client.close()
+
+
+def test_unbound_ids_are_fetched_for_inference(inproc_shard) -> None:
+    client = make_client([f"127.0.0.1:{inproc_shard.port}"])
+    client.declare([TableConfig("e", 2, SGD, init_scale=0.0)], {"scale": torch.ones(1)}, SGD)
+    model = Tiny()
+    PSModel(model, client, torch.device("cpu"))
+    with torch.no_grad():
+        assert model(torch.tensor([1, 2, 3])).item() == 0.0
+    with pytest.raises(InvalidArgument, match="ids must be int64"):
+        model.bag(torch.tensor([1.0]))
+    client.close()
+
+
+def test_bag_modes() -> None:
+    with pytest.raises(ValueError, match="mode must be sum, mean or max"):
+        ShardedEmbeddingBag("e", 2, mode="median")
+    bag = ShardedEmbeddingBag("e", 2, mode="mean")
+    bag.bind(torch.tensor([1, 2]), torch.tensor([[1.0, 2.0], [3.0, 4.0]]), train=False)
+    assert bag(torch.tensor([[1, 2]])).tolist() == [[2.0, 3.0]]
+    bag.mode = "max"
+    assert bag(torch.tensor([[1, 2]])).tolist() == [[3.0, 4.0]]
