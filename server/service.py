@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tether.protos import tether_pb2 as pb
@@ -24,7 +25,7 @@ from tether.server.checkpoint import CheckpointInfo, Checkpointer
 from tether.server.config import ShardConfig
 from tether.server.shard import DenseDecl, DenseUpdate, PushResult, Shard, SparseUpdate
 
-__all__ = ["RunningShard", "ShardServicer", "start_shard"]
+__all__ = ["RunningShard", "ShardServicer", "add_servicer", "start_shard"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,46 @@ _REJECT_REASON = {
 }
 
 
+class _Unparsable:
+    """Stands in for a request whose bytes are not the message they should be."""
+
+    def __init__(self, message: str, size: int, error: str) -> None:
+        self.message = message
+        self.size = size
+        self.error = error
+
+    def ByteSize(self) -> int:  # noqa: N802 - the protobuf name the metrics call
+        return self.size
+
+
+def _lenient(cls: type) -> Callable[[bytes], object]:
+    """A request deserializer that hands bad bytes to the servicer instead of failing in grpc."""
+
+    def parse(data: bytes) -> object:
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            return _Unparsable(cls.DESCRIPTOR.full_name, len(data), str(exc))
+
+    return parse
+
+
+def add_servicer(servicer: ShardServicer, server: grpc.Server) -> None:
+    """Register ``servicer`` like the generated ``add_ParameterServerServicer_to_server``, except
+    that undecodable requests reach it, to be answered INVALID_ARGUMENT (grpc says INTERNAL)."""
+    service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
+    handlers = {
+        m.name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, m.name),
+            request_deserializer=_lenient(getattr(pb, m.input_type.name)),
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
+        )
+        for m in service.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 def _domain(fn: Callable[..., object]) -> Callable[..., object]:
     """Turn tether errors (and config ValueErrors) into status codes; record metrics."""
     rpc = fn.__name__
@@ -50,6 +91,8 @@ def _domain(fn: Callable[..., object]) -> Callable[..., object]:
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
+            if isinstance(request, _Unparsable):
+                raise InvalidArgument(f"request is not a valid {request.message}: {request.error}")
             response = fn(self, request, context)
             return response
         except TetherError as exc:
@@ -303,7 +346,7 @@ def start_shard(config: ShardConfig, shard: Shard | None = None, metrics: object
         interceptors=interceptors,
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
-    pb_grpc.add_ParameterServerServicer_to_server(ShardServicer(shard, metrics, checkpointer), server)
+    add_servicer(ShardServicer(shard, metrics, checkpointer), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = _bind(server, f"{config.host}:{config.port}", credentials)
