@@ -337,11 +337,14 @@ def load_state(plan: RestorePlan, shard_index: int, num_shards: int) -> ShardSta
             if configs.setdefault(cfg.name, cfg) != cfg:
                 raise ValueError(f"checkpoint {plan.id}: parts disagree on table {cfg.name!r}")
             ids = t["ids"].numpy()
-            keep = np.flatnonzero(shard_of_ids(ids, num_shards) == shard_index)
-            sel = torch.from_numpy(keep)
-            table_parts.setdefault(cfg.name, []).append(
-                (ids[keep], t["weights"].index_select(0, sel), {k: v.index_select(0, sel) for k, v in t["state"].items()})
-            )
+            mine = shard_of_ids(ids, num_shards) == shard_index
+            if mine.all():  # the same partition: take the part as it is (no copy yet)
+                table_parts.setdefault(cfg.name, []).append((ids, t["weights"], dict(t["state"])))
+            else:
+                sel = torch.from_numpy(np.flatnonzero(mine))
+                table_parts.setdefault(cfg.name, []).append(
+                    (ids[mine], t["weights"].index_select(0, sel), {k: v.index_select(0, sel) for k, v in t["state"].items()})
+                )
             versions[cfg.name] = max(versions.get(cfg.name, 0), int(t["version"]))
         for d in doc["dense"]:
             if dense_shard(d["name"], int(d["index"]), num_shards) == shard_index:
@@ -353,12 +356,16 @@ def load_state(plan: RestorePlan, shard_index: int, num_shards: int) -> ShardSta
             applied = int(doc["applied_pushes"])
     tables = []
     for name, parts in table_parts.items():
-        ids = np.concatenate([p[0] for p in parts])
-        order = np.argsort(ids, kind="stable")
-        sel = torch.from_numpy(order)
-        weights = torch.cat([p[1] for p in parts]).index_select(0, sel)
-        state = {k: torch.cat([p[2][k] for p in parts]).index_select(0, sel) for k in parts[0][2]}
-        tables.append(TableState(configs[name], ids[order], weights, state, versions[name]))
+        if len(parts) == 1 and (len(parts[0][0]) < 2 or bool(np.all(np.diff(parts[0][0]) > 0))):
+            ids, weights, state = parts[0]  # one part, already sorted by id (as written)
+        else:
+            ids = np.concatenate([p[0] for p in parts])
+            order = np.argsort(ids, kind="stable")
+            sel = torch.from_numpy(order)
+            ids = ids[order]
+            weights = torch.cat([p[1] for p in parts]).index_select(0, sel)
+            state = {k: torch.cat([p[2][k] for p in parts]).index_select(0, sel) for k in parts[0][2]}
+        tables.append(TableState(configs[name], ids, weights, state, versions[name]))
     return ShardState(tables, dense, seqs, applied)
 
 
