@@ -388,7 +388,8 @@ class Checkpointer:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep!r}")
         self.shard = shard
-        self.root = Path(root)
+        # Absolute: the paths it reports must mean the same thing to whoever reads them.
+        self.root = Path(root).absolute()
         self.every_s = every_s
         self.keep = keep
         self.metrics = metrics
@@ -417,6 +418,9 @@ class Checkpointer:
                 continue
             s.restored_checkpoint = plan.id
             self._mutations_saved = s.mutations
+            if self.metrics is not None:
+                # The state served now is that checkpoint's: it is the last one that holds it.
+                self.metrics.last_checkpoint_timestamp.set(plan.created)
             rows = sum(len(t.ids) for t in state.tables)
             log.info(
                 "restored checkpoint %s (%s, %d part(s)): %d rows in %d table(s), %d dense chunk(s) in %.2fs",

@@ -225,8 +225,11 @@ class PSClient:
                     self.metrics.rpc_errors.labels(rpc=method, code=code.name).inc()
                 if not _retryable(exc) or attempt == cfg.retries:
                     if code in _RETRYABLE:
+                        # A refused TLS handshake looks like a shard that is down: say so.
+                        hint = " (if the shard is up, check the TLS CA and client certificate)" if cfg.security.tls else ""
                         raise Unavailable(
-                            f"shard {shard} ({cfg.addresses[shard]}) {method} failed after {attempt + 1} tries: {code.name}: {exc.details()}"
+                            f"shard {shard} ({cfg.addresses[shard]}) {method} failed after {attempt + 1} tries: "
+                            f"{code.name}: {exc.details()}{hint}"
                         ) from exc
                     raise error_from_status(code, f"shard {shard} {method}: {exc.details()}") from exc
                 if self.metrics is not None:
