@@ -71,6 +71,7 @@ __all__ = [
     "in_process_samples_per_s",
     "main",
     "raw_apply_rows_per_s",
+    "repeat_tether",
     "run_tether_client",
     "tether_dense_mbps",
     "tether_job_samples_per_s",
@@ -287,24 +288,27 @@ def apply_rows_per_s(optimizer: str, num_ids: int = 4096, dim: int = 64, seconds
     return {"push": num_ids * len(push) / sum(push), "lookup": num_ids * len(lookup) / sum(lookup)}
 
 
-def raw_apply_rows_per_s(optimizer: str, num_ids: int = 4096, dim: int = 64, seconds: float = 1.0, num_rows: int = 2**18) -> float:
-    """Rows/s of the same update in raw torch on a preallocated table indexed by ``id % rows``.
+def raw_apply_rows_per_s(optimizer: str, num_ids: int = 4096, dim: int = 64, seconds: float = 1.0, id_sets: int = 8) -> float:
+    """Rows/s of the same update in raw torch, with the row slots known in advance.
 
-    SGD is the peer's ``push_rows`` (``index_add_``); Adagrad gathers rows and state, updates
-    them and scatters them back.
+    The table has exactly the rows tether's holds in :func:`apply_rows_per_s` (``id_sets``
+    batches of ``num_ids``), so both touch the same amount of memory; what this side skips is
+    the id -> slot index and the Python around it. SGD is the peer's ``push_rows``
+    (``index_add_``); Adagrad gathers rows and state, updates them and scatters them back.
     """
+    num_rows = id_sets * num_ids
     w = torch.randn(num_rows, dim).mul_(0.01)
     acc = torch.zeros(num_rows, dim)
     gen = torch.Generator().manual_seed(0)
-    id_sets = [_unique_ids(num_ids, gen) for _ in range(8)]
+    slot_sets = list(torch.randperm(num_rows, generator=gen).split(num_ids))
     grads = torch.randn(num_ids, dim).mul_(0.01)
     it = iter(range(1 << 62))
 
     def sgd() -> None:
-        w.index_add_(0, id_sets[next(it) % 8] % num_rows, grads, alpha=-LR)
+        w.index_add_(0, slot_sets[next(it) % id_sets], grads, alpha=-LR)
 
     def adagrad() -> None:
-        idx = id_sets[next(it) % 8] % num_rows
+        idx = slot_sets[next(it) % id_sets]
         rows, a = w.index_select(0, idx), acc.index_select(0, idx)
         a.addcmul_(grads, grads)
         rows.addcdiv_(grads, a.sqrt().add_(1e-8), value=-LR)
@@ -406,13 +410,14 @@ def compare_dense(
     sizes: Sequence[int], seconds: float, repeats: int, wire: str = "float32", with_ceiling: bool = True,
     log: Callable[[str], None] = _stderr,
 ) -> dict[str, dict[int, Comparison]]:
-    """Dense MiB/s per size: tether against the rpc peer and (optionally) raw grpc echo.
+    """Dense MiB/s per size: tether against the rpc peer and (optionally) the ceilings.
 
     Returns:
-        ``{"peer": {size: Comparison}, "grpc": {size: Comparison}}`` ("grpc" only with the
-        ceiling; it is measured in the same repeats).
+        ``{"peer": {size: Comparison}, "grpc": ..., "socket": ...}``: tether against the peer,
+        a raw grpc identity echo and a raw socket echo of the same bytes (the ceilings only
+        with ``with_ceiling``; all are measured in the same repeats).
     """
-    from ceilings import GrpcEchoPeer
+    from ceilings import GrpcEchoPeer, SocketEchoPeer
     from rpc_peer import rpc_dense_mbps
 
     def other() -> dict[str, dict[int, float]]:
@@ -420,6 +425,8 @@ def compare_dense(
         if with_ceiling:
             with GrpcEchoPeer() as g:
                 res["grpc"] = {s: g.echo_mbps(s, seconds) for s in sizes}
+            with SocketEchoPeer(max_size=max(sizes)) as sock:
+                res["socket"] = {s: sock.roundtrip_mbps(s, seconds) for s in sizes}
         return res
 
     t_runs, o_runs = _side_by_side(repeats, lambda: tether_dense_mbps(sizes, seconds, wire), other, log, f"dense ({wire} wire)")
@@ -475,24 +482,30 @@ def compare_apply(seconds: float, repeats: int, log: Callable[[str], None] = _st
 
 
 def compare_model(
-    steps: int, repeats: int, configs: Sequence[tuple[int, int]] = ((1, 1), (1, 2), (2, 1), (2, 2)),
-    batch_size: int = 256, log: Callable[[str], None] = _stderr,
+    steps: int,
+    repeats: int,
+    configs: Sequence[tuple[int, int, str]] = ((1, 1, "float32"), (1, 2, "float32"), (2, 1, "float32"), (2, 2, "float32")),
+    batch_size: int = 256,
+    log: Callable[[str], None] = _stderr,
 ) -> dict[str, Any]:
-    """Samples/s of the default model: in one process, and through tether per (workers, shards).
+    """Samples/s of the default model: in one process, and through tether per configuration.
+
+    Args:
+        configs: ``(workers, shards, wire dtype)`` per tether run.
 
     Returns:
-        ``in_process`` (list per repeat), ``tether`` ({(w, s): [samples/s per repeat]}),
-        ``phases`` ({(w, s): phase fractions of the median repeat's ... last repeat}).
+        ``in_process`` (samples/s per repeat), ``tether`` ({config: [samples/s per repeat]}),
+        ``phases`` ({config: median fraction of worker step time per phase}).
     """
     local: list[float] = []
-    runs: dict[tuple[int, int], list[dict[str, Any]]] = {c: [] for c in configs}
+    runs: dict[tuple[int, int, str], list[dict[str, Any]]] = {tuple(c): [] for c in configs}
     for r in range(repeats):
         t0 = time.perf_counter()
-        order = list(configs) if r % 2 == 0 else list(reversed(configs))
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
         if r % 2 == 0:
             local.append(in_process_samples_per_s(steps, batch_size))
-        for w, s in order:
-            runs[(w, s)].append(tether_job_samples_per_s(w, s, steps, batch_size))
+        for w, s, wire in order:
+            runs[(w, s, wire)].append(tether_job_samples_per_s(w, s, steps, batch_size, wire))
         if r % 2 == 1:
             local.append(in_process_samples_per_s(steps, batch_size))
         log(f"model: repeat {r + 1}/{repeats} done in {time.perf_counter() - t0:.0f}s")
@@ -501,6 +514,15 @@ def compare_model(
         "tether": {c: [x["samples_per_sec"] for x in v] for c, v in runs.items()},
         "phases": {c: _median_phases([x["phases"] for x in v]) for c, v in runs.items()},
     }
+
+
+def repeat_tether(repeats: int, fn: Callable[[], Any], log: Callable[[str], None] = _stderr, what: str = "") -> list[Any]:
+    """Run a tether-only measurement ``repeats`` times (for extra rows beside a peer already measured)."""
+    out = []
+    for r in range(repeats):
+        out.append(fn())
+        log(f"{what}: repeat {r + 1}/{repeats} done")
+    return out
 
 
 def _median_phases(all_phases: list[dict[str, float]]) -> dict[str, float]:
@@ -539,7 +561,7 @@ def main(argv: list[str] | None = None) -> None:
     if "dense" in only:
         for wire in wires:
             d = compare_dense(sizes, seconds, a.repeats, wire, with_ceiling=wire == "float32")
-            for key, what in (("peer", "rpc peer"), ("grpc", "grpc echo")):
+            for key, what in (("peer", "rpc peer"), ("grpc", "grpc echo"), ("socket", "socket echo")):
                 if key in d:
                     print(f"\n## dense push + pull, MiB/s, tether ({wire} wire) vs {what}\n")
                     print(markdown_table(headers, _cmp_rows(list(d[key].values()))))
@@ -558,11 +580,13 @@ def main(argv: list[str] | None = None) -> None:
         print("\n## shard apply rows/s in process, EmbeddingTable.push vs raw torch\n")
         print(markdown_table(headers, _cmp_rows([v["cmp"] for v in ap.values()])))
     if "model" in only:
-        m = compare_model(150 if a.quick else 400, a.repeats)
+        configs = [(1, 1, "float32"), (1, 2, "float32"), (2, 1, "float32"), (2, 2, "float32")]
+        configs += [(1, 1, w) for w in wires[1:]]
+        m = compare_model(200 if a.quick else 1000, a.repeats, configs)
         local = statistics.median(m["in_process"])
         rows = [["in one process", local, "1.00"]]
-        for (w, s), v in m["tether"].items():
-            rows.append([f"tether {w} worker(s) x {s} shard(s)", statistics.median(v), f"{statistics.median(v) / local:.2f}"])
+        for (w, s, wire), v in m["tether"].items():
+            rows.append([f"tether {w} worker(s) x {s} shard(s), {wire} wire", statistics.median(v), f"{statistics.median(v) / local:.2f}"])
         print("\n## default model samples/s\n")
         print(markdown_table(["setup", "samples/s", "ratio"], rows))
 

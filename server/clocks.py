@@ -35,19 +35,35 @@ class WorkerClocks:
         self._cond = threading.Condition()
         self._clock: dict[str, int] = {}
         self._seen: dict[str, float] = {}
+        # Workers that report clocks with Clock calls (ssp): only those calls move their
+        # clocks, made once a step's push is applied on every shard. Pushes still renew leases.
+        self._explicit: set[str] = set()
 
     def _expire(self) -> None:
         cutoff = self._now() - self.lease_s
         for worker in [w for w, t in self._seen.items() if t < cutoff]:
             del self._seen[worker], self._clock[worker]
+            self._explicit.discard(worker)
 
-    def update(self, worker_id: str, clock: int, leave: bool = False) -> None:
-        """Record that ``worker_id`` completed ``clock`` steps (clocks never go back)."""
+    def update(self, worker_id: str, clock: int, leave: bool = False, from_push: bool = False) -> None:
+        """Record that ``worker_id`` completed ``clock`` steps (clocks never go back).
+
+        Args:
+            worker_id, clock: who and how far.
+            leave: the worker is done; forget it.
+            from_push: the clock came with a push; for a worker that reports through Clock
+                calls this only renews its lease.
+        """
         with self._cond:
             if leave:
                 self._clock.pop(worker_id, None)
                 self._seen.pop(worker_id, None)
+                self._explicit.discard(worker_id)
+            elif from_push and worker_id in self._explicit and worker_id in self._clock:
+                self._seen[worker_id] = self._now()
             else:
+                if not from_push:
+                    self._explicit.add(worker_id)
                 self._clock[worker_id] = max(clock, self._clock.get(worker_id, 0))
                 self._seen[worker_id] = self._now()
             self._cond.notify_all()

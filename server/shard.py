@@ -410,7 +410,9 @@ class Shard:
                 if self.metrics is not None:
                     self.metrics.reject("duplicate")
                 return PushResult(applied=False, max_staleness=0)
-            clock_lag = self.clocks.lag(clock) if clock else 0
+            # Clock staleness is measured on shard 0, the coordinator ssp waits on, where clocks
+            # move only once a step is applied on every shard.
+            clock_lag = self.clocks.lag(clock) if clock and self.shard_index == 0 else 0
             blocks = [(t, u.ids, u.grads) for t, u in zip(tables, sparse)] + [(c, None, u.grad) for c, u in zip(chunks, dense)]
             for (target, ids, grad), s in zip(blocks, stale):
                 scale = 1.0 / max(s, 1) if staleness_aware else 1.0
@@ -419,7 +421,7 @@ class Shard:
                 else:
                     target.push(ids, grad, scale)
             if clock:
-                self.clocks.update(worker_id, clock)
+                self.clocks.update(worker_id, clock, from_push=True)
             self.applied_pushes += 1
             self.mutations += 1
         if self.metrics is not None:

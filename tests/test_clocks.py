@@ -75,3 +75,12 @@ def test_wait_ends_when_the_straggler_lease_expires() -> None:
 def test_bad_lease() -> None:
     with pytest.raises(ValueError, match="lease_s must be > 0, got 0"):
         WorkerClocks(lease_s=0)
+
+
+def test_pushes_do_not_move_clocks_of_workers_that_report_them() -> None:
+    clocks = WorkerClocks()
+    clocks.update("ssp", 3)  # a Clock call: this worker reports its clock itself
+    clocks.update("ssp", 9, from_push=True)
+    clocks.update("async", 5, from_push=True)  # async workers' clocks come with their pushes
+    state = clocks.state()
+    assert (state.min_clock, state.max_clock) == (3, 5)

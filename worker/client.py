@@ -446,12 +446,23 @@ class PSClient:
         return self._fan_out("PushPull", requests, combine)
 
     def clock(self, clock: int, wait_bound: int = -1, timeout_s: float = 60.0, leave: bool = False) -> ClockReply:
-        """Report this worker's clock to shard 0 and, with ``wait_bound`` >= 0, wait until the
-        slowest live worker is at most ``wait_bound`` ticks behind ``clock``.
+        """Report this worker's clock to every shard and, with ``wait_bound`` >= 0, wait on
+        shard 0 (the coordinator) until the slowest live worker is at most ``wait_bound``
+        ticks behind ``clock``.
+
+        Call it only once the pushes of the steps it reports are acknowledged.
 
         Returns:
             The clocks; ``ready`` is False if ``timeout_s`` passed first.
         """
+        report = pb.ClockRequest(worker_id=self.config.worker_id, clock=clock, leave=leave, wait_bound=-1)
+        others = self._fan_out("Clock", {s: report for s in range(1, self.num_shards)}, lambda _: None)
+        try:
+            return self._clock_wait(clock, wait_bound, timeout_s, leave)
+        finally:
+            others.result(self.config.timeout_s * (self.config.retries + 1))
+
+    def _clock_wait(self, clock: int, wait_bound: int, timeout_s: float, leave: bool) -> ClockReply:
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
