@@ -66,7 +66,9 @@ class LocalCluster:
         restart: bool = False,
         max_restarts: int = 5,
     ) -> None:
-        """Args:
+        """Set up (nothing starts until ``start_shards``).
+
+        Args:
             log_dir: where logs and port files go (a temporary folder by default).
             host: the address every process binds.
             grace_s: how long ``stop`` waits after SIGTERM before SIGKILL.

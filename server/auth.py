@@ -38,7 +38,9 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         open_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES,
         on_reject: Callable[[str], None] | None = None,
     ) -> None:
-        """Args:
+        """Build the interceptor.
+
+        Args:
             token: the shared secret.
             open_prefixes: method paths served without a token.
             on_reject: told the rejected RPC's name ("unknown" outside our service), for metrics.

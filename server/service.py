@@ -275,13 +275,13 @@ class RunningShard:
 
     def stop(self, grace: float | None = None) -> None:
         """Mark NOT_SERVING, let in-flight calls finish for ``grace`` seconds, and stop."""
-        if self.checkpointer is not None:
-            self.checkpointer.stop()
         self.health.enter_graceful_shutdown()
         # grpc cancels what is still running when the grace period ends; the margin covers that.
         self.server.stop(grace).wait(None if grace is None else grace + 10.0)
         if self.health_server is not None:
             self.health_server.stop(0).wait(10.0)
+        if self.checkpointer is not None:
+            self.checkpointer.stop()
 
     def shutdown(self, grace: float | None = None) -> CheckpointInfo | None:
         """The SIGTERM path: NOT_SERVING, drain in-flight calls, then a final checkpoint.

@@ -269,7 +269,11 @@ class EmbeddingTable:
         return out
 
     def slots(self, ids: np.ndarray) -> torch.Tensor:
-        """Row slots of ``ids`` (unique, non-negative int64), creating missing rows (-1: not admitted)."""
+        """Row slots of ``ids`` (non-negative int64), creating missing rows (-1: not admitted)."""
+        if not self._locked_reads:
+            slots = self._index.lookup(ids)
+            if (slots >= 0).all():
+                return torch.from_numpy(slots)
         with self._lock:
             return torch.from_numpy(self._resolve(ids))
 
