@@ -133,3 +133,29 @@ def test_table_spec_round_trips_capacity_and_min_count() -> None:
     assert (cfg.capacity, cfg.min_count) == (1000, 3)
     assert TableConfig.from_proto(cfg.to_proto()) == cfg
     assert TableConfig.from_proto(TableConfig("t", 4).to_proto()).min_count == 1
+
+
+def test_index_removal_leaves_tombstones_that_probes_pass_and_rebuilds_drop() -> None:
+    from tether.server.index import IdIndex
+
+    index = IdIndex(capacity=16)
+    ids = np.arange(7, dtype=np.int64)  # collide in a 16-cell table: removal must not cut probe chains
+    index.insert(ids, ids * 10)
+    assert index.remove(np.array([0, 2, 99], dtype=np.int64)) == 2
+    assert index.lookup(ids).tolist() == [-1, 10, -1, 30, 40, 50, 60]
+    assert index.size == 5 and index.tombstones == 2
+    keys, slots = index.items()
+    assert keys.tolist() == [1, 3, 4, 5, 6] and slots.tolist() == [10, 30, 40, 50, 60]
+    # Churn: insert and remove forever; tombstones trigger rebuilds instead of filling the table.
+    rng = np.random.default_rng(0)
+    live = np.empty(0, np.int64)
+    for _ in range(200):
+        new = rng.choice(2**62, 100, replace=False).astype(np.int64)
+        new = new[index.lookup(new) < 0]
+        index.insert(new, np.arange(len(new)))
+        live = np.concatenate([live, new])
+        gone, live = live[:-100], live[-100:]
+        assert index.remove(gone) == len(gone)
+    assert index.size == 5 + len(live) == 105
+    assert (index.lookup(live) >= 0).all() and (index.lookup(gone) == -1).all()
+    assert index.nbytes <= 16 * 4 * 256

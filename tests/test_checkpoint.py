@@ -197,15 +197,16 @@ def test_periodic_checkpoints_share_an_id_across_shards(tmp_path: Path) -> None:
     _declare(client)
     _train(client, 1)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        plan = choose_restore(tmp_path, 0, 2)
-        if plan is not None and plan.complete:
-            break
-        time.sleep(0.1)
-    assert plan is not None and plan.complete and plan.id.startswith("auto-")
-    assert {m.shard_index for m in list_manifests(tmp_path) if m.id == plan.id} == {0, 1}
+    # Until both shards wrote a checkpoint holding everything they were sent.
+    while any(s.checkpointer.dirty for s in shards) or choose_restore(tmp_path, 0, 2) is None:
+        assert time.monotonic() < deadline, "no periodic checkpoint within 10 s"
+        time.sleep(0.05)
+    manifests = list_manifests(tmp_path)
+    ids = {m.id for m in manifests}
+    complete = [i for i in ids if {m.shard_index for m in manifests if m.id == i} == {0, 1}]
+    assert complete and all(i.startswith("auto-") for i in ids), ids
     # An unchanged shard writes no more checkpoints.
-    count = len(list_manifests(tmp_path))
+    count = len(manifests)
     time.sleep(1.2)
     assert len(list_manifests(tmp_path)) == count
     client.close()
