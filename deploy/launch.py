@@ -2,7 +2,9 @@
 
 Shards bind port 0 and report the port they got through a port file, so no port is ever
 guessed. Every wait is bounded; on Ctrl-C, on an error or at the end of the job every child
-is stopped (SIGTERM, then SIGKILL after a grace period).
+is stopped (SIGTERM, then SIGKILL after a grace period). With ``restart=True`` a supervisor
+thread starts a shard that crashed (any exit but 0) again on the same port with the same
+flags, so it comes back from its last checkpoint where the workers' retries find it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
@@ -49,21 +51,49 @@ class _Child:
     proc: subprocess.Popen
     pump: threading.Thread
     log_path: Path
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None
+    port_file: Path | None = None
 
 
 class LocalCluster:
     """Shards and workers as separate processes on 127.0.0.1."""
 
-    def __init__(self, log_dir: str | Path | None = None, host: str = "127.0.0.1", grace_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        log_dir: str | Path | None = None,
+        host: str = "127.0.0.1",
+        grace_s: float = 10.0,
+        restart: bool = False,
+        max_restarts: int = 5,
+    ) -> None:
+        """Set up (nothing starts until ``start_shards``).
+
+        Args:
+            log_dir: where logs and port files go (a temporary folder by default).
+            host: the address every process binds.
+            grace_s: how long ``stop`` waits after SIGTERM before SIGKILL.
+            restart: restart shards that crash (exit code other than 0).
+            max_restarts: give up on a shard after this many restarts.
+        """
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts!r}")
         self._tmp = tempfile.TemporaryDirectory(prefix="tether-") if log_dir is None else None
         self.log_dir = Path(log_dir or self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.host = host
         self.grace_s = grace_s
+        self.restart = restart
+        self.max_restarts = max_restarts
         self.shards: list[_Child] = []
         self.workers: list[_Child] = []
         self.addresses: list[str] = []
         self.metrics_ports: dict[str, int] = {}
+        # Restarts per shard index.
+        self.restarts: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -71,7 +101,9 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _spawn(self, name: str, argv: list[str], echo: bool, env: dict[str, str] | None = None) -> _Child:
+    def _spawn(
+        self, name: str, argv: list[str], echo: bool, env: dict[str, str] | None = None, append: bool = False
+    ) -> _Child:
         log_path = self.log_dir / f"{name}.log"
         proc = subprocess.Popen(
             [sys.executable, *argv],
@@ -83,18 +115,29 @@ class LocalCluster:
             # share the cores, and OpenMP spin-waiting under oversubscription halves throughput.
             env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
-        sink = log_path.open("w")
+        sink = log_path.open("a" if append else "w")
         pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{name}] ", sink, echo), daemon=True)
         pump.start()
-        return _Child(name, proc, pump, log_path)
+        return _Child(name, proc, pump, log_path, list(argv), env)
 
-    def start_shards(self, num_shards: int, extra_args: Sequence[str] = (), metrics: bool = False, timeout_s: float = 60.0) -> list[str]:
+    def start_shards(
+        self,
+        num_shards: int,
+        extra_args: Sequence[str] = (),
+        metrics: bool = False,
+        timeout_s: float = 60.0,
+        env: dict[str, str] | None = None,
+    ) -> list[str]:
         """Start ``num_shards`` shard processes and wait until each serves.
+
+        Args:
+            env: extra environment variables of the shard processes.
 
         Raises:
             ClusterError: a shard exited or did not report its port within ``timeout_s``.
         """
         port_files = []
+        started = []
         for i in range(num_shards):
             pf = self.log_dir / f"shard-{i}.port"
             pf.unlink(missing_ok=True)
@@ -105,18 +148,81 @@ class LocalCluster:
                 port = _free_port(self.host)
                 self.metrics_ports[f"shard-{i}"] = port
                 argv += ["--metrics-port", str(port)]
-            self.shards.append(self._spawn(f"shard-{i}", argv, echo=False))
+            child = self._spawn(f"shard-{i}", argv, echo=False, env=env)
+            child.port_file = pf
+            started.append(child)
+        with self._lock:
+            self.shards.extend(started)
         deadline = time.monotonic() + timeout_s
         self.addresses = []
-        for child, pf in zip(self.shards[-num_shards:], port_files):
-            while not pf.exists():
-                if child.proc.poll() is not None:
-                    raise ClusterError(f"{child.name} exited with code {child.proc.returncode}; see {child.log_path}:\n{_tail(child.log_path)}")
-                if time.monotonic() > deadline:
-                    raise ClusterError(f"{child.name} did not start within {timeout_s:.0f}s; see {child.log_path}")
-                time.sleep(0.05)
-            self.addresses.append(f"{self.host}:{int(pf.read_text())}")
+        for child, pf in zip(started, port_files):
+            port = self._await_port(child, deadline, timeout_s)
+            # A restart must come back where the workers look for it.
+            port_at = child.argv.index("--port") + 1
+            child.argv[port_at] = str(port)
+            self.addresses.append(f"{self.host}:{port}")
+        if self.restart and self._supervisor is None:
+            self._supervisor = threading.Thread(target=self._supervise, name="tether-supervisor", daemon=True)
+            self._supervisor.start()
         return self.addresses
+
+    def _await_port(self, child: _Child, deadline: float, timeout_s: float) -> int:
+        pf = child.port_file
+        while not pf.exists():
+            if child.proc.poll() is not None:
+                raise ClusterError(f"{child.name} exited with code {child.proc.returncode}; see {child.log_path}:\n{_tail(child.log_path)}")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{child.name} did not start within {timeout_s:.0f}s; see {child.log_path}")
+            time.sleep(0.05)
+        return int(pf.read_text())
+
+    def _supervise(self) -> None:
+        """Restart crashed shards until ``stop``; checks every 100 ms."""
+        while not self._stopping.wait(0.1):
+            with self._lock:
+                for i, child in enumerate(self.shards):
+                    code = child.proc.poll()
+                    # Exit 0 is a drained, deliberate stop (SIGTERM): not a crash.
+                    if code is None or code == 0 or self._stopping.is_set():
+                        continue
+                    if self.restarts.get(i, 0) >= self.max_restarts:
+                        continue
+                    self.restarts[i] = self.restarts.get(i, 0) + 1
+                    log.warning("%s exited with code %s; restart %d of %d on the same port",
+                                child.name, code, self.restarts[i], self.max_restarts)
+                    child.pump.join(timeout=1)
+                    child.port_file.unlink(missing_ok=True)
+                    fresh = self._spawn(child.name, child.argv, echo=False, env=child.env, append=True)
+                    fresh.port_file = child.port_file
+                    self.shards[i] = fresh
+
+    def wait_shard(self, index: int, timeout_s: float = 60.0) -> str:
+        """Wait until shard ``index`` (restarted or not) serves; returns its address.
+
+        Raises:
+            ClusterError: it exited or did not report its port within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                child = self.shards[index]
+            if child.port_file.exists() and child.proc.poll() is None:
+                return f"{self.host}:{int(child.port_file.read_text())}"
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{child.name} is not serving after {timeout_s:.0f}s; see {child.log_path}:\n{_tail(child.log_path)}")
+            time.sleep(0.05)
+
+    def signal_shard(self, index: int, signum: int = signal.SIGKILL) -> int:
+        """Send ``signum`` to shard ``index``; returns the pid it went to."""
+        with self._lock:
+            proc = self.shards[index].proc
+        proc.send_signal(signum)
+        return proc.pid
+
+    def shard_process(self, index: int) -> subprocess.Popen:
+        """The current process of shard ``index``."""
+        with self._lock:
+            return self.shards[index].proc
 
     def start_workers(self, template: WorkerConfig, extra_args: Sequence[str] = (), echo: bool = True, metrics: bool = False) -> None:
         """Start ``template.num_workers`` worker processes against the running shards.
@@ -163,7 +269,12 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop every child: SIGTERM, then SIGKILL after the grace period."""
-        children = self.workers + self.shards
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=10)
+            self._supervisor = None
+        with self._lock:
+            children = self.workers + self.shards
         for child in children:
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
@@ -175,7 +286,9 @@ class LocalCluster:
                 child.proc.kill()
                 child.proc.wait(timeout=5)
             child.pump.join(timeout=2)
-        self.workers, self.shards = [], []
+        with self._lock:
+            self.workers, self.shards = [], []
+        self._stopping.clear()
 
 
 def _quantile(sorted_values: list[int], q: float) -> float:
@@ -231,6 +344,11 @@ def worker_argv(cfg: WorkerConfig) -> list[str]:
         argv.append("--no-prefetch")
     if cfg.out:
         argv += ["--out", cfg.out]
+    for flag, value in (("--tls-ca", cfg.tls_ca), ("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key),
+                        ("--auth-token-file", cfg.auth_token_file)):
+        if value:
+            argv += [flag, value]
+    # A token from $TETHER_AUTH_TOKEN is never put on a command line: the child inherits the variable.
     return argv
 
 

@@ -16,6 +16,8 @@ from tether.protos import tether_pb2 as pb
 from tether.protos.errors import InvalidArgument
 
 __all__ = [
+    "MAX_DIMS",
+    "MAX_DIM_SIZE",
     "CodecError",
     "decode_ids",
     "decode_tensor",
@@ -29,6 +31,11 @@ __all__ = [
 # Decoded tensors are read-only views of the message (zero copy, by design); torch warns
 # about non-writable arrays, once per process, which is noise here.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+
+
+# Nothing tether sends has more dims (rows x dim at most), or dims anywhere near this size.
+MAX_DIMS = 8
+MAX_DIM_SIZE = 1 << 40
 
 
 class CodecError(InvalidArgument):
@@ -106,8 +113,13 @@ def decode_tensor(msg: pb.Tensor, expect_dtype: torch.dtype | None = None) -> to
     torch_dt = torch_dtype(msg.dtype)
     np_dt = _NUMPY_VIEW[msg.dtype]
     shape = tuple(msg.shape)
+    if len(shape) > MAX_DIMS:
+        raise CodecError(f"tensor has {len(shape)} dimensions; at most {MAX_DIMS} are accepted")
     if any(d < 0 for d in shape):
         raise CodecError(f"tensor shape {shape} has a negative dimension")
+    # A zero-size tensor can claim any dims; torch refuses sizes whose product overflows int64.
+    if any(d > MAX_DIM_SIZE for d in shape):
+        raise CodecError(f"tensor shape {shape} has a dimension over {MAX_DIM_SIZE}")
     numel = 1
     for d in shape:
         numel *= d
@@ -119,7 +131,10 @@ def decode_tensor(msg: pb.Tensor, expect_dtype: torch.dtype | None = None) -> to
     t = torch.from_numpy(arr)
     if msg.dtype == pb.BFLOAT16:
         t = t.view(torch.bfloat16)
-    t = t.reshape(shape)
+    try:
+        t = t.reshape(shape)
+    except RuntimeError as exc:  # e.g. zero-size dims whose running product overflows
+        raise CodecError(f"tensor shape {shape} cannot be built: {exc}") from exc
     if expect_dtype is not None and t.dtype != expect_dtype:
         if not (t.is_floating_point() and expect_dtype.is_floating_point):
             raise CodecError(f"expected a {expect_dtype} tensor, got {t.dtype}")

@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 
 from tether.protos import tether_pb2 as pb
 
-__all__ = ["OPTIMIZERS", "OptimizerConfig", "TableConfig"]
+__all__ = ["MAX_MIN_COUNT", "OPTIMIZERS", "OptimizerConfig", "TableConfig"]
 
 OPTIMIZERS = ("sgd", "adagrad", "adam")
+# Admission counts live in 16-bit saturating counters.
+MAX_MIN_COUNT = 65535
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,10 @@ class TableConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     init_scale: float = 0.01
     seed: int = 0
+    # Most rows one shard keeps (0: unbounded); the least recently touched are evicted.
+    capacity: int = 0
+    # Touches (pulls or pushes naming the id) before an id becomes a row.
+    min_count: int = 1
 
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > 128:
@@ -75,10 +81,17 @@ class TableConfig:
             raise ValueError(f"table {self.name!r}: dim must be in [1, 65536], got {self.dim!r}")
         if not 0 <= self.init_scale < float("inf"):
             raise ValueError(f"table {self.name!r}: init_scale must be finite and >= 0, got {self.init_scale!r}")
+        if not 0 <= self.capacity < 2**40:
+            raise ValueError(f"table {self.name!r}: capacity must be in [0, 2**40) (0: unbounded), got {self.capacity!r}")
+        if not 1 <= self.min_count <= MAX_MIN_COUNT:
+            raise ValueError(f"table {self.name!r}: min_count must be in [1, {MAX_MIN_COUNT}], got {self.min_count!r}")
 
     def to_proto(self) -> pb.TableSpec:
         """Wire form."""
-        return pb.TableSpec(name=self.name, dim=self.dim, optimizer=self.optimizer.to_proto(), init_scale=self.init_scale, seed=self.seed)
+        return pb.TableSpec(
+            name=self.name, dim=self.dim, optimizer=self.optimizer.to_proto(), init_scale=self.init_scale, seed=self.seed,
+            capacity=self.capacity, min_count=self.min_count,
+        )
 
     @classmethod
     def from_proto(cls, spec: pb.TableSpec) -> TableConfig:
@@ -89,5 +102,5 @@ class TableConfig:
         """
         return cls(
             name=spec.name, dim=spec.dim, optimizer=OptimizerConfig.from_proto(spec.optimizer),
-            init_scale=spec.init_scale, seed=spec.seed,
+            init_scale=spec.init_scale, seed=spec.seed, capacity=spec.capacity, min_count=spec.min_count or 1,
         )

@@ -49,18 +49,22 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., initial_accumulator: _Optional[float] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "dim", "optimizer", "init_scale", "seed")
+    __slots__ = ("name", "dim", "optimizer", "init_scale", "seed", "capacity", "min_count")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     INIT_SCALE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    MIN_COUNT_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     optimizer: OptimizerSpec
     init_scale: float
     seed: int
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    capacity: int
+    min_count: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., capacity: _Optional[int] = ..., min_count: _Optional[int] = ...) -> None: ...
 
 class DenseSpec(_message.Message):
     __slots__ = ("name", "index", "optimizer", "init")
@@ -205,20 +209,24 @@ class PushPullResponse(_message.Message):
     def __init__(self, push: _Optional[_Union[PushResponse, _Mapping]] = ..., pull: _Optional[_Union[PullResponse, _Mapping]] = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("name", "dim", "rows", "version", "optimizer", "memory_bytes")
+    __slots__ = ("name", "dim", "rows", "version", "optimizer", "memory_bytes", "evicted_rows", "dropped_rows")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_ROWS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     rows: int
     version: int
     optimizer: str
     memory_bytes: int
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., version: _Optional[int] = ..., optimizer: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    evicted_rows: int
+    dropped_rows: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., version: _Optional[int] = ..., optimizer: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., evicted_rows: _Optional[int] = ..., dropped_rows: _Optional[int] = ...) -> None: ...
 
 class DenseInfo(_message.Message):
     __slots__ = ("name", "index", "numel", "version", "optimizer")
@@ -239,7 +247,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "tables", "dense", "applied_pushes", "duplicate_pushes", "rejected_pushes")
+    __slots__ = ("shard_index", "num_shards", "tables", "dense", "applied_pushes", "duplicate_pushes", "rejected_pushes", "restored_checkpoint", "last_checkpoint")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +255,8 @@ class InfoResponse(_message.Message):
     APPLIED_PUSHES_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_PUSHES_FIELD_NUMBER: _ClassVar[int]
     REJECTED_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
@@ -254,4 +264,24 @@ class InfoResponse(_message.Message):
     applied_pushes: int
     duplicate_pushes: int
     rejected_pushes: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseInfo, _Mapping]]] = ..., applied_pushes: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ...) -> None: ...
+    restored_checkpoint: str
+    last_checkpoint: str
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseInfo, _Mapping]]] = ..., applied_pushes: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., restored_checkpoint: _Optional[str] = ..., last_checkpoint: _Optional[str] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("id", "path", "bytes", "seconds")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    path: str
+    bytes: int
+    seconds: float
+    def __init__(self, id: _Optional[str] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...

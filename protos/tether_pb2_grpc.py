@@ -64,6 +64,11 @@ class ParameterServerStub:
                 request_serializer=tether_dot_protos_dot_tether__pb2.ClockRequest.SerializeToString,
                 response_deserializer=tether_dot_protos_dot_tether__pb2.ClockResponse.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/tether.v1.ParameterServer/Checkpoint',
+                request_serializer=tether_dot_protos_dot_tether__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=tether_dot_protos_dot_tether__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -111,6 +116,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Write a checkpoint of this shard now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +155,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Clock,
                     request_deserializer=tether_dot_protos_dot_tether__pb2.ClockRequest.FromString,
                     response_serializer=tether_dot_protos_dot_tether__pb2.ClockResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=tether_dot_protos_dot_tether__pb2.CheckpointRequest.FromString,
+                    response_serializer=tether_dot_protos_dot_tether__pb2.CheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +324,33 @@ class ParameterServer:
             '/tether.v1.ParameterServer/Clock',
             tether_dot_protos_dot_tether__pb2.ClockRequest.SerializeToString,
             tether_dot_protos_dot_tether__pb2.ClockResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tether.v1.ParameterServer/Checkpoint',
+            tether_dot_protos_dot_tether__pb2.CheckpointRequest.SerializeToString,
+            tether_dot_protos_dot_tether__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,6 +9,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from tether.protos.errors import TetherError
 from tether.server.config import ShardConfig, load_config
 from tether.server.service import start_shard
 
@@ -38,10 +39,18 @@ def run(config: ShardConfig) -> int:
         metrics = ShardMetrics(registry)
         _, mport = serve_metrics(registry, config.metrics_port, host=config.host)
         log.info("metrics on http://%s:%d/metrics", config.host, mport)
-    running = start_shard(config, metrics=metrics)
+    try:
+        running = start_shard(config, metrics=metrics)
+    except (RuntimeError, ValueError) as exc:
+        log.error("shard %d cannot start: %s", config.shard_index, exc)
+        return 1
     if metrics is not None:
         metrics.serving.set(1)
-    log.info("shard %d/%d serving on %s:%d", config.shard_index, config.num_shards, config.host, running.port)
+    log.info(
+        "shard %d/%d serving on %s:%d (%s%s)", config.shard_index, config.num_shards, config.host, running.port,
+        "mutual TLS" if config.tls_client_ca else "TLS" if config.tls else "plaintext",
+        ", bearer token required" if config.auth_token else "",
+    )
     if config.port_file:
         _write_port_file(config.port_file, running.port)
     stop = threading.Event()
@@ -55,7 +64,13 @@ def run(config: ShardConfig) -> int:
     stop.wait()
     if metrics is not None:
         metrics.serving.set(0)
-    running.stop(config.grace_seconds)
+    try:
+        final = running.shutdown(config.grace_seconds)
+    except TetherError as exc:
+        log.error("shard %d stopped, but its final checkpoint failed: %s", config.shard_index, exc)
+        return 1
+    if final is not None:
+        log.info("final checkpoint %s written (%d bytes in %.2fs)", final.id, final.bytes, final.seconds)
     log.info("shard %d stopped", config.shard_index)
     return 0
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from tether.protos.security import TOKEN_ENV, check_token, resolve_token
 
 __all__ = ["ShardConfig", "load_config"]
 
@@ -26,6 +28,18 @@ class ShardConfig:
     grace_seconds: float = 5.0
     lease_seconds: float = 10.0
     max_staleness: int | None = None
+    # Checkpoints: restore from here at start, write here on demand, periodically and at SIGTERM.
+    checkpoint_dir: str | None = None
+    checkpoint_every_s: float | None = None
+    checkpoint_keep: int = 3
+    # TLS from PEM files; with tls_client_ca, clients must present a certificate (mutual TLS).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    # Bearer token every ParameterServer call must carry (kept out of repr and logs).
+    auth_token: str | None = field(default=None, repr=False)
+    # Plaintext port serving only gRPC health, for probes that cannot speak TLS (Kubernetes).
+    health_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -48,6 +62,29 @@ class ShardConfig:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness!r}")
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds!r}")
+        if self.checkpoint_every_s is not None and not self.checkpoint_every_s > 0:
+            raise ValueError(f"checkpoint_every_s must be > 0, got {self.checkpoint_every_s!r}")
+        if self.checkpoint_every_s is not None and self.checkpoint_dir is None:
+            raise ValueError(f"checkpoint_every_s={self.checkpoint_every_s!r} needs a checkpoint_dir")
+        if self.checkpoint_keep < 1:
+            raise ValueError(f"checkpoint_keep must be >= 1, got {self.checkpoint_keep!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(f"tls_cert and tls_key go together, got tls_cert={self.tls_cert!r}, tls_key={self.tls_key!r}")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError(f"tls_client_ca={self.tls_client_ca!r} needs tls_cert and tls_key: mutual TLS runs over TLS")
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name} {path!r} is not a file")
+        if self.auth_token is not None:
+            check_token(self.auth_token)
+        if self.health_port is not None and not 0 <= self.health_port <= 65535:
+            raise ValueError(f"health_port must be in [0, 65535], got {self.health_port!r}")
+
+    @property
+    def tls(self) -> bool:
+        """Whether the shard serves TLS."""
+        return self.tls_cert is not None
 
 
 def _env(name: str, default: object) -> object:
@@ -69,7 +106,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--grace-seconds", type=float, default=_env("TETHER_GRACE_SECONDS", 5.0), help="drain time on SIGTERM")
     p.add_argument("--lease-seconds", type=float, default=_env("TETHER_LEASE_SECONDS", 10.0), help="a worker silent this long no longer holds SSP back")
     p.add_argument("--max-staleness", type=int, default=_env("TETHER_MAX_STALENESS", None), help="reject pushes staler than this many updates (ABORTED); unset: no limit")
+    p.add_argument("--checkpoint-dir", default=_env("TETHER_CHECKPOINT_DIR", None), help="restore from the newest checkpoint here at start; write checkpoints here (env TETHER_CHECKPOINT_DIR)")
+    p.add_argument("--checkpoint-every", type=float, default=_env("TETHER_CHECKPOINT_EVERY", None), help="checkpoint every SECONDS while the shard changes (env TETHER_CHECKPOINT_EVERY)")
+    p.add_argument("--checkpoint-keep", type=int, default=_env("TETHER_CHECKPOINT_KEEP", 3), help="checkpoints of this shard to keep (env TETHER_CHECKPOINT_KEEP)")
+    p.add_argument("--tls-cert", default=_env("TETHER_TLS_CERT", None), help="serve TLS with this PEM certificate (env TETHER_TLS_CERT)")
+    p.add_argument("--tls-key", default=_env("TETHER_TLS_KEY", None), help="PEM private key of --tls-cert (env TETHER_TLS_KEY)")
+    p.add_argument("--tls-client-ca", default=_env("TETHER_TLS_CLIENT_CA", None), help="require client certificates signed by this PEM CA: mutual TLS (env TETHER_TLS_CLIENT_CA)")
+    p.add_argument("--auth-token-file", default=_env("TETHER_AUTH_TOKEN_FILE", None), help=f"require 'authorization: Bearer <token>' on every call, token read from this file (env TETHER_AUTH_TOKEN_FILE, or the token itself in ${TOKEN_ENV})")
+    p.add_argument("--health-port", type=int, default=_env("TETHER_HEALTH_PORT", None), help="also serve gRPC health in plaintext on this port, for probes that cannot do TLS (env TETHER_HEALTH_PORT)")
     return p
+
+
+def _optional(value: object, kind: type) -> object:
+    return None if value in (None, "") else kind(value)
 
 
 def load_config(argv: Sequence[str] | None = None) -> ShardConfig:
@@ -87,5 +136,13 @@ def load_config(argv: Sequence[str] | None = None) -> ShardConfig:
         port_file=a.port_file,
         grace_seconds=float(a.grace_seconds),
         lease_seconds=float(a.lease_seconds),
-        max_staleness=None if a.max_staleness in (None, "") else int(a.max_staleness),
+        max_staleness=_optional(a.max_staleness, int),
+        checkpoint_dir=a.checkpoint_dir or None,
+        checkpoint_every_s=_optional(a.checkpoint_every, float),
+        checkpoint_keep=int(a.checkpoint_keep),
+        tls_cert=a.tls_cert or None,
+        tls_key=a.tls_key or None,
+        tls_client_ca=a.tls_client_ca or None,
+        auth_token=resolve_token(a.auth_token_file),
+        health_port=_optional(a.health_port, int),
     )

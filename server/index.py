@@ -8,6 +8,11 @@ Concurrency: one writer at a time (the caller holds the table's lock), any numbe
 without a lock. A writer stores a slot before its key, and growth builds new arrays and swaps
 them in as one tuple, so a reader either finds an id with its correct slot or misses it (and
 the caller then retries under the lock).
+
+Removal (for bounded tables that evict rows) leaves a tombstone in the id's cell: probes pass
+over it as over any occupied cell, inserts never reuse it, and the next rebuild drops it. The
+load factor counts tombstones, so a table that keeps evicting and inserting rebuilds instead of
+filling up with them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from tether.protos.partition import mix64
 __all__ = ["IdIndex"]
 
 _EMPTY = np.int64(-1)
+# A removed id's cell: not empty (probes go on past it), matches no id (ids are >= 0).
+_TOMBSTONE = np.int64(-2)
 
 
 class IdIndex:
@@ -28,6 +35,7 @@ class IdIndex:
         cap = 1 << max(4, int(capacity - 1).bit_length())
         self._arrays = (np.full(cap, _EMPTY, np.int64), np.zeros(cap, np.int64))
         self.size = 0
+        self.tombstones = 0
 
     @property
     def nbytes(self) -> int:
@@ -38,6 +46,22 @@ class IdIndex:
     @staticmethod
     def _home(ids: np.ndarray, mask: int) -> np.ndarray:
         return (mix64(ids.view(np.uint64)) & np.uint64(mask)).astype(np.int64)
+
+    def _cells(self, ids: np.ndarray) -> np.ndarray:
+        """Cell of each id, -1 where the id is absent."""
+        keys, _ = self._arrays
+        mask = len(keys) - 1
+        cell = np.full(len(ids), -1, np.int64)
+        active = np.arange(len(ids))
+        pos = self._home(ids, mask)
+        while active.size:
+            k = keys[pos]
+            hit = k == ids[active]
+            cell[active[hit]] = pos[hit]
+            more = ~hit & (k != _EMPTY)
+            active = active[more]
+            pos = (pos[more] + 1) & mask
+        return cell
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each id, -1 where the id is absent."""
@@ -59,18 +83,33 @@ class IdIndex:
     def insert(self, ids: np.ndarray, new_slots: np.ndarray) -> None:
         """Add unique ids that are absent, with their slots. Caller holds the writer lock."""
         keys, slots = self._arrays
-        if 2 * (self.size + len(ids)) > len(keys):
+        if 2 * (self.size + self.tombstones + len(ids)) > len(keys):
             cap = len(keys)
             while 2 * (self.size + len(ids)) > cap:
                 cap *= 2
-            present = keys != _EMPTY
+            present = keys >= 0
             keys, slots = np.full(cap, _EMPTY, np.int64), np.zeros(cap, np.int64)
             self._place(keys, slots, self._arrays[0][present], self._arrays[1][present])
             self._place(keys, slots, ids, new_slots)
             self._arrays = (keys, slots)
+            self.tombstones = 0
         else:
             self._place(keys, slots, ids, new_slots)
         self.size += len(ids)
+
+    def remove(self, ids: np.ndarray) -> int:
+        """Remove the present ones of unique ``ids``; returns how many. Caller holds the writer lock.
+
+        A lock-free reader may still return a removed id's old slot; tables that remove (and
+        reuse slots) read under their lock.
+        """
+        keys, _ = self._arrays
+        cell = self._cells(ids)
+        cell = cell[cell >= 0]
+        keys[cell] = _TOMBSTONE
+        self.size -= len(cell)
+        self.tombstones += len(cell)
+        return len(cell)
 
     def _place(self, keys: np.ndarray, slots: np.ndarray, ids: np.ndarray, new_slots: np.ndarray) -> None:
         mask = len(keys) - 1
@@ -90,10 +129,12 @@ class IdIndex:
             pending = pending[keep]
             pos = (pos[keep] + 1) & mask
 
-    def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """All (ids, slots), sorted by id."""
+    def items(self, sort: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """All (ids, slots), sorted by id unless ``sort`` is False."""
         keys, slots = self._arrays
-        present = keys != _EMPTY
+        present = keys >= 0
         ids, where = keys[present], slots[present]
+        if not sort:
+            return ids, where
         order = np.argsort(ids, kind="stable")
         return ids[order], where[order]

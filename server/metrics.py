@@ -75,6 +75,10 @@ class ShardMetrics:
         self.rows_evicted = Counter(
             "tether_shard_rows_evicted_total", "Embedding rows evicted, by table.",
             ["table"], registry=r)
+        self.rows_dropped = Counter(
+            "tether_shard_rows_dropped_total",
+            "Row gradients dropped because their id was not admitted yet (min_count), by table.",
+            ["table"], registry=r)
 
         self.updates_applied = Counter(
             "tether_shard_updates_applied_total", "Gradient blocks applied, by kind (sparse or dense).",

@@ -11,17 +11,21 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.codec import decode_ids, decode_tensor, encode_tensor, torch_dtype
-from tether.protos.errors import InvalidArgument, TetherError, status_of
+from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherError, status_of
+from tether.protos.security import server_credentials
 from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.server.auth import TokenAuthInterceptor
+from tether.server.checkpoint import CheckpointInfo, Checkpointer
 from tether.server.config import ShardConfig
 from tether.server.shard import DenseDecl, DenseUpdate, PushResult, Shard, SparseUpdate
 
-__all__ = ["RunningShard", "ShardServicer", "start_shard"]
+__all__ = ["RunningShard", "ShardServicer", "add_servicer", "start_shard"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,46 @@ _REJECT_REASON = {
 }
 
 
+class _Unparsable:
+    """Stands in for a request whose bytes are not the message they should be."""
+
+    def __init__(self, message: str, size: int, error: str) -> None:
+        self.message = message
+        self.size = size
+        self.error = error
+
+    def ByteSize(self) -> int:  # noqa: N802 - the protobuf name the metrics call
+        return self.size
+
+
+def _lenient(cls: type) -> Callable[[bytes], object]:
+    """A request deserializer that hands bad bytes to the servicer instead of failing in grpc."""
+
+    def parse(data: bytes) -> object:
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            return _Unparsable(cls.DESCRIPTOR.full_name, len(data), str(exc))
+
+    return parse
+
+
+def add_servicer(servicer: ShardServicer, server: grpc.Server) -> None:
+    """Register ``servicer`` like the generated ``add_ParameterServerServicer_to_server``, except
+    that undecodable requests reach it, to be answered INVALID_ARGUMENT (grpc says INTERNAL)."""
+    service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
+    handlers = {
+        m.name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, m.name),
+            request_deserializer=_lenient(getattr(pb, m.input_type.name)),
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
+        )
+        for m in service.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 def _domain(fn: Callable[..., object]) -> Callable[..., object]:
     """Turn tether errors (and config ValueErrors) into status codes; record metrics."""
     rpc = fn.__name__
@@ -47,6 +91,8 @@ def _domain(fn: Callable[..., object]) -> Callable[..., object]:
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
+            if isinstance(request, _Unparsable):
+                raise InvalidArgument(f"request is not a valid {request.message}: {request.error}")
             response = fn(self, request, context)
             return response
         except TetherError as exc:
@@ -75,9 +121,10 @@ def _domain(fn: Callable[..., object]) -> Callable[..., object]:
 class ShardServicer(pb_grpc.ParameterServerServicer):
     """Implements ``tether.v1.ParameterServer`` over a ``Shard``."""
 
-    def __init__(self, shard: Shard, metrics: object | None = None) -> None:
+    def __init__(self, shard: Shard, metrics: object | None = None, checkpointer: Checkpointer | None = None) -> None:
         self.shard = shard
         self.metrics = metrics
+        self.checkpointer = checkpointer
 
     def _count_rejected(self, rpc: str, code: grpc.StatusCode) -> None:
         if self.metrics is not None and rpc in ("Push", "PushPull"):
@@ -157,10 +204,13 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
             applied_pushes=s.applied_pushes,
             duplicate_pushes=s.duplicate_pushes,
             rejected_pushes=s.rejected_pushes,
+            restored_checkpoint=s.restored_checkpoint,
+            last_checkpoint=s.last_checkpoint,
         )
         for name, t in sorted(s.tables.items()):
             response.tables.add(
-                name=name, dim=t.dim, rows=t.rows, version=t.version, optimizer=t.config.optimizer.name, memory_bytes=t.memory_bytes
+                name=name, dim=t.dim, rows=t.rows, version=t.version, optimizer=t.config.optimizer.name,
+                memory_bytes=t.memory_bytes, evicted_rows=t.evicted_rows, dropped_rows=t.dropped_rows,
             )
         for (name, index), c in sorted(s.dense.items()):
             response.dense.add(name=name, index=index, numel=c.numel, version=c.version, optimizer=c.optimizer.name)
@@ -188,6 +238,13 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
             min_other_clock=clocks.min_other(request.worker_id),
         )
 
+    @_domain
+    def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.ServicerContext) -> pb.CheckpointResponse:
+        if self.checkpointer is None:
+            raise FailedPrecondition("this shard has no checkpoint directory (start it with --checkpoint-dir)")
+        info = self.checkpointer.checkpoint(request.id)
+        return pb.CheckpointResponse(id=info.id, path=info.path, bytes=info.bytes, seconds=info.seconds)
+
     def _update_clock_gauges(self) -> None:
         if self.metrics is None:
             return
@@ -212,42 +269,99 @@ class RunningShard:
     port: int
     shard: Shard
     health: health.HealthServicer
+    checkpointer: Checkpointer | None = None
+    health_server: grpc.Server | None = None
+    health_port: int | None = None
 
     def stop(self, grace: float | None = None) -> None:
         """Mark NOT_SERVING, let in-flight calls finish for ``grace`` seconds, and stop."""
         self.health.enter_graceful_shutdown()
-        self.server.stop(grace).wait()
+        # grpc cancels what is still running when the grace period ends; the margin covers that.
+        self.server.stop(grace).wait(None if grace is None else grace + 10.0)
+        if self.health_server is not None:
+            self.health_server.stop(0).wait(10.0)
+        if self.checkpointer is not None:
+            self.checkpointer.stop()
+
+    def shutdown(self, grace: float | None = None) -> CheckpointInfo | None:
+        """The SIGTERM path: NOT_SERVING, drain in-flight calls, then a final checkpoint.
+
+        Returns:
+            The final checkpoint, or None without a checkpoint directory or when nothing
+            changed since the last checkpoint.
+        """
+        self.stop(grace)
+        if self.checkpointer is None:
+            return None
+        return self.checkpointer.final()
+
+
+def _bind(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot bind {address}: {exc}") from exc
+    if port == 0:
+        raise RuntimeError(f"cannot bind {address}")
+    return port
 
 
 def start_shard(config: ShardConfig, shard: Shard | None = None, metrics: object | None = None) -> RunningShard:
-    """Build and start the gRPC server of one shard (returns once it is listening).
+    """Build the shard, restore its newest checkpoint, and start serving (returns once listening).
 
     Raises:
-        RuntimeError: if the port cannot be bound.
+        RuntimeError: if a port cannot be bound.
+        ValueError: unreadable TLS files.
     """
     shard = shard or Shard(
         config.shard_index, config.num_shards, metrics, lease_s=config.lease_seconds, max_staleness=config.max_staleness
     )
+    checkpointer = None
+    if config.checkpoint_dir is not None:
+        checkpointer = Checkpointer(shard, config.checkpoint_dir, config.checkpoint_every_s, config.checkpoint_keep, metrics)
+        # Before the port opens: no call ever sees the shard half restored.
+        checkpointer.restore()
+    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls else None
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        # Find dead clients' connections, and let clients ping often enough to find a dead
+        # shard (or a partition) within seconds instead of TCP's minutes.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+        ("grpc.http2.max_ping_strikes", 0),
     ]
+    interceptors = []
+    if config.auth_token is not None:
+        on_reject = None
+        if metrics is not None:
+            on_reject = lambda rpc: metrics.requests.labels(rpc=rpc, code="UNAUTHENTICATED").inc()  # noqa: E731
+        interceptors.append(TokenAuthInterceptor(config.auth_token, on_reject=on_reject))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="tether-rpc"),
         options=options,
+        interceptors=interceptors,
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
-    pb_grpc.add_ParameterServerServicer_to_server(ShardServicer(shard, metrics), server)
+    add_servicer(ShardServicer(shard, metrics, checkpointer), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    try:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
-    except RuntimeError as exc:
-        raise RuntimeError(f"cannot bind {config.host}:{config.port}: {exc}") from exc
-    if port == 0:
-        raise RuntimeError(f"cannot bind {config.host}:{config.port}")
+    port = _bind(server, f"{config.host}:{config.port}", credentials)
+    health_server = health_port = None
+    if config.health_port is not None:
+        health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tether-health"))
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_port = _bind(health_server, f"{config.host}:{config.health_port}", None)
+        health_server.start()
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningShard(server=server, port=port, shard=shard, health=health_servicer)
+    if checkpointer is not None:
+        checkpointer.start_periodic()
+    return RunningShard(
+        server=server, port=port, shard=shard, health=health_servicer, checkpointer=checkpointer,
+        health_server=health_server, health_port=health_port,
+    )

@@ -2,7 +2,9 @@
 
 Every request is validated completely before anything is applied, so a rejected request
 changes no parameter. A push carries ``(worker_id, seq)``; one that was applied before is
-acknowledged and not applied again.
+acknowledged and not applied again. ``export_state`` copies everything a checkpoint holds
+(rows, dense chunks and those dedup windows) at one point between pushes, so a restored shard
+never holds a push's effect without its sequence number, or the number without the effect.
 """
 
 from __future__ import annotations
@@ -10,22 +12,26 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from tether.protos.errors import FailedPrecondition, InvalidArgument, NotFound, TooStale
+from tether.protos.errors import FailedPrecondition, InvalidArgument, NotFound, TooStale, Unavailable
 from tether.protos.partition import dense_shard, shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.clocks import WorkerClocks
 from tether.server.tables import DenseChunk, EmbeddingTable
 
-__all__ = ["DenseDecl", "DenseUpdate", "PushResult", "Shard", "SparseUpdate"]
+__all__ = ["DenseDecl", "DenseState", "DenseUpdate", "PushResult", "Shard", "ShardState", "SparseUpdate", "TableState"]
 
 log = logging.getLogger(__name__)
 
 _SEQ_WINDOW = 4096
+# Longest a push waits for a checkpoint's in-memory copy (normally well under a second).
+_GATE_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -67,11 +73,87 @@ class PushResult:
     clock_staleness: int = 0
 
 
+@dataclass(frozen=True)
+class TableState:
+    """A table's spec and its rows as ``EmbeddingTable.snapshot`` gives them."""
+
+    config: TableConfig
+    ids: np.ndarray
+    weights: torch.Tensor
+    state: dict[str, torch.Tensor]
+    version: int
+
+
+@dataclass(frozen=True)
+class DenseState:
+    """A dense chunk's update rule, value, optimizer state and version."""
+
+    name: str
+    index: int
+    optimizer: OptimizerConfig
+    value: torch.Tensor
+    state: dict[str, torch.Tensor]
+    version: int
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """Everything a checkpoint holds of one shard, copied at one point between pushes."""
+
+    tables: list[TableState]
+    dense: list[DenseState]
+    # Applied push sequence numbers per worker, oldest first (uint64).
+    seqs: dict[str, np.ndarray]
+    applied_pushes: int = 0
+
+
+class _Gate:
+    """Pushes share it; a checkpoint's copy holds it alone, so no push is half applied in it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._closed = False
+
+    @contextmanager
+    def shared(self, timeout_s: float = _GATE_WAIT_S) -> Iterator[None]:
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._closed, timeout_s):
+                raise Unavailable(f"a checkpoint held pushes back for over {timeout_s:.0f}s; retry")
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                if self._active == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self, timeout_s: float = _GATE_WAIT_S) -> Iterator[None]:
+        with self._cond:
+            # Close first: new pushes wait, so in-flight ones cannot starve the checkpoint.
+            self._closed = True
+            if not self._cond.wait_for(lambda: self._active == 0, timeout_s):
+                self._closed = False
+                self._cond.notify_all()
+                raise Unavailable(f"pushes did not pause for a checkpoint within {timeout_s:.0f}s")
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._closed = False
+                self._cond.notify_all()
+
+
 class _SeqWindow:
     """Recently applied sequence numbers of one worker (bounded)."""
 
-    def __init__(self) -> None:
+    def __init__(self, seqs: np.ndarray | None = None) -> None:
         self.seen: OrderedDict[int, None] = OrderedDict()
+        if seqs is not None:
+            for seq in seqs[-_SEQ_WINDOW:].tolist():
+                self.seen[int(seq)] = None
 
     def add(self, seq: int) -> bool:
         """Record ``seq``; False if it was already there."""
@@ -112,6 +194,11 @@ class Shard:
         self._declare_lock = threading.Lock()
         self._seq_lock = threading.Lock()
         self._seqs: dict[str, _SeqWindow] = {}
+        self._gate = _Gate()
+        # Pushes applied and specs declared; a periodic checkpoint skips an unchanged shard.
+        self.mutations = 0
+        self.restored_checkpoint = ""
+        self.last_checkpoint = ""
 
     # -- declare -----------------------------------------------------------------------------
 
@@ -141,11 +228,67 @@ class Shard:
                     raise FailedPrecondition(f"dense chunk {d.name}[{d.index}] exists with another size or optimizer")
             for cfg in tables:
                 if cfg.name not in self.tables:
-                    self.tables[cfg.name] = EmbeddingTable(cfg)
+                    self.tables[cfg.name] = self._new_table(cfg)
+                    self.mutations += 1
                     log.info("created table %s (dim %d, %s)", cfg.name, cfg.dim, cfg.optimizer.name)
             for d in dense:
                 if (d.name, d.index) not in self.dense:
                     self.dense[(d.name, d.index)] = DenseChunk(d.name, d.index, d.init, d.optimizer)
+                    self.mutations += 1
+
+    def _new_table(self, cfg: TableConfig) -> EmbeddingTable:
+        if self.metrics is None:
+            return EmbeddingTable(cfg)
+        return EmbeddingTable(
+            cfg,
+            on_evict=self.metrics.rows_evicted.labels(table=cfg.name).inc,
+            on_drop=self.metrics.rows_dropped.labels(table=cfg.name).inc,
+        )
+
+    # -- checkpoint state ----------------------------------------------------------------------
+
+    def export_state(self) -> ShardState:
+        """Copy every table, dense chunk and dedup window at one point between pushes.
+
+        Raises:
+            Unavailable: pushes in flight did not finish within the gate's timeout.
+        """
+        with self._declare_lock, self._gate.exclusive():
+            tables = []
+            for name, table in sorted(self.tables.items()):
+                snap = table.snapshot()
+                tables.append(TableState(table.config, snap["ids"], snap["weights"], snap["state"], snap["version"]))
+            dense = []
+            for (name, index), chunk in sorted(self.dense.items()):
+                snap = chunk.snapshot()
+                dense.append(DenseState(name, index, chunk.optimizer, snap["value"], snap["state"], snap["version"]))
+            with self._seq_lock:
+                seqs = {w: np.fromiter(win.seen, dtype=np.uint64, count=len(win.seen)) for w, win in self._seqs.items()}
+            return ShardState(tables, dense, seqs, self.applied_pushes)
+
+    def import_state(self, state: ShardState) -> None:
+        """Load restored tables, chunks and dedup windows into this (fresh) shard.
+
+        Raises:
+            FailedPrecondition: the shard already holds a table or chunk of another spec.
+            ValueError: restored arrays of the wrong shape.
+        """
+        with self._declare_lock, self._gate.exclusive():
+            for t in state.tables:
+                table = self.tables.get(t.config.name)
+                if table is not None and table.config != t.config:
+                    raise FailedPrecondition(f"table {t.config.name!r} exists with another spec: {table.config} != {t.config}")
+                table = table or self._new_table(t.config)
+                table.load(t.ids, t.weights, t.state, t.version)
+                self.tables[t.config.name] = table
+            for d in state.dense:
+                chunk = DenseChunk(d.name, d.index, d.value, d.optimizer)
+                chunk.load(d.value, d.state, d.version)
+                self.dense[(d.name, d.index)] = chunk
+            with self._seq_lock:
+                for worker, seqs in state.seqs.items():
+                    self._seqs[worker] = _SeqWindow(seqs)
+            self.applied_pushes = max(self.applied_pushes, state.applied_pushes)
 
     # -- validation --------------------------------------------------------------------------
 
@@ -259,26 +402,28 @@ class Shard:
             self.rejected_pushes += 1
             self.too_stale_pushes += 1
             raise TooStale(f"push from {worker_id!r} is {staleness} updates stale; this shard's limit is {self.max_staleness}")
-        with self._seq_lock:
-            fresh = self._seqs.setdefault(worker_id, _SeqWindow()).add(seq)
-        if not fresh:
-            self.duplicate_pushes += 1
-            if self.metrics is not None:
-                self.metrics.reject("duplicate")
-            return PushResult(applied=False, max_staleness=0)
-        # Clock staleness is measured on shard 0, the coordinator ssp waits on, where clocks
-        # move only once a step is applied on every shard.
-        clock_lag = self.clocks.lag(clock) if clock and self.shard_index == 0 else 0
-        blocks = [(t, u.ids, u.grads) for t, u in zip(tables, sparse)] + [(c, None, u.grad) for c, u in zip(chunks, dense)]
-        for (target, ids, grad), s in zip(blocks, stale):
-            scale = 1.0 / max(s, 1) if staleness_aware else 1.0
-            if ids is None:
-                target.push(grad, scale)
-            else:
-                target.push(ids, grad, scale)
-        if clock:
-            self.clocks.update(worker_id, clock, from_push=True)
-        self.applied_pushes += 1
+        with self._gate.shared():
+            with self._seq_lock:
+                fresh = self._seqs.setdefault(worker_id, _SeqWindow()).add(seq)
+            if not fresh:
+                self.duplicate_pushes += 1
+                if self.metrics is not None:
+                    self.metrics.reject("duplicate")
+                return PushResult(applied=False, max_staleness=0)
+            # Clock staleness is measured on shard 0, the coordinator ssp waits on, where clocks
+            # move only once a step is applied on every shard.
+            clock_lag = self.clocks.lag(clock) if clock and self.shard_index == 0 else 0
+            blocks = [(t, u.ids, u.grads) for t, u in zip(tables, sparse)] + [(c, None, u.grad) for c, u in zip(chunks, dense)]
+            for (target, ids, grad), s in zip(blocks, stale):
+                scale = 1.0 / max(s, 1) if staleness_aware else 1.0
+                if ids is None:
+                    target.push(grad, scale)
+                else:
+                    target.push(ids, grad, scale)
+            if clock:
+                self.clocks.update(worker_id, clock, from_push=True)
+            self.applied_pushes += 1
+            self.mutations += 1
         if self.metrics is not None:
             m = self.metrics
             m.applied("sparse", len(sparse))

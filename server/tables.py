@@ -5,13 +5,21 @@ ids map to row slots through a vectorised hash index (``tether.server.index``): 
 object per row and no Python loop over ids. Updates to one table are applied in a
 short vectorised critical section (gather, update, scatter) under that table's own lock, so
 concurrent pushes never lose an update while pushes to other tables and dense chunks, and all
-pulls, go on in parallel (pulls read without a lock, Hogwild-style).
+pulls, go on in parallel (pulls of an unbounded table read without a lock, Hogwild-style).
+
+A table may be bounded (``TableConfig.capacity``): when a new row would not fit, the least
+recently touched rows are evicted in one batch (``numpy.argpartition`` over last-touch ticks)
+(tombstoned in the index) and their slots reused. Admission (``TableConfig.min_count``) keeps ids that were seen fewer
+than N times out of the table altogether; their counts live in a fixed-size count-min sketch.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import zlib
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -21,10 +29,16 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.index import IdIndex
 from tether.server.optimizers import state_shapes, step
 
-__all__ = ["DenseChunk", "EmbeddingTable", "TableConfig", "init_rows"]
+__all__ = ["CountMinSketch", "DenseChunk", "EmbeddingTable", "TableConfig", "init_rows"]
+
+log = logging.getLogger(__name__)
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _GROWTH = 1.5
+# An empty table starts with at most this many bytes of rows, whatever its dim.
+_INITIAL_BYTES = 4 << 20
+# Evict at least this fraction of the capacity at once, so the O(rows) selection runs rarely.
+_EVICT_BATCH = 1 / 16
 
 
 def init_rows(ids: np.ndarray, dim: int, seed: int, table: str, scale: float) -> torch.Tensor:
@@ -37,29 +51,115 @@ def init_rows(ids: np.ndarray, dim: int, seed: int, table: str, scale: float) ->
     return torch.from_numpy(u).mul_(2 * scale).sub_(scale)
 
 
-class EmbeddingTable:
-    """Rows of one table owned by this shard, created on first touch."""
+class CountMinSketch:
+    """Approximate touch counts of int64 ids in fixed memory.
 
-    def __init__(self, config: TableConfig, initial_capacity: int = 1024) -> None:
+    ``depth`` rows of ``width`` 16-bit saturating counters; an id's count is the smallest of
+    its cells (never an under-estimate). Conservative update raises only the cells that hold
+    that minimum, and every ``width`` touches all counters are halved, so an endless stream of
+    new ids cannot fill the sketch up and admit everything: an id is admitted when it comes
+    back ``min_count`` times within a few ``width`` touches of other ids.
+    """
+
+    def __init__(self, width: int, depth: int = 4, seed: int = 0) -> None:
+        if width < 1 or width & (width - 1):
+            raise ValueError(f"width must be a power of two, got {width!r}")
+        if not 1 <= depth <= 16:
+            raise ValueError(f"depth must be in [1, 16], got {depth!r}")
+        self.width = width
+        self.depth = depth
+        self._counts = np.zeros((depth, width), np.uint16)
+        salts = np.arange(1, depth + 1, dtype=np.uint64) * _GOLDEN
+        self._salts = mix64(salts ^ np.uint64(seed & 0xFFFFFFFFFFFFFFFF))
+        self._mask = np.uint64(width - 1)
+        self._rows = np.arange(depth)[:, None]
+        self._touches = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the counters."""
+        return self._counts.nbytes
+
+    def _cells(self, ids: np.ndarray) -> np.ndarray:
+        keys = ids.astype(np.int64, copy=False).view(np.uint64)
+        return (mix64(keys[None, :] ^ self._salts[:, None]) & self._mask).astype(np.intp)
+
+    def estimate(self, ids: np.ndarray) -> np.ndarray:
+        """Estimated touches of each id (int64)."""
+        return self._counts[self._rows, self._cells(ids)].min(axis=0).astype(np.int64)
+
+    def add(self, ids: np.ndarray) -> np.ndarray:
+        """Count one touch of each of the unique ``ids``; returns their estimates after it."""
+        if ids.size == 0:
+            return np.empty(0, np.int64)
+        cells = self._cells(ids)
+        est = self._counts[self._rows, cells].min(axis=0).astype(np.int64) + 1
+        new = np.broadcast_to(np.minimum(est, 0xFFFF).astype(np.uint16), cells.shape)
+        # np.maximum.at, not fancy assignment: two ids of one call may share a cell.
+        np.maximum.at(self._counts, (np.broadcast_to(self._rows, cells.shape), cells), new)
+        self._touches += ids.size
+        if self._touches >= self.width:
+            self._counts >>= 1
+            self._touches = 0
+        return est
+
+
+def _sketch_width(capacity: int) -> int:
+    """Counters per sketch row: ~8 per resident row, 4K..4M (a power of two)."""
+    want = 8 * capacity if capacity else 1 << 20
+    return 1 << int(min(max(want, 1 << 12), 1 << 22) - 1).bit_length()
+
+
+class EmbeddingTable:
+    """Rows of one table owned by this shard, created on first touch (or after admission)."""
+
+    def __init__(
+        self,
+        config: TableConfig,
+        initial_capacity: int = 1024,
+        on_evict: Callable[[int], None] | None = None,
+        on_drop: Callable[[int], None] | None = None,
+    ) -> None:
         self.config = config
         self.dim = config.dim
+        self.capacity = config.capacity
         self.version = 0
+        self.evicted_rows = 0
+        self.dropped_rows = 0
+        # Told how many rows were evicted / row gradients dropped (metrics).
+        self._on_evict = on_evict
+        self._on_drop = on_drop
         self._lock = threading.Lock()
         self._state_shapes = state_shapes(config.optimizer, config.dim)
-        self._rows = 0
-        self._index = IdIndex(initial_capacity)
-        self._weights = torch.empty(initial_capacity, config.dim)
-        self._state = {k: torch.zeros(initial_capacity, *s) for k, s in self._state_shapes.items()}
+        # Slots handed out so far; a slot below this is a row or sits in the free list.
+        self._used = 0
+        self._free = np.empty(0, np.int64)
+        cap = max(1, min(initial_capacity, max(16, _INITIAL_BYTES // (4 * config.dim))))
+        if self.capacity:
+            cap = min(cap, self.capacity)
+        self._index = IdIndex(cap)
+        self._weights = torch.empty(cap, config.dim)
+        self._state = {k: torch.zeros(cap, *s) for k, s in self._state_shapes.items()}
+        # Bounded tables reuse slots, so a lock-free reader could read a slot after it was
+        # given to another id: they read under the lock, and track last touches for LRU.
+        self._locked_reads = self.capacity > 0
+        self._tick = 0
+        self._touched = np.zeros(cap, np.int64) if self.capacity else None
+        self._sketch = CountMinSketch(_sketch_width(self.capacity), seed=config.seed) if config.min_count > 1 else None
 
     @property
     def rows(self) -> int:
-        """Number of rows created."""
-        return self._rows
+        """Number of resident rows."""
+        return self._index.size
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes held by rows, optimizer state and the id index (allocated capacity)."""
-        total = self._weights.nbytes + self._index.nbytes
+        """Bytes held by rows, optimizer state, the id index and the LRU/admission bookkeeping."""
+        total = self._weights.nbytes + self._index.nbytes + self._free.nbytes
+        if self._touched is not None:
+            total += self._touched.nbytes
+        if self._sketch is not None:
+            total += self._sketch.nbytes
         return total + sum(t.nbytes for t in self._state.values())
 
     def _grow(self, need: int) -> None:
@@ -67,55 +167,145 @@ class EmbeddingTable:
         if need <= cap:
             return
         new_cap = max(need, int(cap * _GROWTH) + 1)
+        if self.capacity:
+            new_cap = max(need, min(new_cap, self.capacity))
+        n = self._used
         w = torch.empty(new_cap, self.dim)
-        w[: self._rows] = self._weights[: self._rows]
+        w[:n] = self._weights[:n]
         state = {}
         for k, s in self._state_shapes.items():
             t = torch.zeros(new_cap, *s)
-            t[: self._rows] = self._state[k][: self._rows]
+            t[:n] = self._state[k][:n]
             state[k] = t
+        if self._touched is not None:
+            touched = np.zeros(new_cap, np.int64)
+            touched[:n] = self._touched[:n]
+            self._touched = touched
         self._weights, self._state = w, state
 
+    def _alloc(self, k: int) -> np.ndarray:
+        """``k`` free slots: evicted ones first, then new ones. Caller holds the lock."""
+        reuse, self._free = self._free[:k], self._free[k:]
+        fresh = k - len(reuse)
+        self._grow(self._used + fresh)
+        new = np.arange(self._used, self._used + fresh, dtype=np.int64)
+        self._used += fresh
+        return np.concatenate([reuse, new])
+
     def _insert(self, new_ids: np.ndarray) -> None:
-        """Create rows for sorted, unique ids that are not present. Caller holds the lock."""
-        n, k = self._rows, len(new_ids)
-        self._grow(n + k)
+        """Create rows for unique ids that are not present. Caller holds the lock."""
+        k = len(new_ids)
+        slots = self._alloc(k)
+        idx = torch.from_numpy(slots)
         cfg = self.config
-        self._weights[n : n + k] = init_rows(new_ids, self.dim, cfg.seed, cfg.name, cfg.init_scale)
-        if "sum" in self._state and cfg.optimizer.initial_accumulator:
-            self._state["sum"][n : n + k] = cfg.optimizer.initial_accumulator
-        self._rows = n + k
-        self._index.insert(new_ids, np.arange(n, n + k, dtype=np.int64))
+        self._weights.index_copy_(0, idx, init_rows(new_ids, self.dim, cfg.seed, cfg.name, cfg.init_scale))
+        for name, t in self._state.items():
+            # A reused slot still holds the evicted row's state.
+            fill = cfg.optimizer.initial_accumulator if name == "sum" else 0.0
+            t.index_fill_(0, idx, fill)
+        if self._touched is not None:
+            self._touched[slots] = self._tick
+        self._index.insert(new_ids, slots)
+
+    def _evict(self, want: int) -> int:
+        """Evict up to ``want`` least recently touched rows not touched by the current call."""
+        keys, slots = self._index.items(sort=False)
+        touched = self._touched[slots]
+        candidates = np.flatnonzero(touched < self._tick)
+        n = min(want, len(candidates))
+        if n <= 0:
+            return 0
+        if n < len(candidates):
+            victims = candidates[np.argpartition(touched[candidates], n - 1)[:n]]
+        else:
+            victims = candidates
+        self._index.remove(keys[victims])
+        self._free = np.concatenate([self._free, slots[victims]])
+        self.evicted_rows += n
+        if self._on_evict is not None:
+            self._on_evict(n)
+        return n
+
+    def _admit(self, fresh: np.ndarray) -> None:
+        """Create rows for the sorted, unique, absent ``fresh`` ids that pass admission and fit."""
+        if self._sketch is not None:
+            fresh = fresh[self._sketch.add(fresh) >= self.config.min_count]
+        if self.capacity:
+            room = self.capacity - self.rows
+            if len(fresh) > room:
+                self._evict(max(len(fresh) - room, int(self.capacity * _EVICT_BATCH)))
+                room = self.capacity - self.rows
+                # More new ids in one call than the rows not in use by it: the rest stay out,
+                # like ids not admitted yet.
+                fresh = fresh[:room]
+        if len(fresh):
+            self._insert(fresh)
+
+    def _resolve(self, ids: np.ndarray) -> np.ndarray:
+        """Slots of ``ids`` (-1: not a row), admitting and evicting. Caller holds the lock.
+
+        A pull may name an id more than once; each distinct id is counted and created once.
+        """
+        self._tick += 1
+        slots = self._index.lookup(ids)
+        found = slots >= 0
+        if self._touched is not None:
+            self._touched[slots[found]] = self._tick
+        if not found.all():
+            missing = ids[~found]
+            self._admit(np.unique(missing))
+            slots[~found] = self._index.lookup(missing)
+        return slots
+
+    def _gather(self, ids: np.ndarray, slots: np.ndarray) -> torch.Tensor:
+        present = slots >= 0
+        if present.all():
+            return self._weights.index_select(0, torch.from_numpy(slots))
+        out = torch.empty(len(ids), self.dim)
+        mask = torch.from_numpy(present)
+        out[mask] = self._weights.index_select(0, torch.from_numpy(slots[present]))
+        cfg = self.config
+        out[~mask] = init_rows(ids[~present], self.dim, cfg.seed, cfg.name, cfg.init_scale)
+        return out
 
     def slots(self, ids: np.ndarray) -> torch.Tensor:
-        """Row slots of ``ids`` (unique, non-negative int64), creating missing rows."""
-        slots = self._index.lookup(ids)
-        missing = slots < 0
-        if missing.any():
-            with self._lock:
-                # Another writer may have created some of them meanwhile.
-                want = ids[missing]
-                again = self._index.lookup(want)
-                new = again < 0
-                if new.any():
-                    fresh, inverse = np.unique(want[new], return_inverse=True)
-                    first = self._rows
-                    self._insert(fresh)
-                    again[new] = first + inverse
-                slots[missing] = again
-        return torch.from_numpy(slots)
+        """Row slots of ``ids`` (non-negative int64), creating missing rows (-1: not admitted)."""
+        if not self._locked_reads:
+            slots = self._index.lookup(ids)
+            if (slots >= 0).all():
+                return torch.from_numpy(slots)
+        with self._lock:
+            return torch.from_numpy(self._resolve(ids))
 
     def pull(self, ids: np.ndarray) -> tuple[torch.Tensor, int]:
-        """Rows of ``ids`` (a copy) and the table version they were read at."""
+        """Rows of ``ids`` (a copy; not admitted ids get their initial row) and the table version."""
+        if self._locked_reads:
+            with self._lock:
+                return self._gather(ids, self._resolve(ids)), self.version
         version = self.version
-        idx = self.slots(ids)
-        return self._weights.index_select(0, idx), version
+        slots = self._index.lookup(ids)
+        if (slots < 0).any():
+            with self._lock:
+                slots = self._resolve(ids)
+        return self._gather(ids, slots), version
 
     def push(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float = 1.0) -> int:
-        """Apply row gradients with the table's optimizer; returns the new version."""
-        idx = self.slots(ids)
+        """Apply row gradients with the table's optimizer; returns the new version.
+
+        Gradients of ids that are not admitted (or do not fit in the capacity) are dropped and
+        counted in ``dropped_rows``.
+        """
         opt = self.config.optimizer
         with self._lock:
+            slots = self._resolve(ids)
+            keep = slots >= 0
+            if not keep.all():
+                dropped = int((~keep).sum())
+                self.dropped_rows += dropped
+                if self._on_drop is not None:
+                    self._on_drop(dropped)
+                slots, grads = slots[keep], grads[torch.from_numpy(keep)]
+            idx = torch.from_numpy(slots)
             if opt.name == "sgd" and not opt.weight_decay:
                 self._weights.index_add_(0, idx, grads, alpha=-opt.lr * lr_scale)
             else:
@@ -139,6 +329,45 @@ class EmbeddingTable:
                 "state": {k: t.index_select(0, idx) for k, t in self._state.items()},
                 "version": self.version,
             }
+
+    def load(self, ids: np.ndarray, weights: torch.Tensor, state: dict[str, torch.Tensor], version: int) -> None:
+        """Replace every row with restored ones (``ids`` sorted and unique, as ``snapshot`` gives).
+
+        Raises:
+            ValueError: shapes that do not fit the table, or missing optimizer state.
+        """
+        n = len(ids)
+        if tuple(weights.shape) != (n, self.dim):
+            raise ValueError(f"table {self.config.name!r}: restored rows have shape {tuple(weights.shape)}, expected ({n}, {self.dim})")
+        if set(state) != set(self._state_shapes):
+            raise ValueError(f"table {self.config.name!r}: restored optimizer state {sorted(state)} != {sorted(self._state_shapes)}")
+        for k, shape in self._state_shapes.items():
+            if tuple(state[k].shape) != (n, *shape):
+                raise ValueError(f"table {self.config.name!r}: restored state {k!r} has shape {tuple(state[k].shape)}")
+        if n > 1 and not np.all(np.diff(ids) > 0):
+            raise ValueError(f"table {self.config.name!r}: restored ids must be sorted and unique")
+        with self._lock:
+            if self.capacity and n > self.capacity:
+                # The checkpoint holds no recency: keep the first rows by id and count the rest.
+                log.warning("table %s: %d restored rows exceed the capacity %d; evicting %d", self.config.name, n, self.capacity, n - self.capacity)
+                self.evicted_rows += n - self.capacity
+                if self._on_evict is not None:
+                    self._on_evict(n - self.capacity)
+                n = self.capacity
+                ids, weights, state = ids[:n], weights[:n], {k: t[:n] for k, t in state.items()}
+            cap = max(n, 1)
+            self._weights = weights.to(torch.float32).clone().reshape(n, self.dim) if n else torch.empty(cap, self.dim)
+            self._state = {
+                k: (state[k].to(torch.float32).clone() if n else torch.zeros(cap, *s)) for k, s in self._state_shapes.items()
+            }
+            self._used = n
+            self._free = np.empty(0, np.int64)
+            if self._touched is not None:
+                self._touched = np.zeros(max(n, 1), np.int64)
+            index = IdIndex(max(2 * n, 16))
+            index.insert(np.ascontiguousarray(ids, dtype=np.int64), np.arange(n, dtype=np.int64))
+            self._index = index
+            self.version = int(version)
 
 
 class DenseChunk:
@@ -171,3 +400,23 @@ class DenseChunk:
             step(self.optimizer, self.value, grad, self._state, lr_scale)
             self.version += 1
             return self.version
+
+    def snapshot(self) -> dict[str, object]:
+        """Value, optimizer state and version (copies)."""
+        with self._lock:
+            return {"value": self.value.clone(), "state": {k: t.clone() for k, t in self._state.items()}, "version": self.version}
+
+    def load(self, value: torch.Tensor, state: dict[str, torch.Tensor], version: int) -> None:
+        """Replace value, optimizer state and version with restored ones.
+
+        Raises:
+            ValueError: a value or state of another shape.
+        """
+        if tuple(value.shape) != (self.numel,):
+            raise ValueError(f"dense chunk {self.name}[{self.index}]: restored value has shape {tuple(value.shape)}, expected ({self.numel},)")
+        if set(state) != set(self._state) or any(state[k].shape != t.shape for k, t in self._state.items()):
+            raise ValueError(f"dense chunk {self.name}[{self.index}]: restored optimizer state does not match {self.optimizer.name}")
+        with self._lock:
+            self.value = value.to(torch.float32).clone()
+            self._state = {k: t.to(torch.float32).clone() for k, t in state.items()}
+            self.version = int(version)

@@ -27,6 +27,7 @@ SHARD_SPEC: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "table_rows": ("tether_shard_table_rows", "gauge", ("table",)),
     "table_memory_bytes": ("tether_shard_table_memory_bytes", "gauge", ("table",)),
     "rows_evicted": ("tether_shard_rows_evicted_total", "counter", ("table",)),
+    "rows_dropped": ("tether_shard_rows_dropped_total", "counter", ("table",)),
     "updates_applied": ("tether_shard_updates_applied_total", "counter", ("kind",)),
     "updates_rejected": ("tether_shard_updates_rejected_total", "counter", ("reason",)),
     "push_staleness": ("tether_shard_push_staleness", "histogram", ()),
@@ -79,6 +80,7 @@ def _observe_some(shard: ShardMetrics, worker: WorkerMetrics) -> None:
     shard.table_rows.labels(table="user").set(1000)
     shard.table_memory_bytes.labels(table="user").set(1000 * 64 * 4 * 2)
     shard.rows_evicted.labels(table="user").inc(3)
+    shard.rows_dropped.labels(table="user").inc(2)
     shard.applied("sparse", 2)
     shard.reject("too_stale")
     shard.push_staleness.observe(3)

@@ -3,8 +3,9 @@
 Each call splits its ids and dense chunks by owning shard (one request per shard, every table
 in it), sends the requests in parallel and returns a ``Handle`` at once; ``wait`` (or
 ``Handle.result``) gathers the answers. Every RPC has a deadline; UNAVAILABLE and
-DEADLINE_EXCEEDED are retried with exponential backoff, and a retried push keeps its sequence
-number so the shard applies it once.
+DEADLINE_EXCEEDED (and a shard shedding load past its concurrent-call limit) are retried with
+exponential backoff, and a retried push keeps its sequence number so the shard applies it once.
+Channels use TLS and send a bearer token when ``ClientConfig.security`` says so.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -27,13 +28,22 @@ from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.codec import decode_tensor, encode_ids, encode_tensor, wire_dtype
 from tether.protos.errors import InvalidArgument, TetherError, Unavailable, error_from_status
 from tether.protos.partition import dense_shard, split_ids
+from tether.protos.security import ClientSecurity
 from tether.protos.specs import OptimizerConfig, TableConfig
 
-__all__ = ["ClientConfig", "ClockReply", "Handle", "PSClient", "PushAck", "PullResult"]
+__all__ = ["CheckpointResult", "ClientConfig", "ClientSecurity", "ClockReply", "Handle", "PSClient", "PushAck", "PullResult"]
 
 log = logging.getLogger(__name__)
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# What grpc's server says when it sheds a call past maximum_concurrent_rpcs: load, not a bad
+# request, so it is retried with backoff (a message over the size limit is not).
+_OVERLOADED = "Concurrent RPC limit exceeded"
+
+
+def _retryable(exc: grpc.RpcError) -> bool:
+    code = exc.code()
+    return code in _RETRYABLE or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and _OVERLOADED in (exc.details() or ""))
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,10 @@ class ClientConfig:
     wire_dtype: torch.dtype = torch.float32
     threads: int = 8
     staleness_aware: bool = False
+    security: ClientSecurity = field(default_factory=ClientSecurity)
+    # HTTP/2 keepalive: a connection that stops answering pings this long plus a bit is
+    # given up, so a partition or a dead shard is noticed without waiting for TCP.
+    keepalive_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.addresses:
@@ -68,6 +82,12 @@ class ClientConfig:
             raise ValueError(f"chunk_elems must be >= 1, got {self.chunk_elems!r}")
         if self.wire_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"wire_dtype must be float32, float16 or bfloat16, got {self.wire_dtype}")
+        if not isinstance(self.security, ClientSecurity):
+            raise ValueError(f"security must be a ClientSecurity, got {type(self.security).__name__}")
+        if not self.keepalive_s > 0:
+            raise ValueError(f"keepalive_s must be > 0, got {self.keepalive_s!r}")
+        if not 0 < self.backoff_s <= self.max_backoff_s:
+            raise ValueError(f"need 0 < backoff_s <= max_backoff_s, got {self.backoff_s!r}, {self.max_backoff_s!r}")
 
 
 @dataclass
@@ -88,6 +108,17 @@ class PushAck:
     staleness: int  # largest number of updates a block's values were behind
     clock_staleness: int  # ticks the slowest live worker was behind this step
     duplicates: int  # shards that had already applied it (a retried push)
+
+
+@dataclass(frozen=True)
+class CheckpointResult:
+    """One shard's part of a checkpoint."""
+
+    shard: int
+    id: str
+    path: str
+    bytes: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -140,11 +171,26 @@ class PSClient:
         self.config = config
         self.metrics = metrics
         self.num_shards = len(config.addresses)
+        keepalive_ms = int(config.keepalive_s * 1000)
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.keepalive_time_ms", keepalive_ms),
+            ("grpc.keepalive_timeout_ms", max(keepalive_ms // 2, 1000)),
+            ("grpc.http2.max_pings_without_data", 0),
+            # A restarted shard is found again within the client's own backoff, not grpc's
+            # default of up to two minutes between reconnection attempts.
+            ("grpc.initial_reconnect_backoff_ms", int(config.backoff_s * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(config.max_backoff_s * 1000)),
+            # grpc takes this as the connection attempt's timeout: one call's deadline.
+            ("grpc.min_reconnect_backoff_ms", int(min(config.timeout_s, 20.0) * 1000)),
         ]
-        self._channels = [grpc.insecure_channel(a, options=options) for a in config.addresses]
+        credentials = config.security.channel_credentials()
+        if credentials is None:
+            self._channels = [grpc.insecure_channel(a, options=options) for a in config.addresses]
+        else:
+            self._channels = [grpc.secure_channel(a, credentials, options=options) for a in config.addresses]
+        self._metadata = config.security.metadata() or None
         self._stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=max(config.threads, self.num_shards), thread_name_prefix="tether-client")
         self._seq = [itertools.count(1) for _ in range(self.num_shards)]
@@ -172,15 +218,18 @@ class PSClient:
         backoff = cfg.backoff_s
         for attempt in range(cfg.retries + 1):
             try:
-                return fn(request, timeout=timeout or cfg.timeout_s)
+                return fn(request, timeout=timeout or cfg.timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
                 code = exc.code()
                 if self.metrics is not None:
                     self.metrics.rpc_errors.labels(rpc=method, code=code.name).inc()
-                if code not in _RETRYABLE or attempt == cfg.retries:
+                if not _retryable(exc) or attempt == cfg.retries:
                     if code in _RETRYABLE:
+                        # A refused TLS handshake looks like a shard that is down: say so.
+                        hint = " (if the shard is up, check the TLS CA and client certificate)" if cfg.security.tls else ""
                         raise Unavailable(
-                            f"shard {shard} ({cfg.addresses[shard]}) {method} failed after {attempt + 1} tries: {code.name}: {exc.details()}"
+                            f"shard {shard} ({cfg.addresses[shard]}) {method} failed after {attempt + 1} tries: "
+                            f"{code.name}: {exc.details()}{hint}"
                         ) from exc
                     raise error_from_status(code, f"shard {shard} {method}: {exc.details()}") from exc
                 if self.metrics is not None:
@@ -430,6 +479,24 @@ class PSClient:
     def wait(handle: Handle, timeout: float | None = None) -> object:
         """Wait for ``handle`` (ps-lite's ``Wait``)."""
         return handle.result(timeout)
+
+    def checkpoint(self, ckpt_id: str, timeout_s: float = 600.0) -> list[CheckpointResult]:
+        """Have every shard write its part of checkpoint ``ckpt_id`` (a step, an epoch, a time).
+
+        The checkpoint is complete once every shard answered. Calling it between steps (no
+        push in flight) makes the parts one consistent point of the whole model.
+
+        Raises:
+            InvalidArgument: an id that is not 1..128 characters of [A-Za-z0-9._-].
+            FailedPrecondition: a shard without a checkpoint directory, or one that cannot write.
+        """
+        request = pb.CheckpointRequest(id=ckpt_id)
+        futures = [self._pool.submit(self._call, s, "Checkpoint", request, timeout_s) for s in range(self.num_shards)]
+
+        def combine(answers: list[pb.CheckpointResponse]) -> list[CheckpointResult]:
+            return [CheckpointResult(s, a.id, a.path, a.bytes, a.seconds) for s, a in enumerate(answers)]
+
+        return Handle(futures, combine).result(timeout_s * (self.config.retries + 1) + 60.0)
 
     def info(self) -> list[pb.InfoResponse]:
         """Every shard's ``Info``."""

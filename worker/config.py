@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tether.protos.security import TOKEN_ENV, ClientSecurity, resolve_token
 from tether.protos.specs import OPTIMIZERS
 
 __all__ = ["WorkerConfig", "add_training_flags", "build_parser", "config_from_args", "load_config", "parse_mode"]
@@ -56,6 +57,18 @@ class WorkerConfig:
     slowdown: float = 1.0
     slow_worker: int | None = None
     ssp_timeout_s: float = 300.0
+    # Transport security (see tether.protos.security): TLS files, and the bearer token with
+    # the file it came from (None: from $TETHER_AUTH_TOKEN, which child processes inherit).
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    auth_token_file: str | None = None
+    auth_token: str | None = field(default=None, repr=False)
+
+    @property
+    def security(self) -> ClientSecurity:
+        """How this worker's client authenticates to the shards."""
+        return ClientSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key, token=self.auth_token)
 
     @property
     def my_slowdown(self) -> float:
@@ -96,6 +109,7 @@ class WorkerConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
         if self.wire_dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"wire_dtype must be float32, float16 or bfloat16, got {self.wire_dtype!r}")
+        self.security  # noqa: B018 - validates the TLS and token fields together
 
 
 def _env(name: str, default: object) -> object:
@@ -135,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=_env("TETHER_OUT", None), help="write worker-<index>.json with the loss history here")
     p.add_argument("--slowdown", type=float, default=_env("TETHER_SLOWDOWN", 1.0), help="make compute this many times slower (straggler experiments)")
     p.add_argument("--slow-worker", type=int, default=_env("TETHER_SLOW_WORKER", None), help="only the worker with this index is slowed (default: this worker)")
+    p.add_argument("--tls-ca", default=_env("TETHER_TLS_CA", None), help="connect with TLS; the shards' certificates are signed by this PEM CA (env TETHER_TLS_CA)")
+    p.add_argument("--tls-cert", default=_env("TETHER_TLS_CERT", None), help="client certificate (PEM) for shards that require mutual TLS (env TETHER_TLS_CERT)")
+    p.add_argument("--tls-key", default=_env("TETHER_TLS_KEY", None), help="PEM private key of --tls-cert (env TETHER_TLS_KEY)")
+    p.add_argument("--auth-token-file", default=_env("TETHER_AUTH_TOKEN_FILE", None), help=f"send 'authorization: Bearer <token>' with the token in this file (env TETHER_AUTH_TOKEN_FILE, or the token itself in ${TOKEN_ENV})")
     add_training_flags(p)
     return p
 
@@ -168,6 +186,11 @@ def config_from_args(a: argparse.Namespace, **overrides: object) -> WorkerConfig
         slowdown=float(getattr(a, "slowdown", 1.0)),
         slow_worker=None if getattr(a, "slow_worker", None) in (None, "") else int(a.slow_worker),
         ssp_timeout_s=float(a.ssp_timeout),
+        tls_ca=getattr(a, "tls_ca", None) or None,
+        tls_cert=getattr(a, "tls_cert", None) or None,
+        tls_key=getattr(a, "tls_key", None) or None,
+        auth_token_file=getattr(a, "auth_token_file", None) or None,
+        auth_token=resolve_token(getattr(a, "auth_token_file", None)),
     )
     values.update(overrides)
     return WorkerConfig(**values)

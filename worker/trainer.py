@@ -128,6 +128,7 @@ def connect(cfg: WorkerConfig, model: CTRModel, device: torch.device, metrics: o
             timeout_s=cfg.timeout_s,
             wire_dtype=_WIRE[cfg.wire_dtype],
             staleness_aware=cfg.staleness_aware,
+            security=cfg.security,
         ),
         metrics,
     )

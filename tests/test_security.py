@@ -1,0 +1,306 @@
+"""TLS, mutual TLS and the bearer token; size and concurrency limits; metrics carry no values.
+
+Certificates are made with the ``openssl`` command line in a temporary folder: a CA, a shard
+certificate for IP 127.0.0.1, a client certificate, and a second CA with its own client to play
+the stranger.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from tether.deploy.launch import LocalCluster, worker_argv
+from tether.protos import tether_pb2 as pb
+from tether.protos import tether_pb2_grpc as pb_grpc
+from tether.protos.errors import ResourceExhausted, Unauthenticated, Unavailable
+from tether.protos.metrics_http import serve_metrics
+from tether.protos.security import ClientSecurity, resolve_token
+from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.server.config import ShardConfig, load_config
+from tether.server.metrics import ShardMetrics
+from tether.server.service import RunningShard, start_shard
+from tether.worker.config import load_config as load_worker_config
+
+from conftest import make_client
+
+TOKEN = "s3cret-token_0123456789abcdef"
+SGD = OptimizerConfig("sgd", 1.0)
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    proc = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"openssl {' '.join(args)} failed:\n{proc.stderr}"
+
+
+def make_certificates(folder: Path) -> dict[str, Path]:
+    """CA, shard (SAN IP:127.0.0.1) and client certificates, plus a stranger CA and client."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    (folder / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
+    (folder / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    for ca in ("ca", "other-ca"):
+        _openssl("req", "-x509", *ec, "-keyout", f"{ca}.key", "-out", f"{ca}.crt", "-days", "2", "-subj", f"/CN=tether test {ca}", cwd=folder)
+    for name, ca, ext in (("server", "ca", "server.ext"), ("client", "ca", "client.ext"), ("stranger", "other-ca", "client.ext")):
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=tether {name}", cwd=folder)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key", "-CAcreateserial",
+                 "-out", f"{name}.crt", "-days", "2", "-extfile", ext, cwd=folder)
+    (folder / "token").write_text(TOKEN + "\n")
+    names = ("ca", "other-ca", "server", "client", "stranger")
+    return {**{f"{n}.crt": folder / f"{n}.crt" for n in names}, **{f"{n}.key": folder / f"{n}.key" for n in names}, "token": folder / "token"}
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    if shutil.which("openssl") is None:
+        pytest.fail("the openssl command is needed to make test certificates (apt-get install openssl)")
+    return make_certificates(tmp_path_factory.mktemp("certs"))
+
+
+def _shard(**kw: object) -> RunningShard:
+    return start_shard(ShardConfig(host="127.0.0.1", port=0, **kw))
+
+
+@pytest.fixture
+def secured(certs: dict[str, Path]) -> Iterator[tuple[RunningShard, str]]:
+    """A shard with mutual TLS and a token."""
+    running = _shard(
+        tls_cert=str(certs["server.crt"]), tls_key=str(certs["server.key"]), tls_client_ca=str(certs["ca.crt"]), auth_token=TOKEN
+    )
+    try:
+        yield running, f"127.0.0.1:{running.port}"
+    finally:
+        running.stop(0)
+
+
+def _client(address: str, certs: dict[str, Path], client: str | None = "client", ca: str = "ca", token: str | None = TOKEN, **kw: object):
+    security = ClientSecurity(
+        tls_ca=str(certs[f"{ca}.crt"]),
+        tls_cert=str(certs[f"{client}.crt"]) if client else None,
+        tls_key=str(certs[f"{client}.key"]) if client else None,
+        token=token,
+    )
+    kw.setdefault("retries", 0)
+    kw.setdefault("timeout_s", 5.0)
+    return make_client([address], security=security, **kw)
+
+
+def test_mutual_tls_and_token_let_the_right_client_in(secured, certs) -> None:
+    _, address = secured
+    client = _client(address, certs)
+    client.declare([TableConfig("t", 4, SGD, init_scale=0.0)])
+    ids = torch.arange(4, dtype=torch.int64)
+    client.push({"t": (ids, torch.ones(4, 4))}).result(10)
+    assert torch.equal(client.pull({"t": ids}).result(10).rows["t"], -torch.ones(4, 4))
+    client.close()
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token", TOKEN + "x", TOKEN[:-1]])
+def test_a_missing_or_wrong_token_is_unauthenticated(secured, certs, token: str | None) -> None:
+    running, address = secured
+    client = _client(address, certs, token=token)
+    with pytest.raises(Unauthenticated, match="UNAUTHENTICATED"):
+        client.info()
+    with pytest.raises(Unauthenticated):
+        client.declare([TableConfig("t", 4, SGD)])
+    assert "t" not in running.shard.tables
+    client.close()
+
+
+def test_a_raw_call_with_a_bad_header_is_unauthenticated_and_changes_nothing(secured, certs) -> None:
+    running, address = secured
+    creds = ClientSecurity(tls_ca=str(certs["ca.crt"]), tls_cert=str(certs["client.crt"]), tls_key=str(certs["client.key"]))
+    with grpc.secure_channel(address, creds.channel_credentials()) as channel:
+        stub = pb_grpc.ParameterServerStub(channel)
+        request = pb.DeclareRequest(tables=[TableConfig("t", 4, SGD).to_proto()])
+        for metadata in ((), (("authorization", TOKEN),), (("authorization", f"bearer {TOKEN}"),), (("authorization", f"Bearer  {TOKEN}"),)):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Declare(request, timeout=5, metadata=metadata)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # An unknown method is not told apart from a known one without a token.
+        unknown = channel.unary_unary("/tether.v1.ParameterServer/Nope")
+        with pytest.raises(grpc.RpcError) as err:
+            unknown(b"", timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Health stays open for probes, with no token.
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert running.shard.tables == {}
+
+
+@pytest.mark.parametrize(
+    "client, ca, why",
+    [(None, "ca", "no client certificate"), ("stranger", "ca", "certificate from another CA"), ("client", "other-ca", "shard not trusted")],
+)
+def test_tls_handshake_failures_never_reach_the_shard(secured, certs, client, ca, why) -> None:
+    running, address = secured
+    c = _client(address, certs, client=client, ca=ca, timeout_s=3.0)
+    with pytest.raises(Unavailable, match="UNAVAILABLE"):
+        c.info()
+    c.close()
+    assert running.shard.tables == {}, why
+
+
+def test_plaintext_client_cannot_talk_to_a_tls_shard(secured) -> None:
+    _, address = secured
+    client = make_client([address], retries=0, timeout_s=3.0)
+    with pytest.raises(Unavailable):
+        client.info()
+    client.close()
+
+
+def test_tls_without_client_certificates_and_a_plaintext_health_port(certs) -> None:
+    running = _shard(tls_cert=str(certs["server.crt"]), tls_key=str(certs["server.key"]), health_port=0)
+    try:
+        client = _client(f"127.0.0.1:{running.port}", certs, client=None, token=None)
+        assert client.info()[0].num_shards == 1
+        client.close()
+        with grpc.insecure_channel(f"127.0.0.1:{running.health_port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            # The plaintext port serves health only.
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.ParameterServerStub(channel).Info(pb.InfoRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        running.stop(0)
+
+
+def test_a_secured_cluster_of_processes_with_flags(tmp_path: Path, certs) -> None:
+    """Shard processes started with the TLS/token flags; the worker flags reach the client."""
+    with LocalCluster(log_dir=tmp_path / "logs", grace_s=5) as cluster:
+        addresses = cluster.start_shards(2, extra_args=[
+            "--tls-cert", str(certs["server.crt"]), "--tls-key", str(certs["server.key"]),
+            "--tls-client-ca", str(certs["ca.crt"]), "--auth-token-file", str(certs["token"]),
+        ])
+        cfg = load_worker_config([
+            "--shards", ",".join(addresses), "--tls-ca", str(certs["ca.crt"]), "--tls-cert", str(certs["client.crt"]),
+            "--tls-key", str(certs["client.key"]), "--auth-token-file", str(certs["token"]),
+        ])
+        assert cfg.security.token == TOKEN and TOKEN not in repr(cfg)
+        argv = worker_argv(cfg)
+        assert argv[argv.index("--auth-token-file") + 1] == str(certs["token"]) and TOKEN not in argv
+        assert load_worker_config(argv).security == cfg.security
+        client = make_client(addresses, security=cfg.security, retries=2)
+        client.declare([TableConfig("t", 4, SGD)])
+        assert [i.shard_index for i in client.info()] == [0, 1]
+        client.close()
+        stranger = make_client(addresses, security=ClientSecurity(tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key), retries=0)
+        with pytest.raises(Unauthenticated):
+            stranger.info()
+        stranger.close()
+
+
+def test_security_config_validation(tmp_path: Path, certs, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="tls_cert and tls_key go together"):
+        ShardConfig(tls_cert=str(certs["server.crt"]))
+    with pytest.raises(ValueError, match="needs tls_cert"):
+        ShardConfig(tls_client_ca=str(certs["ca.crt"]))
+    with pytest.raises(ValueError, match="is not a file"):
+        ShardConfig(tls_cert=str(tmp_path / "nope.crt"), tls_key=str(certs["server.key"]))
+    with pytest.raises(ValueError, match="needs tls_ca"):
+        ClientSecurity(tls_cert=str(certs["client.crt"]), tls_key=str(certs["client.key"]))
+    with pytest.raises(ValueError, match="printable ASCII"):
+        ClientSecurity(token="has space")
+    with pytest.raises(ValueError, match="not a PEM file"):
+        ClientSecurity(tls_ca=str(certs["token"])).channel_credentials()
+    empty = tmp_path / "empty-token"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="auth token file"):
+        resolve_token(str(empty))
+    monkeypatch.setenv("TETHER_AUTH_TOKEN", TOKEN)
+    cfg = load_config(["--port", "0"])
+    assert cfg.auth_token == TOKEN and TOKEN not in repr(cfg)
+    monkeypatch.setenv("TETHER_TLS_CERT", str(certs["server.crt"]))
+    monkeypatch.setenv("TETHER_TLS_KEY", str(certs["server.key"]))
+    assert load_config([]).tls
+
+
+# -- limits -----------------------------------------------------------------------------------------
+
+
+def test_a_message_over_the_size_limit_is_resource_exhausted() -> None:
+    running = _shard(max_message_bytes=1 << 20)
+    try:
+        address = f"127.0.0.1:{running.port}"
+        client = make_client([address], retries=0)
+        client.declare([TableConfig("t", 64, SGD)])
+        ids = torch.arange(8192, dtype=torch.int64)  # 8192 x 64 floats = 2 MiB of gradients
+        with pytest.raises(ResourceExhausted, match="RESOURCE_EXHAUSTED"):
+            client.push({"t": (ids, torch.ones(8192, 64))}).result(10)
+        # A pull whose answer would be too large is refused too, and nothing changed.
+        with pytest.raises(ResourceExhausted):
+            client.pull({"t": ids}).result(10)
+        assert running.shard.tables["t"].version == 0 and running.shard.applied_pushes == 0
+        client.close()
+    finally:
+        running.stop(0)
+
+
+def test_calls_over_the_concurrency_limit_are_resource_exhausted() -> None:
+    running = _shard(max_concurrent_rpcs=2, threads=4)
+    address = f"127.0.0.1:{running.port}"
+    try:
+        stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(address))
+        stub.Clock(pb.ClockRequest(worker_id="slow", clock=0), timeout=5)
+        # Two calls that hold their slot: each waits (2 s) for the slow worker to catch up.
+        holding = [stub.Clock.future(pb.ClockRequest(worker_id=f"w{k}", clock=5, wait_bound=0, wait_timeout_ms=2000), timeout=10)
+                   for k in range(2)]
+        deadline = threading.Event()
+        deadline.wait(0.3)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Info(pb.InfoRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        client = make_client([address], retries=0)
+        with pytest.raises(ResourceExhausted, match="Concurrent RPC limit"):
+            client.info()
+        # With retries, the client backs off until a slot frees up.
+        patient = make_client([address], retries=10, backoff_s=0.1, max_backoff_s=0.5)
+        assert patient.info()[0].num_shards == 1
+        assert all(f.result().ready is False for f in holding)
+        client.close()
+        patient.close()
+    finally:
+        running.stop(0)
+
+
+# -- metrics ----------------------------------------------------------------------------------------
+
+
+def test_metrics_carry_no_parameter_values() -> None:
+    registry = CollectorRegistry()
+    metrics = ShardMetrics(registry)
+    running = start_shard(ShardConfig(host="127.0.0.1", port=0), metrics=metrics)
+    server, port = serve_metrics(registry, 0, host="127.0.0.1")
+    try:
+        client = make_client([f"127.0.0.1:{running.port}"])
+        client.declare([TableConfig("emb", 4, SGD, init_scale=0.0)], {"w": torch.zeros(3)}, SGD)
+        ids = torch.tensor([424242, 777], dtype=torch.int64)
+        secret = torch.tensor([[-12345.678, 0.3141592, -98.7654, 2.7182818]]).repeat(2, 1)
+        client.push({"emb": (ids, secret)}, {"w": torch.tensor([-31337.25, -0.0625, -271.828])}).result(10)
+        pulled = client.pull({"emb": ids}, ["w"]).result(10)
+        values = np.concatenate([pulled.rows["emb"].flatten().numpy(), pulled.dense["w"].numpy()])
+        assert np.isclose(values, 12345.678, rtol=1e-6).any()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "tether_shard_rows_pushed_total" in text
+        for v in values.tolist():
+            for form in (repr(v), f"{v:.6g}", f"{v:.4e}", f"{v:.3f}", str(np.float32(v))):
+                assert form not in text, f"metrics text holds a parameter value: {form}"
+        for i in ids.tolist():  # nor the ids of rows
+            assert str(i) not in text
+        client.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+        running.stop(0)
