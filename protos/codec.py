@@ -123,11 +123,13 @@ def decode_tensor(msg: pb.Tensor, expect_dtype: torch.dtype | None = None) -> to
     numel = 1
     for d in shape:
         numel *= d
-    if numel * np_dt.itemsize != len(msg.data):
+    # Each read of a bytes field builds a new bytes object (a copy): read it once.
+    data = msg.data
+    if numel * np_dt.itemsize != len(data):
         raise CodecError(
-            f"tensor payload is {len(msg.data)} bytes but shape {shape} of {torch_dt} needs {numel * np_dt.itemsize}"
+            f"tensor payload is {len(data)} bytes but shape {shape} of {torch_dt} needs {numel * np_dt.itemsize}"
         )
-    arr = np.frombuffer(msg.data, dtype=np_dt) if numel else np.empty(0, dtype=np_dt)
+    arr = np.frombuffer(data, dtype=np_dt) if numel else np.empty(0, dtype=np_dt)
     t = torch.from_numpy(arr)
     if msg.dtype == pb.BFLOAT16:
         t = t.view(torch.bfloat16)

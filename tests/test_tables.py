@@ -68,3 +68,16 @@ def test_table_config_validation(kwargs: dict, message: str) -> None:
     base = {"name": "t", "dim": 4}
     with pytest.raises(ValueError, match=message):
         TableConfig(**{**base, **kwargs})
+
+
+def test_a_million_rows_with_adagrad_fit_in_twice_their_raw_bytes() -> None:
+    """DESIGN.md: contiguous rows and a vectorised index, not a Python object per row."""
+    table = EmbeddingTable(TableConfig("big", 64, OptimizerConfig("adagrad", 0.1)))
+    ids = np.random.default_rng(7).choice(2**62, 1_000_000, replace=False).astype(np.int64)
+    for start in range(0, len(ids), 65_536):
+        table.pull(ids[start : start + 65_536])
+    raw = 1_000_000 * 64 * 4 * 2  # rows + Adagrad accumulators, float32
+    assert table.rows == 1_000_000
+    assert table.memory_bytes <= 2 * raw, table.memory_bytes / raw
+    rows, _ = table.pull(ids[:4096])
+    assert torch.equal(rows, table.pull(ids[:4096])[0])
