@@ -18,6 +18,7 @@ def _launch(argv: Sequence[str]) -> int:
     p.add_argument("--out", default=None, help="write summary.json, worker-<i>.json and logs/ here")
     p.add_argument("--job-timeout", type=float, default=3600.0, help="give up after this many seconds")
     p.add_argument("--metrics", action="store_true", help="give every process a Prometheus /metrics port")
+    p.add_argument("--checkpoint-every", type=float, default=None, help="shards checkpoint to OUT/checkpoints this often (seconds); a shard that dies is restarted from its last one")
     add_training_flags(p)
     a = p.parse_args(argv)
     from tether.deploy.launch import ClusterError, run_job
@@ -30,7 +31,7 @@ def _launch(argv: Sequence[str]) -> int:
         print(f"tether launch: {exc}", file=sys.stderr)
         return 2
     try:
-        summary = run_job(template, a.shards, out=a.out, timeout_s=a.job_timeout, metrics=a.metrics)
+        summary = run_job(template, a.shards, out=a.out, timeout_s=a.job_timeout, metrics=a.metrics, checkpoint_every=a.checkpoint_every)
     except ClusterError as exc:
         print(f"tether launch: {exc}", file=sys.stderr)
         return 1

@@ -359,6 +359,7 @@ def run_job(
     timeout_s: float = 3600.0,
     echo: bool = True,
     metrics: bool = False,
+    checkpoint_every: float | None = None,
 ) -> dict[str, object]:
     """Run a whole job locally, evaluate the result, and write ``summary.json`` to ``out``."""
     from tether.worker.trainer import evaluate_job, open_dataset, reference_losses
@@ -366,10 +367,15 @@ def run_job(
     out_dir = Path(out) if out else None
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
-    with LocalCluster(log_dir=out_dir / "logs" if out_dir else None) as cluster:
+    # A shard that dies is restarted on its port; with checkpoint_every it comes back from its
+    # last checkpoint (without, it comes back empty).
+    with LocalCluster(log_dir=out_dir / "logs" if out_dir else None, restart=True) as cluster:
         workdir = out_dir or cluster.log_dir
         template = replace(template, out=str(workdir))
-        addresses = cluster.start_shards(num_shards, metrics=metrics)
+        shard_args: list[str] = []
+        if checkpoint_every is not None:
+            shard_args = ["--checkpoint-dir", str(Path(workdir, "checkpoints").resolve()), "--checkpoint-every", repr(checkpoint_every)]
+        addresses = cluster.start_shards(num_shards, extra_args=shard_args, metrics=metrics)
         print(f"tether: {num_shards} shard(s) at {', '.join(addresses)}; starting {template.num_workers} worker(s)", flush=True)
         t0 = time.perf_counter()
         cluster.start_workers(template, echo=echo, metrics=metrics)

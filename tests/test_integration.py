@@ -96,3 +96,43 @@ def test_shards_die_with_a_killed_launcher() -> None:
         time.sleep(0.2)
     os.kill(pid, 9)
     raise AssertionError(f"shard {pid} outlived its launcher")
+
+
+def test_launch_restarts_a_killed_shard_from_its_checkpoint(tmp_path: Path) -> None:
+    import os
+    import signal
+    import threading
+    import time
+
+    from tether.deploy.launch import run_job
+    from tether.worker.config import WorkerConfig
+
+    out = tmp_path / "job"
+    cfg = WorkerConfig(shards=("pending:0",), num_workers=2, steps=400, batch_size=128, vocab_size=3000, eval_samples=2000, log_every=100)
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(run_job(cfg, 2, out=out, timeout_s=240, echo=False, checkpoint_every=0.5)))
+    runner.start()
+
+    def shard_pid() -> int | None:
+        marker = str(out / "logs" / "shard-1.port").encode()
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        return int(pid)
+                except OSError:
+                    continue
+        return None
+
+    deadline = time.monotonic() + 120
+    while not list((out / "checkpoints").glob("*/shard-1-of-2.manifest.json")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pid = shard_pid()
+    assert pid is not None, "shard 1 is not running"
+    os.kill(pid, signal.SIGKILL)
+    runner.join(timeout=240)
+    assert not runner.is_alive()
+    assert result["total_samples"] == 2 * 400 * 128
+    assert result["eval_loss"] < result["baseline_loss"]
+    log = (out / "logs" / "shard-1.log").read_text()
+    assert "restored" in log.lower(), log[-2000:]
