@@ -24,12 +24,12 @@ class Tiny(torch.nn.Module):
 
 def test_backward_collects_row_gradients_and_push_applies_them(inproc_shard) -> None:
     client = make_client([f"127.0.0.1:{inproc_shard.port}"])
-    client.declare([TableConfig("e", 2, SGD, init_scale=0.0)], {"scale": torch.ones(1)}, SGD)
     model = Tiny()
     ps = PSModel(model, client, torch.device("cpu"))
+    client.declare([TableConfig("e", 2, SGD, init_scale=0.0)], ps.dense_tensors(), SGD)
     ids = torch.tensor([[5, 7], [5, 9]])  # bags of two ids; id 5 appears twice
     pulled = ps.install(ps.prefetch({"e": ids}))
-    assert set(pulled.rows) == {"e"} and pulled.dense["scale"].item() == 1.0
+    assert set(pulled.rows) == {"e"} and pulled.dense["dense"].tolist() == [1.0]
     model(ids).backward()
     sparse, dense = ps.gradients()
     got_ids, grads = sparse["e"]
@@ -43,9 +43,9 @@ def test_backward_collects_row_gradients_and_push_applies_them(inproc_shard) -> 
 
 def test_unbound_ids_are_fetched_for_inference(inproc_shard) -> None:
     client = make_client([f"127.0.0.1:{inproc_shard.port}"])
-    client.declare([TableConfig("e", 2, SGD, init_scale=0.0)], {"scale": torch.ones(1)}, SGD)
     model = Tiny()
-    PSModel(model, client, torch.device("cpu"))
+    ps = PSModel(model, client, torch.device("cpu"))
+    client.declare([TableConfig("e", 2, SGD, init_scale=0.0)], ps.dense_tensors(), SGD)
     with torch.no_grad():
         assert model(torch.tensor([1, 2, 3])).item() == 0.0
     with pytest.raises(InvalidArgument, match="ids must be int64"):

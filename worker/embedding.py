@@ -110,9 +110,13 @@ class PSModel:
             bag.grad_sink = self._grads
             bag.set_fetcher(self._fetch)
 
+    # All dense parameters travel as one flat tensor: one block per request instead of one per
+    # parameter (a DLRM has a dozen small ones), chunked by the client like any dense tensor.
+    FLAT = "dense"
+
     def dense_tensors(self) -> dict[str, torch.Tensor]:
-        """The model's dense parameters (the initial values to declare)."""
-        return {n: p.detach() for n, p in self.dense.items()}
+        """The model's dense parameters as the one flat tensor to declare."""
+        return {self.FLAT: torch.cat([p.detach().reshape(-1).cpu() for p in self.dense.values()])}
 
     def _fetch(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         return self.client.pull({table: ids.cpu()}).result(self.client.config.timeout_s * 2).rows[table]
@@ -120,7 +124,7 @@ class PSModel:
     def prefetch(self, sparse: Mapping[str, torch.Tensor], with_dense: bool = True) -> Prefetch:
         """Start pulling the rows of ``sparse`` (table -> ids of any shape) and the dense values."""
         unique = {t: torch.unique(ids.reshape(-1).cpu()) for t, ids in sparse.items()}
-        names = list(self.dense) if with_dense and self.dense_on_shards else []
+        names = [self.FLAT] if with_dense and self.dense_on_shards and self.dense else []
         return Prefetch(unique, self.client.pull(unique, names))
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -133,16 +137,23 @@ class PSModel:
         pulled = prefetch.handle.result(timeout)
         for table, ids in prefetch.ids.items():
             self.bags[table].bind(self._to_device(ids), self._to_device(pulled.rows[table]), train)
-        with torch.no_grad():
-            for name, value in pulled.dense.items():
-                self.dense[name].copy_(self._to_device(value))
+        if self.FLAT in pulled.dense:
+            flat = self._to_device(pulled.dense[self.FLAT])
+            with torch.no_grad():
+                offset = 0
+                for p in self.dense.values():
+                    p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
         self._grads.clear()
         return pulled
 
     def gradients(self) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
         """Row gradients collected by the bags' backward hooks and the dense gradients."""
         sparse = {t: (ids, g.to("cpu")) for t, (ids, g) in self._grads.items()}
-        dense = {n: p.grad.to("cpu") for n, p in self.dense.items() if p.grad is not None}
+        dense = {}
+        if self.dense and any(p.grad is not None for p in self.dense.values()):
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense.values()]
+            dense = {self.FLAT: torch.cat([g.reshape(-1) for g in grads]).to("cpu")}
         return sparse, dense
 
     def push(self, clock: int, versions: PullResult, sparse_scale: float = 1.0) -> Handle:
