@@ -28,6 +28,7 @@ __all__ = [
     "percentile",
     "start_process",
     "time_op",
+    "unique_ids",
 ]
 
 MIB = 2**20
@@ -118,6 +119,15 @@ def call_stats(latencies: Sequence[float]) -> dict[str, float]:
         "p50_us": percentile(latencies, 50) * 1e6,
         "p99_us": percentile(latencies, 99) * 1e6,
     }
+
+
+def unique_ids(num_ids: int, generator: Any) -> Any:
+    """``num_ids`` distinct int64 ids from a 2**40 key space, in random order (a torch tensor;
+    ``generator`` is a ``torch.Generator``)."""
+    import torch
+
+    ids = torch.randint(0, 2**40, (2 * num_ids,), generator=generator).unique()[:num_ids]
+    return ids[torch.randperm(len(ids), generator=generator)]
 
 
 def free_port() -> int:

@@ -40,6 +40,7 @@ from _common import (  # noqa: E402
     mib_per_s,
     start_process,
     time_op,
+    unique_ids,
 )
 
 __all__ = [
@@ -262,16 +263,11 @@ def _small_job(seconds: float) -> dict[str, float]:
     return call_stats(lat)
 
 
-def _unique_ids(num_ids: int, generator: torch.Generator) -> torch.Tensor:
-    """``num_ids`` distinct int64 ids from a 2**40 key space, in random order."""
-    ids = torch.randint(0, 2**40, (2 * num_ids,), generator=generator).unique()[:num_ids]
-    return ids[torch.randperm(len(ids), generator=generator)]
-
 
 def _sparse_job(num_servers: int, num_ids: int, seconds: float) -> float:
     servers = [f"ps{s}" for s in range(num_servers)]
     gen = torch.Generator().manual_seed(0)
-    cycle = itertools.cycle([_unique_ids(num_ids, gen) for _ in range(8)])
+    cycle = itertools.cycle([unique_ids(num_ids, gen) for _ in range(8)])
 
     def step() -> None:
         ids = next(cycle)

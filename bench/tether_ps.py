@@ -57,6 +57,7 @@ from _common import (  # noqa: E402
     mib_per_s,
     start_process,
     time_op,
+    unique_ids,
 )
 
 __all__ = [
@@ -194,11 +195,6 @@ def _small_job(addresses: list[str], seconds: float) -> dict[str, float]:
     return call_stats(lat)
 
 
-def _unique_ids(num_ids: int, generator: torch.Generator) -> torch.Tensor:
-    """``num_ids`` distinct int64 ids from a 2**40 key space, in random order (as the peer)."""
-    ids = torch.randint(0, 2**40, (2 * num_ids,), generator=generator).unique()[:num_ids]
-    return ids[torch.randperm(len(ids), generator=generator)]
-
 
 def _sparse_job(addresses: list[str], num_ids: int, dim: int, seconds: float, wire: str) -> float:
     from tether.protos.specs import OptimizerConfig, TableConfig
@@ -206,7 +202,7 @@ def _sparse_job(addresses: list[str], num_ids: int, dim: int, seconds: float, wi
     with _client(addresses, wire) as client:
         client.declare([TableConfig("emb", dim=dim, optimizer=OptimizerConfig("sgd", lr=LR))])
         gen = torch.Generator().manual_seed(0)
-        id_sets = [_unique_ids(num_ids, gen) for _ in range(8)]
+        id_sets = [unique_ids(num_ids, gen) for _ in range(8)]
         it = iter(range(1 << 62))
 
         def step() -> None:
@@ -277,7 +273,7 @@ def apply_rows_per_s(optimizer: str, num_ids: int = 4096, dim: int = 64, seconds
 
     table = EmbeddingTable(TableConfig("emb", dim=dim, optimizer=OptimizerConfig(optimizer, lr=LR)))
     gen = torch.Generator().manual_seed(0)
-    id_sets = [_unique_ids(num_ids, gen).numpy() for _ in range(8)]
+    id_sets = [unique_ids(num_ids, gen).numpy() for _ in range(8)]
     grads = torch.randn(num_ids, dim).mul_(0.01)
     for ids in id_sets:  # create the rows first: this is the steady state, not first touch
         table.pull(ids)

@@ -51,9 +51,8 @@ class IdIndex:
     def _home(ids: np.ndarray, mask: int) -> np.ndarray:
         return (mix64(ids.view(np.uint64)) & np.uint64(mask)).astype(np.int64)
 
-    def _cells(self, ids: np.ndarray) -> np.ndarray:
-        """Cell of each id, -1 where the id is absent."""
-        keys, _ = self._arrays
+    def _cells(self, ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """Cell of each id in ``keys`` (one snapshot of the key array), -1 where absent."""
         mask = len(keys) - 1
         cell = np.full(len(ids), -1, np.int64)
         active = np.arange(len(ids))
@@ -69,20 +68,10 @@ class IdIndex:
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each id, -1 where the id is absent."""
+        # Keys and slots from one snapshot: growth swaps both at once.
         keys, slots = self._arrays
-        mask = len(keys) - 1
-        out = np.full(len(ids), -1, np.int64)
-        active = np.arange(len(ids))
-        pos = self._home(ids, mask)
-        while active.size:
-            k = keys[pos]
-            hit = k == ids[active]
-            if hit.any():
-                out[active[hit]] = slots[pos[hit]]
-            more = ~hit & (k != _EMPTY)
-            active = active[more]
-            pos = (pos[more] + 1) & mask
-        return out
+        cell = self._cells(ids, keys)
+        return np.where(cell >= 0, slots[cell], -1)
 
     def insert(self, ids: np.ndarray, new_slots: np.ndarray) -> None:
         """Add unique ids that are absent, with their slots. Caller holds the writer lock."""
@@ -108,7 +97,7 @@ class IdIndex:
         reuse slots) read under their lock.
         """
         keys, _ = self._arrays
-        cell = self._cells(ids)
+        cell = self._cells(ids, keys)
         cell = cell[cell >= 0]
         keys[cell] = _TOMBSTONE
         self.size -= len(cell)
