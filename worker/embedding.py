@@ -18,7 +18,7 @@ from torch import nn
 from tether.protos.errors import InvalidArgument
 from tether.worker.client import Handle, PSClient, PullResult
 
-__all__ = ["PSModel", "Prefetch", "ShardedEmbeddingBag"]
+__all__ = ["PSModel", "Prefetch", "ShardedEmbeddingBag", "flat_grads", "split_flat"]
 
 
 class ShardedEmbeddingBag(nn.Module):
@@ -83,6 +83,16 @@ class ShardedEmbeddingBag(nn.Module):
         return rows.max(dim=-2).values
 
 
+def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
+    """Every parameter's gradient (zeros where there is none), concatenated into one tensor."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+def split_flat(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like each of ``params`` (the inverse of the concatenation)."""
+    return [part.view_as(p) for part, p in zip(torch.split(flat, [p.numel() for p in params]), params)]
+
+
 @dataclass
 class Prefetch:
     """A pull in flight for one batch: its unique ids per table and the handle."""
@@ -139,11 +149,10 @@ class PSModel:
             self.bags[table].bind(self._to_device(ids), self._to_device(pulled.rows[table]), train)
         if self.FLAT in pulled.dense:
             flat = self._to_device(pulled.dense[self.FLAT])
+            params = list(self.dense.values())
             with torch.no_grad():
-                offset = 0
-                for p in self.dense.values():
-                    p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                for p, value in zip(params, split_flat(flat, params)):
+                    p.copy_(value)
         self._grads.clear()
         return pulled
 
@@ -152,8 +161,7 @@ class PSModel:
         sparse = {t: (ids, g.to("cpu")) for t, (ids, g) in self._grads.items()}
         dense = {}
         if self.dense and any(p.grad is not None for p in self.dense.values()):
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense.values()]
-            dense = {self.FLAT: torch.cat([g.reshape(-1) for g in grads]).to("cpu")}
+            dense = {self.FLAT: flat_grads(list(self.dense.values())).to("cpu")}
         return sparse, dense
 
     def push(self, clock: int, versions: PullResult, sparse_scale: float = 1.0) -> Handle:

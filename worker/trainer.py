@@ -27,7 +27,7 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.client import ClientConfig, Handle, PSClient
 from tether.worker.config import WorkerConfig
 from tether.worker.data import Batch, SyntheticClickLog, SyntheticConfig, iterate, load_criteo
-from tether.worker.embedding import PSModel, ShardedEmbeddingBag
+from tether.worker.embedding import PSModel, ShardedEmbeddingBag, flat_grads, split_flat
 from tether.worker.evaluation import constant_baseline_loss, evaluate
 from tether.worker.model import CTRModel
 
@@ -174,15 +174,11 @@ class _AllReduce:
         self.world = dist.get_world_size()
 
     def __call__(self) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = flat_grads(self.params)
         self.dist.all_reduce(flat)
         flat /= self.world
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p)
-            offset += n
+        for p, grad in zip(self.params, split_flat(flat, self.params)):
+            p.grad = grad
 
     def digest(self) -> str:
         """Short hash of the dense parameters (identical on every rank after every step)."""
