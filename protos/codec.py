@@ -99,12 +99,13 @@ def encode_tensor(t: torch.Tensor, out: pb.Tensor | None = None, dtype: torch.dt
     return msg
 
 
-def decode_tensor(msg: pb.Tensor, expect_dtype: torch.dtype | None = None) -> torch.Tensor:
+def decode_tensor(msg: pb.Tensor, expect_dtype: torch.dtype | None = None, payload: memoryview | None = None) -> torch.Tensor:
     """View a ``Tensor`` message as a torch tensor without copying its payload.
 
     Args:
         msg: the message.
         expect_dtype: if given, a float payload of another float dtype is upcast to it.
+        payload: the data plane's out-of-band bytes that ``payload_offset``/``payload_bytes`` point into.
 
     Raises:
         CodecError: unknown dtype, negative dims, or a payload whose length does not match
@@ -123,8 +124,11 @@ def decode_tensor(msg: pb.Tensor, expect_dtype: torch.dtype | None = None) -> to
     numel = 1
     for d in shape:
         numel *= d
-    # Each read of a bytes field builds a new bytes object (a copy): read it once.
-    data = msg.data
+    if msg.payload_bytes:
+        data = _out_of_band(msg, payload, np_dt.itemsize)
+    else:
+        # Each read of a bytes field builds a new bytes object (a copy): read it once.
+        data = msg.data
     if numel * np_dt.itemsize != len(data):
         raise CodecError(
             f"tensor payload is {len(data)} bytes but shape {shape} of {torch_dt} needs {numel * np_dt.itemsize}"
@@ -142,6 +146,17 @@ def decode_tensor(msg: pb.Tensor, expect_dtype: torch.dtype | None = None) -> to
             raise CodecError(f"expected a {expect_dtype} tensor, got {t.dtype}")
         t = t.to(expect_dtype)
     return t
+
+
+def _out_of_band(msg: pb.Tensor, payload: memoryview | None, itemsize: int) -> memoryview:
+    if payload is None:
+        raise CodecError("tensor names an out-of-band payload, which only the data plane carries")
+    start, n = msg.payload_offset, msg.payload_bytes
+    if start + n > len(payload):
+        raise CodecError(f"tensor payload [{start}, {start + n}) runs past the {len(payload)} bytes sent")
+    if start % itemsize:
+        raise CodecError(f"tensor payload offset {start} is not a multiple of its element size {itemsize}")
+    return payload[start : start + n]
 
 
 def encode_ids(ids: torch.Tensor | np.ndarray) -> bytes:

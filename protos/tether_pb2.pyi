@@ -21,14 +21,18 @@ BFLOAT16: DType
 INT64: DType
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "payload_offset", "payload_bytes")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    payload_offset: int
+    payload_bytes: int
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., payload_offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
     __slots__ = ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "initial_accumulator")
@@ -87,12 +91,14 @@ class DeclareRequest(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseSpec, _Mapping]]] = ...) -> None: ...
 
 class DeclareResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards")
+    __slots__ = ("shard_index", "num_shards", "data_port")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+    data_port: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class SparseBlock(_message.Message):
     __slots__ = ("table", "ids", "values", "read_version")
@@ -247,7 +253,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "tables", "dense", "applied_pushes", "duplicate_pushes", "rejected_pushes", "restored_checkpoint", "last_checkpoint")
+    __slots__ = ("shard_index", "num_shards", "tables", "dense", "applied_pushes", "duplicate_pushes", "rejected_pushes", "restored_checkpoint", "last_checkpoint", "data_port")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +263,7 @@ class InfoResponse(_message.Message):
     REJECTED_PUSHES_FIELD_NUMBER: _ClassVar[int]
     RESTORED_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
@@ -266,7 +273,8 @@ class InfoResponse(_message.Message):
     rejected_pushes: int
     restored_checkpoint: str
     last_checkpoint: str
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseInfo, _Mapping]]] = ..., applied_pushes: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., restored_checkpoint: _Optional[str] = ..., last_checkpoint: _Optional[str] = ...) -> None: ...
+    data_port: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseInfo, _Mapping]]] = ..., applied_pushes: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., restored_checkpoint: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("id",)

@@ -40,6 +40,9 @@ class ShardConfig:
     auth_token: str | None = field(default=None, repr=False)
     # Plaintext port serving only gRPC health, for probes that cannot speak TLS (Kubernetes).
     health_port: int | None = None
+    # Data plane for Push/Pull/PushPull (0: a free port, told to clients; None: off). A shard
+    # that serves TLS has none: the data plane is plaintext.
+    data_port: int | None = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -80,6 +83,8 @@ class ShardConfig:
             check_token(self.auth_token)
         if self.health_port is not None and not 0 <= self.health_port <= 65535:
             raise ValueError(f"health_port must be in [0, 65535], got {self.health_port!r}")
+        if self.data_port is not None and not 0 <= self.data_port <= 65535:
+            raise ValueError(f"data_port must be in [0, 65535] (or off), got {self.data_port!r}")
 
     @property
     def tls(self) -> bool:
@@ -114,7 +119,17 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--tls-client-ca", default=_env("TETHER_TLS_CLIENT_CA", None), help="require client certificates signed by this PEM CA: mutual TLS (env TETHER_TLS_CLIENT_CA)")
     p.add_argument("--auth-token-file", default=_env("TETHER_AUTH_TOKEN_FILE", None), help=f"require 'authorization: Bearer <token>' on every call, token read from this file (env TETHER_AUTH_TOKEN_FILE, or the token itself in ${TOKEN_ENV})")
     p.add_argument("--health-port", type=int, default=_env("TETHER_HEALTH_PORT", None), help="also serve gRPC health in plaintext on this port, for probes that cannot do TLS (env TETHER_HEALTH_PORT)")
+    p.add_argument("--data-port", default=_env("TETHER_DATA_PORT", "0"), help="TCP port of the data plane for push/pull (0: a free one, told to clients; 'off': gRPC only; a TLS shard has none) (env TETHER_DATA_PORT)")
     return p
+
+
+def _data_port(value: str) -> int | None:
+    if str(value).strip().lower() in ("off", "none", "-1"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--data-port must be a port number or 'off', got {value!r}") from None
 
 
 def _optional(value: object, kind: type) -> object:
@@ -145,4 +160,5 @@ def load_config(argv: Sequence[str] | None = None) -> ShardConfig:
         tls_client_ca=a.tls_client_ca or None,
         auth_token=resolve_token(a.auth_token_file),
         health_port=_optional(a.health_port, int),
+        data_port=_data_port(a.data_port),
     )

@@ -17,12 +17,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.codec import decode_ids, decode_tensor, encode_tensor, torch_dtype
+from tether.protos.dataplane import PayloadWriter
 from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherError, status_of
 from tether.protos.security import server_credentials
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.auth import TokenAuthInterceptor
 from tether.server.checkpoint import CheckpointInfo, Checkpointer
 from tether.server.config import ShardConfig
+from tether.server.dataplane import DataPlaneServer
 from tether.server.shard import DenseDecl, DenseUpdate, PushResult, Shard, SparseUpdate
 
 __all__ = ["RunningShard", "ShardServicer", "add_servicer", "start_shard"]
@@ -88,32 +90,10 @@ def _domain(fn: Callable[..., object]) -> Callable[..., object]:
 
     @functools.wraps(fn)
     def wrapper(self: ShardServicer, request: object, context: grpc.ServicerContext) -> object:
-        start = time.perf_counter()
-        code = grpc.StatusCode.OK
-        try:
-            if isinstance(request, _Unparsable):
-                raise InvalidArgument(f"request is not a valid {request.message}: {request.error}")
-            response = fn(self, request, context)
-            return response
-        except TetherError as exc:
-            code = status_of(exc)
-            self._count_rejected(rpc, code)
-            context.abort(code, str(exc))
-        except ValueError as exc:  # a config dataclass refused a declared spec
-            code = grpc.StatusCode.INVALID_ARGUMENT
-            self._count_rejected(rpc, code)
-            context.abort(code, str(exc))
-        except Exception:
-            code = grpc.StatusCode.INTERNAL
-            log.exception("%s failed", rpc)
-            context.abort(code, f"internal error in {rpc}; see the shard's log")
-        finally:
-            m = self.metrics
-            if m is not None:
-                m.requests.labels(rpc=rpc, code=code.name).inc()
-                m.request_seconds.labels(rpc=rpc).observe(time.perf_counter() - start)
-                m.received_bytes.labels(rpc=rpc).inc(request.ByteSize())
-        return None  # unreachable: abort raises
+        response, code, message = self.run(rpc, request, lambda: fn(self, request, context))
+        if code != grpc.StatusCode.OK:
+            context.abort(code, message)
+        return response
 
     return wrapper
 
@@ -125,6 +105,56 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         self.shard = shard
         self.metrics = metrics
         self.checkpointer = checkpointer
+        # Port of the data plane serving this servicer (0: none), told to clients in Declare and Info.
+        self.data_port = 0
+
+    def run(
+        self, rpc: str, request: object, call: Callable[[], object], extra_bytes: int = 0
+    ) -> tuple[object | None, grpc.StatusCode, str]:
+        """Run ``call`` for ``request`` of ``rpc`` (over gRPC or the data plane) and record metrics.
+
+        Returns:
+            (response, OK, "") or (None, the error's status code, its message).
+        """
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        message = ""
+        response = None
+        try:
+            if isinstance(request, _Unparsable):
+                raise InvalidArgument(f"request is not a valid {request.message}: {request.error}")
+            response = call()
+        except TetherError as exc:
+            code, message = status_of(exc), str(exc)
+            self._count_rejected(rpc, code)
+        except ValueError as exc:  # a config dataclass refused a declared spec
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+            self._count_rejected(rpc, code)
+        except Exception:
+            code, message = grpc.StatusCode.INTERNAL, f"internal error in {rpc}; see the shard's log"
+            log.exception("%s failed", rpc)
+        finally:
+            m = self.metrics
+            if m is not None:
+                m.requests.labels(rpc=rpc, code=code.name).inc()
+                m.request_seconds.labels(rpc=rpc).observe(time.perf_counter() - start)
+                m.received_bytes.labels(rpc=rpc).inc(request.ByteSize() + extra_bytes)
+        return response, code, message
+
+    def data_call(self, rpc: str, request: object, payload: memoryview | None, out: PayloadWriter) -> tuple[object | None, grpc.StatusCode, str]:
+        """A data-plane call: tensors come from ``payload`` and pulled values go to ``out``."""
+        def call() -> object:
+            if rpc == "Push":
+                return self._push_response(self._push(request, payload))
+            if rpc == "Pull":
+                response = self._pull(request, out)
+            else:
+                response = self._push_pull(request, payload, out)
+            if self.metrics is not None:
+                self.metrics.sent_bytes.labels(rpc=rpc).inc(response.ByteSize() + out.nbytes)
+            return response
+
+        return self.run(rpc, request, call, extra_bytes=0 if payload is None else len(payload))
 
     def _count_rejected(self, rpc: str, code: grpc.StatusCode) -> None:
         if self.metrics is not None and rpc in ("Push", "PushPull"):
@@ -144,9 +174,9 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         ]
         self.shard.declare(tables, dense)
         self._update_table_gauges()
-        return pb.DeclareResponse(shard_index=self.shard.shard_index, num_shards=self.shard.num_shards)
+        return pb.DeclareResponse(shard_index=self.shard.shard_index, num_shards=self.shard.num_shards, data_port=self.data_port)
 
-    def _pull(self, request: pb.PullRequest) -> pb.PullResponse:
+    def _pull(self, request: pb.PullRequest, out: PayloadWriter | None = None) -> pb.PullResponse:
         wire = torch_dtype(request.wire_dtype) if request.wire_dtype else torch.float32
         if not wire.is_floating_point:
             raise InvalidArgument(f"wire_dtype must be a float type, got {wire}")
@@ -154,21 +184,22 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         dense = [(b.name, b.index) for b in request.dense]
         rows, values = self.shard.pull(sparse, dense)
         response = pb.PullResponse()
+        encode = encode_tensor if out is None else out.add
         for (name, ids), (r, version), b in zip(sparse, rows, request.sparse):
-            out = response.sparse.add(table=name, ids=b.ids, read_version=version)
-            encode_tensor(r, out.values, dtype=wire)
+            encode(r, response.sparse.add(table=name, ids=b.ids, read_version=version).values, dtype=wire)
         for (name, index), (v, version) in zip(dense, values):
-            out = response.dense.add(name=name, index=index, read_version=version)
-            encode_tensor(v, out.value, dtype=wire)
+            encode(v, response.dense.add(name=name, index=index, read_version=version).value, dtype=wire)
         self._update_table_gauges()
         return response
 
-    def _push(self, request: pb.PushRequest) -> PushResult:
+    def _push(self, request: pb.PushRequest, payload: memoryview | None = None) -> PushResult:
         sparse = [
-            SparseUpdate(b.table, decode_ids(b.ids), decode_tensor(b.values, torch.float32), b.read_version)
+            SparseUpdate(b.table, decode_ids(b.ids), decode_tensor(b.values, torch.float32, payload), b.read_version)
             for b in request.sparse
         ]
-        dense = [DenseUpdate(b.name, b.index, decode_tensor(b.value, torch.float32), b.read_version) for b in request.dense]
+        dense = [
+            DenseUpdate(b.name, b.index, decode_tensor(b.value, torch.float32, payload), b.read_version) for b in request.dense
+        ]
         result = self.shard.push(
             request.worker_id, request.seq, sparse, dense, clock=request.clock, staleness_aware=request.staleness_aware
         )
@@ -180,20 +211,21 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullResponse:
         return self._sent("Pull", self._pull(request))
 
+    @staticmethod
+    def _push_response(result: PushResult) -> pb.PushResponse:
+        return pb.PushResponse(applied=result.applied, max_staleness=result.max_staleness, clock_staleness=result.clock_staleness)
+
+    def _push_pull(self, request: pb.PushPullRequest, payload: memoryview | None = None, out: PayloadWriter | None = None) -> pb.PushPullResponse:
+        result = self._push(request.push, payload)
+        return pb.PushPullResponse(push=self._push_response(result), pull=self._pull(request.pull, out))
+
     @_domain
     def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushResponse:
-        result = self._push(request)
-        return pb.PushResponse(applied=result.applied, max_staleness=result.max_staleness, clock_staleness=result.clock_staleness)
+        return self._push_response(self._push(request))
 
     @_domain
     def PushPull(self, request: pb.PushPullRequest, context: grpc.ServicerContext) -> pb.PushPullResponse:
-        result = self._push(request.push)
-        pulled = self._pull(request.pull)
-        response = pb.PushPullResponse(
-            push=pb.PushResponse(applied=result.applied, max_staleness=result.max_staleness, clock_staleness=result.clock_staleness),
-            pull=pulled,
-        )
-        return self._sent("PushPull", response)
+        return self._sent("PushPull", self._push_pull(request))
 
     @_domain
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
@@ -206,6 +238,7 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
             rejected_pushes=s.rejected_pushes,
             restored_checkpoint=s.restored_checkpoint,
             last_checkpoint=s.last_checkpoint,
+            data_port=self.data_port,
         )
         for name, t in sorted(s.tables.items()):
             response.tables.add(
@@ -272,12 +305,22 @@ class RunningShard:
     checkpointer: Checkpointer | None = None
     health_server: grpc.Server | None = None
     health_port: int | None = None
+    dataplane: DataPlaneServer | None = None
+
+    @property
+    def data_port(self) -> int:
+        """Port of the data plane (0: none)."""
+        return 0 if self.dataplane is None else self.dataplane.port
 
     def stop(self, grace: float | None = None) -> None:
         """Mark NOT_SERVING, let in-flight calls finish for ``grace`` seconds, and stop."""
         self.health.enter_graceful_shutdown()
+        if self.dataplane is not None:
+            self.dataplane.drain()
         # grpc cancels what is still running when the grace period ends; the margin covers that.
         self.server.stop(grace).wait(None if grace is None else grace + 10.0)
+        if self.dataplane is not None:
+            self.dataplane.stop(grace)
         if self.health_server is not None:
             self.health_server.stop(0).wait(10.0)
         if self.checkpointer is not None:
@@ -346,7 +389,8 @@ def start_shard(config: ShardConfig, shard: Shard | None = None, metrics: object
         interceptors=interceptors,
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
-    add_servicer(ShardServicer(shard, metrics, checkpointer), server)
+    servicer = ShardServicer(shard, metrics, checkpointer)
+    add_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = _bind(server, f"{config.host}:{config.port}", credentials)
@@ -356,6 +400,14 @@ def start_shard(config: ShardConfig, shard: Shard | None = None, metrics: object
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
         health_port = _bind(health_server, f"{config.host}:{config.health_port}", None)
         health_server.start()
+    dataplane = None
+    if config.data_port is not None and not config.tls:
+        dataplane = DataPlaneServer(
+            servicer, config.host, config.data_port, token=config.auth_token,
+            max_message_bytes=config.max_message_bytes, max_connections=config.max_concurrent_rpcs,
+        )
+        servicer.data_port = dataplane.port
+        dataplane.start()
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -363,5 +415,5 @@ def start_shard(config: ShardConfig, shard: Shard | None = None, metrics: object
         checkpointer.start_periodic()
     return RunningShard(
         server=server, port=port, shard=shard, health=health_servicer, checkpointer=checkpointer,
-        health_server=health_server, health_port=health_port,
+        health_server=health_server, health_port=health_port, dataplane=dataplane,
     )

@@ -10,6 +10,7 @@ Channels use TLS and send a bearer token when ``ClientConfig.security`` says so.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
@@ -25,15 +26,19 @@ import torch
 
 from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
+from tether.protos import dataplane as dp
 from tether.protos.codec import decode_tensor, encode_ids, encode_tensor, wire_dtype
 from tether.protos.errors import InvalidArgument, TetherError, Unavailable, error_from_status
 from tether.protos.partition import dense_shard, split_ids
 from tether.protos.security import ClientSecurity
 from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.worker.transport import DataConnection, DataPlane, DataPlaneStatus
 
 __all__ = ["CheckpointResult", "ClientConfig", "ClientSecurity", "ClockReply", "Handle", "PSClient", "PushAck", "PullResult"]
 
 log = logging.getLogger(__name__)
+
+_DONE = object()  # _attempt's marker: the answer callback already ran
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # What grpc's server says when it sheds a call past maximum_concurrent_rpcs: load, not a bad
@@ -41,9 +46,21 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _OVERLOADED = "Concurrent RPC limit exceeded"
 
 
-def _retryable(exc: grpc.RpcError) -> bool:
-    code = exc.code()
-    return code in _RETRYABLE or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and _OVERLOADED in (exc.details() or ""))
+_TRANSPORTS = ("auto", "tcp", "grpc")
+_DATA_METHODS = {"Push": dp.PUSH, "Pull": dp.PULL, "PushPull": dp.PUSH_PULL}
+
+
+def _retryable(code: grpc.StatusCode, details: str) -> bool:
+    return code in _RETRYABLE or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and _OVERLOADED in details)
+
+
+class _Failed(Exception):
+    """One attempt of a call failed with ``code``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
 
 
 @dataclass(frozen=True)
@@ -65,6 +82,10 @@ class ClientConfig:
     # HTTP/2 keepalive: a connection that stops answering pings this long plus a bit is
     # given up, so a partition or a dead shard is noticed without waiting for TCP.
     keepalive_s: float = 10.0
+    # How Push/Pull/PushPull travel: "auto" uses the shard's data plane, with shared memory
+    # when the shard is on this machine; "tcp" the data plane without shared memory; "grpc"
+    # everything over gRPC. With TLS everything goes over gRPC (the data plane is plaintext).
+    transport: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.addresses:
@@ -86,6 +107,8 @@ class ClientConfig:
             raise ValueError(f"security must be a ClientSecurity, got {type(self.security).__name__}")
         if not self.keepalive_s > 0:
             raise ValueError(f"keepalive_s must be > 0, got {self.keepalive_s!r}")
+        if self.transport not in _TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(_TRANSPORTS)}, got {self.transport!r}")
         if not 0 < self.backoff_s <= self.max_backoff_s:
             raise ValueError(f"need 0 < backoff_s <= max_backoff_s, got {self.backoff_s!r}, {self.max_backoff_s!r}")
 
@@ -157,6 +180,24 @@ class Handle:
         return self._combine(answers)
 
 
+@dataclass
+class _PullPlan:
+    """Where a pull's answers go: result tensors allocated up front, filled shard by shard."""
+
+    rows: dict[str, torch.Tensor]
+    flats: dict[str, torch.Tensor]
+    shapes: dict[str, tuple[int, ...]]
+    # (shard, table) -> positions of that shard's ids in the table's request (None: all, in order).
+    positions: dict[tuple[int, str], torch.Tensor | None] = field(default_factory=dict)
+    response_bytes: dict[int, int] = field(default_factory=dict)
+    table_versions: dict[tuple[int, str], int] = field(default_factory=dict)
+    dense_versions: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def result(self) -> PullResult:
+        dense = {name: flat.view(self.shapes[name]) for name, flat in self.flats.items()}
+        return PullResult(self.rows, dense, self.table_versions, self.dense_versions)
+
+
 @dataclass(frozen=True)
 class _DenseLayout:
     shape: tuple[int, ...]
@@ -197,12 +238,30 @@ class PSClient:
         self._seq_lock = threading.Lock()
         self._dims: dict[str, int] = {}
         self._dense: dict[str, _DenseLayout] = {}
+        self._data: list[DataPlane] | None = None
+        if config.transport != "grpc" and not config.security.tls:
+            self._data = [
+                DataPlane(a.rsplit(":", 1)[0].strip("[]"), config.security.token, config.timeout_s, config.transport == "auto", config.max_backoff_s)
+                for a in config.addresses
+            ]
 
     def close(self) -> None:
-        """Close channels and the fan-out pool."""
+        """Close channels, data-plane connections and the fan-out pool."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for d in self._data or ():
+            d.close()
         for c in self._channels:
             c.close()
+
+    def transports(self) -> list[str]:
+        """How each shard is reached right now: "shm", "tcp" or "grpc"."""
+        out = []
+        for d in self._data or [None] * self.num_shards:
+            conn = None if d is None or not d.port else d.acquire(lambda: 0)
+            out.append("grpc" if conn is None else "shm" if conn.region is not None else "tcp")
+            if conn is not None:
+                d.release(conn)
+        return out
 
     def __enter__(self) -> PSClient:
         return self
@@ -212,36 +271,115 @@ class PSClient:
 
     # -- the one place RpcError is caught -----------------------------------------------------
 
-    def _call(self, shard: int, method: str, request: object, timeout: float | None = None) -> object:
+    def _call(
+        self,
+        shard: int,
+        method: str,
+        request: object,
+        timeout: float | None = None,
+        payload: dp.PayloadWriter | None = None,
+        response_bytes: int = 0,
+        answer: Callable[[object, memoryview | None], object] | None = None,
+    ) -> object:
+        """Call ``method`` on ``shard`` with retries; the data plane when the request has a
+        ``payload`` and the shard offers one, else gRPC.
+
+        ``answer(response, payload)`` turns the response into the result while its payload is
+        valid (a data-plane payload lives in a buffer that the next call reuses).
+        """
         cfg = self.config
-        fn = getattr(self._stubs[shard], method)
         backoff = cfg.backoff_s
         for attempt in range(cfg.retries + 1):
             try:
-                return fn(request, timeout=timeout or cfg.timeout_s, metadata=self._metadata)
+                response, data = self._attempt(shard, method, request, timeout or cfg.timeout_s, payload, response_bytes, answer)
+                return response if data is _DONE else (answer(response, None) if answer else response)
             except grpc.RpcError as exc:
-                code = exc.code()
-                if self.metrics is not None:
-                    self.metrics.rpc_errors.labels(rpc=method, code=code.name).inc()
-                if not _retryable(exc) or attempt == cfg.retries:
-                    if code in _RETRYABLE:
-                        # A refused TLS handshake looks like a shard that is down: say so.
-                        hint = " (if the shard is up, check the TLS CA and client certificate)" if cfg.security.tls else ""
-                        raise Unavailable(
-                            f"shard {shard} ({cfg.addresses[shard]}) {method} failed after {attempt + 1} tries: "
-                            f"{code.name}: {exc.details()}{hint}"
-                        ) from exc
-                    raise error_from_status(code, f"shard {shard} {method}: {exc.details()}") from exc
-                if self.metrics is not None:
-                    self.metrics.retries.labels(rpc=method).inc()
-                log.warning("shard %d %s: %s, retry %d in %.2fs", shard, method, code.name, attempt + 1, backoff)
-                time.sleep(backoff * (0.5 + random.random()))
-                backoff = min(backoff * 2, cfg.max_backoff_s)
+                code, details = exc.code(), exc.details() or ""
+                cause: Exception = exc
+            except _Failed as exc:
+                code, details, cause = exc.code, exc.details, exc
+            if self.metrics is not None:
+                self.metrics.rpc_errors.labels(rpc=method, code=code.name).inc()
+            if not _retryable(code, details) or attempt == cfg.retries:
+                if code in _RETRYABLE:
+                    # A refused TLS handshake looks like a shard that is down: say so.
+                    hint = " (if the shard is up, check the TLS CA and client certificate)" if cfg.security.tls else ""
+                    raise Unavailable(
+                        f"shard {shard} ({cfg.addresses[shard]}) {method} failed after {attempt + 1} tries: "
+                        f"{code.name}: {details}{hint}"
+                    ) from cause
+                raise error_from_status(code, f"shard {shard} {method}: {details}") from cause
+            if self.metrics is not None:
+                self.metrics.retries.labels(rpc=method).inc()
+            log.warning("shard %d %s: %s, retry %d in %.2fs", shard, method, code.name, attempt + 1, backoff)
+            time.sleep(backoff * (0.5 + random.random()))
+            backoff = min(backoff * 2, cfg.max_backoff_s)
         raise AssertionError("unreachable")
 
-    def _fan_out(self, method: str, requests: Mapping[int, object], combine: Callable[[dict[int, object]], object]) -> Handle:
+    def _attempt(
+        self,
+        shard: int,
+        method: str,
+        request: object,
+        timeout: float,
+        payload: dp.PayloadWriter | None,
+        response_bytes: int,
+        answer: Callable[[object, memoryview | None], object] | None,
+    ) -> tuple[object, object]:
+        conn = None
+        if payload is not None and self._data is not None and method in _DATA_METHODS:
+            conn = self._data[shard].acquire(lambda: self._discover(shard))
+        if conn is None:
+            if payload is not None:
+                payload.inline(request)
+            fn = getattr(self._stubs[shard], method)
+            return fn(request, timeout=timeout, metadata=self._metadata), None
+        plane = self._data[shard]
+        try:
+            meta, data = conn.call(_DATA_METHODS[method], request, payload, response_bytes, timeout)
+            response = type(request).__name__.replace("Request", "Response")
+            response = getattr(pb, response).FromString(meta)
+            result = answer(response, data) if answer else response
+        except DataPlaneStatus as exc:
+            if exc.closed:
+                plane.failed(conn)
+            else:
+                plane.release(conn)
+            raise _Failed(exc.code, exc.details) from exc
+        except (OSError, dp.FrameError) as exc:
+            # The connection is gone (a shard that died, restarts or drains): go over gRPC,
+            # whose retries wait for it, and look for its data port again in a moment.
+            plane.failed(conn)
+            raise _Failed(grpc.StatusCode.UNAVAILABLE, f"data plane: {exc}") from exc
+        except BaseException:
+            plane.failed(conn)
+            raise
+        plane.release(conn)
+        return result, _DONE
+
+    def _discover(self, shard: int) -> int:
+        """The shard's data port, asked over gRPC (one try: a failure means gRPC for a while)."""
+        return self._stubs[shard].Info(pb.InfoRequest(), timeout=self.config.timeout_s, metadata=self._metadata).data_port
+
+    def _fan_out(
+        self,
+        method: str,
+        requests: Mapping[int, object],
+        combine: Callable[[dict[int, object]], object],
+        payloads: Mapping[int, dp.PayloadWriter] | None = None,
+        response_bytes: Mapping[int, int] | None = None,
+        answer: Callable[[int, object, memoryview | None], object] | None = None,
+    ) -> Handle:
         shards = list(requests)
-        futures = [self._pool.submit(self._call, s, method, requests[s]) for s in shards]
+        futures = [
+            self._pool.submit(
+                self._call, s, method, requests[s], None,
+                None if payloads is None else payloads.get(s),
+                0 if response_bytes is None else response_bytes.get(s, 0),
+                None if answer is None else functools.partial(answer, s),
+            )
+            for s in shards
+        ]
         return Handle(futures, lambda answers: combine(dict(zip(shards, answers))))
 
     # -- declare -----------------------------------------------------------------------------
@@ -275,7 +413,10 @@ class PSClient:
             for index, a, b in chunks:
                 d = requests[dense_shard(name, index, self.num_shards)].dense.add(name=name, index=index, optimizer=opt)
                 encode_tensor(flat[a:b], d.init)
-        self._fan_out("Declare", requests, lambda _: None).result()
+        answers = self._fan_out("Declare", requests, lambda a: a).result()
+        for s, a in answers.items():
+            if self._data is not None:
+                self._data[s].set_port(a.data_port)
         for t in tables:
             self._dims[t.name] = t.dim
         self._dense.update(layouts)
@@ -289,27 +430,33 @@ class PSClient:
             raise InvalidArgument(f"table {table!r}: ids must be a 1-D int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
         return ids.detach().cpu().numpy()
 
-    def _pull_requests(self, sparse: Mapping[str, torch.Tensor], dense: Sequence[str]) -> tuple[dict[int, pb.PullRequest], dict]:
+    def _pull_requests(self, sparse: Mapping[str, torch.Tensor], dense: Sequence[str]) -> tuple[dict[int, pb.PullRequest], _PullPlan]:
         requests: dict[int, pb.PullRequest] = {}
+        plan = _PullPlan(
+            rows={t: torch.empty(len(ids), self._dims[t]) for t, ids in sparse.items() if self._check_ids(t, ids) is not None},
+            flats={name: torch.empty(self._dense_layout(name).numel) for name in dense},
+            shapes={name: self._dense[name].shape for name in dense},
+        )
+        itemsize = torch.empty(0, dtype=self.config.wire_dtype).element_size()
 
         def req(s: int) -> pb.PullRequest:
             if s not in requests:
                 requests[s] = pb.PullRequest(worker_id=self.config.worker_id, wire_dtype=wire_dtype(self.config.wire_dtype))
             return requests[s]
 
-        placement: dict[str, list[tuple[int, np.ndarray]]] = {}
         for table, ids in sparse.items():
             arr = self._check_ids(table, ids)
-            placement[table] = []
             for s, (pos, part) in enumerate(split_ids(arr, self.num_shards)):
                 if part.size:
                     req(s).sparse.add(table=table, ids=encode_ids(part))
-                    placement[table].append((s, pos))
+                    plan.positions[(s, table)] = None if part.size == arr.size else torch.from_numpy(pos)
+                    plan.response_bytes[s] = plan.response_bytes.get(s, 0) + dp.align(part.size * self._dims[table] * itemsize)
         for name in dense:
-            layout = self._dense_layout(name)
-            for index, _, _ in layout.chunks:
-                req(dense_shard(name, index, self.num_shards)).dense.add(name=name, index=index)
-        return requests, {"placement": placement, "sizes": {t: len(ids) for t, ids in sparse.items()}}
+            for index, a, b in self._dense[name].chunks:
+                s = dense_shard(name, index, self.num_shards)
+                req(s).dense.add(name=name, index=index)
+                plan.response_bytes[s] = plan.response_bytes.get(s, 0) + dp.align((b - a) * itemsize)
+        return requests, plan
 
     def _dense_layout(self, name: str) -> _DenseLayout:
         try:
@@ -317,23 +464,20 @@ class PSClient:
         except KeyError:
             raise InvalidArgument(f"dense parameter {name!r} was not declared by this client") from None
 
-    def _combine_pull(self, answers: dict[int, pb.PullResponse], plan: dict, dense: Sequence[str]) -> PullResult:
-        rows = {t: torch.empty(n, self._dims[t]) for t, n in plan["sizes"].items()}
-        table_versions: dict[tuple[int, str], int] = {}
-        dense_versions: dict[tuple[str, int], int] = {}
-        flats = {name: torch.empty(self._dense[name].numel) for name in dense}
-        for table, parts in plan["placement"].items():
-            for s, pos in parts:
-                block = next(b for b in answers[s].sparse if b.table == table)
-                rows[table][torch.from_numpy(pos)] = decode_tensor(block.values, torch.float32)
-                table_versions[(s, table)] = block.read_version
-        for s, response in answers.items():
-            for b in response.dense:
-                _, a, stop = self._dense[b.name].chunks[b.index]
-                flats[b.name][a:stop] = decode_tensor(b.value, torch.float32)
-                dense_versions[(b.name, b.index)] = b.read_version
-        out_dense = {name: flats[name].view(self._dense[name].shape) for name in dense}
-        return PullResult(rows, out_dense, table_versions, dense_versions)
+    def _place_pull(self, plan: _PullPlan, shard: int, response: pb.PullResponse, payload: memoryview | None) -> None:
+        """Copy one shard's pulled rows and chunks into the result (while ``payload`` is valid)."""
+        for block in response.sparse:
+            values = decode_tensor(block.values, torch.float32, payload)
+            pos = plan.positions[(shard, block.table)]
+            if pos is None:
+                plan.rows[block.table].copy_(values)
+            else:
+                plan.rows[block.table][pos] = values
+            plan.table_versions[(shard, block.table)] = block.read_version
+        for b in response.dense:
+            _, a, stop = self._dense[b.name].chunks[b.index]
+            plan.flats[b.name][a:stop] = decode_tensor(b.value, torch.float32, payload)
+            plan.dense_versions[(b.name, b.index)] = b.read_version
 
     def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = ()) -> Handle:
         """Start pulling rows of ``sparse`` (table -> unique int64 ids) and dense tensors.
@@ -344,9 +488,11 @@ class PSClient:
         Raises:
             InvalidArgument: undeclared table or tensor, or ids that are not 1-D int64.
         """
-        sparse = sparse or {}
-        requests, plan = self._pull_requests(sparse, dense)
-        return self._fan_out("Pull", requests, lambda answers: self._combine_pull(answers, plan, dense))
+        requests, plan = self._pull_requests(sparse or {}, dense)
+        return self._fan_out(
+            "Pull", requests, lambda _: plan.result(), payloads={}, response_bytes=plan.response_bytes,
+            answer=lambda s, response, payload: self._place_pull(plan, s, response, payload),
+        )
 
     # -- push --------------------------------------------------------------------------------
 
@@ -360,13 +506,15 @@ class PSClient:
         dense: Mapping[str, torch.Tensor],
         clock: int,
         versions: PullResult | None,
-    ) -> dict[int, pb.PushRequest]:
+    ) -> tuple[dict[int, pb.PushRequest], dict[int, dp.PayloadWriter]]:
         requests: dict[int, pb.PushRequest] = {}
+        payloads: dict[int, dp.PayloadWriter] = {}
         wire = self.config.wire_dtype
 
         def req(s: int) -> pb.PushRequest:
             if s not in requests:
                 requests[s] = pb.PushRequest(worker_id=self.config.worker_id, clock=clock)
+                payloads[s] = dp.PayloadWriter()
             return requests[s]
 
         for table, (ids, grads) in sparse.items():
@@ -378,7 +526,7 @@ class PSClient:
                 if part.size:
                     rv = versions.table_versions.get((s, table), 0) if versions else 0
                     b = req(s).sparse.add(table=table, ids=encode_ids(part), read_version=rv)
-                    encode_tensor(grads[torch.from_numpy(pos)], b.values, dtype=wire)
+                    payloads[s].add(grads if part.size == arr.size else grads[torch.from_numpy(pos)], b.values, wire)
         for name, grad in dense.items():
             layout = self._dense_layout(name)
             if tuple(grad.shape) != layout.shape:
@@ -386,8 +534,9 @@ class PSClient:
             flat = grad.detach().reshape(-1).to("cpu")
             for index, a, b in layout.chunks:
                 rv = versions.dense_versions.get((name, index), 0) if versions else 0
-                d = req(dense_shard(name, index, self.num_shards)).dense.add(name=name, index=index, read_version=rv)
-                encode_tensor(flat[a:b], d.value, dtype=wire)
+                s = dense_shard(name, index, self.num_shards)
+                d = req(s).dense.add(name=name, index=index, read_version=rv)
+                payloads[s].add(flat[a:b], d.value, wire)
         if clock:
             # Every shard tracks every worker's clock, so each gets the push, empty or not.
             for s in range(self.num_shards):
@@ -395,7 +544,7 @@ class PSClient:
         for s, r in requests.items():
             r.seq = self._next_seq(s)
             r.staleness_aware = self.config.staleness_aware
-        return requests
+        return requests, payloads
 
     def push(
         self,
@@ -415,8 +564,8 @@ class PSClient:
         Returns:
             A handle whose result is a ``PushAck``.
         """
-        requests = self._push_requests(sparse or {}, dense or {}, clock, versions)
-        return self._fan_out("Push", requests, _ack)
+        requests, payloads = self._push_requests(sparse or {}, dense or {}, clock, versions)
+        return self._fan_out("Push", requests, _ack, payloads=payloads)
 
     def push_pull(
         self,
@@ -432,18 +581,18 @@ class PSClient:
         Returns:
             A handle whose result is a ``PullResult``.
         """
-        pushes = self._push_requests(push_sparse or {}, push_dense or {}, clock, versions)
+        pushes, payloads = self._push_requests(push_sparse or {}, push_dense or {}, clock, versions)
         pulls, plan = self._pull_requests(pull_sparse or {}, pull_dense)
         requests = {}
         for s in set(pushes) | set(pulls):
             push = pushes.get(s) or pb.PushRequest(worker_id=self.config.worker_id, clock=clock, seq=self._next_seq(s))
             pull = pulls.get(s) or pb.PullRequest(worker_id=self.config.worker_id)
             requests[s] = pb.PushPullRequest(push=push, pull=pull)
-
-        def combine(answers: dict[int, pb.PushPullResponse]) -> PullResult:
-            return self._combine_pull({s: a.pull for s, a in answers.items()}, plan, pull_dense)
-
-        return self._fan_out("PushPull", requests, combine)
+            payloads.setdefault(s, dp.PayloadWriter())
+        return self._fan_out(
+            "PushPull", requests, lambda _: plan.result(), payloads=payloads, response_bytes=plan.response_bytes,
+            answer=lambda s, response, payload: self._place_pull(plan, s, response.pull, payload),
+        )
 
     def clock(self, clock: int, wait_bound: int = -1, timeout_s: float = 60.0, leave: bool = False) -> ClockReply:
         """Report this worker's clock to every shard and, with ``wait_bound`` >= 0, wait on

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tether.protos.errors import InvalidArgument
-from tether.worker.client import Handle, PSClient, PullResult
+from tether.worker.client import Handle, PSClient, PullResult, PushAck
 
 __all__ = ["PSModel", "Prefetch", "ShardedEmbeddingBag", "flat_grads", "split_flat"]
 
@@ -95,10 +95,37 @@ def split_flat(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Ten
 
 @dataclass
 class Prefetch:
-    """A pull in flight for one batch: its unique ids per table and the handle."""
+    """A pull in flight for one batch: its unique ids per table and the handle.
+
+    ``pushed`` marks a ``push_pull``: the same round trip also carries a step's gradients,
+    whose ``PushAck`` ``install`` puts in ``ack``.
+    """
 
     ids: dict[str, torch.Tensor]
     handle: Handle
+    pushed: bool = False
+    ack: PushAck | None = None
+
+
+def _push_pull_ack(handle: Handle, pulled: PullResult) -> PushAck | None:
+    """The push half's acknowledgement of a finished ``push_pull``.
+
+    ``PSClient.push_pull`` hands back only the pull; the per-shard answers it combined hold
+    the push's acknowledgement, so it is read from them (None if this client does not keep
+    them).
+    """
+    ack = getattr(pulled, "ack", None)
+    if ack is not None:
+        return ack
+    answers = [f.result(0) for f in getattr(handle, "_futures", ())]
+    pushes = [a.push for a in answers if hasattr(a, "push")]
+    if not pushes:
+        return None
+    return PushAck(
+        staleness=max(a.max_staleness for a in pushes),
+        clock_staleness=max(a.clock_staleness for a in pushes),
+        duplicates=sum(not a.applied for a in pushes),
+    )
 
 
 class PSModel:
@@ -145,6 +172,8 @@ class PSModel:
     def install(self, prefetch: Prefetch, train: bool = True, timeout: float | None = None) -> PullResult:
         """Wait for a prefetch and load its rows and dense values into the model."""
         pulled = prefetch.handle.result(timeout)
+        if prefetch.pushed:
+            prefetch.ack = _push_pull_ack(prefetch.handle, pulled)
         for table, ids in prefetch.ids.items():
             self.bags[table].bind(self._to_device(ids), self._to_device(pulled.rows[table]), train)
         if self.FLAT in pulled.dense:
@@ -180,6 +209,28 @@ class PSModel:
         for p in self.dense.values():
             p.grad = None
         return handle
+
+    def push_pull(self, clock: int, versions: PullResult, sparse: Mapping[str, torch.Tensor]) -> Prefetch:
+        """Push the collected gradients and pull the rows of ``sparse`` in one round trip.
+
+        The shard applies the push before it reads the pull, so the rows include this step's
+        update. ``install`` the result like a ``prefetch``; its ``ack`` is then the push's.
+
+        Args:
+            clock: this worker's clock once the step is done.
+            versions: the pull the gradients were computed from.
+            sparse: table -> ids (any shape) of the batch to pull for.
+        """
+        grads, dense = self.gradients()
+        unique = {t: torch.unique(ids.reshape(-1).cpu()) for t, ids in sparse.items()}
+        names = [self.FLAT] if self.dense_on_shards and self.dense else []
+        handle = self.client.push_pull(
+            grads, dense if self.dense_on_shards else {}, unique, names, clock=clock, versions=versions
+        )
+        self._grads.clear()
+        for p in self.dense.values():
+            p.grad = None
+        return Prefetch(unique, handle, pushed=True)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """Dense parameters of the model."""

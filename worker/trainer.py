@@ -24,10 +24,10 @@ import torch.nn.functional as F
 
 from tether.protos.errors import DeadlineExceeded, TooStale
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.worker.client import ClientConfig, Handle, PSClient
+from tether.worker.client import ClientConfig, Handle, PSClient, PullResult
 from tether.worker.config import WorkerConfig
 from tether.worker.data import Batch, SyntheticClickLog, SyntheticConfig, iterate, load_criteo
-from tether.worker.embedding import PSModel, ShardedEmbeddingBag, flat_grads, split_flat
+from tether.worker.embedding import Prefetch, PSModel, ShardedEmbeddingBag, flat_grads, split_flat
 from tether.worker.evaluation import constant_baseline_loss, evaluate
 from tether.worker.model import CTRModel
 
@@ -277,6 +277,10 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
     stream = _background(ds.train_batches(cfg.batch_size, cfg.steps, cfg.worker_index, cfg.num_workers))
     # Prefetching the next batch during compute reads before this step's push lands: fine
     # without a bound, but ssp and sync pull only once the bound (or the barrier) allows.
+    # In steady state an async step makes one round trip: its push carries the pull of the
+    # batch after next (push_pull), which then has a whole step of compute to come back in.
+    # The rows of a step miss one step's update either way (the previous step's), as with a
+    # plain prefetch issued before that step's push.
     prefetch = cfg.prefetch and kind == "async"
     history: list[dict[str, object]] = []
     staleness: list[int] = []
@@ -291,10 +295,26 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
             too_stale += 1
             log.info("%s", exc)
 
+    def install(pending: Prefetch) -> PullResult:
+        """Wait for a pull; a push_pull whose push was rejected as too stale is counted and
+        its pull made again on its own."""
+        nonlocal too_stale
+        try:
+            pulled = ps.install(pending, train=True, timeout=cfg.timeout_s * 4)
+        except TooStale as exc:
+            too_stale += 1
+            log.info("%s", exc)
+            return ps.install(ps.prefetch(pending.ids), train=True, timeout=cfg.timeout_s * 4)
+        if pending.ack is not None:
+            staleness.append(pending.ack.clock_staleness)
+        return pulled
+
     digests: list[str] = []
     start_clock = _join(ps, cfg) if kind == "ssp" else 0
     batch = next(stream)
-    pending = None
+    upcoming = next(stream, None) if cfg.steps > 1 else None
+    pending = None  # the pull of this step's batch, if already under way
+    ahead = None  # the push_pull carrying the next step's pull
     push = None
     phase = {"staleness_wait": 0.0, "pull_wait": 0.0, "compute": 0.0, "push": 0.0}
     window_loss, window_n, samples, eval_time = 0.0, 0, 0, 0.0
@@ -310,11 +330,11 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
         tw = time.perf_counter()
         if pending is None:
             pending = ps.prefetch(_sparse(batch))
-        pulled = ps.install(pending, train=True, timeout=cfg.timeout_s * 4)
-        pending = None
+        pulled = install(pending)
+        pending, ahead = ahead, None
         t1 = time.perf_counter()
-        upcoming = next(stream, None) if step + 1 < cfg.steps else None
-        if prefetch and upcoming is not None:
+        after = next(stream, None) if upcoming is not None and step + 2 < cfg.steps else None
+        if prefetch and upcoming is not None and pending is None:
             pending = ps.prefetch(_sparse(upcoming))
         logits = model(batch.dense.to(device, non_blocking=True), batch.sparse.to(device, non_blocking=True))
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(device, non_blocking=True))
@@ -329,7 +349,11 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
         t2 = time.perf_counter()
         if push is not None:
             settle(push)
-        push = ps.push(clock=start_clock + step + 1, versions=pulled, sparse_scale=1.0 / cfg.num_workers if kind == "sync" else 1.0)
+            push = None
+        if prefetch and after is not None:
+            ahead = ps.push_pull(clock=start_clock + step + 1, versions=pulled, sparse=_sparse(after))
+        else:
+            push = ps.push(clock=start_clock + step + 1, versions=pulled, sparse_scale=1.0 / cfg.num_workers if kind == "sync" else 1.0)
         if kind != "async":
             # The step's updates must land before this worker's clock (or the barrier) lets
             # anyone read past them.
@@ -377,7 +401,7 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
             window_loss, window_n = 0.0, 0
         if upcoming is None:
             break
-        batch = upcoming
+        batch, upcoming = upcoming, after
     if push is not None:
         settle(push)
     wall = time.perf_counter() - t_start - eval_time
