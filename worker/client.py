@@ -38,7 +38,6 @@ __all__ = ["CheckpointResult", "ClientConfig", "ClientSecurity", "ClockReply", "
 
 log = logging.getLogger(__name__)
 
-_DONE = object()  # _attempt's marker: the answer callback already ran
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # What grpc's server says when it sheds a call past maximum_concurrent_rpcs: load, not a bad
@@ -48,6 +47,7 @@ _OVERLOADED = "Concurrent RPC limit exceeded"
 
 _TRANSPORTS = ("auto", "tcp", "grpc")
 _DATA_METHODS = {"Push": dp.PUSH, "Pull": dp.PULL, "PushPull": dp.PUSH_PULL}
+_RESPONSES = {"Push": pb.PushResponse, "Pull": pb.PullResponse, "PushPull": pb.PushPullResponse}
 
 
 def _retryable(code: grpc.StatusCode, details: str) -> bool:
@@ -158,7 +158,7 @@ class ClockReply:
 class Handle:
     """An operation in flight on one or more shards."""
 
-    def __init__(self, futures: Sequence[Future], combine: Callable[[list[object]], object]) -> None:
+    def __init__(self, futures: Sequence[Future | _DataCall], combine: Callable[[list[object]], object]) -> None:
         self._futures = list(futures)
         self._combine = combine
 
@@ -280,24 +280,28 @@ class PSClient:
         payload: dp.PayloadWriter | None = None,
         response_bytes: int = 0,
         answer: Callable[[object, memoryview | None], object] | None = None,
+        failed: _Failed | None = None,
     ) -> object:
         """Call ``method`` on ``shard`` with retries; the data plane when the request has a
         ``payload`` and the shard offers one, else gRPC.
 
-        ``answer(response, payload)`` turns the response into the result while its payload is
-        valid (a data-plane payload lives in a buffer that the next call reuses).
+        Args:
+            answer: ``answer(response, payload)`` turns the response into the result while its
+                payload is valid (a data-plane payload lives in a buffer the next call reuses).
+            failed: the first attempt, made elsewhere, failed so.
         """
         cfg = self.config
         backoff = cfg.backoff_s
         for attempt in range(cfg.retries + 1):
-            try:
-                response, data = self._attempt(shard, method, request, timeout or cfg.timeout_s, payload, response_bytes, answer)
-                return response if data is _DONE else (answer(response, None) if answer else response)
-            except grpc.RpcError as exc:
-                code, details = exc.code(), exc.details() or ""
-                cause: Exception = exc
-            except _Failed as exc:
-                code, details, cause = exc.code, exc.details, exc
+            if failed is None:
+                try:
+                    return self._attempt(shard, method, request, timeout or cfg.timeout_s, payload, response_bytes, answer)
+                except grpc.RpcError as exc:
+                    failed = _Failed(exc.code(), exc.details() or "")
+                    failed.__cause__ = exc
+                except _Failed as exc:
+                    failed = exc
+            code, details = failed.code, failed.details
             if self.metrics is not None:
                 self.metrics.rpc_errors.labels(rpc=method, code=code.name).inc()
             if not _retryable(code, details) or attempt == cfg.retries:
@@ -307,13 +311,14 @@ class PSClient:
                     raise Unavailable(
                         f"shard {shard} ({cfg.addresses[shard]}) {method} failed after {attempt + 1} tries: "
                         f"{code.name}: {details}{hint}"
-                    ) from cause
-                raise error_from_status(code, f"shard {shard} {method}: {details}") from cause
+                    ) from failed.__cause__
+                raise error_from_status(code, f"shard {shard} {method}: {details}") from failed.__cause__
             if self.metrics is not None:
                 self.metrics.retries.labels(rpc=method).inc()
             log.warning("shard %d %s: %s, retry %d in %.2fs", shard, method, code.name, attempt + 1, backoff)
             time.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, cfg.max_backoff_s)
+            failed = None
         raise AssertionError("unreachable")
 
     def _attempt(
@@ -325,37 +330,56 @@ class PSClient:
         payload: dp.PayloadWriter | None,
         response_bytes: int,
         answer: Callable[[object, memoryview | None], object] | None,
-    ) -> tuple[object, object]:
-        conn = None
-        if payload is not None and self._data is not None and method in _DATA_METHODS:
-            conn = self._data[shard].acquire(lambda: self._discover(shard))
+    ) -> object:
+        conn = self._data_connection(shard, method, payload)
         if conn is None:
             if payload is not None:
                 payload.inline(request)
-            fn = getattr(self._stubs[shard], method)
-            return fn(request, timeout=timeout, metadata=self._metadata), None
-        plane = self._data[shard]
+            response = getattr(self._stubs[shard], method)(request, timeout=timeout, metadata=self._metadata)
+            return answer(response, None) if answer else response
+        self._data_send(shard, conn, method, request, payload, response_bytes, timeout)
+        return self._data_receive(shard, conn, method, timeout, answer)
+
+    def _data_connection(self, shard: int, method: str, payload: dp.PayloadWriter | None) -> DataConnection | None:
+        if payload is None or self._data is None or method not in _DATA_METHODS:
+            return None
+        return self._data[shard].acquire(lambda: self._discover(shard))
+
+    def _data_send(
+        self, shard: int, conn: DataConnection, method: str, request: object, payload: dp.PayloadWriter, response_bytes: int, timeout: float
+    ) -> None:
         try:
-            meta, data = conn.call(_DATA_METHODS[method], request, payload, response_bytes, timeout)
-            response = type(request).__name__.replace("Request", "Response")
-            response = getattr(pb, response).FromString(meta)
+            conn.send(_DATA_METHODS[method], request, payload, response_bytes, timeout)
+        except BaseException as exc:
+            raise self._data_failure(shard, conn, exc) from exc
+
+    def _data_receive(
+        self, shard: int, conn: DataConnection, method: str, timeout: float, answer: Callable[[object, memoryview | None], object] | None
+    ) -> object:
+        try:
+            meta, data = conn.receive(timeout)
+            response = _RESPONSES[method].FromString(meta)
             result = answer(response, data) if answer else response
-        except DataPlaneStatus as exc:
+        except BaseException as exc:
+            raise self._data_failure(shard, conn, exc) from exc
+        self._data[shard].release(conn)
+        return result
+
+    def _data_failure(self, shard: int, conn: DataConnection, exc: BaseException) -> BaseException:
+        """What a data-plane failure becomes, with the connection dropped or kept."""
+        plane = self._data[shard]
+        if isinstance(exc, DataPlaneStatus):
             if exc.closed:
                 plane.failed(conn)
             else:
                 plane.release(conn)
-            raise _Failed(exc.code, exc.details) from exc
-        except (OSError, dp.FrameError) as exc:
-            # The connection is gone (a shard that died, restarts or drains): go over gRPC,
-            # whose retries wait for it, and look for its data port again in a moment.
-            plane.failed(conn)
-            raise _Failed(grpc.StatusCode.UNAVAILABLE, f"data plane: {exc}") from exc
-        except BaseException:
-            plane.failed(conn)
-            raise
-        plane.release(conn)
-        return result, _DONE
+            return _Failed(exc.code, exc.details)
+        # The connection is gone or out of step (a shard that died, restarts or drains): calls
+        # go over gRPC, whose retries wait for the shard, and its data port is asked again later.
+        plane.failed(conn)
+        if isinstance(exc, (OSError, dp.FrameError)):
+            return _Failed(grpc.StatusCode.UNAVAILABLE, f"data plane: {exc}")
+        return exc
 
     def _discover(self, shard: int) -> int:
         """The shard's data port, asked over gRPC (one try: a failure means gRPC for a while)."""
@@ -370,17 +394,18 @@ class PSClient:
         response_bytes: Mapping[int, int] | None = None,
         answer: Callable[[int, object, memoryview | None], object] | None = None,
     ) -> Handle:
+        """Start ``method`` on every shard of ``requests``: on the data plane the request is sent
+        from this thread right away and the answer read by whoever waits (no thread hop);
+        over gRPC a pool thread makes the call."""
         shards = list(requests)
-        futures = [
-            self._pool.submit(
-                self._call, s, method, requests[s], None,
-                None if payloads is None else payloads.get(s),
-                0 if response_bytes is None else response_bytes.get(s, 0),
-                None if answer is None else functools.partial(answer, s),
-            )
-            for s in shards
-        ]
-        return Handle(futures, lambda answers: combine(dict(zip(shards, answers))))
+        calls = []
+        for s in shards:
+            payload = None if payloads is None else payloads.get(s)
+            args = (s, method, requests[s], None, payload, 0 if response_bytes is None else response_bytes.get(s, 0),
+                    None if answer is None else functools.partial(answer, s))
+            conn = self._data_connection(s, method, payload)
+            calls.append(self._pool.submit(self._call, *args) if conn is None else _DataCall(self, conn, args))
+        return Handle(calls, lambda answers: combine(dict(zip(shards, answers))))
 
     # -- declare -----------------------------------------------------------------------------
 
@@ -490,7 +515,8 @@ class PSClient:
         """
         requests, plan = self._pull_requests(sparse or {}, dense)
         return self._fan_out(
-            "Pull", requests, lambda _: plan.result(), payloads={}, response_bytes=plan.response_bytes,
+            "Pull", requests, lambda _: plan.result(), payloads={s: dp.PayloadWriter() for s in requests},
+            response_bytes=plan.response_bytes,
             answer=lambda s, response, payload: self._place_pull(plan, s, response, payload),
         )
 
@@ -650,6 +676,60 @@ class PSClient:
     def info(self) -> list[pb.InfoResponse]:
         """Every shard's ``Info``."""
         return list(self._fan_out("Info", {s: pb.InfoRequest() for s in range(self.num_shards)}, lambda a: [a[s] for s in sorted(a)]).result())
+
+
+class _DataCall:
+    """A data-plane call whose request is on its way; ``result`` reads the answer.
+
+    If sending or receiving fails, the waiting thread falls back to ``PSClient._call`` (retries,
+    gRPC) for this call.
+    """
+
+    def __init__(self, client: PSClient, conn: DataConnection, args: tuple) -> None:
+        self._client = client
+        self._args = args
+        self._lock = threading.Lock()
+        self._outcome: tuple[bool, object] | None = None
+        self._conn: DataConnection | None = conn
+        self._failed: _Failed | None = None
+        shard, method, request, _, payload, response_bytes, _ = args
+        try:
+            client._data_send(shard, conn, method, request, payload, response_bytes, client.config.timeout_s)
+        except _Failed as exc:
+            self._conn, self._failed = None, exc
+
+    def done(self) -> bool:
+        """Whether the answer is in (or has started to arrive)."""
+        return self._outcome is not None or (self._conn is not None and self._conn.readable())
+
+    def result(self, timeout: float | None = None) -> object:
+        """The call's result.
+
+        Raises:
+            TetherError: the call failed after retries.
+            TimeoutError: no answer within ``timeout`` (the call goes on being retried by no one).
+        """
+        with self._lock:
+            if self._outcome is None:
+                self._outcome = self._finish(timeout)
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+    def _finish(self, timeout: float | None) -> tuple[bool, object]:
+        client = self._client
+        shard, method, request, _, payload, response_bytes, answer = self._args
+        limit = client.config.timeout_s if timeout is None else min(timeout, client.config.timeout_s)
+        try:
+            if self._conn is not None:
+                try:
+                    return True, client._data_receive(shard, self._conn, method, limit, answer)
+                except _Failed as exc:
+                    self._failed = exc
+            return True, client._call(shard, method, request, None, payload, response_bytes, answer, failed=self._failed)
+        except Exception as exc:  # noqa: BLE001 - handed to every waiter, like a Future does
+            return False, exc
 
 
 def _ack(answers: dict[int, pb.PushResponse]) -> PushAck:

@@ -10,7 +10,7 @@ it onto the device, and collects the gradients to push.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -107,25 +107,10 @@ class Prefetch:
     ack: PushAck | None = None
 
 
-def _push_pull_ack(handle: Handle, pulled: PullResult) -> PushAck | None:
-    """The push half's acknowledgement of a finished ``push_pull``.
-
-    ``PSClient.push_pull`` hands back only the pull; the per-shard answers it combined hold
-    the push's acknowledgement, so it is read from them (None if this client does not keep
-    them).
-    """
-    ack = getattr(pulled, "ack", None)
-    if ack is not None:
-        return ack
-    answers = [f.result(0) for f in getattr(handle, "_futures", ())]
-    pushes = [a.push for a in answers if hasattr(a, "push")]
-    if not pushes:
-        return None
-    return PushAck(
-        staleness=max(a.max_staleness for a in pushes),
-        clock_staleness=max(a.clock_staleness for a in pushes),
-        duplicates=sum(not a.applied for a in pushes),
-    )
+def _push_pull_ack(pulled: PullResult) -> PushAck | None:
+    """The push half's acknowledgement of a finished ``push_pull`` (None if the client does
+    not report it)."""
+    return getattr(pulled, "ack", None)
 
 
 class PSModel:
@@ -173,7 +158,7 @@ class PSModel:
         """Wait for a prefetch and load its rows and dense values into the model."""
         pulled = prefetch.handle.result(timeout)
         if prefetch.pushed:
-            prefetch.ack = _push_pull_ack(prefetch.handle, pulled)
+            prefetch.ack = _push_pull_ack(pulled)
         for table, ids in prefetch.ids.items():
             self.bags[table].bind(self._to_device(ids), self._to_device(pulled.rows[table]), train)
         if self.FLAT in pulled.dense:
@@ -209,6 +194,12 @@ class PSModel:
         for p in self.dense.values():
             p.grad = None
         return handle
+
+    @property
+    def push_pull_acks(self) -> bool:
+        """Whether ``push_pull`` reports its push's acknowledgement (``PullResult.ack``); a
+        trainer that accounts staleness per push needs it to use ``push_pull``."""
+        return "ack" in {f.name for f in fields(PullResult)}
 
     def push_pull(self, clock: int, versions: PullResult, sparse: Mapping[str, torch.Tensor]) -> Prefetch:
         """Push the collected gradients and pull the rows of ``sparse`` in one round trip.

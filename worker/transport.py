@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -22,11 +23,14 @@ import msgpack
 
 from tether.protos import dataplane as dp
 
-__all__ = ["DataConnection", "DataPlane", "DataPlaneStatus"]
+__all__ = ["SHM_MIN_BYTES", "DataConnection", "DataPlane", "DataPlaneStatus"]
 
 log = logging.getLogger(__name__)
 
 _MIN_REGION = 1 << 20
+# Below this many bytes (request plus answer) a payload goes through the socket: copying it
+# there costs less than the region's bookkeeping.
+SHM_MIN_BYTES = 64 * 1024
 
 
 class DataPlaneStatus(Exception):
@@ -53,6 +57,7 @@ class DataConnection:
         self._header = bytearray(dp.HEADER.size)
         self._buffer = bytearray(0)
         self.region: dp.SharedRegion | None = None
+        self._use_region = False
         self.shm = shm and os.path.isdir(dp.SHM_DIR)
         try:
             self._hello(_MIN_REGION if self.shm else 0, timeout_s)
@@ -105,27 +110,40 @@ class DataConnection:
             raise DataPlaneStatus(code, bytes(meta).decode(errors="replace"), closed=method == 0)
         return bytes(meta), payload
 
-    def call(self, method: int, request: object, out: dp.PayloadWriter, response_bytes: int, timeout_s: float) -> tuple[bytes, memoryview | None]:
-        """Send ``request`` with its payload; return the answer's message and payload.
-
-        The payload view is valid until the next call on this connection.
+    def send(self, method: int, request: object, out: dp.PayloadWriter, response_bytes: int, timeout_s: float) -> None:
+        """Send ``request`` with its payload (through the region when both are large enough to
+        be worth it and the shard maps it); ``receive`` gets the answer.
 
         Raises:
-            DataPlaneStatus: the shard answered with an error.
             OSError: the connection failed (the caller drops it).
         """
         meta = request.SerializeToString()
         self._sock.settimeout(timeout_s)
-        if self.shm:
+        self._use_region = self.shm and out.nbytes + response_bytes >= SHM_MIN_BYTES
+        if self._use_region:
             need = dp.REGION_START + dp.align(out.nbytes) + response_bytes + dp.ALIGN
             if self.region is None or need > self.region.size:
                 self._hello(max(need * 2, _MIN_REGION), timeout_s)
-        if self.region is not None:
+            self._use_region = self.region is not None
+        if self._use_region:
             out.copy_into(self.region.view[dp.REGION_START :])
             dp.send_frame(self._sock, method, meta, flags=dp.FLAG_SHM, payload_len=out.nbytes, aux=dp.REGION_START)
         else:
             dp.send_frame(self._sock, method, meta, out.buffers())
-        return self._read(self.region)
+
+    def receive(self, timeout_s: float) -> tuple[bytes, memoryview | None]:
+        """The answer to the last ``send``: its message and payload (valid until the next call).
+
+        Raises:
+            DataPlaneStatus: the shard answered with an error.
+            OSError: the connection failed or timed out (the caller drops it).
+        """
+        self._sock.settimeout(timeout_s)
+        return self._read(self.region if self._use_region else None)
+
+    def readable(self) -> bool:
+        """Whether an answer has started to arrive."""
+        return bool(select.select([self._sock], [], [], 0)[0])
 
     def close(self) -> None:
         """Close the socket and unmap the region."""
