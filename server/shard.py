@@ -146,6 +146,12 @@ class _Gate:
                 self._cond.notify_all()
 
 
+def _has_duplicates(ids: np.ndarray) -> bool:
+    # A sort and a neighbour compare: a third of np.unique's time for a few thousand ids.
+    s = np.sort(ids)
+    return bool((s[1:] == s[:-1]).any())
+
+
 def _finite(t: torch.Tensor) -> bool:
     """Whether every element is finite: a NaN or Inf anywhere makes the sum non-finite, and
     summing is much cheaper than an element-wise check (which runs only if the sum overflows)."""
@@ -318,7 +324,7 @@ class Shard:
         if ids.min() < 0:
             raise InvalidArgument(f"table {table!r}: ids must be >= 0, got {int(ids.min())}")
         # A push must not name a row twice (one gradient per row); a pull may.
-        if unique and np.unique(ids).size != ids.size:
+        if unique and _has_duplicates(ids):
             raise InvalidArgument(f"table {table!r}: ids in one push must be unique")
         if self.num_shards > 1:
             owners = shard_of_ids(ids, self.num_shards)
