@@ -246,7 +246,9 @@ def test_sigterm_drains_turns_not_serving_writes_a_final_checkpoint_and_exits_0(
 def test_a_push_whose_ack_was_lost_is_retried_and_applied_once(cluster: LocalCluster, proxy_factory) -> None:
     (address,) = cluster.start_shards(1)
     proxy = proxy_factory(address)
-    client = make_client([proxy.address], "worker-1", timeout_s=1.0, retries=20, backoff_s=0.05, max_backoff_s=0.2)
+    # The proxy stands between the client and the gRPC port only: test that transport here
+    # (the data plane's lost acknowledgement is test_data_plane.py's).
+    client = make_client([proxy.address], "worker-1", timeout_s=1.0, retries=20, backoff_s=0.05, max_backoff_s=0.2, transport="grpc")
     client.declare([TABLE])  # the connection through the proxy is up
     ids = torch.arange(16, dtype=torch.int64)
     direct = _stub(address)
@@ -275,7 +277,9 @@ def test_partition_gives_a_clear_error_in_bounded_time_and_heals(cluster: LocalC
     (address,) = cluster.start_shards(1)
     proxy = proxy_factory(address)
     timeout_s, retries = 1.0, 2
-    client = make_client([proxy.address], timeout_s=timeout_s, retries=retries, backoff_s=0.05, max_backoff_s=0.2, keepalive_s=1.0)
+    client = make_client(
+        [proxy.address], timeout_s=timeout_s, retries=retries, backoff_s=0.05, max_backoff_s=0.2, keepalive_s=1.0, transport="grpc"
+    )
     client.declare([TABLE])
     ids = torch.arange(8, dtype=torch.int64)
     client.push({"emb": (ids, torch.ones(8, 4))}).result(10)

@@ -1,10 +1,11 @@
 """PyTorch modules whose parameters live on the shards.
 
-``ShardedEmbeddingBag`` looks rows up in rows pulled from the shards; its backward hands the
-row gradients to a push buffer, so one push per shard carries every table's gradients.
-``PSModel`` binds a model's embedding bags and dense parameters to a ``PSClient``: it pulls
-what a batch needs (ahead of time, so the pull overlaps the previous step's compute), loads
-it onto the device, and collects the gradients to push.
+``ShardedEmbeddingBag`` looks rows up in rows pulled from the shards. ``PSModel`` binds a
+model's embedding bags and dense parameters to a ``PSClient``: it pulls what a batch needs
+(ahead of time, so the pull overlaps the previous step's compute), loads every table's rows
+into one tensor on the device (each bag holds a slice of it, and a model with a
+``fused_lookup`` hook gathers all tables at once), and after the backward hands that tensor's
+gradient, split per table, to one push per shard.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 from tether.protos.errors import InvalidArgument
 from tether.worker.client import Handle, PSClient, PullResult, PushAck
 
-__all__ = ["PSModel", "Prefetch", "ShardedEmbeddingBag", "flat_grads", "split_flat"]
+__all__ = ["PSModel", "Prefetch", "ShardedEmbeddingBag", "flat_grads", "split_flat", "unique_columns"]
 
 
 class ShardedEmbeddingBag(nn.Module):
@@ -51,6 +52,12 @@ class ShardedEmbeddingBag(nn.Module):
                     self.grad_sink[self.table] = (ids_cpu, grad)
 
             rows.register_hook(_hook)
+        self._ids, self._rows = ids, rows
+
+    def attach(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Use ``rows`` (for sorted unique ``ids``) with no gradient hook of this bag's own:
+        ``PSModel`` passes a slice of one tensor holding every table's rows, so gradients
+        reach that tensor through autograd."""
         self._ids, self._rows = ids, rows
 
     def set_fetcher(self, fetch: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
@@ -98,13 +105,43 @@ class Prefetch:
     """A pull in flight for one batch: its unique ids per table and the handle.
 
     ``pushed`` marks a ``push_pull``: the same round trip also carries a step's gradients,
-    whose ``PushAck`` ``install`` puts in ``ack``.
+    whose ``PushAck`` ``install`` puts in ``ack``. ``columns`` and ``inverse`` are set when
+    every table's ids were one column of a [B, T] batch: the ids as [T, B] and, for each,
+    its row among all tables' unique ids in table order (so one gather looks every table up).
     """
 
     ids: dict[str, torch.Tensor]
     handle: Handle
     pushed: bool = False
     ack: PushAck | None = None
+    columns: torch.Tensor | None = None
+    inverse: torch.Tensor | None = None
+
+
+def unique_columns(ids: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Sorted unique ids of every row of ``ids`` [T, B] in a handful of torch calls.
+
+    Returns:
+        ``(unique, counts, inverse)``: row t's sorted unique ids are ``unique`` split by
+        ``counts`` (one after another, row order), and ``unique[inverse[t, b]] == ids[t, b]``.
+    """
+    t, b = ids.shape
+    ordered, perm = torch.sort(ids, dim=1)
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    torch.ne(ordered[:, 1:], ordered[:, :-1], out=first[:, 1:])
+    first = first.reshape(-1)
+    unique = ordered.reshape(-1)[first]
+    rank = torch.cumsum(first, 0).sub_(1).view(t, b)
+    inverse = torch.empty_like(rank).scatter_(1, perm, rank)
+    return unique, first.view(t, b).sum(1).tolist(), inverse
+
+
+def _columns(sparse: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """The ids as [T, B] if every table has one id per sample of one batch, else None."""
+    values = list(sparse.values())
+    if not values or any(v.dim() != 1 or v.dtype != torch.int64 or len(v) != len(values[0]) for v in values):
+        return None
+    return torch.stack([v.cpu() for v in values])
 
 
 def _push_pull_ack(pulled: PullResult) -> PushAck | None:
@@ -126,11 +163,18 @@ class PSModel:
             m.table: m for m in model.modules() if isinstance(m, ShardedEmbeddingBag)
         }
         self.dense: dict[str, nn.Parameter] = dict(model.named_parameters())
-        self._grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pin = device.type == "cuda"
+        # Every bound table's rows in one tensor (table order of the prefetch), its tables
+        # and their [start, stop) slices; the bags hold slices of it, so its .grad after a
+        # backward is every table's row gradients at once.
+        self._rows: torch.Tensor | None = None
+        self._slices: list[tuple[str, torch.Tensor, int, int]] = []
+        self._columns: torch.Tensor | None = None
+        self._inverse: torch.Tensor | None = None
         for bag in self.bags.values():
-            bag.grad_sink = self._grads
             bag.set_fetcher(self._fetch)
+        if hasattr(model, "fused_lookup"):
+            model.fused_lookup = self.lookup
 
     # All dense parameters travel as one flat tensor: one block per request instead of one per
     # parameter (a DLRM has a dozen small ones), chunked by the client like any dense tensor.
@@ -143,11 +187,18 @@ class PSModel:
     def _fetch(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         return self.client.pull({table: ids.cpu()}).result(self.client.config.timeout_s * 2).rows[table]
 
+    def _unique(self, sparse: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+        columns = _columns(sparse)
+        if columns is None:
+            return {t: torch.unique(ids.reshape(-1).cpu()) for t, ids in sparse.items()}, None, None
+        unique, counts, inverse = unique_columns(columns)
+        return dict(zip(sparse, torch.split(unique, counts))), columns, inverse
+
     def prefetch(self, sparse: Mapping[str, torch.Tensor], with_dense: bool = True) -> Prefetch:
         """Start pulling the rows of ``sparse`` (table -> ids of any shape) and the dense values."""
-        unique = {t: torch.unique(ids.reshape(-1).cpu()) for t, ids in sparse.items()}
+        unique, columns, inverse = self._unique(sparse)
         names = [self.FLAT] if with_dense and self.dense_on_shards and self.dense else []
-        return Prefetch(unique, self.client.pull(unique, names))
+        return Prefetch(unique, self.client.pull(unique, names), columns=columns, inverse=inverse)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self._pin:
@@ -159,24 +210,56 @@ class PSModel:
         pulled = prefetch.handle.result(timeout)
         if prefetch.pushed:
             prefetch.ack = _push_pull_ack(pulled)
-        for table, ids in prefetch.ids.items():
-            self.bags[table].bind(self._to_device(ids), self._to_device(pulled.rows[table]), train)
+        tables = list(prefetch.ids)
+        parts = [pulled.rows[t] for t in tables]
+        rows = self._to_device(parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
+        if rows is not None and train:
+            rows = rows.detach().requires_grad_(True)
+        self._rows, self._slices = rows, []
+        start = 0
+        for table, part in zip(tables, parts):
+            stop = start + len(part)
+            ids = self._to_device(prefetch.ids[table])
+            self.bags[table].attach(ids, rows[start:stop])
+            self._slices.append((table, prefetch.ids[table], start, stop))
+            start = stop
+        self._columns = prefetch.columns
+        self._inverse = None if prefetch.inverse is None else self._to_device(prefetch.inverse.t())
         if self.FLAT in pulled.dense:
             flat = self._to_device(pulled.dense[self.FLAT])
             params = list(self.dense.values())
             with torch.no_grad():
                 for p, value in zip(params, split_flat(flat, params)):
                     p.copy_(value)
-        self._grads.clear()
         return pulled
 
+    def lookup(self, sparse: torch.Tensor) -> torch.Tensor | None:
+        """Rows [B, T, dim] of every table for ids [B, T] (column t: table t of the bound
+        prefetch) in one gather, if those are the ids bound; else None."""
+        if self._inverse is None or self._rows is None or sparse.shape != self._inverse.shape:
+            return None
+        if not torch.equal(sparse.cpu().t(), self._columns):
+            return None
+        return self._rows[self._inverse]
+
     def gradients(self) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
-        """Row gradients collected by the bags' backward hooks and the dense gradients."""
-        sparse = {t: (ids, g.to("cpu")) for t, (ids, g) in self._grads.items()}
+        """Row gradients of the bound tables (where the backward reached them) and the dense
+        gradients."""
+        sparse = {}
+        grad = None if self._rows is None else self._rows.grad
+        if grad is not None:
+            grad = grad.to("cpu")
+            sparse = {t: (ids, grad[a:b]) for t, ids, a, b in self._slices}
         dense = {}
         if self.dense and any(p.grad is not None for p in self.dense.values()):
             dense = {self.FLAT: flat_grads(list(self.dense.values())).to("cpu")}
         return sparse, dense
+
+    def _clear(self) -> None:
+        if self._rows is not None:
+            self._rows.grad = None
+        for p in self.dense.values():
+            p.grad = None
 
     def push(self, clock: int, versions: PullResult, sparse_scale: float = 1.0) -> Handle:
         """Push the collected gradients (one request per shard) and clear them.
@@ -190,9 +273,7 @@ class PSModel:
         if sparse_scale != 1.0:
             sparse = {t: (ids, g * sparse_scale) for t, (ids, g) in sparse.items()}
         handle = self.client.push(sparse, dense if self.dense_on_shards else {}, clock=clock, versions=versions)
-        self._grads.clear()
-        for p in self.dense.values():
-            p.grad = None
+        self._clear()
         return handle
 
     @property
@@ -213,15 +294,13 @@ class PSModel:
             sparse: table -> ids (any shape) of the batch to pull for.
         """
         grads, dense = self.gradients()
-        unique = {t: torch.unique(ids.reshape(-1).cpu()) for t, ids in sparse.items()}
+        unique, columns, inverse = self._unique(sparse)
         names = [self.FLAT] if self.dense_on_shards and self.dense else []
         handle = self.client.push_pull(
             grads, dense if self.dense_on_shards else {}, unique, names, clock=clock, versions=versions
         )
-        self._grads.clear()
-        for p in self.dense.values():
-            p.grad = None
-        return Prefetch(unique, handle, pushed=True)
+        self._clear()
+        return Prefetch(unique, handle, pushed=True, columns=columns, inverse=inverse)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """Dense parameters of the model."""

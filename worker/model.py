@@ -86,6 +86,10 @@ class CTRModel(nn.Module):
         # A buffer so that it follows the model to its device; not state, so not saved.
         self.register_buffer("_pairs", torch.triu_indices(n, n, offset=1), persistent=False)
         self.top = _mlp([embedding_dim + n * (n - 1) // 2, *top_mlp, 1], last_activation=False)
+        # ``(sparse [B, num_sparse]) -> [B, num_sparse, embedding_dim] or None``: looks every
+        # field up at once (``PSModel`` sets it when the embeddings' rows live on shards);
+        # None, or a None answer, means one lookup per field through ``embeddings``.
+        self.fused_lookup: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def table_names(self) -> list[str]:
         """Names of the embedding tables, one per categorical field."""
@@ -106,11 +110,17 @@ class CTRModel(nn.Module):
         if sparse.dtype != torch.int64 or sparse.shape != (dense.shape[0], self.num_sparse):
             raise ValueError(f"sparse must be int64 [{dense.shape[0]}, {self.num_sparse}], got {sparse.dtype} {tuple(sparse.shape)}")
         x = self.bottom(dense)
-        embedded = [emb(sparse[:, j]) for j, emb in enumerate(self.embeddings)]
-        for j, e in enumerate(embedded):
-            if e.shape != x.shape:
-                raise ValueError(f"table cat_{j} returned {tuple(e.shape)}, expected {tuple(x.shape)}")
-        vectors = torch.stack([x, *embedded], dim=1)
+        fused = self.fused_lookup(sparse) if self.fused_lookup is not None else None
+        if fused is not None:
+            if fused.shape != (*sparse.shape, self.embedding_dim):
+                raise ValueError(f"fused lookup returned {tuple(fused.shape)}, expected {(*sparse.shape, self.embedding_dim)}")
+            vectors = torch.cat([x.unsqueeze(1), fused], dim=1)
+        else:
+            embedded = [emb(sparse[:, j]) for j, emb in enumerate(self.embeddings)]
+            for j, e in enumerate(embedded):
+                if e.shape != x.shape:
+                    raise ValueError(f"table cat_{j} returned {tuple(e.shape)}, expected {tuple(x.shape)}")
+            vectors = torch.stack([x, *embedded], dim=1)
         dots = torch.bmm(vectors, vectors.transpose(1, 2))
         i, j = self._pairs
         return self.top(torch.cat([x, dots[:, i, j]], dim=1)).squeeze(1)

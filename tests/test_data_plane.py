@@ -1,0 +1,270 @@
+"""The data plane: Push/Pull/PushPull over framed TCP and shared memory, beside gRPC.
+
+Shards are real processes on 127.0.0.1 (``LocalCluster``) unless a test needs the shard's own
+objects; raw sockets play a misbehaving client.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+
+import grpc
+import msgpack
+import pytest
+import torch
+
+from tether.deploy.launch import LocalCluster
+from tether.protos import dataplane as dp
+from tether.protos import tether_pb2 as pb
+from tether.protos import tether_pb2_grpc as pb_grpc
+from tether.protos.codec import encode_ids
+from tether.protos.errors import InvalidArgument, NotFound, Unauthenticated
+from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.server.config import ShardConfig
+from tether.server.service import start_shard
+from tether.worker import transport
+
+from conftest import make_client
+
+TABLE = TableConfig("emb", dim=4, optimizer=OptimizerConfig("sgd", lr=1.0), init_scale=0.0)
+SGD = OptimizerConfig("sgd", lr=1.0)
+TOKEN = "data-plane-token_0123456789"
+
+
+def _info(address: str) -> pb.InfoResponse:
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.ParameterServerStub(ch).Info(pb.InfoRequest(), timeout=10)
+
+
+def _raw(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.settimeout(10)
+    return s
+
+
+def _answer(sock: socket.socket) -> tuple[int, int, bytes]:
+    """(method, status, meta) of the next frame."""
+    method, _, status, meta_len, payload_len, _ = dp.read_header(sock, bytearray(dp.HEADER.size))
+    meta = bytearray(meta_len)
+    dp.recv_into(sock, memoryview(meta))
+    if payload_len:
+        dp.recv_into(sock, memoryview(bytearray(payload_len)))
+    return method, status, bytes(meta)
+
+
+def _closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_every_transport_reads_and_writes_the_same_rows(two_shards: list[str]) -> None:
+    ids = torch.tensor([0, 3, 17, 2**40, 123456789], dtype=torch.int64)
+    clients = {t: make_client(two_shards, f"w-{t}", transport=t) for t in ("auto", "tcp", "grpc")}
+    try:
+        for c in clients.values():
+            c.declare([TABLE], dense={"w": torch.zeros(3000)}, dense_optimizer=SGD)
+        assert clients["auto"].transports() == ["shm", "shm"]
+        assert clients["tcp"].transports() == ["tcp", "tcp"]
+        assert clients["grpc"].transports() == ["grpc", "grpc"]
+        for i, c in enumerate(clients.values(), start=1):
+            c.push({"emb": (ids, torch.ones(5, 4))}, dense={"w": torch.full((3000,), 0.5)}).result(10)
+            for reader in clients.values():
+                got = reader.pull({"emb": ids}, dense=["w"]).result(10)
+                assert torch.equal(got.rows["emb"], torch.full((5, 4), -float(i)))
+                assert torch.equal(got.dense["w"], torch.full((3000,), -0.5 * i))
+        # push_pull: the answer already holds the push's effect.
+        got = clients["auto"].push_pull(push_sparse={"emb": (ids, torch.ones(5, 4))}, pull_sparse={"emb": ids}).result(10)
+        assert torch.equal(got.rows["emb"], torch.full((5, 4), -4.0))
+    finally:
+        for c in clients.values():
+            c.close()
+
+
+def test_large_tensors_grow_the_shared_region(cluster: LocalCluster) -> None:
+    (address,) = cluster.start_shards(1)
+    n = 3 << 20  # 12 MiB each way, past the first 1 MiB region
+    client = make_client([address], transport="auto")
+    try:
+        client.declare(dense={"big": torch.zeros(n)}, dense_optimizer=SGD)
+        grad = torch.randn(n)
+        client.push(dense={"big": grad}).result(30)
+        assert torch.equal(client.pull(dense=["big"]).result(30).dense["big"], -grad)
+        assert client.transports() == ["shm"]
+    finally:
+        client.close()
+
+
+def test_bad_input_over_the_data_plane_is_refused_and_changes_nothing(cluster: LocalCluster) -> None:
+    (address,) = cluster.start_shards(1)
+    client = make_client([address], transport="tcp")
+    try:
+        client.declare([TABLE])
+        ids = torch.arange(4, dtype=torch.int64)
+        bad = torch.ones(4, 4)
+        bad[2, 1] = float("nan")
+        with pytest.raises(InvalidArgument, match="finite|NaN|nan"):
+            client.push({"emb": (ids, bad)}).result(10)
+        client._dims["nope"] = 4  # a table this shard never heard of
+        with pytest.raises(NotFound):
+            client.push({"nope": (ids, torch.ones(4, 4))}).result(10)
+        assert torch.equal(client.pull({"emb": ids}).result(10).rows["emb"], torch.zeros(4, 4))
+        info = _info(address)
+        assert (info.applied_pushes, info.rejected_pushes, info.tables[0].version) == (0, 2, 0)
+        assert client.transports() == ["tcp"]  # errors answered on the connection, which stays
+    finally:
+        client.close()
+
+
+def test_garbage_and_oversize_frames_are_dropped_and_the_shard_keeps_serving(cluster: LocalCluster) -> None:
+    (address,) = cluster.start_shards(1, extra_args=["--max-message-mb", "1"])
+    port = _info(address).data_port
+    assert port > 0
+    with _raw(port) as s:
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(100))
+        assert _closed(s)
+    with _raw(port) as s:
+        # A push claiming 2 GiB of payload: refused before a byte of it is read.
+        s.sendall(dp.HEADER.pack(dp.MAGIC, dp.PUSH, 0, 0, 10, 2 << 30, 0))
+        method, status, meta = _answer(s)
+        assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and method == 0
+        assert b"over the shard's limit" in meta
+        assert _closed(s)
+    with _raw(port) as s:
+        # A request that is not the message it claims to be.
+        dp.send_frame(s, dp.HELLO, msgpack.packb({}))
+        assert _answer(s)[1] == 0
+        dp.send_frame(s, dp.PUSH, b"\xff\xff\xff\xff")
+        assert _answer(s)[1] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    with _raw(port) as s:
+        # A region that is not the client's: a name outside tether-*, refused, calls go inline.
+        dp.send_frame(s, dp.HELLO, msgpack.packb({"shm": "../../etc/passwd", "shm_size": 4096, "nonce": b"x" * 16}))
+        assert msgpack.unpackb(_answer(s)[2])["shm"] is False
+    client = make_client([address], transport="auto")
+    try:
+        client.declare([TABLE])
+        ids = torch.arange(3, dtype=torch.int64)
+        client.push({"emb": (ids, torch.ones(3, 4))}).result(10)
+        assert torch.equal(client.pull({"emb": ids}).result(10).rows["emb"], -torch.ones(3, 4))
+    finally:
+        client.close()
+
+
+def test_out_of_band_payload_over_grpc_is_invalid_argument(cluster: LocalCluster) -> None:
+    (address,) = cluster.start_shards(1)
+    client = make_client([address], transport="grpc")
+    client.declare([TABLE])
+    client.close()
+    request = pb.PushRequest(worker_id="w", seq=1)
+    block = request.sparse.add(table="emb", ids=encode_ids(torch.arange(2)))
+    block.values.dtype, block.values.payload_offset, block.values.payload_bytes = pb.FLOAT32, 0, 32
+    block.values.shape[:] = [2, 4]
+    with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as err:
+        pb_grpc.ParameterServerStub(ch).Push(request, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "only the data plane carries" in err.value.details()
+
+
+def test_the_bearer_token_guards_the_data_plane(cluster: LocalCluster) -> None:
+    (address,) = cluster.start_shards(1, env={"TETHER_AUTH_TOKEN": TOKEN})
+    from tether.protos.security import ClientSecurity
+
+    good = make_client([address], security=ClientSecurity(token=TOKEN))
+    try:
+        good.declare([TABLE])
+        assert good.transports() == ["shm"]
+    finally:
+        good.close()
+    with grpc.insecure_channel(address) as ch:
+        port = pb_grpc.ParameterServerStub(ch).Info(
+            pb.InfoRequest(), timeout=10, metadata=(("authorization", f"Bearer {TOKEN}"),)
+        ).data_port
+    with _raw(port) as s:
+        dp.send_frame(s, dp.PULL, pb.PullRequest(worker_id="x").SerializeToString())
+        assert _answer(s)[1] == grpc.StatusCode.UNAUTHENTICATED.value[0]
+        assert _closed(s)
+    with _raw(port) as s:
+        dp.send_frame(s, dp.HELLO, msgpack.packb({"token": "wrong-token"}))
+        assert _answer(s)[1] == grpc.StatusCode.UNAUTHENTICATED.value[0]
+    bad = make_client([address], security=ClientSecurity(token="wrong-token"), transport="tcp")
+    try:
+        with pytest.raises(Unauthenticated):
+            bad.declare([TABLE])
+    finally:
+        bad.close()
+
+
+def test_a_lost_data_plane_ack_is_retried_and_applied_once(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    (address,) = cluster.start_shards(1)
+    client = make_client([address], transport="tcp", retries=5, backoff_s=0.05, max_backoff_s=0.2)
+    try:
+        client.declare([TABLE])
+        ids = torch.arange(8, dtype=torch.int64)
+        real = transport.DataConnection.receive
+        lost = []
+
+        def lose_first_ack(self: transport.DataConnection, timeout_s: float) -> object:
+            if not lost:
+                lost.append(real(self, timeout_s))  # the shard applied it and answered...
+                raise ConnectionResetError("ack lost")  # ...and the answer never arrived
+            return real(self, timeout_s)
+
+        monkeypatch.setattr(transport.DataConnection, "receive", lose_first_ack)
+        ack = client.push({"emb": (ids, torch.ones(8, 4))}).result(30)
+        monkeypatch.undo()
+        assert lost and ack.duplicates == 1  # the retry was recognised by (worker id, seq)
+        info = _info(address)
+        assert (info.applied_pushes, info.duplicate_pushes, info.tables[0].version) == (1, 1, 1)
+        assert torch.equal(client.pull({"emb": ids}).result(10).rows["emb"], -torch.ones(8, 4))
+    finally:
+        client.close()
+
+
+def test_a_killed_shard_comes_back_and_the_client_finds_its_new_data_port(tmp_path) -> None:
+    with LocalCluster(log_dir=tmp_path / "logs", grace_s=5.0, restart=True) as cluster:
+        (address,) = cluster.start_shards(1)
+        client = make_client([address], transport="auto", retries=30, backoff_s=0.05, max_backoff_s=0.5)
+        try:
+            client.declare([TABLE])
+            ids = torch.arange(4, dtype=torch.int64)
+            client.push({"emb": (ids, torch.ones(4, 4))}).result(10)
+            old_port = _info(address).data_port
+            pid = cluster.signal_shard(0, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while cluster.shard_process(0).pid == pid:
+                assert time.monotonic() < deadline, "the shard was not restarted"
+                time.sleep(0.05)
+            cluster.wait_shard(0)
+            # No checkpoint: the restarted shard is empty; the client re-declares and goes on.
+            client.declare([TABLE])
+            client.push({"emb": (ids, torch.ones(4, 4))}).result(30)
+            deadline = time.monotonic() + 30
+            while client.transports() != ["shm"]:  # rediscovery waits out a short pause
+                assert time.monotonic() < deadline, client.transports()
+                time.sleep(0.1)
+            assert torch.equal(client.pull({"emb": ids}).result(10).rows["emb"], -torch.ones(4, 4))
+            assert _info(address).data_port not in (0, old_port)  # a fresh free port, found again
+        finally:
+            client.close()
+
+
+def test_with_the_data_port_off_everything_goes_over_grpc() -> None:
+    running = start_shard(ShardConfig(host="127.0.0.1", port=0, data_port=None))
+    try:
+        assert running.data_port == 0
+        client = make_client([f"127.0.0.1:{running.port}"])
+        try:
+            client.declare([TABLE])
+            assert client.transports() == ["grpc"]
+            ids = torch.arange(2, dtype=torch.int64)
+            client.push({"emb": (ids, torch.ones(2, 4))}).result(10)
+            assert torch.equal(client.pull({"emb": ids}).result(10).rows["emb"], -torch.ones(2, 4))
+        finally:
+            client.close()
+    finally:
+        running.stop(1.0)
+    with pytest.raises(ValueError, match="data_port"):
+        ShardConfig(data_port=70000)
