@@ -5,12 +5,14 @@
     python bench/step_budget.py model                  # one step of the default model, 1 shard
     add --cprofile to list the functions (file:line) with the most own time
 
-Each stage of the request path runs alone, in this process, on the real objects: the client
-builds the requests (``PSClient._push_requests`` / ``_pull_requests``), protobuf serialises and
-parses them, the shard's servicer handles them (``ShardServicer.Push`` / ``Pull``: decode,
-validate, apply, encode), protobuf carries the answer back, and the client assembles it
-(``_combine_pull``). The end-to-end step against a real shard process is measured beside, so
-what the stages do not explain is the transport (grpc, sockets, threads, scheduling).
+Each stage of the request path runs alone, in this process, on the real objects, along the
+data plane's shared-memory path: the client builds the requests and lays out their payload
+(``PSClient._push_requests`` / ``_pull_requests``) and copies it into the region, protobuf
+carries the small messages, the shard's servicer handles them (``ShardServicer.data_call``:
+decode, validate, apply; lookup, gather) and copies pulled values into the region, and the
+client places them in the result (``_place_pull``). The end-to-end step against a real shard
+process is measured beside, so what the stages do not explain is the transport (sockets,
+wake-ups, scheduling).
 One torch thread, as in every benchmark. Private client methods are used on purpose: this is
 a profiling tool, and these are the pieces the fast path will change.
 """
@@ -92,23 +94,28 @@ class _Setup:
 
 
 def _stages_push_pull(s: _Setup, push_kw: dict[str, Any], pull_kw: dict[str, Any], reps: int) -> list[tuple[str, float]]:
-    """Per-stage median seconds of one push followed by one pull, all in this process."""
+    """Per-stage median seconds of one push followed by one pull, all in this process, along
+    the data plane's shared-memory path (what a client on the shard's machine takes)."""
+    from tether.protos import dataplane as dp
     from tether.protos import tether_pb2 as pb
 
     c, sv = s.client, s.servicer
     rows: list[tuple[str, float]] = []
-    t, reqs = _t(lambda: c._push_requests(push_kw.get("sparse", {}), push_kw.get("dense", {}), 0, None), reps)
-    rows.append(("client: build push request (split, encode_tensor)", t))
-    req = reqs[0]
+    t, (reqs, payloads) = _t(lambda: c._push_requests(push_kw.get("sparse", {}), push_kw.get("dense", {}), 0, None), reps)
+    rows.append(("client: build push request (split, lay out payload)", t))
+    req, payload = reqs[0], payloads[0]
+    region = memoryview(bytearray(dp.align(payload.nbytes) + 2 * 2**20 + dp.align(_pull_bytes(c, pull_kw))))
+    t, _ = _t(lambda: payload.copy_into(region), reps)
+    rows.append((f"client: copy push payload into the shared region ({payload.nbytes / 2**20:.2f} MiB)", t))
     t, wire = _t(req.SerializeToString, reps)
-    rows.append((f"protobuf: serialise push request ({len(wire) / 2**20:.2f} MiB)", t))
-    t, parsed = _t(lambda: pb.PushRequest.FromString(wire), reps)
-    rows.append(("protobuf: parse push request (shard)", t))
+    rows.append((f"protobuf: serialise + parse push message ({len(wire) / 2**10:.1f} KiB)", t + _t(lambda: pb.PushRequest.FromString(wire), reps)[0]))
+    parsed = pb.PushRequest.FromString(wire)
     seqs = iter(range(1 << 40, 1 << 62))
+    data = region[: payload.nbytes]
 
     def push_once() -> Any:
         parsed.seq = next(seqs)  # a fresh sequence number, or the shard would skip it as a retry
-        return sv.Push(parsed, None)
+        return sv.data_call("Push", parsed, data, dp.PayloadWriter())
 
     t, _ = _t(push_once, reps)
     rows.append(("shard: Push handler (decode, validate, apply)", t))
@@ -117,15 +124,23 @@ def _stages_push_pull(s: _Setup, push_kw: dict[str, Any], pull_kw: dict[str, Any
     pwire = preqs[0].SerializeToString()
     t, pparsed = _t(lambda: pb.PullRequest.FromString(pwire), reps)
     rows.append(("protobuf: serialise + parse pull request", t + _t(preqs[0].SerializeToString, reps)[0]))
-    t, resp = _t(lambda: sv.Pull(pparsed, None), reps)
-    rows.append(("shard: Pull handler (lookup, gather, encode_tensor)", t))
+    out = dp.PayloadWriter()
+    t, resp = _t(lambda: sv.data_call("Pull", pparsed, None, dp.PayloadWriter())[0], reps)
+    rows.append(("shard: Pull handler (lookup, gather)", t))
+    sv.data_call("Pull", pparsed, None, out)
+    t, _ = _t(lambda: out.copy_into(region), reps)
+    rows.append((f"shard: copy pulled values into the shared region ({out.nbytes / 2**20:.2f} MiB)", t))
     t, rwire = _t(resp.SerializeToString, reps)
-    rows.append((f"protobuf: serialise pull response ({len(rwire) / 2**20:.2f} MiB)", t))
-    t, rparsed = _t(lambda: pb.PullResponse.FromString(rwire), reps)
-    rows.append(("protobuf: parse pull response (client)", t))
-    t, _ = _t(lambda: c._combine_pull({0: rparsed}, plan, pull_kw.get("dense", ())), reps)
-    rows.append(("client: assemble pull result (decode_tensor, scatter rows)", t))
+    rows.append((f"protobuf: serialise + parse pull answer ({len(rwire) / 2**10:.1f} KiB)", t + _t(lambda: pb.PullResponse.FromString(rwire), reps)[0]))
+    rparsed = pb.PullResponse.FromString(rwire)
+    t, _ = _t(lambda: c._place_pull(plan, 0, rparsed, region[: out.nbytes]), reps)
+    rows.append(("client: place pulled values (decode_tensor, copy or scatter rows)", t))
     return rows
+
+
+def _pull_bytes(c: Any, pull_kw: dict[str, Any]) -> int:
+    _, plan = c._pull_requests(pull_kw.get("sparse", {}), pull_kw.get("dense", ()))
+    return sum(plan.response_bytes.values())
 
 
 def budget_table(rows: list[tuple[str, float]], e2e: float) -> str:
