@@ -334,7 +334,7 @@ def worker_argv(cfg: WorkerConfig) -> list[str]:
         "--optimizer", cfg.optimizer, "--lr", repr(cfg.lr), "--seed", str(cfg.seed),
         "--eval-samples", str(cfg.eval_samples), "--eval-every", str(cfg.eval_every), "--device", cfg.device,
         "--log-every", str(cfg.log_every), "--timeout", repr(cfg.timeout_s), "--wire-dtype", cfg.wire_dtype,
-        "--mode", cfg.mode, "--ssp-timeout", repr(cfg.ssp_timeout_s), "--slowdown", repr(cfg.slowdown),
+        "--transport", cfg.transport, "--mode", cfg.mode, "--ssp-timeout", repr(cfg.ssp_timeout_s), "--slowdown", repr(cfg.slowdown),
     ]
     if cfg.slow_worker is not None:
         argv += ["--slow-worker", str(cfg.slow_worker)]

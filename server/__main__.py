@@ -47,9 +47,10 @@ def run(config: ShardConfig) -> int:
     if metrics is not None:
         metrics.serving.set(1)
     log.info(
-        "shard %d/%d serving on %s:%d (%s%s)", config.shard_index, config.num_shards, config.host, running.port,
+        "shard %d/%d serving on %s:%d (%s%s), data plane %s", config.shard_index, config.num_shards, config.host, running.port,
         "mutual TLS" if config.tls_client_ca else "TLS" if config.tls else "plaintext",
         ", bearer token required" if config.auth_token else "",
+        f"on port {running.data_port}" if running.data_port else "off",
     )
     if config.port_file:
         _write_port_file(config.port_file, running.port)

@@ -52,6 +52,8 @@ class WorkerConfig:
     out: str | None = None
     timeout_s: float = 30.0
     wire_dtype: str = "float32"
+    # Push/pull transport (tether.worker.client.ClientConfig.transport): auto, tcp or grpc.
+    transport: str = "auto"
     mode: str = "async"
     staleness_aware: bool = False
     slowdown: float = 1.0
@@ -107,6 +109,8 @@ class WorkerConfig:
             raise ValueError(f"data must be 'synthetic' or 'criteo:PATH', got {self.data!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.transport not in ("auto", "tcp", "grpc"):
+            raise ValueError(f"transport must be auto, tcp or grpc, got {self.transport!r}")
         if self.wire_dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"wire_dtype must be float32, float16 or bfloat16, got {self.wire_dtype!r}")
         self.security  # noqa: B018 - validates the TLS and token fields together
@@ -136,6 +140,7 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default=_env("TETHER_MODE", "async"), help="consistency: async, ssp:S (at most S steps ahead of the slowest live worker) or sync (all-reduce; start with torchrun)")
     p.add_argument("--staleness-aware", action="store_true", help="divide each update's learning rate by its staleness (Zhang et al. 2016)")
     p.add_argument("--ssp-timeout", type=float, default=_env("TETHER_SSP_TIMEOUT", 300.0), help="longest wait on the staleness bound before failing, seconds")
+    p.add_argument("--transport", choices=("auto", "tcp", "grpc"), default=_env("TETHER_TRANSPORT", "auto"), help="push/pull over the shards' data plane (auto: shared memory on the same machine, else TCP; tcp: never shared memory) or grpc only (env TETHER_TRANSPORT)")
     p.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), default=_env("TETHER_WIRE_DTYPE", "float32"), help="element type of parameters and gradients on the wire")
 
 
@@ -181,6 +186,7 @@ def config_from_args(a: argparse.Namespace, **overrides: object) -> WorkerConfig
         out=getattr(a, "out", None),
         timeout_s=float(a.timeout),
         wire_dtype=a.wire_dtype,
+        transport=a.transport,
         mode=a.mode,
         staleness_aware=bool(a.staleness_aware),
         slowdown=float(getattr(a, "slowdown", 1.0)),

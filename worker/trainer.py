@@ -127,6 +127,7 @@ def connect(cfg: WorkerConfig, model: CTRModel, device: torch.device, metrics: o
             worker_id=f"worker-{cfg.worker_index}",
             timeout_s=cfg.timeout_s,
             wire_dtype=_WIRE[cfg.wire_dtype],
+            transport=cfg.transport,
             staleness_aware=cfg.staleness_aware,
             security=cfg.security,
         ),
