@@ -185,8 +185,8 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         rows, values = self.shard.pull(sparse, dense)
         response = pb.PullResponse()
         encode = encode_tensor if out is None else out.add
-        for (name, ids), (r, version), b in zip(sparse, rows, request.sparse):
-            encode(r, response.sparse.add(table=name, ids=b.ids, read_version=version).values, dtype=wire)
+        for (name, _), (r, version) in zip(sparse, rows):
+            encode(r, response.sparse.add(table=name, read_version=version).values, dtype=wire)
         for (name, index), (v, version) in zip(dense, values):
             encode(v, response.dense.add(name=name, index=index, read_version=version).value, dtype=wire)
         self._update_table_gauges()
