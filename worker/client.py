@@ -38,7 +38,6 @@ __all__ = ["CheckpointResult", "ClientConfig", "ClientSecurity", "ClockReply", "
 
 log = logging.getLogger(__name__)
 
-
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # What grpc's server says when it sheds a call past maximum_concurrent_rpcs: load, not a bad
 # request, so it is retried with backoff (a message over the size limit is not).
@@ -458,7 +457,7 @@ class PSClient:
     def _pull_requests(self, sparse: Mapping[str, torch.Tensor], dense: Sequence[str]) -> tuple[dict[int, pb.PullRequest], _PullPlan]:
         requests: dict[int, pb.PullRequest] = {}
         plan = _PullPlan(
-            rows={t: torch.empty(len(ids), self._dims[t]) for t, ids in sparse.items() if self._check_ids(t, ids) is not None},
+            rows={},
             flats={name: torch.empty(self._dense_layout(name).numel) for name in dense},
             shapes={name: self._dense[name].shape for name in dense},
         )
@@ -471,6 +470,7 @@ class PSClient:
 
         for table, ids in sparse.items():
             arr = self._check_ids(table, ids)
+            plan.rows[table] = torch.empty(arr.size, self._dims[table])
             for s, (pos, part) in enumerate(split_ids(arr, self.num_shards)):
                 if part.size:
                     req(s).sparse.add(table=table, ids=encode_ids(part))
