@@ -61,3 +61,41 @@ def test_bag_modes() -> None:
     assert bag(torch.tensor([[1, 2]])).tolist() == [[2.0, 3.0]]
     bag.mode = "max"
     assert bag(torch.tensor([[1, 2]])).tolist() == [[3.0, 4.0]]
+
+
+def test_unique_columns_matches_torch_unique() -> None:
+    from tether.worker.embedding import unique_columns
+
+    ids = torch.randint(0, 40, (5, 300), generator=torch.Generator().manual_seed(0))
+    unique, counts, inverse = unique_columns(ids)
+    for row, part in zip(ids, torch.split(unique, counts)):
+        assert torch.equal(part, torch.unique(row))
+    assert torch.equal(unique[inverse], ids)
+
+
+def test_fused_lookup_matches_per_table_lookup_and_gradients(inproc_shard) -> None:
+    from tether.worker.model import CTRModel
+
+    client = make_client([f"127.0.0.1:{inproc_shard.port}"])
+    torch.manual_seed(0)
+    model = CTRModel(3, 4, embedding_dim=2, embedding_factory=lambda name, dim: ShardedEmbeddingBag(name, dim))
+    ps = PSModel(model, client, torch.device("cpu"))
+    client.declare([TableConfig(t, 2, SGD, init_scale=0.5) for t in model.table_names()], ps.dense_tensors(), SGD)
+    dense = torch.randn(6, 3)
+    sparse = torch.randint(0, 5, (6, 4), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for fused in (True, False):
+        ps.install(ps.prefetch({f"cat_{j}": sparse[:, j] for j in range(4)}))
+        if not fused:
+            model.fused_lookup = None
+        out = model(dense, sparse)
+        out.sum().backward()
+        runs.append((out.detach(), ps.gradients()))
+        ps._clear()
+    (out_f, (sparse_f, dense_f)), (out_t, (sparse_t, dense_t)) = runs
+    assert torch.allclose(out_f, out_t)
+    assert sparse_f.keys() == sparse_t.keys() == {f"cat_{j}" for j in range(4)}
+    for t in sparse_f:
+        assert torch.equal(sparse_f[t][0], sparse_t[t][0]) and torch.allclose(sparse_f[t][1], sparse_t[t][1])
+    assert torch.allclose(dense_f["dense"], dense_t["dense"])
+    client.close()
