@@ -36,6 +36,10 @@ _REQUESTS = {dp.PUSH: pb.PushRequest, dp.PULL: pb.PullRequest, dp.PUSH_PULL: pb.
 OVERLOADED = "Concurrent RPC limit exceeded"
 
 
+def _over_limit(size: int, limit: int) -> str:
+    return f"message of {size} bytes is over the shard's limit of {limit}"
+
+
 class _Refuse(Exception):
     """Answer with this status and close the connection."""
 
@@ -157,17 +161,20 @@ class DataPlaneServer:
 
     def _one_call(self, conn: socket.socket, state: _Connection) -> bool:
         method, flags, _, meta_len, payload_len, aux = dp.read_header(conn, state.header)
-        inline = 0 if flags & dp.FLAG_SHM else payload_len
-        if meta_len + inline > self.max_message_bytes:
-            raise _Refuse(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"message of {meta_len + inline} bytes is over the shard's limit of {self.max_message_bytes}",
-            )
+        shared = bool(flags & dp.FLAG_SHM)
+        too_big = meta_len + payload_len > self.max_message_bytes
         if method not in dp.METHODS:
             raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"unknown data-plane method {method}")
+        if too_big and not (shared and meta_len <= self.max_message_bytes):
+            # Bytes we will not read are still on the socket: answer, then hang up.
+            raise _Refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, _over_limit(meta_len + payload_len, self.max_message_bytes))
         meta = bytearray(meta_len)
         dp.recv_into(conn, memoryview(meta))
-        payload = state.receive(conn, inline)
+        if too_big:  # a shared payload: refuse the call, keep the connection
+            dp.send_frame(conn, method, _over_limit(meta_len + payload_len, self.max_message_bytes).encode(),
+                          status=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+            return True
+        payload = state.receive(conn, 0 if shared else payload_len)
         with self._lock:
             if self._draining:
                 raise _Refuse(grpc.StatusCode.UNAVAILABLE, "shard is draining")
@@ -229,6 +236,11 @@ class DataPlaneServer:
             dp.send_frame(conn, method, message.encode(), status=code.value[0])
             return
         body = response.SerializeToString()
+        if len(body) + out.nbytes > self.max_message_bytes:
+            # gRPC refuses such an answer too; the request itself was applied (a PushPull's push).
+            message = "answer: " + _over_limit(len(body) + out.nbytes, self.max_message_bytes)
+            dp.send_frame(conn, method, message.encode(), status=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+            return
         if shm_end is not None and out.nbytes:
             start = dp.align(shm_end)
             if start + out.nbytes <= state.region.size:

@@ -334,11 +334,13 @@ def test_shards_statefulset() -> None:
     flags = _flag_values(c["args"])
     assert set(SERVER_FLAGS) <= set(flags), sorted(set(SERVER_FLAGS) - set(flags))
     assert flags["--host"] == "0.0.0.0" and flags["--port"] == "50051" and flags["--metrics-port"] == "9100"
+    assert flags["--data-port"] == "50061"
     assert flags["--shard-index"] == "$(TETHER_SHARD_INDEX)"
     env = {e["name"]: e for e in c.get("env", [])}
     assert env["TETHER_SHARD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": 50051, "metrics": 9100}
+    assert ports == {"grpc": 50051, "data": 50061, "metrics": 9100}
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": 50051, "data": 50061, "metrics": 9100}
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert c[probe]["grpc"]["port"] == 50051, probe
     assert c["resources"]["requests"] and c["resources"]["limits"]
