@@ -223,7 +223,7 @@ class PSModel:
             self.bags[table].attach(ids, rows[start:stop])
             self._slices.append((table, prefetch.ids[table], start, stop))
             start = stop
-        self._columns = prefetch.columns
+        self._columns = None if prefetch.columns is None else self._to_device(prefetch.columns)
         self._inverse = None if prefetch.inverse is None else self._to_device(prefetch.inverse.t())
         if self.FLAT in pulled.dense:
             flat = self._to_device(pulled.dense[self.FLAT])
@@ -238,7 +238,7 @@ class PSModel:
         prefetch) in one gather, if those are the ids bound; else None."""
         if self._inverse is None or self._rows is None or sparse.shape != self._inverse.shape:
             return None
-        if not torch.equal(sparse.cpu().t(), self._columns):
+        if not torch.equal(sparse.t(), self._columns):
             return None
         return self._rows[self._inverse]
 
