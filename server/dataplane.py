@@ -145,6 +145,7 @@ class DataPlaneServer:
 
     def _serve(self, conn: socket.socket) -> None:
         state = _Connection(authenticated=self._token is None)
+        self._count(state, +1)
         try:
             while self._one_call(conn, state):
                 pass
@@ -153,11 +154,16 @@ class DataPlaneServer:
         except (ConnectionError, OSError) as exc:
             log.debug("data connection closed: %s", exc)
         finally:
+            self._count(state, -1)
             if state.region is not None:
                 state.region.close()
             with self._lock:
                 self._conns.pop(conn, None)
             conn.close()
+
+    def _count(self, state: _Connection, delta: int) -> None:
+        if self.servicer.metrics is not None:
+            self.servicer.metrics.data_connections.labels(mode="tcp" if state.region is None else "shm").inc(delta)
 
     def _one_call(self, conn: socket.socket, state: _Connection) -> bool:
         method, flags, _, meta_len, payload_len, aux = dp.read_header(conn, state.header)
@@ -216,9 +222,11 @@ class DataPlaneServer:
                 # Not on this machine, or not visible to this process: the client sends inline.
                 log.debug("shared region refused: %s", exc)
             else:
+                self._count(state, -1)
                 if state.region is not None:
                     state.region.close()
                 state.region = region
+                self._count(state, +1)
                 shm = True
         return {"shard": self.servicer.shard.shard_index, "shm": shm}
 

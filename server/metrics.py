@@ -113,12 +113,18 @@ class ShardMetrics:
             buckets=CHECKPOINT_BUCKETS, registry=r)
 
         self.serving = Gauge("tether_shard_up", "1 while the shard is serving, else 0.", registry=r)
+        self.data_connections = Gauge(
+            "tether_shard_data_connections",
+            "Open data-plane connections, by how their payloads travel (shm: shared memory, tcp: the socket).",
+            ["mode"], registry=r)
 
         # Export the bounded series at 0 from the start so rate() and alerts see them.
         for kind in UPDATE_KINDS:
             self.updates_applied.labels(kind=kind)
         for reason in REJECT_REASONS:
             self.updates_rejected.labels(reason=reason)
+        for mode in ("shm", "tcp"):
+            self.data_connections.labels(mode=mode)
         self.staleness_bound.set(-1)
 
     def set_staleness_bound(self, bound: int | None) -> None:

@@ -84,8 +84,17 @@ def test_every_transport_reads_and_writes_the_same_rows(two_shards: list[str]) -
             c.close()
 
 
+def _gauge(port: int, mode: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    line = next(x for x in text.splitlines() if x.startswith(f'tether_shard_data_connections{{mode="{mode}"}}'))
+    return float(line.split()[-1])
+
+
 def test_large_tensors_grow_the_shared_region(cluster: LocalCluster) -> None:
-    (address,) = cluster.start_shards(1)
+    (address,) = cluster.start_shards(1, metrics=True)
+    mport = cluster.metrics_ports["shard-0"]
     n = 3 << 20  # 12 MiB each way, past the first 1 MiB region
     client = make_client([address], transport="auto")
     try:
@@ -94,8 +103,13 @@ def test_large_tensors_grow_the_shared_region(cluster: LocalCluster) -> None:
         client.push(dense={"big": grad}).result(30)
         assert torch.equal(client.pull(dense=["big"]).result(30).dense["big"], -grad)
         assert client.transports() == ["shm"]
+        assert (_gauge(mport, "shm"), _gauge(mport, "tcp")) == (1.0, 0.0)
     finally:
         client.close()
+    deadline = time.monotonic() + 10
+    while _gauge(mport, "shm") != 0.0:  # the shard notices the closed connection
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def test_bad_input_over_the_data_plane_is_refused_and_changes_nothing(cluster: LocalCluster) -> None:

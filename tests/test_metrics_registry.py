@@ -39,6 +39,7 @@ SHARD_SPEC: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "last_checkpoint_timestamp": ("tether_shard_last_checkpoint_timestamp_seconds", "gauge", ()),
     "checkpoint_seconds": ("tether_shard_checkpoint_duration_seconds", "histogram", ()),
     "serving": ("tether_shard_up", "gauge", ()),
+    "data_connections": ("tether_shard_data_connections", "gauge", ("mode",)),
 }
 WORKER_SPEC: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "phase_seconds": ("tether_worker_step_phase_seconds", "histogram", ("phase",)),
