@@ -237,6 +237,8 @@ class PSClient:
         self._seq_lock = threading.Lock()
         self._dims: dict[str, int] = {}
         self._dense: dict[str, _DenseLayout] = {}
+        self._splits: dict[str, list[tuple[np.ndarray, list[tuple[torch.Tensor, np.ndarray]]]]] = {}
+        self._split_lock = threading.Lock()
         self._data: list[DataPlane] | None = None
         if config.transport != "grpc" and not config.security.tls:
             self._data = [
@@ -471,10 +473,10 @@ class PSClient:
         for table, ids in sparse.items():
             arr = self._check_ids(table, ids)
             plan.rows[table] = torch.empty(arr.size, self._dims[table])
-            for s, (pos, part) in enumerate(split_ids(arr, self.num_shards)):
+            for s, (pos, part) in enumerate(self._split(table, arr)):
                 if part.size:
                     req(s).sparse.add(table=table, ids=encode_ids(part))
-                    plan.positions[(s, table)] = None if part.size == arr.size else torch.from_numpy(pos)
+                    plan.positions[(s, table)] = None if part.size == arr.size else pos
                     plan.response_bytes[s] = plan.response_bytes.get(s, 0) + dp.align(part.size * self._dims[table] * itemsize)
         for name in dense:
             for index, a, b in self._dense[name].chunks:
@@ -482,6 +484,20 @@ class PSClient:
                 req(s).dense.add(name=name, index=index)
                 plan.response_bytes[s] = plan.response_bytes.get(s, 0) + dp.align((b - a) * itemsize)
         return requests, plan
+
+    def _split(self, table: str, arr: np.ndarray) -> list[tuple[torch.Tensor, np.ndarray]]:
+        """``split_ids`` with positions as tensors, remembered for the last two id sets of each
+        table: a step pushes the very ids it pulled (compared, not trusted, before reuse)."""
+        with self._split_lock:
+            recent = self._splits.setdefault(table, [])
+            for ids, parts in recent:
+                if ids.shape == arr.shape and np.array_equal(ids, arr):
+                    return parts
+        parts = [(torch.from_numpy(pos), part) for pos, part in split_ids(arr, self.num_shards)]
+        with self._split_lock:
+            recent.insert(0, (arr.copy(), parts))
+            del recent[2:]
+        return parts
 
     def _dense_layout(self, name: str) -> _DenseLayout:
         try:
@@ -497,7 +513,7 @@ class PSClient:
             if pos is None:
                 plan.rows[block.table].copy_(values)
             else:
-                plan.rows[block.table][pos] = values
+                plan.rows[block.table].index_copy_(0, pos, values)
             plan.table_versions[(shard, block.table)] = block.read_version
         for b in response.dense:
             _, a, stop = self._dense[b.name].chunks[b.index]
@@ -548,11 +564,11 @@ class PSClient:
             if tuple(grads.shape) != (arr.size, self._dims[table]):
                 raise InvalidArgument(f"table {table!r}: gradient shape {tuple(grads.shape)} != ({arr.size}, {self._dims[table]})")
             grads = grads.detach().to("cpu")
-            for s, (pos, part) in enumerate(split_ids(arr, self.num_shards)):
+            for s, (pos, part) in enumerate(self._split(table, arr)):
                 if part.size:
                     rv = versions.table_versions.get((s, table), 0) if versions else 0
                     b = req(s).sparse.add(table=table, ids=encode_ids(part), read_version=rv)
-                    payloads[s].add(grads if part.size == arr.size else grads[torch.from_numpy(pos)], b.values, wire)
+                    payloads[s].add(grads if part.size == arr.size else grads.index_select(0, pos), b.values, wire)
         for name, grad in dense.items():
             layout = self._dense_layout(name)
             if tuple(grad.shape) != layout.shape:
