@@ -229,47 +229,35 @@ def limits(res: dict[str, Any]) -> str:
     need = ms(_med(d["peer"]) * TARGETS["dense_4mib_vs_peer"])
     text = (
         f"**Dense.** A 4 MiB push + pull takes {t_t:.1f} ms through tether, {t_p:.1f} ms through the rpc peer, "
-        f"{t_g:.1f} ms as a raw grpc identity echo of the same bytes (one call, no protobuf, no tensors) and "
-        f"{t_s:.1f} ms over a raw socket. "
+        f"{t_g:.1f} ms as a raw grpc identity echo of the same bytes and {t_s:.1f} ms as a raw socket echo. tether's "
+        f"push and pull travel on the shard's data plane, through a shared-memory region here (client and shard share "
+        f"the machine), so the bytes are copied, not sent: into the region, applied from it, gathered into it and "
+        f"copied out. "
     )
-    if t_g >= 0.8 * t_t:
-        text += (
-            f"tether runs at {t_g / t_t:.0%} of raw grpc's speed here, so its own work is small beside the transport. "
-        )
-    else:
-        text += (
-            f"The transport alone accounts for {t_g / t_t:.0%} of tether's step; the other {1 - t_g / t_t:.0%} is "
-            f"tether's own work (two calls instead of one echo, tensor -> bytes copies, protobuf (de)serialisation, the "
-            f"client's thread-pool hop, the shard's validation and optimizer step). "
-        )
-    if t_g > need:
-        text += (
-            f"Meeting the target needs {need:.1f} ms per step, which even a raw grpc echo ({t_g:.1f} ms) misses by "
-            f"{t_g / need:.1f}x: no tuning of tether's Python removes that, so large dense payloads need a path that "
-            f"does not go through grpc's unary message path (a raw-socket or shared-memory data plane beside the grpc "
-            f"control plane, or streamed chunks). "
-        )
-    else:
-        text += f"Raw grpc ({t_g:.1f} ms) is within the target's {need:.1f} ms, so the gap is tether's own overhead. "
+    text += (
+        f"The target needs {need:.1f} ms per step: "
+        + ("met. " if t_t <= need else f"{t_t / need:.2f}x too slow. ")
+    )
     b = res.get("budget", {}).get("dense_4mib")
     if b:
         stages = sorted(b["stages"], key=lambda r: -r[1])
         inproc = sum(t for _, t in b["stages"])
-        out_text = (
-            f"The stage budget (above) puts numbers on it: of a {b['e2e'] * 1e3:.1f} ms step, the request path's own "
-            f"stages, run in process, take {inproc * 1e3:.1f} ms, the largest being \"{stages[0][0]}\" "
-            f"({stages[0][1] * 1e3:.2f} ms) and \"{stages[1][0]}\" ({stages[1][1] * 1e3:.2f} ms); the other "
-            f"{max(b['e2e'] - inproc, 0) * 1e3:.1f} ms are grpc's transport and the hand-offs between threads."
+        text += (
+            f"In the stage budget (above), of a {b['e2e'] * 1e3:.1f} ms step the stages run in process take "
+            f"{inproc * 1e3:.1f} ms, the largest being \"{stages[0][0]}\" ({stages[0][1] * 1e3:.2f} ms) and "
+            f"\"{stages[1][0]}\" ({stages[1][1] * 1e3:.2f} ms): memory copies and the optimizer's pass, which no "
+            f"transport removes; the other {max(b['e2e'] - inproc, 0) * 1e3:.1f} ms are two socket round trips and "
+            f"the wake-ups of the shard's connection thread and of the client."
         )
-        text += out_text
     out.append(text)
 
     s = res["small"]
     p50_t, p50_p, p50_g = _med(s["p50_us"]["tether"]), _med(s["p50_us"]["peer"]), _med(s["p50_us"]["grpc"])
     out.append(
         f"**Small calls.** A tiny push_pull round trip has a p50 of {p50_t:.0f} us against {p50_g:.0f} us for a raw grpc "
-        f"echo and {p50_p:.0f} us for the rpc peer: {max(p50_t - p50_g, 0):.0f} us per call is tether's fixed cost "
-        f"(request building, the fan-out thread pool, validation, metrics, protobuf), paid by every step of every worker."
+        f"echo and {p50_p:.0f} us for the rpc peer. On the data plane a call is one framed message each way on a kept "
+        f"connection, sent from the calling thread; what remains is request building, validation, metrics and "
+        f"protobuf on both sides, and the process wake-ups of a 2-vCPU virtual machine."
     )
 
     sp = res["sparse"]
@@ -285,7 +273,7 @@ def limits(res: dict[str, Any]) -> str:
         f"(the rpc peer: {peer_ms['1']:.1f} and {peer_ms['2']:.1f} ms). Applying the SGD push inside the shard costs "
         f"{apply_ms:.2f} ms ({apply_ms / step_ms['1']:.0%} of the 1-shard step; raw torch does the same update in "
         f"{raw_ms:.2f} ms, and the id -> slot lookup alone takes {lookup_ms:.2f} ms, twice per step with the pull), so "
-        f"most of the step is RPC, codec and client-side splitting and reassembly. "
+        f"the rest is the client's splitting and reassembly and, above all, four socket round trips' wake-ups. "
         + (f"A second shard makes the step slower, not faster ({step_ms['2'] / step_ms['1']:.2f}x): on this "
            f"{os.cpu_count()}-core machine the extra process competes for the cores, and per-shard fixed costs double."
            if step_ms["2"] > step_ms["1"] else
@@ -297,7 +285,7 @@ def limits(res: dict[str, Any]) -> str:
         inproc = sum(t for _, t in b["stages"])
         out[-1] += (
             f" In the stage budget, the in-process stages take {inproc * 1e3:.1f} ms of a {b['e2e'] * 1e3:.1f} ms step, "
-            f"led by \"{stages[0][0]}\" ({stages[0][1] * 1e3:.2f} ms); transport and thread hand-offs take the other "
+            f"led by \"{stages[0][0]}\" ({stages[0][1] * 1e3:.2f} ms); sockets and wake-ups take the other "
             f"{max(b['e2e'] - inproc, 0) * 1e3:.1f} ms."
         )
 
@@ -436,9 +424,10 @@ def render(
 
     if "budget" in res:
         L += ["", "## Where the time goes: stage budget (in process)", "",
-              "`bench/step_budget.py`: each stage of one step run alone in this process on the real objects (client "
-              "request building, protobuf, the shard's servicer handlers, result assembly), beside the end-to-end step "
-              "against a shard process; what the stages do not explain is grpc's transport and the thread hand-offs. "
+              "`bench/step_budget.py`: each stage of one step run alone in this process on the real objects, along the "
+              "data plane's shared-memory path (client request building, copies into and out of the region, protobuf "
+              "for the small messages, the shard's servicer), beside the end-to-end step against a shard process; what "
+              "the stages do not explain is the sockets and the wake-ups of threads and processes. "
               "Medians of 30 runs per stage.", ""]
         for key, title in (("dense_4mib", "dense 4 MiB fp32, push then pull"), ("sparse_4096x64", "sparse 4096 x 64, pull then push (SGD)")):
             b = res["budget"][key]
