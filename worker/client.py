@@ -121,6 +121,8 @@ class PullResult:
     # Versions the values were read at, to be sent back with the gradients they produce.
     table_versions: dict[tuple[int, str], int]
     dense_versions: dict[tuple[str, int], int]
+    # What the shards said of the push, for the result of a ``push_pull`` (None for a pull).
+    ack: PushAck | None = None
 
 
 @dataclass(frozen=True)
@@ -621,7 +623,7 @@ class PSClient:
         """Push gradients and pull parameters in one round trip per shard.
 
         Returns:
-            A handle whose result is a ``PullResult``.
+            A handle whose result is a ``PullResult`` whose ``ack`` is the push's.
         """
         pushes, payloads = self._push_requests(push_sparse or {}, push_dense or {}, clock, versions)
         pulls, plan = self._pull_requests(pull_sparse or {}, pull_dense)
@@ -631,9 +633,14 @@ class PSClient:
             pull = pulls.get(s) or pb.PullRequest(worker_id=self.config.worker_id)
             requests[s] = pb.PushPullRequest(push=push, pull=pull)
             payloads.setdefault(s, dp.PayloadWriter())
+        def combine(answers: dict[int, pb.PushPullResponse]) -> PullResult:
+            result = plan.result()
+            result.ack = _ack({shard: a.push for shard, a in answers.items()})
+            return result
+
         return self._fan_out(
-            "PushPull", requests, lambda _: plan.result(), payloads=payloads, response_bytes=plan.response_bytes,
-            answer=lambda s, response, payload: self._place_pull(plan, s, response.pull, payload),
+            "PushPull", requests, combine, payloads=payloads, response_bytes=plan.response_bytes,
+            answer=lambda s, response, payload: self._place_pull(plan, s, response.pull, payload) or response,
         )
 
     def clock(self, clock: int, wait_bound: int = -1, timeout_s: float = 60.0, leave: bool = False) -> ClockReply:

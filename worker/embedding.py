@@ -11,7 +11,7 @@ gradient, split per table, to one push per shard.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -144,12 +144,6 @@ def _columns(sparse: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     return torch.stack([v.cpu() for v in values])
 
 
-def _push_pull_ack(pulled: PullResult) -> PushAck | None:
-    """The push half's acknowledgement of a finished ``push_pull`` (None if the client does
-    not report it)."""
-    return getattr(pulled, "ack", None)
-
-
 class PSModel:
     """Binds a model to the shards: pull before forward, push after backward."""
 
@@ -209,7 +203,7 @@ class PSModel:
         """Wait for a prefetch and load its rows and dense values into the model."""
         pulled = prefetch.handle.result(timeout)
         if prefetch.pushed:
-            prefetch.ack = _push_pull_ack(pulled)
+            prefetch.ack = pulled.ack
         tables = list(prefetch.ids)
         parts = [pulled.rows[t] for t in tables]
         rows = self._to_device(parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
@@ -275,12 +269,6 @@ class PSModel:
         handle = self.client.push(sparse, dense if self.dense_on_shards else {}, clock=clock, versions=versions)
         self._clear()
         return handle
-
-    @property
-    def push_pull_acks(self) -> bool:
-        """Whether ``push_pull`` reports its push's acknowledgement (``PullResult.ack``); a
-        trainer that accounts staleness per push needs it to use ``push_pull``."""
-        return "ack" in {f.name for f in fields(PullResult)}
 
     def push_pull(self, clock: int, versions: PullResult, sparse: Mapping[str, torch.Tensor]) -> Prefetch:
         """Push the collected gradients and pull the rows of ``sparse`` in one round trip.

@@ -278,13 +278,11 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
     stream = _background(ds.train_batches(cfg.batch_size, cfg.steps, cfg.worker_index, cfg.num_workers))
     # Prefetching the next batch during compute reads before this step's push lands: fine
     # without a bound, but ssp and sync pull only once the bound (or the barrier) allows.
-    # Where the client reports push_pull's acks, an async step makes one round trip in steady
-    # state: its push carries the pull of the batch after next (push_pull), which then has a
-    # whole step of compute to come back in. The rows of a step miss one step's update either
+    # An async step makes one round trip in steady state: its push carries the pull of the
+    # batch after next (push_pull, whose answer holds the push's ack), which then has a whole
+    # step of compute to come back in. The rows of a step miss one step's update either
     # way (the previous step's), as with a plain prefetch issued before that step's push.
     prefetch = cfg.prefetch and kind == "async"
-    # push_pull only where the client reports each push's ack: staleness is recorded per push.
-    pipelined = prefetch and ps.push_pull_acks
     history: list[dict[str, object]] = []
     staleness: list[int] = []
     too_stale = 0
@@ -353,7 +351,7 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
         if push is not None:
             settle(push)
             push = None
-        if pipelined and after is not None:
+        if prefetch and after is not None:
             ahead = ps.push_pull(clock=start_clock + step + 1, versions=pulled, sparse=_sparse(after))
         else:
             push = ps.push(clock=start_clock + step + 1, versions=pulled, sparse_scale=1.0 / cfg.num_workers if kind == "sync" else 1.0)
