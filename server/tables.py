@@ -284,9 +284,12 @@ class EmbeddingTable:
                 return self._gather(ids, self._resolve(ids)), self.version
         version = self.version
         slots = self._index.lookup(ids)
-        if (slots < 0).any():
+        missing = slots < 0
+        if missing.any():
+            # Rows are never removed from a table without a capacity, so only the ids missing
+            # from the lock-free read need resolving under the lock.
             with self._lock:
-                slots = self._resolve(ids)
+                slots[missing] = self._resolve(ids[missing])
         return self._gather(ids, slots), version
 
     def push(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float = 1.0) -> int:
