@@ -633,14 +633,18 @@ class PSClient:
             pull = pulls.get(s) or pb.PullRequest(worker_id=self.config.worker_id)
             requests[s] = pb.PushPullRequest(push=push, pull=pull)
             payloads.setdefault(s, dp.PayloadWriter())
-        def combine(answers: dict[int, pb.PushPullResponse]) -> PullResult:
+
+        def place(shard: int, response: pb.PushPullResponse, payload: memoryview | None) -> pb.PushResponse:
+            self._place_pull(plan, shard, response.pull, payload)
+            return response.push
+
+        def combine(acks: dict[int, pb.PushResponse]) -> PullResult:
             result = plan.result()
-            result.ack = _ack({shard: a.push for shard, a in answers.items()})
+            result.ack = _ack(acks)
             return result
 
         return self._fan_out(
-            "PushPull", requests, combine, payloads=payloads, response_bytes=plan.response_bytes,
-            answer=lambda s, response, payload: self._place_pull(plan, s, response.pull, payload) or response,
+            "PushPull", requests, combine, payloads=payloads, response_bytes=plan.response_bytes, answer=place
         )
 
     def clock(self, clock: int, wait_bound: int = -1, timeout_s: float = 60.0, leave: bool = False) -> ClockReply:
