@@ -39,25 +39,11 @@ class ShardedEmbeddingBag(nn.Module):
         self._ids: torch.Tensor | None = None  # sorted unique ids of the bound rows (on device)
         self._rows: torch.Tensor | None = None
         self._fetch: Callable[[str, torch.Tensor], torch.Tensor] | None = None
-        self.grad_sink: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def bind(self, ids: torch.Tensor, rows: torch.Tensor, train: bool) -> None:
-        """Use ``rows`` (for sorted unique ``ids``) in the next forward passes."""
-        if train:
-            rows = rows.detach().requires_grad_(True)
-            ids_cpu = ids.detach().cpu()
-
-            def _hook(grad: torch.Tensor) -> None:
-                if self.grad_sink is not None:
-                    self.grad_sink[self.table] = (ids_cpu, grad)
-
-            rows.register_hook(_hook)
-        self._ids, self._rows = ids, rows
-
-    def attach(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Use ``rows`` (for sorted unique ``ids``) with no gradient hook of this bag's own:
-        ``PSModel`` passes a slice of one tensor holding every table's rows, so gradients
-        reach that tensor through autograd."""
+    def bind(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Use ``rows`` (for sorted unique ``ids``) in the next forward passes. ``PSModel``
+        passes a slice of one tensor holding every table's rows, so gradients reach that
+        tensor through autograd."""
         self._ids, self._rows = ids, rows
 
     def set_fetcher(self, fetch: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
@@ -77,7 +63,7 @@ class ShardedEmbeddingBag(nn.Module):
             if self._fetch is None:
                 raise InvalidArgument(f"table {self.table!r}: ids were not pulled and no fetcher is set")
             unique = torch.unique(flat)
-            self.bind(unique, self._fetch(self.table, unique).to(flat.device), train=False)
+            self.bind(unique, self._fetch(self.table, unique).to(flat.device))
             pos = torch.searchsorted(self._ids, flat)
         rows = self._rows[pos]
         if ids.dim() == 1:
@@ -214,7 +200,7 @@ class PSModel:
         for table, part in zip(tables, parts):
             stop = start + len(part)
             ids = self._to_device(prefetch.ids[table])
-            self.bags[table].attach(ids, rows[start:stop])
+            self.bags[table].bind(ids, rows[start:stop])
             self._slices.append((table, prefetch.ids[table], start, stop))
             start = stop
         self._columns = None if prefetch.columns is None else self._to_device(prefetch.columns)
