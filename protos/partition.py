@@ -10,17 +10,22 @@ __all__ = ["dense_shard", "mix64", "shard_of_ids", "split_ids"]
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
+_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64 finaliser: a bijective scramble of uint64 keys (vectorised)."""
-    z = x.astype(np.uint64, copy=True)
-    with np.errstate(over="ignore"):
-        z ^= z >> np.uint64(30)
-        z *= _M1
-        z ^= z >> np.uint64(27)
-        z *= _M2
-        z ^= z >> np.uint64(31)
+    return mix64_(x.astype(np.uint64, copy=True))
+
+
+def mix64_(z: np.ndarray) -> np.ndarray:
+    """``mix64`` in place on a uint64 array (returned)."""
+    # Array arithmetic on uint64 wraps silently (only NumPy scalars warn), so no errstate.
+    z ^= z >> _S30
+    z *= _M1
+    z ^= z >> _S27
+    z *= _M2
+    z ^= z >> _S31
     return z
 
 

@@ -30,6 +30,8 @@ _EMPTY = np.int64(-1)
 _SPREAD = 3
 # A removed id's cell: not empty (probes go on past it), matches no id (ids are >= 0).
 _TOMBSTONE = np.int64(-2)
+# Inserts of at most this many ids probe id by id instead of in vectorised rounds.
+_SCALAR_MAX = 32
 
 
 class IdIndex:
@@ -49,21 +51,32 @@ class IdIndex:
 
     @staticmethod
     def _home(ids: np.ndarray, mask: int) -> np.ndarray:
-        return (mix64(ids.view(np.uint64)) & np.uint64(mask)).astype(np.int64)
+        h = mix64(ids.view(np.uint64))
+        h &= np.uint64(mask)
+        return h.view(np.int64)
 
     def _cells(self, ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """Cell of each id in ``keys`` (one snapshot of the key array), -1 where absent."""
         mask = len(keys) - 1
-        cell = np.full(len(ids), -1, np.int64)
-        active = np.arange(len(ids))
         pos = self._home(ids, mask)
+        # The first probe settles most ids (load factor <= 1/3): it runs on the whole batch
+        # without index bookkeeping, and only the ids that met another key go round again.
+        k = keys[pos]
+        hit = k == ids
+        cell = np.where(hit, pos, -1)
+        more = ~hit
+        more &= k != _EMPTY
+        active = np.flatnonzero(more)
+        pos = pos[active]
         while active.size:
+            pos += 1
+            pos &= mask
             k = keys[pos]
             hit = k == ids[active]
             cell[active[hit]] = pos[hit]
             more = ~hit & (k != _EMPTY)
             active = active[more]
-            pos = (pos[more] + 1) & mask
+            pos = pos[more]
         return cell
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
@@ -106,8 +119,17 @@ class IdIndex:
 
     def _place(self, keys: np.ndarray, slots: np.ndarray, ids: np.ndarray, new_slots: np.ndarray) -> None:
         mask = len(keys) - 1
-        pending = np.arange(len(ids))
         pos = self._home(ids, mask)
+        if len(ids) <= _SCALAR_MAX:
+            # A handful of new ids (the usual steady state): probing them one by one costs a few
+            # microseconds, a vectorised round with its duplicate-cell check tens.
+            for key, slot, cell in zip(ids.tolist(), new_slots.tolist(), pos.tolist()):
+                while keys[cell] != _EMPTY:
+                    cell = (cell + 1) & mask
+                slots[cell] = slot
+                keys[cell] = key
+            return
+        pending = np.arange(len(ids))
         while pending.size:
             free = keys[pos] == _EMPTY
             # Several pending ids may want the same free cell: the first of each wins it.

@@ -15,16 +15,18 @@ than N times out of the table altogether; their counts live in a fixed-size coun
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import zlib
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from tether.protos.errors import InvalidArgument
-from tether.protos.partition import mix64
+from tether.protos.partition import mix64, mix64_
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.index import IdIndex
 from tether.server.optimizers import state_shapes, step
@@ -39,16 +41,31 @@ _GROWTH = 1.5
 _INITIAL_BYTES = 4 << 20
 # Evict at least this fraction of the capacity at once, so the O(rows) selection runs rarely.
 _EVICT_BATCH = 1 / 16
+# Pulls remembered for the pushes that follow (a few per worker) and the largest one kept.
+_RECENT_PULLS = 16
+_RECENT_MAX_IDS = 1 << 16
 
 
 def init_rows(ids: np.ndarray, dim: int, seed: int, table: str, scale: float) -> torch.Tensor:
     """Deterministic initial rows, uniform in [-scale, scale), from (seed, table, id) alone."""
-    salt = np.uint64((zlib.crc32(table.encode()) << 32) ^ (seed & 0xFFFFFFFF))
-    base = mix64(ids.astype(np.int64).view(np.uint64) ^ salt)
-    with np.errstate(over="ignore"):
-        h = mix64(base[:, None] + np.arange(1, dim + 1, dtype=np.uint64)[None, :] * _GOLDEN)
-    u = (h >> np.uint64(40)).astype(np.float32) * np.float32(1.0 / (1 << 24))
+    base = mix64_(ids.astype(np.int64).view(np.uint64) ^ _salt(seed, table))
+    h = mix64_(base[:, None] + _column_steps(dim))
+    h >>= np.uint64(40)
+    u = h.astype(np.float32)
+    u *= np.float32(1.0 / (1 << 24))
     return torch.from_numpy(u).mul_(2 * scale).sub_(scale)
+
+
+@functools.lru_cache(maxsize=256)
+def _salt(seed: int, table: str) -> np.uint64:
+    return np.uint64((zlib.crc32(table.encode()) << 32) ^ (seed & 0xFFFFFFFF))
+
+
+@functools.lru_cache(maxsize=64)
+def _column_steps(dim: int) -> np.ndarray:
+    steps = np.arange(1, dim + 1, dtype=np.uint64)[None, :] * _GOLDEN
+    steps.flags.writeable = False
+    return steps
 
 
 class CountMinSketch:
@@ -146,6 +163,11 @@ class EmbeddingTable:
         self._tick = 0
         self._touched = np.zeros(cap, np.int64) if self.capacity else None
         self._sketch = CountMinSketch(_sketch_width(self.capacity), seed=config.seed) if config.min_count > 1 else None
+        # (index, ids, slots) of the last pulls, for the pushes that follow them: only where a
+        # row's slot never changes once it exists (no capacity, no admission).
+        self._recent: deque[tuple[IdIndex, np.ndarray, np.ndarray]] | None = (
+            deque(maxlen=_RECENT_PULLS) if not self.capacity and self._sketch is None else None
+        )
 
     @property
     def rows(self) -> int:
@@ -192,8 +214,8 @@ class EmbeddingTable:
         self._used += fresh
         return np.concatenate([reuse, new])
 
-    def _insert(self, new_ids: np.ndarray) -> None:
-        """Create rows for unique ids that are not present. Caller holds the lock."""
+    def _insert(self, new_ids: np.ndarray) -> np.ndarray:
+        """Create rows for unique ids that are not present; returns their slots. Caller holds the lock."""
         k = len(new_ids)
         slots = self._alloc(k)
         idx = torch.from_numpy(slots)
@@ -206,6 +228,7 @@ class EmbeddingTable:
         if self._touched is not None:
             self._touched[slots] = self._tick
         self._index.insert(new_ids, slots)
+        return slots
 
     def _evict(self, want: int) -> int:
         """Evict up to ``want`` least recently touched rows not touched by the current call."""
@@ -226,35 +249,43 @@ class EmbeddingTable:
             self._on_evict(n)
         return n
 
-    def _admit(self, fresh: np.ndarray) -> None:
-        """Create rows for the sorted, unique, absent ``fresh`` ids that pass admission and fit."""
+    def _admit(self, fresh: np.ndarray) -> np.ndarray:
+        """Create rows for the sorted, unique, absent ``fresh`` ids that pass admission and fit;
+        returns their slots (-1: left out)."""
+        if self._sketch is None and not self.capacity:
+            return self._insert(fresh)
+        take = np.arange(len(fresh))
         if self._sketch is not None:
-            fresh = fresh[self._sketch.add(fresh) >= self.config.min_count]
+            take = take[self._sketch.add(fresh) >= self.config.min_count]
         if self.capacity:
             room = self.capacity - self.rows
-            if len(fresh) > room:
-                self._evict(max(len(fresh) - room, int(self.capacity * _EVICT_BATCH)))
+            if len(take) > room:
+                self._evict(max(len(take) - room, int(self.capacity * _EVICT_BATCH)))
                 room = self.capacity - self.rows
                 # More new ids in one call than the rows not in use by it: the rest stay out,
                 # like ids not admitted yet.
-                fresh = fresh[:room]
-        if len(fresh):
-            self._insert(fresh)
+                take = take[:room]
+        slots = np.full(len(fresh), -1, np.int64)
+        if len(take):
+            slots[take] = self._insert(fresh[take])
+        return slots
 
-    def _resolve(self, ids: np.ndarray) -> np.ndarray:
+    def _resolve(self, ids: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
         """Slots of ``ids`` (-1: not a row), admitting and evicting. Caller holds the lock.
 
-        A pull may name an id more than once; each distinct id is counted and created once.
+        ``slots``: the index's answer for ``ids`` if the caller already has it (taken under
+        the lock, or known to be unchanged since). A pull may name an id more than once; each
+        distinct id is counted and created once.
         """
         self._tick += 1
-        slots = self._index.lookup(ids)
+        if slots is None:
+            slots = self._index.lookup(ids)
         found = slots >= 0
         if self._touched is not None:
             self._touched[slots[found]] = self._tick
         if not found.all():
-            missing = ids[~found]
-            self._admit(np.unique(missing))
-            slots[~found] = self._index.lookup(missing)
+            fresh, where = np.unique(ids[~found], return_inverse=True)
+            slots[~found] = self._admit(fresh)[where]
         return slots
 
     def _gather(self, ids: np.ndarray, slots: np.ndarray) -> torch.Tensor:
@@ -283,14 +314,31 @@ class EmbeddingTable:
             with self._lock:
                 return self._gather(ids, self._resolve(ids)), self.version
         version = self.version
-        slots = self._index.lookup(ids)
+        index = self._index
+        size = index.size
+        slots = index.lookup(ids)
         missing = slots < 0
         if missing.any():
             # Rows are never removed from a table without a capacity, so only the ids missing
-            # from the lock-free read need resolving under the lock.
+            # from the lock-free read need resolving under the lock, and if no row was added
+            # since that read, they are still missing.
             with self._lock:
-                slots[missing] = self._resolve(ids[missing])
+                unchanged = index is self._index and index.size == size
+                absent = np.full(int(missing.sum()), -1, np.int64) if unchanged else None
+                slots[missing] = self._resolve(ids[missing], absent)
+        if self._recent is not None and len(ids) <= _RECENT_MAX_IDS and (slots >= 0).all():
+            self._recent.append((index, ids.copy(), slots))
         return self._gather(ids, slots), version
+
+    def _recent_slots(self, ids: np.ndarray) -> np.ndarray | None:
+        """Slots of ``ids`` if a recent pull named exactly these ids (a push's ids are usually
+        those of its step's pull). Only tables that never move or drop rows keep this."""
+        if self._recent is None:
+            return None
+        for index, seen, slots in reversed(list(self._recent)):
+            if index is self._index and len(seen) == len(ids) and np.array_equal(seen, ids):
+                return slots.copy()
+        return None
 
     def push(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float = 1.0) -> int:
         """Apply row gradients with the table's optimizer; returns the new version.
@@ -300,7 +348,9 @@ class EmbeddingTable:
         """
         opt = self.config.optimizer
         with self._lock:
-            slots = self._resolve(ids)
+            slots = self._recent_slots(ids)
+            if slots is None:
+                slots = self._resolve(ids)
             keep = slots >= 0
             if not keep.all():
                 dropped = int((~keep).sum())
@@ -369,6 +419,8 @@ class EmbeddingTable:
             index = IdIndex(max(2 * n, 16))
             index.insert(np.ascontiguousarray(ids, dtype=np.int64), np.arange(n, dtype=np.int64))
             self._index = index
+            if self._recent is not None:
+                self._recent.clear()
             self.version = int(version)
 
 

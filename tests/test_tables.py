@@ -81,3 +81,23 @@ def test_a_million_rows_with_adagrad_fit_in_twice_their_raw_bytes() -> None:
     assert table.memory_bytes <= 2 * raw, table.memory_bytes / raw
     rows, _ = table.pull(ids[:4096])
     assert torch.equal(rows, table.pull(ids[:4096])[0])
+
+
+def test_push_after_pull_lands_on_the_right_rows_also_after_a_restore() -> None:
+    # A push naming exactly the ids of a recent pull reuses that pull's slots; the rows it
+    # updates must be those ids' rows, and a restore (which renumbers slots) must not let an
+    # older pull's slots through.
+    cfg = TableConfig("t", 2, OptimizerConfig("sgd", 1.0), init_scale=0.0)
+    table = EmbeddingTable(cfg)
+    table.pull(np.array([30, 10, 20], dtype=np.int64))
+    ids = np.array([20, 30], dtype=np.int64)
+    table.pull(ids)
+    table.push(ids.copy(), torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
+    rows, _ = table.pull(np.array([10, 20, 30], dtype=np.int64))
+    assert torch.equal(rows, torch.tensor([[0.0, 0.0], [-1.0, -1.0], [-2.0, -2.0]]))
+    # Restore rows in another order: slot 0 is now id 20's, not id 30's.
+    snap = table.snapshot()
+    table.load(np.array([20, 30], dtype=np.int64), snap["weights"][1:], {}, snap["version"])
+    table.push(ids.copy(), torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
+    rows, _ = table.pull(np.array([20, 30], dtype=np.int64))
+    assert torch.equal(rows, torch.tensor([[-2.0, -2.0], [-4.0, -4.0]]))
