@@ -272,7 +272,7 @@ def limits(res: dict[str, Any]) -> str:
         f"**Sparse.** One 4096-row pull + push takes {step_ms['1']:.1f} ms with 1 shard and {step_ms['2']:.1f} ms with 2 "
         f"(the rpc peer: {peer_ms['1']:.1f} and {peer_ms['2']:.1f} ms). Applying the SGD push inside the shard costs "
         f"{apply_ms:.2f} ms ({apply_ms / step_ms['1']:.0%} of the 1-shard step; raw torch does the same update in "
-        f"{raw_ms:.2f} ms, and the id -> slot lookup alone takes {lookup_ms:.2f} ms, twice per step with the pull), so "
+        f"{raw_ms:.2f} ms, and the id -> slot lookup alone takes {lookup_ms:.2f} ms, once per step: the push reuses the slots its pull found), so "
         f"the rest is the client's splitting and reassembly and, above all, four socket round trips' wake-ups. "
         + (f"A second shard makes the step slower, not faster ({step_ms['2'] / step_ms['1']:.2f}x): on this "
            f"{os.cpu_count()}-core machine the extra process competes for the cores, and per-shard fixed costs double."
@@ -382,7 +382,7 @@ def render(
     L.append(markdown_table(["shards", "tether rows/s", "rpc peer rows/s", "tether / peer", "target", ""], sprows))
 
     L += ["", "## Shard apply rate (in process, no RPC, 4096 x 64)", "",
-          "`EmbeddingTable.push` on rows that exist (the steady state), beside the same update in raw torch on a "
+          "`EmbeddingTable.push` on rows that exist, of ids pulled just before (the steady state: the push reuses the slots its pull found), beside the same update in raw torch on a "
           "table of the same size whose row slots are known in advance (SGD: `index_add_`, as the peer; Adagrad: "
           "gather, update, scatter). The lookup column is the id -> slot index alone.", ""]
     arows = []
