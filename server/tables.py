@@ -48,7 +48,7 @@ _RECENT_MAX_IDS = 1 << 16
 
 def init_rows(ids: np.ndarray, dim: int, seed: int, table: str, scale: float) -> torch.Tensor:
     """Deterministic initial rows, uniform in [-scale, scale), from (seed, table, id) alone."""
-    base = mix64_(ids.astype(np.int64).view(np.uint64) ^ _salt(seed, table))
+    base = mix64_(ids.astype(np.int64, copy=False).view(np.uint64) ^ _salt(seed, table))
     h = mix64_(base[:, None] + _column_steps(dim))
     h >>= np.uint64(40)
     u = h.astype(np.float32)
@@ -326,18 +326,20 @@ class EmbeddingTable:
                 unchanged = index is self._index and index.size == size
                 absent = np.full(int(missing.sum()), -1, np.int64) if unchanged else None
                 slots[missing] = self._resolve(ids[missing], absent)
-        if self._recent is not None and len(ids) <= _RECENT_MAX_IDS and (slots >= 0).all():
+        # Every id of a table that keeps recent pulls is a row by now (no admission, no capacity).
+        if self._recent is not None and len(ids) <= _RECENT_MAX_IDS:
             self._recent.append((index, ids.copy(), slots))
         return self._gather(ids, slots), version
 
     def _recent_slots(self, ids: np.ndarray) -> np.ndarray | None:
         """Slots of ``ids`` if a recent pull named exactly these ids (a push's ids are usually
-        those of its step's pull). Only tables that never move or drop rows keep this."""
+        those of its step's pull). Only tables that never move or drop rows keep this. The
+        array is shared with the cache: callers only read it."""
         if self._recent is None:
             return None
         for index, seen, slots in reversed(list(self._recent)):
             if index is self._index and len(seen) == len(ids) and np.array_equal(seen, ids):
-                return slots.copy()
+                return slots
         return None
 
     def push(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float = 1.0) -> int:
