@@ -23,6 +23,7 @@ The data plane is plaintext: a shard that serves TLS offers none and clients use
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -87,37 +88,47 @@ def shm_name_ok(name: object) -> bool:
 class PayloadWriter:
     """Lays tensors out in a payload and points ``Tensor`` messages at them (no copy yet).
 
-    Offsets count from the payload's first byte, wherever it ends up (socket or region).
+    Offsets count from the payload's first byte, wherever it ends up (socket or region). A part
+    added with ``rows`` is gathered from its source only when the payload is written, straight
+    into the shared region where it goes there (no temporary tensor).
     """
 
     def __init__(self) -> None:
         self.nbytes = 0
-        self._parts: list[tuple[int, torch.Tensor]] = []
+        self._parts: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
 
-    def add(self, t: torch.Tensor, msg: pb.Tensor, dtype: torch.dtype | None = None) -> None:
-        """Describe ``t`` (cast to ``dtype``) in ``msg`` and place its bytes after the last tensor."""
+    def add(self, t: torch.Tensor, msg: pb.Tensor, dtype: torch.dtype | None = None, rows: torch.Tensor | None = None) -> None:
+        """Describe ``t`` (or its ``rows``, an int64 index, if given; cast to ``dtype``) in ``msg``
+        and place its bytes after the last tensor."""
         t = t.detach()
+        if rows is not None and ((dtype is not None and t.dtype != dtype) or t.device.type != "cpu" or not t.is_contiguous()):
+            t, rows = t.index_select(0, rows.to(t.device)), None
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)
         if t.device.type != "cpu":
             t = t.cpu()
         t = t.contiguous()
+        shape = t.shape if rows is None else (len(rows), *t.shape[1:])
         msg.dtype = wire_dtype(t.dtype)
-        msg.shape[:] = t.shape
-        n = t.numel() * t.element_size()
+        msg.shape[:] = shape
+        n = math.prod(shape) * t.element_size()
         if n == 0:
             return
         offset = align(self.nbytes)
         msg.payload_offset = offset
         msg.payload_bytes = n
-        self._parts.append((offset, t))
+        self._parts.append((offset, t, rows))
         self.nbytes = offset + n
 
     def copy_into(self, region: memoryview) -> None:
         """Write every tensor at its offset of ``region`` (a view that starts at the payload's first byte)."""
-        for offset, t in self._parts:
-            n = t.numel() * t.element_size()
-            torch.frombuffer(region, dtype=torch.uint8, count=n, offset=offset).copy_(t.reshape(-1).view(torch.uint8))
+        for offset, t, rows in self._parts:
+            if rows is None:
+                dest = torch.frombuffer(region, dtype=t.dtype, count=t.numel(), offset=offset)
+                dest.copy_(t.reshape(-1))
+            else:
+                dest = torch.frombuffer(region, dtype=t.dtype, count=len(rows) * t[0].numel(), offset=offset)
+                torch.index_select(t, 0, rows, out=dest.view(len(rows), *t.shape[1:]))
 
     def inline(self, request: object) -> None:
         """Move the payload into ``request``'s ``Tensor.data`` fields, for a call over gRPC."""
@@ -132,7 +143,9 @@ class PayloadWriter:
         """The payload as a list of buffers for ``sendmsg``, padding included."""
         out: list[memoryview] = []
         pos = 0
-        for offset, t in self._parts:
+        for offset, t, rows in self._parts:
+            if rows is not None:
+                t = t.index_select(0, rows)
             if offset > pos:
                 out.append(memoryview(bytes(offset - pos)))
             out.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))

@@ -11,6 +11,8 @@ __all__ = ["dense_shard", "mix64", "shard_of_ids", "split_ids"]
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
+# Up to this many shards, ids are grouped by one pass per shard instead of a sort.
+_PASS_PER_SHARD_MAX = 8
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
@@ -42,7 +44,12 @@ def shard_of_ids(ids: np.ndarray, num_shards: int) -> np.ndarray:
     if num_shards == 1:
         return np.zeros(len(ids), dtype=np.int64)
     arr = np.asarray(ids, dtype=np.int64)
-    return (mix64(arr.view(np.uint64)) % np.uint64(num_shards)).astype(np.int64)
+    h = mix64(arr.view(np.uint64))
+    if num_shards & (num_shards - 1):
+        h %= np.uint64(num_shards)
+    else:  # the same value as %, without a division per id
+        h &= np.uint64(num_shards - 1)
+    return h.view(np.int64)
 
 
 def split_ids(ids: np.ndarray, num_shards: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -54,14 +61,16 @@ def split_ids(ids: np.ndarray, num_shards: int) -> list[tuple[np.ndarray, np.nda
     if num_shards == 1:
         return [(np.arange(len(ids)), ids)]
     owner = shard_of_ids(ids, num_shards)
-    order = np.argsort(owner, kind="stable")
-    counts = np.bincount(owner, minlength=num_shards)
-    bounds = np.concatenate(([0], np.cumsum(counts)))
-    out = []
-    for s in range(num_shards):
-        pos = order[bounds[s] : bounds[s + 1]]
-        out.append((pos, ids[pos]))
-    return out
+    if num_shards <= _PASS_PER_SHARD_MAX:
+        # One comparison pass per shard beats sorting the owners.
+        groups = [np.flatnonzero(owner == s) for s in range(num_shards)]
+    else:
+        # A stable sort of 16-bit keys is a radix sort.
+        key = owner.astype(np.uint16) if num_shards <= 1 << 16 else owner
+        order = np.argsort(key, kind="stable")
+        bounds = np.concatenate(([0], np.cumsum(np.bincount(owner, minlength=num_shards))))
+        groups = [order[bounds[s] : bounds[s + 1]] for s in range(num_shards)]
+    return [(pos, ids[pos]) for pos in groups]
 
 
 def dense_shard(name: str, index: int, num_shards: int) -> int:

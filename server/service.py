@@ -185,8 +185,12 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         rows, values = self.shard.pull(sparse, dense)
         response = pb.PullResponse()
         encode = encode_tensor if out is None else out.add
-        for (name, _), (r, version) in zip(sparse, rows):
-            encode(r, response.sparse.add(table=name, read_version=version).values, dtype=wire)
+        for (name, _), (source, index, version) in zip(sparse, rows):
+            msg = response.sparse.add(table=name, read_version=version).values
+            if out is None:
+                encode_tensor(source if index is None else source.index_select(0, index), msg, dtype=wire)
+            else:  # gathered straight into the reply when it is written
+                out.add(source, msg, dtype=wire, rows=index)
         for (name, index), (v, version) in zip(dense, values):
             encode(v, response.dense.add(name=name, index=index, read_version=version).value, dtype=wire)
         self._update_table_gauges()

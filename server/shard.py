@@ -23,7 +23,7 @@ from tether.protos.errors import FailedPrecondition, InvalidArgument, NotFound, 
 from tether.protos.partition import dense_shard, shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.clocks import WorkerClocks
-from tether.server.tables import DenseChunk, EmbeddingTable
+from tether.server.tables import DenseChunk, EmbeddingTable, Pulled
 
 __all__ = ["DenseDecl", "DenseState", "DenseUpdate", "PushResult", "Shard", "ShardState", "SparseUpdate", "TableState"]
 
@@ -334,9 +334,14 @@ class Shard:
                     f"table {table!r}: id {int(ids[wrong][0])} belongs to shard {int(owners[wrong][0])}, not {self.shard_index}"
                 )
 
-    def _check_sparse(self, u: SparseUpdate) -> EmbeddingTable:
+    def _check_sparse(self, u: SparseUpdate) -> tuple[EmbeddingTable, Pulled | None]:
         table = self._table(u.table)
-        self._check_ids(u.table, u.ids)
+        # Ids a recent pull named were checked then; only their uniqueness is left to check.
+        pulled = table.pulled(u.ids) if u.ids.size else None
+        if pulled is None:
+            self._check_ids(u.table, u.ids)
+        elif not pulled.unique:
+            raise InvalidArgument(f"table {u.table!r}: ids in one push must be unique")
         if tuple(u.grads.shape) != (u.ids.size, table.dim):
             raise InvalidArgument(
                 f"table {u.table!r}: gradient shape {tuple(u.grads.shape)} does not match ({u.ids.size}, {table.dim})"
@@ -345,7 +350,7 @@ class Shard:
             raise InvalidArgument(f"table {u.table!r}: gradients must be floating point, got {u.grads.dtype}")
         if not _finite(u.grads):
             raise InvalidArgument(f"table {u.table!r}: gradients contain NaN or Inf")
-        return table
+        return table, pulled
 
     def _check_dense(self, u: DenseUpdate) -> DenseChunk:
         chunk = self._chunk(u.name, u.index)
@@ -361,8 +366,11 @@ class Shard:
 
     def pull(
         self, sparse: list[tuple[str, np.ndarray]], dense: list[tuple[str, int]]
-    ) -> tuple[list[tuple[torch.Tensor, int]], list[tuple[torch.Tensor, int]]]:
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None, int]], list[tuple[torch.Tensor, int]]]:
         """Rows for each (table, ids) and values for each (name, index), with versions.
+
+        Rows come as ``EmbeddingTable.locate`` gives them, ``(source, index, version)``: the
+        caller copies ``source[index]`` out (``index`` None: ``source`` is the rows).
 
         Raises:
             NotFound: unknown table or chunk.
@@ -373,7 +381,7 @@ class Shard:
         chunks = [self._chunk(n, i) for n, i in dense]
         for (name, ids) in sparse:
             self._check_ids(name, ids, unique=False)
-        rows = [table.pull(ids) for table, (_, ids) in zip(tables, sparse)]
+        rows = [table.locate(ids) for table, (_, ids) in zip(tables, sparse)]
         values = [chunk.pull() for chunk in chunks]
         if self.metrics is not None:
             for (name, ids) in sparse:
@@ -404,11 +412,12 @@ class Shard:
         try:
             if not worker_id:
                 raise InvalidArgument("worker_id must be set on a push")
-            tables = [self._check_sparse(u) for u in sparse]
+            checked = [self._check_sparse(u) for u in sparse]
             chunks = [self._check_dense(u) for u in dense]
         except Exception:
             self.rejected_pushes += 1
             raise
+        tables = [t for t, _ in checked]
         stale = [max(t.version - u.read_version, 0) for t, u in zip(tables, sparse)]
         stale += [max(c.version - u.read_version, 0) for c, u in zip(chunks, dense)]
         staleness = max(stale, default=0)
@@ -427,13 +436,13 @@ class Shard:
             # Clock staleness is measured on shard 0, the coordinator ssp waits on, where clocks
             # move only once a step is applied on every shard.
             clock_lag = self.clocks.lag(clock) if clock and self.shard_index == 0 else 0
-            blocks = [(t, u.ids, u.grads) for t, u in zip(tables, sparse)] + [(c, None, u.grad) for c, u in zip(chunks, dense)]
-            for (target, ids, grad), s in zip(blocks, stale):
+            blocks = [(t, u.ids, u.grads, p) for (t, p), u in zip(checked, sparse)] + [(c, None, u.grad, None) for c, u in zip(chunks, dense)]
+            for (target, ids, grad, pulled), s in zip(blocks, stale):
                 scale = 1.0 / max(s, 1) if staleness_aware else 1.0
                 if ids is None:
                     target.push(grad, scale)
                 else:
-                    target.push(ids, grad, scale)
+                    target.push(ids, grad, scale, pulled)
             if clock:
                 self.clocks.update(worker_id, clock, from_push=True)
             self.applied_pushes += 1

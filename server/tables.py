@@ -21,6 +21,7 @@ import threading
 import zlib
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.index import IdIndex
 from tether.server.optimizers import state_shapes, step
 
-__all__ = ["CountMinSketch", "DenseChunk", "EmbeddingTable", "TableConfig", "init_rows"]
+__all__ = ["CountMinSketch", "DenseChunk", "EmbeddingTable", "Pulled", "TableConfig", "init_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,14 @@ def _sketch_width(capacity: int) -> int:
     return 1 << int(min(max(want, 1 << 12), 1 << 22) - 1).bit_length()
 
 
+class Pulled(NamedTuple):
+    """Slots a recent pull found for a push's ids (``EmbeddingTable.pulled``)."""
+
+    index: IdIndex
+    slots: np.ndarray
+    unique: bool
+
+
 class EmbeddingTable:
     """Rows of one table owned by this shard, created on first touch (or after admission)."""
 
@@ -168,6 +177,8 @@ class EmbeddingTable:
         self._recent: deque[tuple[IdIndex, np.ndarray, np.ndarray]] | None = (
             deque(maxlen=_RECENT_PULLS) if not self.capacity and self._sketch is None else None
         )
+        # Scratch for the uniqueness check of ``pulled`` (one int32 per row, under the lock).
+        self._marks = np.zeros(0, np.int32)
 
     @property
     def rows(self) -> int:
@@ -310,9 +321,20 @@ class EmbeddingTable:
 
     def pull(self, ids: np.ndarray) -> tuple[torch.Tensor, int]:
         """Rows of ``ids`` (a copy; not admitted ids get their initial row) and the table version."""
+        source, index, version = self.locate(ids)
+        return (source if index is None else source.index_select(0, index)), version
+
+    def locate(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """Where the rows of ``ids`` are, for a caller that copies them out itself (straight
+        into a reply, with no temporary): ``(source, index, version)``, the rows being
+        ``source[index]`` (``index`` None: ``source`` holds exactly the rows, a fresh tensor).
+
+        Only tables that read without a lock hand out their storage; copying from it later is
+        a Hogwild read like any other (a row may be mid-update, never another id's row).
+        """
         if self._locked_reads:
             with self._lock:
-                return self._gather(ids, self._resolve(ids)), self.version
+                return self._gather(ids, self._resolve(ids)), None, self.version
         version = self.version
         index = self._index
         size = index.size
@@ -326,10 +348,13 @@ class EmbeddingTable:
                 unchanged = index is self._index and index.size == size
                 absent = np.full(int(missing.sum()), -1, np.int64) if unchanged else None
                 slots[missing] = self._resolve(ids[missing], absent)
+        if self._recent is None:
+            # Admission may have left ids out: they get their initial rows.
+            return self._gather(ids, slots), None, version
         # Every id of a table that keeps recent pulls is a row by now (no admission, no capacity).
-        if self._recent is not None and len(ids) <= _RECENT_MAX_IDS:
+        if len(ids) <= _RECENT_MAX_IDS:
             self._recent.append((index, ids.copy(), slots))
-        return self._gather(ids, slots), version
+        return self._weights, torch.from_numpy(slots), version
 
     def _recent_slots(self, ids: np.ndarray) -> np.ndarray | None:
         """Slots of ``ids`` if a recent pull named exactly these ids (a push's ids are usually
@@ -342,15 +367,36 @@ class EmbeddingTable:
                 return slots
         return None
 
-    def push(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float = 1.0) -> int:
+    def pulled(self, ids: np.ndarray) -> Pulled | None:
+        """If a recent pull named exactly ``ids``: their slots, and whether they are unique.
+
+        Such ids passed a pull's checks (non-negative, owned by this shard), so a push of them
+        needs only the uniqueness check, which on slots is two vectorised passes, not a sort.
+        """
+        if self._recent is None:
+            return None
+        with self._lock:
+            slots = self._recent_slots(ids)
+            if slots is None:
+                return None
+            if len(self._marks) < self._weights.shape[0]:
+                self._marks = np.zeros(self._weights.shape[0], np.int32)
+            # Write each slot's position, read them back: a slot named twice keeps only its
+            # last position, so an earlier one reads back different.
+            order = np.arange(len(slots), dtype=np.int32)
+            self._marks[slots] = order
+            unique = bool(np.array_equal(self._marks[slots], order))
+            return Pulled(self._index, slots, unique)
+
+    def push(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float = 1.0, pulled: Pulled | None = None) -> int:
         """Apply row gradients with the table's optimizer; returns the new version.
 
         Gradients of ids that are not admitted (or do not fit in the capacity) are dropped and
-        counted in ``dropped_rows``.
+        counted in ``dropped_rows``. ``pulled``: what ``pulled(ids)`` said, if the caller asked.
         """
         opt = self.config.optimizer
         with self._lock:
-            slots = self._recent_slots(ids)
+            slots = pulled.slots if pulled is not None and pulled.index is self._index else self._recent_slots(ids)
             if slots is None:
                 slots = self._resolve(ids)
             keep = slots >= 0
@@ -366,9 +412,11 @@ class EmbeddingTable:
             w = self._weights.index_select(0, idx)
             state = {k: t.index_select(0, idx) for k, t in self._state.items()}
             step(opt, w, grads, state, lr_scale)
-            self._weights.index_copy_(0, idx, w)
+            # NumPy scatters rows 2-3x faster than index_copy_ (a memcpy per row, not per
+            # element); it holds the GIL for those few tens of microseconds.
+            self._weights.numpy()[slots] = w.numpy()
             for k, t in state.items():
-                self._state[k].index_copy_(0, idx, t)
+                self._state[k].numpy()[slots] = t.numpy()
             self.version += 1
             return self.version
 

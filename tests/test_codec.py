@@ -52,3 +52,25 @@ def test_ids() -> None:
     assert np.array_equal(decode_ids(encode_ids(torch.from_numpy(ids))), ids)
     with pytest.raises(CodecError, match="whole number"):
         decode_ids(b"\0" * 7)
+
+
+@pytest.mark.parametrize("wire", [None, torch.bfloat16])
+def test_payload_rows_are_gathered_when_written(wire: torch.dtype | None) -> None:
+    from tether.protos import dataplane as dp
+
+    source = torch.arange(40, dtype=torch.float32).view(10, 4)
+    index = torch.tensor([7, 0, 3])
+    out = dp.PayloadWriter()
+    first, second = pb.Tensor(), pb.Tensor()
+    out.add(torch.ones(2), first)
+    out.add(source, second, dtype=wire, rows=index)
+    assert list(second.shape) == [3, 4] and second.payload_offset == dp.ALIGN
+    expect = source.index_select(0, index)
+    # Into a region (the shared-memory path) and as socket buffers: the same bytes.
+    region = bytearray(out.nbytes)
+    out.copy_into(memoryview(region))
+    sent = b"".join(out.buffers())
+    for payload in (memoryview(region), memoryview(sent)):
+        got = decode_tensor(second, torch.float32, payload)
+        assert torch.equal(got, expect if wire is None else expect.to(wire).float())
+        assert torch.equal(decode_tensor(first, None, payload), torch.ones(2))

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from tether.protos.partition import dense_shard, shard_of_ids, split_ids
+from tether.protos.partition import dense_shard, mix64, shard_of_ids, split_ids
 
 
 def test_balanced_and_deterministic() -> None:
@@ -12,13 +12,26 @@ def test_balanced_and_deterministic() -> None:
     assert np.array_equal(owner, shard_of_ids(ids.copy(), 4))
 
 
-def test_split_reassembles() -> None:
+def test_owner_is_the_hash_modulo_the_shard_count() -> None:
+    # The partition is a contract between workers, shards and checkpoints: powers of two take
+    # a mask instead of a division, and must land every id where the modulo does.
+    ids = np.random.default_rng(1).integers(0, 2**63 - 1, 4000, dtype=np.int64)
+    h = mix64(ids.view(np.uint64))
+    for n in (1, 2, 3, 4, 7, 8, 16, 33, 64):
+        assert np.array_equal(shard_of_ids(ids, n), (h % np.uint64(n)).astype(np.int64)), n
+    assert shard_of_ids(np.array([0, 1, 2**62], dtype=np.int64), 4).tolist() == [int(x) for x in mix64(np.array([0, 1, 2**62], dtype=np.uint64)) % np.uint64(4)]
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 8, 9, 100])
+def test_split_reassembles(num_shards: int) -> None:
     rng = np.random.default_rng(0)
     ids = rng.choice(2**62, 5000, replace=False).astype(np.int64)
-    parts = split_ids(ids, 3)
-    out = np.empty_like(ids)
+    parts = split_ids(ids, num_shards)
+    assert len(parts) == num_shards
+    out = np.full_like(ids, -1)
     for s, (pos, part) in enumerate(parts):
-        assert (shard_of_ids(part, 3) == s).all()
+        assert (shard_of_ids(part, num_shards) == s).all()
+        assert (np.diff(pos) > 0).all()  # each shard's ids keep their order
         out[pos] = part
     assert np.array_equal(out, ids)
 

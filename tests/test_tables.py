@@ -101,3 +101,40 @@ def test_push_after_pull_lands_on_the_right_rows_also_after_a_restore() -> None:
     table.push(ids.copy(), torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
     rows, _ = table.pull(np.array([20, 30], dtype=np.int64))
     assert torch.equal(rows, torch.tensor([[-2.0, -2.0], [-4.0, -4.0]]))
+
+
+def test_a_push_of_pulled_ids_checks_uniqueness_on_slots() -> None:
+    from tether.protos.errors import InvalidArgument
+    from tether.server.shard import Shard, SparseUpdate
+
+    shard = Shard(0, 1)
+    shard.declare([TableConfig("t", 2, OptimizerConfig("sgd", 1.0), init_scale=0.0)], [])
+    table = shard.tables["t"]
+    # A pull may name an id twice; the push of those very ids must still be refused whole.
+    twice = np.array([4, 9, 4], dtype=np.int64)
+    shard.pull([("t", twice)], [])
+    pulled = table.pulled(twice)
+    assert pulled is not None and not pulled.unique
+    with pytest.raises(InvalidArgument, match="must be unique"):
+        shard.push("w", 1, [SparseUpdate("t", twice, torch.ones(3, 2))], [])
+    assert table.version == 0 and table.pull(np.array([4, 9]))[0].abs().sum() == 0
+    # The same rows without the repeat: known slots, applied once each.
+    once = np.array([9, 4], dtype=np.int64)
+    shard.pull([("t", once)], [])
+    assert table.pulled(once).unique
+    shard.push("w", 2, [SparseUpdate("t", once, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))], [])
+    assert table.pull(np.array([4, 9]))[0].tolist() == [[-3.0, -4.0], [-1.0, -2.0]]
+    # Ids no pull named go through the full checks (here: the sort-based duplicate check).
+    assert table.pulled(np.array([7, 7], dtype=np.int64)) is None
+    with pytest.raises(InvalidArgument, match="must be unique"):
+        shard.push("w", 3, [SparseUpdate("t", np.array([7, 7], dtype=np.int64), torch.ones(2, 2))], [])
+
+
+def test_locate_hands_out_storage_only_where_reads_take_no_lock() -> None:
+    ids = np.array([3, 1, 2], dtype=np.int64)
+    free = EmbeddingTable(TableConfig("t", 4, init_scale=0.1))
+    source, index, _ = free.locate(ids)
+    assert index is not None and torch.equal(source.index_select(0, index), free.pull(ids)[0])
+    bounded = EmbeddingTable(TableConfig("t", 4, init_scale=0.1, capacity=8))
+    rows, index, _ = bounded.locate(ids)
+    assert index is None and torch.equal(rows, init_rows(ids, 4, 0, "t", 0.1))

@@ -189,7 +189,7 @@ class _PullPlan:
     flats: dict[str, torch.Tensor]
     shapes: dict[str, tuple[int, ...]]
     # (shard, table) -> positions of that shard's ids in the table's request (None: all, in order).
-    positions: dict[tuple[int, str], torch.Tensor | None] = field(default_factory=dict)
+    positions: dict[tuple[int, str], np.ndarray | None] = field(default_factory=dict)
     response_bytes: dict[int, int] = field(default_factory=dict)
     table_versions: dict[tuple[int, str], int] = field(default_factory=dict)
     dense_versions: dict[tuple[str, int], int] = field(default_factory=dict)
@@ -239,7 +239,7 @@ class PSClient:
         self._seq_lock = threading.Lock()
         self._dims: dict[str, int] = {}
         self._dense: dict[str, _DenseLayout] = {}
-        self._splits: dict[str, list[tuple[np.ndarray, list[tuple[torch.Tensor, np.ndarray]]]]] = {}
+        self._splits: dict[str, list[tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]]] = {}
         self._split_lock = threading.Lock()
         self._data: list[DataPlane] | None = None
         if config.transport != "grpc" and not config.security.tls:
@@ -487,15 +487,15 @@ class PSClient:
                 plan.response_bytes[s] = plan.response_bytes.get(s, 0) + dp.align((b - a) * itemsize)
         return requests, plan
 
-    def _split(self, table: str, arr: np.ndarray) -> list[tuple[torch.Tensor, np.ndarray]]:
-        """``split_ids`` with positions as tensors, remembered for the last two id sets of each
-        table: a step pushes the very ids it pulled (compared, not trusted, before reuse)."""
+    def _split(self, table: str, arr: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``split_ids``, remembered for the last two id sets of each table: a step pushes the
+        very ids it pulled (compared, not trusted, before reuse)."""
         with self._split_lock:
             recent = self._splits.setdefault(table, [])
             for ids, parts in recent:
                 if ids.shape == arr.shape and np.array_equal(ids, arr):
                     return parts
-        parts = [(torch.from_numpy(pos), part) for pos, part in split_ids(arr, self.num_shards)]
+        parts = split_ids(arr, self.num_shards)
         with self._split_lock:
             recent.insert(0, (arr.copy(), parts))
             del recent[2:]
@@ -515,7 +515,8 @@ class PSClient:
             if pos is None:
                 plan.rows[block.table].copy_(values)
             else:
-                plan.rows[block.table].index_copy_(0, pos, values)
+                # NumPy's row scatter is 2-3x torch's index_copy_ here (a memcpy per row).
+                plan.rows[block.table].numpy()[pos] = values.numpy()
             plan.table_versions[(shard, block.table)] = block.read_version
         for b in response.dense:
             _, a, stop = self._dense[b.name].chunks[b.index]
@@ -570,7 +571,7 @@ class PSClient:
                 if part.size:
                     rv = versions.table_versions.get((s, table), 0) if versions else 0
                     b = req(s).sparse.add(table=table, ids=encode_ids(part), read_version=rv)
-                    payloads[s].add(grads if part.size == arr.size else grads.index_select(0, pos), b.values, wire)
+                    payloads[s].add(grads, b.values, wire, rows=None if part.size == arr.size else torch.from_numpy(pos))
         for name, grad in dense.items():
             layout = self._dense_layout(name)
             if tuple(grad.shape) != layout.shape:
