@@ -90,6 +90,11 @@ class ParameterServer:
         """Apply ``row -= lr * grad`` for each id (duplicates accumulate)."""
         self.table.index_add_(0, ids % self.table.shape[0], grads, alpha=-self.lr)
 
+    def push_pull_rows(self, ids: torch.Tensor, grads: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """``push_rows(ids, grads)``, then return the rows of ``next_ids`` (one round trip)."""
+        self.push_rows(ids, grads)
+        return self.pull_rows(next_ids)
+
 
 # --------------------------------------------------------------------------- rpc world
 
@@ -264,16 +269,18 @@ def _small_job(seconds: float) -> dict[str, float]:
 
 
 
-def _sparse_job(num_servers: int, num_ids: int, seconds: float) -> float:
+def _sparse_job(num_servers: int, num_ids: int, seconds: float, fused: bool = False) -> float:
     servers = [f"ps{s}" for s in range(num_servers)]
     gen = torch.Generator().manual_seed(0)
     cycle = itertools.cycle([unique_ids(num_ids, gen) for _ in range(8)])
 
-    def step() -> None:
-        ids = next(cycle)
+    def split(ids: torch.Tensor) -> list[torch.Tensor]:
         shard = ids % num_servers
         # Boolean indexing makes fresh tensors; rpc would ship a view's whole storage.
-        parts = [ids[shard == s] for s in range(num_servers)] if num_servers > 1 else [ids]
+        return [ids[shard == s] for s in range(num_servers)] if num_servers > 1 else [ids]
+
+    def step() -> None:
+        parts = split(next(cycle))
         pulls = [_call_async(s, "pull_rows", part) for s, part in zip(servers, parts, strict=True)]
         rows = [f.wait() for f in pulls]
         pushes = [
@@ -283,7 +290,22 @@ def _sparse_job(num_servers: int, num_ids: int, seconds: float) -> float:
         for f in pushes:
             f.wait()
 
-    lat = time_op(step, seconds, min_iters=3, warmup=2, warmup_seconds=seconds / 2)
+    # One round trip per step: the gradients of the last step's rows travel with the pull of
+    # this step's (the server applies them first), as tether's push_pull does.
+    last: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def fused_step() -> None:
+        parts = split(next(cycle))
+        if last:
+            calls = [
+                _call_async(s, "push_pull_rows", ids, grads, part)
+                for s, (ids, grads), part in zip(servers, last, parts, strict=True)
+            ]
+        else:
+            calls = [_call_async(s, "pull_rows", part) for s, part in zip(servers, parts, strict=True)]
+        last[:] = [(part, f.wait().mul(0.01)) for part, f in zip(parts, calls, strict=True)]
+
+    lat = time_op(fused_step if fused else step, seconds, min_iters=3, warmup=2, warmup_seconds=seconds / 2)
     return num_ids * len(lat) / sum(lat)
 
 
@@ -328,12 +350,14 @@ def rpc_sparse_rows_per_s(
     seconds: float = 2.0,
     num_rows: int = 2**18,
     torch_threads: int | None = 1,
+    fused: bool = False,
 ) -> float:
     """Embedding rows/s for pull + push of ``num_ids`` unique ids, split by ``id % num_servers``.
 
     Each step pulls the rows from all servers in parallel (``rpc_async``), then pushes one
     gradient per row in parallel; a row counts once per step. Each server's table holds
-    ``num_rows`` rows of ``dim`` fp32.
+    ``num_rows`` rows of ``dim`` fp32. ``fused``: one round trip per step instead, the push of
+    the last step's gradients and the pull of this step's rows in one call per server.
 
     Raises:
         ValueError: if ``num_ids``, ``dim`` or ``num_rows`` is < 1.
@@ -342,7 +366,7 @@ def rpc_sparse_rows_per_s(
         raise ValueError(f"need num_ids, dim, num_rows >= 1; got {num_ids=}, {dim=}, {num_rows=}")
     return run_rpc_world(
         _sparse_job,
-        {"num_servers": num_servers, "num_ids": num_ids, "seconds": seconds},
+        {"num_servers": num_servers, "num_ids": num_ids, "seconds": seconds, "fused": fused},
         num_servers=num_servers,
         timeout=_STARTUP_ALLOWANCE + 3 * seconds + 30,
         server_kwargs={"lr": LR, "num_rows": num_rows, "dim": dim},
@@ -368,7 +392,9 @@ def main(argv: list[str] | None = None) -> None:
     dense = rpc_dense_mbps(sizes, seconds, threads)
     small = rpc_small_calls(2 * seconds, threads)
     sparse = {
-        n: rpc_sparse_rows_per_s(n, seconds=2 * seconds, torch_threads=threads) for n in (1, 2)
+        (n, fused): rpc_sparse_rows_per_s(n, seconds=2 * seconds, torch_threads=threads, fused=fused)
+        for n in (1, 2)
+        for fused in (False, True)
     }
 
     print("## torch.distributed.rpc PS: dense push + pull (fp32, MiB/s pushed + pulled)\n")
@@ -381,7 +407,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     print("\n## torch.distributed.rpc PS: sparse rows (4096 unique ids x 64 dims, pull + push)\n")
-    print(markdown_table(["servers", "rows/s"], [[n, sparse[n]] for n in (1, 2)]))
+    print(markdown_table(
+        ["servers", "pull, then push: rows/s", "one push_pull per step: rows/s"],
+        [[n, sparse[(n, False)], sparse[(n, True)]] for n in (1, 2)],
+    ))
 
 
 if __name__ == "__main__":

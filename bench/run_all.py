@@ -138,6 +138,8 @@ def measure(quick: bool, repeats: int, seconds: float, wire: str | None, log: An
                     for m in ("calls_per_s", "p50_us", "p99_us")}
     sparse = tp.compare_sparse((1, 2), 2 * seconds, repeats, "float32", log=log)
     res["sparse"] = {str(n): {"tether": c.tether, "peer": c.other} for n, c in sparse.items()}
+    fused = tp.compare_sparse((1, 2), 2 * seconds, repeats, "float32", log=log, fused=True)
+    res["sparse_fused"] = {str(n): {"tether": c.tether, "peer": c.other} for n, c in fused.items()}
     apply = tp.compare_apply(seconds, repeats, log=log)
     res["apply"] = {o: {"tether": v["cmp"].tether, "raw": v["cmp"].other, "lookup": v["lookup"]} for o, v in apply.items()}
 
@@ -380,6 +382,16 @@ def render(
         sprows.append([n, _med(v["tether"]), _med(v["peer"]), _rx(r), ">= 2.00x" if n == "2" else "",
                        _verdict(r[0], 2.0) if n == "2" else ""])
     L.append(markdown_table(["shards", "tether rows/s", "rpc peer rows/s", "tether / peer", "target", ""], sprows))
+    if "sparse_fused" in res:
+        L += ["", "The same rows with one round trip per step on both sides: the gradients of the last step's rows "
+              "travel with the pull of this step's (tether: `push_pull`, as its async workers train; the peer: a "
+              "`push_pull_rows` call that applies, then gathers). Each shard still applies a step's push before it "
+              "serves the next pull.", ""]
+        frows = []
+        for n in ("1", "2"):
+            v = res["sparse_fused"][n]
+            frows.append([n, _med(v["tether"]), _med(v["peer"]), _rx(_ratio(v["tether"], v["peer"]))])
+        L.append(markdown_table(["shards", "tether rows/s", "rpc peer rows/s", "tether / peer"], frows))
 
     L += ["", "## Shard apply rate (in process, no RPC, 4096 x 64)", "",
           "`EmbeddingTable.push` on rows that exist, of ids pulled just before (the steady state: the push reuses the slots its pull found), beside the same update in raw torch on a "

@@ -196,7 +196,7 @@ def _small_job(addresses: list[str], seconds: float) -> dict[str, float]:
 
 
 
-def _sparse_job(addresses: list[str], num_ids: int, dim: int, seconds: float, wire: str) -> float:
+def _sparse_job(addresses: list[str], num_ids: int, dim: int, seconds: float, wire: str, fused: bool = False) -> float:
     from tether.protos.specs import OptimizerConfig, TableConfig
 
     with _client(addresses, wire) as client:
@@ -210,7 +210,15 @@ def _sparse_job(addresses: list[str], num_ids: int, dim: int, seconds: float, wi
             rows = client.pull({"emb": ids}).result().rows["emb"]
             client.push({"emb": (ids, rows.mul(0.01))}).result()
 
-        lat = time_op(step, seconds, min_iters=3, warmup=2, warmup_seconds=seconds / 2)
+        # One round trip per step: the last step's gradients go with this step's pull.
+        last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def fused_step() -> None:
+            ids = id_sets[next(it) % len(id_sets)]
+            rows = client.push_pull(push_sparse=last, pull_sparse={"emb": ids}).result().rows["emb"]
+            last["emb"] = (ids, rows.mul(0.01))
+
+        lat = time_op(fused_step if fused else step, seconds, min_iters=3, warmup=2, warmup_seconds=seconds / 2)
     return num_ids * len(lat) / sum(lat)
 
 
@@ -244,9 +252,12 @@ def tether_small_calls(seconds: float) -> dict[str, float]:
 
 
 def tether_sparse_rows_per_s(
-    num_shards: int, num_ids: int = 4096, dim: int = 64, seconds: float = 2.0, wire: str = "float32"
+    num_shards: int, num_ids: int = 4096, dim: int = 64, seconds: float = 2.0, wire: str = "float32", fused: bool = False
 ) -> float:
     """Embedding rows/s for pull + push of ``num_ids`` unique ids over ``num_shards`` shards (SGD).
+
+    ``fused``: one ``push_pull`` round trip per step (the last step's gradients with this
+    step's pull) instead of a pull, then a push.
 
     Raises:
         ValueError: if ``num_shards``, ``num_ids`` or ``dim`` is < 1.
@@ -255,7 +266,7 @@ def tether_sparse_rows_per_s(
         raise ValueError(f"need num_shards, num_ids, dim >= 1; got {num_shards=}, {num_ids=}, {dim=}")
     return run_tether_client(
         _sparse_job,
-        {"num_ids": num_ids, "dim": dim, "seconds": seconds, "wire": wire},
+        {"num_ids": num_ids, "dim": dim, "seconds": seconds, "wire": wire, "fused": fused},
         num_shards=num_shards,
         timeout=_STARTUP_ALLOWANCE + 3 * seconds + 30,
     )
@@ -447,16 +458,19 @@ def compare_small(seconds: float, repeats: int, log: Callable[[str], None] = _st
 
 
 def compare_sparse(
-    shard_counts: Sequence[int], seconds: float, repeats: int, wire: str = "float32", log: Callable[[str], None] = _stderr
+    shard_counts: Sequence[int], seconds: float, repeats: int, wire: str = "float32", log: Callable[[str], None] = _stderr,
+    fused: bool = False,
 ) -> dict[int, Comparison]:
-    """Sparse rows/s (4096 ids x 64, pull + push) per shard count: tether against the peer."""
+    """Sparse rows/s (4096 ids x 64, pull + push) per shard count: tether against the peer
+    (``fused``: both sides make one push + pull round trip per step)."""
     from rpc_peer import rpc_sparse_rows_per_s
 
     out = {}
+    what = "push_pull" if fused else "pull, push"
     for n in shard_counts:
         t, o = _side_by_side(
-            repeats, lambda n=n: tether_sparse_rows_per_s(n, seconds=seconds, wire=wire),
-            lambda n=n: rpc_sparse_rows_per_s(n, seconds=seconds), log, f"sparse {n} shard(s) ({wire} wire)",
+            repeats, lambda n=n: tether_sparse_rows_per_s(n, seconds=seconds, wire=wire, fused=fused),
+            lambda n=n: rpc_sparse_rows_per_s(n, seconds=seconds, fused=fused), log, f"sparse {n} shard(s) {what} ({wire} wire)",
         )
         out[n] = Comparison(f"{n} shard(s)", t, o)
     return out
@@ -567,9 +581,11 @@ def main(argv: list[str] | None = None) -> None:
             print(markdown_table(headers, _cmp_rows(list(s[key].values()))))
     if "sparse" in only:
         for wire in wires:
-            sp = compare_sparse((1, 2), 2 * seconds, a.repeats, wire)
-            print(f"\n## sparse rows/s (4096 x 64, pull + push), tether ({wire} wire) vs rpc peer\n")
-            print(markdown_table(headers, _cmp_rows(list(sp.values()))))
+            for fused in (False, True):
+                sp = compare_sparse((1, 2), 2 * seconds, a.repeats, wire, fused=fused)
+                how = "one push_pull round trip per step" if fused else "pull, then push"
+                print(f"\n## sparse rows/s (4096 x 64, {how}), tether ({wire} wire) vs rpc peer\n")
+                print(markdown_table(headers, _cmp_rows(list(sp.values()))))
     if "apply" in only:
         ap = compare_apply(seconds, a.repeats)
         print("\n## shard apply rows/s in process, EmbeddingTable.push vs raw torch\n")
