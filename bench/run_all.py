@@ -5,9 +5,10 @@
 
 What runs (``bench/tether_ps.py`` holds the measurements): dense push + pull MiB/s 4 KiB ..
 64 MiB against the ``torch.distributed.rpc`` parameter server, raw grpc and raw sockets;
-small-call rate and latency; sparse rows/s with 1 and 2 shards; the shard's in-process apply
-rate; samples/s of the default model (1, 2 workers x 1, 2 shards) against the same model in
-one process; and tether again with a ``bfloat16`` wire. Each comparison is the median of
+small-call rate and latency; sparse rows/s with 1 and 2 shards (a pull then a push per step, and
+one push_pull per step on both sides); the shard's in-process apply rate; samples/s of the
+default model (1, 2 workers x 1, 2 shards) against the same model in one process; and tether
+again with a ``bfloat16`` wire. Each comparison is the median of
 ``--repeats`` back-to-back repeats. The file's last section, ``## GPU (NVIDIA H100)``, is
 filled by hand from a GPU machine and kept verbatim. ``--check`` exits 1 when a DESIGN.md
 target is missed.
@@ -218,6 +219,19 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def _fused_sentence(res: dict[str, Any]) -> str:
+    f = res.get("sparse_fused")
+    if not f:
+        return ""
+    ms = {n: 4096 / _med(v["tether"]) * 1e3 for n, v in f.items()}
+    peer = {n: 4096 / _med(v["peer"]) * 1e3 for n, v in f.items()}
+    return (
+        f"With one round trip per step (push_pull, as tether's async workers run), the step takes {ms['1']:.1f} ms "
+        f"with 1 shard and {ms['2']:.1f} ms with 2 (the peer, given the same fused call: {peer['1']:.1f} and "
+        f"{peer['2']:.1f} ms). "
+    )
+
+
 def limits(res: dict[str, Any]) -> str:
     """The "what limits us" paragraphs, derived from the measured figures."""
     out = []
@@ -276,6 +290,7 @@ def limits(res: dict[str, Any]) -> str:
         f"{apply_ms:.2f} ms ({apply_ms / step_ms['1']:.0%} of the 1-shard step; raw torch does the same update in "
         f"{raw_ms:.2f} ms, and the id -> slot lookup alone takes {lookup_ms:.2f} ms, once per step: the push reuses the slots its pull found), so "
         f"the rest is the client's splitting and reassembly and, above all, four socket round trips' wake-ups. "
+        + _fused_sentence(res)
         + (f"A second shard makes the step slower, not faster ({step_ms['2'] / step_ms['1']:.2f}x): on this "
            f"{os.cpu_count()}-core machine the extra process competes for the cores, and per-shard fixed costs double."
            if step_ms["2"] > step_ms["1"] else
@@ -491,11 +506,12 @@ def main(argv: list[str] | None = None) -> int:
         json_name = str(a.json.resolve().relative_to(_HERE.parent))
     except ValueError:
         json_name = str(a.json)
+    # The raw figures first: a run of a quarter of an hour must not be lost to the rendering.
+    a.json.write_text(json.dumps({"machine": info, "command": command, "repeats": repeats, "seconds": seconds,
+                                  "quick": a.quick, "results": res}, indent=1))
     text = render(res, info, command, a.quick, repeats, seconds, json_name)
     gpu = _gpu_section(a.out)
     a.out.write_text(text.rstrip() + "\n\n" + gpu)
-    a.json.write_text(json.dumps({"machine": info, "command": command, "repeats": repeats, "seconds": seconds,
-                                  "quick": a.quick, "results": res}, indent=1))
     print(text)
     print(f"\nwrote {a.out} and {a.json}", file=sys.stderr)
     missed = [t["name"] for t in targets(res) if t["ratio"][0] < TARGETS[t["key"]]]
