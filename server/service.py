@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
+from tether.protos.allocator import tune_malloc
 from tether.protos.codec import decode_ids, decode_tensor, encode_tensor, torch_dtype
 from tether.protos.dataplane import PayloadWriter
 from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherError, status_of
@@ -360,6 +361,7 @@ def start_shard(config: ShardConfig, shard: Shard | None = None, metrics: object
         RuntimeError: if a port cannot be bound.
         ValueError: unreadable TLS files.
     """
+    tune_malloc()
     shard = shard or Shard(
         config.shard_index, config.num_shards, metrics, lease_s=config.lease_seconds, max_staleness=config.max_staleness
     )

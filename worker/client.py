@@ -27,6 +27,7 @@ import torch
 from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos import dataplane as dp
+from tether.protos.allocator import tune_malloc
 from tether.protos.codec import decode_tensor, encode_ids, encode_tensor, wire_dtype
 from tether.protos.errors import InvalidArgument, TetherError, Unavailable, error_from_status
 from tether.protos.partition import dense_shard, split_ids
@@ -210,6 +211,8 @@ class PSClient:
     """Push/pull over all shards of a job."""
 
     def __init__(self, config: ClientConfig, metrics: object | None = None) -> None:
+        # Steps free and allocate tensors of MiBs: keep them in the heap (tether.protos.allocator).
+        tune_malloc()
         self.config = config
         self.metrics = metrics
         self.num_shards = len(config.addresses)
