@@ -69,6 +69,19 @@ class IdIndex:
         active = np.flatnonzero(more)
         pos = pos[active]
         while active.size:
+            if active.size <= _SCALAR_MAX // 4:
+                # The last few long chains: walk them one id at a time (see ``_place``).
+                for i, p in zip(active.tolist(), pos.tolist()):
+                    key = ids[i]
+                    while True:
+                        p = (p + 1) & mask
+                        k = keys[p]
+                        if k == key:
+                            cell[i] = p
+                            break
+                        if k == _EMPTY:
+                            break
+                return cell
             pos += 1
             pos &= mask
             k = keys[pos]
@@ -120,17 +133,18 @@ class IdIndex:
     def _place(self, keys: np.ndarray, slots: np.ndarray, ids: np.ndarray, new_slots: np.ndarray) -> None:
         mask = len(keys) - 1
         pos = self._home(ids, mask)
-        if len(ids) <= _SCALAR_MAX:
-            # A handful of new ids (the usual steady state): probing them one by one costs a few
-            # microseconds, a vectorised round with its duplicate-cell check tens.
-            for key, slot, cell in zip(ids.tolist(), new_slots.tolist(), pos.tolist()):
-                while keys[cell] != _EMPTY:
-                    cell = (cell + 1) & mask
-                slots[cell] = slot
-                keys[cell] = key
-            return
         pending = np.arange(len(ids))
         while pending.size:
+            if pending.size <= _SCALAR_MAX:
+                # A handful of new ids (the usual steady state, and the stragglers of a large
+                # insert): probing them one by one costs a few microseconds, a vectorised
+                # round with its duplicate-cell check tens.
+                for key, slot, cell in zip(ids[pending].tolist(), new_slots[pending].tolist(), pos.tolist()):
+                    while keys[cell] != _EMPTY:
+                        cell = (cell + 1) & mask
+                    slots[cell] = slot
+                    keys[cell] = key
+                return
             free = keys[pos] == _EMPTY
             # Several pending ids may want the same free cell: the first of each wins it.
             cells, first = np.unique(pos[free], return_index=True)

@@ -47,14 +47,18 @@ _RECENT_PULLS = 16
 _RECENT_MAX_IDS = 1 << 16
 
 
-def init_rows(ids: np.ndarray, dim: int, seed: int, table: str, scale: float) -> torch.Tensor:
-    """Deterministic initial rows, uniform in [-scale, scale), from (seed, table, id) alone."""
+def init_rows(ids: np.ndarray, dim: int, seed: int, table: str, scale: float, out: np.ndarray | None = None) -> torch.Tensor:
+    """Deterministic initial rows, uniform in [-scale, scale), from (seed, table, id) alone.
+
+    ``out``: a float32 ``[len(ids), dim]`` array to write them into (returned as a tensor view).
+    """
     base = mix64_(ids.astype(np.int64, copy=False).view(np.uint64) ^ _salt(seed, table))
     h = mix64_(base[:, None] + _column_steps(dim))
     h >>= np.uint64(40)
-    u = h.astype(np.float32)
-    u *= np.float32(1.0 / (1 << 24))
-    return torch.from_numpy(u).mul_(2 * scale).sub_(scale)
+    # h < 2**24, exactly representable: u = h * 2 * scale / 2**24 - scale.
+    u = np.multiply(h, np.float32(2 * scale / (1 << 24)), out=out, dtype=np.float32, casting="unsafe")
+    u -= np.float32(scale)
+    return torch.from_numpy(u)
 
 
 @functools.lru_cache(maxsize=256)
@@ -218,24 +222,33 @@ class EmbeddingTable:
 
     def _alloc(self, k: int) -> np.ndarray:
         """``k`` free slots: evicted ones first, then new ones. Caller holds the lock."""
+        start = self._used
+        if not len(self._free):
+            self._grow(start + k)
+            self._used += k
+            return np.arange(start, start + k, dtype=np.int64)
         reuse, self._free = self._free[:k], self._free[k:]
         fresh = k - len(reuse)
-        self._grow(self._used + fresh)
-        new = np.arange(self._used, self._used + fresh, dtype=np.int64)
+        self._grow(start + fresh)
         self._used += fresh
-        return np.concatenate([reuse, new])
+        return np.concatenate([reuse, np.arange(start, start + fresh, dtype=np.int64)])
 
     def _insert(self, new_ids: np.ndarray) -> np.ndarray:
         """Create rows for unique ids that are not present; returns their slots. Caller holds the lock."""
         k = len(new_ids)
+        start = self._used
         slots = self._alloc(k)
-        idx = torch.from_numpy(slots)
         cfg = self.config
-        self._weights.index_copy_(0, idx, init_rows(new_ids, self.dim, cfg.seed, cfg.name, cfg.init_scale))
+        # New slots are usually the next ``k`` in order: the rows are written in place there.
+        rows = slice(start, start + k) if k and slots[0] == start and slots[-1] == start + k - 1 else slots
+        weights = self._weights.numpy()
+        if isinstance(rows, slice):
+            init_rows(new_ids, self.dim, cfg.seed, cfg.name, cfg.init_scale, out=weights[rows])
+        else:
+            weights[rows] = init_rows(new_ids, self.dim, cfg.seed, cfg.name, cfg.init_scale).numpy()
         for name, t in self._state.items():
             # A reused slot still holds the evicted row's state.
-            fill = cfg.optimizer.initial_accumulator if name == "sum" else 0.0
-            t.index_fill_(0, idx, fill)
+            t.numpy()[rows] = cfg.optimizer.initial_accumulator if name == "sum" else 0.0
         if self._touched is not None:
             self._touched[slots] = self._tick
         self._index.insert(new_ids, slots)
@@ -295,8 +308,13 @@ class EmbeddingTable:
         if self._touched is not None:
             self._touched[slots[found]] = self._tick
         if not found.all():
-            fresh, where = np.unique(ids[~found], return_inverse=True)
-            slots[~found] = self._admit(fresh)[where]
+            missing = ids[~found]
+            if len(missing) < 2 or bool((missing[1:] > missing[:-1]).all()):
+                # Already sorted and unique (a client's pull is): no np.unique needed.
+                slots[~found] = self._admit(missing)
+            else:
+                fresh, where = np.unique(missing, return_inverse=True)
+                slots[~found] = self._admit(fresh)[where]
         return slots
 
     def _gather(self, ids: np.ndarray, slots: np.ndarray) -> torch.Tensor:

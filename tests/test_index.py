@@ -29,6 +29,28 @@ def test_colliding_ids_in_one_batch() -> None:
     assert index.lookup(ids).tolist() == (ids * 10).tolist()
 
 
+def test_long_probe_chains_vectorised_and_one_by_one() -> None:
+    # 60 ids that all hash to the same home cell: the insert's and lookup's vectorised rounds
+    # settle the first ones, the last few of the chain are walked one id at a time.
+    index = IdIndex(capacity=4096)
+    mask = 4096 - 1
+    rng = np.random.default_rng(2)
+    pool = rng.choice(2**62, 400_000, replace=False).astype(np.int64)
+    homes = IdIndex._home(pool, mask)
+    home = np.bincount(homes).argmax()
+    chain = pool[homes == home]
+    assert len(chain) >= 80
+    present, absent = chain[:60], chain[60:80]
+    others = pool[homes != home][:300]
+    index.insert(np.concatenate([others, present]), np.arange(360))
+    assert index.size == 360
+    query = np.concatenate([present[::-1], absent, others[:50]])
+    want = [*range(359, 299, -1), *[-1] * 20, *range(50)]
+    assert index.lookup(query).tolist() == want
+    keys, slots = index.items()
+    assert len(keys) == 360 and np.array_equal(np.sort(keys), np.sort(np.concatenate([others, present])))
+
+
 def test_lock_free_readers_never_see_a_wrong_slot() -> None:
     index = IdIndex(capacity=16)
     ids = np.random.default_rng(1).choice(2**62, 40_000, replace=False).astype(np.int64)
