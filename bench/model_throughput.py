@@ -5,7 +5,10 @@ model trained in one process with no parameter server (the ceiling), side by sid
 
 Both sides get one intra-op thread per process (as ``tether launch`` gives its children), the
 same batches, model, seed and optimizer (Adagrad). The tether side is a real shard process and
-a real worker process.
+a real worker process. Both read their batches the same way, from a generator on a background
+thread (``tether.worker.data.in_background``, as every tether worker does); the in-process run
+with every batch generated before its clock starts (no data loading at all) is shown beside it
+for reference.
 """
 
 from __future__ import annotations
@@ -25,12 +28,16 @@ from _common import markdown_table  # noqa: E402
 TARGET = 0.70
 
 
-def in_process(steps: int, batch_size: int, device: str, warmup: int = 20) -> float:
-    """Samples/s of the model trained in this process (local sparse embeddings + Adagrad)."""
+def in_process(steps: int, batch_size: int, device: str, warmup: int = 20, pregenerated: bool = False) -> float:
+    """Samples/s of the model trained in this process (local sparse embeddings + Adagrad).
+
+    Batches come from a background thread, as a tether worker reads them; ``pregenerated``:
+    all of them are made before the clock starts instead.
+    """
     import torch
     import torch.nn.functional as F
 
-    from tether.worker.data import SyntheticClickLog, SyntheticConfig
+    from tether.worker.data import SyntheticClickLog, SyntheticConfig, in_background
     from tether.worker.model import CTRModel
 
     dev = torch.device(device)
@@ -38,7 +45,8 @@ def in_process(steps: int, batch_size: int, device: str, warmup: int = 20) -> fl
     torch.manual_seed(0)
     model = CTRModel(13, 8).to(dev)
     opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
-    batches = list(gen.batches(batch_size, steps + warmup))
+    stream = gen.batches(batch_size, steps + warmup)
+    batches = list(stream) if pregenerated else in_background(stream)
     start = None
     for i, b in enumerate(batches):
         if i == warmup:
@@ -71,25 +79,32 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--device", default="cpu")
     p.add_argument("--_inprocess", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--_pregenerated", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     steps = a.steps or (200 if a.quick else 1500)
     if a._inprocess:
-        print(in_process(steps, a.batch_size, a.device))
+        print(in_process(steps, a.batch_size, a.device, pregenerated=a._pregenerated))
         return
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    # The ceiling runs in its own process so both sides get the same thread settings.
-    local = float(subprocess.run(
-        [sys.executable, __file__, "--_inprocess", "--steps", str(steps), "--batch-size", str(a.batch_size), "--device", a.device],
-        capture_output=True, text=True, check=True, env=env, timeout=1800,
-    ).stdout.split()[-1])
+
+    def ceiling(*extra: str) -> float:
+        # The ceiling runs in its own process so both sides get the same thread settings.
+        return float(subprocess.run(
+            [sys.executable, __file__, "--_inprocess", "--steps", str(steps), "--batch-size", str(a.batch_size), "--device", a.device, *extra],
+            capture_output=True, text=True, check=True, env=env, timeout=1800,
+        ).stdout.split()[-1])
+
+    local = ceiling()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     summary = through_tether(steps, a.batch_size, a.device)
+    pregenerated = ceiling("--_pregenerated")
     ratio = summary["samples_per_sec"] / local
     phases = summary["workers"][0]["phase_seconds"]
     busy = sum(phases.values())
     rows = [
         ["in one process, no parameter server", local, "1.00"],
         ["tether: 1 worker + 1 shard", summary["samples_per_sec"], f"{ratio:.2f}"],
+        ["in one process, every batch made before the clock (reference)", pregenerated, f"{summary['samples_per_sec'] / pregenerated:.2f}"],
     ]
     print(f"default CTR model, batch {a.batch_size}, {steps} steps, device {a.device}\n")
     print(markdown_table(["setup", "samples/s", "ratio"], rows))

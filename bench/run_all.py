@@ -103,8 +103,8 @@ def _loadavg() -> str:
 
 
 def data_ms_per_batch(batch_size: int = 256, batches: int = 300) -> float:
-    """Milliseconds to generate one synthetic training batch (what the tether worker pays in its
-    data thread and the in-process side pays before its clock starts)."""
+    """Milliseconds to generate one synthetic training batch (what the data thread of a tether
+    worker, and of the in-process side, pays per step)."""
     from tether.worker.data import SyntheticClickLog, SyntheticConfig
 
     it = SyntheticClickLog(SyntheticConfig()).batches(batch_size, batches + 1)
@@ -154,6 +154,7 @@ def measure(quick: bool, repeats: int, seconds: float, wire: str | None, log: An
         "steps": steps,
         "batch_size": 256,
         "in_process": model["in_process"],
+        "in_process_pregenerated": model["in_process_pregenerated"],
         "tether": {f"{w}x{s}:{wd}": v for (w, s, wd), v in model["tether"].items()},
         "phases": {f"{w}x{s}:{wd}": v for (w, s, wd), v in model["phases"].items()},
     }
@@ -315,9 +316,12 @@ def limits(res: dict[str, Any]) -> str:
         f"of the same model in one process. The worker spends its step as {_phase_str(ph)}; the part outside compute "
         f"({1 - ph.get('compute', 0):.0%}) is the parameter server's (pull_wait: the prefetched pull was not back when "
         f"compute finished; push: encoding and sending the gradients before the next step). "
-        f"Note that the in-process side generates its batches before its clock starts, while a tether worker "
-        f"generates them on a background thread during training ({m['data_ms_per_batch']:.2f} ms per batch, "
-        f"{m['data_ms_per_batch'] / (256 / local * 1e3):.0%} of an in-process step). "
+        f"Both sides read their batches from a generator on a background thread, as a tether worker does "
+        f"({m['data_ms_per_batch']:.2f} ms per batch); "
+        + (f"with every batch made before its clock starts instead, the in-process side reaches "
+           f"{_med(m['in_process_pregenerated']):,.0f} samples/s, and tether {one / _med(m['in_process_pregenerated']):.0%} of that "
+           f"(on 2 cores the data thread competes with the step for the CPU and the GIL). "
+           if m.get("in_process_pregenerated") else "")
         + "Scaling: " + ", ".join(
             f"{k.split(':')[0].replace('x', ' worker(s) x ')} shard(s) {_med(v):,.0f}" for k, v in m["tether"].items()
             if k.endswith(":float32")
@@ -422,8 +426,12 @@ def render(
     L += ["", "## Default CTR model: samples/s and scaling", "",
           f"`run_job` with the default model and synthetic data, {m['steps']} steps x {m['batch_size']} per worker, "
           "Adagrad, async; against the same model, batches and optimizer trained in one process with no parameter "
-          "server (`bench/model_throughput.py`). Step split: the workers' time per phase.", ""]
+          "server (`bench/model_throughput.py`), both reading their batches from a background thread as a tether "
+          "worker does. Step split: the workers' time per phase.", ""]
     mrows = [["in one process, no parameter server", _med(local), "1.00x", "", ""]]
+    if m.get("in_process_pregenerated"):
+        pre = m["in_process_pregenerated"]
+        mrows.append(["in one process, every batch made before the clock (reference)", _med(pre), _rx(_ratio(pre, local)), "", ""])
     for key, v in m["tether"].items():
         cfg, wd = key.split(":")
         w, sh = cfg.split("x")

@@ -325,10 +325,12 @@ def raw_apply_rows_per_s(optimizer: str, num_ids: int = 4096, dim: int = 64, sec
     return num_ids * len(lat) / sum(lat)
 
 
-def in_process_samples_per_s(steps: int, batch_size: int = 256, timeout: float = 1800.0) -> float:
-    """Samples/s of the default model in one process, no parameter server (``model_throughput``)."""
+def in_process_samples_per_s(steps: int, batch_size: int = 256, timeout: float = 1800.0, pregenerated: bool = False) -> float:
+    """Samples/s of the default model in one process, no parameter server (``model_throughput``);
+    ``pregenerated``: every batch made before the clock starts, not read from a background thread."""
     out = subprocess.run(
-        [sys.executable, str(_HERE / "model_throughput.py"), "--_inprocess", "--steps", str(steps), "--batch-size", str(batch_size), "--device", "cpu"],
+        [sys.executable, str(_HERE / "model_throughput.py"), "--_inprocess", "--steps", str(steps), "--batch-size", str(batch_size), "--device", "cpu",
+         *(["--_pregenerated"] if pregenerated else [])],
         capture_output=True, text=True, check=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     return float(out.stdout.split()[-1])
@@ -503,10 +505,12 @@ def compare_model(
         configs: ``(workers, shards, wire dtype)`` per tether run.
 
     Returns:
-        ``in_process`` (samples/s per repeat), ``tether`` ({config: [samples/s per repeat]}),
+        ``in_process`` (samples/s per repeat; batches read as a worker reads them),
+        ``in_process_pregenerated`` (the same with every batch made before the clock), ``tether`` ({config: [samples/s per repeat]}),
         ``phases`` ({config: median fraction of worker step time per phase}).
     """
     local: list[float] = []
+    pregenerated: list[float] = []
     runs: dict[tuple[int, int, str], list[dict[str, Any]]] = {tuple(c): [] for c in configs}
     for r in range(repeats):
         t0 = time.perf_counter()
@@ -517,9 +521,11 @@ def compare_model(
             runs[(w, s, wire)].append(tether_job_samples_per_s(w, s, steps, batch_size, wire))
         if r % 2 == 1:
             local.append(in_process_samples_per_s(steps, batch_size))
+        pregenerated.append(in_process_samples_per_s(steps, batch_size, pregenerated=True))
         log(f"model: repeat {r + 1}/{repeats} done in {time.perf_counter() - t0:.0f}s")
     return {
         "in_process": local,
+        "in_process_pregenerated": pregenerated,
         "tether": {c: [x["samples_per_sec"] for x in v] for c, v in runs.items()},
         "phases": {c: _median_phases([x["phases"] for x in v]) for c, v in runs.items()},
     }
@@ -598,6 +604,8 @@ def main(argv: list[str] | None = None) -> None:
         rows = [["in one process", local, "1.00"]]
         for (w, s, wire), v in m["tether"].items():
             rows.append([f"tether {w} worker(s) x {s} shard(s), {wire} wire", statistics.median(v), f"{statistics.median(v) / local:.2f}"])
+        pre = statistics.median(m["in_process_pregenerated"])
+        rows.append(["in one process, every batch made before the clock", pre, f"{pre / local:.2f}"])
         print("\n## default model samples/s\n")
         print(markdown_table(["setup", "samples/s", "ratio"], rows))
 

@@ -1,12 +1,13 @@
 import math
 import re
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from tether.worker.data import CriteoTSV, SyntheticClickLog, SyntheticConfig, iterate, load_criteo, write_criteo_sample
+from tether.worker.data import CriteoTSV, SyntheticClickLog, SyntheticConfig, in_background, iterate, load_criteo, write_criteo_sample
 from tether.worker.evaluation import constant_baseline_loss
 
 
@@ -246,3 +247,41 @@ def test_iterate_and_sample_writer_check_arguments(tmp_path: Path) -> None:
         write_criteo_sample(tmp_path / "x.tsv", 0)
     with pytest.raises(ValueError, match="missing_rate must be in"):
         write_criteo_sample(tmp_path / "x.tsv", 5, missing_rate=1.5)
+
+
+def test_in_background_keeps_order_and_matches_the_stream() -> None:
+    gen = SyntheticClickLog(SyntheticConfig())
+    direct = list(gen.batches(32, 6))
+    ahead = list(in_background(gen.batches(32, 6), depth=2))
+    assert len(ahead) == 6
+    for a, b in zip(ahead, direct):
+        assert torch.equal(a.sparse, b.sparse) and torch.equal(a.dense, b.dense) and torch.equal(a.labels, b.labels)
+
+
+def test_in_background_raises_the_producers_error_and_stops_when_closed() -> None:
+    def failing():
+        yield from SyntheticClickLog(SyntheticConfig()).batches(8, 2)
+        raise RuntimeError("disk gone")
+
+    stream = in_background(failing())
+    assert len([next(stream), next(stream)]) == 2
+    with pytest.raises(RuntimeError, match="disk gone"):
+        next(stream)
+
+    produced = []
+
+    def endless():
+        gen = SyntheticClickLog(SyntheticConfig())
+        i = 0
+        while True:
+            produced.append(i)
+            yield next(gen.batches(8, 1, start=i))
+            i += 1
+
+    stream = in_background(endless(), depth=2)
+    next(stream)
+    stream.close()
+    time.sleep(0.5)
+    count = len(produced)
+    time.sleep(0.3)
+    assert len(produced) == count <= 5  # stopped: at most depth queued, one waiting, one handed out

@@ -8,7 +8,9 @@ column per categorical field (each field is its own embedding table ``cat_<j>``)
 from __future__ import annotations
 
 import math
+import queue
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ import torch
 
 from tether.protos.partition import mix64
 
-__all__ = ["Batch", "CriteoTSV", "SyntheticClickLog", "SyntheticConfig", "iterate", "load_criteo", "write_criteo_sample"]
+__all__ = ["Batch", "CriteoTSV", "SyntheticClickLog", "SyntheticConfig", "in_background", "iterate", "load_criteo", "write_criteo_sample"]
 
 _ID_MASK = np.uint64((1 << 62) - 1)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -157,6 +159,43 @@ class SyntheticClickLog:
         """Log loss of the hidden model itself: the best any model can do on ``batch``."""
         logits = torch.from_numpy(self.true_logits(batch.dense.numpy(), batch.sparse.numpy()))
         return float(torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.double()))
+
+
+def in_background(batches: Iterator[Batch], depth: int = 4) -> Iterator[Batch]:
+    """Batches of ``batches`` produced on a background thread, up to ``depth`` ahead (like a
+    DataLoader worker), so data preparation overlaps the step instead of adding to it.
+
+    An exception in the producer is raised to the consumer; closing the iterator stops it."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for b in batches:
+                while not stop.is_set():
+                    try:
+                        q.put(b, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(done)
+        except BaseException as exc:  # handed to the consumer
+            q.put(exc)
+
+    threading.Thread(target=produce, name="tether-data", daemon=True).start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
 
 
 # -- Criteo -----------------------------------------------------------------------------------

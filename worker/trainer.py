@@ -11,8 +11,6 @@ import json
 import logging
 import math
 import os
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
@@ -26,7 +24,7 @@ from tether.protos.errors import DeadlineExceeded, TooStale
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.client import ClientConfig, Handle, PSClient, PullResult
 from tether.worker.config import WorkerConfig
-from tether.worker.data import Batch, SyntheticClickLog, SyntheticConfig, iterate, load_criteo
+from tether.worker.data import Batch, SyntheticClickLog, SyntheticConfig, in_background, iterate, load_criteo
 from tether.worker.embedding import Prefetch, PSModel, ShardedEmbeddingBag, flat_grads, split_flat
 from tether.worker.evaluation import constant_baseline_loss, evaluate
 from tether.worker.model import CTRModel
@@ -200,41 +198,6 @@ def _init_sync(cfg: WorkerConfig, device: torch.device) -> WorkerConfig:
     return replace(cfg, worker_index=dist.get_rank(), num_workers=dist.get_world_size())
 
 
-def _background(batches: Iterator[Batch], depth: int = 4) -> Iterator[Batch]:
-    """Produce batches on a background thread (like a DataLoader worker) so data preparation
-    overlaps the step instead of adding to it."""
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    done = object()
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for b in batches:
-                while not stop.is_set():
-                    try:
-                        q.put(b, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            q.put(done)
-        except BaseException as exc:  # handed to the consumer
-            q.put(exc)
-
-    threading.Thread(target=produce, name="tether-data", daemon=True).start()
-    try:
-        while True:
-            item = q.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-
-
 def _join(ps: PSModel, cfg: WorkerConfig) -> int:
     """SSP start: register, then wait (bounded) until every worker of the job has, so no one
     runs ahead of a worker that has not started yet.
@@ -275,7 +238,7 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
     dense_opt = local_optimizer(cfg, list(ps.parameters())) if kind == "sync" else None
     name = f"worker {cfg.worker_index}/{cfg.num_workers}"
     printer(f"{name}: mode {cfg.mode}, {len(cfg.shards)} shard(s), device {device}, {cfg.steps} steps x {cfg.batch_size} samples")
-    stream = _background(ds.train_batches(cfg.batch_size, cfg.steps, cfg.worker_index, cfg.num_workers))
+    stream = in_background(ds.train_batches(cfg.batch_size, cfg.steps, cfg.worker_index, cfg.num_workers))
     # Prefetching the next batch during compute reads before this step's push lands: fine
     # without a bound, but ssp and sync pull only once the bound (or the barrier) allows.
     # An async step makes one round trip in steady state: its push carries the pull of the
