@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tether.protos.metrics_http import serve_metrics
@@ -46,6 +48,7 @@ class ShardMetrics:
             raise ValueError("registry must be a CollectorRegistry, got None")
         r = registry
         self.registry = registry
+        self._series: dict[tuple[int, tuple[str, ...]], Counter | Gauge | Histogram] = {}
 
         self.requests = Counter(
             "tether_shard_requests_total", "RPCs handled, by method and gRPC status code.",
@@ -127,6 +130,21 @@ class ShardMetrics:
             self.data_connections.labels(mode=mode)
         self.staleness_bound.set(-1)
 
+    def series(self, metric: Counter | Gauge | Histogram, *values: str) -> Counter | Gauge | Histogram:
+        """``metric.labels(*values)``, remembered: ``labels`` checks and locks on every call, and
+        a data-plane call records several series (label values are bounded, so is this cache)."""
+        key = (id(metric), values)
+        try:
+            return self._series[key]
+        except KeyError:
+            child = self._series[key] = metric.labels(*values)
+            return child
+
+    def watch_table(self, name: str, rows: Callable[[], float], memory_bytes: Callable[[], float]) -> None:
+        """Export table ``name``'s resident rows and bytes, read when Prometheus scrapes."""
+        self.table_rows.labels(table=name).set_function(rows)
+        self.table_memory_bytes.labels(table=name).set_function(memory_bytes)
+
     def set_staleness_bound(self, bound: int | None) -> None:
         """Record the job's staleness bound; ``None`` means unbounded (async)."""
         if bound is None:
@@ -140,7 +158,7 @@ class ShardMetrics:
         """Count one rejected push; ``reason`` must be one of ``REJECT_REASONS``."""
         if reason not in REJECT_REASONS:
             raise ValueError(f"reason must be one of {REJECT_REASONS}, got {reason!r}")
-        self.updates_rejected.labels(reason=reason).inc()
+        self.series(self.updates_rejected, reason).inc()
 
     def applied(self, kind: str, blocks: int = 1) -> None:
         """Count applied gradient blocks; ``kind`` must be one of ``UPDATE_KINDS``."""
@@ -148,4 +166,4 @@ class ShardMetrics:
             raise ValueError(f"kind must be one of {UPDATE_KINDS}, got {kind!r}")
         if blocks < 0:
             raise ValueError(f"blocks must be >= 0, got {blocks!r}")
-        self.updates_applied.labels(kind=kind).inc(blocks)
+        self.series(self.updates_applied, kind).inc(blocks)

@@ -108,6 +108,9 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         self.checkpointer = checkpointer
         # Port of the data plane serving this servicer (0: none), told to clients in Declare and Info.
         self.data_port = 0
+        # Tables whose rows and bytes the metrics export (those restored from a checkpoint at once).
+        self._watched: set[str] = set()
+        self._update_table_gauges()
 
     def run(
         self, rpc: str, request: object, call: Callable[[], object], extra_bytes: int = 0
@@ -137,9 +140,9 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         finally:
             m = self.metrics
             if m is not None:
-                m.requests.labels(rpc=rpc, code=code.name).inc()
-                m.request_seconds.labels(rpc=rpc).observe(time.perf_counter() - start)
-                m.received_bytes.labels(rpc=rpc).inc(request.ByteSize() + extra_bytes)
+                m.series(m.requests, rpc, code.name).inc()
+                m.series(m.request_seconds, rpc).observe(time.perf_counter() - start)
+                m.series(m.received_bytes, rpc).inc(request.ByteSize() + extra_bytes)
         return response, code, message
 
     def data_call(self, rpc: str, request: object, payload: memoryview | None, out: PayloadWriter) -> tuple[object | None, grpc.StatusCode, str]:
@@ -152,7 +155,7 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
             else:
                 response = self._push_pull(request, payload, out)
             if self.metrics is not None:
-                self.metrics.sent_bytes.labels(rpc=rpc).inc(response.ByteSize() + out.nbytes)
+                self.metrics.series(self.metrics.sent_bytes, rpc).inc(response.ByteSize() + out.nbytes)
             return response
 
         return self.run(rpc, request, call, extra_bytes=0 if payload is None else len(payload))
@@ -163,7 +166,7 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
 
     def _sent(self, rpc: str, response: object) -> object:
         if self.metrics is not None:
-            self.metrics.sent_bytes.labels(rpc=rpc).inc(response.ByteSize())
+            self.metrics.series(self.metrics.sent_bytes, rpc).inc(response.ByteSize())
         return response
 
     @_domain
@@ -292,11 +295,15 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         self.metrics.worker_clock_max.set(state.max_clock)
 
     def _update_table_gauges(self) -> None:
-        if self.metrics is None:
+        """Export the rows and bytes of tables not exported yet (read at scrape time: a table,
+        once declared or restored, stays under its name)."""
+        if self.metrics is None or len(self.shard.tables) == len(self._watched):
             return
-        for name, t in list(self.shard.tables.items()):
-            self.metrics.table_rows.labels(table=name).set(t.rows)
-            self.metrics.table_memory_bytes.labels(table=name).set(t.memory_bytes)
+        tables = self.shard.tables
+        for name in list(tables):
+            if name not in self._watched:
+                self.metrics.watch_table(name, lambda n=name: tables[n].rows, lambda n=name: tables[n].memory_bytes)
+                self._watched.add(name)
 
 
 @dataclass

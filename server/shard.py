@@ -386,7 +386,7 @@ class Shard:
         values = [chunk.pull() for chunk in chunks]
         if self.metrics is not None:
             for (name, ids) in sparse:
-                self.metrics.rows_pulled.labels(table=name).inc(ids.size)
+                self.metrics.series(self.metrics.rows_pulled, name).inc(ids.size)
         return rows, values
 
     def push(
@@ -453,7 +453,7 @@ class Shard:
             m.applied("sparse", len(sparse))
             m.applied("dense", len(dense))
             for u in sparse:
-                m.rows_pushed.labels(table=u.table).inc(u.ids.size)
+                m.series(m.rows_pushed, u.table).inc(u.ids.size)
             m.push_update_staleness.observe(staleness)
             if clock:
                 m.push_staleness.observe(clock_lag)

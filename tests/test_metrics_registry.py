@@ -227,3 +227,27 @@ def test_promtool_check_metrics_passes(observed: bool) -> None:
     out = (proc.stdout + proc.stderr).decode()
     assert proc.returncode == 0, f"promtool check metrics failed:\n{out}"
     assert out.strip() == "", f"promtool reported lint problems:\n{out}"
+
+
+def test_series_are_remembered_and_table_gauges_read_at_scrape_time() -> None:
+    import numpy as np
+
+    from tether.protos.specs import OptimizerConfig, TableConfig
+    from tether.server.service import ShardServicer
+    from tether.server.shard import Shard
+
+    registry = CollectorRegistry()
+    metrics = ShardMetrics(registry)
+    child = metrics.series(metrics.requests, "Pull", "OK")
+    assert metrics.series(metrics.requests, "Pull", "OK") is child is metrics.requests.labels(rpc="Pull", code="OK")
+    child.inc(3)
+    assert registry.get_sample_value("tether_shard_requests_total", {"rpc": "Pull", "code": "OK"}) == 3
+
+    shard = Shard(metrics=metrics)
+    shard.declare([TableConfig("t", dim=4, optimizer=OptimizerConfig("sgd", lr=0.1))], [])
+    ShardServicer(shard, metrics)  # exports the tables the shard already holds (as after a restore)
+    assert registry.get_sample_value("tether_shard_table_rows", {"table": "t"}) == 0
+    shard.pull([("t", np.arange(10, dtype=np.int64))], [])
+    # No call since the pull: the gauge reads the table when scraped.
+    assert registry.get_sample_value("tether_shard_table_rows", {"table": "t"}) == 10
+    assert registry.get_sample_value("tether_shard_table_memory_bytes", {"table": "t"}) == shard.tables["t"].memory_bytes
