@@ -52,15 +52,16 @@ class WorkerMetrics:
         self.last_step_timestamp = Gauge(
             "tether_worker_last_step_timestamp_seconds", "Unix time the last step finished.", registry=r)
 
-        for phase in PHASES:
-            self.phase_seconds.labels(phase=phase)
+        # One series per phase, exported at 0 from the start and looked up once.
+        self._phases = {phase: self.phase_seconds.labels(phase=phase) for phase in PHASES}
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """Record ``seconds`` spent in ``phase``; staleness waits also feed the wait counter."""
-        if phase not in PHASES:
+        series = self._phases.get(phase)
+        if series is None:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
         if seconds < 0:
             raise ValueError(f"seconds must be >= 0, got {seconds!r}")
-        self.phase_seconds.labels(phase=phase).observe(seconds)
+        series.observe(seconds)
         if phase == "staleness_wait":
             self.staleness_wait_seconds.inc(seconds)
