@@ -1,5 +1,6 @@
 import math
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -285,3 +286,18 @@ def test_in_background_raises_the_producers_error_and_stops_when_closed() -> Non
     count = len(produced)
     time.sleep(0.3)
     assert len(produced) == count <= 5  # stopped: at most depth queued, one waiting, one handed out
+
+
+def test_in_background_producer_ends_when_closed_with_a_full_queue_at_the_end() -> None:
+    # Two batches, room for one: the consumer takes the first, the second fills the queue, and
+    # the producer, at the end of its stream, waits to hand over the end marker. Closing the
+    # stream must end that wait (the thread used to stay blocked forever).
+    before = set(threading.enumerate())
+    stream = in_background(SyntheticClickLog(SyntheticConfig()).batches(8, 2), depth=1)
+    next(stream)
+    (producer,) = [t for t in threading.enumerate() if t not in before and t.name == "tether-data"]
+    time.sleep(0.3)  # the producer reaches the end of its stream
+    assert producer.is_alive()
+    stream.close()
+    producer.join(timeout=5.0)
+    assert not producer.is_alive()

@@ -170,20 +170,24 @@ def in_background(batches: Iterator[Batch], depth: int = 4) -> Iterator[Batch]:
     done = object()
     stop = threading.Event()
 
+    def offer(item: object) -> bool:
+        """Queue ``item`` unless the consumer has gone; whether it was queued."""
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for b in batches:
-                while not stop.is_set():
-                    try:
-                        q.put(b, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not offer(b):
                     return
-            q.put(done)
+            offer(done)
         except BaseException as exc:  # handed to the consumer
-            q.put(exc)
+            offer(exc)
 
     threading.Thread(target=produce, name="tether-data", daemon=True).start()
     try:
