@@ -108,9 +108,9 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         self.checkpointer = checkpointer
         # Port of the data plane serving this servicer (0: none), told to clients in Declare and Info.
         self.data_port = 0
-        # Tables whose rows and bytes the metrics export (those restored from a checkpoint at once).
+        # Tables whose rows and bytes the metrics export (tables restored from a checkpoint from the start).
         self._watched: set[str] = set()
-        self._update_table_gauges()
+        self._watch_new_tables()
 
     def run(
         self, rpc: str, request: object, call: Callable[[], object], extra_bytes: int = 0
@@ -177,7 +177,7 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
             for d in request.dense
         ]
         self.shard.declare(tables, dense)
-        self._update_table_gauges()
+        self._watch_new_tables()
         return pb.DeclareResponse(shard_index=self.shard.shard_index, num_shards=self.shard.num_shards, data_port=self.data_port)
 
     def _pull(self, request: pb.PullRequest, out: PayloadWriter | None = None) -> pb.PullResponse:
@@ -197,7 +197,6 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
                 out.add(source, msg, dtype=wire, rows=index)
         for (name, index), (v, version) in zip(dense, values):
             encode(v, response.dense.add(name=name, index=index, read_version=version).value, dtype=wire)
-        self._update_table_gauges()
         return response
 
     def _push(self, request: pb.PushRequest, payload: memoryview | None = None) -> PushResult:
@@ -294,10 +293,11 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         self.metrics.worker_clock_min.set(state.min_clock)
         self.metrics.worker_clock_max.set(state.max_clock)
 
-    def _update_table_gauges(self) -> None:
-        """Export the rows and bytes of tables not exported yet (read at scrape time: a table,
-        once declared or restored, stays under its name)."""
-        if self.metrics is None or len(self.shard.tables) == len(self._watched):
+    def _watch_new_tables(self) -> None:
+        """Export the rows and bytes of tables not exported yet, read when Prometheus scrapes.
+        Tables are only ever added, by Declare or by a restore (which runs before the servicer
+        exists), so Declare and ``__init__`` are the only callers."""
+        if self.metrics is None:
             return
         tables = self.shard.tables
         for name in list(tables):
