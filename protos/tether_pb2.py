@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atether/protos/tether.proto\x12\ttether.v1\"u\n\x06Tensor\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.tether.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x16\n\x0epayload_offset\x18\x04 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x04\"\x87\x01\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02lr\x18\x02 \x01(\x02\x12\r\n\x05\x62\x65ta1\x18\x03 \x01(\x02\x12\r\n\x05\x62\x65ta2\x18\x04 \x01(\x02\x12\x0b\n\x03\x65ps\x18\x05 \x01(\x02\x12\x14\n\x0cweight_decay\x18\x06 \x01(\x02\x12\x1b\n\x13initial_accumulator\x18\x07 \x01(\x02\"\x9a\x01\n\tTableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12+\n\toptimizer\x18\x03 \x01(\x0b\x32\x18.tether.v1.OptimizerSpec\x12\x12\n\ninit_scale\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x06 \x01(\x04\x12\x11\n\tmin_count\x18\x07 \x01(\r\"v\n\tDenseSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12+\n\toptimizer\x18\x03 \x01(\x0b\x32\x18.tether.v1.OptimizerSpec\x12\x1f\n\x04init\x18\x04 \x01(\x0b\x32\x11.tether.v1.Tensor\"[\n\x0e\x44\x65\x63lareRequest\x12$\n\x06tables\x18\x01 \x03(\x0b\x32\x14.tether.v1.TableSpec\x12#\n\x05\x64\x65nse\x18\x02 \x03(\x0b\x32\x14.tether.v1.DenseSpec\"M\n\x0f\x44\x65\x63lareResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x11\n\tdata_port\x18\x03 \x01(\r\"b\n\x0bSparseBlock\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12!\n\x06values\x18\x03 \x01(\x0b\x32\x11.tether.v1.Tensor\x12\x14\n\x0cread_version\x18\x04 \x01(\x04\"a\n\nDenseBlock\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12 \n\x05value\x18\x03 \x01(\x0b\x32\x11.tether.v1.Tensor\x12\x14\n\x0cread_version\x18\x04 \x01(\x04\"\x94\x01\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x06sparse\x18\x02 \x03(\x0b\x32\x16.tether.v1.SparseBlock\x12$\n\x05\x64\x65nse\x18\x03 \x03(\x0b\x32\x15.tether.v1.DenseBlock\x12$\n\nwire_dtype\x18\x04 \x01(\x0e\x32\x10.tether.v1.DType\"\\\n\x0cPullResponse\x12&\n\x06sparse\x18\x01 \x03(\x0b\x32\x16.tether.v1.SparseBlock\x12$\n\x05\x64\x65nse\x18\x02 \x03(\x0b\x32\x15.tether.v1.DenseBlock\"\xa3\x01\n\x0bPushRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05\x63lock\x18\x03 \x01(\x04\x12&\n\x06sparse\x18\x04 \x03(\x0b\x32\x16.tether.v1.SparseBlock\x12$\n\x05\x64\x65nse\x18\x05 \x03(\x0b\x32\x15.tether.v1.DenseBlock\x12\x17\n\x0fstaleness_aware\x18\x06 \x01(\x08\"O\n\x0cPushResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x15\n\rmax_staleness\x18\x02 \x01(\x04\x12\x17\n\x0f\x63lock_staleness\x18\x03 \x01(\x04\"l\n\x0c\x43lockRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x63lock\x18\x02 \x01(\x04\x12\r\n\x05leave\x18\x03 \x01(\x08\x12\x12\n\nwait_bound\x18\x04 \x01(\x03\x12\x17\n\x0fwait_timeout_ms\x18\x05 \x01(\r\"s\n\rClockResponse\x12\x11\n\tmin_clock\x18\x01 \x01(\x04\x12\x11\n\tmax_clock\x18\x02 \x01(\x04\x12\x14\n\x0clive_workers\x18\x03 \x01(\r\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x17\n\x0fmin_other_clock\x18\x05 \x01(\x04\"]\n\x0fPushPullRequest\x12$\n\x04push\x18\x01 \x01(\x0b\x32\x16.tether.v1.PushRequest\x12$\n\x04pull\x18\x02 \x01(\x0b\x32\x16.tether.v1.PullRequest\"`\n\x10PushPullResponse\x12%\n\x04push\x18\x01 \x01(\x0b\x32\x17.tether.v1.PushResponse\x12%\n\x04pull\x18\x02 \x01(\x0b\x32\x17.tether.v1.PullResponse\"\x9a\x01\n\tTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x11\n\toptimizer\x18\x05 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x06 \x01(\x04\x12\x14\n\x0c\x65victed_rows\x18\x07 \x01(\x04\x12\x14\n\x0c\x64ropped_rows\x18\x08 \x01(\x04\"[\n\tDenseInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x11\n\toptimizer\x18\x05 \x01(\t\"\r\n\x0bInfoRequest\"\x96\x02\n\x0cInfoResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12$\n\x06tables\x18\x03 \x03(\x0b\x32\x14.tether.v1.TableInfo\x12#\n\x05\x64\x65nse\x18\x04 \x03(\x0b\x32\x14.tether.v1.DenseInfo\x12\x16\n\x0e\x61pplied_pushes\x18\x05 \x01(\x04\x12\x18\n\x10\x64uplicate_pushes\x18\x06 \x01(\x04\x12\x17\n\x0frejected_pushes\x18\x07 \x01(\x04\x12\x1b\n\x13restored_checkpoint\x18\x08 \x01(\t\x12\x17\n\x0flast_checkpoint\x18\t \x01(\t\x12\x11\n\tdata_port\x18\n \x01(\r\"\x1f\n\x11\x43heckpointRequest\x12\n\n\x02id\x18\x01 \x01(\t\"N\n\x12\x43heckpointResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01*Q\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x32\xca\x03\n\x0fParameterServer\x12@\n\x07\x44\x65\x63lare\x12\x19.tether.v1.DeclareRequest\x1a\x1a.tether.v1.DeclareResponse\x12\x37\n\x04Pull\x12\x16.tether.v1.PullRequest\x1a\x17.tether.v1.PullResponse\x12\x37\n\x04Push\x12\x16.tether.v1.PushRequest\x1a\x17.tether.v1.PushResponse\x12\x43\n\x08PushPull\x12\x1a.tether.v1.PushPullRequest\x1a\x1b.tether.v1.PushPullResponse\x12\x37\n\x04Info\x12\x16.tether.v1.InfoRequest\x1a\x17.tether.v1.InfoResponse\x12:\n\x05\x43lock\x12\x17.tether.v1.ClockRequest\x1a\x18.tether.v1.ClockResponse\x12I\n\nCheckpoint\x12\x1c.tether.v1.CheckpointRequest\x1a\x1d.tether.v1.CheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atether/protos/tether.proto\x12\ttether.v1\"u\n\x06Tensor\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.tether.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x16\n\x0epayload_offset\x18\x04 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x04\"\x87\x01\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02lr\x18\x02 \x01(\x02\x12\r\n\x05\x62\x65ta1\x18\x03 \x01(\x02\x12\r\n\x05\x62\x65ta2\x18\x04 \x01(\x02\x12\x0b\n\x03\x65ps\x18\x05 \x01(\x02\x12\x14\n\x0cweight_decay\x18\x06 \x01(\x02\x12\x1b\n\x13initial_accumulator\x18\x07 \x01(\x02\"\x9a\x01\n\tTableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12+\n\toptimizer\x18\x03 \x01(\x0b\x32\x18.tether.v1.OptimizerSpec\x12\x12\n\ninit_scale\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x06 \x01(\x04\x12\x11\n\tmin_count\x18\x07 \x01(\r\"v\n\tDenseSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12+\n\toptimizer\x18\x03 \x01(\x0b\x32\x18.tether.v1.OptimizerSpec\x12\x1f\n\x04init\x18\x04 \x01(\x0b\x32\x11.tether.v1.Tensor\"[\n\x0e\x44\x65\x63lareRequest\x12$\n\x06tables\x18\x01 \x03(\x0b\x32\x14.tether.v1.TableSpec\x12#\n\x05\x64\x65nse\x18\x02 \x03(\x0b\x32\x14.tether.v1.DenseSpec\"b\n\x0f\x44\x65\x63lareResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x11\n\tdata_port\x18\x03 \x01(\r\x12\x13\n\x0b\x64\x61ta_socket\x18\x04 \x01(\t\"b\n\x0bSparseBlock\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12!\n\x06values\x18\x03 \x01(\x0b\x32\x11.tether.v1.Tensor\x12\x14\n\x0cread_version\x18\x04 \x01(\x04\"a\n\nDenseBlock\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12 \n\x05value\x18\x03 \x01(\x0b\x32\x11.tether.v1.Tensor\x12\x14\n\x0cread_version\x18\x04 \x01(\x04\"\x94\x01\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x06sparse\x18\x02 \x03(\x0b\x32\x16.tether.v1.SparseBlock\x12$\n\x05\x64\x65nse\x18\x03 \x03(\x0b\x32\x15.tether.v1.DenseBlock\x12$\n\nwire_dtype\x18\x04 \x01(\x0e\x32\x10.tether.v1.DType\"\\\n\x0cPullResponse\x12&\n\x06sparse\x18\x01 \x03(\x0b\x32\x16.tether.v1.SparseBlock\x12$\n\x05\x64\x65nse\x18\x02 \x03(\x0b\x32\x15.tether.v1.DenseBlock\"\xb8\x01\n\x0bPushRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05\x63lock\x18\x03 \x01(\x04\x12&\n\x06sparse\x18\x04 \x03(\x0b\x32\x16.tether.v1.SparseBlock\x12$\n\x05\x64\x65nse\x18\x05 \x03(\x0b\x32\x15.tether.v1.DenseBlock\x12\x17\n\x0fstaleness_aware\x18\x06 \x01(\x08\x12\x13\n\x0bincarnation\x18\x07 \x01(\x06\"O\n\x0cPushResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x15\n\rmax_staleness\x18\x02 \x01(\x04\x12\x17\n\x0f\x63lock_staleness\x18\x03 \x01(\x04\"l\n\x0c\x43lockRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x63lock\x18\x02 \x01(\x04\x12\r\n\x05leave\x18\x03 \x01(\x08\x12\x12\n\nwait_bound\x18\x04 \x01(\x03\x12\x17\n\x0fwait_timeout_ms\x18\x05 \x01(\r\"s\n\rClockResponse\x12\x11\n\tmin_clock\x18\x01 \x01(\x04\x12\x11\n\tmax_clock\x18\x02 \x01(\x04\x12\x14\n\x0clive_workers\x18\x03 \x01(\r\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x17\n\x0fmin_other_clock\x18\x05 \x01(\x04\"]\n\x0fPushPullRequest\x12$\n\x04push\x18\x01 \x01(\x0b\x32\x16.tether.v1.PushRequest\x12$\n\x04pull\x18\x02 \x01(\x0b\x32\x16.tether.v1.PullRequest\"`\n\x10PushPullResponse\x12%\n\x04push\x18\x01 \x01(\x0b\x32\x17.tether.v1.PushResponse\x12%\n\x04pull\x18\x02 \x01(\x0b\x32\x17.tether.v1.PullResponse\"\x9a\x01\n\tTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x11\n\toptimizer\x18\x05 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x06 \x01(\x04\x12\x14\n\x0c\x65victed_rows\x18\x07 \x01(\x04\x12\x14\n\x0c\x64ropped_rows\x18\x08 \x01(\x04\"[\n\tDenseInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x11\n\toptimizer\x18\x05 \x01(\t\"\r\n\x0bInfoRequest\"\x96\x02\n\x0cInfoResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12$\n\x06tables\x18\x03 \x03(\x0b\x32\x14.tether.v1.TableInfo\x12#\n\x05\x64\x65nse\x18\x04 \x03(\x0b\x32\x14.tether.v1.DenseInfo\x12\x16\n\x0e\x61pplied_pushes\x18\x05 \x01(\x04\x12\x18\n\x10\x64uplicate_pushes\x18\x06 \x01(\x04\x12\x17\n\x0frejected_pushes\x18\x07 \x01(\x04\x12\x1b\n\x13restored_checkpoint\x18\x08 \x01(\t\x12\x17\n\x0flast_checkpoint\x18\t \x01(\t\x12\x11\n\tdata_port\x18\n \x01(\r\"\x1f\n\x11\x43heckpointRequest\x12\n\n\x02id\x18\x01 \x01(\t\"N\n\x12\x43heckpointResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01*Q\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x32\xca\x03\n\x0fParameterServer\x12@\n\x07\x44\x65\x63lare\x12\x19.tether.v1.DeclareRequest\x1a\x1a.tether.v1.DeclareResponse\x12\x37\n\x04Pull\x12\x16.tether.v1.PullRequest\x1a\x17.tether.v1.PullResponse\x12\x37\n\x04Push\x12\x16.tether.v1.PushRequest\x1a\x17.tether.v1.PushResponse\x12\x43\n\x08PushPull\x12\x1a.tether.v1.PushPullRequest\x1a\x1b.tether.v1.PushPullResponse\x12\x37\n\x04Info\x12\x16.tether.v1.InfoRequest\x1a\x17.tether.v1.InfoResponse\x12:\n\x05\x43lock\x12\x17.tether.v1.ClockRequest\x1a\x18.tether.v1.ClockResponse\x12I\n\nCheckpoint\x12\x1c.tether.v1.CheckpointRequest\x1a\x1d.tether.v1.CheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tether.protos.tether_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2517
-  _globals['_DTYPE']._serialized_end=2598
+  _globals['_DTYPE']._serialized_start=2559
+  _globals['_DTYPE']._serialized_end=2640
   _globals['_TENSOR']._serialized_start=41
   _globals['_TENSOR']._serialized_end=158
   _globals['_OPTIMIZERSPEC']._serialized_start=161
@@ -44,39 +44,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECLAREREQUEST']._serialized_start=575
   _globals['_DECLAREREQUEST']._serialized_end=666
   _globals['_DECLARERESPONSE']._serialized_start=668
-  _globals['_DECLARERESPONSE']._serialized_end=745
-  _globals['_SPARSEBLOCK']._serialized_start=747
-  _globals['_SPARSEBLOCK']._serialized_end=845
-  _globals['_DENSEBLOCK']._serialized_start=847
-  _globals['_DENSEBLOCK']._serialized_end=944
-  _globals['_PULLREQUEST']._serialized_start=947
-  _globals['_PULLREQUEST']._serialized_end=1095
-  _globals['_PULLRESPONSE']._serialized_start=1097
-  _globals['_PULLRESPONSE']._serialized_end=1189
-  _globals['_PUSHREQUEST']._serialized_start=1192
-  _globals['_PUSHREQUEST']._serialized_end=1355
-  _globals['_PUSHRESPONSE']._serialized_start=1357
-  _globals['_PUSHRESPONSE']._serialized_end=1436
-  _globals['_CLOCKREQUEST']._serialized_start=1438
-  _globals['_CLOCKREQUEST']._serialized_end=1546
-  _globals['_CLOCKRESPONSE']._serialized_start=1548
-  _globals['_CLOCKRESPONSE']._serialized_end=1663
-  _globals['_PUSHPULLREQUEST']._serialized_start=1665
-  _globals['_PUSHPULLREQUEST']._serialized_end=1758
-  _globals['_PUSHPULLRESPONSE']._serialized_start=1760
-  _globals['_PUSHPULLRESPONSE']._serialized_end=1856
-  _globals['_TABLEINFO']._serialized_start=1859
-  _globals['_TABLEINFO']._serialized_end=2013
-  _globals['_DENSEINFO']._serialized_start=2015
-  _globals['_DENSEINFO']._serialized_end=2106
-  _globals['_INFOREQUEST']._serialized_start=2108
-  _globals['_INFOREQUEST']._serialized_end=2121
-  _globals['_INFORESPONSE']._serialized_start=2124
-  _globals['_INFORESPONSE']._serialized_end=2402
-  _globals['_CHECKPOINTREQUEST']._serialized_start=2404
-  _globals['_CHECKPOINTREQUEST']._serialized_end=2435
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=2437
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=2515
-  _globals['_PARAMETERSERVER']._serialized_start=2601
-  _globals['_PARAMETERSERVER']._serialized_end=3059
+  _globals['_DECLARERESPONSE']._serialized_end=766
+  _globals['_SPARSEBLOCK']._serialized_start=768
+  _globals['_SPARSEBLOCK']._serialized_end=866
+  _globals['_DENSEBLOCK']._serialized_start=868
+  _globals['_DENSEBLOCK']._serialized_end=965
+  _globals['_PULLREQUEST']._serialized_start=968
+  _globals['_PULLREQUEST']._serialized_end=1116
+  _globals['_PULLRESPONSE']._serialized_start=1118
+  _globals['_PULLRESPONSE']._serialized_end=1210
+  _globals['_PUSHREQUEST']._serialized_start=1213
+  _globals['_PUSHREQUEST']._serialized_end=1397
+  _globals['_PUSHRESPONSE']._serialized_start=1399
+  _globals['_PUSHRESPONSE']._serialized_end=1478
+  _globals['_CLOCKREQUEST']._serialized_start=1480
+  _globals['_CLOCKREQUEST']._serialized_end=1588
+  _globals['_CLOCKRESPONSE']._serialized_start=1590
+  _globals['_CLOCKRESPONSE']._serialized_end=1705
+  _globals['_PUSHPULLREQUEST']._serialized_start=1707
+  _globals['_PUSHPULLREQUEST']._serialized_end=1800
+  _globals['_PUSHPULLRESPONSE']._serialized_start=1802
+  _globals['_PUSHPULLRESPONSE']._serialized_end=1898
+  _globals['_TABLEINFO']._serialized_start=1901
+  _globals['_TABLEINFO']._serialized_end=2055
+  _globals['_DENSEINFO']._serialized_start=2057
+  _globals['_DENSEINFO']._serialized_end=2148
+  _globals['_INFOREQUEST']._serialized_start=2150
+  _globals['_INFOREQUEST']._serialized_end=2163
+  _globals['_INFORESPONSE']._serialized_start=2166
+  _globals['_INFORESPONSE']._serialized_end=2444
+  _globals['_CHECKPOINTREQUEST']._serialized_start=2446
+  _globals['_CHECKPOINTREQUEST']._serialized_end=2477
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=2479
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=2557
+  _globals['_PARAMETERSERVER']._serialized_start=2643
+  _globals['_PARAMETERSERVER']._serialized_end=3101
 # @@protoc_insertion_point(module_scope)

@@ -91,14 +91,16 @@ class DeclareRequest(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseSpec, _Mapping]]] = ...) -> None: ...
 
 class DeclareResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "data_port")
+    __slots__ = ("shard_index", "num_shards", "data_port", "data_socket")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     data_port: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
+    data_socket: str
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ...) -> None: ...
 
 class SparseBlock(_message.Message):
     __slots__ = ("table", "ids", "values", "read_version")
@@ -145,20 +147,22 @@ class PullResponse(_message.Message):
     def __init__(self, sparse: _Optional[_Iterable[_Union[SparseBlock, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseBlock, _Mapping]]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("worker_id", "seq", "clock", "sparse", "dense", "staleness_aware")
+    __slots__ = ("worker_id", "seq", "clock", "sparse", "dense", "staleness_aware", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_AWARE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     seq: int
     clock: int
     sparse: _containers.RepeatedCompositeFieldContainer[SparseBlock]
     dense: _containers.RepeatedCompositeFieldContainer[DenseBlock]
     staleness_aware: bool
-    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., clock: _Optional[int] = ..., sparse: _Optional[_Iterable[_Union[SparseBlock, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseBlock, _Mapping]]] = ..., staleness_aware: _Optional[bool] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., clock: _Optional[int] = ..., sparse: _Optional[_Iterable[_Union[SparseBlock, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseBlock, _Mapping]]] = ..., staleness_aware: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("applied", "max_staleness", "clock_staleness")
