@@ -257,7 +257,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "tables", "dense", "applied_pushes", "duplicate_pushes", "rejected_pushes", "restored_checkpoint", "last_checkpoint", "data_port")
+    __slots__ = ("shard_index", "num_shards", "tables", "dense", "applied_pushes", "duplicate_pushes", "rejected_pushes", "restored_checkpoint", "last_checkpoint", "data_port", "data_socket")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +268,7 @@ class InfoResponse(_message.Message):
     RESTORED_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
@@ -278,7 +279,8 @@ class InfoResponse(_message.Message):
     restored_checkpoint: str
     last_checkpoint: str
     data_port: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseInfo, _Mapping]]] = ..., applied_pushes: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., restored_checkpoint: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
+    data_socket: str
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseInfo, _Mapping]]] = ..., applied_pushes: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., restored_checkpoint: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("id",)
