@@ -208,7 +208,8 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
             DenseUpdate(b.name, b.index, decode_tensor(b.value, torch.float32, payload), b.read_version) for b in request.dense
         ]
         result = self.shard.push(
-            request.worker_id, request.seq, sparse, dense, clock=request.clock, staleness_aware=request.staleness_aware
+            request.worker_id, request.seq, sparse, dense, clock=request.clock, staleness_aware=request.staleness_aware,
+            incarnation=request.incarnation,
         )
         if request.clock:
             self._update_clock_gauges()

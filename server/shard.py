@@ -1,8 +1,10 @@
 """The shard's domain logic: declare, pull and push, independent of gRPC.
 
 Every request is validated completely before anything is applied, so a rejected request
-changes no parameter. A push carries ``(worker_id, seq)``; one that was applied before is
-acknowledged and not applied again. ``export_state`` copies everything a checkpoint holds
+changes no parameter. A push carries ``(worker_id, incarnation, seq)``; one that was applied
+before is acknowledged and not applied again. The incarnation is a random id of the client
+process, so a worker that restarts under the same id (and numbers its pushes from 1 again) is
+never taken for a retry of its old self. ``export_state`` copies everything a checkpoint holds
 (rows, dense chunks and those dedup windows) at one point between pushes, so a restored shard
 never holds a push's effect without its sequence number, or the number without the effect.
 """
@@ -31,6 +33,9 @@ __all__ = ["DenseDecl", "DenseState", "DenseUpdate", "PushResult", "Shard", "Sha
 log = logging.getLogger(__name__)
 
 _SEQ_WINDOW = 4096
+# Dedup windows kept per worker id (one per client incarnation, least recently used dropped):
+# a worker restarted more often than this cannot have a push of its eighth-oldest life in flight.
+_INCARNATIONS = 8
 # Longest a push waits for a checkpoint's in-memory copy (normally well under a second).
 _GATE_WAIT_S = 60.0
 
@@ -103,7 +108,7 @@ class ShardState:
 
     tables: list[TableState]
     dense: list[DenseState]
-    # Applied push sequence numbers per worker, oldest first (uint64).
+    # Applied push sequence numbers per client incarnation (``dedup_key``), oldest first (uint64).
     seqs: dict[str, np.ndarray]
     applied_pushes: int = 0
 
@@ -161,6 +166,23 @@ def _finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
+def dedup_key(worker_id: str, incarnation: int) -> str:
+    """The checkpoint key of one client incarnation's dedup window."""
+    return f"{incarnation:016x}:{worker_id}"
+
+
+def parse_dedup_key(key: str) -> tuple[str, int] | None:
+    """``(worker_id, incarnation)`` of a ``dedup_key``; None for a key of another format (such
+    as a window saved per worker id only, which no incarnation can match)."""
+    head, sep, worker = key.partition(":")
+    if not sep or len(head) != 16 or not worker:
+        return None
+    try:
+        return worker, int(head, 16)
+    except ValueError:
+        return None
+
+
 class _SeqWindow:
     """Recently applied sequence numbers of one worker (bounded)."""
 
@@ -208,7 +230,8 @@ class Shard:
         self.rejected_pushes = 0
         self._declare_lock = threading.Lock()
         self._seq_lock = threading.Lock()
-        self._seqs: dict[str, _SeqWindow] = {}
+        # worker id -> incarnation -> window, least recently used incarnation first.
+        self._seqs: dict[str, OrderedDict[int, _SeqWindow]] = {}
         self._gate = _Gate()
         # Pushes applied and specs declared; a periodic checkpoint skips an unchanged shard.
         self.mutations = 0
@@ -278,7 +301,11 @@ class Shard:
                 snap = chunk.snapshot()
                 dense.append(DenseState(name, index, chunk.optimizer, snap["value"], snap["state"], snap["version"]))
             with self._seq_lock:
-                seqs = {w: np.fromiter(win.seen, dtype=np.uint64, count=len(win.seen)) for w, win in self._seqs.items()}
+                seqs = {
+                    dedup_key(w, inc): np.fromiter(win.seen, dtype=np.uint64, count=len(win.seen))
+                    for w, lives in self._seqs.items()
+                    for inc, win in lives.items()
+                }
             return ShardState(tables, dense, seqs, self.applied_pushes)
 
     def import_state(self, state: ShardState) -> None:
@@ -301,9 +328,25 @@ class Shard:
                 chunk.load(d.value, d.state, d.version)
                 self.dense[(d.name, d.index)] = chunk
             with self._seq_lock:
-                for worker, seqs in state.seqs.items():
-                    self._seqs[worker] = _SeqWindow(seqs)
+                for key, seqs in state.seqs.items():
+                    parsed = parse_dedup_key(key)
+                    if parsed is None:
+                        log.info("ignoring dedup window %r of an older checkpoint format", key)
+                        continue
+                    self._window(*parsed, seqs)
             self.applied_pushes = max(self.applied_pushes, state.applied_pushes)
+
+    def _window(self, worker_id: str, incarnation: int, seqs: np.ndarray | None = None) -> _SeqWindow:
+        """The dedup window of one client incarnation (created if new); hold ``_seq_lock``."""
+        lives = self._seqs.setdefault(worker_id, OrderedDict())
+        win = lives.get(incarnation)
+        if win is None:
+            win = lives[incarnation] = _SeqWindow(seqs)
+            if len(lives) > _INCARNATIONS:
+                lives.popitem(last=False)
+        else:
+            lives.move_to_end(incarnation)
+        return win
 
     # -- validation --------------------------------------------------------------------------
 
@@ -397,11 +440,15 @@ class Shard:
         dense: list[DenseUpdate],
         clock: int = 0,
         staleness_aware: bool = False,
+        *,
+        incarnation: int,
     ) -> PushResult:
         """Validate every block, check staleness, then apply them all.
 
         Args:
             worker_id, seq: identify the push; a repeated pair is acknowledged, not applied.
+            incarnation: the pushing client process's random non-zero id; sequence numbers
+                are deduplicated within one incarnation only.
             sparse, dense: the gradients.
             clock: the pushing worker's clock after this step (0: not tracked).
             staleness_aware: divide each block's learning rate by its staleness.
@@ -413,6 +460,8 @@ class Shard:
         try:
             if not worker_id:
                 raise InvalidArgument("worker_id must be set on a push")
+            if not 0 < incarnation < 1 << 64:
+                raise InvalidArgument(f"push from {worker_id!r}: incarnation must be a non-zero 64-bit id, got {incarnation!r}")
             checked = [self._check_sparse(u) for u in sparse]
             chunks = [self._check_dense(u) for u in dense]
         except Exception:
@@ -428,7 +477,7 @@ class Shard:
             raise TooStale(f"push from {worker_id!r} is {staleness} updates stale; this shard's limit is {self.max_staleness}")
         with self._gate.shared():
             with self._seq_lock:
-                fresh = self._seqs.setdefault(worker_id, _SeqWindow()).add(seq)
+                fresh = self._window(worker_id, incarnation).add(seq)
             if not fresh:
                 self.duplicate_pushes += 1
                 if self.metrics is not None:

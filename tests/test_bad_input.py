@@ -53,7 +53,7 @@ def _state(client) -> tuple[torch.Tensor, torch.Tensor, list]:
 
 
 def _push(ids: bytes, values: pb.Tensor, table: str = "emb", seq: int = 1) -> pb.PushRequest:
-    return pb.PushRequest(worker_id="bad", seq=seq, sparse=[pb.SparseBlock(table=table, ids=ids, values=values)])
+    return pb.PushRequest(incarnation=1, worker_id="bad", seq=seq, sparse=[pb.SparseBlock(table=table, ids=ids, values=values)])
 
 
 def _grads(n: int, value: float = 1.0, dtype=torch.float32, dim: int = 4) -> pb.Tensor:
@@ -78,12 +78,16 @@ CASES = {
         lambda s: pb.PushRequest(seq=1, sparse=[pb.SparseBlock(table="emb", ids=encode_ids(_owned(s)), values=_grads(2))]),
         grpc.StatusCode.INVALID_ARGUMENT, "worker_id",
     ),
+    "no incarnation": (
+        lambda s: pb.PushRequest(worker_id="bad", seq=1, sparse=[pb.SparseBlock(table="emb", ids=encode_ids(_owned(s)), values=_grads(2))]),
+        grpc.StatusCode.INVALID_ARGUMENT, "incarnation must be a non-zero",
+    ),
     "dense wrong length": (
-        lambda s: pb.PushRequest(worker_id="bad", seq=1, dense=[pb.DenseBlock(name="w", index=0, value=encode_tensor(torch.ones(5)))]),
+        lambda s: pb.PushRequest(incarnation=1, worker_id="bad", seq=1, dense=[pb.DenseBlock(name="w", index=0, value=encode_tensor(torch.ones(5)))]),
         None, "gradient shape",
     ),
     "unknown dense": (
-        lambda s: pb.PushRequest(worker_id="bad", seq=1, dense=[pb.DenseBlock(name="zz", index=0, value=encode_tensor(torch.ones(6)))]),
+        lambda s: pb.PushRequest(incarnation=1, worker_id="bad", seq=1, dense=[pb.DenseBlock(name="zz", index=0, value=encode_tensor(torch.ones(6)))]),
         grpc.StatusCode.NOT_FOUND, "unknown dense chunk zz[0]",
     ),
     "oversized": (lambda s: _push(encode_ids(_owned(s)), _grads(70_000)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
@@ -117,7 +121,7 @@ def test_mixed_push_applies_nothing_when_one_block_is_bad(shard) -> None:
     good = pb.SparseBlock(table="emb", ids=encode_ids(_owned(0)), values=_grads(2))
     bad = pb.SparseBlock(table="emb", ids=encode_ids(_owned(0)), values=_grads(2, float("nan")))
     with pytest.raises(grpc.RpcError) as err:
-        _stub(addresses[0]).Push(pb.PushRequest(worker_id="bad", seq=9, sparse=[good, bad]), timeout=10)
+        _stub(addresses[0]).Push(pb.PushRequest(incarnation=1, worker_id="bad", seq=9, sparse=[good, bad]), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     after = _state(client)
     assert torch.equal(before[0], after[0]) and before[2] == after[2]

@@ -79,12 +79,12 @@ def test_admission_after_min_count_touches() -> None:
     initial = init_rows(ids, 4, 7, "t", 0.1)
     (rows, _, _), = shard.pull([("t", ids)], [])[0]
     assert torch.equal(rows, initial) and table.rows == 0  # touch 1: not a row yet
-    shard.push("w", 1, [SparseUpdate("t", ids, torch.ones(2, 4))], [])  # touch 2: dropped
+    shard.push("w", 1, [SparseUpdate("t", ids, torch.ones(2, 4))], [], incarnation=1)  # touch 2: dropped
     assert table.rows == 0 and table.dropped_rows == 2
     assert registry.get_sample_value("tether_shard_rows_dropped_total", {"table": "t"}) == 2
     (rows, _, _), = shard.pull([("t", ids)], [])[0]
     assert torch.equal(rows, initial) and table.rows == 2  # touch 3: admitted at its initial value
-    shard.push("w", 2, [SparseUpdate("t", ids, torch.ones(2, 4))], [])
+    shard.push("w", 2, [SparseUpdate("t", ids, torch.ones(2, 4))], [], incarnation=1)
     (rows, _, _), = shard.pull([("t", ids)], [])[0]
     assert torch.allclose(rows, initial - 1)
 

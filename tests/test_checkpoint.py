@@ -111,7 +111,7 @@ def test_dedup_window_survives_checkpoint_and_restore(tmp_path: Path) -> None:
     shards = _start(1, tmp_path)
     stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(_addresses(shards)[0]))
     stub.Declare(pb.DeclareRequest(tables=[TableConfig("t", 2, OptimizerConfig("sgd", 1.0), init_scale=0.0).to_proto()]), timeout=10)
-    push = pb.PushRequest(worker_id="w", seq=7, sparse=[pb.SparseBlock(table="t", ids=encode_ids(np.array([1])), values=encode_tensor(torch.ones(1, 2)))])
+    push = pb.PushRequest(incarnation=1, worker_id="w", seq=7, sparse=[pb.SparseBlock(table="t", ids=encode_ids(np.array([1])), values=encode_tensor(torch.ones(1, 2)))])
     assert stub.Push(push, timeout=10).applied
     stub.Checkpoint(pb.CheckpointRequest(id="c1"), timeout=30)
     _stop(shards)
@@ -139,7 +139,7 @@ def test_export_is_consistent_with_concurrent_pushes() -> None:
         seq = 0
         while not stop.is_set():
             seq += 1
-            shard.push("w", seq, [SparseUpdate("t", ids, torch.ones(100, 4))], [])
+            shard.push("w", seq, [SparseUpdate("t", ids, torch.ones(100, 4))], [], incarnation=1)
 
     thread = threading.Thread(target=pusher)
     thread.start()
@@ -179,7 +179,7 @@ def test_metrics_and_pruning(tmp_path: Path) -> None:
     shard.declare([TableConfig("t", 4, ADAGRAD)], [])
     ckpt = Checkpointer(shard, tmp_path, keep=2, metrics=metrics)
     for k in range(4):
-        shard.push("w", k + 1, [SparseUpdate("t", np.arange(10, dtype=np.int64), torch.ones(10, 4))], [])
+        shard.push("w", k + 1, [SparseUpdate("t", np.arange(10, dtype=np.int64), torch.ones(10, 4))], [], incarnation=1)
         info = ckpt.checkpoint(f"step-{k}")
         assert info.bytes == (tmp_path / f"step-{k}" / "shard-0-of-1.pt").stat().st_size
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-3"]
@@ -237,7 +237,7 @@ def test_a_corrupt_part_with_a_matching_size_falls_back_to_an_older_checkpoint(t
     shard.declare([TableConfig("t", 4, ADAGRAD)], [])
     ckpt = Checkpointer(shard, tmp_path)
     ckpt.checkpoint("old")
-    shard.push("w", 1, [SparseUpdate("t", np.arange(5, dtype=np.int64), torch.ones(5, 4))], [])
+    shard.push("w", 1, [SparseUpdate("t", np.arange(5, dtype=np.int64), torch.ones(5, 4))], [], incarnation=1)
     ckpt.checkpoint("new")
     data = tmp_path / "new" / "shard-0-of-1.pt"
     data.write_bytes(b"\0" * data.stat().st_size)

@@ -60,7 +60,7 @@ def test_retried_push_is_applied_once(two_shards: list[str]) -> None:
     from tether.protos.partition import shard_of_ids
 
     mine = ids[torch.from_numpy(shard_of_ids(ids.numpy(), 2) == info.shard_index)]
-    request = pb.PushRequest(worker_id="w", seq=77, sparse=[pb.SparseBlock(table="e", ids=encode_ids(mine), values=encode_tensor(torch.ones(len(mine), 2)))])
+    request = pb.PushRequest(incarnation=1, worker_id="w", seq=77, sparse=[pb.SparseBlock(table="e", ids=encode_ids(mine), values=encode_tensor(torch.ones(len(mine), 2)))])
     first = stub.Push(request, timeout=5)
     second = stub.Push(request, timeout=5)  # as if the first ack was lost
     assert first.applied and not second.applied

@@ -172,7 +172,7 @@ def test_out_of_band_payload_over_grpc_is_invalid_argument(cluster: LocalCluster
     client = make_client([address], transport="grpc")
     client.declare([TABLE])
     client.close()
-    request = pb.PushRequest(worker_id="w", seq=1)
+    request = pb.PushRequest(incarnation=1, worker_id="w", seq=1)
     block = request.sparse.add(table="emb", ids=encode_ids(torch.arange(2)))
     block.values.dtype, block.values.payload_offset, block.values.payload_bytes = pb.FLOAT32, 0, 32
     block.values.shape[:] = [2, 4]

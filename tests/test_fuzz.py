@@ -151,7 +151,7 @@ def _bad_block(draw: st.DrawFn, defect: str) -> pb.SparseBlock:
 @st.composite
 def bad_pushes(draw: st.DrawFn, defect: str) -> pb.PushRequest:
     """A push that must be refused as a whole: a bad block, maybe next to good ones."""
-    request = pb.PushRequest(worker_id=draw(st.text(min_size=1, max_size=12)), seq=draw(st.integers(0, 2**64 - 1)),
+    request = pb.PushRequest(incarnation=1, worker_id=draw(st.text(min_size=1, max_size=12)), seq=draw(st.integers(0, 2**64 - 1)),
                              clock=draw(st.integers(0, 2**64 - 1)), staleness_aware=draw(st.booleans()))
     if defect == "dense":
         value = draw(st.one_of(tensors(), st.just(encode_tensor(torch.ones(7))), st.just(encode_tensor(torch.full((6,), float("nan"))))))
@@ -277,6 +277,6 @@ def test_the_shard_still_serves_after_the_fuzzing(shard) -> None:
     info = stub.Info(pb.InfoRequest(), timeout=10)
     assert info.applied_pushes == 0 and info.rejected_pushes > 0
     ids = encode_ids(OWNED[:2])
-    reply = stub.Push(pb.PushRequest(worker_id="good", seq=1, sparse=[pb.SparseBlock(table="emb", ids=ids, values=encode_tensor(torch.ones(2, DIM)))]), timeout=10)
+    reply = stub.Push(pb.PushRequest(incarnation=1, worker_id="good", seq=1, sparse=[pb.SparseBlock(table="emb", ids=ids, values=encode_tensor(torch.ones(2, DIM)))]), timeout=10)
     assert reply.applied
     assert running.shard.tables["emb"].version == 1

@@ -33,7 +33,7 @@ def _run(staleness_aware: bool) -> tuple[float, int]:
         in_flight.append((curvature * w.clone(), version))
         if len(in_flight) == STALENESS_WORKERS:
             grad, read_version = in_flight.popleft()
-            result = shard.push("w", seq, [], [DenseUpdate("w", 0, grad, read_version)], staleness_aware=staleness_aware)
+            result = shard.push("w", seq, [], [DenseUpdate("w", 0, grad, read_version)], staleness_aware=staleness_aware, incarnation=1)
             max_seen = max(max_seen, result.max_staleness)
         value = float(0.5 * (curvature * chunk.pull()[0] ** 2).sum())
         if not value < 1e6:
@@ -56,5 +56,5 @@ def test_without_staleness_both_rules_are_the_same() -> None:
     chunk = shard.dense[("w", 0)]
     for seq in range(1, 4):
         _, version = chunk.pull()
-        shard.push("w", seq, [], [DenseUpdate("w", 0, torch.ones(4), version)], staleness_aware=True)
+        shard.push("w", seq, [], [DenseUpdate("w", 0, torch.ones(4), version)], staleness_aware=True, incarnation=1)
     assert chunk.pull()[0].tolist() == [-0.5] * 4

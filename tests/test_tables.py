@@ -116,18 +116,18 @@ def test_a_push_of_pulled_ids_checks_uniqueness_on_slots() -> None:
     pulled = table.pulled(twice)
     assert pulled is not None and not pulled.unique
     with pytest.raises(InvalidArgument, match="must be unique"):
-        shard.push("w", 1, [SparseUpdate("t", twice, torch.ones(3, 2))], [])
+        shard.push("w", 1, [SparseUpdate("t", twice, torch.ones(3, 2))], [], incarnation=1)
     assert table.version == 0 and table.pull(np.array([4, 9]))[0].abs().sum() == 0
     # The same rows without the repeat: known slots, applied once each.
     once = np.array([9, 4], dtype=np.int64)
     shard.pull([("t", once)], [])
     assert table.pulled(once).unique
-    shard.push("w", 2, [SparseUpdate("t", once, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))], [])
+    shard.push("w", 2, [SparseUpdate("t", once, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))], [], incarnation=1)
     assert table.pull(np.array([4, 9]))[0].tolist() == [[-3.0, -4.0], [-1.0, -2.0]]
     # Ids no pull named go through the full checks (here: the sort-based duplicate check).
     assert table.pulled(np.array([7, 7], dtype=np.int64)) is None
     with pytest.raises(InvalidArgument, match="must be unique"):
-        shard.push("w", 3, [SparseUpdate("t", np.array([7, 7], dtype=np.int64), torch.ones(2, 2))], [])
+        shard.push("w", 3, [SparseUpdate("t", np.array([7, 7], dtype=np.int64), torch.ones(2, 2))], [], incarnation=1)
 
 
 def test_locate_hands_out_storage_only_where_reads_take_no_lock() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 import random
 import threading
 import time
@@ -238,8 +239,13 @@ class PSClient:
         self._metadata = config.security.metadata() or None
         self._stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=max(config.threads, self.num_shards), thread_name_prefix="tether-client")
+        # A random id of this client process: shards deduplicate its pushes by (worker id,
+        # incarnation, seq), so a worker restarted under the same id is not taken for a retry.
+        self.incarnation = int.from_bytes(os.urandom(8), "little") or 1
         self._seq = [itertools.count(1) for _ in range(self.num_shards)]
         self._seq_lock = threading.Lock()
+        # (shard, seq) of pushes that may have reached a shard more than once (retried).
+        self._resent: set[tuple[int, int]] = set()
         self._dims: dict[str, int] = {}
         self._dense: dict[str, _DenseLayout] = {}
         self._splits: dict[str, list[tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]]] = {}
@@ -308,6 +314,7 @@ class PSClient:
                 except _Failed as exc:
                     failed = exc
             code, details = failed.code, failed.details
+            self._note_resend(shard, request)
             if self.metrics is not None:
                 self.metrics.rpc_errors.labels(rpc=method, code=code.name).inc()
             if not _retryable(code, details) or attempt == cfg.retries:
@@ -326,6 +333,13 @@ class PSClient:
             backoff = min(backoff * 2, cfg.max_backoff_s)
             failed = None
         raise AssertionError("unreachable")
+
+    def _note_resend(self, shard: int, request: object) -> None:
+        """Remember that a push may reach ``shard`` twice (its first try failed somewhere)."""
+        push = request.push if isinstance(request, pb.PushPullRequest) else request
+        if isinstance(push, pb.PushRequest):
+            with self._seq_lock:
+                self._resent.add((shard, push.seq))
 
     def _attempt(
         self,
@@ -561,7 +575,7 @@ class PSClient:
 
         def req(s: int) -> pb.PushRequest:
             if s not in requests:
-                requests[s] = pb.PushRequest(worker_id=self.config.worker_id, clock=clock)
+                requests[s] = pb.PushRequest(worker_id=self.config.worker_id, incarnation=self.incarnation, clock=clock)
                 payloads[s] = dp.PayloadWriter()
             return requests[s]
 
@@ -594,6 +608,28 @@ class PSClient:
             r.staleness_aware = self.config.staleness_aware
         return requests, payloads
 
+    def _ack(self, answers: dict[int, pb.PushResponse], requests: Mapping[int, pb.PushRequest]) -> PushAck:
+        """One ``PushAck`` from every shard's answer; a duplicate this client did not resend is
+        logged and counted (a shard that lost track of incarnations, or a copied client)."""
+        values = list(answers.values())
+        for s, a in answers.items():
+            key = (s, requests[s].seq)
+            with self._seq_lock:
+                resent = key in self._resent
+                self._resent.discard(key)
+            if not a.applied and not resent:
+                log.warning(
+                    "shard %d called push %d of worker %r (incarnation %016x) a duplicate, but it was sent once",
+                    s, requests[s].seq, self.config.worker_id, self.incarnation,
+                )
+                if self.metrics is not None:
+                    self.metrics.unexpected_duplicates.inc()
+        return PushAck(
+            staleness=max((a.max_staleness for a in values), default=0),
+            clock_staleness=max((a.clock_staleness for a in values), default=0),
+            duplicates=sum(not a.applied for a in values),
+        )
+
     def push(
         self,
         sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -613,7 +649,7 @@ class PSClient:
             A handle whose result is a ``PushAck``.
         """
         requests, payloads = self._push_requests(sparse or {}, dense or {}, clock, versions)
-        return self._fan_out("Push", requests, _ack, payloads=payloads)
+        return self._fan_out("Push", requests, lambda acks: self._ack(acks, requests), payloads=payloads)
 
     def push_pull(
         self,
@@ -633,7 +669,9 @@ class PSClient:
         pulls, plan = self._pull_requests(pull_sparse or {}, pull_dense)
         requests = {}
         for s in set(pushes) | set(pulls):
-            push = pushes.get(s) or pb.PushRequest(worker_id=self.config.worker_id, clock=clock, seq=self._next_seq(s))
+            push = pushes.get(s) or pb.PushRequest(
+                worker_id=self.config.worker_id, incarnation=self.incarnation, clock=clock, seq=self._next_seq(s)
+            )
             pull = pulls.get(s) or pb.PullRequest(worker_id=self.config.worker_id)
             requests[s] = pb.PushPullRequest(push=push, pull=pull)
             payloads.setdefault(s, dp.PayloadWriter())
@@ -644,7 +682,7 @@ class PSClient:
 
         def combine(acks: dict[int, pb.PushResponse]) -> PullResult:
             result = plan.result()
-            result.ack = _ack(acks)
+            result.ack = self._ack(acks, {s: r.push for s, r in requests.items()})
             return result
 
         return self._fan_out(
@@ -763,10 +801,4 @@ class _DataCall:
             return False, exc
 
 
-def _ack(answers: dict[int, pb.PushResponse]) -> PushAck:
-    values = list(answers.values())
-    return PushAck(
-        staleness=max((a.max_staleness for a in values), default=0),
-        clock_staleness=max((a.clock_staleness for a in values), default=0),
-        duplicates=sum(not a.applied for a in values),
-    )
+

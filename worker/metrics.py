@@ -49,6 +49,9 @@ class WorkerMetrics:
         self.rpc_errors = Counter(
             "tether_worker_rpc_errors_total", "RPCs that failed, by method and gRPC status code.",
             ["rpc", "code"], registry=r)
+        self.unexpected_duplicates = Counter(
+            "tether_worker_unexpected_duplicate_pushes_total",
+            "Pushes a shard acknowledged as duplicates although this client sent them once.", registry=r)
         self.last_step_timestamp = Gauge(
             "tether_worker_last_step_timestamp_seconds", "Unix time the last step finished.", registry=r)
 
