@@ -8,27 +8,33 @@ requests, framed, with every tensor's bytes outside the message (``Tensor.payloa
 
 - over the socket, right after the message, sent with scatter-gather I/O straight from the
   tensors' memory and received into one reusable buffer that the shard decodes without a copy;
-- or, when the client and the shard share a machine (the shard can open the client's file in
-  ``/dev/shm``), in a shared-memory region of the connection: the client writes its gradients
+- or, when the client and the shard share a machine (the client reached the shard's abstract
+  unix socket, ``DeclareResponse.data_socket``), in a shared-memory region of the connection:
+  an anonymous ``memfd`` the client made, reserved and sealed against shrinking and growing,
+  whose descriptor travels with the HELLO (``SCM_RIGHTS``). The client writes its gradients
   there, the shard applies them from there and writes pulled values back there, and only the
-  small message crosses the socket.
+  small message crosses the socket. Nobody opens a path, nothing can be truncated under a
+  mapping, and the memory goes with the last process that holds it.
 
 A frame is a 28-byte header (``HEADER``), the message (``meta_len`` bytes) and, unless
 ``FLAG_SHM`` says it is in the region at ``aux``, the payload (``payload_len`` bytes). A
 response carries ``status`` (a ``grpc.StatusCode`` value; 0 is OK) and, on error, the message
-text as its meta. A connection starts with ``HELLO`` (msgpack: the bearer token if the shard
-wants one, and the shared region if the client offers one) and then carries one call at a time.
+text as its meta. A connection starts with ``HELLO`` (msgpack, at most ``HELLO_MAX`` bytes, no
+payload: the bearer token if the shard wants one and ``shm_size`` when the region's descriptor
+rides with it) and then carries one call at a time.
 The data plane is plaintext: a shard that serves TLS offers none and clients use gRPC.
 """
 
 from __future__ import annotations
 
+import array
+import fcntl
 import math
 import mmap
 import os
-import re
 import socket
 import struct
+import time
 from collections.abc import Sequence
 
 import torch
@@ -41,19 +47,18 @@ __all__ = [
     "FLAG_SHM",
     "HEADER",
     "MAGIC",
+    "HELLO_MAX",
     "METHODS",
-    "NONCE_BYTES",
-    "REGION_START",
-    "SHM_DIR",
+    "SEALS",
     "FrameError",
     "PayloadWriter",
     "SharedRegion",
     "align",
-    "open_region",
     "read_header",
+    "recv_header_fds",
     "recv_into",
     "send_frame",
-    "shm_name_ok",
+    "unpack_header",
 ]
 
 MAGIC = b"TDP1"
@@ -64,11 +69,12 @@ METHODS = {HELLO: "Hello", PUSH: "Push", PULL: "Pull", PUSH_PULL: "PushPull"}
 FLAG_SHM = 1
 # Tensors start on cache-line boundaries, so every view of them is aligned for any dtype.
 ALIGN = 64
-SHM_DIR = "/dev/shm"
-NONCE_BYTES = 16
-# The region starts with the client's nonce; payloads go after it.
-REGION_START = ALIGN
-_SHM_NAME = re.compile(r"tether-[A-Za-z0-9_-]{1,100}")
+# Largest HELLO message: the only bytes a shard reads before it has checked the token.
+HELLO_MAX = 4096
+# Seals on every region: it can neither shrink (no SIGBUS under a mapping) nor grow, and they stay.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# Descriptors a header read accepts at once (more are closed by the kernel: MSG_CTRUNC).
+_MAX_FDS = 4
 
 
 class FrameError(ConnectionError):
@@ -78,11 +84,6 @@ class FrameError(ConnectionError):
 def align(n: int) -> int:
     """``n`` rounded up to ``ALIGN``."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def shm_name_ok(name: object) -> bool:
-    """Whether ``name`` is a region name a shard may open (``tether-...`` in ``SHM_DIR``)."""
-    return isinstance(name, str) and _SHM_NAME.fullmatch(name) is not None
 
 
 class PayloadWriter:
@@ -167,33 +168,68 @@ def _inline(msg: object, data: bytes) -> None:
 
 
 class SharedRegion:
-    """A file in ``SHM_DIR`` mapped into this process (one per data-plane connection)."""
+    """An anonymous, sealed ``memfd`` mapped into this process (one per data-plane connection).
 
-    def __init__(self, path: str, size: int, create: bool, nonce: bytes | None = None) -> None:
-        self.path = path
-        self.name = os.path.basename(path)
+    The client makes one with ``create`` and sends ``fd`` along with its HELLO; the shard maps
+    the descriptor it received with ``adopt``. Neither side ever opens a path.
+    """
+
+    def __init__(self, fd: int, size: int) -> None:
         self.size = size
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+        self._mmap = mmap.mmap(fd, size)
+        self.view = memoryview(self._mmap)
+
+    @classmethod
+    def create(cls, size: int) -> tuple[SharedRegion, int]:
+        """A new region of ``size`` bytes, reserved and sealed, and its descriptor (the caller closes it).
+
+        Raises:
+            OSError: no memfd, or not ``size`` bytes of memory to reserve (ENOSPC/ENOMEM): use TCP.
+        """
+        fd = os.memfd_create("tether-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            if create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size < size:
-                raise ValueError(f"shared region {self.name} is smaller than the {size} bytes announced")
-            self._mmap = mmap.mmap(fd, size)
+            os.ftruncate(fd, size)
+            # Every page now, so that lack of memory is this error and never a SIGBUS later.
+            os.posix_fallocate(fd, 0, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            return cls(fd, size), fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def adopt(cls, fd: int, size: object, max_size: int) -> SharedRegion:
+        """Map a region whose descriptor a client sent, after checking it is one; closes ``fd``.
+
+        Args:
+            fd: the received descriptor; closed whatever happens.
+            size: the size the client announced.
+            max_size: the largest region this side maps.
+
+        Raises:
+            ValueError: not a memfd sealed against shrinking, smaller than announced, not fully
+                reserved, or a size out of range.
+        """
+        try:
+            if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= max_size:
+                raise ValueError(f"shared region size {size!r} is not in (0, {max_size}]")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError as exc:
+                raise ValueError(f"the descriptor sent as a region is not a memfd ({exc.strerror})") from exc
+            if not seals & fcntl.F_SEAL_SHRINK:
+                raise ValueError(f"the region is not sealed against shrinking (seals {seals:#x})")
+            st = os.fstat(fd)
+            if st.st_size < size:
+                raise ValueError(f"the region holds {st.st_size} bytes, less than the {size} announced")
+            if st.st_blocks * 512 < size:
+                raise ValueError(f"the region's {size} bytes are not all reserved ({st.st_blocks * 512} are)")
+            try:
+                return cls(fd, size)
+            except OSError as exc:
+                raise ValueError(f"cannot map the region: {exc.strerror}") from exc
         finally:
             os.close(fd)
-        self.view = memoryview(self._mmap)
-        self.nonce = nonce if nonce is not None else os.urandom(NONCE_BYTES)
-        if create:
-            self.view[:NONCE_BYTES] = self.nonce
-
-    def unlink(self) -> None:
-        """Remove the file; the mapping stays valid for whoever has it mapped."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
     def close(self) -> None:
         """Unmap; if a tensor still views the region, the mapping goes with the last reference."""
@@ -204,35 +240,25 @@ class SharedRegion:
             pass
 
 
-def open_region(name: str, size: int, nonce: bytes) -> SharedRegion:
-    """Map a client's region by name, checking that it is the one the client made.
-
-    Raises:
-        ValueError: a bad name or size, a missing file, or a nonce that does not match.
-    """
-    if not shm_name_ok(name):
-        raise ValueError(f"shared region name {name!r} is not tether-[A-Za-z0-9_-]+")
-    if not isinstance(size, int) or not REGION_START < size <= 1 << 40:
-        raise ValueError(f"shared region size {size!r} is out of range")
-    try:
-        region = SharedRegion(os.path.join(SHM_DIR, name), size, create=False, nonce=nonce)
-    except OSError as exc:
-        raise ValueError(f"cannot open shared region {name}: {exc.strerror}") from exc
-    if bytes(region.view[:NONCE_BYTES]) != nonce:
-        region.close()
-        raise ValueError(f"shared region {name} does not hold the nonce it was announced with")
-    return region
+def _until(sock: socket.socket, deadline: float | None) -> None:
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the frame did not arrive in time")
+        sock.settimeout(left)
 
 
-def recv_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``.
+def recv_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` from ``sock`` (by ``deadline``, a ``time.monotonic()`` value, if given).
 
     Raises:
         ConnectionError: the peer closed the connection first.
+        TimeoutError: the socket's timeout or the deadline passed.
     """
     got = 0
     n = len(view)
     while got < n:
+        _until(sock, deadline)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise ConnectionError("connection closed by the peer")
@@ -247,10 +273,57 @@ def read_header(sock: socket.socket, buf: bytearray) -> tuple[int, int, int, int
         ConnectionError: the peer closed the connection.
     """
     recv_into(sock, memoryview(buf)[: HEADER.size])
+    return unpack_header(buf)
+
+
+def unpack_header(buf: bytearray) -> tuple[int, int, int, int, int, int]:
+    """Decode a header already in ``buf``: (method, flags, status, meta_len, payload_len, aux).
+
+    Raises:
+        FrameError: a header without the magic.
+    """
     magic, method, flags, status, meta_len, payload_len, aux = HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise FrameError(f"not a tether data-plane frame (starts with {bytes(magic)!r})")
     return method, flags, status, meta_len, payload_len, aux
+
+
+def recv_header_fds(
+    sock: socket.socket, buf: bytearray, deadline: float | None = None
+) -> tuple[tuple[int, int, int, int, int, int], list[int]]:
+    """``read_header`` on a unix socket: also the descriptors that came with the header's bytes.
+
+    The caller owns (and must close) every descriptor returned; on an exception none is left open.
+
+    Raises:
+        FrameError: a header without the magic, or descriptors the kernel had to drop (MSG_CTRUNC).
+        ConnectionError: the peer closed the connection.
+        TimeoutError: the socket's timeout or the deadline passed.
+    """
+    view = memoryview(buf)[: HEADER.size]
+    fds: list[int] = []
+    truncated = False
+    got = 0
+    try:
+        while got < HEADER.size:
+            _until(sock, deadline)
+            k, ancillary, msg_flags, _ = sock.recvmsg_into([view[got:]], socket.CMSG_SPACE(_MAX_FDS * 4))
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    a = array.array("i")
+                    a.frombytes(data[: len(data) - len(data) % a.itemsize])
+                    fds.extend(a)
+            truncated |= bool(msg_flags & socket.MSG_CTRUNC)
+            if k == 0:
+                raise ConnectionError("connection closed by the peer")
+            got += k
+        if truncated:
+            raise FrameError(f"more than {_MAX_FDS} descriptors came with one frame")
+        return unpack_header(buf), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def send_frame(
@@ -263,16 +336,20 @@ def send_frame(
     status: int = 0,
     payload_len: int = 0,
     aux: int = 0,
+    fds: Sequence[int] = (),
 ) -> None:
     """Send a header, ``meta`` and the ``payload`` buffers (their total is ``payload_len``).
 
     With ``FLAG_SHM`` the payload is in the shared region: pass no buffers, only ``payload_len``.
+    ``fds`` (a unix socket only) ride with the header's bytes.
     """
     if payload:
         payload_len = sum(b.nbytes for b in payload)
     buffers = [memoryview(HEADER.pack(MAGIC, method, flags, status, len(meta), payload_len, aux)), memoryview(meta), *payload]
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
     while buffers:
-        sent = sock.sendmsg(buffers[:512])
+        sent = sock.sendmsg(buffers[:512], ancillary)
+        ancillary = []
         while sent:
             if sent >= buffers[0].nbytes:
                 sent -= buffers[0].nbytes

@@ -43,6 +43,11 @@ class ShardConfig:
     # Data plane for Push/Pull/PushPull (0: a free port, told to clients; None: off). A shard
     # that serves TLS has none: the data plane is plaintext.
     data_port: int | None = 0
+    # Data plane bounds: receive buffers of all connections together (at least max_message_bytes),
+    # seconds a new connection has to complete its HELLO, seconds a connection may stay silent.
+    data_buffer_bytes: int = 1024 * 1024 * 1024
+    data_handshake_timeout_s: float = 10.0
+    data_idle_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -85,6 +90,14 @@ class ShardConfig:
             raise ValueError(f"health_port must be in [0, 65535], got {self.health_port!r}")
         if self.data_port is not None and not 0 <= self.data_port <= 65535:
             raise ValueError(f"data_port must be in [0, 65535] (or off), got {self.data_port!r}")
+        if self.data_buffer_bytes < self.max_message_bytes:
+            raise ValueError(
+                f"data_buffer_bytes must be >= max_message_bytes ({self.max_message_bytes}), got {self.data_buffer_bytes!r}"
+            )
+        if not self.data_handshake_timeout_s > 0:
+            raise ValueError(f"data_handshake_timeout_s must be > 0, got {self.data_handshake_timeout_s!r}")
+        if not self.data_idle_timeout_s > 0:
+            raise ValueError(f"data_idle_timeout_s must be > 0, got {self.data_idle_timeout_s!r}")
 
     @property
     def tls(self) -> bool:
@@ -120,6 +133,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--auth-token-file", default=_env("TETHER_AUTH_TOKEN_FILE", None), help=f"require 'authorization: Bearer <token>' on every call, token read from this file (env TETHER_AUTH_TOKEN_FILE, or the token itself in ${TOKEN_ENV})")
     p.add_argument("--health-port", type=int, default=_env("TETHER_HEALTH_PORT", None), help="also serve gRPC health in plaintext on this port, for probes that cannot do TLS (env TETHER_HEALTH_PORT)")
     p.add_argument("--data-port", default=_env("TETHER_DATA_PORT", "0"), help="TCP port of the data plane for push/pull (0: a free one, told to clients; 'off': gRPC only; a TLS shard has none) (env TETHER_DATA_PORT)")
+    p.add_argument("--data-buffer-mb", type=int, default=_env("TETHER_DATA_BUFFER_MB", 1024), help="receive buffers of all data connections together, MiB, at least --max-message-mb; beyond it RESOURCE_EXHAUSTED (env TETHER_DATA_BUFFER_MB)")
+    p.add_argument("--data-handshake-timeout", type=float, default=_env("TETHER_DATA_HANDSHAKE_TIMEOUT", 10.0), help="seconds a new data connection has to send its HELLO (env TETHER_DATA_HANDSHAKE_TIMEOUT)")
+    p.add_argument("--data-idle-timeout", type=float, default=_env("TETHER_DATA_IDLE_TIMEOUT", 120.0), help="close a data connection silent this many seconds (env TETHER_DATA_IDLE_TIMEOUT)")
     return p
 
 
@@ -161,4 +177,7 @@ def load_config(argv: Sequence[str] | None = None) -> ShardConfig:
         auth_token=resolve_token(a.auth_token_file),
         health_port=_optional(a.health_port, int),
         data_port=_data_port(a.data_port),
+        data_buffer_bytes=int(a.data_buffer_mb) * 1024 * 1024,
+        data_handshake_timeout_s=float(a.data_handshake_timeout),
+        data_idle_timeout_s=float(a.data_idle_timeout),
     )

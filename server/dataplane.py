@@ -5,12 +5,25 @@ One thread per connection reads a frame into a buffer it reuses, hands the reque
 one code path) and writes the answer back, with pulled values either after the message or in
 the connection's shared-memory region. Torch releases the GIL while it applies or gathers rows,
 so connections of different workers run in parallel.
+
+Beside the TCP port the shard listens on an abstract unix socket (no path: nothing to leak or
+to point elsewhere); a client on the same machine connects there and sends its sealed memfd
+region with its HELLO. The shard maps only descriptors it received, after checking their seals.
+
+What a connection can make the shard hold: before the token is checked, one HELLO of at most
+``HELLO_MAX`` bytes (anything else is refused having read only its header), which must arrive
+within the handshake timeout; after, one receive buffer, released when the connection is idle
+for ``RELEASE_IDLE_S`` and counted against a budget for all connections together
+(RESOURCE_EXHAUSTED beyond it); a connection silent for the idle timeout is closed.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import mmap
+import os
+import select
 import socket
 import threading
 import time
@@ -26,7 +39,7 @@ from tether.protos import tether_pb2 as pb
 if TYPE_CHECKING:
     from tether.server.service import ShardServicer
 
-__all__ = ["DataPlaneServer"]
+__all__ = ["RELEASE_IDLE_S", "DataPlaneServer"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +47,12 @@ _REQUESTS = {dp.PUSH: pb.PushRequest, dp.PULL: pb.PullRequest, dp.PUSH_PULL: pb.
 # What a client sees when the shard sheds a connection (the same words grpc uses, so the
 # client treats it as load and retries).
 OVERLOADED = "Concurrent RPC limit exceeded"
+# A connection's receive buffer is given back after this many seconds without a frame, so
+# back-to-back calls reuse it and an idle connection holds nothing.
+RELEASE_IDLE_S = 1.0
+# Bytes read and thrown away after a refusal, so the answer is not lost to a reset.
+_DRAIN_BYTES = 256 * 1024
+_DRAIN_S = 0.5
 
 
 def _over_limit(size: int, limit: int) -> str:
@@ -60,21 +79,61 @@ class DataPlaneServer:
         token: str | None = None,
         max_message_bytes: int = 256 * 1024 * 1024,
         max_connections: int = 64,
+        buffer_bytes: int = 1024 * 1024 * 1024,
+        handshake_timeout_s: float = 10.0,
+        idle_timeout_s: float = 120.0,
+        unix_socket: bool = True,
     ) -> None:
+        """Bind the TCP port (and the abstract unix socket); ``start`` serves them.
+
+        Args:
+            buffer_bytes: receive buffers of all connections together (at least one largest frame).
+            handshake_timeout_s: a connection's HELLO must be complete this soon after it opens.
+            idle_timeout_s: a connection without a frame for this long is closed.
+            unix_socket: also listen on an abstract unix socket (shared-memory regions).
+
+        Raises:
+            RuntimeError: the port cannot be bound.
+        """
         self.servicer = servicer
         self._token = token.encode() if token is not None else None
         self.max_message_bytes = max_message_bytes
         self.max_connections = max_connections
+        # One largest frame (its message aligned, then its payload) always fits.
+        self.buffer_bytes = max(buffer_bytes, max_message_bytes + dp.ALIGN)
+        self.handshake_timeout_s = handshake_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        # Regions: a request's payload and its answer, each up to the message limit, with room to grow.
+        self.max_region_bytes = 4 * max_message_bytes
         try:
             self._listener = socket.create_server((host, port), backlog=128)
         except OSError as exc:
             raise RuntimeError(f"cannot bind data port {host}:{port}: {exc.strerror}") from exc
         self.port = self._listener.getsockname()[1]
+        self.socket_name = ""
+        self._unix: socket.socket | None = None
+        if unix_socket:
+            name = f"\0tether-{os.getpid()}-{os.urandom(8).hex()}"
+            try:
+                self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._unix.bind(name)
+                self._unix.listen(128)
+                self.socket_name = name
+            except OSError as exc:
+                log.info("no unix socket for shared memory (%s); the data plane is TCP only", exc)
+                if self._unix is not None:
+                    self._unix.close()
+                self._unix = None
         self._lock = threading.Condition()
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._busy = 0
+        self._buffered = 0
         self._draining = False
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="tether-data-accept", daemon=True)
+        self._accept_threads = [threading.Thread(target=self._accept_loop, args=(self._listener,), name="tether-data-accept", daemon=True)]
+        if self._unix is not None:
+            self._accept_threads.append(
+                threading.Thread(target=self._accept_loop, args=(self._unix,), name="tether-data-accept-unix", daemon=True)
+            )
 
     @property
     def connections(self) -> int:
@@ -82,18 +141,32 @@ class DataPlaneServer:
         with self._lock:
             return len(self._conns)
 
+    @property
+    def buffered(self) -> int:
+        """Bytes of receive buffers held by all connections now."""
+        with self._lock:
+            return self._buffered
+
     def start(self) -> None:
         """Start accepting connections."""
-        self._accept_thread.start()
+        for thread in self._accept_threads:
+            thread.start()
 
     def drain(self) -> None:
         """Stop accepting; calls after this one get UNAVAILABLE (clients retry elsewhere or later)."""
         with self._lock:
             self._draining = True
-        try:
-            self._listener.close()
-        except OSError:
-            pass
+        for listener in (self._listener, self._unix):
+            if listener is None:
+                continue
+            try:
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            try:
+                listener.close()
+            except OSError:
+                pass
 
     def stop(self, grace: float | None = None) -> None:
         """Drain, wait up to ``grace`` seconds for calls in flight, then close every connection."""
@@ -113,21 +186,28 @@ class DataPlaneServer:
                 pass
         for _, thread in conns:
             thread.join(5.0)
-        self._accept_thread.join(5.0)
+        for thread in self._accept_threads:
+            thread.join(5.0)
 
     # -- connections -------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket) -> None:
+        unix = listener.family == socket.AF_UNIX
         while True:
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
             except OSError:
-                return  # closed by drain()
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self._draining:
+                    return  # closed by drain()
+                log.warning("data plane: accept failed; retrying", exc_info=True)
+                time.sleep(0.1)
+                continue
+            if not unix:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 refuse = self._draining or len(self._conns) >= self.max_connections
                 if not refuse:
-                    thread = threading.Thread(target=self._serve, args=(conn,), name="tether-data", daemon=True)
+                    thread = threading.Thread(target=self._serve, args=(conn, unix), name="tether-data", daemon=True)
                     self._conns[conn] = thread
             if refuse:
                 code = grpc.StatusCode.UNAVAILABLE if self._draining else grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -138,23 +218,48 @@ class DataPlaneServer:
 
     @staticmethod
     def _refuse(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
+        """Answer with an error frame and end the connection so that the answer arrives.
+
+        Whatever the peer still sends is read into a small scratch buffer and dropped (bounded
+        in bytes and time): closing with unread bytes would reset the connection, and the reset
+        can destroy the answer before the peer reads it.
+        """
         try:
             dp.send_frame(conn, 0, message.encode(), status=code.value[0])
+            conn.shutdown(socket.SHUT_WR)
+            scratch = bytearray(16 * 1024)
+            deadline = time.monotonic() + _DRAIN_S
+            left = _DRAIN_BYTES
+            while left > 0:
+                wait = deadline - time.monotonic()
+                if wait <= 0:
+                    break
+                conn.settimeout(wait)
+                n = conn.recv_into(scratch)
+                if n == 0:
+                    break
+                left -= n
         except OSError:
             pass
 
-    def _serve(self, conn: socket.socket) -> None:
-        state = _Connection(authenticated=self._token is None)
+    def _serve(self, conn: socket.socket, unix: bool) -> None:
+        state = _Connection(self, unix, authenticated=self._token is None)
         self._count(state, +1)
         try:
+            self._handshake(conn, state)
             while self._one_call(conn, state):
                 pass
         except _Refuse as exc:
             self._refuse(conn, exc.code, str(exc))
+        except dp.FrameError as exc:
+            self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TimeoutError as exc:
+            log.debug("data connection timed out: %s", exc)
         except (ConnectionError, OSError) as exc:
             log.debug("data connection closed: %s", exc)
         finally:
             self._count(state, -1)
+            state.release()
             if state.region is not None:
                 state.region.close()
             with self._lock:
@@ -165,73 +270,147 @@ class DataPlaneServer:
         if self.servicer.metrics is not None:
             self.servicer.metrics.data_connections.labels(mode="tcp" if state.region is None else "shm").inc(delta)
 
+    def _handshake(self, conn: socket.socket, state: _Connection) -> None:
+        """Read the first frame, which must be a small HELLO, by the handshake deadline, and answer it."""
+        deadline = time.monotonic() + self.handshake_timeout_s
+        (method, flags, _, meta_len, payload_len, _), fds = state.read_header(conn, deadline)
+        try:
+            self._check_hello(method, flags, meta_len, payload_len, first=True)
+            meta = memoryview(bytearray(meta_len))
+            dp.recv_into(conn, meta, deadline)
+            answer = self._hello(bytes(meta), state, fds)
+            fds = []
+        finally:
+            _close_all(fds)
+        dp.send_frame(conn, dp.HELLO, msgpack.packb(answer))
+
+    def _check_hello(self, method: int, flags: int, meta_len: int, payload_len: int, first: bool) -> None:
+        if method != dp.HELLO:
+            if first and self._token is not None:
+                raise _Refuse(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token: a connection must start with HELLO")
+            if first:
+                raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"a connection must start with HELLO, not method {method}")
+        if flags or payload_len or meta_len > dp.HELLO_MAX:
+            raise _Refuse(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"HELLO must be at most {dp.HELLO_MAX} bytes with no payload, got {meta_len} + {payload_len} (flags {flags})",
+            )
+
+    def _wait_for_frame(self, conn: socket.socket, state: _Connection) -> bool:
+        """Wait for the next frame: release the buffer after a short pause, give up at the idle timeout."""
+        if not _readable(conn, min(RELEASE_IDLE_S, self.idle_timeout_s)):
+            state.release()
+            if not _readable(conn, max(self.idle_timeout_s - RELEASE_IDLE_S, 0.0)):
+                log.debug("data connection idle for %.1fs: closed", self.idle_timeout_s)
+                return False
+        return True
+
     def _one_call(self, conn: socket.socket, state: _Connection) -> bool:
-        method, flags, _, meta_len, payload_len, aux = dp.read_header(conn, state.header)
-        shared = bool(flags & dp.FLAG_SHM)
-        too_big = meta_len + payload_len > self.max_message_bytes
+        if not self._wait_for_frame(conn, state):
+            return False
+        conn.settimeout(self.idle_timeout_s)  # a frame that stalls half-way counts as idle too
+        (method, flags, _, meta_len, payload_len, aux), fds = state.read_header(conn, None)
+        if method == dp.HELLO:
+            try:
+                self._check_hello(method, flags, meta_len, payload_len, first=False)
+                meta = memoryview(bytearray(meta_len))
+                dp.recv_into(conn, meta)
+                answer = self._hello(bytes(meta), state, fds)
+                fds = []
+            finally:
+                _close_all(fds)
+            dp.send_frame(conn, dp.HELLO, msgpack.packb(answer))
+            return True
+        _close_all(fds)  # descriptors ride only with a HELLO
         if method not in dp.METHODS:
             raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"unknown data-plane method {method}")
+        shared = bool(flags & dp.FLAG_SHM)
+        too_big = meta_len + payload_len > self.max_message_bytes
         if too_big and not (shared and meta_len <= self.max_message_bytes):
             # Bytes we will not read are still on the socket: answer, then hang up.
             raise _Refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, _over_limit(meta_len + payload_len, self.max_message_bytes))
-        meta = bytearray(meta_len)
-        dp.recv_into(conn, memoryview(meta))
+        meta, payload = state.receive(conn, meta_len, 0 if shared else payload_len)
         if too_big:  # a shared payload: refuse the call, keep the connection
             dp.send_frame(conn, method, _over_limit(meta_len + payload_len, self.max_message_bytes).encode(),
                           status=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
             return True
-        payload = state.receive(conn, 0 if shared else payload_len)
         with self._lock:
             if self._draining:
                 raise _Refuse(grpc.StatusCode.UNAVAILABLE, "shard is draining")
             self._busy += 1
         try:
-            if method == dp.HELLO:
-                dp.send_frame(conn, dp.HELLO, msgpack.packb(self._hello(bytes(meta), state)))
-                return True
             if not state.authenticated:
                 raise _Refuse(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-            if flags & dp.FLAG_SHM:
+            if shared:
                 payload = state.shared_payload(aux, payload_len)
-            self._answer(conn, method, bytes(meta), payload, state, aux + payload_len if flags & dp.FLAG_SHM else None)
+            self._answer(conn, method, meta, payload, state, aux + payload_len if shared else None)
             return True
         finally:
             with self._lock:
                 self._busy -= 1
                 self._lock.notify_all()
 
-    def _hello(self, meta: bytes, state: _Connection) -> dict[str, object]:
+    def _reserve(self, n: int) -> None:
+        """Count ``n`` more bytes of receive buffers against the budget.
+
+        Raises:
+            _Refuse: RESOURCE_EXHAUSTED, they do not fit.
+        """
+        with self._lock:
+            if self._buffered + n > self.buffer_bytes:
+                raise _Refuse(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{OVERLOADED}: a frame needs {n} more bytes of receive buffer, and the data plane's buffers "
+                    f"already hold {self._buffered} of their limit of {self.buffer_bytes} bytes (--data-buffer-mb)",
+                )
+            self._buffered += n
+
+    def _unreserve(self, n: int) -> None:
+        with self._lock:
+            self._buffered -= n
+
+    def _hello(self, meta: bytes, state: _Connection, fds: list[int]) -> dict[str, object]:
+        """Authenticate and take the offered region (``fds``: the descriptors that came with it, taken over)."""
         try:
-            hello = msgpack.unpackb(meta)
-        except (ValueError, msgpack.UnpackException) as exc:
-            raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"HELLO is not msgpack: {exc}") from exc
-        if not isinstance(hello, dict):
-            raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, "HELLO must be a msgpack map")
-        if self._token is not None:
-            token = hello.get("token")
-            if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token):
-                if self.servicer.metrics is not None:
-                    self.servicer.metrics.requests.labels(rpc="Hello", code="UNAUTHENTICATED").inc()
-                raise _Refuse(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-            state.authenticated = True
-        shm = False
-        if hello.get("shm") is not None:
             try:
-                region = dp.open_region(hello["shm"], hello.get("shm_size"), hello.get("nonce", b""))
-            except ValueError as exc:
-                # Not on this machine, or not visible to this process: the client sends inline.
-                log.debug("shared region refused: %s", exc)
-            else:
-                self._count(state, -1)
-                if state.region is not None:
-                    state.region.close()
-                state.region = region
-                self._count(state, +1)
-                shm = True
-        return {"shard": self.servicer.shard.shard_index, "shm": shm}
+                hello = msgpack.unpackb(meta)
+            except (ValueError, msgpack.UnpackException) as exc:
+                raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"HELLO is not msgpack: {exc}") from exc
+            if not isinstance(hello, dict):
+                raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, "HELLO must be a msgpack map")
+            if self._token is not None:
+                token = hello.get("token")
+                if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token):
+                    if self.servicer.metrics is not None:
+                        self.servicer.metrics.requests.labels(rpc="Hello", code="UNAUTHENTICATED").inc()
+                    raise _Refuse(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+                state.authenticated = True
+            region, refused = None, None
+            if hello.get("shm_size") is not None:
+                if len(fds) != 1:
+                    refused = f"a region comes as one descriptor over the unix socket, got {len(fds)}"
+                else:
+                    try:
+                        region = dp.SharedRegion.adopt(fds.pop(), hello["shm_size"], self.max_region_bytes)
+                    except ValueError as exc:
+                        refused = str(exc)
+                if refused is not None:
+                    log.info("shared region refused: %s", refused)
+        finally:
+            _close_all(fds)
+        # A new HELLO replaces the connection's region (or drops it, when it offers none).
+        self._count(state, -1)
+        if state.region is not None:
+            state.region.close()
+        state.region = region
+        self._count(state, +1)
+        answer: dict[str, object] = {"shard": self.servicer.shard.shard_index, "shm": region is not None}
+        if refused is not None:
+            answer["shm_error"] = refused
+        return answer
 
     def _answer(
-        self, conn: socket.socket, method: int, meta: bytes, payload: memoryview | None, state: _Connection, shm_end: int | None
+        self, conn: socket.socket, method: int, meta: memoryview, payload: memoryview | None, state: _Connection, shm_end: int | None
     ) -> None:
         rpc = dp.METHODS[method]
         try:
@@ -258,30 +437,83 @@ class DataPlaneServer:
         dp.send_frame(conn, method, body, out.buffers())
 
 
+def _readable(conn: socket.socket, timeout_s: float) -> bool:
+    """Whether ``conn`` has bytes (or EOF) to read within ``timeout_s``."""
+    poller = select.poll()
+    poller.register(conn, select.POLLIN | select.POLLPRI)
+    return bool(poller.poll(timeout_s * 1000))
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
+
+
 class _Connection:
     """Per-connection state: authentication, the shared region, the reusable receive buffer."""
 
-    def __init__(self, authenticated: bool) -> None:
+    def __init__(self, server: DataPlaneServer, unix: bool, authenticated: bool) -> None:
+        self.server = server
+        self.unix = unix
         self.authenticated = authenticated
         self.region: dp.SharedRegion | None = None
         self.header = bytearray(dp.HEADER.size)
-        self._buffer = bytearray(0)
+        # Anonymous memory (returned to the system on release, whatever malloc's thresholds).
+        self._buffer: mmap.mmap | None = None
+        self._reserved = 0
 
-    def receive(self, conn: socket.socket, n: int) -> memoryview | None:
-        """Read ``n`` payload bytes into the reusable buffer."""
-        if n == 0:
-            return None
-        if len(self._buffer) < n:
-            self._buffer = bytearray(n)
-        view = memoryview(self._buffer)[:n]
-        dp.recv_into(conn, view)
-        return view
+    def read_header(self, conn: socket.socket, deadline: float | None) -> tuple[tuple[int, int, int, int, int, int], list[int]]:
+        """The next header, and the descriptors that came with it (unix connections only)."""
+        if self.unix:
+            return dp.recv_header_fds(conn, self.header, deadline)
+        dp.recv_into(conn, memoryview(self.header), deadline)
+        return dp.unpack_header(self.header), []
+
+    def receive(self, conn: socket.socket, meta_len: int, payload_len: int) -> tuple[memoryview, memoryview | None]:
+        """Read a frame's message and ``payload_len`` payload bytes into the reusable buffer.
+
+        Raises:
+            _Refuse: RESOURCE_EXHAUSTED, the buffer would go over the shard's budget.
+        """
+        start = dp.align(meta_len)
+        need = start + payload_len
+        if need > self._reserved:
+            self.release()
+            self.server._reserve(need)
+            self._reserved = need
+            try:
+                self._buffer = mmap.mmap(-1, max(need, 1))
+            except BaseException:
+                self.release()
+                raise
+        view = memoryview(self._buffer)
+        dp.recv_into(conn, view[:meta_len])
+        if payload_len == 0:
+            return view[:meta_len], None
+        dp.recv_into(conn, view[start:need])
+        return view[:meta_len], view[start:need]
+
+    def release(self) -> None:
+        """Give the receive buffer back (to the system and to the budget)."""
+        if self._buffer is not None:
+            try:
+                self._buffer.close()
+            except BufferError:
+                pass  # a view still lives: the mapping goes with it
+            self._buffer = None
+        if self._reserved:
+            self.server._unreserve(self._reserved)
+            self._reserved = 0
 
     def shared_payload(self, offset: int, n: int) -> memoryview:
         """The request's payload in the shared region."""
         if self.region is None:
             raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, "payload flagged as shared but no region was announced")
-        if offset % dp.ALIGN or offset < dp.REGION_START or offset + n > self.region.size:
+        if offset % dp.ALIGN or offset < 0 or offset + n > self.region.size:
             raise _Refuse(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"shared payload [{offset}, {offset + n}) is not an aligned range of the {self.region.size}-byte region",

@@ -108,6 +108,8 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         self.checkpointer = checkpointer
         # Port of the data plane serving this servicer (0: none), told to clients in Declare and Info.
         self.data_port = 0
+        # Abstract unix socket of the same data plane ("": none), for clients on this machine.
+        self.data_socket = ""
         # Tables whose rows and bytes the metrics export (tables restored from a checkpoint from the start).
         self._watched: set[str] = set()
         self._watch_new_tables()
@@ -178,7 +180,9 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         ]
         self.shard.declare(tables, dense)
         self._watch_new_tables()
-        return pb.DeclareResponse(shard_index=self.shard.shard_index, num_shards=self.shard.num_shards, data_port=self.data_port)
+        return pb.DeclareResponse(
+            shard_index=self.shard.shard_index, num_shards=self.shard.num_shards, data_port=self.data_port, data_socket=self.data_socket
+        )
 
     def _pull(self, request: pb.PullRequest, out: PayloadWriter | None = None) -> pb.PullResponse:
         wire = torch_dtype(request.wire_dtype) if request.wire_dtype else torch.float32
@@ -247,6 +251,7 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
             restored_checkpoint=s.restored_checkpoint,
             last_checkpoint=s.last_checkpoint,
             data_port=self.data_port,
+            data_socket=self.data_socket,
         )
         for name, t in sorted(s.tables.items()):
             response.tables.add(
@@ -419,8 +424,11 @@ def start_shard(config: ShardConfig, shard: Shard | None = None, metrics: object
         dataplane = DataPlaneServer(
             servicer, config.host, config.data_port, token=config.auth_token,
             max_message_bytes=config.max_message_bytes, max_connections=config.max_concurrent_rpcs,
+            buffer_bytes=config.data_buffer_bytes, handshake_timeout_s=config.data_handshake_timeout_s,
+            idle_timeout_s=config.data_idle_timeout_s,
         )
         servicer.data_port = dataplane.port
+        servicer.data_socket = dataplane.socket_name
         dataplane.start()
     server.start()
     for name in ("", SERVICE_NAME):

@@ -6,6 +6,7 @@ objects; raw sockets play a misbehaving client.
 
 from __future__ import annotations
 
+import random
 import signal
 import socket
 import time
@@ -133,15 +134,22 @@ def test_bad_input_over_the_data_plane_is_refused_and_changes_nothing(cluster: L
         client.close()
 
 
-def test_garbage_and_oversize_frames_are_dropped_and_the_shard_keeps_serving(cluster: LocalCluster) -> None:
+def test_garbage_and_oversize_frames_are_answered_and_the_shard_keeps_serving(cluster: LocalCluster) -> None:
     (address,) = cluster.start_shards(1, extra_args=["--max-message-mb", "1"])
     port = _info(address).data_port
     assert port > 0
-    with _raw(port) as s:
-        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(100))
-        assert _closed(s)
+    for garbage in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(100), random.Random(7).randbytes(4096)):
+        with _raw(port) as s:
+            # Not a frame: answered with INVALID_ARGUMENT (what the README says), then closed.
+            s.sendall(garbage)
+            method, status, meta = _answer(s)
+            assert (method, status) == (0, grpc.StatusCode.INVALID_ARGUMENT.value[0])
+            assert meta.startswith(b"not a tether data-plane frame")
+            assert _closed(s)
     with _raw(port) as s:
         # A push claiming 2 GiB of payload: refused before a byte of it is read.
+        dp.send_frame(s, dp.HELLO, msgpack.packb({}))
+        assert _answer(s)[1] == 0
         s.sendall(dp.HEADER.pack(dp.MAGIC, dp.PUSH, 0, 0, 10, 2 << 30, 0))
         method, status, meta = _answer(s)
         assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and method == 0
@@ -154,7 +162,7 @@ def test_garbage_and_oversize_frames_are_dropped_and_the_shard_keeps_serving(clu
         dp.send_frame(s, dp.PUSH, b"\xff\xff\xff\xff")
         assert _answer(s)[1] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     with _raw(port) as s:
-        # A region that is not the client's: a name outside tether-*, refused, calls go inline.
+        # A region named by path (the old protocol): never opened, calls go inline.
         dp.send_frame(s, dp.HELLO, msgpack.packb({"shm": "../../etc/passwd", "shm_size": 4096, "nonce": b"x" * 16}))
         assert msgpack.unpackb(_answer(s)[2])["shm"] is False
     client = make_client([address], transport="auto")

@@ -269,7 +269,7 @@ class PSClient:
         """How each shard is reached right now: "shm", "tcp" or "grpc"."""
         out = []
         for d in self._data or [None] * self.num_shards:
-            conn = None if d is None or not d.port else d.acquire(lambda: 0)
+            conn = None if d is None or not d.port else d.acquire(lambda: (0, ""))
             out.append("grpc" if conn is None else "shm" if conn.region is not None else "tcp")
             if conn is not None:
                 d.release(conn)
@@ -401,9 +401,10 @@ class PSClient:
             return _Failed(grpc.StatusCode.UNAVAILABLE, f"data plane: {exc}")
         return exc
 
-    def _discover(self, shard: int) -> int:
-        """The shard's data port, asked over gRPC (one try: a failure means gRPC for a while)."""
-        return self._stubs[shard].Info(pb.InfoRequest(), timeout=self.config.timeout_s, metadata=self._metadata).data_port
+    def _discover(self, shard: int) -> tuple[int, str]:
+        """The shard's data port and unix socket, asked over gRPC (one try: a failure means gRPC for a while)."""
+        info = self._stubs[shard].Info(pb.InfoRequest(), timeout=self.config.timeout_s, metadata=self._metadata)
+        return info.data_port, info.data_socket
 
     def _fan_out(
         self,
@@ -461,7 +462,7 @@ class PSClient:
         answers = self._fan_out("Declare", requests, lambda a: a).result()
         for s, a in answers.items():
             if self._data is not None:
-                self._data[s].set_port(a.data_port)
+                self._data[s].set_port(a.data_port, a.data_socket)
         for t in tables:
             self._dims[t.name] = t.dim
         self._dense.update(layouts)

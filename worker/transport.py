@@ -2,9 +2,11 @@
 
 ``DataPlane`` keeps a small pool of connections per shard (one call at a time on each, so
 concurrent pushes and prefetched pulls get their own) and knows when the shard offers no data
-plane, or when the data plane just failed and calls should go over gRPC for a while. Each
-connection offers the shard a shared-memory region; if the shard can map it (same machine,
-same ``/dev/shm``) tensors never cross the socket.
+plane, or when the data plane just failed and calls should go over gRPC for a while. With
+shared memory allowed, a connection first tries the shard's abstract unix socket (which only a
+process on the same machine and network namespace reaches) and sends it a sealed memfd region
+with its HELLO; then tensors never cross the socket. When that fails (another machine, no
+memory for the region, a shard that refuses it) the connection is TCP, said once in the log.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import select
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 
 import grpc
@@ -48,48 +49,113 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class DataConnection:
-    """One TCP connection to a shard's data port, with its shared region when the shard maps it."""
+    """One connection to a shard's data plane, with its shared region when the shard maps it.
 
-    def __init__(self, host: str, port: int, token: str | None, timeout_s: float, shm: bool) -> None:
-        self._sock = socket.create_connection((host, port), timeout=timeout_s)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    Args:
+        socket_name: the shard's abstract unix socket ("" or None: none); tried first when ``shm``.
+        shm: whether to offer a shared region (over the unix socket only).
+        on_fallback: told why, when a region this connection had or wanted cannot be had later.
+
+    Raises:
+        OSError, DataPlaneStatus: neither the unix socket with a region nor TCP works.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str | None,
+        timeout_s: float,
+        shm: bool,
+        socket_name: str | None = None,
+        on_fallback: Callable[[str], None] | None = None,
+    ) -> None:
         self._token = token
+        self._on_fallback = on_fallback
         self._header = bytearray(dp.HEADER.size)
         self._buffer = bytearray(0)
         self.region: dp.SharedRegion | None = None
         self._use_region = False
-        self.shm = shm and os.path.isdir(dp.SHM_DIR)
+        # Why shared memory is not used on this connection (None: it is, or it was not asked for).
+        self.fallback: str | None = None
+        self.shm = False
+        self._sock: socket.socket | None = None
+        if shm:
+            self._try_unix(socket_name, timeout_s)
+        if self._sock is None:
+            self._sock = socket.create_connection((host, port), timeout=timeout_s)
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                self._hello(0, timeout_s)
+            except BaseException:
+                self.close()
+                raise
+
+    def _try_unix(self, name: str | None, timeout_s: float) -> None:
+        """Connect to the shard's unix socket with a region; on any failure, note why and leave no socket."""
+        if not name or not name.startswith("\0"):
+            self.fallback = f"the shard offers no abstract unix socket ({name!r})"
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._hello(_MIN_REGION if self.shm else 0, timeout_s)
+            sock.settimeout(timeout_s)
+            sock.connect(name)
+        except OSError as exc:
+            sock.close()
+            self.fallback = f"cannot reach the shard's unix socket ({exc.strerror or exc}): another machine or network namespace"
+            return
+        self._sock = sock
+        self.shm = True
+        try:
+            self._hello(_MIN_REGION, timeout_s)
         except BaseException:
             self.close()
+            self._sock = None
             raise
+        if self.region is None:
+            self.close()
+            self._sock = None
 
     def _hello(self, region_size: int, timeout_s: float) -> None:
-        """Authenticate and offer a region of ``region_size`` bytes (0: none)."""
+        """Authenticate and offer a new region of ``region_size`` bytes (0: none, and drop the old one)."""
         region = None
+        fds: list[int] = []
         meta: dict[str, object] = {"token": self._token}
-        if region_size:
-            name = f"tether-{os.getpid()}-{uuid.uuid4().hex}"
-            region = dp.SharedRegion(os.path.join(dp.SHM_DIR, name), region_size, create=True)
-            meta.update(shm=name, shm_size=region_size, nonce=region.nonce)
+        if region_size and self.shm:
+            try:
+                region, fd = dp.SharedRegion.create(region_size)
+            except OSError as exc:
+                self.fallback = f"no shared region of {region_size} bytes ({exc.strerror or exc})"
+                self.shm = False
+            else:
+                fds.append(fd)
+                meta["shm_size"] = region_size
         try:
             self._sock.settimeout(timeout_s)
-            dp.send_frame(self._sock, dp.HELLO, msgpack.packb(meta))
-            answer, _ = self._read(None)
-            accepted = bool(msgpack.unpackb(answer).get("shm")) and region is not None
-        finally:
+            dp.send_frame(self._sock, dp.HELLO, msgpack.packb(meta), fds=fds)
+        except BaseException:
             if region is not None:
-                region.unlink()  # the shard has it mapped (or never will): no file to leak
+                region.close()
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)  # the shard has its own descriptor now (or never will)
+        try:
+            answer, _ = self._read(None)
+            hello = msgpack.unpackb(answer)
+        except BaseException:
+            if region is not None:
+                region.close()
+            raise
         if self.region is not None:
             self.region.close()
             self.region = None
-        if accepted:
+        if region is not None and isinstance(hello, dict) and hello.get("shm"):
             self.region = region
-        else:
-            if region is not None:
-                region.close()
+        elif region is not None:
+            region.close()
             self.shm = False
+            self.fallback = f"the shard refused the shared region: {hello.get('shm_error', '?') if isinstance(hello, dict) else '?'}"
 
     def _read(self, region: dp.SharedRegion | None) -> tuple[bytes, memoryview | None]:
         method, flags, status, meta_len, payload_len, aux = dp.read_header(self._sock, self._header)
@@ -121,13 +187,15 @@ class DataConnection:
         self._sock.settimeout(timeout_s)
         self._use_region = self.shm and out.nbytes + response_bytes >= SHM_MIN_BYTES
         if self._use_region:
-            need = dp.REGION_START + dp.align(out.nbytes) + response_bytes + dp.ALIGN
+            need = dp.align(out.nbytes) + response_bytes + dp.ALIGN
             if self.region is None or need > self.region.size:
                 self._hello(max(need * 2, _MIN_REGION), timeout_s)
+                if self.region is None and self._on_fallback is not None:
+                    self._on_fallback(f"{self.fallback}; this connection sends through its socket from now on")
             self._use_region = self.region is not None
         if self._use_region:
-            out.copy_into(self.region.view[dp.REGION_START :])
-            dp.send_frame(self._sock, method, meta, flags=dp.FLAG_SHM, payload_len=out.nbytes, aux=dp.REGION_START)
+            out.copy_into(self.region.view)
+            dp.send_frame(self._sock, method, meta, flags=dp.FLAG_SHM, payload_len=out.nbytes, aux=0)
         else:
             dp.send_frame(self._sock, method, meta, out.buffers())
 
@@ -142,13 +210,16 @@ class DataConnection:
         return self._read(self.region if self._use_region else None)
 
     def readable(self) -> bool:
-        """Whether an answer has started to arrive."""
-        return bool(select.select([self._sock], [], [], 0)[0])
+        """Whether an answer has started to arrive (on an idle connection: the shard closed it)."""
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
 
     def close(self) -> None:
         """Close the socket and unmap the region."""
         try:
-            self._sock.close()
+            if self._sock is not None:
+                self._sock.close()
         finally:
             if self.region is not None:
                 self.region.close()
@@ -167,38 +238,58 @@ class DataPlane:
         self._lock = threading.Lock()
         self._idle: list[DataConnection] = []
         self.port: int | None = None  # None: not known yet; 0: the shard has no data plane
+        self.socket_name = ""  # the shard's abstract unix socket ("": none)
         self._retry_at = 0.0
+        self._told_fallback = False
 
-    def set_port(self, port: int) -> None:
-        """What the shard said its data port is (0: none)."""
+    def set_port(self, port: int, socket_name: str = "") -> None:
+        """What the shard said its data port (0: none) and unix socket ("": none) are."""
         with self._lock:
-            if port != self.port:
+            if port != self.port or socket_name != self.socket_name:
                 self._drop_idle()
             self.port = port
+            self.socket_name = socket_name
 
-    def acquire(self, discover: Callable[[], int]) -> DataConnection | None:
+    def acquire(self, discover: Callable[[], tuple[int, str]]) -> DataConnection | None:
         """An idle or new connection, or None when calls should go over gRPC for now.
 
+        An idle connection the shard has closed meanwhile (idle timeout, restart) is dropped.
+
         Args:
-            discover: asks the shard for its data port (over gRPC) when it is not known.
+            discover: asks the shard for its data port and unix socket (over gRPC) when not known.
         """
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-            port, retry_at = self.port, self._retry_at
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+                port, socket_name, retry_at = self.port, self.socket_name, self._retry_at
+            if conn is None:
+                break
+            if not conn.readable():
+                return conn
+            conn.close()  # readable while idle: the shard hung up
         if port == 0 or time.monotonic() < retry_at:
             return None
         try:
             if port is None:
-                port = discover()
-                self.set_port(port)
+                port, socket_name = discover()
+                self.set_port(port, socket_name)
                 if port == 0:
                     return None
-            return DataConnection(self.host, port, self._token, self._timeout_s, self._shm)
+            conn = DataConnection(self.host, port, self._token, self._timeout_s, self._shm, socket_name, self._fallback)
         except (OSError, DataPlaneStatus, grpc.RpcError) as exc:
             log.info("data plane of %s unreachable (%s); using gRPC for %.1fs", self.host, exc, self._rediscover_s)
             self.failed()
             return None
+        if conn.fallback is not None:
+            self._fallback(f"{conn.fallback}; using TCP")
+        return conn
+
+    def _fallback(self, why: str) -> None:
+        """Say once (per shard) that shared memory is not used, and why."""
+        with self._lock:
+            told, self._told_fallback = self._told_fallback, True
+        if not told:
+            log.info("data plane of %s: %s", self.host, why)
 
     def release(self, conn: DataConnection) -> None:
         """Return a healthy connection to the pool."""
