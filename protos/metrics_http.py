@@ -2,12 +2,48 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import start_http_server
-from prometheus_client.registry import Collector
+from prometheus_client import PlatformCollector, ProcessCollector, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector, CollectorRegistry
 
-__all__ = ["serve_metrics"]
+__all__ = ["ProcessMetrics", "register_process_metrics", "serve_metrics"]
+
+
+class ProcessMetrics(Collector):
+    """This process's memory, CPU, open fds and start time (``process_*``) and ``python_info``.
+
+    prometheus_client's own collectors have no ``describe``, so a registry cannot tell that it
+    holds them twice; this one describes itself, and a second registration raises.
+    """
+
+    def __init__(self) -> None:
+        self._collectors = (ProcessCollector(registry=None), PlatformCollector(registry=None))
+
+    def describe(self) -> list[Metric]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[Metric]:
+        for collector in self._collectors:
+            yield from collector.collect()
+
+
+def register_process_metrics(registry: CollectorRegistry) -> bool:
+    """Add :class:`ProcessMetrics` to ``registry`` unless it already exports them.
+
+    Shard and worker metrics may share one registry (tests, one process hosting both), and a
+    registry may carry prometheus_client's own process collector (the global default).
+
+    Returns:
+        Whether this call added them.
+    """
+    try:
+        registry.register(ProcessMetrics())
+    except ValueError:  # prometheus_client's DuplicateTimeseries: they are already there
+        return False
+    return True
 
 
 def serve_metrics(registry: Collector, port: int, host: str = "0.0.0.0") -> tuple[WSGIServer, int]:

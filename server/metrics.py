@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tether.protos.metrics_http import serve_metrics
+from tether.protos.metrics_http import register_process_metrics, serve_metrics
 
 __all__ = [
     "CHECKPOINT_BUCKETS",
@@ -129,6 +129,8 @@ class ShardMetrics:
         for mode in ("shm", "tcp"):
             self.data_connections.labels(mode=mode)
         self.staleness_bound.set(-1)
+        # Memory (RSS), CPU and fds of the process: what the dashboard's process panels read.
+        register_process_metrics(r)
 
     def series(self, metric: Counter | Gauge | Histogram, *values: str) -> Counter | Gauge | Histogram:
         """``metric.labels(*values)``, remembered: ``labels`` checks and locks on every call, and

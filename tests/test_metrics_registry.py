@@ -51,7 +51,18 @@ WORKER_SPEC: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "staleness_wait_seconds": ("tether_worker_staleness_wait_seconds_total", "counter", ()),
     "retries": ("tether_worker_retries_total", "counter", ("rpc",)),
     "rpc_errors": ("tether_worker_rpc_errors_total", "counter", ("rpc", "code")),
+    "unexpected_duplicates": ("tether_worker_unexpected_duplicate_pushes_total", "counter", ()),
     "last_step_timestamp": ("tether_worker_last_step_timestamp_seconds", "gauge", ()),
+}
+# prometheus_client's process and platform collectors (Linux: read from /proc), in every registry.
+PROCESS_FAMILIES: dict[str, str] = {
+    "process_virtual_memory_bytes": "gauge",
+    "process_resident_memory_bytes": "gauge",
+    "process_start_time_seconds": "gauge",
+    "process_cpu_seconds": "counter",
+    "process_open_fds": "gauge",
+    "process_max_fds": "gauge",
+    "python_info": "gauge",
 }
 
 
@@ -108,7 +119,7 @@ def _observe_some(shard: ShardMetrics, worker: WorkerMetrics) -> None:
 def test_names_types_and_labels(cls: type, spec: dict[str, tuple[str, str, tuple[str, ...]]]) -> None:
     registry = CollectorRegistry()
     metrics = cls(registry)
-    assert _families(registry) == {_family(name, kind): kind for name, kind, _ in spec.values()}
+    assert _families(registry) == {_family(name, kind): kind for name, kind, _ in spec.values()} | PROCESS_FAMILIES
     for attr, (name, kind, labels) in spec.items():
         metric = getattr(metrics, attr)
         assert metric._name == _family(name, kind), attr  # noqa: SLF001 - the name is the contract
@@ -128,6 +139,21 @@ def test_two_instances_use_private_registries() -> None:
     assert sb.registry is b and wb.registry is b
     with pytest.raises(ValueError, match="Duplicated timeseries"):
         ShardMetrics(a)
+
+
+def test_process_metrics_are_exported_once_per_registry() -> None:
+    shared, alone = CollectorRegistry(), CollectorRegistry()
+    ShardMetrics(shared)
+    WorkerMetrics(shared)  # a second instance in one registry must not export process_* twice
+    WorkerMetrics(alone)
+    for registry in (shared, alone):
+        text = generate_latest(registry).decode()
+        rss = [ln for ln in text.splitlines() if ln.startswith("process_resident_memory_bytes ")]
+        assert len(rss) == 1, rss
+        assert float(rss[0].split()[1]) > 1e6  # this test process's RSS, in bytes
+        assert registry.get_sample_value("process_cpu_seconds_total") > 0
+        assert registry.get_sample_value("process_open_fds") >= 3
+        assert "python_info{" in text
 
 
 def test_nothing_lands_in_the_default_registry() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tether.protos.metrics_http import serve_metrics
+from tether.protos.metrics_http import register_process_metrics, serve_metrics
 
 __all__ = ["PHASES", "PHASE_BUCKETS", "STEP_BUCKETS", "WorkerMetrics", "serve_metrics"]
 
@@ -57,6 +57,8 @@ class WorkerMetrics:
 
         # One series per phase, exported at 0 from the start and looked up once.
         self._phases = {phase: self.phase_seconds.labels(phase=phase) for phase in PHASES}
+        # Memory (RSS), CPU and fds of the process (once per registry: a shard may share it).
+        register_process_metrics(r)
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """Record ``seconds`` spent in ``phase``; staleness waits also feed the wait counter."""
