@@ -6,7 +6,11 @@ Layout under the checkpoint directory, one folder per checkpoint id::
     <dir>/<id>/shard-<i>-of-<n>.manifest.json   written last: this shard's part is complete
 
 Each file is written to a temporary name, fsynced and renamed, and the manifest goes last, so a
-crash at any point leaves either a whole part or one that restore ignores. The data file holds
+crash at any point leaves either a whole part or one that restore ignores. The manifest records
+the data file's size and sha256 (hashed as it is written) and a sha256 of its own fields: a
+manifest that does not match itself is ignored, and a data file that does not match its manifest
+is not loaded (restore says which file, with both digests, and tries the next older checkpoint).
+The data file holds
 rows keyed by id and dense chunks keyed by (name, index) with their full values, so it does not
 depend on the shard count: a shard of a job with another shard count loads every part of a
 checkpoint and keeps what the partition function gives it (vectorised masks, no loop over ids).
@@ -25,6 +29,7 @@ Which checkpoint a starting shard ``i`` of ``M`` restores: the newest (by manife
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -48,11 +53,15 @@ __all__ = [
     "FORMAT",
     "CheckpointInfo",
     "Checkpointer",
+    "ChecksumMismatch",
     "Manifest",
     "RestorePlan",
     "choose_restore",
+    "complete_checkpoints",
+    "file_checksum",
     "list_manifests",
     "load_state",
+    "manifest_checksum",
     "validate_id",
     "write_checkpoint",
 ]
@@ -66,6 +75,61 @@ _ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 _PART = re.compile(r"shard-(\d+)-of-(\d+)\.manifest\.json")
 # Longest a checkpoint call waits for the one before it to finish.
 _LOCK_WAIT_S = 600.0
+# Checksums are "sha256:<hex>": the hex is what `sha256sum` prints for the file, and the prefix
+# lets a later format change the algorithm. 1 GB/s with SHA-NI; files are hashed in chunks.
+_CHECKSUM = "sha256"
+_CHUNK = 8 << 20
+
+
+class ChecksumMismatch(ValueError):
+    """A checkpoint file's bytes do not match the checksum its manifest records."""
+
+    def __init__(self, path: Path, expected: str, actual: str) -> None:
+        super().__init__(f"{path}: checksum mismatch: the manifest records {expected}, the file has {actual}")
+        self.path = path
+        self.expected = expected
+        self.actual = actual
+
+
+def file_checksum(path: str | Path) -> str:
+    """``"sha256:<hex>"`` of the bytes of ``path``, read in chunks (never the whole file at once).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    h = hashlib.new(_CHECKSUM)
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return f"{_CHECKSUM}:{h.hexdigest()}"
+
+
+def manifest_checksum(doc: dict[str, object]) -> str:
+    """``"sha256:<hex>"`` of a manifest's fields other than ``checksum`` (canonical JSON)."""
+    body = {k: v for k, v in doc.items() if k != "checksum"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return f"{_CHECKSUM}:{hashlib.new(_CHECKSUM, canonical).hexdigest()}"
+
+
+class _HashingWriter:
+    """A file wrapper that hashes what goes through it (the data file is hashed as it is written)."""
+
+    def __init__(self, f: object) -> None:
+        self._f = f
+        self._hash = hashlib.new(_CHECKSUM)
+
+    def write(self, data: bytes) -> int:
+        self._hash.update(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    @property
+    def checksum(self) -> str:
+        return f"{_CHECKSUM}:{self._hash.hexdigest()}"
 
 
 def validate_id(ckpt_id: str) -> str:
@@ -108,6 +172,7 @@ class Manifest:
     path: Path
     data_path: Path
     data_bytes: int
+    data_checksum: str  # "sha256:<hex>" of the data file, verified when it is loaded
 
 
 @dataclass(frozen=True)
@@ -199,7 +264,13 @@ def write_checkpoint(state: ShardState, root: Path, ckpt_id: str, shard_index: i
         "seqs": {w: torch.from_numpy(s.astype(np.uint64).view(np.int64)) for w, s in state.seqs.items()},
         "applied_pushes": int(state.applied_pushes),
     }
-    data_bytes = _atomic_write(data_path, lambda f: torch.save(payload, f))
+    writers: list[_HashingWriter] = []
+
+    def write_data(f: object) -> None:
+        writers.append(_HashingWriter(f))
+        torch.save(payload, writers[-1])
+
+    data_bytes = _atomic_write(data_path, write_data)
     _fsync_dir(folder)
     if os.environ.get(CRASH_BEFORE_MANIFEST_ENV) == "1":
         log.error("%s=1: exiting between the data file and the manifest of checkpoint %s", CRASH_BEFORE_MANIFEST_ENV, ckpt_id)
@@ -211,11 +282,14 @@ def write_checkpoint(state: ShardState, root: Path, ckpt_id: str, shard_index: i
         "shard_index": shard_index,
         "num_shards": num_shards,
         "created": created,
-        "data": {"file": data_path.name, "bytes": data_bytes},
+        "data": {"file": data_path.name, "bytes": data_bytes, "checksum": writers[-1].checksum},
         "tables": {t.config.name: int(len(t.ids)) for t in state.tables},
         "dense_chunks": len(state.dense),
         "seconds": time.perf_counter() - start,
     }
+    # The manifest's own checksum: a damaged manifest that still parses (a digit of its time
+    # or size changed) is not taken for the commit marker of a good part.
+    manifest["checksum"] = manifest_checksum(manifest)
     _atomic_write(manifest_path, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
     _fsync_dir(folder)
     return CheckpointInfo(ckpt_id, str(manifest_path), data_bytes, time.perf_counter() - start, created)
@@ -230,7 +304,19 @@ def _parse_manifest(path: Path) -> Manifest | None:
         return None
     try:
         doc = json.loads(path.read_text())
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+        recorded, actual = doc.get("checksum"), manifest_checksum(doc)
+        if recorded != actual:
+            log.warning(
+                "ignoring checkpoint manifest %s: checksum mismatch: it records %s, its contents have %s",
+                path, recorded if recorded is not None else "no checksum", actual,
+            )
+            return None
         data_path = path.parent / str(doc["data"]["file"])
+        data_checksum = str(doc["data"]["checksum"])
+        if not data_checksum.startswith(f"{_CHECKSUM}:"):
+            raise ValueError(f"data checksum {data_checksum!r} is not {_CHECKSUM}:<hex>")
         manifest = Manifest(
             id=str(doc["id"]),
             shard_index=int(doc["shard_index"]),
@@ -239,6 +325,7 @@ def _parse_manifest(path: Path) -> Manifest | None:
             path=path,
             data_path=data_path,
             data_bytes=int(doc["data"]["bytes"]),
+            data_checksum=data_checksum,
         )
         ok = (
             doc.get("format") == FORMAT
@@ -290,6 +377,12 @@ def _candidates(manifests: list[Manifest], shard_index: int, num_shards: int) ->
     return plans
 
 
+def complete_checkpoints(root: Path) -> list[RestorePlan]:
+    """Checkpoints under ``root`` that every shard of their job wrote, newest first (what an
+    export of the whole model reads)."""
+    return _candidates(list_manifests(root), 0, 1)
+
+
 def choose_restore(root: Path, shard_index: int, num_shards: int) -> RestorePlan | None:
     """The checkpoint shard ``shard_index`` of ``num_shards`` restores (see the module doc)."""
     plans = _candidates(list_manifests(root), shard_index, num_shards)
@@ -299,7 +392,10 @@ def choose_restore(root: Path, shard_index: int, num_shards: int) -> RestorePlan
 # -- loading ------------------------------------------------------------------------------------
 
 
-def _load_part(path: Path) -> dict[str, object]:
+def _load_part(path: Path, checksum: str) -> dict[str, object]:
+    actual = file_checksum(path)
+    if actual != checksum:
+        raise ChecksumMismatch(path, checksum, actual)
     # mmap: a part of another shard count is read only where its rows are kept.
     doc = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
@@ -320,7 +416,11 @@ def _table_config(d: dict[str, object]) -> TableConfig:
 def load_state(plan: RestorePlan, shard_index: int, num_shards: int) -> ShardState:
     """Read the parts of ``plan`` and keep the rows and chunks shard ``shard_index`` owns.
 
+    Every part's data file is checked against the checksum its manifest records before it is
+    read, whichever shard count wrote it.
+
     Raises:
+        ChecksumMismatch: a data file whose bytes are not those its manifest records.
         ValueError: a part that is not a tether checkpoint, or parts that disagree on a table.
         OSError, pickle.UnpicklingError, RuntimeError: unreadable files.
     """
@@ -331,7 +431,7 @@ def load_state(plan: RestorePlan, shard_index: int, num_shards: int) -> ShardSta
     seqs: dict[str, np.ndarray] = {}
     applied = 0
     for part in plan.parts:
-        doc = _load_part(part.data_path)
+        doc = _load_part(part.data_path, part.data_checksum)
         for t in doc["tables"]:
             cfg = _table_config(t["config"])
             if configs.setdefault(cfg.name, cfg) != cfg:
@@ -404,7 +504,8 @@ class Checkpointer:
     def restore(self) -> RestorePlan | None:
         """Load the newest usable checkpoint into the shard; None when there is none.
 
-        A checkpoint that fails to load is logged and the next older one is tried.
+        A checkpoint that fails to load, or one of whose files does not match its checksum, is
+        logged and the next older one is tried.
         """
         s = self.shard
         self._clean_temporaries()
@@ -413,6 +514,12 @@ class Checkpointer:
             try:
                 state = load_state(plan, s.shard_index, s.num_shards)
                 s.import_state(state)
+            except ChecksumMismatch as exc:
+                log.warning(
+                    "not restoring checkpoint %s: %s has checksum %s but its manifest records %s; trying an older one",
+                    plan.id, exc.path, exc.actual, exc.expected,
+                )
+                continue
             except (OSError, ValueError, RuntimeError, pickle.UnpicklingError, TetherError) as exc:
                 log.error("cannot restore checkpoint %s (%s); trying an older one", plan.id, exc)
                 continue

@@ -4,6 +4,7 @@ periodic and on-demand triggers, pruning, and a writer that dies before its mani
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -21,11 +22,18 @@ from tether.protos.codec import encode_ids, encode_tensor
 from tether.protos.errors import FailedPrecondition, InvalidArgument
 from tether.protos.partition import shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.checkpoint import CRASH_BEFORE_MANIFEST_ENV, Checkpointer, choose_restore, list_manifests
+from tether.server.checkpoint import (
+    CRASH_BEFORE_MANIFEST_ENV,
+    Checkpointer,
+    choose_restore,
+    file_checksum,
+    list_manifests,
+    manifest_checksum,
+)
 from tether.server.config import ShardConfig
 from tether.server.metrics import ShardMetrics
 from tether.server.service import RunningShard, start_shard
-from tether.server.shard import Shard, SparseUpdate
+from tether.server.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
 
 from conftest import make_client
 
@@ -246,6 +254,103 @@ def test_a_corrupt_part_with_a_matching_size_falls_back_to_an_older_checkpoint(t
     assert fresh.restored_checkpoint == "old" and fresh.tables["t"].rows == 0
 
 
+def _flip_16_bits(path: Path, tensor: torch.Tensor) -> None:
+    """Invert two bytes in the middle of ``tensor``'s bytes inside ``path`` (size unchanged)."""
+    raw = bytearray(path.read_bytes())
+    needle = tensor.contiguous().numpy().tobytes()
+    at = raw.find(needle)
+    assert at >= 0 and raw.find(needle, at + 1) < 0, "the tensor's bytes are not in the file exactly once"
+    mid = at + len(needle) // 2
+    raw[mid] ^= 0xFF
+    raw[mid + 1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def _old_and_new(root: Path, shard_index: int = 0, num_shards: int = 1) -> Shard:
+    """A shard with a table (Adagrad) and a dense chunk, checkpointed as "old", then pushed to
+    and checkpointed as "new"."""
+    gen = torch.Generator().manual_seed(shard_index)
+    shard = Shard(shard_index, num_shards)
+    chunks = [DenseDecl("w", 0, torch.randn(16, generator=gen), ADAGRAD)] if shard_index == 0 else []
+    shard.declare([TableConfig("t", 4, ADAGRAD, init_scale=0.1)], chunks)
+    ids = np.arange(200, dtype=np.int64)
+    ids = ids[shard_of_ids(ids, num_shards) == shard_index]
+    shard.pull([("t", ids)], [])
+    ckpt = Checkpointer(shard, root)
+    ckpt.checkpoint("old")
+    dense = [DenseUpdate("w", 0, torch.randn(16, generator=gen))] if chunks else []
+    shard.push("w", 1, [SparseUpdate("t", ids, torch.randn(len(ids), 4, generator=gen))], dense, incarnation=1)
+    ckpt.checkpoint("new")
+    return shard
+
+
+@pytest.mark.parametrize("where", ["rows", "state", "dense", "manifest-value", "manifest-bits"])
+def test_a_flipped_bit_in_any_file_of_a_checkpoint_restores_the_previous_one(
+    tmp_path: Path, where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """16 bits flipped in the rows, the optimizer state, a dense chunk or the manifest (size
+    unchanged): restore names the file and restores the checkpoint before."""
+    _old_and_new(tmp_path)
+    data = tmp_path / "new" / "shard-0-of-1.pt"
+    manifest = tmp_path / "new" / "shard-0-of-1.manifest.json"
+    recorded = json.loads(manifest.read_text())["data"]["checksum"]
+    assert recorded == file_checksum(data) and recorded.startswith("sha256:")
+    doc = torch.load(data, weights_only=True)
+    (table,) = doc["tables"]
+    (chunk,) = doc["dense"]
+    if where == "rows":
+        _flip_16_bits(data, table["weights"])
+    elif where == "state":
+        _flip_16_bits(data, table["state"]["sum"])
+    elif where == "dense":
+        _flip_16_bits(data, chunk["value"])
+    elif where == "manifest-value":
+        # Still valid JSON, still the data file's size and checksum: only a value changed.
+        text = manifest.read_text()
+        changed = text.replace('"t": 200', '"t": 208')
+        assert changed != text and len(changed) == len(text)
+        manifest.write_text(changed)
+    else:
+        raw = bytearray(manifest.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        raw[len(raw) // 2 + 1] ^= 0xFF
+        manifest.write_bytes(bytes(raw))
+    if where.startswith("manifest"):
+        assert choose_restore(tmp_path, 0, 1).id == "old"  # the damaged manifest is no commit marker
+    fresh = Shard()
+    with caplog.at_level(logging.WARNING, logger="tether.server.checkpoint"):
+        assert Checkpointer(fresh, tmp_path).restore().id == "old"
+    assert fresh.restored_checkpoint == "old"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    named = manifest if where.startswith("manifest") else data
+    # Both digests, except for a manifest that no longer parses (the parse error is named).
+    digests = 0 if where == "manifest-bits" else 2
+    assert any(str(named) in w and w.count("sha256:") >= digests for w in warnings), warnings
+    if not where.startswith("manifest"):
+        assert any(recorded in w and file_checksum(data) in w for w in warnings), warnings
+    # What came back is "old" exactly.
+    old = torch.load(tmp_path / "old" / "shard-0-of-1.pt", weights_only=True)
+    assert torch.equal(fresh.tables["t"].snapshot()["weights"], old["tables"][0]["weights"])
+
+
+@pytest.mark.parametrize("into", [1, 3])
+def test_restore_into_another_shard_count_verifies_every_part_it_reads(tmp_path: Path, into: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Parts of 2 shards, one of them damaged in "new": any other shard count falls back to "old"."""
+    for i in range(2):
+        _old_and_new(tmp_path, i, 2)
+    damaged = tmp_path / "new" / "shard-1-of-2.pt"
+    _flip_16_bits(damaged, torch.load(damaged, weights_only=True)["tables"][0]["weights"])
+    for i in range(into):
+        fresh = Shard(i, into)
+        with caplog.at_level(logging.WARNING, logger="tether.server.checkpoint"):
+            assert Checkpointer(fresh, tmp_path).restore().id == "old", i
+        assert any(str(damaged) in r.getMessage() for r in caplog.records), i
+        caplog.clear()
+    # The same shard count: shard 0's own part is intact and enough alone; shard 1's is not.
+    assert Checkpointer(Shard(0, 2), tmp_path).restore().id == "new"
+    assert Checkpointer(Shard(1, 2), tmp_path).restore().id == "old"
+
+
 def test_a_writer_killed_before_its_manifest_leaves_the_previous_checkpoint(tmp_path: Path, cluster) -> None:
     """Real processes: the shard exits between data file and manifest (test hook)."""
     ckpt_dir = tmp_path / "ckpt"
@@ -279,6 +384,40 @@ def test_a_writer_killed_before_its_manifest_leaves_the_previous_checkpoint(tmp_
     for name in good:
         assert torch.equal(restored[name], good[name]), name
     client.close()
+
+
+def test_a_restarted_shard_skips_a_corrupted_latest_checkpoint(tmp_path: Path, cluster) -> None:
+    """Real processes: bits flipped in the rows of the newest checkpoint; the restarted shard
+    restores the one before, Info names it, and its log names the damaged file."""
+    ckpt_dir = tmp_path / "ckpt"
+    (address,) = cluster.start_shards(1, extra_args=["--checkpoint-dir", str(ckpt_dir)])
+    client = make_client([address])
+    _declare(client)
+    _train(client, 2)
+    client.checkpoint("good")
+    good = _read(client)
+    _train(client, 2, seed=3)
+    client.checkpoint("latest")
+    assert not torch.equal(_read(client)["user"], good["user"])
+    client.close()
+    cluster.signal_shard(0, 9)
+    cluster.stop()
+
+    data = ckpt_dir / "latest" / "shard-0-of-1.pt"
+    size = data.stat().st_size
+    _flip_16_bits(data, torch.load(data, weights_only=True)["tables"][0]["weights"])
+    assert data.stat().st_size == size
+
+    (address,) = cluster.start_shards(1, extra_args=["--checkpoint-dir", str(ckpt_dir)])
+    client = make_client([address])
+    assert client.info()[0].restored_checkpoint == "good"
+    _declare(client)
+    restored = _read(client)
+    for name in good:
+        assert torch.equal(restored[name], good[name]), name
+    client.close()
+    log = (cluster.log_dir / "shard-0.log").read_text()
+    assert "not restoring checkpoint latest" in log and str(data) in log, log[-2000:]
 
 
 def test_restore_cli_flags_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -331,7 +470,11 @@ def test_checkpoint_files_load_without_pickle(tmp_path: Path) -> None:
     manifest = tmp_path / "c" / "shard-0-of-1.manifest.json"
     doc = json.loads(manifest.read_text())
     doc["data"]["bytes"] = (tmp_path / "c" / "shard-0-of-1.pt").stat().st_size
+    # A manifest that vouches for the file: only the refusal to unpickle stands in the way.
+    doc["data"]["checksum"] = file_checksum(tmp_path / "c" / "shard-0-of-1.pt")
+    doc["checksum"] = manifest_checksum(doc)
     manifest.write_text(json.dumps(doc))
+    assert choose_restore(tmp_path, 0, 1).id == "c"
     fresh = Shard()
     assert Checkpointer(fresh, tmp_path).restore() is None
     assert not Path("pwned").exists() and not (tmp_path / "pwned").exists()
