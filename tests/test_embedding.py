@@ -99,3 +99,90 @@ def test_fused_lookup_matches_per_table_lookup_and_gradients(inproc_shard) -> No
         assert torch.equal(sparse_f[t][0], sparse_t[t][0]) and torch.allclose(sparse_f[t][1], sparse_t[t][1])
     assert torch.allclose(dense_f["dense"], dense_t["dense"])
     client.close()
+
+
+def _bound(mode: str, padding_id: int | None = None) -> tuple[ShardedEmbeddingBag, torch.Tensor, torch.Tensor, torch.nn.EmbeddingBag]:
+    """A bag bound to 6 rows of sorted ids [3, 10, 20, 41, 77, 2**40] and the same rows in torch's
+    EmbeddingBag (row k of the table is id k of that list)."""
+    torch.manual_seed(0)
+    ids = torch.tensor([3, 10, 20, 41, 77, 2**40])
+    weight = torch.randn(6, 4)
+    rows = weight.clone().requires_grad_(True)
+    bag = ShardedEmbeddingBag("e", 4, mode=mode, padding_id=padding_id)
+    bag.bind(ids, rows)
+    ref = torch.nn.EmbeddingBag.from_pretrained(weight.clone(), freeze=False, mode=mode)
+    return bag, rows, ids, ref
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_variable_length_bags_match_torch_embedding_bag(mode: str) -> None:
+    bag, rows, ids, ref = _bound(mode)
+    local = torch.tensor([0, 2, 2, 5, 3, 1, 4, 0])  # row numbers
+    offsets = torch.tensor([0, 3, 4, 7])  # bags of 3, 1, 3 and 1 ids
+    out = bag(ids[local], offsets)
+    expected = ref(local, offsets)
+    assert torch.allclose(out, expected, atol=1e-6)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    expected.backward(grad_out)
+    assert torch.allclose(rows.grad, ref.weight.grad, atol=1e-6)
+
+
+def test_per_sample_weights_match_torch_embedding_bag() -> None:
+    bag, rows, ids, ref = _bound("sum")
+    local = torch.tensor([1, 2, 5, 5, 0])
+    offsets = torch.tensor([0, 2])
+    weights = torch.tensor([0.5, 2.0, -1.0, 3.0, 0.25])
+    out = bag(ids[local], offsets, per_sample_weights=weights)
+    expected = ref(local, offsets, per_sample_weights=weights)
+    assert torch.allclose(out, expected, atol=1e-6)
+    out.sum().backward()
+    expected.sum().backward()
+    assert torch.allclose(rows.grad, ref.weight.grad, atol=1e-6)
+    # [B, L] bags with weights of the same shape are the same bags.
+    two_d = bag(ids[torch.tensor([[1, 2], [5, 0]])], per_sample_weights=torch.tensor([[0.5, 2.0], [3.0, 0.25]]))
+    assert torch.allclose(two_d, ref(torch.tensor([[1, 2], [5, 0]]), per_sample_weights=torch.tensor([[0.5, 2.0], [3.0, 0.25]])), atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_padding_ids_are_ignored(mode: str) -> None:
+    pad = 2**62
+    bag, rows, ids, ref = _bound(mode, padding_id=pad)
+    padded = torch.tensor([[int(ids[0]), pad, int(ids[4])], [pad, pad, pad], [int(ids[5]), pad, pad]])
+    out = bag(padded)
+    assert torch.allclose(out[0], ref(torch.tensor([[0, 4]]))[0], atol=1e-6)  # the mean counts 2 ids, not 3
+    assert torch.equal(out[1], torch.zeros(4))
+    assert torch.allclose(out[2], rows[5].detach(), atol=1e-6)
+    out.sum().backward()
+    assert rows.grad[[1, 2, 3]].abs().sum() == 0  # rows never named get nothing
+    # Padding is not pulled: PSModel asks only for the ids that need a row.
+    assert bag.wanted(padded).tolist() == [int(ids[0]), int(ids[4]), int(ids[5])]
+
+
+def test_features_sharing_a_table_are_all_bound_and_their_gradients_add_up(inproc_shard) -> None:
+    class TwoFeatures(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.user_history = ShardedEmbeddingBag("items", 2, mode="sum")
+            self.candidate = ShardedEmbeddingBag("items", 2)
+
+        def forward(self, history: torch.Tensor, offsets: torch.Tensor, item: torch.Tensor) -> torch.Tensor:
+            return (self.user_history(history, offsets) * self.candidate(item)).sum()
+
+    client = make_client([f"127.0.0.1:{inproc_shard.port}"])
+    model = TwoFeatures()
+    ps = PSModel(model, client, torch.device("cpu"))
+    client.declare([TableConfig("items", 2, SGD, init_scale=0.0)])
+    history, offsets, item = torch.tensor([4, 6, 6]), torch.tensor([0]), torch.tensor([6])
+    pulled = ps.install(ps.prefetch({"items": [history, item]}))
+    # Rows at 0 (init_scale 0): move them to 1 locally so the product has a gradient.
+    with torch.no_grad():
+        ps._rows.fill_(1.0)
+    model(history, offsets, item).backward()
+    sparse, _ = ps.gradients()
+    got_ids, grads = sparse["items"]
+    assert got_ids.tolist() == [4, 6]
+    # d/d(row 4) = candidate = 1; d/d(row 6) = 2 * candidate (twice in the history) + history sum (3) = 5.
+    assert grads.tolist() == [[1.0, 1.0], [5.0, 5.0]]
+    assert pulled.rows["items"].shape == (2, 2)
+    client.close()

@@ -10,10 +10,11 @@ gradient, split per table, to one push per shard.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tether.protos.errors import InvalidArgument
@@ -25,17 +26,30 @@ __all__ = ["PSModel", "Prefetch", "ShardedEmbeddingBag", "flat_grads", "split_fl
 class ShardedEmbeddingBag(nn.Module):
     """Embedding bag over rows of a table held on the shards.
 
-    ``forward(ids)`` takes int64 ids of shape [B] (one id per sample) or [B, L] (a bag of L
-    ids per sample, reduced with ``mode``) and returns [B, dim].
+    ``forward`` takes what ``torch.nn.EmbeddingBag`` takes, with the table's own int64 ids
+    (any value >= 0, not row numbers):
+
+    - ids [B]: one id per sample, returns its row [B, dim];
+    - ids [B, L]: a bag of L ids per sample, reduced with ``mode``;
+    - ids [N] with ``offsets`` [B]: variable-length bags (bag b is ``ids[offsets[b]:offsets[b+1]]``);
+    - ``per_sample_weights`` (``mode="sum"`` only) weight each id of a bag.
+
+    Several features may share a table (give one ``ShardedEmbeddingBag`` per feature with the
+    same ``table``, or one module used on each). Ids equal to ``padding_id`` are ignored: they
+    are not pulled, add nothing to a bag and do not count in a mean (a bag of padding only is
+    a row of zeros).
     """
 
-    def __init__(self, table: str, dim: int, mode: str = "sum") -> None:
+    def __init__(self, table: str, dim: int, mode: str = "sum", padding_id: int | None = None) -> None:
         super().__init__()
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be sum, mean or max, got {mode!r}")
+        if not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be an int >= 1, got {dim!r}")
         self.table = table
         self.dim = dim
         self.mode = mode
+        self.padding_id = padding_id
         self._ids: torch.Tensor | None = None  # sorted unique ids of the bound rows (on device)
         self._rows: torch.Tensor | None = None
         self._fetch: Callable[[str, torch.Tensor], torch.Tensor] | None = None
@@ -50,30 +64,56 @@ class ShardedEmbeddingBag(nn.Module):
         """Function ``fetch(table, unique_ids) -> rows`` used for ids that were not bound."""
         self._fetch = fetch
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.dtype != torch.int64:
-            raise InvalidArgument(f"table {self.table!r}: ids must be int64, got {ids.dtype}")
-        flat = ids.reshape(-1).contiguous()
+    def wanted(self, ids: torch.Tensor) -> torch.Tensor:
+        """The ids of ``ids`` that need a row (padding left out), flattened."""
+        flat = ids.reshape(-1)
+        return flat if self.padding_id is None else flat[flat != self.padding_id]
+
+    def _positions(self, flat: torch.Tensor) -> torch.Tensor:
+        """Index of each id among the bound rows; ``len(rows)`` for padding."""
+        pad = None if self.padding_id is None else flat == self.padding_id
         pos = None
         if self._ids is not None and self._ids.numel():
             pos = torch.searchsorted(self._ids, flat).clamp_(max=self._ids.numel() - 1)
-            if not torch.equal(self._ids[pos], flat):
+            found = self._ids[pos] == flat
+            if pad is not None:
+                found |= pad
+            if not bool(found.all()):
                 pos = None
         if pos is None:
             if self._fetch is None:
                 raise InvalidArgument(f"table {self.table!r}: ids were not pulled and no fetcher is set")
-            unique = torch.unique(flat)
+            unique = torch.unique(flat if pad is None else flat[~pad])
             self.bind(unique, self._fetch(self.table, unique).to(flat.device))
-            pos = torch.searchsorted(self._ids, flat)
-        rows = self._rows[pos]
-        if ids.dim() == 1:
-            return rows
-        rows = rows.view(*ids.shape, self.dim)
-        if self.mode == "sum":
-            return rows.sum(dim=-2)
-        if self.mode == "mean":
-            return rows.mean(dim=-2)
-        return rows.max(dim=-2).values
+            pos = torch.searchsorted(self._ids, flat).clamp_(max=max(self._ids.numel() - 1, 0))
+        if pad is not None:
+            pos = torch.where(pad, self._rows.shape[0], pos)
+        return pos
+
+    def forward(
+        self, ids: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if ids.dtype != torch.int64:
+            raise InvalidArgument(f"table {self.table!r}: ids must be int64, got {ids.dtype}")
+        if offsets is not None and ids.dim() != 1:
+            raise InvalidArgument(f"table {self.table!r}: ids with offsets must be 1-D, got shape {tuple(ids.shape)}")
+        if ids.dim() not in (1, 2):
+            raise InvalidArgument(f"table {self.table!r}: ids must be [B], [B, L] or [N] with offsets, got shape {tuple(ids.shape)}")
+        flat = ids.reshape(-1).contiguous()
+        pos = self._positions(flat)
+        rows = self._rows
+        if self.padding_id is not None:
+            rows = torch.cat([rows, rows.new_zeros(1, self.dim)])
+        if ids.dim() == 1 and offsets is None:
+            if per_sample_weights is not None:
+                raise InvalidArgument(f"table {self.table!r}: per_sample_weights need bags (offsets or [B, L] ids)")
+            return rows[pos]
+        if offsets is None:
+            offsets = torch.arange(0, flat.numel(), ids.shape[1], device=flat.device)
+            if per_sample_weights is not None:
+                per_sample_weights = per_sample_weights.reshape(-1)
+        padding_idx = self._rows.shape[0] if self.padding_id is not None else None
+        return F.embedding_bag(pos, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights, padding_idx=padding_idx)
 
 
 def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
@@ -139,9 +179,16 @@ class PSModel:
         self.device = device
         # False in sync mode: dense parameters stay on the workers and are all-reduced.
         self.dense_on_shards = dense_on_shards
-        self.bags: dict[str, ShardedEmbeddingBag] = {
-            m.table: m for m in model.modules() if isinstance(m, ShardedEmbeddingBag)
-        }
+        # Every module of each table (features that share a table each have their own).
+        self.bags: dict[str, list[ShardedEmbeddingBag]] = {}
+        for m in model.modules():
+            if isinstance(m, ShardedEmbeddingBag):
+                same = self.bags.setdefault(m.table, [])
+                if same and (same[0].dim, same[0].padding_id) != (m.dim, m.padding_id):
+                    raise ValueError(
+                        f"table {m.table!r} is used with dim/padding_id {(same[0].dim, same[0].padding_id)} and {(m.dim, m.padding_id)}"
+                    )
+                same.append(m)
         self.dense: dict[str, nn.Parameter] = dict(model.named_parameters())
         self._pin = device.type == "cuda"
         # Every bound table's rows in one tensor (table order of the prefetch), its tables
@@ -151,10 +198,13 @@ class PSModel:
         self._slices: list[tuple[str, torch.Tensor, int, int]] = []
         self._columns: torch.Tensor | None = None
         self._inverse: torch.Tensor | None = None
-        for bag in self.bags.values():
+        for bag in self._all_bags():
             bag.set_fetcher(self._fetch)
         if hasattr(model, "fused_lookup"):
             model.fused_lookup = self.lookup
+
+    def _all_bags(self) -> Iterator[ShardedEmbeddingBag]:
+        return (bag for same in self.bags.values() for bag in same)
 
     # All dense parameters travel as one flat tensor: one block per request instead of one per
     # parameter (a DLRM has a dozen small ones), chunked by the client like any dense tensor.
@@ -165,12 +215,20 @@ class PSModel:
         return {self.FLAT: torch.cat([p.detach().reshape(-1).cpu() for p in self.dense.values()])}
 
     def _fetch(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        return self.client.pull({table: ids.cpu()}).result(self.client.config.timeout_s * 2).rows[table]
+        return self.client.pull({table: ids.cpu()}).result(self.client.config.call_deadline_s + self.client.config.timeout_s).rows[table]
 
-    def _unique(self, sparse: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
-        columns = _columns(sparse)
+    def _unique(
+        self, sparse: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+        """Sorted unique ids per table (padding left out); several tensors for one table (its
+        features) are joined."""
+        unknown = [t for t in sparse if t not in self.bags]
+        if unknown:
+            raise InvalidArgument(f"tables {unknown} have no ShardedEmbeddingBag in the model (its tables: {sorted(self.bags)})")
+        joined = {t: ids if isinstance(ids, torch.Tensor) else torch.cat([i.reshape(-1) for i in ids]) for t, ids in sparse.items()}
+        columns = None if any(self.bags[t][0].padding_id is not None for t in joined) else _columns(joined)
         if columns is None:
-            return {t: torch.unique(ids.reshape(-1).cpu()) for t, ids in sparse.items()}, None, None
+            return {t: torch.unique(self.bags[t][0].wanted(ids.cpu())) for t, ids in joined.items()}, None, None
         unique, counts, inverse = unique_columns(columns)
         return dict(zip(sparse, torch.split(unique, counts))), columns, inverse
 
@@ -200,7 +258,8 @@ class PSModel:
         for table, part in zip(tables, parts):
             stop = start + len(part)
             ids = self._to_device(prefetch.ids[table])
-            self.bags[table].bind(ids, rows[start:stop])
+            for bag in self.bags[table]:
+                bag.bind(ids, rows[start:stop])
             self._slices.append((table, prefetch.ids[table], start, stop))
             start = stop
         self._columns = None if prefetch.columns is None else self._to_device(prefetch.columns)
