@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from tether.protos.errors import UsageError, report_usage_error
 from tether.worker.config import add_training_flags, config_from_args
 
 __all__ = ["main"]
@@ -21,22 +22,25 @@ def _launch(argv: Sequence[str]) -> int:
     p.add_argument("--checkpoint-every", type=float, default=None, help="shards checkpoint to OUT/checkpoints this often (seconds); a shard that dies is restarted from its last one")
     add_training_flags(p)
     a = p.parse_args(argv)
-    from tether.deploy.launch import ClusterError, run_job
+    from tether.deploy.launch import ClusterError, Interrupted, run_job
 
+    # Every flag is checked here, before any process starts (the data file included).
     try:
         if a.shards < 1:
             raise ValueError(f"--shards must be >= 1, got {a.shards}")
+        _check_job_flags(a)
         template = config_from_args(a, shards=("pending:0",), num_workers=a.workers, worker_index=0)
     except ValueError as exc:
-        print(f"tether launch: {exc}", file=sys.stderr)
-        return 2
+        return report_usage_error("tether launch", exc)
     try:
         summary = run_job(template, a.shards, out=a.out, timeout_s=a.job_timeout, metrics=a.metrics, checkpoint_every=a.checkpoint_every)
+    except UsageError as exc:  # a worker's own one line (a malformed data line found mid-run)
+        return report_usage_error("tether launch", exc)
     except ClusterError as exc:
         print(f"tether launch: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("tether launch: interrupted; every process was stopped", file=sys.stderr)
+    except Interrupted as exc:
+        print(f"tether launch: {exc}", file=sys.stderr)
         return 130
     lines = [
         "",
@@ -50,6 +54,21 @@ def _launch(argv: Sequence[str]) -> int:
         lines.append(f"        summary written to {a.out}/summary.json")
     print("\n".join(lines))
     return 0
+
+
+def _check_job_flags(a: argparse.Namespace) -> None:
+    """Launcher flags that no config class checks.
+
+    Raises:
+        ValueError: a bad value, named.
+    """
+    if a.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {a.workers}")
+    if not a.job_timeout > 0:
+        raise ValueError(f"--job-timeout must be > 0, got {a.job_timeout!r}")
+    every = getattr(a, "checkpoint_every", None)
+    if every is not None and not every > 0:
+        raise ValueError(f"--checkpoint-every must be > 0, got {every!r}")
 
 
 def _comparison(command: str, argv: Sequence[str]) -> int:
@@ -72,31 +91,52 @@ def _comparison(command: str, argv: Sequence[str]) -> int:
     p.add_argument("--verbose", action="store_true", help="show every worker's progress")
     add_training_flags(p)
     a = p.parse_args(argv)
-    from tether.deploy.compare import compare, format_table
+    from tether.deploy.compare import check_arguments, compare, format_table
     from tether.deploy.compare import sweep as run_sweep
-    from tether.deploy.launch import ClusterError
+    from tether.deploy.launch import ClusterError, Interrupted
 
+    # Every flag is checked here, before any process starts (modes, bounds, the data file).
     try:
+        if a.shards < 1:
+            raise ValueError(f"--shards must be >= 1, got {a.shards}")
+        _check_job_flags(a)
         template = config_from_args(a, shards=("pending:0",), num_workers=a.workers, worker_index=0)
-        common = dict(straggler=a.straggler, target_loss=a.target_loss, timeout_s=a.job_timeout, echo=a.verbose)
         if sweep:
-            bounds = [int(b) for b in a.bounds.split(",") if b.strip()]
-            summary = run_sweep(template, bounds, a.shards, a.out, tolerance=a.tolerance, **common)
+            bounds = [_bound(b) for b in a.bounds.split(",") if b.strip()]
+            modes = [f"ssp:{b}" for b in bounds]
         else:
             modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-            summary = compare(template, modes, a.shards, a.out, **common)
+        check_arguments(modes, straggler=a.straggler, tolerance=a.tolerance if sweep else 0.0)
     except ValueError as exc:
-        print(f"tether {command}: {exc}", file=sys.stderr)
-        return 2
+        return report_usage_error(f"tether {command}", exc)
+    common = dict(straggler=a.straggler, target_loss=a.target_loss, timeout_s=a.job_timeout, echo=a.verbose)
+    try:
+        if sweep:
+            summary = run_sweep(template, bounds, a.shards, a.out, tolerance=a.tolerance, **common)
+        else:
+            summary = compare(template, modes, a.shards, a.out, **common)
+    except UsageError as exc:  # a worker's one line, or no bound reached the target
+        return report_usage_error(f"tether {command}", exc)
     except ClusterError as exc:
         print(f"tether {command}: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"tether {command}: interrupted; every process was stopped", file=sys.stderr)
+    except Interrupted as exc:
+        print(f"tether {command}: {exc}", file=sys.stderr)
         return 130
     print(format_table(summary))
     print(f"wrote {a.out}/summary.json, curves.csv and curves.png")
     return 0
+
+
+def _bound(text: str) -> int:
+    """One ``--bounds`` entry.
+
+    Raises:
+        ValueError: not an integer >= 0, named.
+    """
+    if not text.strip().isdigit():
+        raise ValueError(f"--bounds: each bound must be an integer >= 0, got {text.strip()!r}")
+    return int(text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,9 +164,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tether.worker.__main__ import main as worker_main
 
         return worker_main(rest)
-    if command in ("compare", "sweep"):
-        return _comparison(command, rest)
-    return _launch(rest)
+    try:
+        if command in ("compare", "sweep"):
+            return _comparison(command, rest)
+        return _launch(rest)
+    except KeyboardInterrupt:  # Ctrl-C before any process started
+        print(f"tether {command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from tether.deploy.launch import run_job
+from tether.protos.errors import UsageError
 from tether.worker.config import WorkerConfig, parse_mode
 
-__all__ = ["compare", "recommend", "time_to_target", "write_plot"]
+__all__ = ["check_arguments", "compare", "recommend", "time_to_target", "write_plot"]
 
 CSV_FIELDS = ("mode", "worker", "step", "samples", "wall_s", "train_loss", "eval_loss")
 
@@ -40,6 +41,28 @@ def _evals(curve: Sequence[dict[str, object]]) -> list[dict[str, object]]:
 
 def _mode_dir(mode: str) -> str:
     return mode.replace(":", "-")
+
+
+def check_arguments(modes: Sequence[str], straggler: float = 1.0, target_fraction: float = 0.9, tolerance: float = 0.0) -> None:
+    """Check what ``compare`` and ``sweep`` are asked before any process starts.
+
+    Raises:
+        UsageError: a bad mode, an empty mode list, a straggler factor below 1, a target
+            fraction outside (0, 1] or a negative tolerance.
+    """
+    if not modes:
+        raise UsageError("at least one mode is needed")
+    for m in modes:
+        try:
+            parse_mode(m)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    if not 0 < target_fraction <= 1:
+        raise UsageError(f"target_fraction must be in (0, 1], got {target_fraction!r}")
+    if not straggler >= 1:
+        raise UsageError(f"--straggler must be >= 1, got {straggler!r}")
+    if not tolerance >= 0:
+        raise UsageError(f"--tolerance must be >= 0, got {tolerance!r}")
 
 
 def compare(
@@ -68,16 +91,11 @@ def compare(
         timeout_s: limit per run.
 
     Raises:
-        ValueError: a bad mode, an empty mode list, or a target fraction outside (0, 1].
+        UsageError: see ``check_arguments``; or a worker's own one line (a malformed data line).
+        ClusterError: a process failed.
+        Interrupted: Ctrl-C; every process was stopped.
     """
-    if not modes:
-        raise ValueError("at least one mode is needed")
-    for m in modes:
-        parse_mode(m)
-    if not 0 < target_fraction <= 1:
-        raise ValueError(f"target_fraction must be in (0, 1], got {target_fraction!r}")
-    if straggler < 1:
-        raise ValueError(f"straggler must be >= 1, got {straggler!r}")
+    check_arguments(modes, straggler=straggler, target_fraction=target_fraction)
     if template.eval_every < 1:
         template = replace(template, eval_every=max(template.steps // 10, 1))
     out_dir = Path(out)
@@ -140,7 +158,7 @@ def recommend(results: Sequence[dict[str, object]], tolerance: float = 0.01) -> 
     ``tolerance`` (relative) of the best final loss.
 
     Raises:
-        ValueError: no result reached the target.
+        UsageError: no result reached the target.
     """
     best_loss = min(float(r["final_eval_loss"]) for r in results)
     eligible = [
@@ -148,7 +166,7 @@ def recommend(results: Sequence[dict[str, object]], tolerance: float = 0.01) -> 
         if float(r["final_eval_loss"]) <= best_loss * (1 + tolerance) and r["time_to_target_s"] is not None
     ]
     if not eligible:
-        raise ValueError("no staleness bound reached the target loss; lower the target or train longer")
+        raise UsageError("no staleness bound reached the target loss; lower the target or train longer")
     return min(eligible, key=lambda r: float(r["time_to_target_s"]))
 
 
@@ -202,9 +220,8 @@ def sweep(
 ) -> dict[str, object]:
     """``compare`` over ``ssp:S`` for each bound, plus the recommended bound."""
     if not bounds or any(b < 0 for b in bounds):
-        raise ValueError(f"bounds must be a non-empty list of integers >= 0, got {list(bounds)!r}")
-    if not tolerance >= 0:
-        raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
+        raise UsageError(f"--bounds must be a non-empty list of integers >= 0, got {list(bounds)!r}")
+    check_arguments([f"ssp:{b}" for b in bounds], tolerance=tolerance)
     summary = compare(template, [f"ssp:{b}" for b in bounds], num_shards, out, **kwargs)
     best = recommend(summary["modes"], tolerance)
     summary["recommended_staleness"] = parse_mode(str(best["mode"]))[1]

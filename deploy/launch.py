@@ -24,15 +24,28 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
+from tether.protos.errors import USAGE_EXIT_CODE, UsageError
 from tether.worker.config import WorkerConfig
 
-__all__ = ["ClusterError", "LocalCluster", "run_job"]
+__all__ = ["ClusterError", "Interrupted", "LocalCluster", "run_job"]
 
 log = logging.getLogger(__name__)
 
 
 class ClusterError(RuntimeError):
     """A local cluster process failed to start or exited with an error."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGINT) stopped a job; ``stopped`` processes were stopped with it."""
+
+    def __init__(self, stopped: int) -> None:
+        super().__init__(f"interrupted; stopped {stopped} process{'' if stopped == 1 else 'es'}")
+        self.stopped = stopped
+
+
+# The one line a worker prints before exiting with USAGE_EXIT_CODE (tether.protos.errors.report_usage_error).
+_WORKER_USAGE_PREFIX = "tether worker: error: "
 
 
 def _pump(stream: IO[str], prefix: str, sink: IO[str] | None, echo: bool) -> None:
@@ -94,6 +107,8 @@ class LocalCluster:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
+        # How many processes the last ``stop`` stopped.
+        self.stopped = 0
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -251,24 +266,47 @@ class LocalCluster:
             self.workers.append(self._spawn(f"worker-{i}", argv, echo=echo))
 
     def wait_workers(self, timeout_s: float) -> None:
-        """Wait for every worker to exit.
+        """Wait for every worker to exit; the first one that fails ends the wait (checked
+        every 50 ms), so the others are not waited for.
 
         Raises:
-            ClusterError: a worker failed or the job ran past ``timeout_s``.
+            UsageError: a worker exited with ``USAGE_EXIT_CODE``; the message is its one line.
+            KeyboardInterrupt: a worker was interrupted (exit 130 or SIGINT).
+            ClusterError: a worker failed otherwise, or the job ran past ``timeout_s``.
         """
         deadline = time.monotonic() + timeout_s
-        for child in self.workers:
-            remaining = deadline - time.monotonic()
-            try:
-                code = child.proc.wait(timeout=max(remaining, 0.01))
-            except subprocess.TimeoutExpired:
-                raise ClusterError(f"job did not finish within {timeout_s:.0f}s ({child.name} still running)") from None
-            child.pump.join(timeout=5)
-            if code != 0:
-                raise ClusterError(f"{child.name} exited with code {code}; see {child.log_path}:\n{_tail(child.log_path)}")
+        running = list(self.workers)
+        while running:
+            for child in list(running):
+                code = child.proc.poll()
+                if code is None:
+                    continue
+                running.remove(child)
+                child.pump.join(timeout=5)
+                if code != 0:
+                    _worker_failed(child, code)
+            if not running:
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"job did not finish within {timeout_s:.0f}s ({running[0].name} still running)")
+            time.sleep(0.05)
 
-    def stop(self) -> None:
-        """Stop every child: SIGTERM, then SIGKILL after the grace period."""
+    def stop(self) -> int:
+        """Stop every child: SIGTERM, then SIGKILL after the grace period. A second Ctrl-C
+        meanwhile is ignored, so the children are still stopped.
+
+        Returns:
+            How many processes were stopped (also in ``self.stopped``).
+        """
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            return self._stop()
+        finally:
+            if main and previous is not None:
+                signal.signal(signal.SIGINT, previous)
+
+    def _stop(self) -> int:
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout=10)
@@ -289,6 +327,8 @@ class LocalCluster:
         with self._lock:
             self.workers, self.shards = [], []
         self._stopping.clear()
+        self.stopped = len(children)
+        return self.stopped
 
 
 def _quantile(sorted_values: list[int], q: float) -> float:
@@ -308,6 +348,21 @@ def _die_with_parent() -> None:
     launcher never leaves shards running."""
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _worker_failed(child: _Child, code: int) -> None:
+    """Raise what a worker's non-zero exit ``code`` means (see ``LocalCluster.wait_workers``)."""
+    if code in (130, -signal.SIGINT):
+        raise KeyboardInterrupt
+    if code == USAGE_EXIT_CODE:
+        try:
+            lines = child.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            lines = []
+        for line in reversed(lines):
+            if _WORKER_USAGE_PREFIX in line:
+                raise UsageError(f"{child.name}: {line.split(_WORKER_USAGE_PREFIX, 1)[1].strip()}")
+    raise ClusterError(f"{child.name} exited with code {code}; see {child.log_path}:\n{_tail(child.log_path)}")
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -361,7 +416,13 @@ def run_job(
     metrics: bool = False,
     checkpoint_every: float | None = None,
 ) -> dict[str, object]:
-    """Run a whole job locally, evaluate the result, and write ``summary.json`` to ``out``."""
+    """Run a whole job locally, evaluate the result, and write ``summary.json`` to ``out``.
+
+    Raises:
+        UsageError: a worker found a mistake in what it was asked (a malformed data line).
+        ClusterError: a process failed or the job ran past ``timeout_s``.
+        Interrupted: Ctrl-C; every process was stopped.
+    """
     from tether.worker.trainer import evaluate_job, open_dataset, reference_losses
 
     out_dir = Path(out) if out else None
@@ -369,25 +430,30 @@ def run_job(
         out_dir.mkdir(parents=True, exist_ok=True)
     # A shard that dies is restarted on its port; with checkpoint_every it comes back from its
     # last checkpoint (without, it comes back empty).
-    with LocalCluster(log_dir=out_dir / "logs" if out_dir else None, restart=True) as cluster:
-        workdir = out_dir or cluster.log_dir
-        template = replace(template, out=str(workdir))
-        shard_args: list[str] = []
-        if checkpoint_every is not None:
-            shard_args = ["--checkpoint-dir", str(Path(workdir, "checkpoints").resolve()), "--checkpoint-every", repr(checkpoint_every)]
-        addresses = cluster.start_shards(num_shards, extra_args=shard_args, metrics=metrics)
-        print(f"tether: {num_shards} shard(s) at {', '.join(addresses)}; starting {template.num_workers} worker(s)", flush=True)
-        t0 = time.perf_counter()
-        cluster.start_workers(template, echo=echo, metrics=metrics)
-        cluster.wait_workers(timeout_s)
-        wall = time.perf_counter() - t0
-        metrics_ports = dict(cluster.metrics_ports)
-        workers = [json.loads((workdir / f"worker-{i}.json").read_text()) for i in range(template.num_workers)]
-        if template.consistency[0] == "sync":
-            # Dense parameters live on the ranks, so rank 0 evaluated the final model.
-            evaluation = {**workers[0]["final_eval"], **reference_losses(open_dataset(template))}
-        else:
-            evaluation = evaluate_job(replace(template, shards=tuple(addresses)))
+    cluster = LocalCluster(log_dir=out_dir / "logs" if out_dir else None, restart=True)
+    try:
+        with cluster:
+            workdir = out_dir or cluster.log_dir
+            template = replace(template, out=str(workdir))
+            shard_args: list[str] = []
+            if checkpoint_every is not None:
+                shard_args = ["--checkpoint-dir", str(Path(workdir, "checkpoints").resolve()), "--checkpoint-every", repr(checkpoint_every)]
+            addresses = cluster.start_shards(num_shards, extra_args=shard_args, metrics=metrics)
+            print(f"tether: {num_shards} shard(s) at {', '.join(addresses)}; starting {template.num_workers} worker(s)", flush=True)
+            t0 = time.perf_counter()
+            cluster.start_workers(template, echo=echo, metrics=metrics)
+            cluster.wait_workers(timeout_s)
+            wall = time.perf_counter() - t0
+            metrics_ports = dict(cluster.metrics_ports)
+            workers = [json.loads((workdir / f"worker-{i}.json").read_text()) for i in range(template.num_workers)]
+            if template.consistency[0] == "sync":
+                # Dense parameters live on the ranks, so rank 0 evaluated the final model.
+                evaluation = {**workers[0]["final_eval"], **reference_losses(open_dataset(template))}
+            else:
+                evaluation = evaluate_job(replace(template, shards=tuple(addresses)))
+    except KeyboardInterrupt:
+        # Leaving the with block stopped every process.
+        raise Interrupted(cluster.stopped) from None
     total = sum(int(w["samples"]) for w in workers)
     train_wall = max(float(w["wall_s"]) for w in workers)
     lags = sorted(int(x) for w in workers for x in w["clock_staleness"])

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import grpc
 
 __all__ = [
+    "USAGE_EXIT_CODE",
     "DeadlineExceeded",
     "FailedPrecondition",
     "InvalidArgument",
@@ -14,9 +17,27 @@ __all__ = [
     "TooStale",
     "Unauthenticated",
     "Unavailable",
+    "UsageError",
     "error_from_status",
+    "report_usage_error",
     "status_of",
 ]
+
+# What a command exits with when the user asked for something it cannot do (argparse's code).
+USAGE_EXIT_CODE = 2
+
+
+class UsageError(ValueError):
+    """A mistake in what the user asked for: a flag value, a missing or malformed data file, a
+    port in use. Entry points report it as one line naming the bad value and exit
+    ``USAGE_EXIT_CODE``; it is not a ``TetherError`` (no shard call failed)."""
+
+
+def report_usage_error(prog: str, exc: BaseException) -> int:
+    """Print ``prog: error: <exc>`` as one line on stderr; returns ``USAGE_EXIT_CODE``."""
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    return USAGE_EXIT_CODE
 
 
 class TetherError(Exception):

@@ -9,7 +9,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from tether.protos.errors import TetherError
+from tether.protos.errors import TetherError, UsageError, report_usage_error
 from tether.server.config import ShardConfig, load_config
 from tether.server.service import start_shard
 
@@ -28,7 +28,11 @@ def _write_port_file(path: str, port: int) -> None:
 
 
 def run(config: ShardConfig) -> int:
-    """Serve until SIGTERM/SIGINT, then drain and exit 0."""
+    """Serve until SIGTERM/SIGINT, then drain and exit 0.
+
+    Raises:
+        UsageError: the metrics port is taken.
+    """
     metrics = None
     if config.metrics_port is not None:
         from prometheus_client import CollectorRegistry
@@ -37,7 +41,10 @@ def run(config: ShardConfig) -> int:
 
         registry = CollectorRegistry()
         metrics = ShardMetrics(registry)
-        _, mport = serve_metrics(registry, config.metrics_port, host=config.host)
+        try:
+            _, mport = serve_metrics(registry, config.metrics_port, host=config.host)
+        except OSError as exc:
+            raise UsageError(f"--metrics-port {config.metrics_port}: {exc.strerror or exc}") from None
         log.info("metrics on http://%s:%d/metrics", config.host, mport)
     try:
         running = start_shard(config, metrics=metrics)
@@ -81,10 +88,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("TETHER_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = load_config(argv)
-    except ValueError as exc:
-        print(f"tether server: {exc}", file=sys.stderr)
-        return 2
-    return run(config)
+    except ValueError as exc:  # every flag is validated here
+        return report_usage_error("tether server", exc)
+    try:
+        return run(config)
+    except UsageError as exc:
+        return report_usage_error("tether server", exc)
+    except KeyboardInterrupt:
+        # Ctrl-C before the signal handlers are installed (they drain and exit 0 after).
+        return 130
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def test_malformed_criteo_file_fails_clearly(tmp_path: Path) -> None:
     data = tmp_path / "broken.tsv"
     data.write_text("1\t2\t3\n")
     proc = _tether(["launch", "--shards", "1", "--workers", "1", "--data", f"criteo:{data}", "--steps", "5", "--out", str(tmp_path / "o")], timeout=120)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # a user's mistake (tests/test_cli_errors.py)
     assert "broken.tsv:1: expected 40 tab-separated columns, got 3" in proc.stderr
 
 

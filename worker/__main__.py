@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from tether.protos.errors import TetherError
+from tether.protos.errors import TetherError, UsageError, report_usage_error
 from tether.worker.config import WorkerConfig, load_config
 from tether.worker.trainer import train
 
@@ -17,7 +17,11 @@ log = logging.getLogger("tether.worker")
 
 
 def run(config: WorkerConfig) -> int:
-    """Train with optional metrics; exit code 0 on success, 1 when a shard call failed."""
+    """Train with optional metrics; exit code 0 on success, 1 when a shard call failed.
+
+    Raises:
+        UsageError: the metrics port is taken, sync mode outside torchrun, a bad data file.
+    """
     metrics = None
     if config.metrics_port is not None:
         from prometheus_client import CollectorRegistry
@@ -30,7 +34,10 @@ def run(config: WorkerConfig) -> int:
         if port and "LOCAL_RANK" in os.environ:
             # torchrun ranks on one machine share the flag; each takes base + local rank.
             port += int(os.environ["LOCAL_RANK"])
-        _, port = serve_metrics(registry, port)
+        try:
+            _, port = serve_metrics(registry, port)
+        except OSError as exc:
+            raise UsageError(f"--metrics-port {port}: {exc.strerror or exc}") from None
         log.info("metrics on port %d", port)
     try:
         train(config, metrics=metrics, printer=lambda line: print(line, flush=True))
@@ -45,10 +52,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("TETHER_LOG_LEVEL", "WARNING"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = load_config(argv)
-    except ValueError as exc:
-        print(f"tether worker: {exc}", file=sys.stderr)
-        return 2
-    return run(config)
+    except ValueError as exc:  # every flag is validated here
+        return report_usage_error("tether worker", exc)
+    try:
+        return run(config)
+    except UsageError as exc:  # found once running (a port in use, a malformed data line)
+        return report_usage_error("tether worker", exc)
+    except KeyboardInterrupt:
+        # Ctrl-C (the launcher's too): stop quietly, with the shell's code for SIGINT.
+        return 130
 
 
 if __name__ == "__main__":

@@ -28,6 +28,34 @@ def parse_mode(mode: str) -> tuple[str, int | None]:
 
 
 @dataclass(frozen=True)
+def _check_address(address: str) -> None:
+    """A shard address is ``host:port`` (``[v6]:port`` too) with a port in [0, 65535].
+
+    Raises:
+        ValueError: anything else, naming the address.
+    """
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--shards: shard address must be host:port (port in [0, 65535]), got {address!r}")
+
+
+def _check_data_file(data: str) -> None:
+    """``criteo:PATH`` names a readable file (checked here, before any process starts).
+
+    Raises:
+        ValueError: no path, no such file, not a file, or not readable.
+    """
+    path = data.split(":", 1)[1]
+    if not path:
+        raise ValueError(f"--data {data}: no path after 'criteo:'")
+    if not os.path.exists(path):
+        raise ValueError(f"--data {data}: no such file")
+    if not os.path.isfile(path):
+        raise ValueError(f"--data {data}: not a file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"--data {data}: not readable")
+
+
 class WorkerConfig:
     """Everything a worker needs: where the shards are, the model, the data and the schedule."""
 
@@ -101,6 +129,8 @@ class WorkerConfig:
             raise ValueError(f"eval_samples and eval_every must be >= 0, got {self.eval_samples!r}, {self.eval_every!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        for address in self.shards:
+            _check_address(address)
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -116,6 +146,8 @@ class WorkerConfig:
         self.security  # noqa: B018 - validates the TLS and token fields together
 
 
+        if self.data.startswith("criteo:"):
+            _check_data_file(self.data)
 def _env(name: str, default: object) -> object:
     return os.environ.get(name, default)
 

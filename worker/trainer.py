@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tether.protos.errors import DeadlineExceeded, TooStale
+from tether.protos.errors import DeadlineExceeded, TooStale, UsageError
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.client import ClientConfig, Handle, PSClient, PullResult
 from tether.worker.config import WorkerConfig
@@ -51,13 +51,13 @@ def pick_device(name: str) -> torch.device:
     """``auto`` means CUDA when there is a GPU, else the CPU.
 
     Raises:
-        ValueError: CUDA asked for but not available.
+        UsageError: CUDA asked for but not available.
     """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device")
+        raise UsageError(f"--device {name}: torch sees no CUDA device")
     return device
 
 
@@ -74,7 +74,11 @@ class Dataset:
 
 
 def open_dataset(cfg: WorkerConfig) -> Dataset:
-    """The job's data, identical on every worker (same seed)."""
+    """The job's data, identical on every worker (same seed).
+
+    Raises:
+        UsageError: the Criteo file cannot be read, has a malformed line or too few lines.
+    """
     if cfg.data == "synthetic":
         gen = SyntheticClickLog(SyntheticConfig(num_sparse=cfg.num_sparse, vocab_size=cfg.vocab_size, seed=cfg.seed))
         eval_set = gen.eval_set(max(cfg.eval_samples, 1))
@@ -89,7 +93,13 @@ def open_dataset(cfg: WorkerConfig) -> Dataset:
             bayes_loss=gen.bayes_log_loss(eval_set),
         )
     path = cfg.data.split(":", 1)[1]
-    train_set, eval_set = load_criteo(path, eval_fraction=0.1)
+    try:
+        train_set, eval_set = load_criteo(path, eval_fraction=0.1)
+    except ValueError as exc:
+        # A malformed line or too few lines: the message names the file (and line).
+        raise UsageError(str(exc)) from exc
+    except OSError as exc:
+        raise UsageError(f"--data {cfg.data}: {exc.strerror or exc}") from exc
 
     def batches(bs: int, n: int, rank: int, world: int) -> Iterator[Batch]:
         stream = iterate(train_set, bs, rank=rank, world_size=world, epochs=None)
@@ -190,7 +200,10 @@ def _init_sync(cfg: WorkerConfig, device: torch.device) -> WorkerConfig:
     import torch.distributed as dist
 
     if "RANK" not in os.environ:
-        raise ValueError("sync mode runs under torchrun, which sets RANK and WORLD_SIZE; see the README")
+        raise UsageError(
+            "--mode sync: the ranks run under torchrun, which sets RANK and WORLD_SIZE: start them with "
+            "'torchrun --nproc-per-node N -m tether.worker --mode sync ...', or use 'tether launch --mode sync'"
+        )
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -225,6 +238,7 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
         DeadlineExceeded: an ``ssp`` wait ran past ``cfg.ssp_timeout_s``.
         TetherError: a shard call failed after retries.
     """
+        UsageError: sync mode outside torchrun, or a bad data file.
     kind, bound = cfg.consistency
     device = pick_device(cfg.device)
     if kind == "sync":
