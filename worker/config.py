@@ -27,7 +27,6 @@ def parse_mode(mode: str) -> tuple[str, int | None]:
     raise ValueError(f"mode must be 'async', 'ssp:S' (S >= 0) or 'sync', got {mode!r}")
 
 
-@dataclass(frozen=True)
 def _check_address(address: str) -> None:
     """A shard address is ``host:port`` (``[v6]:port`` too) with a port in [0, 65535].
 
@@ -56,6 +55,7 @@ def _check_data_file(data: str) -> None:
         raise ValueError(f"--data {data}: not readable")
 
 
+@dataclass(frozen=True)
 class WorkerConfig:
     """Everything a worker needs: where the shards are, the model, the data and the schedule."""
 
