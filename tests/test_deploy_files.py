@@ -84,6 +84,7 @@ def _exposed_names() -> set[str]:
         "gauge": ("",),
         "histogram": ("_bucket", "_count", "_sum", "_created"),
         "summary": ("", "_count", "_sum", "_created"),
+        "info": ("_info",),
     }
     return {m.name + s for m in registry.collect() for s in suffixes[m.type]}
 
@@ -295,9 +296,113 @@ def test_dashboard_queries_use_only_exported_metrics() -> None:
         "tether_shard_table_rows", "tether_shard_table_memory_bytes", "tether_shard_live_workers",
         "tether_shard_worker_clock_min", "tether_shard_worker_clock_max", "tether_shard_requests_total",
         "tether_shard_request_duration_seconds_bucket", "tether_shard_last_checkpoint_timestamp_seconds",
-        "tether_shard_updates_rejected_total",
+        "tether_shard_updates_rejected_total", "tether_shard_updates_applied_total",
+        "process_resident_memory_bytes", "process_cpu_seconds_total",
     }
     assert not wanted - used, f"dashboard lacks panels for {sorted(wanted - used)}"
+
+
+# What a dashboard query measures, from the metric it reads (suffixes _total/_sum/_count/_bucket off).
+METRIC_QUANTITY = {
+    "tether_worker_samples": "samples", "tether_worker_steps": "steps", "tether_worker_train_loss": "loss",
+    "tether_worker_clock": "clock ticks", "tether_shard_worker_clock_min": "clock ticks",
+    "tether_shard_worker_clock_max": "clock ticks", "tether_shard_staleness_bound": "clock ticks",
+    "tether_shard_push_staleness": "clock ticks", "tether_shard_push_update_staleness": "updates",
+    "tether_shard_live_workers": "workers", "tether_shard_up": "state",
+    "tether_shard_updates_applied": "updates", "tether_shard_updates_rejected": "updates",
+    "tether_shard_rows_pulled": "rows", "tether_shard_rows_pushed": "rows", "tether_shard_rows_evicted": "rows",
+    "tether_shard_rows_dropped": "rows", "tether_shard_table_rows": "rows",
+    "tether_shard_requests": "requests", "tether_worker_rpc_errors": "requests", "tether_worker_retries": "requests",
+    "tether_shard_last_checkpoint_timestamp_seconds": "timestamp",
+}
+# Grafana units each quantity may be drawn in; a quantity not listed is a plain number.
+QUANTITY_UNITS = {
+    "seconds": {"s"}, "seconds per step": {"s"}, "ratio": {"percentunit"}, "bytes": {"bytes"},
+    "bytes/s": {"Bps", "binBps"}, "requests/s": {"reqps"}, "rows/s": {"rps", "short"}, "updates/s": {"ops", "short"},
+}
+PLAIN_UNITS = {"short", "none", None}
+
+
+def promql_quantity(expr: str) -> str:
+    """The quantity a dashboard query draws: 'seconds', 'bytes/s', 'ratio' (seconds per second)..."""
+    names = sorted(promql_metric_names(expr), key=expr.index)
+    base_name = re.sub(r"_(total|sum|count|bucket)$", "", names[0])
+    if base_name.endswith("_bytes"):
+        base = "bytes"
+    elif base_name.endswith("_seconds") and not base_name.endswith("_timestamp_seconds"):
+        base = "seconds"
+    else:
+        assert base_name in METRIC_QUANTITY, f"add {base_name} to METRIC_QUANTITY"
+        base = METRIC_QUANTITY[base_name]
+    if expr.lstrip().startswith("histogram_quantile("):
+        return base
+    if base == "timestamp" and re.match(r"\s*time\(\)\s*-", expr):
+        return "seconds"
+    if re.search(r"\b(rate|irate|increase)\(", expr):
+        per = re.search(r"/\s*scalar\(.*rate\((\w+)", expr)
+        if per:
+            return f"{base} per {METRIC_QUANTITY[re.sub(r'_total$', '', per.group(1))].rstrip('s')}"
+        return "ratio" if base == "seconds" else f"{base}/s"
+    return base
+
+
+def _target_axes(panel: dict[str, Any]) -> dict[str, tuple[str | None, str]]:
+    """refId -> (unit, axis placement) after the panel's byFrameRefID overrides."""
+    defaults = panel.get("fieldConfig", {}).get("defaults", {})
+    out = {}
+    for t in panel["targets"]:
+        unit, axis = defaults.get("unit"), defaults.get("custom", {}).get("axisPlacement", "auto")
+        for o in panel.get("fieldConfig", {}).get("overrides", []):
+            if o["matcher"] == {"id": "byFrameRefID", "options": t["refId"]}:
+                for prop in o["properties"]:
+                    unit = prop["value"] if prop["id"] == "unit" else unit
+                    axis = prop["value"] if prop["id"] == "custom.axisPlacement" else axis
+        out[t["refId"]] = (unit, "left" if axis == "auto" else axis)
+    return out
+
+
+def test_promql_quantity() -> None:
+    assert promql_quantity('histogram_quantile(0.5, sum by (le) (rate(tether_worker_step_duration_seconds_bucket{a="b"}[1m])))') == "seconds"
+    assert promql_quantity("sum(rate(tether_worker_staleness_wait_seconds_total[1m]))") == "ratio"
+    assert promql_quantity("max(tether_shard_live_workers)") == "workers"
+    assert promql_quantity("max(tether_shard_worker_clock_max) - min(tether_shard_worker_clock_min)") == "clock ticks"
+    assert promql_quantity("sum by (phase) (rate(tether_worker_step_phase_seconds_sum[1m])) / scalar(sum(rate(tether_worker_steps_total[1m])))") == "seconds per step"
+    assert promql_quantity("rate(process_cpu_seconds_total[1m]) and on (job) tether_shard_up") == "ratio"
+    assert promql_quantity("sum(rate(tether_shard_sent_bytes_total[1m]))") == "bytes/s"
+    assert promql_quantity("time() - tether_shard_last_checkpoint_timestamp_seconds") == "seconds"
+
+
+def test_dashboard_panels_do_not_mix_units() -> None:
+    """Each axis of a panel draws one quantity, in a unit that fits it (a count of live workers
+    on the axis of clocks near 900, or seconds beside a fraction of wall time, did not)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    for p in _panels(dashboard):
+        if p["type"] in ("row", "heatmap"):
+            continue
+        axes = _target_axes(p)
+        on_axis: dict[str, set[str]] = {}
+        for t in p["targets"]:
+            quantity = promql_quantity(t["expr"])
+            unit, axis = axes[t["refId"]]
+            allowed = QUANTITY_UNITS.get(quantity, PLAIN_UNITS)
+            assert unit in allowed, f"panel {p['title']!r} {t['refId']}: {quantity} drawn in unit {unit!r}, want one of {sorted(map(str, allowed))}"
+            on_axis.setdefault(axis, set()).add(quantity)
+        for axis, quantities in on_axis.items():
+            assert len(quantities) == 1, f"panel {p['title']!r} mixes {sorted(quantities)} on its {axis} axis"
+        # Rejections (~0.1/s) are invisible beside thousands of applied updates per second.
+        names = [promql_metric_names(t["expr"]) for t in p["targets"]]
+        rejected = any("tether_shard_updates_rejected_total" in n for n in names)
+        applied = any("tether_shard_updates_applied_total" in n for n in names)
+        assert not (rejected and applied) or len(p["targets"]) == 1, f"panel {p['title']!r} draws rejected beside applied updates"
+
+
+def test_dashboard_process_panels_keep_to_tether_processes() -> None:
+    """process_* is exported by every Prometheus target; the panels join it to tether's own series."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in _panels(dashboard) for t in p.get("targets", []) if "process_" in t["expr"]]
+    assert {"process_resident_memory_bytes", "process_cpu_seconds_total"} <= {n for e in exprs for n in promql_metric_names(e)}
+    for expr in exprs:
+        assert re.search(r"\band on \(job, instance\) tether_(shard_up|worker_clock)\{", expr), expr
 
 
 def test_dashboard_promql_parses(tmp_path: Path) -> None:
