@@ -237,8 +237,8 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
     Raises:
         DeadlineExceeded: an ``ssp`` wait ran past ``cfg.ssp_timeout_s``.
         TetherError: a shard call failed after retries.
-    """
         UsageError: sync mode outside torchrun, or a bad data file.
+    """
     kind, bound = cfg.consistency
     device = pick_device(cfg.device)
     if kind == "sync":
