@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
 
-from tether.protos.errors import UsageError, report_usage_error
+from tether.protos.errors import TetherError, UsageError, report_usage_error
 from tether.worker.config import add_training_flags, config_from_args
 
 __all__ = ["main"]
@@ -139,6 +140,40 @@ def _bound(text: str) -> int:
     return int(text)
 
 
+def _export(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="tether export",
+        description="Write a checkpoint's tables and dense parameters as safetensors files for serving "
+        "(load them with tether.worker.serving.load_export).",
+    )
+    p.add_argument("--checkpoint-dir", required=True, help="the shards' --checkpoint-dir (every shard's part must be readable here)")
+    p.add_argument("--id", default=None, help="checkpoint id to export (default: every shard's newest part)")
+    p.add_argument("--shards", default=None,
+                   help="comma-separated host:port of a live cluster: first write checkpoint --id (default export-<unix time>) on every shard")
+    p.add_argument("--out", required=True, help="folder for model.safetensors and manifest.json")
+    a = p.parse_args(argv)
+    from tether.deploy.export import export_checkpoint
+
+    try:
+        ckpt_id = a.id
+        if a.shards is not None:
+            from tether.worker.client import ClientConfig, PSClient
+
+            addresses = tuple(x.strip() for x in a.shards.split(",") if x.strip())
+            for address in addresses or (a.shards,):
+                if not address.rpartition(":")[2].isdigit():
+                    raise ValueError(f"--shards: shard address must be host:port, got {address!r}")
+            ckpt_id = ckpt_id or f"export-{int(time.time())}"
+            with PSClient(ClientConfig(addresses=addresses, worker_id="tether-export")) as client:
+                client.checkpoint(ckpt_id)
+        manifest = export_checkpoint(a.checkpoint_dir, a.out, ckpt_id)
+    except (ValueError, TetherError, OSError) as exc:
+        return report_usage_error("tether export", exc)
+    tables = ", ".join(f"{n} ({t['rows']:,} x {t['dim']})" for n, t in manifest["tables"].items())
+    print(f"exported checkpoint {manifest['checkpoint']} to {a.out}: tables {tables or 'none'}; dense {sum(manifest['dense'].values()):,} values")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tether`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -148,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "launch": "run a local cluster (shards + workers) and report the result",
         "compare": "run the same job under several consistency modes",
         "sweep": "tune the staleness bound S of ssp:S",
+        "export": "write a checkpoint's tables and dense parameters as safetensors for serving",
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: tether {" + ",".join(commands) + "} [flags]\n")
@@ -164,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tether.worker.__main__ import main as worker_main
 
         return worker_main(rest)
+    if command == "export":
+        return _export(rest)
     try:
         if command in ("compare", "sweep"):
             return _comparison(command, rest)
