@@ -388,7 +388,8 @@ def worker_argv(cfg: WorkerConfig) -> list[str]:
         "--vocab-size", str(cfg.vocab_size), "--num-sparse", str(cfg.num_sparse), "--embedding-dim", str(cfg.embedding_dim),
         "--optimizer", cfg.optimizer, "--lr", repr(cfg.lr), "--seed", str(cfg.seed),
         "--eval-samples", str(cfg.eval_samples), "--eval-every", str(cfg.eval_every), "--device", cfg.device,
-        "--log-every", str(cfg.log_every), "--timeout", repr(cfg.timeout_s), "--wire-dtype", cfg.wire_dtype,
+        "--log-every", str(cfg.log_every), "--timeout", repr(cfg.timeout_s), "--call-deadline", repr(cfg.call_deadline_s),
+        "--wire-dtype", cfg.wire_dtype,
         "--transport", cfg.transport, "--mode", cfg.mode, "--ssp-timeout", repr(cfg.ssp_timeout_s), "--slowdown", repr(cfg.slowdown),
     ]
     if cfg.slow_worker is not None:

@@ -106,9 +106,27 @@ def test_client_side_validation(two_shards: list[str]) -> None:
         ({"worker_id": ""}, "worker_id"),
         ({"timeout_s": 0}, "timeout_s"),
         ({"wire_dtype": torch.float64}, "wire_dtype"),
+        ({"call_deadline_s": 0}, r"call_deadline_s must be a finite number of seconds > 0, got 0$"),
+        ({"call_deadline_s": -1.5}, r"got -1\.5$"),
+        ({"call_deadline_s": float("nan")}, r"call_deadline_s .* got nan$"),
+        ({"call_deadline_s": float("inf")}, r"call_deadline_s .* got inf$"),
     ],
 )
 def test_client_config_validation(kwargs: dict, message: str) -> None:
     base = {"addresses": ("127.0.0.1:1",), "worker_id": "w"}
     with pytest.raises(ValueError, match=message):
         ClientConfig(**{**base, **kwargs})
+
+
+def test_call_deadline_flag_env_and_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tether worker --call-deadline`` (env TETHER_CALL_DEADLINE) reaches the client's config."""
+    from tether.worker.config import build_parser, load_config
+
+    assert ClientConfig(addresses=("127.0.0.1:1",), worker_id="w").call_deadline_s == 60.0
+    assert load_config(["--shards", "127.0.0.1:1"]).call_deadline_s == 60.0
+    assert load_config(["--shards", "127.0.0.1:1", "--call-deadline", "7.5"]).call_deadline_s == 7.5
+    monkeypatch.setenv("TETHER_CALL_DEADLINE", "12")
+    assert load_config(["--shards", "127.0.0.1:1"]).call_deadline_s == 12.0
+    with pytest.raises(ValueError, match=r"call_deadline_s \(--call-deadline\) must be .* got 0\.0$"):
+        load_config(["--shards", "127.0.0.1:1", "--call-deadline", "0"])
+    assert "--call-deadline" in build_parser().format_help() and "TETHER_CALL_DEADLINE" in build_parser().format_help()

@@ -314,3 +314,55 @@ def test_partition_gives_a_clear_error_in_bounded_time_and_heals(cluster: LocalC
     client.push({"emb": (ids, torch.ones(8, 4))}).result(10)
     assert torch.equal(client.pull({"emb": ids}).result(10).rows["emb"], -2 * torch.ones(8, 4))
     client.close()
+
+
+# -- a shard that stops answering for good ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport, timeout_s", [("auto", 3.0), ("grpc", 30.0)])
+def test_a_stopped_shard_is_given_up_on_at_the_call_deadline(
+    tmp_path: Path, cluster: LocalCluster, transport: str, timeout_s: float
+) -> None:
+    """SIGSTOP (the process is there, its sockets accept, nothing answers): every call raises
+    Unavailable once its total deadline is spent, whatever the per-attempt timeout, on the data
+    plane (with its fallback to gRPC) and over gRPC."""
+    call_deadline_s = 4.0
+    (address,) = cluster.start_shards(1, extra_args=["--checkpoint-dir", str(tmp_path / "ckpt")])
+    client = make_client([address], timeout_s=timeout_s, retries=8, call_deadline_s=call_deadline_s, transport=transport)
+    ids = torch.arange(16, dtype=torch.int64)
+    client.declare([TABLE])
+    client.push({"emb": (ids, torch.ones(16, 4))}).result(10)
+    client.pull({"emb": ids}).result(10)  # the data connection, where there is one, is up
+    calls = {
+        "pull": lambda: client.pull({"emb": ids}).result(30),
+        "push": lambda: client.push({"emb": (ids, torch.ones(16, 4))}).result(30),
+        "push_pull": lambda: client.push_pull({"emb": (ids, torch.ones(16, 4))}, pull_sparse={"emb": ids}).result(30),
+        "declare": lambda: client.declare([TABLE]),
+        "clock": lambda: client.clock(1),
+    }
+    cluster.signal_shard(0, signal.SIGSTOP)
+    try:
+        for name, call in calls.items():
+            start = time.monotonic()
+            with pytest.raises(Unavailable, match="failed after"):
+                call()
+            elapsed = time.monotonic() - start
+            print(f"{transport}, timeout {timeout_s:g}s, call deadline {call_deadline_s:g}s: {name} gave up after {elapsed:.2f}s")
+            # A retry that could not start before the deadline is not waited for: a little early is fine.
+            assert call_deadline_s - 0.3 <= elapsed <= call_deadline_s + 2.5, (name, elapsed)
+        # An SSP wait has its own limit; a dead coordinator is given up on after the call
+        # deadline plus the time one call asked to be held (at most 5 s), not after that limit.
+        start = time.monotonic()
+        with pytest.raises(Unavailable):
+            client.clock(2, wait_bound=0, timeout_s=300.0)
+        elapsed = time.monotonic() - start
+        print(f"{transport}: SSP wait gave up after {elapsed:.2f}s")
+        assert elapsed <= call_deadline_s + min(timeout_s, 5.0) + 2.5, elapsed
+        # A checkpoint's timeout_s is its whole limit.
+        start = time.monotonic()
+        with pytest.raises(Unavailable):
+            client.checkpoint("never", timeout_s=3.0)
+        assert time.monotonic() - start <= 3.0 + 2.5
+    finally:
+        cluster.signal_shard(0, signal.SIGCONT)
+        client.close()

@@ -5,6 +5,9 @@ in it), sends the requests in parallel and returns a ``Handle`` at once; ``wait`
 ``Handle.result``) gathers the answers. Every RPC has a deadline; UNAVAILABLE and
 DEADLINE_EXCEEDED (and a shard shedding load past its concurrent-call limit) are retried with
 exponential backoff, and a retried push keeps its sequence number so the shard applies it once.
+A call as a whole, retries and data-plane fallback included, ends within
+``ClientConfig.call_deadline_s``: each attempt's deadline is what is left of it, at most
+``timeout_s``, and once it is spent the call raises ``Unavailable``.
 Channels use TLS and send a bearer token when ``ClientConfig.security`` says so.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import os
 import random
 import threading
@@ -47,6 +51,9 @@ _OVERLOADED = "Concurrent RPC limit exceeded"
 
 
 _TRANSPORTS = ("auto", "tcp", "grpc")
+# Longest a Clock call asks the coordinator to hold it (shards cap it at 5 s themselves): a
+# longer hold would only delay noticing a coordinator that stopped answering.
+_CLOCK_HOLD_S = 5.0
 _DATA_METHODS = {"Push": dp.PUSH, "Pull": dp.PULL, "PushPull": dp.PUSH_PULL}
 _RESPONSES = {"Push": pb.PushResponse, "Pull": pb.PullResponse, "PushPull": pb.PushPullResponse}
 
@@ -70,6 +77,7 @@ class ClientConfig:
 
     addresses: tuple[str, ...]
     worker_id: str
+    # Deadline of one attempt (one RPC or data-plane round trip).
     timeout_s: float = 30.0
     retries: int = 8
     backoff_s: float = 0.05
@@ -87,6 +95,10 @@ class ClientConfig:
     # when the shard is on this machine; "tcp" the data plane without shared memory; "grpc"
     # everything over gRPC. With TLS everything goes over gRPC (the data plane is plaintext).
     transport: str = "auto"
+    # The longest one call takes, every attempt, backoff and data-plane fallback included; then
+    # it raises Unavailable. Each attempt gets min(timeout_s, what is left). Checkpoint calls
+    # and SSP waits have their own limits (see ``checkpoint`` and ``clock``).
+    call_deadline_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.addresses:
@@ -112,6 +124,8 @@ class ClientConfig:
             raise ValueError(f"transport must be one of {', '.join(_TRANSPORTS)}, got {self.transport!r}")
         if not 0 < self.backoff_s <= self.max_backoff_s:
             raise ValueError(f"need 0 < backoff_s <= max_backoff_s, got {self.backoff_s!r}, {self.max_backoff_s!r}")
+        if not (isinstance(self.call_deadline_s, (int, float)) and 0 < self.call_deadline_s < math.inf):
+            raise ValueError(f"call_deadline_s must be a finite number of seconds > 0, got {self.call_deadline_s!r}")
 
 
 @dataclass
@@ -293,21 +307,33 @@ class PSClient:
         response_bytes: int = 0,
         answer: Callable[[object, memoryview | None], object] | None = None,
         failed: _Failed | None = None,
+        deadline: float | None = None,
     ) -> object:
         """Call ``method`` on ``shard`` with retries; the data plane when the request has a
         ``payload`` and the shard offers one, else gRPC.
 
         Args:
+            timeout: one attempt's deadline (default ``timeout_s``).
             answer: ``answer(response, payload)`` turns the response into the result while its
                 payload is valid (a data-plane payload lives in a buffer the next call reuses).
             failed: the first attempt, made elsewhere, failed so.
+            deadline: ``time.monotonic()`` by which the whole call ends (default: now plus
+                ``call_deadline_s``); each attempt gets at most what is left of it.
+
+        Raises:
+            Unavailable: the shard did not answer within the retries or the call's deadline.
         """
         cfg = self.config
+        if deadline is None:
+            deadline = time.monotonic() + cfg.call_deadline_s
         backoff = cfg.backoff_s
         for attempt in range(cfg.retries + 1):
             if failed is None:
+                left = deadline - time.monotonic()
                 try:
-                    return self._attempt(shard, method, request, timeout or cfg.timeout_s, payload, response_bytes, answer)
+                    if left <= 0:
+                        raise _Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "no time left for another try")
+                    return self._attempt(shard, method, request, min(timeout or cfg.timeout_s, left), payload, response_bytes, answer)
                 except grpc.RpcError as exc:
                     failed = _Failed(exc.code(), exc.details() or "")
                     failed.__cause__ = exc
@@ -317,19 +343,23 @@ class PSClient:
             self._note_resend(shard, request)
             if self.metrics is not None:
                 self.metrics.rpc_errors.labels(rpc=method, code=code.name).inc()
-            if not _retryable(code, details) or attempt == cfg.retries:
+            pause = backoff * (0.5 + random.random())
+            # No retry that could not start before the deadline: give up now, not after the pause.
+            spent = time.monotonic() + pause >= deadline
+            if not _retryable(code, details) or attempt == cfg.retries or spent:
                 if code in _RETRYABLE:
                     # A refused TLS handshake looks like a shard that is down: say so.
                     hint = " (if the shard is up, check the TLS CA and client certificate)" if cfg.security.tls else ""
+                    why = " and the call's deadline is spent" if spent and attempt < cfg.retries else ""
                     raise Unavailable(
-                        f"shard {shard} ({cfg.addresses[shard]}) {method} failed after {attempt + 1} tries: "
+                        f"shard {shard} ({cfg.addresses[shard]}) {method} failed after {attempt + 1} tries{why}: "
                         f"{code.name}: {details}{hint}"
                     ) from failed.__cause__
                 raise error_from_status(code, f"shard {shard} {method}: {details}") from failed.__cause__
             if self.metrics is not None:
                 self.metrics.retries.labels(rpc=method).inc()
-            log.warning("shard %d %s: %s, retry %d in %.2fs", shard, method, code.name, attempt + 1, backoff)
-            time.sleep(backoff * (0.5 + random.random()))
+            log.warning("shard %d %s: %s, retry %d in %.2fs", shard, method, code.name, attempt + 1, pause)
+            time.sleep(pause)
             backoff = min(backoff * 2, cfg.max_backoff_s)
             failed = None
         raise AssertionError("unreachable")
@@ -351,7 +381,10 @@ class PSClient:
         response_bytes: int,
         answer: Callable[[object, memoryview | None], object] | None,
     ) -> object:
-        conn = self._data_connection(shard, method, payload)
+        started = time.monotonic()
+        conn = self._data_connection(shard, method, payload, timeout)
+        # Finding and opening a data connection counts against this attempt's deadline.
+        timeout = max(timeout - (time.monotonic() - started), 0.001)
         if conn is None:
             if payload is not None:
                 payload.inline(request)
@@ -360,10 +393,12 @@ class PSClient:
         self._data_send(shard, conn, method, request, payload, response_bytes, timeout)
         return self._data_receive(shard, conn, method, timeout, answer)
 
-    def _data_connection(self, shard: int, method: str, payload: dp.PayloadWriter | None) -> DataConnection | None:
+    def _data_connection(
+        self, shard: int, method: str, payload: dp.PayloadWriter | None, timeout: float | None = None
+    ) -> DataConnection | None:
         if payload is None or self._data is None or method not in _DATA_METHODS:
             return None
-        return self._data[shard].acquire(lambda: self._discover(shard))
+        return self._data[shard].acquire(lambda: self._discover(shard, timeout), timeout)
 
     def _data_send(
         self, shard: int, conn: DataConnection, method: str, request: object, payload: dp.PayloadWriter, response_bytes: int, timeout: float
@@ -401,9 +436,9 @@ class PSClient:
             return _Failed(grpc.StatusCode.UNAVAILABLE, f"data plane: {exc}")
         return exc
 
-    def _discover(self, shard: int) -> tuple[int, str]:
+    def _discover(self, shard: int, timeout: float | None = None) -> tuple[int, str]:
         """The shard's data port and unix socket, asked over gRPC (one try: a failure means gRPC for a while)."""
-        info = self._stubs[shard].Info(pb.InfoRequest(), timeout=self.config.timeout_s, metadata=self._metadata)
+        info = self._stubs[shard].Info(pb.InfoRequest(), timeout=timeout or self.config.timeout_s, metadata=self._metadata)
         return info.data_port, info.data_socket
 
     def _fan_out(
@@ -417,15 +452,20 @@ class PSClient:
     ) -> Handle:
         """Start ``method`` on every shard of ``requests``: on the data plane the request is sent
         from this thread right away and the answer read by whoever waits (no thread hop);
-        over gRPC a pool thread makes the call."""
+        over gRPC a pool thread makes the call. Each shard's call ends within ``call_deadline_s``
+        from now, whichever way it goes."""
         shards = list(requests)
         calls = []
+        deadline = time.monotonic() + self.config.call_deadline_s
         for s in shards:
             payload = None if payloads is None else payloads.get(s)
             args = (s, method, requests[s], None, payload, 0 if response_bytes is None else response_bytes.get(s, 0),
                     None if answer is None else functools.partial(answer, s))
-            conn = self._data_connection(s, method, payload)
-            calls.append(self._pool.submit(self._call, *args) if conn is None else _DataCall(self, conn, args))
+            conn = self._data_connection(s, method, payload, _left(deadline, self.config.timeout_s))
+            if conn is None:
+                calls.append(self._pool.submit(self._call, *args, deadline=deadline))
+            else:
+                calls.append(_DataCall(self, conn, args, deadline))
         return Handle(calls, lambda answers: combine(dict(zip(shards, answers))))
 
     # -- declare -----------------------------------------------------------------------------
@@ -697,26 +737,40 @@ class PSClient:
 
         Call it only once the pushes of the steps it reports are acknowledged.
 
+        ``timeout_s`` bounds the wait for the other workers (the SSP wait); it is made of calls
+        that each ask the coordinator to hold them for a few seconds at most, and each such
+        call, like every report, ends within ``call_deadline_s`` plus the time it asked to be
+        held. A coordinator that stops answering is so given up on after at most
+        ``call_deadline_s`` + 5 s, not after the whole SSP wait.
+
         Returns:
             The clocks; ``ready`` is False if ``timeout_s`` passed first.
+
+        Raises:
+            Unavailable: a shard did not answer within the retries or the call's deadline.
         """
         report = pb.ClockRequest(worker_id=self.config.worker_id, clock=clock, leave=leave, wait_bound=-1)
         others = self._fan_out("Clock", {s: report for s in range(1, self.num_shards)}, lambda _: None)
         try:
             return self._clock_wait(clock, wait_bound, timeout_s, leave)
         finally:
-            others.result(self.config.timeout_s * (self.config.retries + 1))
+            others.result(self.config.call_deadline_s + self.config.timeout_s)
 
     def _clock_wait(self, clock: int, wait_bound: int, timeout_s: float, leave: bool) -> ClockReply:
+        cfg = self.config
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
-            wait_ms = int(max(remaining, 0) * 1000) if wait_bound >= 0 else 0
+            wait_ms = int(min(max(remaining, 0), cfg.timeout_s, _CLOCK_HOLD_S) * 1000) if wait_bound >= 0 else 0
             request = pb.ClockRequest(
-                worker_id=self.config.worker_id, clock=clock, leave=leave, wait_bound=wait_bound, wait_timeout_ms=wait_ms
+                worker_id=cfg.worker_id, clock=clock, leave=leave, wait_bound=wait_bound, wait_timeout_ms=wait_ms
             )
-            # The shard holds the call for at most a few seconds; allow for that in the deadline.
-            reply = self._call(0, "Clock", request, timeout=self.config.timeout_s + wait_ms / 1000.0)
+            # The shard may hold the call that long (it caps it at a few seconds): the time it
+            # is held is the SSP wait's, not lost to a slow or dead shard.
+            held = wait_ms / 1000.0
+            reply = self._call(
+                0, "Clock", request, timeout=cfg.timeout_s + held, deadline=time.monotonic() + cfg.call_deadline_s + held
+            )
             if reply.ready or remaining <= 0:
                 return ClockReply(reply.min_clock, reply.max_clock, reply.live_workers, reply.ready, reply.min_other_clock)
 
@@ -731,21 +785,35 @@ class PSClient:
         The checkpoint is complete once every shard answered. Calling it between steps (no
         push in flight) makes the parts one consistent point of the whole model.
 
+        Args:
+            timeout_s: the longest the call takes, retries included (writing a large table takes
+                seconds, so this, not ``call_deadline_s``, bounds it).
+
         Raises:
             InvalidArgument: an id that is not 1..128 characters of [A-Za-z0-9._-].
             FailedPrecondition: a shard without a checkpoint directory, or one that cannot write.
+            Unavailable: a shard did not answer within ``timeout_s``.
         """
         request = pb.CheckpointRequest(id=ckpt_id)
-        futures = [self._pool.submit(self._call, s, "Checkpoint", request, timeout_s) for s in range(self.num_shards)]
+        deadline = time.monotonic() + timeout_s
+        futures = [
+            self._pool.submit(self._call, s, "Checkpoint", request, timeout_s, deadline=deadline) for s in range(self.num_shards)
+        ]
 
         def combine(answers: list[pb.CheckpointResponse]) -> list[CheckpointResult]:
             return [CheckpointResult(s, a.id, a.path, a.bytes, a.seconds) for s, a in enumerate(answers)]
 
-        return Handle(futures, combine).result(timeout_s * (self.config.retries + 1) + 60.0)
+        return Handle(futures, combine).result(timeout_s + 10.0)
 
     def info(self) -> list[pb.InfoResponse]:
         """Every shard's ``Info``."""
         return list(self._fan_out("Info", {s: pb.InfoRequest() for s in range(self.num_shards)}, lambda a: [a[s] for s in sorted(a)]).result())
+
+
+def _left(deadline: float, limit: float) -> float:
+    """Seconds an attempt may take: ``limit``, or what is left until ``deadline`` if less
+    (never 0, which sockets take for non-blocking)."""
+    return max(min(limit, deadline - time.monotonic()), 0.001)
 
 
 class _DataCall:
@@ -755,16 +823,18 @@ class _DataCall:
     gRPC) for this call.
     """
 
-    def __init__(self, client: PSClient, conn: DataConnection, args: tuple) -> None:
+    def __init__(self, client: PSClient, conn: DataConnection, args: tuple, deadline: float) -> None:
         self._client = client
         self._args = args
+        # When the whole call ends (``time.monotonic()``), the gRPC fallback's retries included.
+        self._deadline = deadline
         self._lock = threading.Lock()
         self._outcome: tuple[bool, object] | None = None
         self._conn: DataConnection | None = conn
         self._failed: _Failed | None = None
         shard, method, request, _, payload, response_bytes, _ = args
         try:
-            client._data_send(shard, conn, method, request, payload, response_bytes, client.config.timeout_s)
+            client._data_send(shard, conn, method, request, payload, response_bytes, _left(deadline, client.config.timeout_s))
         except _Failed as exc:
             self._conn, self._failed = None, exc
 
@@ -790,14 +860,16 @@ class _DataCall:
     def _finish(self, timeout: float | None) -> tuple[bool, object]:
         client = self._client
         shard, method, request, _, payload, response_bytes, answer = self._args
-        limit = client.config.timeout_s if timeout is None else min(timeout, client.config.timeout_s)
+        limit = _left(self._deadline, client.config.timeout_s if timeout is None else min(timeout, client.config.timeout_s))
         try:
             if self._conn is not None:
                 try:
                     return True, client._data_receive(shard, self._conn, method, limit, answer)
                 except _Failed as exc:
                     self._failed = exc
-            return True, client._call(shard, method, request, None, payload, response_bytes, answer, failed=self._failed)
+            return True, client._call(
+                shard, method, request, None, payload, response_bytes, answer, failed=self._failed, deadline=self._deadline
+            )
         except Exception as exc:  # noqa: BLE001 - handed to every waiter, like a Future does
             return False, exc
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -79,6 +80,8 @@ class WorkerConfig:
     metrics_port: int | None = None
     out: str | None = None
     timeout_s: float = 30.0
+    # The longest one push, pull or declare takes, retries included (ClientConfig.call_deadline_s).
+    call_deadline_s: float = 60.0
     wire_dtype: str = "float32"
     # Push/pull transport (tether.worker.client.ClientConfig.transport): auto, tcp or grpc.
     transport: str = "auto"
@@ -106,6 +109,12 @@ class WorkerConfig:
         if self.slow_worker is None or self.slow_worker == self.worker_index:
             return self.slowdown
         return 1.0
+
+    @property
+    def wait_s(self) -> float:
+        """Longest a step waits on a push or pull: the client ends each call by its deadline,
+        this only bounds the wait should it not."""
+        return self.call_deadline_s + self.timeout_s
 
     @property
     def consistency(self) -> tuple[str, int | None]:
@@ -139,6 +148,8 @@ class WorkerConfig:
             raise ValueError(f"data must be 'synthetic' or 'criteo:PATH', got {self.data!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if not 0 < self.call_deadline_s < math.inf:
+            raise ValueError(f"call_deadline_s (--call-deadline) must be a finite number of seconds > 0, got {self.call_deadline_s!r}")
         if self.transport not in ("auto", "tcp", "grpc"):
             raise ValueError(f"transport must be auto, tcp or grpc, got {self.transport!r}")
         if self.wire_dtype not in ("float32", "float16", "bfloat16"):
@@ -168,7 +179,13 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=_env("TETHER_DEVICE", "auto"), help="auto (CUDA when present), cpu, cuda[:N]")
     p.add_argument("--no-prefetch", action="store_true", help="pull each batch after the previous push instead of during compute")
     p.add_argument("--log-every", type=int, default=_env("TETHER_LOG_EVERY", 50), help="print progress every N steps")
-    p.add_argument("--timeout", type=float, default=_env("TETHER_TIMEOUT", 30.0), help="deadline of each RPC, seconds")
+    p.add_argument("--timeout", type=float, default=_env("TETHER_TIMEOUT", 30.0), help="deadline of each RPC attempt, seconds (env TETHER_TIMEOUT)")
+    p.add_argument(
+        "--call-deadline", type=float, default=_env("TETHER_CALL_DEADLINE", 60.0),
+        help="longest one push, pull or declare takes, every retry included: each attempt gets at most what is left of it, "
+        "and when it is spent (a shard that is down or stopped) the worker fails with Unavailable; seconds "
+        "(env TETHER_CALL_DEADLINE). SSP waits are bounded by --ssp-timeout instead",
+    )
     p.add_argument("--mode", default=_env("TETHER_MODE", "async"), help="consistency: async, ssp:S (at most S steps ahead of the slowest live worker) or sync (all-reduce; start with torchrun)")
     p.add_argument("--staleness-aware", action="store_true", help="divide each update's learning rate by its staleness (Zhang et al. 2016)")
     p.add_argument("--ssp-timeout", type=float, default=_env("TETHER_SSP_TIMEOUT", 300.0), help="longest wait on the staleness bound before failing, seconds")
@@ -217,6 +234,7 @@ def config_from_args(a: argparse.Namespace, **overrides: object) -> WorkerConfig
         metrics_port=None if getattr(a, "metrics_port", None) in (None, "") else int(a.metrics_port),
         out=getattr(a, "out", None),
         timeout_s=float(a.timeout),
+        call_deadline_s=float(a.call_deadline),
         wire_dtype=a.wire_dtype,
         transport=a.transport,
         mode=a.mode,

@@ -134,6 +134,7 @@ def connect(cfg: WorkerConfig, model: CTRModel, device: torch.device, metrics: o
             addresses=cfg.shards,
             worker_id=f"worker-{cfg.worker_index}",
             timeout_s=cfg.timeout_s,
+            call_deadline_s=cfg.call_deadline_s,
             wire_dtype=_WIRE[cfg.wire_dtype],
             transport=cfg.transport,
             staleness_aware=cfg.staleness_aware,
@@ -268,7 +269,7 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
         """Wait for a push; one a shard rejected as too stale is dropped and counted."""
         nonlocal too_stale
         try:
-            staleness.append(handle.result(cfg.timeout_s * 4).clock_staleness)
+            staleness.append(handle.result(cfg.wait_s).clock_staleness)
         except TooStale as exc:
             too_stale += 1
             log.info("%s", exc)
@@ -278,11 +279,11 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
         its pull made again on its own."""
         nonlocal too_stale
         try:
-            pulled = ps.install(pending, train=True, timeout=cfg.timeout_s * 4)
+            pulled = ps.install(pending, train=True, timeout=cfg.wait_s)
         except TooStale as exc:
             too_stale += 1
             log.info("%s", exc)
-            return ps.install(ps.prefetch(pending.ids), train=True, timeout=cfg.timeout_s * 4)
+            return ps.install(ps.prefetch(pending.ids), train=True, timeout=cfg.wait_s)
         if pending.ack is not None:
             staleness.append(pending.ack.clock_staleness)
         return pulled
@@ -369,7 +370,7 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
             if evaluate:
                 # Evaluation time is left out of the wall clock so curves compare training.
                 te = time.perf_counter()
-                record.update(evaluate_remote(ps, ds.eval_set, timeout=cfg.timeout_s * 4))
+                record.update(evaluate_remote(ps, ds.eval_set, timeout=cfg.wait_s))
                 eval_time += time.perf_counter() - te
             history.append(record)
             busy = sum(phase.values()) or 1.0
@@ -403,7 +404,7 @@ def train(cfg: WorkerConfig, metrics: object | None = None, printer: Callable[[s
         result["backend"] = allreduce.dist.get_backend()
         if cfg.worker_index == 0:
             # Dense parameters live on the ranks in sync mode, so rank 0 reports the final model.
-            result["final_eval"] = evaluate_remote(ps, ds.eval_set, timeout=cfg.timeout_s * 4)
+            result["final_eval"] = evaluate_remote(ps, ds.eval_set, timeout=cfg.wait_s)
         allreduce.dist.barrier()
         allreduce.dist.destroy_process_group()
     ps.client.close()
@@ -428,7 +429,7 @@ def evaluate_job(cfg: WorkerConfig) -> dict[str, float]:
     ds = open_dataset(cfg)
     ps = connect(cfg, build_model(cfg, ds), device)
     try:
-        result = evaluate_remote(ps, ds.eval_set, timeout=cfg.timeout_s * 4)
+        result = evaluate_remote(ps, ds.eval_set, timeout=cfg.wait_s)
     finally:
         ps.client.close()
     return {**result, **reference_losses(ds)}

@@ -250,14 +250,17 @@ class DataPlane:
             self.port = port
             self.socket_name = socket_name
 
-    def acquire(self, discover: Callable[[], tuple[int, str]]) -> DataConnection | None:
+    def acquire(self, discover: Callable[[], tuple[int, str]], timeout_s: float | None = None) -> DataConnection | None:
         """An idle or new connection, or None when calls should go over gRPC for now.
 
         An idle connection the shard has closed meanwhile (idle timeout, restart) is dropped.
 
         Args:
             discover: asks the shard for its data port and unix socket (over gRPC) when not known.
+            timeout_s: limit of discovery and a new connection's handshake together, when less
+                than the plane's own.
         """
+        end = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
@@ -275,7 +278,8 @@ class DataPlane:
                 self.set_port(port, socket_name)
                 if port == 0:
                     return None
-            conn = DataConnection(self.host, port, self._token, self._timeout_s, self._shm, socket_name, self._fallback)
+            limit = self._timeout_s if end is None else min(self._timeout_s, max(end - time.monotonic(), 0.001))
+            conn = DataConnection(self.host, port, self._token, limit, self._shm, socket_name, self._fallback)
         except (OSError, DataPlaneStatus, grpc.RpcError) as exc:
             log.info("data plane of %s unreachable (%s); using gRPC for %.1fs", self.host, exc, self._rediscover_s)
             self.failed()
