@@ -76,7 +76,7 @@ def _answer(sock: socket.socket) -> tuple[int, int, bytes]:
 
 
 def _hello(sock: socket.socket, fds: list[int] = (), **meta: object) -> dict:
-    dp.send_frame(sock, dp.HELLO, msgpack.packb(meta), fds=fds)
+    dp.send_frame(sock, dp.HELLO, msgpack.packb(meta), **({"fds": fds} if fds else {}))
     method, status, body = _answer(sock)
     assert (method, status) == (dp.HELLO, OK), body
     return msgpack.unpackb(body)
