@@ -340,8 +340,13 @@ def test_a_stopped_shard_is_given_up_on_at_the_call_deadline(
         "declare": lambda: client.declare([TABLE]),
         "clock": lambda: client.clock(1),
     }
-    cluster.signal_shard(0, signal.SIGSTOP)
+    pid = cluster.signal_shard(0, signal.SIGSTOP)
     try:
+        # kill() returns before the process is stopped: a call made at once can still be answered.
+        stopped_by = time.monotonic() + 10
+        while "T" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]:
+            assert time.monotonic() < stopped_by, "the shard did not stop"
+            time.sleep(0.01)
         for name, call in calls.items():
             start = time.monotonic()
             with pytest.raises(Unavailable, match="failed after"):
