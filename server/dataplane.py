@@ -104,7 +104,7 @@ class DataPlaneServer:
         self.handshake_timeout_s = handshake_timeout_s
         self.idle_timeout_s = idle_timeout_s
         # Regions: a request's payload and its answer, each up to the message limit, with room to grow.
-        self.max_region_bytes = 4 * max_message_bytes
+        self.max_region_bytes = 4 * max_message_bytes + (4 << 20)
         try:
             self._listener = socket.create_server((host, port), backlog=128)
         except OSError as exc:

@@ -181,8 +181,24 @@ class DataConnection:
         be worth it and the shard maps it); ``receive`` gets the answer.
 
         Raises:
+            DataPlaneStatus: the shard refused the frame and hung up before taking all of it.
             OSError: the connection failed (the caller drops it).
         """
+        try:
+            self._send(method, request, out, response_bytes, timeout_s)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            # A shard that refuses a frame (too large, over its buffers) answers and closes
+            # before reading the rest: its answer says why, and is waiting to be read.
+            try:
+                self._sock.settimeout(1.0)
+                self._read(None)
+            except DataPlaneStatus as status:
+                raise status from exc
+            except (OSError, dp.FrameError):
+                pass
+            raise
+
+    def _send(self, method: int, request: object, out: dp.PayloadWriter, response_bytes: int, timeout_s: float) -> None:
         meta = request.SerializeToString()
         self._sock.settimeout(timeout_s)
         self._use_region = self.shm and out.nbytes + response_bytes >= SHM_MIN_BYTES
