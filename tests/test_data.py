@@ -1,3 +1,4 @@
+import itertools
 import math
 import re
 import threading
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tether.worker.data import CriteoTSV, SyntheticClickLog, SyntheticConfig, in_background, iterate, load_criteo, write_criteo_sample
+from tether.worker.data import Batch, CriteoStream, DataError, SyntheticClickLog, SyntheticConfig, in_background, iterate, load_criteo, write_criteo_sample
 from tether.worker.evaluation import constant_baseline_loss
 
 
@@ -173,13 +174,18 @@ def _line(label: str, ints: list[str], cats: list[str]) -> str:
     return "\t".join([label, *ints, *cats]) + "\n"
 
 
+def _read_all(path: Path, num_dense: int = 13, num_sparse: int = 26) -> Batch:
+    parts = list(CriteoStream(path, 1 << 16, num_dense=num_dense, num_sparse=num_sparse))
+    return Batch(*(torch.cat(ts) for ts in zip(*parts)))
+
+
 def test_criteo_values_by_hand(tmp_path: Path) -> None:
     path = tmp_path / "hand.tsv"
     path.write_text(
         _line("1", ["0", "3", "-2", "", "1000"], ["1f", "", "1f"])
         + _line("0", ["", "", "", "7", ""], ["1F", "", ""]).replace("\n", "\r\n")  # a CRLF line
     )
-    data = CriteoTSV(path, num_dense=5, num_sparse=3).read_all()
+    data = _read_all(path, num_dense=5, num_sparse=3)
     assert data.labels.tolist() == [1.0, 0.0]
     want = torch.tensor([[0, math.log1p(3), 0, 0, math.log1p(1000)], [0, 0, 0, math.log1p(7), 0]], dtype=torch.float32)
     assert torch.allclose(data.dense, want)
@@ -188,7 +194,7 @@ def test_criteo_values_by_hand(tmp_path: Path) -> None:
     assert ids[0, 0] == ids[1, 0]  # same value, same field (hex is case-insensitive)
     assert ids[0, 0] != ids[0, 2]  # same value, other field
     assert ids[0, 1] == ids[1, 1] and ids[1, 1] != ids[1, 2]  # missing: one reserved id per field ...
-    again = CriteoTSV(path, num_dense=5, num_sparse=3).read_all()
+    again = _read_all(path, num_dense=5, num_sparse=3)
     assert torch.equal(again.sparse, ids)  # ... and ids are a pure function of (field, value)
 
 
@@ -197,13 +203,13 @@ def test_criteo_rejects_loose_hex(tmp_path: Path, bad: str) -> None:
     path = tmp_path / "hex.tsv"
     path.write_text(_line("0", ["1"], ["a", "b"]) * 2 + _line("1", ["1"], ["a", bad]))
     with pytest.raises(ValueError, match=r"hex.tsv:3: categorical column 2 is not hex \(1-16 digits\): " + re.escape(repr(bad))):
-        CriteoTSV(path, num_dense=1, num_sparse=2).read_all()
+        _read_all(path, num_dense=1, num_sparse=2)
 
 
 def test_criteo_accepts_16_digit_hex_and_huge_counts(tmp_path: Path) -> None:
     path = tmp_path / "big.tsv"
     path.write_text(_line("1", ["9" * 30], ["ffffffffffffffff", "8000000000000000"]))
-    data = CriteoTSV(path, num_dense=1, num_sparse=2).read_all()
+    data = _read_all(path, num_dense=1, num_sparse=2)
     assert torch.isfinite(data.dense).all() and float(data.dense[0, 0]) == pytest.approx(math.log1p(2**62))
     assert (data.sparse >= 0).all()
 
@@ -211,17 +217,16 @@ def test_criteo_accepts_16_digit_hex_and_huge_counts(tmp_path: Path) -> None:
 def test_criteo_batches_split_lines_between_ranks(tmp_path: Path) -> None:
     path = tmp_path / "c.tsv"
     write_criteo_sample(path, 103, seed=4)
-    tsv = CriteoTSV(path)
-    everything = tsv.read_all()
-    per_rank = [list(tsv.batches(20, rank=r, world_size=3)) for r in range(3)]
+    everything = _read_all(path)
+    per_rank = [list(CriteoStream(path, 20, rank=r, world_size=3)) for r in range(3)]
     assert [[b.labels.numel() for b in bs] for bs in per_rank] == [[20, 15], [20, 14], [20, 14]]
     for r, bs in enumerate(per_rank):
         mine = torch.cat([b.sparse for b in bs])
         assert torch.equal(mine, everything.sparse[r::3])  # line i goes to rank i % 3
-    limited = list(tsv.batches(10, num_batches=2, rank=1, world_size=2))
+    limited = list(itertools.islice(CriteoStream(path, 10, rank=1, world_size=2), 2))
     assert len(limited) == 2 and torch.equal(limited[1].dense, everything.dense[1::2][10:20])
     with pytest.raises(ValueError, match="rank must be in"):
-        next(tsv.batches(10, rank=3, world_size=3))
+        CriteoStream(path, 10, rank=3, world_size=3)
 
 
 def test_criteo_empty_and_missing_files(tmp_path: Path) -> None:
@@ -229,7 +234,7 @@ def test_criteo_empty_and_missing_files(tmp_path: Path) -> None:
     empty.write_text("")
     with pytest.raises(ValueError, match="empty.tsv: no samples"):
         load_criteo(empty)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(DataError, match="nope.tsv: no such file"):
         load_criteo(tmp_path / "nope.tsv")
     with pytest.raises(ValueError, match="eval_fraction must be in"):
         load_criteo(empty, eval_fraction=1.0)
