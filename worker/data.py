@@ -599,8 +599,8 @@ class CriteoStream(torch.utils.data.IterableDataset):
         """
         rank, world = self.rank, self.world_size
         info = torch.utils.data.get_worker_info()
-        if info is not None:  # a DataLoader process: split this worker's share again
-            rank, world = rank * info.num_workers + info.id, world * info.num_workers
+        if info is not None:  # a DataLoader process: every num_workers-th line of this worker's share
+            rank, world = rank + world * info.id, world * info.num_workers
         parser = _CriteoParser(self.num_dense, self.num_sparse)
         first = 0
         for path in self.files:
