@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import BinaryIO, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 _ID_MASK = np.uint64((1 << 62) - 1)
+_T = TypeVar("_T")
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -180,7 +181,7 @@ class SyntheticClickLog:
         return float(torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.double()))
 
 
-def in_background(batches: Iterator[Batch], depth: int = 4) -> Iterator[Batch]:
+def in_background(batches: Iterator[_T], depth: int = 4) -> Iterator[_T]:
     """Batches of ``batches`` produced on a background thread, up to ``depth`` ahead (like a
     DataLoader worker), so data preparation overlaps the step instead of adding to it.
 
@@ -450,6 +451,12 @@ def criteo_files(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str
     return files
 
 
+def _is_gzip(path: Path) -> bool:
+    """Whether ``path`` starts with gzip's magic bytes."""
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
 def _blocks(path: Path, block_bytes: int) -> Iterator[bytes]:
     """``path``'s bytes in blocks of whole lines (each ending in ``\\n``, ``\\r\\n`` made
     ``\\n``); a last line without a newline gets one.
@@ -460,9 +467,7 @@ def _blocks(path: Path, block_bytes: int) -> Iterator[bytes]:
     raw = open(path, "rb")  # noqa: SIM115 (closed below, with the gzip reader if any)
     f: BinaryIO = raw
     try:
-        gzipped = raw.read(2) == b"\x1f\x8b"
-        raw.seek(0)
-        if gzipped:
+        if _is_gzip(path):
             f = gzip.GzipFile(fileobj=raw, mode="rb")
         rest = b""
         while True:
@@ -605,7 +610,10 @@ class CriteoStream(torch.utils.data.IterableDataset):
         first = 0
         for path in self.files:
             lineno = 1
-            for block in _blocks(path, self.block_bytes):
+            blocks = _blocks(path, self.block_bytes)
+            if _is_gzip(path):  # zlib lets go of the GIL: decompress the next blocks meanwhile
+                blocks = in_background(blocks, depth=2)
+            for block in blocks:
                 count = block.count(b"\n")
                 mine = self._mine(first, count, rank, world)
                 if mine is None:
