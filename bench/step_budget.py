@@ -225,15 +225,16 @@ def budget_model(steps: int, cprofile: bool) -> None:
 
     from tether.deploy.launch import LocalCluster
     from tether.worker.config import WorkerConfig
-    from tether.worker.trainer import _sparse, build_model, connect, open_dataset
+    from tether.worker.trainer import ctr_sparse as _sparse
+    from tether.worker.trainer import ctr_trainer, open_dataset
 
     torch.set_num_threads(1)
     with LocalCluster(grace_s=5.0) as cluster:
         addresses = cluster.start_shards(1, timeout_s=90)
         cfg = WorkerConfig(shards=tuple(addresses), steps=steps, batch_size=256, eval_samples=1000, device="cpu")
         ds = open_dataset(cfg)
-        model = build_model(cfg, ds)
-        ps = connect(cfg, model, torch.device("cpu"))
+        trainer = ctr_trainer(cfg, ds, printer=lambda line: None)
+        model, ps = trainer.model, trainer.ps
         batches = list(ds.train_batches(cfg.batch_size, steps + 20, 0, 1))
         names = ["unique ids + build pull request (ps.prefetch)", "wait for pull (handle.result)", "bind rows + copy dense (install)",
                  "forward", "backward", "gradients + build push request (ps.push)", "wait for push ack"]

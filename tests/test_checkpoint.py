@@ -33,7 +33,7 @@ from tether.server.checkpoint import (
 from tether.server.config import ShardConfig
 from tether.server.metrics import ShardMetrics
 from tether.server.service import RunningShard, start_shard
-from tether.server.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
+from tether.server.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate, dedup_key
 
 from conftest import make_client
 
@@ -151,13 +151,20 @@ def test_export_is_consistent_with_concurrent_pushes() -> None:
 
     thread = threading.Thread(target=pusher)
     thread.start()
+    seen = 0
     try:
+        deadline = time.monotonic() + 10
+        while shard.applied_pushes == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
         for _ in range(20):
             state = shard.export_state()
             (table,) = state.tables
-            applied = len(state.seqs.get("w", ()))
+            applied = len(state.seqs.get(dedup_key("w", 1), ()))
+            assert applied == 0 or len(table.ids) == 100
             assert torch.equal(table.weights, torch.full((len(table.ids), 4), -float(applied)))
             assert table.version == applied
+            seen = max(seen, applied)
+        assert seen > 0, "no push landed in any snapshot: the check above compared nothing"
     finally:
         stop.set()
         thread.join(10)

@@ -11,7 +11,19 @@ from dataclasses import dataclass, field
 from tether.protos.security import TOKEN_ENV, ClientSecurity, resolve_token
 from tether.protos.specs import OPTIMIZERS
 
-__all__ = ["WorkerConfig", "add_training_flags", "build_parser", "config_from_args", "load_config", "parse_mode"]
+__all__ = [
+    "TrainingConfig",
+    "WorkerConfig",
+    "add_connection_flags",
+    "add_job_flags",
+    "add_model_flags",
+    "add_training_flags",
+    "build_parser",
+    "config_from_args",
+    "load_config",
+    "parse_mode",
+    "training_values",
+]
 
 
 def parse_mode(mode: str) -> tuple[str, int | None]:
@@ -57,39 +69,46 @@ def _check_data_file(data: str) -> None:
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
-    """Everything a worker needs: where the shards are, the model, the data and the schedule."""
+class TrainingConfig:
+    """One worker of a training job, whatever the model: where the shards are, which worker
+    this is, the consistency mode, the schedule and the connection. ``Trainer`` takes it;
+    ``WorkerConfig`` adds the built-in CTR model and its data."""
 
     shards: tuple[str, ...]
     worker_index: int = 0
     num_workers: int = 1
-    steps: int = 2000
-    batch_size: int = 256
-    data: str = "synthetic"
-    vocab_size: int = 100_000
-    num_sparse: int = 8
-    embedding_dim: int = 16
+    # async, ssp:S or sync (see parse_mode).
+    mode: str = "async"
+    # Stop after this many steps (None: when the data ends).
+    steps: int | None = None
+    # The shards' update rule for rows and (outside sync) dense parameters; sync steps dense
+    # parameters with the matching torch optimizer.
     optimizer: str = "adagrad"
     lr: float = 0.05
+    # New rows start uniform in [-init_scale, init_scale] (seeded by id and seed).
+    init_scale: float = 0.05
     seed: int = 0
-    eval_samples: int = 20_000
+    # Worker 0 evaluates every N steps (0: only after the last step).
     eval_every: int = 0
+    log_every: int = 50
+    # Worker 0 asks every shard for a checkpoint every N steps (0: never; shards also
+    # checkpoint on their own with --checkpoint-every seconds).
+    checkpoint_every_steps: int = 0
     device: str = "auto"
     prefetch: bool = True
-    log_every: int = 50
-    metrics_port: int | None = None
+    staleness_aware: bool = False
     out: str | None = None
+    # How this worker names itself to the shards (default worker-<index>).
+    worker_id: str | None = None
     timeout_s: float = 30.0
     # The longest one push, pull or declare takes, retries included (ClientConfig.call_deadline_s).
     call_deadline_s: float = 60.0
+    ssp_timeout_s: float = 300.0
     wire_dtype: str = "float32"
     # Push/pull transport (tether.worker.client.ClientConfig.transport): auto, tcp or grpc.
     transport: str = "auto"
-    mode: str = "async"
-    staleness_aware: bool = False
     slowdown: float = 1.0
     slow_worker: int | None = None
-    ssp_timeout_s: float = 300.0
     # Transport security (see tether.protos.security): TLS files, and the bearer token with
     # the file it came from (None: from $TETHER_AUTH_TOKEN, which child processes inherit).
     tls_ca: str | None = None
@@ -97,6 +116,22 @@ class WorkerConfig:
     tls_key: str | None = None
     auth_token_file: str | None = None
     auth_token: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> TrainingConfig:
+        """The config the ``TETHER_*`` environment describes (what ``tether launch`` and the
+        Kubernetes manifests give a worker; ``tether worker --help`` lists the variables),
+        with ``overrides`` winning.
+
+        Raises:
+            ValueError: a bad value, named.
+        """
+        p = argparse.ArgumentParser(add_help=False)
+        add_connection_flags(p)
+        add_job_flags(p, default_steps=None)
+        values = training_values(p.parse_args([]))
+        values.update(overrides)
+        return cls(**values)
 
     @property
     def security(self) -> ClientSecurity:
@@ -129,23 +164,26 @@ class WorkerConfig:
             raise ValueError(f"ssp_timeout_s must be > 0, got {self.ssp_timeout_s!r}")
         if not self.shards:
             raise ValueError("at least one shard address is needed (--shards host:port,...)")
-        if self.num_workers < 1 or not 0 <= self.worker_index < self.num_workers:
-            raise ValueError(f"worker_index must be in [0, num_workers={self.num_workers}), got {self.worker_index!r}")
-        for name in ("steps", "batch_size", "vocab_size", "num_sparse", "embedding_dim", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.eval_samples < 0 or self.eval_every < 0:
-            raise ValueError(f"eval_samples and eval_every must be >= 0, got {self.eval_samples!r}, {self.eval_every!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         for address in self.shards:
             _check_address(address)
+        if self.num_workers < 1 or not 0 <= self.worker_index < self.num_workers:
+            raise ValueError(f"worker_index must be in [0, num_workers={self.num_workers}), got {self.worker_index!r}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be >= 1 (or None: until the data ends), got {self.steps!r}")
+        if self.log_every < 1:
+            raise ValueError(f"log_every must be >= 1, got {self.log_every!r}")
+        if self.eval_every < 0 or self.checkpoint_every_steps < 0:
+            raise ValueError(f"eval_every and checkpoint_every_steps must be >= 0, got {self.eval_every!r}, {self.checkpoint_every_steps!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if not 0 <= self.init_scale < math.inf:
+            raise ValueError(f"init_scale must be a finite number >= 0, got {self.init_scale!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.data != "synthetic" and not self.data.startswith("criteo:"):
-            raise ValueError(f"data must be 'synthetic' or 'criteo:PATH', got {self.data!r}")
+        if self.worker_id is not None and not self.worker_id:
+            raise ValueError("worker_id must not be empty (None: worker-<index>)")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
         if not 0 < self.call_deadline_s < math.inf:
@@ -157,28 +195,55 @@ class WorkerConfig:
         self.security  # noqa: B018 - validates the TLS and token fields together
 
 
+@dataclass(frozen=True)
+class WorkerConfig(TrainingConfig):
+    """``tether worker``: a ``TrainingConfig`` for the built-in CTR model and its data."""
+
+    steps: int = 2000
+    batch_size: int = 256
+    data: str = "synthetic"
+    vocab_size: int = 100_000
+    num_sparse: int = 8
+    embedding_dim: int = 16
+    eval_samples: int = 20_000
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("batch_size", "vocab_size", "num_sparse", "embedding_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.eval_samples < 0:
+            raise ValueError(f"eval_samples must be >= 0, got {self.eval_samples!r}")
+        if self.data != "synthetic" and not self.data.startswith("criteo:"):
+            raise ValueError(f"data must be 'synthetic' or 'criteo:PATH', got {self.data!r}")
         if self.data.startswith("criteo:"):
             _check_data_file(self.data)
+
+
 def _env(name: str, default: object) -> object:
     return os.environ.get(name, default)
 
 
-def add_training_flags(p: argparse.ArgumentParser) -> None:
-    """Flags that describe the job (shared by ``tether worker`` and ``tether launch``)."""
-    p.add_argument("--steps", type=int, default=_env("TETHER_STEPS", 2000), help="training steps per worker (env TETHER_STEPS)")
-    p.add_argument("--batch-size", type=int, default=_env("TETHER_BATCH_SIZE", 256), help="samples per step (env TETHER_BATCH_SIZE)")
-    p.add_argument("--data", default=_env("TETHER_DATA", "synthetic"), help="'synthetic' or 'criteo:PATH' to a Criteo TSV file")
-    p.add_argument("--vocab-size", type=int, default=_env("TETHER_VOCAB_SIZE", 100_000), help="synthetic data: ids per field")
-    p.add_argument("--num-sparse", type=int, default=_env("TETHER_NUM_SPARSE", 8), help="synthetic data: categorical fields")
-    p.add_argument("--embedding-dim", type=int, default=_env("TETHER_EMBEDDING_DIM", 16))
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default=_env("TETHER_OPTIMIZER", "adagrad"), help="server-side update rule")
-    p.add_argument("--lr", type=float, default=_env("TETHER_LR", 0.05))
-    p.add_argument("--seed", type=int, default=_env("TETHER_SEED", 0))
-    p.add_argument("--eval-samples", type=int, default=_env("TETHER_EVAL_SAMPLES", 20_000), help="held-out samples")
-    p.add_argument("--eval-every", type=int, default=_env("TETHER_EVAL_EVERY", 0), help="worker 0 evaluates every N steps (0: only at the end)")
-    p.add_argument("--device", default=_env("TETHER_DEVICE", "auto"), help="auto (CUDA when present), cpu, cuda[:N]")
-    p.add_argument("--no-prefetch", action="store_true", help="pull each batch after the previous push instead of during compute")
-    p.add_argument("--log-every", type=int, default=_env("TETHER_LOG_EVERY", 50), help="print progress every N steps")
+def _optional_int(value: object) -> int | None:
+    return None if value in (None, "") else int(value)
+
+
+def add_job_flags(p: argparse.ArgumentParser, default_steps: int | None = 2000) -> None:
+    """Flags of any training job (``TrainingConfig``), each with a ``TETHER_*`` fallback."""
+    p.add_argument("--steps", type=_optional_int, default=_env("TETHER_STEPS", default_steps),
+                   help="training steps per worker" + ("" if default_steps else "; empty: until the data ends") + " (env TETHER_STEPS)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=_env("TETHER_OPTIMIZER", "adagrad"), help="server-side update rule (env TETHER_OPTIMIZER)")
+    p.add_argument("--lr", type=float, default=_env("TETHER_LR", 0.05), help="learning rate (env TETHER_LR)")
+    p.add_argument("--init-scale", type=float, default=_env("TETHER_INIT_SCALE", 0.05), help="new rows start uniform in [-S, S] (env TETHER_INIT_SCALE)")
+    p.add_argument("--seed", type=int, default=_env("TETHER_SEED", 0), help="seed of the model, the rows and the data (env TETHER_SEED)")
+    p.add_argument("--eval-every", type=int, default=_env("TETHER_EVAL_EVERY", 0), help="worker 0 evaluates every N steps (0: only at the end) (env TETHER_EVAL_EVERY)")
+    p.add_argument("--checkpoint-every-steps", type=int, default=_env("TETHER_CHECKPOINT_EVERY_STEPS", 0),
+                   help="worker 0 asks every shard for a checkpoint every N steps (0: never) (env TETHER_CHECKPOINT_EVERY_STEPS)")
+    p.add_argument("--device", default=_env("TETHER_DEVICE", "auto"), help="auto (CUDA when present), cpu, cuda[:N] (env TETHER_DEVICE)")
+    p.add_argument("--no-prefetch", action="store_true", default=_env("TETHER_NO_PREFETCH", "") not in ("", "0"),
+                   help="pull each batch after the previous push has landed instead of during compute (env TETHER_NO_PREFETCH=1)")
+    p.add_argument("--log-every", type=int, default=_env("TETHER_LOG_EVERY", 50), help="print progress every N steps (env TETHER_LOG_EVERY)")
     p.add_argument("--timeout", type=float, default=_env("TETHER_TIMEOUT", 30.0), help="deadline of each RPC attempt, seconds (env TETHER_TIMEOUT)")
     p.add_argument(
         "--call-deadline", type=float, default=_env("TETHER_CALL_DEADLINE", 60.0),
@@ -186,67 +251,102 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
         "and when it is spent (a shard that is down or stopped) the worker fails with Unavailable; seconds "
         "(env TETHER_CALL_DEADLINE). SSP waits are bounded by --ssp-timeout instead",
     )
-    p.add_argument("--mode", default=_env("TETHER_MODE", "async"), help="consistency: async, ssp:S (at most S steps ahead of the slowest live worker) or sync (all-reduce; start with torchrun)")
-    p.add_argument("--staleness-aware", action="store_true", help="divide each update's learning rate by its staleness (Zhang et al. 2016)")
-    p.add_argument("--ssp-timeout", type=float, default=_env("TETHER_SSP_TIMEOUT", 300.0), help="longest wait on the staleness bound before failing, seconds")
+    p.add_argument("--mode", default=_env("TETHER_MODE", "async"), help="consistency: async, ssp:S (at most S steps ahead of the slowest live worker) or sync (all-reduce; start with torchrun) (env TETHER_MODE)")
+    p.add_argument("--staleness-aware", action="store_true", default=_env("TETHER_STALENESS_AWARE", "") not in ("", "0"),
+                   help="divide each update's learning rate by its staleness (Zhang et al. 2016) (env TETHER_STALENESS_AWARE=1)")
+    p.add_argument("--ssp-timeout", type=float, default=_env("TETHER_SSP_TIMEOUT", 300.0), help="longest wait on the staleness bound before failing, seconds (env TETHER_SSP_TIMEOUT)")
     p.add_argument("--transport", choices=("auto", "tcp", "grpc"), default=_env("TETHER_TRANSPORT", "auto"), help="push/pull over the shards' data plane (auto: shared memory on the same machine, else TCP; tcp: never shared memory) or grpc only (env TETHER_TRANSPORT)")
-    p.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), default=_env("TETHER_WIRE_DTYPE", "float32"), help="element type of parameters and gradients on the wire")
+    p.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), default=_env("TETHER_WIRE_DTYPE", "float32"), help="element type of parameters and gradients on the wire (env TETHER_WIRE_DTYPE)")
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of the built-in CTR model and its data (``WorkerConfig``)."""
+    p.add_argument("--batch-size", type=int, default=_env("TETHER_BATCH_SIZE", 256), help="samples per step (env TETHER_BATCH_SIZE)")
+    p.add_argument("--data", default=_env("TETHER_DATA", "synthetic"), help="'synthetic' or 'criteo:PATH' to a Criteo TSV file (env TETHER_DATA)")
+    p.add_argument("--vocab-size", type=int, default=_env("TETHER_VOCAB_SIZE", 100_000), help="synthetic data: ids per field (env TETHER_VOCAB_SIZE)")
+    p.add_argument("--num-sparse", type=int, default=_env("TETHER_NUM_SPARSE", 8), help="synthetic data: categorical fields (env TETHER_NUM_SPARSE)")
+    p.add_argument("--embedding-dim", type=int, default=_env("TETHER_EMBEDDING_DIM", 16), help="width of every embedding row (env TETHER_EMBEDDING_DIM)")
+    p.add_argument("--eval-samples", type=int, default=_env("TETHER_EVAL_SAMPLES", 20_000), help="held-out samples (env TETHER_EVAL_SAMPLES)")
+
+
+def add_training_flags(p: argparse.ArgumentParser) -> None:
+    """Flags that describe a job of the built-in model (shared by ``tether worker``, ``launch``,
+    ``compare`` and ``sweep``)."""
+    add_job_flags(p)
+    add_model_flags(p)
+
+
+def add_connection_flags(p: argparse.ArgumentParser) -> None:
+    """Flags that place one worker in a job: the shards, its index, security, output."""
+    p.add_argument("--shards", default=_env("TETHER_SHARDS", ""), help="comma-separated host:port of every shard, in shard order (env TETHER_SHARDS)")
+    p.add_argument("--worker-index", type=int, default=_env("TETHER_WORKER_INDEX", _env("JOB_COMPLETION_INDEX", 0)), help="env TETHER_WORKER_INDEX or JOB_COMPLETION_INDEX")
+    p.add_argument("--num-workers", type=int, default=_env("TETHER_NUM_WORKERS", 1), help="env TETHER_NUM_WORKERS")
+    p.add_argument("--worker-id", default=_env("TETHER_WORKER_ID", None), help="name this worker gives the shards (default worker-<index>) (env TETHER_WORKER_ID)")
+    p.add_argument("--out", default=_env("TETHER_OUT", None), help="write worker-<index>.json with the loss history here (env TETHER_OUT)")
+    p.add_argument("--slowdown", type=float, default=_env("TETHER_SLOWDOWN", 1.0), help="make compute this many times slower (straggler experiments) (env TETHER_SLOWDOWN)")
+    p.add_argument("--slow-worker", type=_optional_int, default=_env("TETHER_SLOW_WORKER", None), help="only the worker with this index is slowed (default: this worker) (env TETHER_SLOW_WORKER)")
+    p.add_argument("--tls-ca", default=_env("TETHER_TLS_CA", None), help="connect with TLS; the shards' certificates are signed by this PEM CA (env TETHER_TLS_CA)")
+    p.add_argument("--tls-cert", default=_env("TETHER_TLS_CERT", None), help="client certificate (PEM) for shards that require mutual TLS (env TETHER_TLS_CERT)")
+    p.add_argument("--tls-key", default=_env("TETHER_TLS_KEY", None), help="PEM private key of --tls-cert (env TETHER_TLS_KEY)")
+    p.add_argument("--auth-token-file", default=_env("TETHER_AUTH_TOKEN_FILE", None), help=f"send 'authorization: Bearer <token>' with the token in this file (env TETHER_AUTH_TOKEN_FILE, or the token itself in ${TOKEN_ENV})")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags of ``tether worker``; each falls back to a ``TETHER_*`` environment variable."""
     p = argparse.ArgumentParser(prog="tether worker", description="Train with parameters held on tether shards.")
-    p.add_argument("--shards", default=_env("TETHER_SHARDS", ""), help="comma-separated host:port of every shard, in shard order (env TETHER_SHARDS)")
-    p.add_argument("--worker-index", type=int, default=_env("TETHER_WORKER_INDEX", _env("JOB_COMPLETION_INDEX", 0)), help="env TETHER_WORKER_INDEX or JOB_COMPLETION_INDEX")
-    p.add_argument("--num-workers", type=int, default=_env("TETHER_NUM_WORKERS", 1), help="env TETHER_NUM_WORKERS")
-    p.add_argument("--metrics-port", type=int, default=_env("TETHER_METRICS_PORT", None), help="serve Prometheus /metrics on this port")
-    p.add_argument("--out", default=_env("TETHER_OUT", None), help="write worker-<index>.json with the loss history here")
-    p.add_argument("--slowdown", type=float, default=_env("TETHER_SLOWDOWN", 1.0), help="make compute this many times slower (straggler experiments)")
-    p.add_argument("--slow-worker", type=int, default=_env("TETHER_SLOW_WORKER", None), help="only the worker with this index is slowed (default: this worker)")
-    p.add_argument("--tls-ca", default=_env("TETHER_TLS_CA", None), help="connect with TLS; the shards' certificates are signed by this PEM CA (env TETHER_TLS_CA)")
-    p.add_argument("--tls-cert", default=_env("TETHER_TLS_CERT", None), help="client certificate (PEM) for shards that require mutual TLS (env TETHER_TLS_CERT)")
-    p.add_argument("--tls-key", default=_env("TETHER_TLS_KEY", None), help="PEM private key of --tls-cert (env TETHER_TLS_KEY)")
-    p.add_argument("--auth-token-file", default=_env("TETHER_AUTH_TOKEN_FILE", None), help=f"send 'authorization: Bearer <token>' with the token in this file (env TETHER_AUTH_TOKEN_FILE, or the token itself in ${TOKEN_ENV})")
+    add_connection_flags(p)
+    p.add_argument("--metrics-port", type=_optional_int, default=_env("TETHER_METRICS_PORT", None), help="serve Prometheus /metrics on this port (env TETHER_METRICS_PORT)")
     add_training_flags(p)
     return p
 
 
-def config_from_args(a: argparse.Namespace, **overrides: object) -> WorkerConfig:
-    """``WorkerConfig`` from parsed flags (``overrides`` win)."""
-    values: dict[str, object] = dict(
+def training_values(a: argparse.Namespace) -> dict[str, object]:
+    """``TrainingConfig`` fields from parsed connection and job flags."""
+    steps = getattr(a, "steps", None)
+    return dict(
         shards=tuple(s.strip() for s in str(getattr(a, "shards", "") or "").split(",") if s.strip()),
         worker_index=int(getattr(a, "worker_index", 0)),
         num_workers=int(getattr(a, "num_workers", 1)),
-        steps=int(a.steps),
-        batch_size=int(a.batch_size),
-        data=a.data,
-        vocab_size=int(a.vocab_size),
-        num_sparse=int(a.num_sparse),
-        embedding_dim=int(a.embedding_dim),
+        mode=a.mode,
+        steps=None if steps in (None, "") else int(steps),
         optimizer=a.optimizer,
         lr=float(a.lr),
+        init_scale=float(a.init_scale),
         seed=int(a.seed),
-        eval_samples=int(a.eval_samples),
         eval_every=int(a.eval_every),
+        log_every=int(a.log_every),
+        checkpoint_every_steps=int(a.checkpoint_every_steps),
         device=a.device,
         prefetch=not a.no_prefetch,
-        log_every=int(a.log_every),
-        metrics_port=None if getattr(a, "metrics_port", None) in (None, "") else int(a.metrics_port),
+        staleness_aware=bool(a.staleness_aware),
         out=getattr(a, "out", None),
+        worker_id=getattr(a, "worker_id", None) or None,
         timeout_s=float(a.timeout),
         call_deadline_s=float(a.call_deadline),
+        ssp_timeout_s=float(a.ssp_timeout),
         wire_dtype=a.wire_dtype,
         transport=a.transport,
-        mode=a.mode,
-        staleness_aware=bool(a.staleness_aware),
         slowdown=float(getattr(a, "slowdown", 1.0)),
-        slow_worker=None if getattr(a, "slow_worker", None) in (None, "") else int(a.slow_worker),
-        ssp_timeout_s=float(a.ssp_timeout),
+        slow_worker=_optional_int(getattr(a, "slow_worker", None)),
         tls_ca=getattr(a, "tls_ca", None) or None,
         tls_cert=getattr(a, "tls_cert", None) or None,
         tls_key=getattr(a, "tls_key", None) or None,
         auth_token_file=getattr(a, "auth_token_file", None) or None,
         auth_token=resolve_token(getattr(a, "auth_token_file", None)),
+    )
+
+
+def config_from_args(a: argparse.Namespace, **overrides: object) -> WorkerConfig:
+    """``WorkerConfig`` from parsed flags (``overrides`` win)."""
+    values = training_values(a)
+    values.update(
+        batch_size=int(a.batch_size),
+        data=a.data,
+        vocab_size=int(a.vocab_size),
+        num_sparse=int(a.num_sparse),
+        embedding_dim=int(a.embedding_dim),
+        eval_samples=int(a.eval_samples),
+        metrics_port=_optional_int(getattr(a, "metrics_port", None)),
     )
     values.update(overrides)
     return WorkerConfig(**values)

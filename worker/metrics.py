@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tether.protos.metrics_http import register_process_metrics, serve_metrics
@@ -59,6 +61,17 @@ class WorkerMetrics:
         self._phases = {phase: self.phase_seconds.labels(phase=phase) for phase in PHASES}
         # Memory (RSS), CPU and fds of the process (once per registry: a shard may share it).
         register_process_metrics(r)
+
+    def record_step(self, phases: dict[str, float], seconds: float, samples: int, loss: float, clock: int) -> None:
+        """Record one finished training step: its phases, duration, samples, loss and clock."""
+        for phase, value in phases.items():
+            self.observe_phase(phase, value)
+        self.step_seconds.observe(seconds)
+        self.samples.inc(samples)
+        self.steps.inc()
+        self.train_loss.set(loss)
+        self.clock.set(clock)
+        self.last_step_timestamp.set(time.time())
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """Record ``seconds`` spent in ``phase``; staleness waits also feed the wait counter."""

@@ -1,0 +1,134 @@
+"""The public training API with a model that is not CTRModel: tether's result equals the same
+model trained in one process with the matching torch optimizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tether.deploy.launch import LocalCluster
+from tether.worker.embedding import ShardedEmbeddingBag
+from tether.worker.training import Trainer, TrainingConfig, batch_size_of, to_device
+
+DIM, USERS, ITEMS = 4, 30, 40
+
+
+class MF(nn.Module):
+    """Matrix factorisation with a bias: rating ~ <user, item> + b, a user's history bag too."""
+
+    def __init__(self, embedding: callable) -> None:
+        super().__init__()
+        self.user = embedding("users", DIM)
+        self.item = embedding("items", DIM)
+        self.scale = nn.Linear(1, 1)
+        nn.init.ones_(self.scale.weight)
+        nn.init.zeros_(self.scale.bias)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        dot = (self.user(batch["user"]) * self.item(batch["item"])).sum(1, keepdim=True)
+        return self.scale(dot).squeeze(1)
+
+
+def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(model(batch), batch["rating"])
+
+
+def _ids(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"users": batch["user"], "items": batch["item"]}
+
+
+def _batches(n: int, size: int = 32) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(n):
+        user = torch.randint(0, USERS, (size,), generator=g) * 1_000_003  # sparse, unbounded ids
+        item = torch.randint(0, ITEMS, (size,), generator=g) + 2**40
+        out.append({"user": user, "item": item, "rating": torch.randn(size, generator=g)})
+    return out
+
+
+class _Local(nn.Module):
+    """A plain in-process embedding over the given ids, for the reference run."""
+
+    def __init__(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        super().__init__()
+        self.ids = ids
+        self.weight = nn.Parameter(rows.clone())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[torch.searchsorted(self.ids, ids)]
+
+
+@pytest.mark.parametrize(("optimizer", "lr"), [("sgd", 0.3), ("adagrad", 0.1)])
+def test_one_worker_equals_torch_optimizer_in_process(cluster: LocalCluster, optimizer: str, lr: float) -> None:
+    addresses = cluster.start_shards(2)
+    batches = _batches(25)
+    torch.manual_seed(0)
+    model = MF(lambda name, dim: ShardedEmbeddingBag(name, dim))
+    config = TrainingConfig(shards=tuple(addresses), optimizer=optimizer, lr=lr, prefetch=False, log_every=100, init_scale=0.3, device="cpu")
+    with Trainer(model, config, loss=_loss, sparse=_ids, printer=lambda line: None) as trainer:
+        # The rows the shards start from (a pull creates them and changes nothing).
+        user_ids = torch.unique(torch.cat([b["user"] for b in batches]))
+        item_ids = torch.unique(torch.cat([b["item"] for b in batches]))
+        start = trainer.client.pull({"users": user_ids, "items": item_ids}).result(30)
+        initial_dense = [p.detach().clone() for p in model.parameters()]
+        record = trainer.fit(batches)
+        final = trainer.client.pull({"users": user_ids, "items": item_ids}, ["dense"]).result(30)
+    assert record["steps"] == 25 and record["samples"] == 25 * 32
+
+    torch.manual_seed(0)
+    ref = MF(lambda name, dim: _Local(user_ids, start.rows["users"]) if name == "users" else _Local(item_ids, start.rows["items"]))
+    with torch.no_grad():
+        for p, v in zip(ref.scale.parameters(), initial_dense):
+            p.copy_(v)
+    params = list(ref.parameters())
+    opt = torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.Adagrad(params, lr=lr, eps=1e-8)
+    for b in batches:
+        opt.zero_grad()
+        _loss(ref, b).backward()
+        opt.step()
+    assert torch.allclose(final.rows["users"], ref.user.weight.detach(), atol=1e-5)
+    assert torch.allclose(final.rows["items"], ref.item.weight.detach(), atol=1e-5)
+    dense_ref = torch.cat([p.detach().reshape(-1) for p in ref.scale.parameters()])
+    assert torch.allclose(final.dense["dense"], dense_ref, atol=1e-5)
+    # And the model moved: the comparison is not between two untouched starts.
+    assert (final.rows["users"] - start.rows["users"]).abs().max() > 0.01
+
+
+def test_evaluate_and_records(cluster: LocalCluster, tmp_path) -> None:
+    addresses = cluster.start_shards(1)
+    torch.manual_seed(0)
+    model = MF(lambda name, dim: ShardedEmbeddingBag(name, dim))
+    lines: list[str] = []
+    config = TrainingConfig(shards=tuple(addresses), steps=12, log_every=5, eval_every=6, out=str(tmp_path), device="cpu", lr=0.1)
+    with Trainer(model, config, loss=_loss, sparse=_ids, printer=lines.append) as trainer:
+        record = trainer.fit(_batches(40), eval_data=_batches(2, size=64))
+    assert record["steps"] == 12  # config.steps stops it before the data ends
+    evals = [h for h in record["history"] if "eval_loss" in h]
+    assert [h["step"] for h in evals] == [6, 12]
+    assert record["final_eval"]["eval_loss"] == evals[-1]["eval_loss"]
+    assert (tmp_path / "worker-0.json").exists()
+    progress = [line for line in lines if " step " in line]
+    assert progress and all("elapsed" in line for line in progress)
+    assert "eta" in progress[0] and "eta" not in progress[-1]
+
+
+def test_batches_of_any_shape_move_and_count() -> None:
+    from tether.worker.data import Batch
+
+    nested = {"a": torch.ones(3, 2), "b": [torch.zeros(3), (torch.ones(3),)], "name": "x"}
+    assert batch_size_of(nested) == 3
+    moved = to_device(nested, torch.device("cpu"))
+    assert moved["name"] == "x" and torch.equal(moved["b"][1][0], torch.ones(3))
+    batch = Batch(torch.zeros(5, 2), torch.zeros(5, 3, dtype=torch.int64), torch.zeros(5))
+    assert batch_size_of(batch) == 5 and isinstance(to_device(batch, torch.device("cpu")), Batch)
+
+
+def test_a_table_the_model_does_not_have_is_a_clear_error(cluster: LocalCluster) -> None:
+    addresses = cluster.start_shards(1)
+    model = MF(lambda name, dim: ShardedEmbeddingBag(name, dim))
+    config = TrainingConfig(shards=tuple(addresses), device="cpu")
+    with Trainer(model, config, loss=_loss, sparse=lambda b: {"nope": b["user"]}, printer=lambda line: None) as trainer:
+        with pytest.raises(Exception, match="nope"):
+            trainer.fit(_batches(2), background=False)

@@ -1,0 +1,577 @@
+"""Train your own PyTorch model through tether: one loop, a small policy per consistency mode.
+
+A model is an ordinary ``torch.nn.Module`` whose sparse features go through
+``ShardedEmbeddingBag`` modules (their rows live on the shards) and whose other parameters are
+ordinary layers (they live on the shards too, or on the workers in ``sync`` mode). A
+``Trainer`` is one worker of a job::
+
+    config = TrainingConfig.from_env(mode="ssp:2")        # shards, index, mode: flags, env or code
+    trainer = Trainer(model, config, loss=lambda m, b: ..., sparse=lambda b: {"items": b["item"]})
+    record = trainer.fit(batches, eval_data=held_out)      # any iterable of batches
+
+``sparse(batch)`` names the ids a batch looks up, per table (a tensor, or a list of tensors for
+features that share a table), so the rows can be pulled before the forward pass, while the
+previous step computes. ``loss(model, batch)`` returns the scalar to minimise. The built-in CTR
+model and ``tether worker`` train through this class too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch import nn
+
+from tether.protos.errors import DeadlineExceeded, FailedPrecondition, TooStale, UsageError
+from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.worker.client import ClientConfig, Handle, PSClient, PullResult
+from tether.worker.config import TrainingConfig
+from tether.worker.data import in_background
+from tether.worker.embedding import Prefetch, PSModel, flat_grads, split_flat
+from tether.worker.metrics import WorkerMetrics
+
+__all__ = ["Trainer", "TrainingConfig", "batch_size_of", "local_optimizer", "pick_device", "to_device"]
+
+log = logging.getLogger(__name__)
+
+B = TypeVar("B")
+_WIRE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` means CUDA when there is a GPU, else the CPU.
+
+    Raises:
+        UsageError: CUDA asked for but not available.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: torch sees no CUDA device")
+    return device
+
+
+def local_optimizer(name: str, lr: float, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The torch optimizer that matches the shards' update rule (sync mode's dense step)."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr, eps=1e-8)
+    return torch.optim.Adam(params, lr=lr, eps=1e-8)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it on ``device`` (tensors, mappings, sequences, named
+    tuples and dataclasses are walked; anything else is left as it is)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if device.type == "cpu" and _all_cpu(batch):
+        return batch
+    if isinstance(batch, Mapping):
+        return type(batch)({k: to_device(v, device) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return replace(batch, **{f.name: to_device(getattr(batch, f.name), device) for f in dataclasses.fields(batch) if f.init})
+    return batch
+
+
+def _all_cpu(batch: Any) -> bool:
+    return all(t.device.type == "cpu" for t in _tensors(batch))
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for v in batch.values():
+            yield from _tensors(v)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            yield from _tensors(v)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for f in dataclasses.fields(batch):
+            yield from _tensors(getattr(batch, f.name))
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in ``batch``: the length of its first tensor (0 if it holds none)."""
+    for t in _tensors(batch):
+        return int(t.shape[0]) if t.dim() else 1
+    return 0
+
+
+# -- the policies: what each consistency mode adds to the loop --------------------------------------
+
+
+class _Policy:
+    """Asynchronous (ASP): never wait; one push_pull per step once the loop is under way."""
+
+    name = "async"
+    prefetch = True  # the next batch's rows may be pulled before this step's push lands
+    settle_every_step = False
+    sparse_scale = 1.0
+    dense_on_shards = True
+
+    def start(self, trainer: Trainer) -> int:
+        """The clock this worker starts from."""
+        return 0
+
+    def before_step(self, trainer: Trainer, clock: int) -> None:
+        """Called before a step pulls its rows."""
+
+    def after_backward(self) -> None:
+        """Called once the gradients are in."""
+
+    def after_push(self) -> None:
+        """Called once a step's push landed (``settle_every_step`` policies)."""
+
+    def finish(self, trainer: Trainer, clock: int, record: dict[str, object]) -> None:
+        """Called after the last step."""
+
+
+class _SSP(_Policy):
+    """Stale synchronous parallel: wait while more than ``bound`` steps ahead of the slowest
+    live worker; pull only once the wait is over; a step's push lands before the next step."""
+
+    name = "ssp"
+    prefetch = False
+    settle_every_step = True
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+
+    def start(self, trainer: Trainer) -> int:
+        """Register, then wait (bounded) until every worker of the job has, so no one runs
+        ahead of a worker that has not started yet. A worker restarted into a running job
+        starts at the slowest other worker's clock rather than holding everyone back at 0."""
+        cfg = trainer.config
+        deadline = time.monotonic() + cfg.ssp_timeout_s
+        while True:
+            reply = trainer.client.clock(0)
+            if reply.live_workers >= cfg.num_workers:
+                return reply.min_other_clock
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"only {reply.live_workers} of {cfg.num_workers} workers joined within {cfg.ssp_timeout_s:.0f}s")
+            time.sleep(0.05)
+
+    def before_step(self, trainer: Trainer, clock: int) -> None:
+        cfg = trainer.config
+        reply = trainer.client.clock(clock, wait_bound=self.bound, timeout_s=cfg.ssp_timeout_s)
+        if not reply.ready:
+            raise DeadlineExceeded(
+                f"{trainer.name} waited {cfg.ssp_timeout_s:.0f}s at clock {clock} for the slowest live worker "
+                f"(clock {reply.min_clock}, bound {self.bound})"
+            )
+
+    def finish(self, trainer: Trainer, clock: int, record: dict[str, object]) -> None:
+        trainer.client.clock(clock, leave=True)
+
+
+class _Sync(_Policy):
+    """Synchronous: dense gradients averaged by all-reduce and stepped on every rank; row
+    gradients pushed in lock step (averaged over the ranks), a barrier after each step."""
+
+    name = "sync"
+    prefetch = False
+    settle_every_step = True
+    dense_on_shards = False
+
+    def __init__(self, world: int) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.world = world
+        self.sparse_scale = 1.0 / world
+        self.params: list[nn.Parameter] = []
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.digests: list[str] = []
+
+    def bind(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+        """The dense parameters this rank all-reduces and steps."""
+        self.params, self.optimizer = params, optimizer
+
+    def after_backward(self) -> None:
+        if not self.params:
+            return
+        flat = flat_grads(self.params)
+        self.dist.all_reduce(flat)
+        flat /= self.world
+        for p, grad in zip(self.params, split_flat(flat, self.params)):
+            p.grad = grad
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def after_push(self) -> None:
+        self.dist.barrier()
+        self.digests.append(self.digest())
+
+    def digest(self) -> str:
+        """Short hash of the dense parameters (identical on every rank after every step)."""
+        if not self.params:
+            return ""
+        data = torch.cat([p.detach().reshape(-1).cpu() for p in self.params]).numpy().tobytes()
+        return hashlib.sha1(data).hexdigest()[:16]
+
+    def finish(self, trainer: Trainer, clock: int, record: dict[str, object]) -> None:
+        record["dense_digests"] = self.digests
+        record["backend"] = self.dist.get_backend()
+
+
+def _init_sync(cfg: TrainingConfig, device: torch.device) -> TrainingConfig:
+    """Join the torchrun process group (NCCL when every rank has CUDA, else gloo), unless the
+    caller already did; the config takes its rank and world size."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise UsageError(
+                "--mode sync: the ranks run under torchrun, which sets RANK and WORLD_SIZE: start them with "
+                "'torchrun --nproc-per-node N -m tether.worker --mode sync ...', or use 'tether launch --mode sync'"
+            )
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=max(cfg.timeout_s * 4, 60)))
+    return replace(cfg, worker_index=dist.get_rank(), num_workers=dist.get_world_size())
+
+
+# -- the trainer ------------------------------------------------------------------------------------
+
+
+class Trainer(Generic[B]):
+    """One worker of a job: binds ``model`` to the shards and trains it on batches.
+
+    Args:
+        model: any module; its ``ShardedEmbeddingBag`` modules' rows and (outside ``sync``) its
+            parameters live on the shards. Build it after ``torch.manual_seed(config.seed)`` on
+            every worker so that the first to declare gives every worker the same start.
+        config: shards, this worker's index, the mode and the schedule (``TrainingConfig``).
+        loss: ``loss(model, batch)`` -> scalar tensor; the batch is already on the device.
+        sparse: ``sparse(batch)`` -> {table: ids} (a tensor of any shape, or a list of tensors
+            for features sharing a table) for every table the batch looks up.
+        tables: table specs to declare; by default one per table of the model, with the
+            config's optimizer, learning rate, ``init_scale`` and seed.
+        metrics: where to record Prometheus metrics (``WorkerMetrics``), or None.
+        printer: where progress lines go.
+        batch_size: ``batch_size(batch)`` -> samples (default: the first tensor's length).
+
+    Raises:
+        UsageError: ``sync`` outside torchrun, or CUDA asked for and missing.
+        TetherError: the shards refused the declaration or could not be reached.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: TrainingConfig,
+        *,
+        loss: Callable[[nn.Module, B], torch.Tensor],
+        sparse: Callable[[B], Mapping[str, torch.Tensor | Sequence[torch.Tensor]]],
+        tables: Sequence[TableConfig] | None = None,
+        metrics: WorkerMetrics | None = None,
+        printer: Callable[[str], None] = print,
+        batch_size: Callable[[B], int] = batch_size_of,
+    ) -> None:
+        kind, bound = config.consistency
+        device = pick_device(config.device)
+        if kind == "sync":
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+            config = _init_sync(config, device)
+            policy: _Policy = _Sync(config.num_workers)
+        elif kind == "ssp":
+            policy = _SSP(int(bound))
+        else:
+            policy = _Policy()
+        self.config = config
+        self.device = device
+        self.policy = policy
+        self.loss_fn = loss
+        self.sparse_fn = sparse
+        self.batch_size_fn = batch_size
+        self.metrics = metrics
+        self.printer = printer
+        self.name = f"worker {config.worker_index}/{config.num_workers}"
+        self.client = PSClient(
+            ClientConfig(
+                addresses=config.shards,
+                worker_id=config.worker_id or f"worker-{config.worker_index}",
+                timeout_s=config.timeout_s,
+                call_deadline_s=config.call_deadline_s,
+                wire_dtype=_WIRE[config.wire_dtype],
+                transport=config.transport,
+                staleness_aware=config.staleness_aware,
+                security=config.security,
+            ),
+            metrics,
+        )
+        try:
+            self.ps = PSModel(model.to(device), self.client, device, dense_on_shards=policy.dense_on_shards)
+            opt = OptimizerConfig(name=config.optimizer, lr=config.lr)
+            if tables is None:
+                tables = [
+                    TableConfig(name=t, dim=bags[0].dim, optimizer=opt, init_scale=config.init_scale, seed=config.seed)
+                    for t, bags in self.ps.bags.items()
+                ]
+            self.client.declare(list(tables), self.ps.dense_tensors() if policy.dense_on_shards and self.ps.dense else None, opt)
+            if isinstance(policy, _Sync):
+                params = list(self.ps.parameters())
+                policy.bind(params, local_optimizer(config.optimizer, config.lr, params) if params else None)
+        except BaseException:
+            self.client.close()
+            raise
+        self.model = model
+
+    # -- evaluation -----------------------------------------------------------------------------
+
+    def evaluate(self, data: Iterable[B], metric: Callable[[nn.Module, B], Mapping[str, float]] | None = None) -> dict[str, float]:
+        """Metrics of the model with the shards' current parameters, averaged over ``data``
+        (weighted by batch size). ``metric(model, batch)`` gives a batch's metrics; by default
+        ``{"eval_loss": loss(model, batch)}``.
+        """
+        totals: dict[str, float] = {}
+        n = 0
+        was_training = self.model.training
+        self.model.train(False)
+        try:
+            for batch in data:
+                self.ps.install(self.ps.prefetch(self.sparse_fn(batch)), train=False, timeout=self.config.wait_s)
+                on_device = to_device(batch, self.device)
+                with torch.no_grad():
+                    values = metric(self.model, on_device) if metric else {"eval_loss": float(self.loss_fn(self.model, on_device))}
+                k = self.batch_size_fn(batch)
+                for key, value in values.items():
+                    totals[key] = totals.get(key, 0.0) + float(value) * k
+                n += k
+        finally:
+            self.model.train(was_training)
+        return {key: value / max(n, 1) for key, value in totals.items()}
+
+    # -- training -------------------------------------------------------------------------------
+
+    def fit(
+        self,
+        data: Iterable[B],
+        eval_data: Iterable[B] | None = None,
+        evaluate: Callable[[nn.Module, B], Mapping[str, float]] | None = None,
+        background: bool = True,
+    ) -> dict[str, object]:
+        """Train on ``data`` until it ends or ``config.steps`` steps are done; returns this
+        worker's record (also written to ``config.out/worker-<i>.json``).
+
+        Worker 0 evaluates ``eval_data`` (re-iterated each time: pass a list or a re-iterable
+        dataset) every ``config.eval_every`` steps and after the last step.
+
+        Args:
+            background: prepare batches on a background thread, up to 4 ahead.
+
+        Raises:
+            DeadlineExceeded: an ``ssp`` wait ran past ``config.ssp_timeout_s``.
+            TetherError: a shard call failed after retries.
+        """
+        cfg, policy, ps = self.config, self.policy, self.ps
+        stream = in_background(iter(data)) if background else iter(data)
+        evaluating = eval_data is not None and cfg.worker_index == 0
+        prefetch = cfg.prefetch and policy.prefetch
+        # Without prefetching a step's push lands before the next step pulls (sequential SGD).
+        settle_every_step = policy.settle_every_step or not cfg.prefetch
+        history: list[dict[str, object]] = []
+        staleness: list[int] = []
+        too_stale = 0
+        wait_s = cfg.wait_s
+
+        def settle(handle: Handle) -> None:
+            """Wait for a push; one a shard rejected as too stale is dropped and counted."""
+            nonlocal too_stale
+            try:
+                staleness.append(handle.result(wait_s).clock_staleness)
+            except TooStale as exc:
+                too_stale += 1
+                log.info("%s", exc)
+
+        def install(pending: Prefetch) -> PullResult:
+            """Wait for a pull; a push_pull whose push was rejected as too stale is counted and
+            its pull made again on its own."""
+            nonlocal too_stale
+            try:
+                pulled = ps.install(pending, train=True, timeout=wait_s)
+            except TooStale as exc:
+                too_stale += 1
+                log.info("%s", exc)
+                return ps.install(ps.prefetch(pending.ids), train=True, timeout=wait_s)
+            if pending.ack is not None:
+                staleness.append(pending.ack.clock_staleness)
+            return pulled
+
+        steps = cfg.steps
+        total = f"/{steps}" if steps else ""
+        self.printer(f"{self.name}: mode {cfg.mode}, {len(cfg.shards)} shard(s), device {self.device}"
+                     + (f", {steps} steps" if steps else ", until the data ends"))
+        start_clock = policy.start(self)
+        batch = next(stream, None)
+        if batch is None:
+            raise UsageError("the training data holds no batch")
+        upcoming = next(stream, None) if steps is None or steps > 1 else None
+        # Prefetching the next batch during compute reads before this step's push lands: fine
+        # without a bound, but ssp and sync pull only once the bound (or the barrier) allows.
+        # An async step makes one round trip in steady state: its push carries the pull of the
+        # batch after next (push_pull, whose answer holds the push's ack), which then has a
+        # whole step of compute to come back in. The rows of a step miss one step's update
+        # either way (the previous step's), as with a plain prefetch issued before the push.
+        pending = None  # the pull of this step's batch, if already under way
+        ahead = None  # the push_pull carrying the next step's pull
+        push = None
+        phase = {"staleness_wait": 0.0, "pull_wait": 0.0, "compute": 0.0, "push": 0.0}
+        window_loss, window_n, samples, eval_time = 0.0, 0, 0, 0.0
+        slowdown = cfg.my_slowdown
+        t_start = time.perf_counter()
+        step = 0
+        for step in itertools.count():
+            clock = start_clock + step
+            t0 = time.perf_counter()
+            policy.before_step(self, clock)
+            tw = time.perf_counter()
+            if pending is None:
+                pending = ps.prefetch(self.sparse_fn(batch))
+            pulled = install(pending)
+            pending, ahead = ahead, None
+            t1 = time.perf_counter()
+            after = next(stream, None) if upcoming is not None and (steps is None or step + 2 < steps) else None
+            if prefetch and upcoming is not None and pending is None:
+                pending = ps.prefetch(self.sparse_fn(upcoming))
+            loss = self.loss_fn(self.model, to_device(batch, self.device))
+            loss.backward()
+            policy.after_backward()
+            loss_value = float(loss.detach())
+            if slowdown > 1.0:
+                time.sleep((slowdown - 1.0) * (time.perf_counter() - t1))
+            t2 = time.perf_counter()
+            if push is not None:
+                settle(push)
+                push = None
+            if prefetch and after is not None:
+                ahead = ps.push_pull(clock=clock + 1, versions=pulled, sparse=self.sparse_fn(after))
+            else:
+                push = ps.push(clock=clock + 1, versions=pulled, sparse_scale=policy.sparse_scale)
+            if settle_every_step:
+                # The step's updates must land before this worker's clock (or the barrier) lets
+                # anyone read past them.
+                settle(push)
+                push = None
+                policy.after_push()
+            t3 = time.perf_counter()
+            n = self.batch_size_fn(batch)
+            samples += n
+            window_loss += loss_value
+            window_n += 1
+            durations = {"staleness_wait": tw - t0, "pull_wait": t1 - tw, "compute": t2 - t1, "push": t3 - t2}
+            for key, value in durations.items():
+                phase[key] += value
+            if self.metrics is not None:
+                self.metrics.record_step(durations, t3 - t0, n, loss_value, clock + 1)
+            last = upcoming is None
+            if cfg.checkpoint_every_steps and cfg.worker_index == 0 and (step + 1) % cfg.checkpoint_every_steps == 0:
+                self._checkpoint(clock + 1)
+            evaluate_now = evaluating and ((cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0) or last)
+            if (step + 1) % cfg.log_every == 0 or last or evaluate_now:
+                wall = time.perf_counter() - t_start - eval_time
+                record: dict[str, object] = {
+                    "step": step + 1,
+                    "samples": samples,
+                    "wall_s": round(wall, 4),
+                    "train_loss": round(window_loss / max(window_n, 1), 6),
+                }
+                if evaluate_now:
+                    # Evaluation time is left out of the wall clock so curves compare training.
+                    te = time.perf_counter()
+                    record.update(self.evaluate(eval_data, evaluate))
+                    eval_time += time.perf_counter() - te
+                history.append(record)
+                self.printer(self._progress(record, phase, wall, steps, total))
+                window_loss, window_n = 0.0, 0
+            if upcoming is None:
+                break
+            batch, upcoming = upcoming, after
+        if push is not None:
+            settle(push)
+        wall = time.perf_counter() - t_start - eval_time
+        result: dict[str, object] = {
+            "worker_index": cfg.worker_index,
+            "mode": cfg.mode,
+            "device": str(self.device),
+            "steps": step + 1,
+            "samples": samples,
+            "wall_s": wall,
+            "samples_per_sec": samples / wall if wall > 0 else math.nan,
+            "phase_seconds": phase,
+            "clock_staleness": staleness,
+            "rejected_too_stale": too_stale,
+            "history": history,
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k != "auth_token"},
+        }
+        if evaluating and history:
+            result["final_eval"] = {k: v for k, v in history[-1].items() if k.startswith("eval_")}
+        policy.finish(self, start_clock + step + 1, result)
+        if cfg.out:
+            out = Path(cfg.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"worker-{cfg.worker_index}.json").write_text(json.dumps(result, indent=2))
+        return result
+
+    def _progress(self, record: dict[str, object], phase: dict[str, float], wall: float, steps: int | None, total: str) -> str:
+        """One progress line: step, loss, throughput, where the time went, elapsed and ETA."""
+        busy = sum(phase.values()) or 1.0
+        kind = self.config.consistency[0]
+        split = " ".join(f"{k} {v / busy:.0%}" for k, v in phase.items() if k != "staleness_wait" or kind == "ssp")
+        done = int(record["step"])
+        eta = f" eta {_clock(wall / done * (steps - done))}" if steps and done < steps else ""
+        extra = ""
+        if "eval_loss" in record:
+            extra = f" eval_loss {record['eval_loss']:.4f}" + (f" auc {record['eval_auc']:.4f}" if "eval_auc" in record else "")
+        return (f"{self.name} step {done}{total} loss {record['train_loss']:.4f} "
+                f"{int(record['samples']) / max(wall, 1e-9):,.0f} samples/s ({split}) elapsed {_clock(wall)}{eta}{extra}")
+
+    def _checkpoint(self, clock: int) -> None:
+        """Ask every shard for a checkpoint ``step-<clock>`` (worker 0); a shard without a
+        checkpoint directory turns this off with one log line."""
+        try:
+            self.client.checkpoint(f"step-{clock}")
+        except FailedPrecondition as exc:
+            log.warning("checkpoint_every_steps is set but the shards cannot checkpoint (%s); not asking again", exc)
+            self.config = replace(self.config, checkpoint_every_steps=0)
+
+    def close(self) -> None:
+        """Leave the process group (sync) and close the client."""
+        if isinstance(self.policy, _Sync) and self.policy.dist.is_initialized():
+            self.policy.dist.barrier()
+            self.policy.dist.destroy_process_group()
+        self.client.close()
+
+    def __enter__(self) -> Trainer[B]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _clock(seconds: float) -> str:
+    """``seconds`` as m:ss (h:mm:ss past an hour)."""
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
