@@ -137,9 +137,22 @@ print(n, before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
-def _peak_mib(path: Path) -> tuple[int, float, float]:
-    """Lines read, peak RSS after imports and at the end (MiB) of a process streaming ``path``."""
-    out = subprocess.run([sys.executable, "-c", _PEAK, str(path)], check=True, capture_output=True, text=True).stdout.split()
+_OLD_PEAK = """
+import resource, sys, torch
+sys.path.insert(0, sys.argv[2])
+from criteo_parse import OldCriteoTSV
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+parts = list(OldCriteoTSV(sys.argv[1]).batches(1 << 16))  # what load_criteo did: the whole file
+everything = [torch.cat(ts) for ts in zip(*parts)]
+print(everything[2].numel(), before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def _peak_mib(path: Path, old: bool = False) -> tuple[int, float, float]:
+    """Lines read, peak RSS after imports and at the end (MiB) of a process streaming ``path``
+    (``old``: loading it whole with the old parser, as ``load_criteo`` did)."""
+    cmd = [sys.executable, "-c", _OLD_PEAK, str(path), str(Path(__file__).parent)] if old else [sys.executable, "-c", _PEAK, str(path)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()
     return int(out[0]), int(out[1]) / 1024, int(out[2]) / 1024
 
 
@@ -192,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             dst.write(b"".join(src.readline() for _ in range(lines // 10)))
         n_small, base_small, peak_small = _peak_mib(small)
         n_big, base_big, peak_big = _peak_mib(path)
+        n_old, base_old, peak_old = _peak_mib(small, old=True)
         size_mib = path.stat().st_size / 2**20
     load = os.getloadavg()[0]
     print(f"machine: {_cpu_model()}, nproc {os.cpu_count()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, load {load:.2f}")
@@ -203,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio new / old: {statistics.median(new) / statistics.median(old):.1f}x")
     print(f"peak RSS streaming {n_small:,} lines: {peak_small:.0f} MiB (after imports {base_small:.0f}); "
           f"{n_big:,} lines: {peak_big:.0f} MiB (after imports {base_big:.0f}); growth for 10x the lines: {peak_big - peak_small:+.0f} MiB")
+    print(f"peak RSS of the old whole-file load of {n_old:,} lines: {peak_old:.0f} MiB (after imports {base_old:.0f})")
     return 0
 
 
