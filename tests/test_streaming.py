@@ -214,6 +214,15 @@ def test_damaged_gzip_and_missing_newline(tmp_path: Path, sample: Path) -> None:
     assert _lines_as_rows(no_nl) == _lines_as_rows(sample)
 
 
+def test_a_file_gone_before_reading_is_one_line(tmp_path: Path, sample: Path) -> None:
+    path = tmp_path / "gone.tsv"
+    path.write_bytes(sample.read_bytes())
+    stream = CriteoStream(path, 64)
+    path.unlink()
+    with pytest.raises(DataError, match="gone.tsv: No such file or directory"):
+        list(stream)
+
+
 def test_dataloader_processes_split_the_share(sample: Path) -> None:
     stream = CriteoStream(sample, 50, rank=1, world_size=2)
     alone = sorted(_rows(_cat(list(stream))))

@@ -451,9 +451,21 @@ def criteo_files(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str
     return files
 
 
+def _open(path: Path) -> BinaryIO:
+    """``path`` opened for reading.
+
+    Raises:
+        DataError: it cannot be (gone since ``criteo_files`` looked, no permission).
+    """
+    try:
+        return open(path, "rb")  # noqa: SIM115 (the caller closes it)
+    except OSError as exc:
+        raise DataError(f"{path}: {exc.strerror or exc}") from exc
+
+
 def _is_gzip(path: Path) -> bool:
     """Whether ``path`` starts with gzip's magic bytes."""
-    with open(path, "rb") as f:
+    with _open(path) as f:
         return f.read(2) == b"\x1f\x8b"
 
 
@@ -462,9 +474,9 @@ def _blocks(path: Path, block_bytes: int) -> Iterator[bytes]:
     ``\\n``); a last line without a newline gets one.
 
     Raises:
-        DataError: a damaged gzip file.
+        DataError: the file cannot be opened or read, or holds damaged gzip data.
     """
-    raw = open(path, "rb")  # noqa: SIM115 (closed below, with the gzip reader if any)
+    raw = _open(path)
     f: BinaryIO = raw
     try:
         if _is_gzip(path):
@@ -475,6 +487,8 @@ def _blocks(path: Path, block_bytes: int) -> Iterator[bytes]:
                 chunk = f.read(block_bytes)
             except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
                 raise DataError(f"{path}: damaged gzip data ({exc})") from exc
+            except OSError as exc:
+                raise DataError(f"{path}: {exc.strerror or exc}") from exc
             if not chunk:
                 break
             data = rest + chunk if rest else chunk
