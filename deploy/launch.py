@@ -394,6 +394,10 @@ def worker_argv(cfg: WorkerConfig) -> list[str]:
     ]
     if cfg.slow_worker is not None:
         argv += ["--slow-worker", str(cfg.slow_worker)]
+    if cfg.straggler:
+        argv += ["--straggler", cfg.straggler]
+    if cfg.data_seed:
+        argv += ["--data-seed", str(cfg.data_seed)]
     if cfg.staleness_aware:
         argv.append("--staleness-aware")
     if not cfg.prefetch:

@@ -45,7 +45,7 @@ class WorkerClocks:
             del self._seen[worker], self._clock[worker]
             self._explicit.discard(worker)
 
-    def update(self, worker_id: str, clock: int, leave: bool = False, from_push: bool = False) -> None:
+    def update(self, worker_id: str, clock: int, leave: bool = False, from_push: bool = False, join: bool = False) -> None:
         """Record that ``worker_id`` completed ``clock`` steps (clocks never go back).
 
         Args:
@@ -53,6 +53,9 @@ class WorkerClocks:
             leave: the worker is done; forget it.
             from_push: the clock came with a push; for a worker that reports through Clock
                 calls this only renews its lease.
+            join: a start-up registration (every mode's workers join and wait for each other
+                before training); it does not make the worker one that reports its clock
+                through Clock calls, so an async worker's pushes go on moving its clock.
         """
         with self._cond:
             if leave:
@@ -62,7 +65,7 @@ class WorkerClocks:
             elif from_push and worker_id in self._explicit and worker_id in self._clock:
                 self._seen[worker_id] = self._now()
             else:
-                if not from_push:
+                if not from_push and not join:
                     self._explicit.add(worker_id)
                 self._clock[worker_id] = max(clock, self._clock.get(worker_id, 0))
                 self._seen[worker_id] = self._now()

@@ -267,7 +267,8 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         if not request.worker_id:
             raise InvalidArgument("worker_id must be set on a Clock call")
         clocks = self.shard.clocks
-        clocks.update(request.worker_id, request.clock, leave=request.leave)
+        # A report of clock 0 with no wait is a worker joining at start-up (Trainer's start barrier).
+        clocks.update(request.worker_id, request.clock, leave=request.leave, join=request.clock == 0 and request.wait_bound < 0)
         if request.wait_bound >= 0 and not request.leave:
             if self.metrics is not None:
                 self.metrics.set_staleness_bound(int(request.wait_bound))

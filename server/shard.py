@@ -467,10 +467,12 @@ class Shard:
         except Exception:
             self.rejected_pushes += 1
             raise
-        tables = [t for t, _ in checked]
-        stale = [max(t.version - u.read_version, 0) for t, u in zip(tables, sparse)]
+        # Staleness in updates: per row, how many updates that row received since the read it
+        # was computed from (None: none did); per dense chunk, that chunk's updates since.
+        row_stale = [t.staleness(u.ids, u.read_version, p) if u.ids.size else None for (t, p), u in zip(checked, sparse)]
+        stale: list[int | np.ndarray | None] = [*row_stale]
         stale += [max(c.version - u.read_version, 0) for c, u in zip(chunks, dense)]
-        staleness = max(stale, default=0)
+        staleness = max((int(s.max()) if isinstance(s, np.ndarray) else (s or 0) for s in stale), default=0)
         if self.max_staleness is not None and staleness > self.max_staleness:
             self.rejected_pushes += 1
             self.too_stale_pushes += 1
@@ -488,7 +490,11 @@ class Shard:
             clock_lag = self.clocks.lag(clock) if clock and self.shard_index == 0 else 0
             blocks = [(t, u.ids, u.grads, p) for (t, p), u in zip(checked, sparse)] + [(c, None, u.grad, None) for c, u in zip(chunks, dense)]
             for (target, ids, grad, pulled), s in zip(blocks, stale):
-                scale = 1.0 / max(s, 1) if staleness_aware else 1.0
+                scale: float | np.ndarray = 1.0
+                if staleness_aware and isinstance(s, np.ndarray) and (s > 1).any():
+                    scale = 1.0 / np.maximum(s, 1)
+                elif staleness_aware and s:
+                    scale = 1.0 / s
                 if ids is None:
                     target.push(grad, scale)
                 else:

@@ -45,6 +45,11 @@ _EVICT_BATCH = 1 / 16
 # Pulls remembered for the pushes that follow (a few per worker) and the largest one kept.
 _RECENT_PULLS = 16
 _RECENT_MAX_IDS = 1 << 16
+# The last updates' row slots, kept to count how many updates each row of a push missed since
+# its read (per-row staleness): at most this many updates and this many slots in all. A read
+# older than the log counts each row updated since as stale by the whole table's updates.
+_LOG_UPDATES = 256
+_LOG_SLOTS = 1 << 21
 
 
 def init_rows(ids: np.ndarray, dim: int, seed: int, table: str, scale: float, out: np.ndarray | None = None) -> torch.Tensor:
@@ -183,6 +188,12 @@ class EmbeddingTable:
         )
         # Scratch for the uniqueness check of ``pulled`` (one int32 per row, under the lock).
         self._marks = np.zeros(0, np.int32)
+        # Per-row staleness: the table version of each row's last update, and the slots of the
+        # last updates (version, slots), oldest first; ``_hits`` is scratch for counting them.
+        self._row_version = np.zeros(cap, np.int64)
+        self._log: deque[tuple[int, np.ndarray]] = deque()
+        self._log_slots = 0
+        self._hits = np.zeros(0, np.int32)
 
     @property
     def rows(self) -> int:
@@ -218,6 +229,9 @@ class EmbeddingTable:
             touched = np.zeros(new_cap, np.int64)
             touched[:n] = self._touched[:n]
             self._touched = touched
+        row_version = np.zeros(new_cap, np.int64)
+        row_version[:n] = self._row_version[:n]
+        self._row_version = row_version
         self._weights, self._state = w, state
 
     def _alloc(self, k: int) -> np.ndarray:
@@ -251,6 +265,8 @@ class EmbeddingTable:
             t.numpy()[rows] = cfg.optimizer.initial_accumulator if name == "sum" else 0.0
         if self._touched is not None:
             self._touched[slots] = self._tick
+        # A reused slot's updates were the evicted row's: the new row was never updated.
+        self._row_version[slots] = 0
         self._index.insert(new_ids, slots)
         return slots
 
@@ -406,11 +422,55 @@ class EmbeddingTable:
             unique = bool(np.array_equal(self._marks[slots], order))
             return Pulled(self._index, slots, unique)
 
-    def push(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float = 1.0, pulled: Pulled | None = None) -> int:
+    def staleness(self, ids: np.ndarray, read_version: int, pulled: Pulled | None = None) -> np.ndarray | None:
+        """How many updates each row of ``ids`` received since a read at table version
+        ``read_version`` (int64 per id); None when no row was updated since (all zero).
+
+        Only rows newer than the read are counted, over the log of the last updates; a read
+        older than that log counts each such row as stale by every update since the read.
+        """
+        with self._lock:
+            slots = pulled.slots if pulled is not None and pulled.index is self._index else self._recent_slots(ids)
+            present = None
+            if slots is None:
+                slots = self._index.lookup(ids)
+                present = slots >= 0
+                if present.all():
+                    present = None
+                else:  # rows not there yet were never updated
+                    slots = np.where(present, slots, 0)
+            newer = self._row_version[slots] > read_version
+            if present is not None:
+                newer &= present
+            if not newer.any():
+                return None
+            log = self._log
+            if not log or log[0][0] > read_version + 1:
+                return np.where(newer, self.version - read_version, 0).astype(np.int64)
+            if len(self._hits) < self._weights.shape[0]:
+                self._hits = np.zeros(self._weights.shape[0], np.int32)
+            hits = self._hits
+            since = []
+            for version, updated in reversed(log):
+                if version <= read_version:
+                    break
+                since.append(updated)
+            for updated in since:
+                hits[updated] += 1
+            out = np.zeros(len(slots), np.int64)
+            out[newer] = hits[slots[newer]]
+            for updated in since:
+                hits[updated] = 0
+            return out
+
+    def push(
+        self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float | np.ndarray = 1.0, pulled: Pulled | None = None
+    ) -> int:
         """Apply row gradients with the table's optimizer; returns the new version.
 
         Gradients of ids that are not admitted (or do not fit in the capacity) are dropped and
         counted in ``dropped_rows``. ``pulled``: what ``pulled(ids)`` said, if the caller asked.
+        ``lr_scale``: one factor for every row, or one per id (float64 array).
         """
         opt = self.config.optimizer
         with self._lock:
@@ -424,18 +484,34 @@ class EmbeddingTable:
                 if self._on_drop is not None:
                     self._on_drop(dropped)
                 slots, grads = slots[keep], grads[torch.from_numpy(keep)]
+                if isinstance(lr_scale, np.ndarray):
+                    lr_scale = lr_scale[keep]
             # Ids are unique: gather the rows, update them, scatter them back (for SGD too, where
             # this beats index_add_ by ~20%).
             idx = torch.from_numpy(slots)
             w = self._weights.index_select(0, idx)
             state = {k: t.index_select(0, idx) for k, t in self._state.items()}
-            step(opt, w, grads, state, lr_scale)
+            if isinstance(lr_scale, np.ndarray):
+                # Per-row factors: every rule's step is linear in the learning rate and its state
+                # does not depend on it, so a row's step scaled afterwards is the scaled rule.
+                scaled = torch.from_numpy(np.flatnonzero(lr_scale != 1.0))
+                before = w.index_select(0, scaled)
+                step(opt, w, grads, state, 1.0)
+                factor = torch.from_numpy(lr_scale[scaled.numpy()].astype(np.float32))[:, None]
+                w[scaled] = before + (w.index_select(0, scaled) - before) * factor
+            else:
+                step(opt, w, grads, state, lr_scale)
             # NumPy scatters rows 2-3x faster than index_copy_ (a memcpy per row, not per
             # element); it holds the GIL for those few tens of microseconds.
             self._weights.numpy()[slots] = w.numpy()
             for k, t in state.items():
                 self._state[k].numpy()[slots] = t.numpy()
             self.version += 1
+            self._row_version[slots] = self.version
+            self._log.append((self.version, slots))
+            self._log_slots += len(slots)
+            while len(self._log) > _LOG_UPDATES or self._log_slots > _LOG_SLOTS:
+                self._log_slots -= len(self._log.popleft()[1])
             return self.version
 
     def snapshot(self) -> dict[str, object]:
@@ -489,6 +565,9 @@ class EmbeddingTable:
             self._index = index
             if self._recent is not None:
                 self._recent.clear()
+            self._row_version = np.zeros(max(n, 1), np.int64)
+            self._log.clear()
+            self._log_slots = 0
             self.version = int(version)
 
 

@@ -150,8 +150,11 @@ class SyntheticClickLog:
         labels = (rng.random(n) < p).astype(np.float32)
         return Batch(torch.from_numpy(dense), torch.from_numpy(ids), torch.from_numpy(labels))
 
-    def batches(self, batch_size: int, num_batches: int, rank: int = 0, world_size: int = 1, start: int = 0) -> Iterator[Batch]:
-        """Training batches; ranks of one job get disjoint, deterministic streams.
+    def batches(
+        self, batch_size: int, num_batches: int, rank: int = 0, world_size: int = 1, start: int = 0, order: int = 0
+    ) -> Iterator[Batch]:
+        """Training batches; ranks of one job get disjoint, deterministic streams. ``order``
+        (non-zero) draws other batches from the same distribution (another data order).
 
         Raises:
             ValueError: bad sizes or rank.
@@ -163,7 +166,8 @@ class SyntheticClickLog:
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start!r}")
         for i in range(start, start + num_batches):
-            yield self._batch(np.random.default_rng([self.config.seed, 1, i * world_size + rank]), batch_size)
+            key = [self.config.seed, 1, i * world_size + rank] + ([order] if order else [])
+            yield self._batch(np.random.default_rng(key), batch_size)
 
     def eval_set(self, num_samples: int) -> Batch:
         """Held-out samples from a stream no training batch uses."""

@@ -67,7 +67,7 @@ def open_dataset(cfg: WorkerConfig) -> Dataset:
         return Dataset(
             num_dense=gen.config.num_dense,
             num_sparse=gen.config.num_sparse,
-            train_batches=lambda bs, n, rank, world: gen.batches(bs, n, rank=rank, world_size=world),
+            train_batches=lambda bs, n, rank, world: gen.batches(bs, n, rank=rank, world_size=world, order=cfg.data_seed),
             eval_set=eval_set,
             label_mean=float(sample.labels.mean()),
             bayes_loss=gen.bayes_log_loss(eval_set),

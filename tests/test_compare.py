@@ -1,0 +1,105 @@
+"""compare/sweep helpers without processes: time to target, recommendations, stragglers, the plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tether.deploy.compare import format_table, recommend, time_to_target, write_plot
+from tether.protos.errors import UsageError
+from tether.worker.config import TrainingConfig
+from tether.worker.stragglers import StragglerSpec, delay_factor, parse_straggler
+
+
+def test_time_to_target_is_interpolated_between_evaluations() -> None:
+    curve = [
+        {"step": 0, "wall_s": 0.0, "eval_loss": 0.60},
+        {"step": 10, "wall_s": 10.0, "train_loss": 0.5},  # no evaluation: skipped
+        {"step": 20, "wall_s": 20.0, "eval_loss": 0.50},
+        {"step": 40, "wall_s": 40.0, "eval_loss": 0.40},
+    ]
+    assert time_to_target(curve, 0.45) == pytest.approx(30.0)
+    assert time_to_target(curve, 0.50) == 20.0
+    assert time_to_target(curve, 0.60) == 0.0
+    assert time_to_target(curve, 0.39) is None
+    # Read only at evaluations (the old rule), these two curves swap places: 40 s against 30 s.
+    fast_late = [{"wall_s": 0.0, "eval_loss": 0.6}, {"wall_s": 30.0, "eval_loss": 0.451}, {"wall_s": 40.0, "eval_loss": 0.3}]
+    slow_early = [{"wall_s": 0.0, "eval_loss": 0.6}, {"wall_s": 30.0, "eval_loss": 0.449}]
+    assert time_to_target(fast_late, 0.45) < 31.0 and time_to_target(slow_early, 0.45) > 29.0
+
+
+def _result(mode: str, ttt: float, ttt_std: float, loss: float = 0.47, repeats: int = 3) -> dict[str, object]:
+    return {"mode": mode, "time_to_target_s": ttt, "time_to_target_s_std": ttt_std, "final_eval_loss": loss, "repeats": repeats}
+
+
+def test_recommend_needs_a_lead_larger_than_the_spread() -> None:
+    clear = recommend([_result("ssp:0", 20.0, 1.0), _result("ssp:2", 12.0, 1.0), _result("ssp:4", 13.0, 1.5)])
+    assert clear["recommended"]["mode"] == "ssp:2" and clear["tied"] == ["ssp:2", "ssp:4"]
+    assert "recommended staleness bound: 2" in clear["message"]
+    noise = recommend([_result("ssp:0", 14.0, 2.0), _result("ssp:2", 12.0, 2.0)])
+    assert noise["recommended"] is None and "no significant difference" in noise["message"]
+    # Faster but more than 1% worse: not eligible.
+    lossy = recommend([_result("ssp:0", 20.0, 0.5, 0.470), _result("ssp:8", 5.0, 0.5, 0.480)])
+    assert lossy["recommended"]["mode"] == "ssp:0"
+    single = recommend([_result("ssp:0", 14.0, 0.0, repeats=1), _result("ssp:2", 13.9, 0.0, repeats=1)])
+    assert single["recommended"]["mode"] == "ssp:2" and "spread is unknown" in single["message"]
+    with pytest.raises(UsageError):
+        recommend([{"mode": "ssp:0", "time_to_target_s": None, "final_eval_loss": 0.5}])
+
+
+def test_straggler_specs_parse_and_are_deterministic() -> None:
+    assert parse_straggler("persistent:3") == StragglerSpec("persistent", factor=3.0)
+    assert parse_straggler("3") == StragglerSpec("persistent", factor=3.0)
+    assert parse_straggler(1.0) == parse_straggler("none") == parse_straggler("") == StragglerSpec()
+    assert parse_straggler("transient:0.1:5") == StragglerSpec("transient", probability=0.1, factor=5.0)
+    assert str(parse_straggler("pareto:1.5")) == "pareto:1.5"
+    for bad in ("transient:0.1", "transient:2:5", "persistent:0.5", "pareto:0", "slow:3", "persistent:x"):
+        with pytest.raises(ValueError, match="straggler"):
+            parse_straggler(bad)
+    persistent = parse_straggler("persistent:3")
+    assert [delay_factor(persistent, 0, w, 7, 4) for w in range(4)] == [1.0, 1.0, 1.0, 3.0]
+    transient = parse_straggler("transient:0.1:5")
+    draws = [delay_factor(transient, 11, w, s, 4) for w in range(4) for s in range(5000)]
+    assert set(draws) == {1.0, 5.0} and 0.08 < draws.count(5.0) / len(draws) < 0.12
+    assert draws == [delay_factor(transient, 11, w, s, 4) for w in range(4) for s in range(5000)]  # the same in every mode
+    assert draws != [delay_factor(transient, 12, w, s, 4) for w in range(4) for s in range(5000)]
+    heavy = [delay_factor(parse_straggler("pareto:1.5"), 0, 0, s, 4) for s in range(5000)]
+    assert min(heavy) >= 1.0 and max(heavy) <= 50.0 and 2.0 < sum(heavy) / len(heavy) < 3.5
+
+
+def test_old_slowdown_flags_map_onto_a_persistent_spec() -> None:
+    cfg = TrainingConfig(shards=("a:1",), num_workers=3, worker_index=0, slowdown=4.0, slow_worker=2)
+    assert cfg.straggler_spec == StragglerSpec("persistent", factor=4.0, worker=2)
+    assert TrainingConfig(shards=("a:1",), worker_index=0, slowdown=2.0).straggler_spec.worker == 0  # this worker
+    assert TrainingConfig(shards=("a:1",), straggler="transient:0.2:3").straggler_spec.kind == "transient"
+    with pytest.raises(ValueError, match="straggler"):
+        TrainingConfig(shards=("a:1",), straggler="transient:3")
+
+
+def _run(mode: str, repeat: int, slope: float) -> dict[str, object]:
+    history = [{"step": 0, "samples": 0, "wall_s": 0.0, "time": 100.0, "eval_loss": 0.69}]
+    for i in range(1, 11):
+        history.append({"step": 10 * i, "samples": 1000 * i, "wall_s": i * 1.0, "time": 100.0 + i, "eval_loss": 0.45 + 0.24 * slope ** i + 0.001 * repeat,
+                        "total_samples": 2000 * i, "staleness_mean": 1.0})
+    history[0]["total_samples"] = 0
+    records = [{"start_time": 100.0, "history": history}, {"start_time": 100.0, "history": history}]
+    return {"mode": mode, "repeat": repeat, "curve": history, "records": records}
+
+
+def test_plot_has_bands_insets_and_a_staleness_panel(tmp_path: Path) -> None:
+    runs = {"sync": [_run("sync", r, 0.6) for r in range(3)], "async": [_run("async", r, 0.5) for r in range(3)]}
+    path = tmp_path / "curves.png"
+    write_plot(runs, path, target=0.47, baseline=0.69, best_possible=0.44, title="test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_table_shows_mean_and_spread() -> None:
+    summary = {"target_loss": 0.47, "baseline_loss": 0.69, "bayes_loss": 0.44, "straggler": "transient:0.1:5", "repeats": 3,
+               "modes": [{"mode": "ssp:2", "time_to_target_s": 12.0, "time_to_target_s_std": 0.5, "final_eval_loss": 0.465,
+                          "final_eval_loss_std": 0.002, "final_eval_auc": 0.8, "samples_per_sec": 1000.0,
+                          "staleness_p50": 1, "staleness_p99": 2, "staleness_max": 2}],
+               "recommendation": "recommended staleness bound: 2"}
+    text = format_table(summary)
+    assert "12.0 +-0.5" in text and "0.4650 +-0.0020" in text and "best possible 0.4400" in text
+    assert text.splitlines()[-1] == "recommended staleness bound: 2"
