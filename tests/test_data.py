@@ -9,7 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from tether.worker.data import Batch, CriteoStream, DataError, SyntheticClickLog, SyntheticConfig, in_background, iterate, load_criteo, write_criteo_sample
+from tether.worker.data import (
+    Batch,
+    CriteoStream,
+    DataError,
+    SyntheticClickLog,
+    SyntheticConfig,
+    criteo_eval_set,
+    criteo_files,
+    in_background,
+    write_criteo_sample,
+)
 from tether.worker.evaluation import constant_baseline_loss
 
 
@@ -56,16 +66,17 @@ def test_criteo_round_trip_with_missing_values(tmp_path: Path) -> None:
     lines = path.read_text().splitlines()
     assert len(lines) == 500 and all(len(line.split("\t")) == 40 for line in lines)
     assert any("\t\t" in line for line in lines)  # some values are missing
-    train, held_out = load_criteo(path, eval_fraction=0.1)
+    (train,) = list(CriteoStream(path, 1000, holdout_every=10))
+    held_out = criteo_eval_set(path, 1000, holdout_every=10)
     assert train.labels.numel() == 450 and held_out.labels.numel() == 50
     assert train.dense.shape == (450, 13) and train.sparse.shape == (450, 26)
     assert (train.sparse >= 0).all() and (train.dense >= 0).all()
     # The same hex value in two fields maps to two ids; a missing value to one id per field.
-    first = [line.split("\t") for line in lines[:450]]
+    first = [cols for i, cols in enumerate(line.split("\t") for line in lines) if i % 10 != 9]
     missing = [i for i, cols in enumerate(first) if cols[14] == ""]
     if len(missing) >= 2:
         assert train.sparse[missing[0], 0] == train.sparse[missing[1], 0]
-    batches = list(iterate(train, 100, rank=1, world_size=2, epochs=2))
+    batches = list(CriteoStream(path, 100, rank=1, world_size=2, epochs=2, holdout_every=10))
     assert sum(b.labels.numel() for b in batches) == 450  # 225 per epoch for rank 1
 
 
@@ -82,8 +93,8 @@ def test_criteo_malformed_lines_name_the_line(tmp_path: Path, line: str, message
     path = tmp_path / "bad.tsv"
     good = "0" + "\t1" * 13 + "\tabc" * 26 + "\n"
     path.write_text(good + line)
-    with pytest.raises(ValueError, match=f"bad.tsv:2: {message}"):
-        load_criteo(path)
+    with pytest.raises(DataError, match=f"bad.tsv:2: {message}"):
+        list(CriteoStream(path, 10))
 
 
 # -- synthetic: streams, ranks, id distribution, calibration -----------------------------------
@@ -232,23 +243,13 @@ def test_criteo_batches_split_lines_between_ranks(tmp_path: Path) -> None:
 def test_criteo_empty_and_missing_files(tmp_path: Path) -> None:
     empty = tmp_path / "empty.tsv"
     empty.write_text("")
-    with pytest.raises(ValueError, match="empty.tsv: no samples"):
-        load_criteo(empty)
+    with pytest.raises(DataError, match="empty.tsv"):
+        list(CriteoStream(empty, 10))
     with pytest.raises(DataError, match="nope.tsv: no such file"):
-        load_criteo(tmp_path / "nope.tsv")
-    with pytest.raises(ValueError, match="eval_fraction must be in"):
-        load_criteo(empty, eval_fraction=1.0)
+        criteo_files(tmp_path / "nope.tsv")
 
 
-def test_iterate_and_sample_writer_check_arguments(tmp_path: Path) -> None:
-    data = next(SyntheticClickLog().batches(10, 1))
-    with pytest.raises(ValueError, match="rank must be in"):
-        next(iterate(data, 4, rank=2, world_size=2))
-    with pytest.raises(ValueError, match="epochs must be >= 0 or None, got -1"):
-        next(iterate(data, 4, epochs=-1))
-    forever = iterate(data, 4, rank=0, world_size=1, epochs=None)
-    sizes = [next(forever).labels.numel() for _ in range(7)]
-    assert sizes == [4, 4, 2, 4, 4, 2, 4]
+def test_sample_writer_checks_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="num_lines must be >= 1, got 0"):
         write_criteo_sample(tmp_path / "x.tsv", 0)
     with pytest.raises(ValueError, match="missing_rate must be in"):

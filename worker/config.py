@@ -53,20 +53,23 @@ def _check_address(address: str) -> None:
 
 
 def _check_data_file(data: str) -> None:
-    """``criteo:PATH`` names a readable file (checked here, before any process starts).
+    """``criteo:PATH|GLOB|A,B`` names readable files (checked here, before any process starts).
 
     Raises:
-        ValueError: no path, no such file, not a file, or not readable.
+        ValueError: no path, nothing matches, not a file, or not readable.
     """
+    from tether.worker.data import criteo_files
+
     path = data.split(":", 1)[1]
     if not path:
         raise ValueError(f"--data {data}: no path after 'criteo:'")
-    if not os.path.exists(path):
-        raise ValueError(f"--data {data}: no such file")
-    if not os.path.isfile(path):
-        raise ValueError(f"--data {data}: not a file")
-    if not os.access(path, os.R_OK):
-        raise ValueError(f"--data {data}: not readable")
+    try:
+        files = criteo_files(path)
+    except ValueError as exc:
+        raise ValueError(f"--data {data}: {exc}") from None
+    for f in files:
+        if not os.access(f, os.R_OK):
+            raise ValueError(f"--data {data}: {f} is not readable")
 
 
 @dataclass(frozen=True)
@@ -269,7 +272,8 @@ def add_job_flags(p: argparse.ArgumentParser, default_steps: int | None = 2000) 
         "and when it is spent (a shard that is down or stopped) the worker fails with Unavailable; seconds "
         "(env TETHER_CALL_DEADLINE). SSP waits are bounded by --ssp-timeout instead",
     )
-    p.add_argument("--mode", default=_env("TETHER_MODE", "async"), help="consistency: async, ssp:S (at most S steps ahead of the slowest live worker) or sync (all-reduce; start with torchrun) (env TETHER_MODE)")
+    if mode:
+        p.add_argument("--mode", default=_env("TETHER_MODE", "async"), help="consistency: async, ssp:S (at most S steps ahead of the slowest live worker) or sync (all-reduce; start with torchrun) (env TETHER_MODE)")
     p.add_argument("--staleness-aware", action="store_true", default=_env("TETHER_STALENESS_AWARE", "") not in ("", "0"),
                    help="divide each update's learning rate by its staleness (Zhang et al. 2016) (env TETHER_STALENESS_AWARE=1)")
     p.add_argument("--straggler", default=_env("TETHER_STRAGGLER", ""),
@@ -302,8 +306,8 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
 def add_connection_flags(p: argparse.ArgumentParser) -> None:
     """Flags that place one worker in a job: the shards, its index, security, output."""
     p.add_argument("--shards", default=_env("TETHER_SHARDS", ""), help="comma-separated host:port of every shard, in shard order (env TETHER_SHARDS)")
-    p.add_argument("--worker-index", type=int, default=_env("TETHER_WORKER_INDEX", _env("JOB_COMPLETION_INDEX", 0)), help="env TETHER_WORKER_INDEX or JOB_COMPLETION_INDEX")
-    p.add_argument("--num-workers", type=int, default=_env("TETHER_NUM_WORKERS", 1), help="env TETHER_NUM_WORKERS")
+    p.add_argument("--worker-index", type=int, default=_env("TETHER_WORKER_INDEX", _env("JOB_COMPLETION_INDEX", 0)), help="this worker's index in [0, --num-workers) (env TETHER_WORKER_INDEX, else JOB_COMPLETION_INDEX)")
+    p.add_argument("--num-workers", type=int, default=_env("TETHER_NUM_WORKERS", 1), help="workers in the job (env TETHER_NUM_WORKERS)")
     p.add_argument("--worker-id", default=_env("TETHER_WORKER_ID", None), help="name this worker gives the shards (default worker-<index>) (env TETHER_WORKER_ID)")
     p.add_argument("--out", default=_env("TETHER_OUT", None), help="write worker-<index>.json with the loss history here (env TETHER_OUT)")
     p.add_argument("--slowdown", type=float, default=_env("TETHER_SLOWDOWN", 1.0), help="make compute this many times slower (straggler experiments) (env TETHER_SLOWDOWN)")
@@ -330,7 +334,7 @@ def training_values(a: argparse.Namespace) -> dict[str, object]:
         shards=tuple(s.strip() for s in str(getattr(a, "shards", "") or "").split(",") if s.strip()),
         worker_index=int(getattr(a, "worker_index", 0)),
         num_workers=int(getattr(a, "num_workers", 1)),
-        mode=a.mode,
+        mode=getattr(a, "mode", "async"),
         steps=None if steps in (None, "") else int(steps),
         optimizer=a.optimizer,
         lr=float(a.lr),

@@ -37,8 +37,6 @@ __all__ = [
     "criteo_eval_set",
     "criteo_files",
     "in_background",
-    "iterate",
-    "load_criteo",
     "write_criteo_sample",
 ]
 
@@ -185,6 +183,10 @@ class SyntheticClickLog:
         return float(torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.double()))
 
 
+# Longest a closed background stream waits for its producer to finish the batch in hand.
+_JOIN_S = 10.0
+
+
 def in_background(batches: Iterator[_T], depth: int = 4) -> Iterator[_T]:
     """Batches of ``batches`` produced on a background thread, up to ``depth`` ahead (like a
     DataLoader worker), so data preparation overlaps the step instead of adding to it.
@@ -213,7 +215,8 @@ def in_background(batches: Iterator[_T], depth: int = 4) -> Iterator[_T]:
         except BaseException as exc:  # handed to the consumer
             offer(exc)
 
-    threading.Thread(target=produce, name="tether-data", daemon=True).start()
+    producer = threading.Thread(target=produce, name="tether-data", daemon=True)
+    producer.start()
     try:
         while True:
             item = q.get()
@@ -224,6 +227,9 @@ def in_background(batches: Iterator[_T], depth: int = 4) -> Iterator[_T]:
             yield item
     finally:
         stop.set()
+        # Let the producer finish the batch it is making: a thread still inside torch while
+        # the interpreter exits can abort the process ("terminate called ...").
+        producer.join(_JOIN_S)
 
 
 # -- Criteo -----------------------------------------------------------------------------------
@@ -704,49 +710,6 @@ def criteo_eval_set(
         return next(batches)
     finally:
         batches.close()  # type: ignore[attr-defined]
-
-
-def load_criteo(path: str | Path, eval_fraction: float = 0.1) -> tuple[Batch, Batch]:
-    """Read a whole Criteo file into memory (prefer ``CriteoStream``, which streams).
-
-    Returns:
-        The training samples and the held-out samples (the last ``eval_fraction`` of lines).
-
-    Raises:
-        ValueError: a malformed line (the message names the file and line), or too few lines.
-        DataError: no such file.
-    """
-    if not 0 < eval_fraction < 1:
-        raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
-    parts = list(CriteoStream(path, 1 << 16))
-    everything = Batch(*(torch.cat(ts) for ts in zip(*parts)))
-    n = everything.labels.numel()
-    cut = n - max(1, int(round(n * eval_fraction)))
-    if cut < 1:
-        raise ValueError(f"{path}: {n} samples are too few to split into training and held-out sets")
-    train = Batch(*(t[:cut] for t in everything))
-    held_out = Batch(*(t[cut:] for t in everything))
-    return train, held_out
-
-
-def iterate(data: Batch, batch_size: int, rank: int = 0, world_size: int = 1, epochs: int | None = 1) -> Iterator[Batch]:
-    """Batches of ``rank``'s share of ``data`` (every ``world_size``-th sample), for ``epochs``
-    passes (``None``: forever)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size={world_size!r}), got {rank!r}")
-    if epochs is not None and epochs < 0:
-        raise ValueError(f"epochs must be >= 0 or None, got {epochs!r}")
-    share = Batch(*(t[rank::world_size] for t in data))
-    n = share.labels.numel()
-    if n == 0:
-        raise ValueError(f"rank {rank} of {world_size} has no samples")
-    epoch = 0
-    while epochs is None or epoch < epochs:
-        for start in range(0, n, batch_size):
-            yield Batch(*(t[start : start + batch_size] for t in share))
-        epoch += 1
 
 
 def write_criteo_sample(path: str | Path, num_lines: int, seed: int = 0, missing_rate: float = 0.05) -> None:

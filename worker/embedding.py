@@ -191,11 +191,12 @@ class PSModel:
                 same.append(m)
         self.dense: dict[str, nn.Parameter] = dict(model.named_parameters())
         self._pin = device.type == "cuda"
-        # Every bound table's rows in one tensor (table order of the prefetch), its tables
-        # and their [start, stop) slices; the bags hold slices of it, so its .grad after a
-        # backward is every table's row gradients at once.
+        # Every bound table's rows in one tensor per row width (table order of the prefetch),
+        # with its tables and their [start, stop) slices; the bags hold slices of it, so its
+        # .grad after a backward is those tables' row gradients at once. ``_rows`` is the one
+        # tensor when every table has the same width (what a fused lookup gathers from).
+        self._groups: list[tuple[torch.Tensor, list[tuple[str, torch.Tensor, int, int]]]] = []
         self._rows: torch.Tensor | None = None
-        self._slices: list[tuple[str, torch.Tensor, int, int]] = []
         self._columns: torch.Tensor | None = None
         self._inverse: torch.Tensor | None = None
         for bag in self._all_bags():
@@ -248,20 +249,27 @@ class PSModel:
         pulled = prefetch.handle.result(timeout)
         if prefetch.pushed:
             prefetch.ack = pulled.ack
-        tables = list(prefetch.ids)
-        parts = [pulled.rows[t] for t in tables]
-        rows = self._to_device(parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
-        if rows is not None and train:
-            rows = rows.detach().requires_grad_(True)
-        self._rows, self._slices = rows, []
-        start = 0
-        for table, part in zip(tables, parts):
-            stop = start + len(part)
-            ids = self._to_device(prefetch.ids[table])
-            for bag in self.bags[table]:
-                bag.bind(ids, rows[start:stop])
-            self._slices.append((table, prefetch.ids[table], start, stop))
-            start = stop
+        # Tables of one width share one tensor (one for the common case of a single width).
+        by_dim: dict[int, list[str]] = {}
+        for table in prefetch.ids:
+            by_dim.setdefault(pulled.rows[table].shape[1], []).append(table)
+        self._groups = []
+        for tables in by_dim.values():
+            parts = [pulled.rows[t] for t in tables]
+            rows = self._to_device(parts[0] if len(parts) == 1 else torch.cat(parts))
+            if train:
+                rows = rows.detach().requires_grad_(True)
+            slices = []
+            start = 0
+            for table, part in zip(tables, parts):
+                stop = start + len(part)
+                ids = self._to_device(prefetch.ids[table])
+                for bag in self.bags[table]:
+                    bag.bind(ids, rows[start:stop])
+                slices.append((table, prefetch.ids[table], start, stop))
+                start = stop
+            self._groups.append((rows, slices))
+        self._rows = self._groups[0][0] if len(self._groups) == 1 else None
         self._columns = None if prefetch.columns is None else self._to_device(prefetch.columns)
         self._inverse = None if prefetch.inverse is None else self._to_device(prefetch.inverse.t())
         if self.FLAT in pulled.dense:
@@ -285,18 +293,18 @@ class PSModel:
         """Row gradients of the bound tables (where the backward reached them) and the dense
         gradients."""
         sparse = {}
-        grad = None if self._rows is None else self._rows.grad
-        if grad is not None:
-            grad = grad.to("cpu")
-            sparse = {t: (ids, grad[a:b]) for t, ids, a, b in self._slices}
+        for rows, slices in self._groups:
+            if rows.grad is not None:
+                grad = rows.grad.to("cpu")
+                sparse.update({t: (ids, grad[a:b]) for t, ids, a, b in slices})
         dense = {}
         if self.dense and any(p.grad is not None for p in self.dense.values()):
             dense = {self.FLAT: flat_grads(list(self.dense.values())).to("cpu")}
         return sparse, dense
 
     def _clear(self) -> None:
-        if self._rows is not None:
-            self._rows.grad = None
+        for rows, _ in self._groups:
+            rows.grad = None
         for p in self.dense.values():
             p.grad = None
 

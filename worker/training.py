@@ -386,8 +386,17 @@ class Trainer(Generic[B]):
             DeadlineExceeded: an ``ssp`` wait ran past ``config.ssp_timeout_s``.
             TetherError: a shard call failed after retries.
         """
-        cfg, policy, ps = self.config, self.policy, self.ps
         stream = in_background(iter(data)) if background else iter(data)
+        try:
+            return self._fit(stream, eval_data, evaluate)
+        finally:
+            if background:
+                stream.close()  # stops the producer thread (the data may go on forever)
+
+    def _fit(
+        self, stream: Iterator[B], eval_data: Iterable[B] | None, evaluate: Callable[[nn.Module, B], Mapping[str, float]] | None
+    ) -> dict[str, object]:
+        cfg, policy, ps = self.config, self.policy, self.ps
         evaluating = eval_data is not None and cfg.worker_index == 0
         prefetch = cfg.prefetch and policy.prefetch
         # Without prefetching a step's push lands before the next step pulls (sequential SGD).

@@ -1,0 +1,56 @@
+"""Run a user's ``module:function`` as a tether worker: ``python -m tether.worker.entry mod:fn [args...]``.
+
+``tether launch --entry mod:fn`` (and ``torchrun -m tether.worker.entry mod:fn`` in sync mode)
+start it; the function is called with no arguments and finds its place in the job with
+``TrainingConfig.from_env()``; ``sys.argv`` holds the extra arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+from tether.protos.errors import UsageError, report_usage_error
+
+__all__ = ["main", "resolve"]
+
+
+def resolve(target: str) -> object:
+    """The function ``module:function`` names.
+
+    Raises:
+        UsageError: not ``module:function``, or it cannot be imported.
+    """
+    module, _, name = target.partition(":")
+    if not module or not name:
+        raise UsageError(f"{target!r}: expected module:function")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        raise UsageError(f"{target}: no module {exc.name!r}") from None
+    except AttributeError:
+        raise UsageError(f"{target}: module {module!r} has no {name!r}") from None
+    if not callable(fn):
+        raise UsageError(f"{target}: {name!r} is not callable")
+    return fn
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Import and call the function; its return value (an int, or None for 0) is the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        return report_usage_error("tether worker", UsageError("usage: python -m tether.worker.entry module:function [args...]"))
+    try:
+        fn = resolve(argv[0])
+        sys.argv = [argv[0], *argv[1:]]
+        result = fn()
+    except UsageError as exc:
+        return report_usage_error("tether worker", exc)
+    except KeyboardInterrupt:
+        return 130
+    return int(result) if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
