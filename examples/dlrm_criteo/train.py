@@ -6,7 +6,7 @@ pieces a team would use for its own click logs.
 
     python examples/dlrm_criteo/train.py --generate 3 --lines 20000 --data 'day_*.tsv.gz'  # sample files
     tether launch --script examples/dlrm_criteo/train.py --script-args "--data 'day_*.tsv.gz'" \
-        --num-workers 2 --mode async --steps 300
+        --num-workers 2 --mode async --steps 100
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Run it as the workers of a local job (any mode)::
 
     python examples/movielens_two_tower/train.py --generate 200000 --data ratings.dat   # once
     tether launch --script examples/movielens_two_tower/train.py --script-args "--data ratings.dat" \
-        --workers 2 --mode ssp:2 --steps 600 --lr 0.05
+        --num-workers 2 --mode ssp:2 --steps 600 --lr 0.05
 
 Each worker finds the shards, its index and the mode in the environment tether launch (or
 torchrun, or the Kubernetes manifests) gives it: ``TrainingConfig.from_env()``.

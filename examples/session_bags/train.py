@@ -5,7 +5,7 @@ jagged: ids + offsets, the ``torch.nn.EmbeddingBag`` convention), recency weight
 a candidate item. The history bag and the candidate share one table (``items``) on the shards.
 The clicks come from a hidden model, so a learned model beats the constant click rate.
 
-    tether launch --script examples/session_bags/train.py --workers 2 --mode async --steps 400
+    tether launch --script examples/session_bags/train.py --num-workers 2 --mode async --steps 400
 """
 
 from __future__ import annotations
