@@ -6,35 +6,41 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from tether.protos.errors import TetherError, UsageError, report_usage_error
+from tether.protos.flags import DeprecatedAlias, HelpFormatter
 from tether.worker.config import add_training_flags, config_from_args
+from tether.worker.tensorboard_writer import require_tensorboard, tensorboard_available
 
 __all__ = ["main"]
 
 
 def _launch(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="tether launch", description="Run shards and workers as local processes and report the result.")
-    p.add_argument("--shards", type=int, default=2, help="number of shard processes")
-    p.add_argument("--workers", type=int, default=2, help="number of worker processes")
+    p = argparse.ArgumentParser(
+        prog="tether launch",
+        description="Run shards and workers as local processes and report the result. " + _PER_INVOCATION,
+        formatter_class=HelpFormatter,
+    )
+    _add_counts(p, shards=2, workers=2, per="")
     p.add_argument("--out", default=None, help="write summary.json, worker-<i>.json and logs/ here")
-    p.add_argument("--job-timeout", type=float, default=3600.0, help="give up after this many seconds")
+    p.add_argument("--job-timeout", type=float, default=3600.0, metavar="SECONDS", help="give up after this many seconds")
     p.add_argument("--metrics", action="store_true", help="give every process a Prometheus /metrics port")
-    p.add_argument("--checkpoint-every", type=float, default=None, help="shards checkpoint to OUT/checkpoints this often (seconds); a shard that dies is restarted from its last one")
+    p.add_argument("--checkpoint-every", type=float, default=None, metavar="SECONDS", help="shards checkpoint to OUT/checkpoints this often (seconds); a shard that dies is restarted from its last one")
     add_training_flags(p)
     a = p.parse_args(argv)
     from tether.deploy.launch import ClusterError, Interrupted, run_job
 
     # Every flag is checked here, before any process starts (the data file included).
     try:
-        if a.shards < 1:
-            raise ValueError(f"--shards must be >= 1, got {a.shards}")
         _check_job_flags(a)
-        template = config_from_args(a, shards=("pending:0",), num_workers=a.workers, worker_index=0)
+        template = config_from_args(a, shards=("pending:0",), num_workers=a.num_workers, worker_index=0)
     except ValueError as exc:
         return report_usage_error("tether launch", exc)
     try:
-        summary = run_job(template, a.shards, out=a.out, timeout_s=a.job_timeout, metrics=a.metrics, checkpoint_every=a.checkpoint_every)
+        summary = run_job(template, a.num_shards, out=a.out, timeout_s=a.job_timeout, metrics=a.metrics, checkpoint_every=a.checkpoint_every)
     except UsageError as exc:  # a worker's own one line (a malformed data line found mid-run)
         return report_usage_error("tether launch", exc)
     except ClusterError as exc:
@@ -63,37 +69,71 @@ def _check_job_flags(a: argparse.Namespace) -> None:
     Raises:
         ValueError: a bad value, named.
     """
-    if a.workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {a.workers}")
+    if a.num_shards < 1:
+        raise ValueError(f"--num-shards must be >= 1, got {a.num_shards}")
+    if a.num_workers < 1:
+        raise ValueError(f"--num-workers must be >= 1, got {a.num_workers}")
     if not a.job_timeout > 0:
         raise ValueError(f"--job-timeout must be > 0, got {a.job_timeout!r}")
     every = getattr(a, "checkpoint_every", None)
     if every is not None and not every > 0:
         raise ValueError(f"--checkpoint-every must be > 0, got {every!r}")
+    if a.tensorboard:
+        require_tensorboard()
+
+
+# What the launching commands' help says of their flags and the environment.
+_PER_INVOCATION = (
+    "The flags listed before --steps are this command's own: per invocation, with no environment variable. "
+    "The job's flags (--steps and those after it) fall back to the TETHER_* variable their help names, as in 'tether worker'."
+)
+
+
+def _add_counts(p: argparse.ArgumentParser, shards: int, workers: int, per: str) -> None:
+    """``--num-shards`` and ``--num-workers`` (counts of processes; ``--shards`` is a list of
+    addresses in ``tether worker`` and ``export``), and their old spellings for one release."""
+    p.add_argument("--num-shards", type=int, default=shards, metavar="N", help=f"shard processes{per}")
+    p.add_argument("--num-workers", type=int, default=workers, metavar="N", help=f"worker processes{per}")
+    p.add_argument("--shards", dest="num_shards", type=int, action=DeprecatedAlias, new="--num-shards", default=argparse.SUPPRESS,
+                   metavar="N", help="deprecated spelling of --num-shards, removed in the next release")
+    p.add_argument("--workers", dest="num_workers", type=int, action=DeprecatedAlias, new="--num-workers", default=argparse.SUPPRESS,
+                   metavar="N", help="deprecated spelling of --num-workers, removed in the next release")
+
+
+class _Refused(argparse.Action):
+    """A flag that means nothing to this command: one error line, exit code 2."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, why: str, **kwargs: object) -> None:
+        self.why = why
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object, option_string: str | None = None) -> None:
+        raise SystemExit(report_usage_error(parser.prog, ValueError(f"{option_string} {values}: {self.why}")))
 
 
 def _comparison(command: str, argv: Sequence[str]) -> int:
     sweep = command == "sweep"
     p = argparse.ArgumentParser(
         prog=f"tether {command}",
-        description="Tune the staleness bound: run ssp:S for each S." if sweep else "Run the same job under several consistency modes.",
+        description=("Tune the staleness bound: run ssp:S for each S. " if sweep else "Run the same job under several consistency modes. ")
+        + _PER_INVOCATION,
+        formatter_class=HelpFormatter,
     )
     if sweep:
         p.add_argument("--bounds", default="0,1,2,4,8", help="comma-separated staleness bounds S to try")
         p.add_argument("--tolerance", type=float, default=0.01, help="final loss may be this much (relative) above the best")
     else:
         p.add_argument("--modes", default="sync,ssp:0,ssp:4,async", help="comma-separated modes: async, ssp:S, sync")
-    p.add_argument("--shards", type=int, default=2, help="shard processes per run")
-    p.add_argument("--workers", type=int, default=4, help="workers per run")
-    # --straggler SPEC is a job flag (add_training_flags): every mode and repeat sees the same delays.
-    p.add_argument("--repeats", type=int, default=1, metavar="N",
-                   help="run each mode N times with different data orders (--data-seed, +1 per repeat): the table shows mean "
-                   "and spread, the plot bands" + (", and a bound is recommended only when its lead exceeds the spread" if sweep else ""))
+    _add_counts(p, shards=2, workers=4, per=" per run")
+    p.add_argument("--straggler", type=float, default=1.0, help="the last worker computes this many times slower")
     p.add_argument("--target-loss", type=float, default=None, help="eval loss for time-to-target (default: 90%% of the worst mode's gain)")
     p.add_argument("--out", required=True, help="write curves.csv, curves.png, summary.json and each run here")
-    p.add_argument("--job-timeout", type=float, default=3600.0, help="limit per run, seconds")
+    p.add_argument("--job-timeout", type=float, default=3600.0, metavar="SECONDS", help="limit per run, seconds")
     p.add_argument("--verbose", action="store_true", help="show every worker's progress")
-    add_training_flags(p)
+    # Several modes run here: a --mode would mean nothing (and would otherwise abbreviate --modes).
+    p.add_argument("--mode", action=_Refused, help=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                   why=f"tether {command} runs " + ("ssp:S for every S of --bounds" if sweep else "every mode of --modes") + "; --mode is for launch and worker")
+    add_training_flags(p, mode=False)
     a = p.parse_args(argv)
     from tether.deploy.compare import check_arguments, compare, format_table
     from tether.deploy.compare import sweep as run_sweep
@@ -101,24 +141,26 @@ def _comparison(command: str, argv: Sequence[str]) -> int:
 
     # Every flag is checked here, before any process starts (modes, bounds, the data file).
     try:
-        if a.shards < 1:
-            raise ValueError(f"--shards must be >= 1, got {a.shards}")
         _check_job_flags(a)
-        template = config_from_args(a, shards=("pending:0",), num_workers=a.workers, worker_index=0)
+        template = config_from_args(a, shards=("pending:0",), num_workers=a.num_workers, worker_index=0)
+        # TensorBoard curves of every mode under one root: --tensorboard DIR, else OUT/tensorboard
+        # when the package is installed.
+        board = a.tensorboard or (str(Path(a.out) / "tensorboard") if tensorboard_available() else None)
+        template = replace(template, tensorboard=board)
         if sweep:
             bounds = [_bound(b) for b in a.bounds.split(",") if b.strip()]
             modes = [f"ssp:{b}" for b in bounds]
         else:
             modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-        check_arguments(modes, straggler=a.straggler, tolerance=a.tolerance if sweep else 0.0, repeats=a.repeats)
+        check_arguments(modes, straggler=a.straggler, tolerance=a.tolerance if sweep else 0.0)
     except ValueError as exc:
         return report_usage_error(f"tether {command}", exc)
-    common = dict(straggler=a.straggler, target_loss=a.target_loss, timeout_s=a.job_timeout, echo=a.verbose, repeats=a.repeats)
+    common = dict(straggler=a.straggler, target_loss=a.target_loss, timeout_s=a.job_timeout, echo=a.verbose)
     try:
         if sweep:
-            summary = run_sweep(template, bounds, a.shards, a.out, tolerance=a.tolerance, **common)
+            summary = run_sweep(template, bounds, a.num_shards, a.out, tolerance=a.tolerance, **common)
         else:
-            summary = compare(template, modes, a.shards, a.out, **common)
+            summary = compare(template, modes, a.num_shards, a.out, **common)
     except UsageError as exc:  # a worker's one line, or no bound reached the target
         return report_usage_error(f"tether {command}", exc)
     except ClusterError as exc:
@@ -129,6 +171,8 @@ def _comparison(command: str, argv: Sequence[str]) -> int:
         return 130
     print(format_table(summary))
     print(f"wrote {a.out}/summary.json, curves.csv and curves.png")
+    if template.tensorboard:
+        print(f"TensorBoard curves of every mode: tensorboard --logdir {template.tensorboard}")
     return 0
 
 
@@ -147,7 +191,8 @@ def _export(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(
         prog="tether export",
         description="Write a checkpoint's tables and dense parameters as safetensors files for serving "
-        "(load them with tether.worker.serving.load_export).",
+        "(load them with tether.worker.serving.load_export). Its flags are per invocation and have no environment variable.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--checkpoint-dir", required=True, help="the shards' --checkpoint-dir (every shard's part must be readable here)")
     p.add_argument("--id", default=None, help="checkpoint id to export (default: every shard's newest part)")
@@ -177,6 +222,14 @@ def _export(argv: Sequence[str]) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed package's version (``unknown`` when tether runs from a tree that was never installed)."""
+    try:
+        return version("tether")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tether`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -188,11 +241,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sweep": "tune the staleness bound S of ssp:S",
         "export": "write a checkpoint's tables and dense parameters as safetensors for serving",
     }
+    if argv and argv[0] in ("-V", "--version"):
+        print(f"tether {_version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: tether {" + ",".join(commands) + "} [flags]\n")
+        print("usage: tether {" + ",".join(commands) + "} [flags]\n       tether --version\n")
         for name, text in commands.items():
             print(f"  {name:8s} {text}")
-        print("\n'tether COMMAND --help' lists a command's flags.")
+        print("\n'tether COMMAND --help' lists a command's flags and their defaults.")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
     if command == "server":

@@ -87,7 +87,7 @@ def test_launch_malformed_criteo_line_stops_with_the_workers_line(tmp_path: Path
     data = _broken_criteo(tmp_path)
     out = tmp_path / "job"
     proc = _tether(
-        ["launch", "--shards", "1", "--workers", "2", "--data", f"criteo:{data}", "--steps", "5", "--device", "cpu", "--out", str(out)],
+        ["launch", "--num-shards", "1", "--num-workers", "2", "--data", f"criteo:{data}", "--steps", "5", "--device", "cpu", "--out", str(out)],
         timeout=120,
     )
     line = _assert_one_line(proc, "tether launch", "broken.tsv:1", "expected 40 tab-separated columns")
@@ -130,7 +130,7 @@ def test_ctrl_c_on_launch_stops_quietly(tmp_path: Path, target: str) -> None:
     Either way: no traceback from anyone, exit 130, one line, and no process left."""
     out = tmp_path / "job"
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    argv = [sys.executable, "-m", "tether.deploy.cli", "launch", "--shards", "1", "--workers", "2", "--steps", "1000000",
+    argv = [sys.executable, "-m", "tether.deploy.cli", "launch", "--num-shards", "1", "--num-workers", "2", "--steps", "1000000",
             "--log-every", "5", "--device", "cpu", "--out", str(out), *SMALL]
     with stdout.open("w") as so, stderr.open("w") as se:
         proc = subprocess.Popen(argv, stdout=so, stderr=se, start_new_session=True)

@@ -20,7 +20,7 @@ def _tether(args: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 def test_two_shards_two_workers_learn(tmp_path: Path) -> None:
     out = tmp_path / "job"
-    proc = _tether(["launch", "--shards", "2", "--workers", "2", "--eval-every", "50", "--out", str(out), *SMALL], timeout=240)
+    proc = _tether(["launch", "--num-shards", "2", "--num-workers", "2", "--eval-every", "50", "--out", str(out), *SMALL], timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     for key in ("eval_loss", "eval_auc", "baseline_loss", "samples_per_sec"):
@@ -58,7 +58,7 @@ def test_criteo_file_end_to_end(tmp_path: Path) -> None:
     write_criteo_sample(data, 30_000, seed=2)
     out = tmp_path / "job"
     proc = _tether(
-        ["launch", "--shards", "2", "--workers", "1", "--data", f"criteo:{data}", "--steps", "200", "--batch-size", "128", "--out", str(out)],
+        ["launch", "--num-shards", "2", "--num-workers", "1", "--data", f"criteo:{data}", "--steps", "200", "--batch-size", "128", "--out", str(out)],
         timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -72,7 +72,7 @@ def test_criteo_file_end_to_end(tmp_path: Path) -> None:
 def test_malformed_criteo_file_fails_clearly(tmp_path: Path) -> None:
     data = tmp_path / "broken.tsv"
     data.write_text("1\t2\t3\n")
-    proc = _tether(["launch", "--shards", "1", "--workers", "1", "--data", f"criteo:{data}", "--steps", "5", "--out", str(tmp_path / "o")], timeout=120)
+    proc = _tether(["launch", "--num-shards", "1", "--num-workers", "1", "--data", f"criteo:{data}", "--steps", "5", "--out", str(tmp_path / "o")], timeout=120)
     assert proc.returncode == 2  # a user's mistake (tests/test_cli_errors.py)
     assert "broken.tsv:1: expected 40 tab-separated columns, got 3" in proc.stderr
 

@@ -10,24 +10,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tether.protos.errors import UsageError
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.config import WorkerConfig
-from tether.worker.data import (
-    CRITEO_DENSE,
-    CRITEO_SPARSE,
-    Batch,
-    CriteoStream,
-    SyntheticClickLog,
-    SyntheticConfig,
-    criteo_eval_set,
-    criteo_files,
-)
+from tether.worker.data import Batch, SyntheticClickLog, SyntheticConfig, iterate, load_criteo
 from tether.worker.embedding import ShardedEmbeddingBag
 from tether.worker.evaluation import constant_baseline_loss, evaluate
 from tether.worker.metrics import WorkerMetrics
@@ -48,9 +40,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Criteo files: line i is held out when i % CRITEO_HOLDOUT == CRITEO_HOLDOUT - 1.
-CRITEO_HOLDOUT = 10
-
 
 @dataclass
 class Dataset:
@@ -68,7 +57,7 @@ def open_dataset(cfg: WorkerConfig) -> Dataset:
     """The job's data, identical on every worker (same seed).
 
     Raises:
-        UsageError: the Criteo files cannot be read or have a malformed line (``DataError``).
+        UsageError: the Criteo file cannot be read, has a malformed line or too few lines.
     """
     if cfg.data == "synthetic":
         gen = SyntheticClickLog(SyntheticConfig(num_sparse=cfg.num_sparse, vocab_size=cfg.vocab_size, seed=cfg.seed))
@@ -78,28 +67,31 @@ def open_dataset(cfg: WorkerConfig) -> Dataset:
         return Dataset(
             num_dense=gen.config.num_dense,
             num_sparse=gen.config.num_sparse,
-            train_batches=lambda bs, n, rank, world: gen.batches(bs, n, rank=rank, world_size=world, order=cfg.data_seed),
+            train_batches=lambda bs, n, rank, world: gen.batches(bs, n, rank=rank, world_size=world),
             eval_set=eval_set,
             label_mean=float(sample.labels.mean()),
             bayes_loss=gen.bayes_log_loss(eval_set),
         )
-    # Criteo files stream: every 10th line (i % 10 == 9) is held out and never trained on,
-    # the rest is dealt to the workers line by line, so memory does not grow with the data.
-    files = criteo_files(cfg.data)
-    eval_set = criteo_eval_set(files, max(cfg.eval_samples, 1), holdout_every=CRITEO_HOLDOUT)
-    # The constant predictor learns its rate from training lines, not from the held-out ones.
-    label_mean = float(next(iter(CriteoStream(files, 20_000, holdout_every=CRITEO_HOLDOUT))).labels.mean())
+    path = cfg.data.split(":", 1)[1]
+    try:
+        train_set, eval_set = load_criteo(path, eval_fraction=0.1)
+    except ValueError as exc:
+        # A malformed line or too few lines: the message names the file (and line).
+        raise UsageError(str(exc)) from exc
+    except OSError as exc:
+        raise UsageError(f"--data {cfg.data}: {exc.strerror or exc}") from exc
 
     def batches(bs: int, n: int, rank: int, world: int) -> Iterator[Batch]:
-        stream = CriteoStream(files, bs, rank=rank, world_size=world, epochs=None, holdout_every=CRITEO_HOLDOUT)
-        return itertools.islice(stream, n)
+        stream = iterate(train_set, bs, rank=rank, world_size=world, epochs=None)
+        for _ in range(n):
+            yield next(stream)
 
     return Dataset(
-        num_dense=CRITEO_DENSE,
-        num_sparse=CRITEO_SPARSE,
+        num_dense=train_set.dense.shape[1],
+        num_sparse=train_set.sparse.shape[1],
         train_batches=batches,
         eval_set=eval_set,
-        label_mean=label_mean,
+        label_mean=float(train_set.labels.mean()),
         bayes_loss=None,
     )
 
@@ -163,6 +155,7 @@ def reference_losses(ds: Dataset) -> dict[str, float]:
 def evaluate_job(cfg: WorkerConfig) -> dict[str, float]:
     """Evaluate the job's model as the shards hold it now, with the reference losses."""
     ds = open_dataset(cfg)
-    with ctr_trainer(cfg, ds, printer=lambda line: None) as trainer:
+    # No TensorBoard writer: the workers wrote the curves; this is one evaluation.
+    with ctr_trainer(replace(cfg, tensorboard=None), ds, printer=lambda line: None) as trainer:
         result = trainer.evaluate([ds.eval_set], _ctr_metrics)
     return {**result, **reference_losses(ds)}
