@@ -125,7 +125,10 @@ def _comparison(command: str, argv: Sequence[str]) -> int:
     else:
         p.add_argument("--modes", default="sync,ssp:0,ssp:4,async", help="comma-separated modes: async, ssp:S, sync")
     _add_counts(p, shards=2, workers=4, per=" per run")
-    p.add_argument("--straggler", type=float, default=1.0, help="the last worker computes this many times slower")
+    # --straggler SPEC is a job flag (add_training_flags): every mode and repeat sees the same delays.
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run each mode N times with different data orders (--data-seed, +1 per repeat): the table shows mean "
+                   "and spread, the plot bands" + (", and a bound is recommended only when its lead exceeds the spread" if sweep else ""))
     p.add_argument("--target-loss", type=float, default=None, help="eval loss for time-to-target (default: 90%% of the worst mode's gain)")
     p.add_argument("--out", required=True, help="write curves.csv, curves.png, summary.json and each run here")
     p.add_argument("--job-timeout", type=float, default=3600.0, metavar="SECONDS", help="limit per run, seconds")
@@ -152,10 +155,10 @@ def _comparison(command: str, argv: Sequence[str]) -> int:
             modes = [f"ssp:{b}" for b in bounds]
         else:
             modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-        check_arguments(modes, straggler=a.straggler, tolerance=a.tolerance if sweep else 0.0)
+        check_arguments(modes, straggler=a.straggler, tolerance=a.tolerance if sweep else 0.0, repeats=a.repeats)
     except ValueError as exc:
         return report_usage_error(f"tether {command}", exc)
-    common = dict(straggler=a.straggler, target_loss=a.target_loss, timeout_s=a.job_timeout, echo=a.verbose)
+    common = dict(straggler=a.straggler, target_loss=a.target_loss, timeout_s=a.job_timeout, echo=a.verbose, repeats=a.repeats)
     try:
         if sweep:
             summary = run_sweep(template, bounds, a.num_shards, a.out, tolerance=a.tolerance, **common)

@@ -1,34 +1,53 @@
 """``tether compare`` and ``tether sweep``: the same job under several consistency modes.
 
-Each mode runs the same model, data, seed and total samples on a fresh local cluster.
-Outputs (``--out DIR``): ``curves.csv`` (mode, worker, step, samples, wall time, train loss,
-eval loss), ``curves.png`` (eval loss against wall time and against samples),
-``summary.json`` (one entry per mode; the sweep adds ``recommended_staleness``), and each
-mode's own run folder. The table is printed too.
+Each mode runs the same model, data, seed, straggler schedule and total samples on a fresh
+local cluster, ``repeats`` times with different data orders (``data_seed``; runs interleaved,
+so a change in the machine's load falls on every mode alike). Outputs (``--out DIR``):
+``curves.csv`` (mode, repeat, worker, step, samples, all workers' samples, wall time, train
+loss, eval loss, clock staleness), ``curves.png`` (eval loss against wall time and against all
+workers' samples, mean and band over the repeats, a line at the best possible loss, and clock
+staleness over time), ``summary.json`` (per mode: mean and spread; per run: its figures; the
+sweep adds ``recommended_staleness``), and each run's own folder.
+
+Wall time is worker 0's training time: its evaluations are left out (it evaluates before
+training, at step 0, and every ``eval_every`` steps). Time to target is read off that curve,
+interpolated linearly between evaluations.
 """
 
 from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Sequence
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+
+import numpy as np
 
 from tether.deploy.launch import run_job
 from tether.protos.errors import UsageError
 from tether.worker.config import WorkerConfig, parse_mode
+from tether.worker.stragglers import StragglerSpec, parse_straggler
 
 __all__ = ["check_arguments", "compare", "recommend", "time_to_target", "write_plot"]
 
-CSV_FIELDS = ("mode", "worker", "step", "samples", "wall_s", "train_loss", "eval_loss")
+CSV_FIELDS = ("mode", "repeat", "worker", "step", "samples", "total_samples", "wall_s", "train_loss", "eval_loss", "staleness_mean")
 
 
-def time_to_target(curve: Sequence[dict[str, object]], target: float) -> float | None:
-    """Wall seconds of the first evaluation at or below ``target`` (None if never)."""
+def time_to_target(curve: Sequence[dict[str, object]], target: float, x: str = "wall_s") -> float | None:
+    """When the eval loss first reaches ``target``: ``x`` (wall seconds) interpolated linearly
+    between the evaluation before and the first at or below it (None if never)."""
+    prev: tuple[float, float] | None = None
     for point in curve:
-        if "eval_loss" in point and float(point["eval_loss"]) <= target:
-            return float(point["wall_s"])
+        if "eval_loss" not in point:
+            continue
+        y, t = float(point["eval_loss"]), float(point[x])
+        if y <= target:
+            if prev is None or prev[1] <= target:
+                return t
+            return prev[0] + (prev[1] - target) / (prev[1] - y) * (t - prev[0])
+        prev = (t, y)
     return None
 
 
@@ -43,12 +62,14 @@ def _mode_dir(mode: str) -> str:
     return mode.replace(":", "-")
 
 
-def check_arguments(modes: Sequence[str], straggler: float = 1.0, target_fraction: float = 0.9, tolerance: float = 0.0) -> None:
+def check_arguments(
+    modes: Sequence[str], straggler: object = None, target_fraction: float = 0.9, tolerance: float = 0.0, repeats: int = 1
+) -> None:
     """Check what ``compare`` and ``sweep`` are asked before any process starts.
 
     Raises:
-        UsageError: a bad mode, an empty mode list, a straggler factor below 1, a target
-            fraction outside (0, 1] or a negative tolerance.
+        UsageError: a bad mode, an empty mode list, a bad straggler spec, a target fraction
+            outside (0, 1], a negative tolerance or fewer than 1 repeat.
     """
     if not modes:
         raise UsageError("at least one mode is needed")
@@ -59,10 +80,38 @@ def check_arguments(modes: Sequence[str], straggler: float = 1.0, target_fractio
             raise UsageError(str(exc)) from None
     if not 0 < target_fraction <= 1:
         raise UsageError(f"target_fraction must be in (0, 1], got {target_fraction!r}")
-    if not straggler >= 1:
-        raise UsageError(f"--straggler must be >= 1, got {straggler!r}")
+    try:
+        parse_straggler(straggler)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if not tolerance >= 0:
         raise UsageError(f"--tolerance must be >= 0, got {tolerance!r}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise UsageError(f"--repeats must be an integer >= 1, got {repeats!r}")
+
+
+def _spread(values: Sequence[float]) -> float:
+    """Sample standard deviation (0 for one value)."""
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _with_total_samples(records: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Worker 0's curve with ``total_samples``: every worker's samples at the moment of each of
+    its points, interpolated from each worker's own (time, samples) records."""
+    tracks = []
+    for r in records:
+        times = [float(r.get("start_time", 0.0))] + [float(p["time"]) for p in r["history"] if "time" in p and int(p["step"]) > 0]
+        samples = [0.0] + [float(p["samples"]) for p in r["history"] if "time" in p and int(p["step"]) > 0]
+        tracks.append((np.asarray(times), np.asarray(samples)))
+    curve = []
+    for point in records[0]["history"]:
+        point = dict(point)
+        if int(point["step"]) == 0 or "time" not in point:
+            point["total_samples"] = int(point["samples"]) * len(records) if int(point["step"]) else 0
+        else:
+            point["total_samples"] = int(round(sum(float(np.interp(float(point["time"]), t, n)) for t, n in tracks)))
+        curve.append(point)
+    return curve
 
 
 def compare(
@@ -70,95 +119,167 @@ def compare(
     modes: Sequence[str],
     num_shards: int,
     out: str | Path,
-    straggler: float = 1.0,
+    straggler: str | float | StragglerSpec | None = None,
     target_loss: float | None = None,
     target_fraction: float = 0.9,
     timeout_s: float = 3600.0,
     echo: bool = False,
+    repeats: int = 1,
+    printer: Callable[[str], None] = print,
 ) -> dict[str, object]:
-    """Run ``template`` under each mode and write the comparison to ``out``.
+    """Run ``template`` under each mode, ``repeats`` times, and write the comparison to ``out``.
 
     Args:
-        template: the job (its ``mode`` is replaced by each of ``modes``; its ``tensorboard``,
-            if set, is the root of the curves: each mode's workers write to ``<root>/<mode>``).
+        template: the job (its ``mode`` is replaced by each of ``modes``; its ``data_seed`` is
+            that of the first repeat, +1 for each next one; its ``tensorboard``, if set, is the
+            root of the curves: each mode's workers write to ``<root>/<mode>``).
         modes: e.g. ``["sync", "ssp:0", "ssp:4", "async"]``.
         num_shards: shards per run.
         out: output folder.
-        straggler: the last worker computes this many times slower (1: no straggler).
+        straggler: who computes slower when (``tether.worker.stragglers``: ``persistent:3``,
+            ``transient:0.1:5``, ``pareto:1.5``; a bare number K is ``persistent:K``); None:
+            the template's own.
         target_loss: eval loss whose time-to-target is reported; by default the loss that
             closes ``target_fraction`` of the gap between the constant predictor and the
-            worst mode's final loss, so every mode reaches it.
+            worst run's final loss, so every run reaches it.
         target_fraction: see ``target_loss``.
         timeout_s: limit per run.
+        repeats: runs per mode, each with its own data order.
+        printer: where the line per finished run goes.
 
     Raises:
         UsageError: see ``check_arguments``; or a worker's own one line (a malformed data line).
         ClusterError: a process failed.
         Interrupted: Ctrl-C; every process was stopped.
     """
-    check_arguments(modes, straggler=straggler, target_fraction=target_fraction)
+    spec = parse_straggler(template.straggler if straggler is None else straggler)
+    check_arguments(modes, straggler=spec, target_fraction=target_fraction, repeats=repeats)
     if template.eval_every < 1:
-        template = replace(template, eval_every=max(template.steps // 10, 1))
+        template = replace(template, eval_every=max(template.steps // 20, 1))
+    # Every worker records (time, samples) as often as worker 0 evaluates: all workers'
+    # samples and the staleness panel are read off those records.
+    template = replace(template, straggler=str(spec), slowdown=1.0, slow_worker=None, log_every=min(template.log_every, template.eval_every))
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, dict[str, object]] = {}
-    curves: dict[str, list[dict[str, object]]] = {}
-    rows: list[dict[str, object]] = []
-    for mode in modes:
-        cfg = replace(template, mode=mode, slowdown=straggler, slow_worker=template.num_workers - 1 if straggler > 1 else None)
-        if template.tensorboard:  # one run per mode under one root, so TensorBoard overlays them
-            cfg = replace(cfg, tensorboard=str(Path(template.tensorboard) / _mode_dir(mode)))
-        run_dir = out_dir / _mode_dir(mode)
-        print(f"tether compare: running {mode} ({cfg.num_workers} workers, {num_shards} shards)", flush=True)
-        summary = run_job(cfg, num_shards, out=run_dir, timeout_s=timeout_s, echo=echo)
-        runs[mode] = summary
-        for w in range(cfg.num_workers):
-            record = json.loads((run_dir / f"worker-{w}.json").read_text())
-            for point in record["history"]:
-                rows.append({"mode": mode, "worker": w, **{k: point.get(k, "") for k in CSV_FIELDS[2:]}})
-            if w == 0:
-                curves[mode] = record["history"]
-    baseline = float(next(iter(runs.values()))["baseline_loss"])
+    runs: list[dict[str, object]] = []
+    for repeat in range(repeats):
+        for mode in modes:
+            cfg = replace(template, mode=mode, data_seed=template.data_seed + repeat)
+            if template.tensorboard:  # one run per mode under one root, so TensorBoard overlays them
+                board = Path(template.tensorboard) / _mode_dir(mode)
+                cfg = replace(cfg, tensorboard=str(board / f"repeat-{repeat}" if repeats > 1 else board))
+            run_dir = out_dir / _mode_dir(mode) / f"repeat-{repeat}" if repeats > 1 else out_dir / _mode_dir(mode)
+            printer(f"tether compare: running {mode}" + (f" repeat {repeat + 1}/{repeats}" if repeats > 1 else "")
+                    + f" ({cfg.num_workers} workers, {num_shards} shards, straggler {spec})")
+            summary = run_job(cfg, num_shards, out=run_dir, timeout_s=timeout_s, echo=echo)
+            records = [json.loads((run_dir / f"worker-{w}.json").read_text()) for w in range(cfg.num_workers)]
+            curve = _with_total_samples(records)
+            updates = sorted(int(x) for r in records for x in r.get("update_staleness", []))
+            run = {
+                "mode": mode,
+                "repeat": repeat,
+                "data_seed": cfg.data_seed,
+                "summary": summary,
+                "records": records,
+                "curve": curve,
+                "final_eval_loss": float(summary["eval_loss"]),
+                "final_eval_auc": float(summary["eval_auc"]),
+                "samples_per_sec": float(summary["samples_per_sec"]),
+                "train_wall_s": float(summary["train_wall_s"]),
+                "update_staleness_p50": float(np.median(updates)) if updates else 0.0,
+            }
+            runs.append(run)
+            worst = max(float(r["final_eval_loss"]) for r in runs)
+            base = float(summary["baseline_loss"])
+            so_far = target_loss if target_loss is not None else base - target_fraction * (base - worst)
+            ttt = time_to_target(curve, so_far)
+            printer(f"tether compare: {mode}" + (f" repeat {repeat + 1}/{repeats}" if repeats > 1 else "")
+                    + f": final loss {run['final_eval_loss']:.4f}, to {'target' if target_loss is not None else 'target so far'} "
+                    + f"{so_far:.4f}: {'never' if ttt is None else f'{ttt:.1f}s'}, training wall {run['train_wall_s']:.1f}s, "
+                    + f"{run['samples_per_sec']:,.0f} samples/s")
+    first = runs[0]["summary"]
+    baseline = float(first["baseline_loss"])
     if target_loss is None:
-        # From the curves themselves (worker 0's last evaluation), so every mode reaches it.
-        worst = max(float(_evals(c)[-1]["eval_loss"]) for c in curves.values())
+        # From the runs themselves (the worst final loss), so every run reaches it.
+        worst = max(float(r["final_eval_loss"]) for r in runs)
         target_loss = baseline - target_fraction * (baseline - worst)
-    results = []
-    for mode, r in runs.items():
-        results.append({
-            "mode": mode,
-            "time_to_target_s": time_to_target(curves[mode], target_loss),
-            "final_eval_loss": float(r["eval_loss"]),
-            "final_eval_auc": float(r["eval_auc"]),
-            "samples_per_sec": float(r["samples_per_sec"]),
-            "train_wall_s": float(r["train_wall_s"]),
-            "staleness_p50": r["staleness_p50"],
-            "staleness_p99": r["staleness_p99"],
-            "staleness_max": r["staleness_max"],
-        })
+    rows: list[dict[str, object]] = []
+    for run in runs:
+        run["time_to_target_s"] = time_to_target(run["curve"], target_loss)
+        for w, record in enumerate(run["records"]):
+            points = run["curve"] if w == 0 else record["history"]
+            for point in points:
+                rows.append({"mode": run["mode"], "repeat": run["repeat"], "worker": w, **{k: point.get(k, "") for k in CSV_FIELDS[3:]}})
+    results = [_mode_result(mode, [r for r in runs if r["mode"] == mode]) for mode in modes]
     with (out_dir / "curves.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         writer.writeheader()
         writer.writerows(rows)
-    write_plot(curves, out_dir / "curves.png", target_loss, baseline)
+    best_possible = float(first["bayes_loss"]) if "bayes_loss" in first else None
+    write_plot({m: [r for r in runs if r["mode"] == m] for m in modes}, out_dir / "curves.png", target_loss, baseline, best_possible,
+               title=f"{template.num_workers} workers, {num_shards} shards, straggler {spec}" + (f", {repeats} repeats" if repeats > 1 else ""))
     summary = {
         "target_loss": target_loss,
         "baseline_loss": baseline,
-        "straggler_factor": straggler,
+        "straggler": str(spec),
+        "straggler_factor": spec.factor if spec.kind == "persistent" else None,
         "num_workers": template.num_workers,
         "num_shards": num_shards,
+        "repeats": repeats,
         "samples_per_mode": template.num_workers * template.steps * template.batch_size,
+        "wall_time": "worker 0's training time, its evaluations left out; time to target interpolated between evaluations",
         "modes": results,
     }
-    if "bayes_loss" in next(iter(runs.values())):
-        summary["bayes_loss"] = next(iter(runs.values()))["bayes_loss"]
+    if best_possible is not None:
+        summary["bayes_loss"] = best_possible
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
+def _mode_result(mode: str, runs: list[dict[str, object]]) -> dict[str, object]:
+    """One mode's figures over its runs: means, spreads (sample standard deviation) and each run."""
+    losses = [float(r["final_eval_loss"]) for r in runs]
+    times = [r["time_to_target_s"] for r in runs]
+    reached = [float(t) for t in times if t is not None]
+    lags = sorted(int(x) for r in runs for w in r["records"] for x in w["clock_staleness"])
+    return {
+        "mode": mode,
+        "repeats": len(runs),
+        "time_to_target_s": statistics.fmean(reached) if len(reached) == len(runs) else None,
+        "time_to_target_s_std": _spread(reached) if len(reached) == len(runs) else None,
+        "final_eval_loss": statistics.fmean(losses),
+        "final_eval_loss_std": _spread(losses),
+        "final_eval_auc": statistics.fmean(float(r["final_eval_auc"]) for r in runs),
+        "samples_per_sec": statistics.fmean(float(r["samples_per_sec"]) for r in runs),
+        "train_wall_s": statistics.fmean(float(r["train_wall_s"]) for r in runs),
+        "staleness_p50": _quantile(lags, 0.5),
+        "staleness_p99": _quantile(lags, 0.99),
+        "staleness_max": lags[-1] if lags else 0,
+        "update_staleness_p50": statistics.fmean(float(r["update_staleness_p50"]) for r in runs),
+        "runs": [
+            {k: r[k] for k in ("repeat", "data_seed", "final_eval_loss", "final_eval_auc", "time_to_target_s", "samples_per_sec", "train_wall_s")}
+            for r in runs
+        ],
+    }
+
+
+def _quantile(values: Sequence[int], q: float) -> float:
+    if not values:
+        return 0.0
+    return float(values[min(int(q * len(values)), len(values) - 1)])
+
+
 def recommend(results: Sequence[dict[str, object]], tolerance: float = 0.01) -> dict[str, object]:
-    """The bound with the best time-to-target among those whose final loss is within
-    ``tolerance`` (relative) of the best final loss.
+    """The bound to use, if the runs can tell.
+
+    Eligible bounds reached the target in every run with a mean final loss within
+    ``tolerance`` (relative) of the best mean. The fastest of them (mean time to target) leads;
+    a bound is tied with it when its lead is no larger than the spread (the sum of the two
+    standard deviations). Recommended: the smallest bound among the tied ones, unless every
+    eligible bound is tied, which is "no significant difference".
+
+    Returns:
+        ``{"best": result, "recommended": result or None, "tied": [modes], "message": str}``.
 
     Raises:
         UsageError: no result reached the target.
@@ -169,47 +290,133 @@ def recommend(results: Sequence[dict[str, object]], tolerance: float = 0.01) -> 
         if float(r["final_eval_loss"]) <= best_loss * (1 + tolerance) and r["time_to_target_s"] is not None
     ]
     if not eligible:
-        raise UsageError("no staleness bound reached the target loss; lower the target or train longer")
-    return min(eligible, key=lambda r: float(r["time_to_target_s"]))
+        raise UsageError("no staleness bound reached the target loss in every run; lower the target or train longer")
+    best = min(eligible, key=lambda r: float(r["time_to_target_s"]))
+
+    def tied(r: dict[str, object]) -> bool:
+        lead = float(r["time_to_target_s"]) - float(best["time_to_target_s"])
+        return lead <= float(best.get("time_to_target_s_std") or 0.0) + float(r.get("time_to_target_s_std") or 0.0)
+
+    group = [r for r in eligible if tied(r)]
+    names = [str(r["mode"]) for r in group]
+    single = int(best.get("repeats", 1)) < 2
+    if len(eligible) > 1 and len(group) == len(eligible) and not single:
+        return {"best": best, "recommended": None, "tied": names,
+                "message": f"no significant difference: {', '.join(names)} are within the spread of each other's time to target"}
+    chosen = min(group, key=lambda r: parse_mode(str(r["mode"]))[1] or 0)
+    note = " (one run per bound: the spread is unknown; use --repeats 3)" if single else ""
+    if len(group) > 1:
+        note += f"; {', '.join(names)} are within the spread of each other, the smallest bound is recommended"
+    return {"best": best, "recommended": chosen, "tied": names, "message": f"recommended staleness bound: {parse_mode(str(chosen['mode']))[1]}{note}"}
 
 
-def write_plot(curves: dict[str, list[dict[str, object]]], path: Path, target: float, baseline: float) -> None:
-    """Eval loss against wall time and against samples, one line per mode."""
+def _band(runs: list[dict[str, object]], x: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Mean, low and high of the runs' eval loss on a common grid of ``x`` (up to the shortest run)."""
+    curves = [_evals(r["curve"]) for r in runs]
+    end = min(float(c[-1][x]) for c in curves)
+    grid = np.linspace(0.0, end, 80)
+    ys = np.array([np.interp(grid, [float(p[x]) for p in c], [float(p["eval_loss"]) for p in c]) for c in curves])
+    return grid, ys.mean(axis=0), ys.min(axis=0), ys.max(axis=0)
+
+
+def write_plot(
+    runs: dict[str, list[dict[str, object]]],
+    path: Path,
+    target: float,
+    baseline: float,
+    best_possible: float | None = None,
+    title: str = "",
+) -> None:
+    """Eval loss against wall time and against all workers' samples (one line per mode, the
+    mean of its runs, with a band from the lowest to the highest run), each with a zoomed inset
+    of the second half; and clock staleness over time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for mode, curve in curves.items():
-        points = _evals(curve)
-        ax_t.plot([p["wall_s"] for p in points], [p["eval_loss"] for p in points], marker="o", ms=3, label=mode)
-        ax_s.plot([p["samples"] for p in points], [p["eval_loss"] for p in points], marker="o", ms=3, label=mode)
-    for ax, xlabel in ((ax_t, "wall time (s)"), (ax_s, "samples seen by worker 0")):
-        ax.axhline(target, color="grey", ls="--", lw=1, label="target")
+    fig, (ax_t, ax_s, ax_z) = plt.subplots(1, 3, figsize=(16, 4.6))
+    colors = {mode: f"C{i}" for i, mode in enumerate(runs)}
+    for ax, x, xlabel in ((ax_t, "wall_s", "worker 0's training time (s), evaluations left out"), (ax_s, "total_samples", "samples, all workers")):
+        inset = ax.inset_axes([0.42, 0.42, 0.55, 0.53])
+        tail: list[float] = []
+        x_end = 0.0
+        for mode, mode_runs in runs.items():
+            grid, mean, low, high = _band(mode_runs, x)
+            for target_ax in (ax, inset):
+                target_ax.plot(grid, mean, color=colors[mode], lw=1.4, label=mode if target_ax is ax else None)
+                if len(mode_runs) > 1:
+                    target_ax.fill_between(grid, low, high, color=colors[mode], alpha=0.18, lw=0)
+            points = _evals(mode_runs[0]["curve"])
+            ax.plot([float(p[x]) for p in points], [float(p["eval_loss"]) for p in points], "o", ms=2.5, color=colors[mode])
+            x_end = max(x_end, float(grid[-1]))
+            tail += [float(v) for v, g in zip(np.concatenate([low, high]), np.concatenate([grid, grid])) if g >= 0.5 * grid[-1]]
+        for target_ax in (ax, inset):
+            target_ax.axhline(target, color="grey", ls="--", lw=1, label="target" if target_ax is ax else None)
+            if best_possible is not None:
+                target_ax.axhline(best_possible, color="green", ls="-.", lw=1, label="best possible" if target_ax is ax else None)
+            target_ax.grid(alpha=0.3)
         ax.axhline(baseline, color="black", ls=":", lw=1, label="constant predictor")
+        lows = [best_possible] if best_possible is not None else []
+        everything = [float(p["eval_loss"]) for mode_runs in runs.values() for r in mode_runs for p in _evals(r["curve"])]
+        bottom, top = min(everything + lows), max(everything + [baseline])
+        pad = 0.04 * (top - bottom)
+        ax.set_ylim(bottom - pad, top + pad)
+        if tail:
+            lo, hi = min(tail + [target]), max(tail + [target])
+            span = max(hi - lo, 1e-4)
+            inset.set_xlim(0.5 * x_end, x_end)
+            inset.set_ylim(lo - 0.15 * span, hi + 0.15 * span)
+            inset.tick_params(labelsize=7)
+            inset.set_title("second half, zoomed", fontsize=7)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out log loss")
-        ax.grid(alpha=0.3)
-    ax_t.legend(fontsize=8)
-    fig.suptitle("tether: eval loss by consistency mode")
+        ax.set_xlim(left=0)
+    ax_t.legend(fontsize=7, loc="lower left")
+    for mode, mode_runs in runs.items():
+        records = mode_runs[0]["records"]
+        t0 = min(float(r.get("start_time", 0.0)) for r in records)
+        points = sorted((float(p["time"]) - t0, float(p["staleness_mean"])) for r in records for p in r["history"] if "staleness_mean" in p and "time" in p)
+        if points:
+            ax_z.plot([p[0] for p in points], [p[1] for p in points], lw=1, color=colors[mode], label=mode)
+    ax_z.set_xlabel("time since the start (s), first run")
+    ax_z.set_ylabel("clock staleness (ticks), mean per logged window")
+    ax_z.grid(alpha=0.3)
+    ax_z.legend(fontsize=7)
+    fig.suptitle("tether: eval loss by consistency mode" + (f" ({title})" if title else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def format_table(summary: dict[str, object]) -> str:
-    """The per-mode results as an aligned text table."""
-    head = f"{'mode':10s} {'to target (s)':>13s} {'final loss':>10s} {'AUC':>7s} {'samples/s':>10s} {'stale p50':>9s} {'p99':>5s} {'max':>5s}"
-    lines = [f"target eval loss {summary['target_loss']:.4f} (constant predictor {summary['baseline_loss']:.4f})", head]
+    """The per-mode results as an aligned text table (mean +- standard deviation over repeats)."""
+    repeats = int(summary.get("repeats", 1))
+    pm = repeats > 1
+
+    def fmt(mean: object, std: object, digits: int, width: int) -> str:
+        if mean is None:
+            return f"{'never':>{width}s}"
+        text = f"{float(mean):.{digits}f}" + (f" +-{float(std or 0):.{digits}f}" if pm else "")
+        return f"{text:>{width}s}"
+
+    tw, lw = (15, 17) if pm else (13, 10)
+    head = f"{'mode':10s} {'to target (s)':>{tw}s} {'final loss':>{lw}s} {'AUC':>7s} {'samples/s':>10s} {'stale p50':>9s} {'p99':>5s} {'max':>5s}"
+    lines = [
+        f"target eval loss {summary['target_loss']:.4f} (constant predictor {summary['baseline_loss']:.4f}"
+        + (f", best possible {summary['bayes_loss']:.4f}" if "bayes_loss" in summary else "")
+        + f"); straggler {summary.get('straggler', 'none')}" + (f"; {repeats} runs per mode, mean +- standard deviation" if pm else ""),
+        "time to target: worker 0's training time, evaluations left out, interpolated between evaluations",
+        head,
+    ]
     for r in summary["modes"]:
-        ttt = "never" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
         lines.append(
-            f"{r['mode']:10s} {ttt:>13s} {r['final_eval_loss']:10.4f} {r['final_eval_auc']:7.4f} {r['samples_per_sec']:10,.0f}"
+            f"{r['mode']:10s} {fmt(r['time_to_target_s'], r.get('time_to_target_s_std'), 1, tw)} "
+            f"{fmt(r['final_eval_loss'], r.get('final_eval_loss_std'), 4, lw)} {r['final_eval_auc']:7.4f} {r['samples_per_sec']:10,.0f}"
             f" {r['staleness_p50']:9.0f} {r['staleness_p99']:5.0f} {r['staleness_max']:5.0f}"
         )
-    if "recommended_staleness" in summary:
-        lines.append(f"recommended staleness bound: {summary['recommended_staleness']}")
+    if "recommendation" in summary:
+        lines.append(str(summary["recommendation"]))
     return "\n".join(lines)
 
 
@@ -221,13 +428,17 @@ def sweep(
     tolerance: float = 0.01,
     **kwargs: object,
 ) -> dict[str, object]:
-    """``compare`` over ``ssp:S`` for each bound, plus the recommended bound."""
+    """``compare`` over ``ssp:S`` for each bound, plus the recommendation (see ``recommend``):
+    ``recommended_staleness`` is None when the runs show no significant difference."""
     if not bounds or any(b < 0 for b in bounds):
         raise UsageError(f"--bounds must be a non-empty list of integers >= 0, got {list(bounds)!r}")
     check_arguments([f"ssp:{b}" for b in bounds], tolerance=tolerance)
     summary = compare(template, [f"ssp:{b}" for b in bounds], num_shards, out, **kwargs)
-    best = recommend(summary["modes"], tolerance)
-    summary["recommended_staleness"] = parse_mode(str(best["mode"]))[1]
+    verdict = recommend(summary["modes"], tolerance)
+    chosen = verdict["recommended"]
+    summary["recommended_staleness"] = None if chosen is None else parse_mode(str(chosen["mode"]))[1]
+    summary["recommendation"] = verdict["message"]
+    summary["tied_bounds"] = verdict["tied"]
     summary["tolerance"] = tolerance
     Path(out, "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

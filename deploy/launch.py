@@ -27,9 +27,50 @@ from typing import IO
 from tether.protos.errors import USAGE_EXIT_CODE, UsageError
 from tether.worker.config import WorkerConfig
 
-__all__ = ["ClusterError", "Interrupted", "LocalCluster", "run_job"]
+__all__ = ["ClusterError", "Interrupted", "LocalCluster", "Program", "job_env", "run_job"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Program:
+    """A user's training program run as the workers instead of ``tether worker``: what comes
+    after ``python`` (``script.py args...`` or ``-m module args...``). Each worker learns its
+    place in the job from the ``TETHER_*`` environment (``TrainingConfig.from_env``); in sync
+    mode ``torchrun`` runs it and sets ``RANK``/``WORLD_SIZE`` as well."""
+
+    argv: tuple[str, ...]
+
+    @classmethod
+    def script(cls, path: str, args: Sequence[str] = ()) -> Program:
+        """A Python script.
+
+        Raises:
+            ValueError: no such file.
+        """
+        if not Path(path).is_file():
+            raise ValueError(f"--script {path}: no such file")
+        return cls((str(Path(path).resolve()), *args))
+
+    @classmethod
+    def entry(cls, target: str, args: Sequence[str] = ()) -> Program:
+        """``module:function``, called with no arguments (``tether.worker.entry`` runs it).
+
+        Raises:
+            ValueError: not ``module:function``, or no such module.
+        """
+        import importlib.util
+
+        module, _, function = target.partition(":")
+        if not module or not function.isidentifier():
+            raise ValueError(f"--entry {target}: expected module:function")
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ValueError(f"--entry {target}: no module {module!r} on the Python path")
+        return cls(("-m", "tether.worker.entry", target, *args))
 
 
 class ClusterError(RuntimeError):
@@ -239,16 +280,22 @@ class LocalCluster:
         with self._lock:
             return self.shards[index].proc
 
-    def start_workers(self, template: WorkerConfig, extra_args: Sequence[str] = (), echo: bool = True, metrics: bool = False) -> None:
-        """Start ``template.num_workers`` worker processes against the running shards.
+    def start_workers(
+        self, template: WorkerConfig, extra_args: Sequence[str] = (), echo: bool = True, metrics: bool = False, program: Program | None = None
+    ) -> None:
+        """Start ``template.num_workers`` worker processes against the running shards:
+        ``tether worker``, or the user's ``program`` configured through the environment.
 
         In sync mode the workers are the ranks of one ``torchrun``.
         """
         if template.consistency[0] == "sync":
             cfg = replace(template, shards=tuple(self.addresses), worker_index=0)
             argv = ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(template.num_workers),
-                    "--master-addr", self.host, "--master-port", str(_free_port(self.host)),
-                    "-m", "tether.worker", *worker_argv(cfg), *extra_args]
+                    "--master-addr", self.host, "--master-port", str(_free_port(self.host))]
+            if program is not None:
+                self.workers.append(self._spawn("torchrun", [*argv, *program.argv], echo=echo, env=job_env(cfg)))
+                return
+            argv += ["-m", "tether.worker", *worker_argv(cfg), *extra_args]
             if metrics:
                 # Each rank serves on the base port plus its local rank.
                 base = _free_port(self.host)
@@ -258,6 +305,9 @@ class LocalCluster:
             return
         for i in range(template.num_workers):
             cfg = replace(template, shards=tuple(self.addresses), worker_index=i)
+            if program is not None:
+                self.workers.append(self._spawn(f"worker-{i}", list(program.argv), echo=echo, env=job_env(cfg)))
+                continue
             argv = ["-m", "tether.worker", *worker_argv(cfg), *extra_args]
             if metrics:
                 port = _free_port(self.host)
@@ -391,9 +441,16 @@ def worker_argv(cfg: WorkerConfig) -> list[str]:
         "--log-every", str(cfg.log_every), "--timeout", repr(cfg.timeout_s), "--call-deadline", repr(cfg.call_deadline_s),
         "--wire-dtype", cfg.wire_dtype,
         "--transport", cfg.transport, "--mode", cfg.mode, "--ssp-timeout", repr(cfg.ssp_timeout_s), "--slowdown", repr(cfg.slowdown),
+        "--init-scale", repr(cfg.init_scale), "--checkpoint-every-steps", str(cfg.checkpoint_every_steps),
     ]
+    if cfg.worker_id:
+        argv += ["--worker-id", cfg.worker_id]
     if cfg.slow_worker is not None:
         argv += ["--slow-worker", str(cfg.slow_worker)]
+    if cfg.straggler:
+        argv += ["--straggler", cfg.straggler]
+    if cfg.data_seed:
+        argv += ["--data-seed", str(cfg.data_seed)]
     if cfg.staleness_aware:
         argv.append("--staleness-aware")
     if not cfg.prefetch:
@@ -410,6 +467,23 @@ def worker_argv(cfg: WorkerConfig) -> list[str]:
     return argv
 
 
+def job_env(cfg: WorkerConfig) -> dict[str, str]:
+    """The ``TETHER_*`` variables that describe ``cfg`` to a worker (``TrainingConfig.from_env``
+    reads them): the variable of each ``tether worker`` flag, ``1`` for a switch."""
+    env: dict[str, str] = {}
+    argv = worker_argv(cfg)
+    i = 0
+    while i < len(argv):
+        name = "TETHER_" + argv[i].lstrip("-").upper().replace("-", "_")
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            env[name] = argv[i + 1]
+            i += 2
+        else:
+            env[name] = "1"
+            i += 1
+    return env
+
+
 def run_job(
     template: WorkerConfig,
     num_shards: int,
@@ -418,8 +492,12 @@ def run_job(
     echo: bool = True,
     metrics: bool = False,
     checkpoint_every: float | None = None,
+    program: Program | None = None,
 ) -> dict[str, object]:
     """Run a whole job locally, evaluate the result, and write ``summary.json`` to ``out``.
+
+    With a ``program`` the workers are the user's code; the result is what its workers
+    recorded (worker 0's final held-out metrics, when it evaluated).
 
     Raises:
         UsageError: a worker found a mistake in what it was asked (a malformed data line).
@@ -444,12 +522,17 @@ def run_job(
             addresses = cluster.start_shards(num_shards, extra_args=shard_args, metrics=metrics)
             print(f"tether: {num_shards} shard(s) at {', '.join(addresses)}; starting {template.num_workers} worker(s)", flush=True)
             t0 = time.perf_counter()
-            cluster.start_workers(template, echo=echo, metrics=metrics)
+            cluster.start_workers(template, echo=echo, metrics=metrics, program=program)
             cluster.wait_workers(timeout_s)
             wall = time.perf_counter() - t0
             metrics_ports = dict(cluster.metrics_ports)
-            workers = [json.loads((workdir / f"worker-{i}.json").read_text()) for i in range(template.num_workers)]
-            if template.consistency[0] == "sync":
+            records = [workdir / f"worker-{i}.json" for i in range(template.num_workers)]
+            workers = [json.loads(r.read_text()) for r in records if r.exists()]
+            if program is not None:
+                if not workers:
+                    raise ClusterError(f"the workers wrote no records to {workdir} (train with Trainer and TrainingConfig.from_env())")
+                evaluation = dict(workers[0].get("final_eval", {})) if workers[0].get("worker_index") == 0 else {}
+            elif template.consistency[0] == "sync":
                 # Dense parameters live on the ranks, so rank 0 evaluated the final model.
                 evaluation = {**workers[0]["final_eval"], **reference_losses(open_dataset(template))}
             else:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from tether.protos.flags import HelpFormatter
 from tether.protos.security import TOKEN_ENV, ClientSecurity, resolve_token
 from tether.protos.specs import OPTIMIZERS
+from tether.worker.stragglers import StragglerSpec, parse_straggler
 
 __all__ = [
     "TrainingConfig",
@@ -53,20 +54,23 @@ def _check_address(address: str) -> None:
 
 
 def _check_data_file(data: str) -> None:
-    """``criteo:PATH`` names a readable file (checked here, before any process starts).
+    """``criteo:PATH|GLOB|A,B`` names readable files (checked here, before any process starts).
 
     Raises:
         ValueError: no path, nothing matches, not a file, or not readable.
     """
+    from tether.worker.data import criteo_files
+
     path = data.split(":", 1)[1]
     if not path:
         raise ValueError(f"--data {data}: no path after 'criteo:'")
-    if not os.path.exists(path):
-        raise ValueError(f"--data {data}: no such file")
-    if not os.path.isfile(path):
-        raise ValueError(f"--data {data}: not a file")
-    if not os.access(path, os.R_OK):
-        raise ValueError(f"--data {data}: not readable")
+    try:
+        files = criteo_files(path)
+    except ValueError as exc:
+        raise ValueError(f"--data {data}: {exc}") from None
+    for f in files:
+        if not os.access(f, os.R_OK):
+            raise ValueError(f"--data {data}: {f} is not readable")
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,9 @@ class TrainingConfig:
     transport: str = "auto"
     slowdown: float = 1.0
     slow_worker: int | None = None
+    # Straggler experiments (tether.worker.stragglers): persistent:K[:W], transient:P:K,
+    # pareto:A[:CAP] or none; empty: ``slowdown`` / ``slow_worker`` decide.
+    straggler: str = ""
     # Transport security (see tether.protos.security): TLS files, and the bearer token with
     # the file it came from (None: from $TETHER_AUTH_TOKEN, which child processes inherit).
     tls_ca: str | None = None
@@ -149,6 +156,16 @@ class TrainingConfig:
         return 1.0
 
     @property
+    def straggler_spec(self) -> StragglerSpec:
+        """Who computes slower when (``straggler``, or else ``slowdown`` on ``slow_worker``,
+        every worker given it when ``slow_worker`` is None)."""
+        if self.straggler:
+            return parse_straggler(self.straggler)
+        if self.slowdown > 1.0:
+            return StragglerSpec("persistent", factor=self.slowdown, worker=self.worker_index if self.slow_worker is None else self.slow_worker)
+        return StragglerSpec()
+
+    @property
     def wait_s(self) -> float:
         """Longest a step waits on a push or pull: the client ends each call by its deadline,
         this only bounds the wait should it not."""
@@ -163,6 +180,7 @@ class TrainingConfig:
         parse_mode(self.mode)
         if not self.slowdown >= 1.0:
             raise ValueError(f"slowdown must be >= 1 (1 = full speed), got {self.slowdown!r}")
+        parse_straggler(self.straggler)
         if not self.ssp_timeout_s > 0:
             raise ValueError(f"ssp_timeout_s must be > 0, got {self.ssp_timeout_s!r}")
         if not self.shards:
@@ -212,6 +230,9 @@ class WorkerConfig(TrainingConfig):
     embedding_dim: int = 16
     eval_samples: int = 20_000
     metrics_port: int | None = None
+    # Order of the synthetic training batches (0: the seed's own order; compare --repeats
+    # varies it while the model, the data distribution and the held-out set stay the same).
+    data_seed: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -264,6 +285,10 @@ def add_job_flags(p: argparse.ArgumentParser, default_steps: int | None = 2000, 
         p.add_argument("--mode", default=_env("TETHER_MODE", "async"), help="consistency: async, ssp:S (at most S steps ahead of the slowest live worker) or sync (all-reduce; start with torchrun) (env TETHER_MODE)")
     p.add_argument("--staleness-aware", action="store_true", default=_env("TETHER_STALENESS_AWARE", "") not in ("", "0"),
                    help="divide each update's learning rate by its staleness (Zhang et al. 2016) (env TETHER_STALENESS_AWARE=1)")
+    p.add_argument("--straggler", default=_env("TETHER_STRAGGLER", ""),
+                   help="straggler experiments: persistent:K[:WORKER] (the last worker, or WORKER, K times slower), transient:P:K "
+                   "(each step, each worker K times slower with probability P), pareto:A[:CAP] (heavy-tailed factors) or none; "
+                   "seeded by --seed, so every mode sees the same delays (env TETHER_STRAGGLER)")
     p.add_argument("--ssp-timeout", type=float, metavar="SECONDS", default=_env("TETHER_SSP_TIMEOUT", 300.0), help="longest wait on the staleness bound before failing, seconds (env TETHER_SSP_TIMEOUT)")
     p.add_argument("--transport", choices=("auto", "tcp", "grpc"), default=_env("TETHER_TRANSPORT", "auto"), help="push/pull over the shards' data plane (auto: shared memory on the same machine, else TCP; tcp: never shared memory) or grpc only (env TETHER_TRANSPORT)")
     p.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), default=_env("TETHER_WIRE_DTYPE", "float32"), help="element type of parameters and gradients on the wire (env TETHER_WIRE_DTYPE)")
@@ -280,6 +305,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-sparse", type=int, default=_env("TETHER_NUM_SPARSE", 8), help="synthetic data: categorical fields (env TETHER_NUM_SPARSE)")
     p.add_argument("--embedding-dim", type=int, default=_env("TETHER_EMBEDDING_DIM", 16), help="width of every embedding row (env TETHER_EMBEDDING_DIM)")
     p.add_argument("--eval-samples", type=int, default=_env("TETHER_EVAL_SAMPLES", 20_000), help="held-out samples (env TETHER_EVAL_SAMPLES)")
+    p.add_argument("--data-seed", type=int, default=_env("TETHER_DATA_SEED", 0), help="synthetic data: order of the training batches (0: the seed's own) (env TETHER_DATA_SEED)")
 
 
 def add_training_flags(p: argparse.ArgumentParser, mode: bool = True) -> None:
@@ -346,6 +372,7 @@ def training_values(a: argparse.Namespace) -> dict[str, object]:
         transport=a.transport,
         slowdown=float(getattr(a, "slowdown", 1.0)),
         slow_worker=_optional_int(getattr(a, "slow_worker", None)),
+        straggler=str(getattr(a, "straggler", "") or ""),
         tls_ca=getattr(a, "tls_ca", None) or None,
         tls_cert=getattr(a, "tls_cert", None) or None,
         tls_key=getattr(a, "tls_key", None) or None,
@@ -364,6 +391,7 @@ def config_from_args(a: argparse.Namespace, **overrides: object) -> WorkerConfig
         num_sparse=int(a.num_sparse),
         embedding_dim=int(a.embedding_dim),
         eval_samples=int(a.eval_samples),
+        data_seed=int(getattr(a, "data_seed", 0)),
         metrics_port=_optional_int(getattr(a, "metrics_port", None)),
     )
     values.update(overrides)

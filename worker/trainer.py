@@ -8,6 +8,7 @@ finished.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -16,10 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tether.protos.errors import UsageError
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.config import WorkerConfig
-from tether.worker.data import Batch, SyntheticClickLog, SyntheticConfig, iterate, load_criteo
+from tether.worker.data import (
+    CRITEO_DENSE,
+    CRITEO_SPARSE,
+    Batch,
+    CriteoStream,
+    SyntheticClickLog,
+    SyntheticConfig,
+    criteo_eval_set,
+    criteo_files,
+)
 from tether.worker.embedding import ShardedEmbeddingBag
 from tether.worker.evaluation import constant_baseline_loss, evaluate
 from tether.worker.metrics import WorkerMetrics
@@ -40,6 +49,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# Criteo files: line i is held out when i % CRITEO_HOLDOUT == CRITEO_HOLDOUT - 1.
+CRITEO_HOLDOUT = 10
+
 
 @dataclass
 class Dataset:
@@ -57,7 +69,7 @@ def open_dataset(cfg: WorkerConfig) -> Dataset:
     """The job's data, identical on every worker (same seed).
 
     Raises:
-        UsageError: the Criteo file cannot be read, has a malformed line or too few lines.
+        UsageError: the Criteo files cannot be read or have a malformed line (``DataError``).
     """
     if cfg.data == "synthetic":
         gen = SyntheticClickLog(SyntheticConfig(num_sparse=cfg.num_sparse, vocab_size=cfg.vocab_size, seed=cfg.seed))
@@ -67,31 +79,28 @@ def open_dataset(cfg: WorkerConfig) -> Dataset:
         return Dataset(
             num_dense=gen.config.num_dense,
             num_sparse=gen.config.num_sparse,
-            train_batches=lambda bs, n, rank, world: gen.batches(bs, n, rank=rank, world_size=world),
+            train_batches=lambda bs, n, rank, world: gen.batches(bs, n, rank=rank, world_size=world, order=cfg.data_seed),
             eval_set=eval_set,
             label_mean=float(sample.labels.mean()),
             bayes_loss=gen.bayes_log_loss(eval_set),
         )
-    path = cfg.data.split(":", 1)[1]
-    try:
-        train_set, eval_set = load_criteo(path, eval_fraction=0.1)
-    except ValueError as exc:
-        # A malformed line or too few lines: the message names the file (and line).
-        raise UsageError(str(exc)) from exc
-    except OSError as exc:
-        raise UsageError(f"--data {cfg.data}: {exc.strerror or exc}") from exc
+    # Criteo files stream: every 10th line (i % 10 == 9) is held out and never trained on,
+    # the rest is dealt to the workers line by line, so memory does not grow with the data.
+    files = criteo_files(cfg.data)
+    eval_set = criteo_eval_set(files, max(cfg.eval_samples, 1), holdout_every=CRITEO_HOLDOUT)
+    # The constant predictor learns its rate from training lines, not from the held-out ones.
+    label_mean = float(next(iter(CriteoStream(files, 20_000, holdout_every=CRITEO_HOLDOUT))).labels.mean())
 
     def batches(bs: int, n: int, rank: int, world: int) -> Iterator[Batch]:
-        stream = iterate(train_set, bs, rank=rank, world_size=world, epochs=None)
-        for _ in range(n):
-            yield next(stream)
+        stream = CriteoStream(files, bs, rank=rank, world_size=world, epochs=None, holdout_every=CRITEO_HOLDOUT)
+        return itertools.islice(stream, n)
 
     return Dataset(
-        num_dense=train_set.dense.shape[1],
-        num_sparse=train_set.sparse.shape[1],
+        num_dense=CRITEO_DENSE,
+        num_sparse=CRITEO_SPARSE,
         train_batches=batches,
         eval_set=eval_set,
-        label_mean=float(train_set.labels.mean()),
+        label_mean=label_mean,
         bayes_loss=None,
     )
 

@@ -41,6 +41,7 @@ from tether.worker.config import TrainingConfig
 from tether.worker.data import in_background
 from tether.worker.embedding import Prefetch, PSModel, flat_grads, split_flat
 from tether.worker.metrics import WorkerMetrics
+from tether.worker.stragglers import delay_factor
 from tether.worker.tensorboard_writer import TensorBoardRecorder
 
 __all__ = ["Trainer", "TrainingConfig", "batch_size_of", "local_optimizer", "pick_device", "to_device"]
@@ -130,8 +131,20 @@ class _Policy:
     dense_on_shards = True
 
     def start(self, trainer: Trainer) -> int:
-        """The clock this worker starts from."""
-        return 0
+        """Join, then wait (bounded) until every worker of the job has: the workers of a run
+        start training together, in every mode, so that start-up is not counted as staleness
+        and no one runs ahead of a worker that has not started yet. A worker restarted into a
+        running job starts at the slowest other worker's clock rather than at 0. Returns the
+        clock this worker starts from."""
+        cfg = trainer.config
+        deadline = time.monotonic() + cfg.ssp_timeout_s
+        while True:
+            reply = trainer.client.clock(0)
+            if reply.live_workers >= cfg.num_workers:
+                return reply.min_other_clock
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"only {reply.live_workers} of {cfg.num_workers} workers joined within {cfg.ssp_timeout_s:.0f}s")
+            time.sleep(0.05)
 
     def before_step(self, trainer: Trainer, clock: int) -> None:
         """Called before a step pulls its rows."""
@@ -143,7 +156,9 @@ class _Policy:
         """Called once a step's push landed (``settle_every_step`` policies)."""
 
     def finish(self, trainer: Trainer, clock: int, record: dict[str, object]) -> None:
-        """Called after the last step."""
+        """Called after the last step: leave, so the others' staleness is not measured against
+        a worker that is done."""
+        trainer.client.clock(clock, leave=True)
 
 
 class _SSP(_Policy):
@@ -157,20 +172,6 @@ class _SSP(_Policy):
     def __init__(self, bound: int) -> None:
         self.bound = bound
 
-    def start(self, trainer: Trainer) -> int:
-        """Register, then wait (bounded) until every worker of the job has, so no one runs
-        ahead of a worker that has not started yet. A worker restarted into a running job
-        starts at the slowest other worker's clock rather than holding everyone back at 0."""
-        cfg = trainer.config
-        deadline = time.monotonic() + cfg.ssp_timeout_s
-        while True:
-            reply = trainer.client.clock(0)
-            if reply.live_workers >= cfg.num_workers:
-                return reply.min_other_clock
-            if time.monotonic() > deadline:
-                raise DeadlineExceeded(f"only {reply.live_workers} of {cfg.num_workers} workers joined within {cfg.ssp_timeout_s:.0f}s")
-            time.sleep(0.05)
-
     def before_step(self, trainer: Trainer, clock: int) -> None:
         cfg = trainer.config
         reply = trainer.client.clock(clock, wait_bound=self.bound, timeout_s=cfg.ssp_timeout_s)
@@ -179,9 +180,6 @@ class _SSP(_Policy):
                 f"{trainer.name} waited {cfg.ssp_timeout_s:.0f}s at clock {clock} for the slowest live worker "
                 f"(clock {reply.min_clock}, bound {self.bound})"
             )
-
-    def finish(self, trainer: Trainer, clock: int, record: dict[str, object]) -> None:
-        trainer.client.clock(clock, leave=True)
 
 
 class _Sync(_Policy):
@@ -230,6 +228,7 @@ class _Sync(_Policy):
         return hashlib.sha1(data).hexdigest()[:16]
 
     def finish(self, trainer: Trainer, clock: int, record: dict[str, object]) -> None:
+        super().finish(trainer, clock, record)
         record["dense_digests"] = self.digests
         record["backend"] = self.dist.get_backend()
 
@@ -318,7 +317,10 @@ class Trainer(Generic[B]):
                 call_deadline_s=config.call_deadline_s,
                 wire_dtype=_WIRE[config.wire_dtype],
                 transport=config.transport,
-                staleness_aware=config.staleness_aware,
+                # In sync every rank's gradients of a step were computed on the same parameters
+                # (those after the previous step's barrier): none is stale, though the shard sees
+                # the other ranks' pushes of that step land first. So sync never asks for it.
+                staleness_aware=config.staleness_aware and kind != "sync",
                 security=config.security,
             ),
             metrics,
@@ -389,14 +391,24 @@ class Trainer(Generic[B]):
             DeadlineExceeded: an ``ssp`` wait ran past ``config.ssp_timeout_s``.
             TetherError: a shard call failed after retries.
         """
-        cfg, policy, ps = self.config, self.policy, self.ps
         stream = in_background(iter(data)) if background else iter(data)
+        try:
+            return self._fit(stream, eval_data, evaluate)
+        finally:
+            if background:
+                stream.close()  # stops the producer thread (the data may go on forever)
+
+    def _fit(
+        self, stream: Iterator[B], eval_data: Iterable[B] | None, evaluate: Callable[[nn.Module, B], Mapping[str, float]] | None
+    ) -> dict[str, object]:
+        cfg, policy, ps = self.config, self.policy, self.ps
         evaluating = eval_data is not None and cfg.worker_index == 0
         prefetch = cfg.prefetch and policy.prefetch
         # Without prefetching a step's push lands before the next step pulls (sequential SGD).
         settle_every_step = policy.settle_every_step or not cfg.prefetch
         history: list[dict[str, object]] = []
         staleness: list[int] = []
+        update_staleness: list[int] = []
         too_stale = 0
         wait_s = cfg.wait_s
 
@@ -404,7 +416,9 @@ class Trainer(Generic[B]):
             """Wait for a push; one a shard rejected as too stale is dropped and counted."""
             nonlocal too_stale
             try:
-                staleness.append(handle.result(wait_s).clock_staleness)
+                ack = handle.result(wait_s)
+                staleness.append(ack.clock_staleness)
+                update_staleness.append(ack.staleness)
             except TooStale as exc:
                 too_stale += 1
                 log.info("%s", exc)
@@ -421,12 +435,18 @@ class Trainer(Generic[B]):
                 return ps.install(ps.prefetch(pending.ids), train=True, timeout=wait_s)
             if pending.ack is not None:
                 staleness.append(pending.ack.clock_staleness)
+                update_staleness.append(pending.ack.staleness)
             return pulled
 
         steps = cfg.steps
         total = f"/{steps}" if steps else ""
         self.printer(f"{self.name}: mode {cfg.mode}, {len(cfg.shards)} shard(s), device {self.device}"
                      + (f", {steps} steps" if steps else ", until the data ends"))
+        if evaluating and cfg.eval_every > 0:
+            # The curve's first point: the initial model, evaluated before the others may start.
+            history.append({"step": 0, "samples": 0, "wall_s": 0.0, "time": time.time(), **self.evaluate(eval_data, evaluate)})
+            if self.board is not None:
+                self.board.write(history[-1])
         start_clock = policy.start(self)
         batch = next(stream, None)
         if batch is None:
@@ -443,8 +463,10 @@ class Trainer(Generic[B]):
         push = None
         phase = {"staleness_wait": 0.0, "pull_wait": 0.0, "compute": 0.0, "push": 0.0}
         window_loss, window_n, samples, eval_time = 0.0, 0, 0, 0.0
-        slowdown = cfg.my_slowdown
+        straggler, delay_seed = cfg.straggler_spec, cfg.seed
         t_start = time.perf_counter()
+        start_time = time.time()
+        window_start = 0
         step = 0
         for step in itertools.count():
             clock = start_clock + step
@@ -463,8 +485,11 @@ class Trainer(Generic[B]):
             loss.backward()
             policy.after_backward()
             loss_value = float(loss.detach())
-            if slowdown > 1.0:
-                time.sleep((slowdown - 1.0) * (time.perf_counter() - t1))
+            # Straggler experiments: this step computes ``factor`` times slower (same schedule
+            # per worker and step in every mode: see tether.worker.stragglers).
+            factor = delay_factor(straggler, delay_seed, cfg.worker_index, start_clock + step, cfg.num_workers) if straggler.active else 1.0
+            if factor > 1.0:
+                time.sleep((factor - 1.0) * (time.perf_counter() - t1))
             t2 = time.perf_counter()
             if push is not None:
                 settle(push)
@@ -499,8 +524,15 @@ class Trainer(Generic[B]):
                     "step": step + 1,
                     "samples": samples,
                     "wall_s": round(wall, 4),
+                    "time": time.time(),
                     "train_loss": round(window_loss / max(window_n, 1), 6),
                 }
+                window = staleness[window_start:]
+                if window:
+                    # Clock staleness of this window's pushes (for the staleness-over-time plot).
+                    record["staleness_mean"] = round(sum(window) / len(window), 3)
+                    record["staleness_max"] = max(window)
+                window_start = len(staleness)
                 if evaluate_now:
                     # Evaluation time is left out of the wall clock so curves compare training.
                     te = time.perf_counter()
@@ -527,6 +559,8 @@ class Trainer(Generic[B]):
             "samples_per_sec": samples / wall if wall > 0 else math.nan,
             "phase_seconds": phase,
             "clock_staleness": staleness,
+            "update_staleness": update_staleness,
+            "start_time": start_time,
             "rejected_too_stale": too_stale,
             "history": history,
             "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k != "auth_token"},
