@@ -106,7 +106,7 @@ def test_evaluate_and_records(cluster: LocalCluster, tmp_path) -> None:
         record = trainer.fit(_batches(40), eval_data=_batches(2, size=64))
     assert record["steps"] == 12  # config.steps stops it before the data ends
     evals = [h for h in record["history"] if "eval_loss" in h]
-    assert [h["step"] for h in evals] == [6, 12]
+    assert [h["step"] for h in evals] == [0, 6, 12]  # the initial model too (the curve's first point)
     assert record["final_eval"]["eval_loss"] == evals[-1]["eval_loss"]
     assert (tmp_path / "worker-0.json").exists()
     progress = [line for line in lines if " step " in line]
@@ -132,3 +132,31 @@ def test_a_table_the_model_does_not_have_is_a_clear_error(cluster: LocalCluster)
     with Trainer(model, config, loss=_loss, sparse=lambda b: {"nope": b["user"]}, printer=lambda line: None) as trainer:
         with pytest.raises(Exception, match="nope"):
             trainer.fit(_batches(2), background=False)
+
+
+def test_a_launched_worker_gets_every_setting_through_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What tether launch hands a worker (flags for tether worker, TETHER_* for a user's script)
+    reproduces the job's config field for field."""
+    import dataclasses
+
+    from tether.deploy.launch import job_env, worker_argv
+    from tether.worker.config import WorkerConfig, build_parser, config_from_args
+
+    cfg = WorkerConfig(
+        shards=("127.0.0.1:1", "127.0.0.1:2"), worker_index=1, num_workers=3, mode="ssp:3", steps=77, optimizer="sgd", lr=0.125,
+        init_scale=0.25, seed=9, eval_every=11, log_every=13, checkpoint_every_steps=17, device="cpu", prefetch=False,
+        staleness_aware=True, out="/tmp/x", worker_id="me", timeout_s=7.5, call_deadline_s=21.0, ssp_timeout_s=99.0,
+        wire_dtype="bfloat16", transport="tcp", slowdown=2.0, slow_worker=2, batch_size=64, vocab_size=500, num_sparse=3,
+        embedding_dim=8, eval_samples=123,
+    )
+    skip = {"auth_token", "metrics_port"}
+    again = config_from_args(build_parser().parse_args(worker_argv(cfg)))
+    for f in dataclasses.fields(WorkerConfig):
+        if f.name not in skip:
+            assert getattr(again, f.name) == getattr(cfg, f.name), f.name
+    for name, value in job_env(cfg).items():
+        monkeypatch.setenv(name, value)
+    from_env = TrainingConfig.from_env()
+    for f in dataclasses.fields(TrainingConfig):
+        if f.name not in skip:
+            assert getattr(from_env, f.name) == getattr(cfg, f.name), f.name
