@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -29,18 +30,26 @@ def _launch(argv: Sequence[str]) -> int:
     p.add_argument("--job-timeout", type=float, default=3600.0, metavar="SECONDS", help="give up after this many seconds")
     p.add_argument("--metrics", action="store_true", help="give every process a Prometheus /metrics port")
     p.add_argument("--checkpoint-every", type=float, default=None, metavar="SECONDS", help="shards checkpoint to OUT/checkpoints this often (seconds); a shard that dies is restarted from its last one")
+    own = p.add_mutually_exclusive_group()
+    own.add_argument("--script", default=None, help="run this Python training script as the workers (it reads its place in the job with "
+                     "TrainingConfig.from_env(); under --mode sync torchrun runs it) instead of the built-in CTR model")
+    own.add_argument("--entry", default=None, metavar="MODULE:FUNCTION", help="like --script, for a function of an importable module")
+    p.add_argument("--script-args", default="", help="arguments for --script or --entry, as one shell-quoted string")
     add_training_flags(p)
     a = p.parse_args(argv)
-    from tether.deploy.launch import ClusterError, Interrupted, run_job
+    from tether.deploy.launch import ClusterError, Interrupted, Program, run_job
 
     # Every flag is checked here, before any process starts (the data file included).
     try:
         _check_job_flags(a)
         template = config_from_args(a, shards=("pending:0",), num_workers=a.num_workers, worker_index=0)
+        args = shlex.split(a.script_args)
+        program = Program.script(a.script, args) if a.script else Program.entry(a.entry, args) if a.entry else None
     except ValueError as exc:
         return report_usage_error("tether launch", exc)
     try:
-        summary = run_job(template, a.num_shards, out=a.out, timeout_s=a.job_timeout, metrics=a.metrics, checkpoint_every=a.checkpoint_every)
+        summary = run_job(template, a.num_shards, out=a.out, timeout_s=a.job_timeout, metrics=a.metrics, checkpoint_every=a.checkpoint_every,
+                          program=program)
     except UsageError as exc:  # a worker's own one line (a malformed data line found mid-run)
         return report_usage_error("tether launch", exc)
     except ClusterError as exc:
@@ -49,18 +58,30 @@ def _launch(argv: Sequence[str]) -> int:
     except Interrupted as exc:
         print(f"tether launch: {exc}", file=sys.stderr)
         return 130
+    print(_result_lines(summary, a.out, program is not None))
+    return 0
+
+
+def _result_lines(summary: dict[str, object], out: str | None, own_program: bool) -> str:
+    """What a finished launch prints: the held-out result and the throughput."""
+    if own_program:
+        metrics = ", ".join(f"{k} {v:.4f}" for k, v in summary.items() if k.startswith("eval_") and isinstance(v, float))
+        first = f"result: worker 0's held-out {metrics}" if metrics else "result: no held-out metrics (give Trainer.fit an eval_data)"
+    else:
+        first = (
+            f"result: held-out log loss {summary['eval_loss']:.4f} (constant predictor {summary['baseline_loss']:.4f}"
+            + (f", best possible {summary['bayes_loss']:.4f}" if "bayes_loss" in summary else "")
+            + f"), AUC {summary['eval_auc']:.4f}"
+        )
     lines = [
         "",
-        f"result: held-out log loss {summary['eval_loss']:.4f} (constant predictor {summary['baseline_loss']:.4f}"
-        + (f", best possible {summary['bayes_loss']:.4f}" if "bayes_loss" in summary else "")
-        + f"), AUC {summary['eval_auc']:.4f}",
+        first,
         f"        {summary['total_samples']:,} samples in {summary['train_wall_s']:.1f}s = {summary['samples_per_sec']:,.0f} samples/s"
         f" across {summary['num_workers']} worker(s) and {summary['num_shards']} shard(s)",
     ]
-    if a.out:
-        lines.append(f"        summary written to {a.out}/summary.json")
-    print("\n".join(lines))
-    return 0
+    if out:
+        lines.append(f"        summary written to {out}/summary.json")
+    return "\n".join(lines)
 
 
 def _check_job_flags(a: argparse.Namespace) -> None:
