@@ -87,9 +87,10 @@ def open_dataset(cfg: WorkerConfig) -> Dataset:
     # Criteo files stream: every 10th line (i % 10 == 9) is held out and never trained on,
     # the rest is dealt to the workers line by line, so memory does not grow with the data.
     files = criteo_files(cfg.data)
-    eval_set = criteo_eval_set(files, max(cfg.eval_samples, 1), holdout_every=CRITEO_HOLDOUT)
     # The constant predictor learns its rate from training lines, not from the held-out ones.
+    # (Read first: the file's first lines are training lines, so a malformed one is named.)
     label_mean = float(next(iter(CriteoStream(files, 20_000, holdout_every=CRITEO_HOLDOUT))).labels.mean())
+    eval_set = criteo_eval_set(files, max(cfg.eval_samples, 1), holdout_every=CRITEO_HOLDOUT)
 
     def batches(bs: int, n: int, rank: int, world: int) -> Iterator[Batch]:
         stream = CriteoStream(files, bs, rank=rank, world_size=world, epochs=None, holdout_every=CRITEO_HOLDOUT)
