@@ -20,13 +20,13 @@ SPEEDUP_TARGET = 1.5
 LOSS_TOLERANCE = 0.01
 
 
-def run(steps: int, modes: list[str], out: str, workers: int = 4, straggler: float = 3.0) -> dict:
+def run(steps: int, modes: list[str], out: str, workers: int = 4, straggler: str | float = 3.0, repeats: int = 1) -> dict:
     """Run ``tether compare`` in-process and return its summary."""
     from tether.deploy.compare import compare
     from tether.worker.config import WorkerConfig
 
-    template = WorkerConfig(shards=("pending:0",), num_workers=workers, steps=steps, eval_every=max(steps // 12, 1), eval_samples=10_000, log_every=steps)
-    return compare(template, modes, 2, out, straggler=straggler)
+    template = WorkerConfig(shards=("pending:0",), num_workers=workers, steps=steps, eval_every=max(steps // 20, 1), eval_samples=5_000, log_every=steps)
+    return compare(template, modes, 2, out, straggler=straggler, repeats=repeats)
 
 
 def table(summary: dict) -> str:
@@ -35,7 +35,7 @@ def table(summary: dict) -> str:
     sync = by_mode.get("sync")
     rows = []
     for m in summary["modes"]:
-        speedup = sync["time_to_target_s"] / m["time_to_target_s"] if sync and m["time_to_target_s"] else float("nan")
+        speedup = sync["time_to_target_s"] / m["time_to_target_s"] if sync and sync["time_to_target_s"] and m["time_to_target_s"] else float("nan")
         gap = (m["final_eval_loss"] / sync["final_eval_loss"] - 1) if sync else float("nan")
         verdict = ""
         if m["mode"].startswith("ssp") and sync:
@@ -55,13 +55,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--modes", default="sync,ssp:0,ssp:2,ssp:4,async")
     p.add_argument("--out", default=None, help="keep curves.csv/png and summary.json here")
+    p.add_argument("--straggler", default="persistent:3", help="persistent:K, transient:P:K or pareto:A (tether.worker.stragglers)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per mode (different data orders); the table shows their mean")
     a = p.parse_args(argv)
     steps = a.steps or (60 if a.quick else 300)
     modes = [m for m in a.modes.split(",") if m]
     with tempfile.TemporaryDirectory() as tmp:
-        summary = run(steps, modes, a.out or tmp)
-    print(f"4 workers (worker 3 computes 3x slower), 2 shards, {steps} steps each; target eval loss {summary['target_loss']:.4f}"
-          f" (constant predictor {summary['baseline_loss']:.4f})\n")
+        summary = run(steps, modes, a.out or tmp, straggler=a.straggler, repeats=a.repeats)
+    print(f"4 workers, straggler {summary['straggler']}, 2 shards, {steps} steps each, {a.repeats} run(s) per mode; target eval loss "
+          f"{summary['target_loss']:.4f} (constant predictor {summary['baseline_loss']:.4f})\n")
     print(table(summary))
 
 
