@@ -9,10 +9,12 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import socket
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "call_stats",
     "free_port",
     "fmt_size",
+    "make_certificates",
     "markdown_table",
     "mib_per_s",
     "percentile",
@@ -232,3 +235,36 @@ def _fmt_cell(value: object) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
+
+
+def make_certificates(folder: Path, ips: Sequence[str] = ("127.0.0.1",)) -> dict[str, Path]:
+    """A throwaway CA, a shard certificate (SAN: ``ips`` and localhost) and a client certificate
+    (for mutual TLS), made with ``openssl``.
+
+    Returns:
+        ``ca.crt``, ``server.crt``, ``server.key``, ``client.crt``, ``client.key`` paths.
+
+    Raises:
+        RuntimeError: openssl is missing or failed.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    san = ",".join([f"IP:{ip}" for ip in ips] + ["DNS:localhost"])
+    (folder / "server.ext").write_text(f"subjectAltName={san}\nextendedKeyUsage=serverAuth\n")
+    (folder / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    for args in (
+        ["req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=tether bench ca"],
+        ["req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=tether bench shard"],
+        ["x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out", "server.crt",
+         "-days", "2", "-extfile", "server.ext"],
+        ["req", *ec, "-keyout", "client.key", "-out", "client.csr", "-subj", "/CN=tether bench worker"],
+        ["x509", "-req", "-in", "client.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out", "client.crt",
+         "-days", "2", "-extfile", "client.ext"],
+    ):
+        try:
+            proc = subprocess.run(["openssl", *args], cwd=folder, capture_output=True, text=True, timeout=60)
+        except OSError as exc:
+            raise RuntimeError(f"openssl is needed for TLS benchmarks: {exc}") from exc
+        if proc.returncode:
+            raise RuntimeError(f"openssl {' '.join(args)} failed: {proc.stderr.strip()}")
+    return {n: folder / n for n in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")}

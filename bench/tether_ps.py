@@ -18,6 +18,7 @@ Each comparison runs ``--repeats`` times back to back, alternating which side go
 reports the median of each side and the ratio of the medians (large payloads are noisy).
 
 Run: ``python bench/tether_ps.py [--quick] [--repeats N] [--wire-dtype bfloat16]``.
+``--tls``: instead, tether's data plane inside TLS against plain TCP (``--only dense,model``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from _common import (  # noqa: E402
     ChildProcess,
     call_stats,
     fmt_size,
+    make_certificates,
     markdown_table,
     mib_per_s,
     start_process,
@@ -148,23 +150,40 @@ def run_tether_client(
     return value
 
 
-def _client(addresses: list[str], wire: str = "float32", chunk_elems: int | None = None) -> Any:
+def _client(addresses: list[str], wire: str = "float32", chunk_elems: int | None = None, conn: dict[str, Any] | None = None) -> Any:
+    """A bench client; ``conn``: ``transport`` ("auto", "tcp", "grpc"), ``tls_ca`` (a CA file: TLS) and
+    ``expect`` (how every shard must be reached, checked after the measurement)."""
+    from tether.protos.security import ClientSecurity
     from tether.worker.client import ClientConfig, PSClient
 
-    extra = {} if chunk_elems is None else {"chunk_elems": chunk_elems}
-    return PSClient(
-        ClientConfig(addresses=tuple(addresses), worker_id="bench", timeout_s=_RPC_TIMEOUT, wire_dtype=WIRE_DTYPES[wire], **extra)
+    conn = conn or {}
+    extra: dict[str, Any] = {} if chunk_elems is None else {"chunk_elems": chunk_elems}
+    if conn.get("tls_ca"):
+        extra["security"] = ClientSecurity(tls_ca=conn["tls_ca"])
+    client = PSClient(
+        ClientConfig(addresses=tuple(addresses), worker_id="bench", timeout_s=_RPC_TIMEOUT, wire_dtype=WIRE_DTYPES[wire],
+                     transport=conn.get("transport", "auto"), **extra)
     )
+    return client
+
+
+def _check_transport(client: Any, conn: dict[str, Any] | None) -> None:
+    """Fail the run when a shard is not reached as ``conn["expect"]`` says ("tcp+tls", ...): no silent gRPC fallback."""
+    expect = (conn or {}).get("expect")
+    if expect and set(client.transports()) != {expect}:
+        raise RuntimeError(f"expected every shard over {expect}, got {client.transports()}")
 
 
 # --------------------------------------------------------------------------- jobs (client side)
 
 
-def _dense_job(addresses: list[str], sizes: list[int], seconds: float, wire: str, chunk_elems: int | None) -> dict[int, float]:
+def _dense_job(
+    addresses: list[str], sizes: list[int], seconds: float, wire: str, chunk_elems: int | None, conn: dict[str, Any] | None = None
+) -> dict[int, float]:
     from tether.protos.specs import OptimizerConfig
 
     out: dict[int, float] = {}
-    with _client(addresses, wire, chunk_elems) as client:
+    with _client(addresses, wire, chunk_elems, conn) as client:
         sgd = OptimizerConfig("sgd", lr=LR)
         for size in sizes:
             name = f"dense{size}"
@@ -177,13 +196,14 @@ def _dense_job(addresses: list[str], sizes: list[int], seconds: float, wire: str
 
             # Bytes as the user sees them (fp32), whatever the wire carries.
             out[size] = mib_per_s(2 * size, time_op(step, seconds, min_iters=3, warmup_seconds=seconds / 2))
+            _check_transport(client, conn)
     return out
 
 
-def _small_job(addresses: list[str], seconds: float) -> dict[str, float]:
+def _small_job(addresses: list[str], seconds: float, conn: dict[str, Any] | None = None) -> dict[str, float]:
     from tether.protos.specs import OptimizerConfig
 
-    with _client(addresses) as client:
+    with _client(addresses, conn=conn) as client:
         client.declare(dense={"tiny": torch.zeros(2)}, dense_optimizer=OptimizerConfig("sgd", lr=LR))
         grad = torch.zeros(2)  # 8 bytes each way
         lat = time_op(
@@ -192,14 +212,17 @@ def _small_job(addresses: list[str], seconds: float) -> dict[str, float]:
             min_iters=100,
             warmup=20,
         )
+        _check_transport(client, conn)
     return call_stats(lat)
 
 
 
-def _sparse_job(addresses: list[str], num_ids: int, dim: int, seconds: float, wire: str, fused: bool = False) -> float:
+def _sparse_job(
+    addresses: list[str], num_ids: int, dim: int, seconds: float, wire: str, fused: bool = False, conn: dict[str, Any] | None = None
+) -> float:
     from tether.protos.specs import OptimizerConfig, TableConfig
 
-    with _client(addresses, wire) as client:
+    with _client(addresses, wire, conn=conn) as client:
         client.declare([TableConfig("emb", dim=dim, optimizer=OptimizerConfig("sgd", lr=LR))])
         gen = torch.Generator().manual_seed(0)
         id_sets = [unique_ids(num_ids, gen) for _ in range(8)]
@@ -219,6 +242,7 @@ def _sparse_job(addresses: list[str], num_ids: int, dim: int, seconds: float, wi
             last["emb"] = (ids, rows.mul(0.01))
 
         lat = time_op(fused_step if fused else step, seconds, min_iters=3, warmup=2, warmup_seconds=seconds / 2)
+        _check_transport(client, conn)
     return num_ids * len(lat) / sum(lat)
 
 
@@ -226,9 +250,12 @@ def _sparse_job(addresses: list[str], num_ids: int, dim: int, seconds: float, wi
 
 
 def tether_dense_mbps(
-    sizes: Sequence[int], seconds: float, wire: str = "float32", chunk_elems: int | None = None
+    sizes: Sequence[int], seconds: float, wire: str = "float32", chunk_elems: int | None = None,
+    conn: dict[str, Any] | None = None, shard_args: Sequence[str] = (),
 ) -> dict[int, float]:
     """Dense push then pull MiB/s (fp32 bytes pushed + pulled) per size, one shard.
+
+    ``conn``: how the client connects (see ``_client``); ``shard_args``: extra ``tether server`` flags.
 
     Raises:
         ValueError: a size that is not a positive multiple of 4, or an unknown wire dtype.
@@ -240,9 +267,10 @@ def tether_dense_mbps(
         raise ValueError(f"wire dtype must be one of {sorted(WIRE_DTYPES)}, got {wire!r}")
     return run_tether_client(
         _dense_job,
-        {"sizes": list(sizes), "seconds": seconds, "wire": wire, "chunk_elems": chunk_elems},
+        {"sizes": list(sizes), "seconds": seconds, "wire": wire, "chunk_elems": chunk_elems, "conn": conn},
         num_shards=1,
         timeout=_STARTUP_ALLOWANCE + len(sizes) * (3 * seconds + 30),
+        shard_args=shard_args,
     )
 
 
@@ -336,8 +364,14 @@ def in_process_samples_per_s(steps: int, batch_size: int = 256, timeout: float =
     return float(out.stdout.split()[-1])
 
 
-def tether_job_samples_per_s(workers: int, shards: int, steps: int, batch_size: int = 256, wire: str = "float32") -> dict[str, Any]:
+def tether_job_samples_per_s(
+    workers: int, shards: int, steps: int, batch_size: int = 256, wire: str = "float32", tls: dict[str, Path] | None = None,
+    mutual: bool = False,
+) -> dict[str, Any]:
     """Samples/s of the default model through a local cluster (``run_job``) and the step split.
+
+    ``tls``: certificates (``make_certificates``): shards serve TLS and workers connect with it;
+    ``mutual``: the shards also require the workers' client certificate (no shared memory then).
 
     Returns:
         ``samples_per_sec`` (all workers) and ``phases`` (fraction of worker step time per
@@ -348,10 +382,12 @@ def tether_job_samples_per_s(workers: int, shards: int, steps: int, batch_size: 
 
     cfg = WorkerConfig(
         shards=("pending:0",), num_workers=workers, steps=steps, batch_size=batch_size,
-        eval_samples=2000, device="cpu", log_every=steps, wire_dtype=wire,
+        eval_samples=2000, device="cpu", log_every=steps, wire_dtype=wire, tls_ca=str(tls["ca.crt"]) if tls else None,
+        tls_cert=str(tls["client.crt"]) if tls and mutual else None, tls_key=str(tls["client.key"]) if tls and mutual else None,
     )
+    shard_args = tls_shard_args(tls, mutual) if tls else []
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp, contextlib.redirect_stdout(io.StringIO()):
-        summary = run_job(cfg, shards, out=tmp, echo=False, timeout_s=max(600.0, steps * workers))
+        summary = run_job(cfg, shards, out=tmp, echo=False, timeout_s=max(600.0, steps * workers), shard_args=shard_args)
     phases: dict[str, float] = {}
     for w in summary["workers"]:
         for k, v in w["phase_seconds"].items():
@@ -531,6 +567,40 @@ def compare_model(
     }
 
 
+def tls_shard_args(certs: dict[str, Path], mutual: bool = False) -> list[str]:
+    """``tether server`` flags that serve TLS with ``certs`` (``make_certificates``); ``mutual``: require client certificates."""
+    return ["--tls-cert", str(certs["server.crt"]), "--tls-key", str(certs["server.key"])] + (
+        ["--tls-client-ca", str(certs["ca.crt"])] if mutual else [])
+
+
+def compare_tls(
+    sizes: Sequence[int], seconds: float, repeats: int, model_steps: int = 0, log: Callable[[str], None] = _stderr
+) -> dict[str, Any]:
+    """tether's data plane over TCP inside TLS against plain TCP (both ``transport="tcp"``), and,
+    with ``model_steps``, the default model's samples/s through a mutual-TLS cluster (its data plane
+    TCP inside TLS: no shared memory under mutual TLS) against a plaintext one (shared memory),
+    1 worker x 1 shard.
+
+    Returns:
+        ``{"dense": {size: Comparison(tls, plain)}, "model": Comparison(mutual TLS, plaintext) or None}``.
+    """
+    with tempfile.TemporaryDirectory(prefix="tether-bench-tls-") as tmp:
+        certs = make_certificates(Path(tmp))
+        tls_conn = {"transport": "tcp", "tls_ca": str(certs["ca.crt"]), "expect": "tcp+tls"}
+        t, o = _side_by_side(
+            repeats, lambda: tether_dense_mbps(sizes, seconds, conn=tls_conn, shard_args=tls_shard_args(certs)),
+            lambda: tether_dense_mbps(sizes, seconds, conn={"transport": "tcp", "expect": "tcp"}), log, "dense, TLS vs TCP",
+        )
+        out: dict[str, Any] = {"dense": {s: Comparison(fmt_size(s), [x[s] for x in t], [x[s] for x in o]) for s in sizes}, "model": None}
+        if model_steps:
+            mt, mo = _side_by_side(
+                repeats, lambda: tether_job_samples_per_s(1, 1, model_steps, tls=certs, mutual=True)["samples_per_sec"],
+                lambda: tether_job_samples_per_s(1, 1, model_steps)["samples_per_sec"], log, "model, TLS vs plaintext",
+            )
+            out["model"] = Comparison("model 1 worker x 1 shard", mt, mo)
+    return out
+
+
 def repeat_tether(repeats: int, fn: Callable[[], Any], log: Callable[[str], None] = _stderr, what: str = "") -> list[Any]:
     """Run a tether-only measurement ``repeats`` times (for extra rows beside a peer already measured)."""
     out = []
@@ -564,6 +634,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, help="time per measurement (default 1.0, quick 0.3)")
     p.add_argument("--wire-dtype", choices=sorted(WIRE_DTYPES), default="float32", help="also measure tether with this wire dtype")
     p.add_argument("--only", default="dense,small,sparse,apply,model", help="comma-separated subset")
+    p.add_argument("--tls", action="store_true",
+                   help="instead: tether's data plane inside TLS vs plain TCP (dense sizes; with 'model' in --only, the model too)")
     a = p.parse_args(argv)
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
@@ -573,6 +645,15 @@ def main(argv: list[str] | None = None) -> None:
     only = set(a.only.split(","))
     wires = ["float32"] + ([a.wire_dtype] if a.wire_dtype != "float32" else [])
     headers = ["", "tether", "other", "ratio", "ratio range"]
+    if a.tls:
+        sizes = [4 * 2**20] if a.quick else sizes
+        res = compare_tls(sizes, seconds, a.repeats, (200 if a.quick else 1000) if "model" in a.only.split(",") else 0)
+        print("\n## dense push + pull, MiB/s, tether's data plane: TCP inside TLS (tether) vs plain TCP (other)\n")
+        print(markdown_table(headers, _cmp_rows(list(res["dense"].values()))))
+        if res["model"] is not None:
+            print("\n## default model samples/s, 1 worker x 1 shard: mutual-TLS cluster (tether) vs plaintext cluster (other)\n")
+            print(markdown_table(headers, _cmp_rows([res["model"]])))
+        return
     if "dense" in only:
         for wire in wires:
             d = compare_dense(sizes, seconds, a.repeats, wire, with_ceiling=wire == "float32")

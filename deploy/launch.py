@@ -493,11 +493,13 @@ def run_job(
     metrics: bool = False,
     checkpoint_every: float | None = None,
     program: Program | None = None,
+    shard_args: Sequence[str] = (),
 ) -> dict[str, object]:
     """Run a whole job locally, evaluate the result, and write ``summary.json`` to ``out``.
 
     With a ``program`` the workers are the user's code; the result is what its workers
-    recorded (worker 0's final held-out metrics, when it evaluated).
+    recorded (worker 0's final held-out metrics, when it evaluated). ``shard_args``: extra
+    ``tether server`` flags (TLS files, for one; the workers' own come from ``template``).
 
     Raises:
         UsageError: a worker found a mistake in what it was asked (a malformed data line).
@@ -516,10 +518,10 @@ def run_job(
         with cluster:
             workdir = out_dir or cluster.log_dir
             template = replace(template, out=str(workdir))
-            shard_args: list[str] = []
+            extra = list(shard_args)
             if checkpoint_every is not None:
-                shard_args = ["--checkpoint-dir", str(Path(workdir, "checkpoints").resolve()), "--checkpoint-every", repr(checkpoint_every)]
-            addresses = cluster.start_shards(num_shards, extra_args=shard_args, metrics=metrics)
+                extra += ["--checkpoint-dir", str(Path(workdir, "checkpoints").resolve()), "--checkpoint-every", repr(checkpoint_every)]
+            addresses = cluster.start_shards(num_shards, extra_args=extra, metrics=metrics)
             print(f"tether: {num_shards} shard(s) at {', '.join(addresses)}; starting {template.num_workers} worker(s)", flush=True)
             t0 = time.perf_counter()
             cluster.start_workers(template, echo=echo, metrics=metrics, program=program)

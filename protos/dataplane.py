@@ -22,7 +22,12 @@ response carries ``status`` (a ``grpc.StatusCode`` value; 0 is OK) and, on error
 text as its meta. A connection starts with ``HELLO`` (msgpack, at most ``HELLO_MAX`` bytes, no
 payload: the bearer token if the shard wants one and ``shm_size`` when the region's descriptor
 rides with it) and then carries one call at a time.
-The data plane is plaintext: a shard that serves TLS offers none and clients use gRPC.
+
+A shard that serves TLS serves it on the data port too (the same certificates and client CA as
+its gRPC port; ``tether.protos.security``): frames then travel inside TLS, sent with one
+``sendall`` per large buffer (small ones joined) since an SSL socket has no scatter-gather
+``sendmsg``, and received with ``recv_into`` as before. The abstract unix socket never carries
+TLS: its bytes never leave the machine (see ``tether.server.dataplane`` for when it is offered).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import math
 import mmap
 import os
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Sequence
@@ -346,6 +352,11 @@ def send_frame(
     if payload:
         payload_len = sum(b.nbytes for b in payload)
     buffers = [memoryview(HEADER.pack(MAGIC, method, flags, status, len(meta), payload_len, aux)), memoryview(meta), *payload]
+    if isinstance(sock, ssl.SSLSocket):
+        if fds:
+            raise ValueError("descriptors cannot travel over TLS")
+        _send_tls(sock, buffers)
+        return
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
     while buffers:
         sent = sock.sendmsg(buffers[:512], ancillary)
@@ -359,3 +370,23 @@ def send_frame(
                 sent = 0
         while buffers and buffers[0].nbytes == 0:
             buffers.pop(0)
+
+
+# Buffers below this size are joined before they go into TLS (each ``sendall`` on an SSL
+# socket makes at least one record and one system call); larger ones are encrypted in place.
+_TLS_JOIN = 64 * 1024
+
+
+def _send_tls(sock: ssl.SSLSocket, buffers: list[memoryview]) -> None:
+    """Send ``buffers`` in order over TLS: small neighbours joined, large ones as they are."""
+    pending = bytearray()
+    for b in buffers:
+        if b.nbytes < _TLS_JOIN:
+            pending += b
+            continue
+        if pending:
+            sock.sendall(pending)
+            pending = bytearray()
+        sock.sendall(b)
+    if pending:
+        sock.sendall(pending)

@@ -6,12 +6,17 @@ without one fails the handshake and never gets a connection). With an auth token
 every call of ``tether.v1.ParameterServer`` that lacks ``authorization: Bearer <token>``
 metadata with UNAUTHENTICATED; the gRPC health service stays open so that Kubernetes probes,
 which carry no credentials, keep working.
+
+The data plane's TCP port serves TLS with the same files (``server_ssl_context`` and
+``ClientSecurity.ssl_context``, Python's ``ssl``): the client checks the shard's certificate
+and host name as gRPC does, and under mutual TLS the shard checks the client's.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +33,7 @@ __all__ = [
     "read_token",
     "resolve_token",
     "server_credentials",
+    "server_ssl_context",
 ]
 
 AUTH_METADATA_KEY = "authorization"
@@ -112,6 +118,42 @@ def server_credentials(cert: str, key: str, client_ca: str | None = None) -> grp
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
+def _load_chain(ctx: ssl.SSLContext, cert: str, key: str) -> None:
+    read_pem(cert, "TLS certificate")
+    read_pem(key, "TLS key")
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"TLS certificate {cert!r} and key {key!r} cannot be loaded together: {exc}") from exc
+
+
+def _load_ca(ctx: ssl.SSLContext, ca: str, what: str) -> None:
+    read_pem(ca, what)
+    try:
+        ctx.load_verify_locations(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"{what} {ca!r} cannot be loaded: {exc}") from exc
+
+
+def server_ssl_context(cert: str, key: str, client_ca: str | None = None) -> ssl.SSLContext:
+    """The data plane's TLS context on a shard (TLS 1.2 or later); with ``client_ca`` clients
+    must present a certificate it signed, as on the gRPC port.
+
+    Raises:
+        ValueError: a file is missing, not PEM, or the key does not match the certificate.
+    """
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    # No session tickets: nothing resumes, and a ticket arriving on an idle client connection
+    # would look like the shard hanging up.
+    ctx.num_tickets = 0
+    _load_chain(ctx, cert, key)
+    if client_ca:
+        _load_ca(ctx, client_ca, "TLS client CA")
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
 @dataclass(frozen=True)
 class ClientSecurity:
     """How a client proves who it is and checks who the shards are."""
@@ -153,6 +195,22 @@ class ClientSecurity:
             private_key=read_pem(self.tls_key, "TLS key"),
             certificate_chain=read_pem(self.tls_cert, "TLS certificate"),
         )
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The data plane's TLS context (None without TLS): verifies the shard's certificate
+        against ``tls_ca`` and its host name, and presents the client certificate if there is one.
+
+        Raises:
+            ValueError: a file is missing, not PEM, or the key does not match the certificate.
+        """
+        if self.tls_ca is None:
+            return None
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED and check_hostname
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        _load_ca(ctx, self.tls_ca, "TLS CA")
+        if self.tls_cert is not None:
+            _load_chain(ctx, self.tls_cert, self.tls_key)
+        return ctx
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """Call metadata: the bearer token, if any."""

@@ -42,7 +42,7 @@ class ShardConfig:
     # Plaintext port serving only gRPC health, for probes that cannot speak TLS (Kubernetes).
     health_port: int | None = None
     # Data plane for Push/Pull/PushPull (0: a free port, told to clients; None: off). A shard
-    # that serves TLS has none: the data plane is plaintext.
+    # that serves TLS serves it there too (same files); its unix socket only without a client CA.
     data_port: int | None = 0
     # Data plane bounds: receive buffers of all connections together (at least max_message_bytes),
     # seconds a new connection has to complete its HELLO, seconds a connection may stay silent.
@@ -137,7 +137,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--tls-client-ca", default=_env("TETHER_TLS_CLIENT_CA", None), help="require client certificates signed by this PEM CA: mutual TLS (env TETHER_TLS_CLIENT_CA)")
     p.add_argument("--auth-token-file", default=_env("TETHER_AUTH_TOKEN_FILE", None), help=f"require 'authorization: Bearer <token>' on every call, token read from this file (env TETHER_AUTH_TOKEN_FILE, or the token itself in ${TOKEN_ENV})")
     p.add_argument("--health-port", type=int, default=_env("TETHER_HEALTH_PORT", None), help="also serve gRPC health in plaintext on this port, for probes that cannot do TLS (env TETHER_HEALTH_PORT)")
-    p.add_argument("--data-port", default=_env("TETHER_DATA_PORT", "0"), help="TCP port of the data plane for push/pull (0: a free one, told to clients; 'off': gRPC only; a TLS shard has none) (env TETHER_DATA_PORT)")
+    p.add_argument("--data-port", default=_env("TETHER_DATA_PORT", "0"), help="TCP port of the data plane for push/pull (0: a free one, told to clients; 'off': gRPC only; with --tls-cert it serves TLS too) (env TETHER_DATA_PORT)")
     p.add_argument("--data-buffer-mb", type=int, default=_env("TETHER_DATA_BUFFER_MB", 1024), help="receive buffers of all data connections together, MiB, at least --max-message-mb; beyond it RESOURCE_EXHAUSTED (env TETHER_DATA_BUFFER_MB)")
     p.add_argument("--data-handshake-timeout", type=float, metavar="SECONDS", default=_env("TETHER_DATA_HANDSHAKE_TIMEOUT", 10.0), help="seconds a new data connection has to send its HELLO (env TETHER_DATA_HANDSHAKE_TIMEOUT)")
     p.add_argument("--data-idle-timeout", type=float, metavar="SECONDS", default=_env("TETHER_DATA_IDLE_TIMEOUT", 120.0), help="close a data connection silent this many seconds (env TETHER_DATA_IDLE_TIMEOUT)")

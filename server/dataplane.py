@@ -10,6 +10,12 @@ Beside the TCP port the shard listens on an abstract unix socket (no path: nothi
 to point elsewhere); a client on the same machine connects there and sends its sealed memfd
 region with its HELLO. The shard maps only descriptors it received, after checking their seals.
 
+A shard that serves TLS wraps every TCP connection in TLS (the gRPC port's certificate, key and
+client CA), the handshake bounded by the handshake timeout; a client that speaks plaintext to it
+gets one plaintext error frame saying so. The unix socket stays plaintext (its bytes never leave
+the machine) and is offered under TLS only when the shard requires no client certificate:
+under mutual TLS a local process could otherwise skip the certificate check.
+
 What a connection can make the shard hold: before the token is checked, one HELLO of at most
 ``HELLO_MAX`` bytes (anything else is refused having read only its header), which must arrive
 within the handshake timeout; after, one receive buffer, released when the connection is idle
@@ -25,6 +31,7 @@ import mmap
 import os
 import select
 import socket
+import ssl
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -83,6 +90,7 @@ class DataPlaneServer:
         handshake_timeout_s: float = 10.0,
         idle_timeout_s: float = 120.0,
         unix_socket: bool = True,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         """Bind the TCP port (and the abstract unix socket); ``start`` serves them.
 
@@ -91,12 +99,14 @@ class DataPlaneServer:
             handshake_timeout_s: a connection's HELLO must be complete this soon after it opens.
             idle_timeout_s: a connection without a frame for this long is closed.
             unix_socket: also listen on an abstract unix socket (shared-memory regions).
+            ssl_context: serve TLS on the TCP port with this context (``server_ssl_context``).
 
         Raises:
             RuntimeError: the port cannot be bound.
         """
         self.servicer = servicer
         self._token = token.encode() if token is not None else None
+        self._tls = ssl_context
         self.max_message_bytes = max_message_bytes
         self.max_connections = max_connections
         # One largest frame (its message aligned, then its payload) always fits.
@@ -181,7 +191,8 @@ class DataPlaneServer:
             conns = list(self._conns.items())
         for conn, _ in conns:
             try:
-                conn.shutdown(socket.SHUT_RDWR)
+                # socket's own shutdown: an SSL socket's would drop its TLS state under the serving thread.
+                socket.socket.shutdown(conn, socket.SHUT_RDWR)
             except OSError:
                 pass
         for _, thread in conns:
@@ -226,27 +237,18 @@ class DataPlaneServer:
         """
         try:
             dp.send_frame(conn, 0, message.encode(), status=code.value[0])
-            conn.shutdown(socket.SHUT_WR)
-            scratch = bytearray(16 * 1024)
-            deadline = time.monotonic() + _DRAIN_S
-            left = _DRAIN_BYTES
-            while left > 0:
-                wait = deadline - time.monotonic()
-                if wait <= 0:
-                    break
-                conn.settimeout(wait)
-                n = conn.recv_into(scratch)
-                if n == 0:
-                    break
-                left -= n
         except OSError:
-            pass
+            return
+        _drain(conn)
 
     def _serve(self, conn: socket.socket, unix: bool) -> None:
-        state = _Connection(self, unix, authenticated=self._token is None)
+        state = _Connection(self, unix, authenticated=self._token is None, tls=self._tls is not None and not unix)
         self._count(state, +1)
+        deadline = time.monotonic() + self.handshake_timeout_s
         try:
-            self._handshake(conn, state)
+            if state.tls:
+                conn = self._start_tls(conn, deadline)
+            self._handshake(conn, state, deadline)
             while self._one_call(conn, state):
                 pass
         except _Refuse as exc:
@@ -268,11 +270,49 @@ class DataPlaneServer:
 
     def _count(self, state: _Connection, delta: int) -> None:
         if self.servicer.metrics is not None:
-            self.servicer.metrics.data_connections.labels(mode="tcp" if state.region is None else "shm").inc(delta)
+            mode = "shm" if state.region is not None else "tcp+tls" if state.tls else "tcp"
+            self.servicer.metrics.data_connections.labels(mode=mode).inc(delta)
 
-    def _handshake(self, conn: socket.socket, state: _Connection) -> None:
+    def _start_tls(self, conn: socket.socket, deadline: float) -> ssl.SSLSocket:
+        """The TLS side of a new TCP connection, its handshake done by ``deadline``.
+
+        Raises:
+            _Refuse: the client spoke plaintext (answered in plaintext: UNAVAILABLE).
+            ConnectionError: the handshake failed (no or an untrusted client certificate, ...).
+            TimeoutError: the handshake did not finish in time.
+        """
+        dp._until(conn, deadline)
+        first = conn.recv(1, socket.MSG_PEEK)
+        if not first:
+            raise ConnectionError("closed before the TLS handshake")
+        if first == dp.MAGIC[:1]:
+            raise _Refuse(
+                grpc.StatusCode.UNAVAILABLE,
+                "this shard's data port serves TLS and the client spoke plaintext: give the worker --tls-ca "
+                "(and --tls-cert/--tls-key where the shard requires client certificates)",
+            )
+        peer = _peer(conn)
+        with self._lock:  # the serving thread is registered under the socket stop() shuts down
+            thread = self._conns.pop(conn)
+            tls = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            self._conns[tls] = thread
+        try:
+            dp._until(tls, deadline)
+            tls.do_handshake()
+        except BaseException as exc:
+            if isinstance(exc, ssl.SSLError):
+                log.info("data plane: TLS handshake with %s failed: %s", peer, exc.reason or exc)
+                _drain(tls)  # so that the alert OpenSSL sent reaches the client
+            with self._lock:
+                self._conns.pop(tls, None)
+            tls.close()
+            if isinstance(exc, ssl.SSLError):
+                raise ConnectionError(f"TLS handshake failed: {exc}") from exc
+            raise
+        return tls
+
+    def _handshake(self, conn: socket.socket, state: _Connection, deadline: float) -> None:
         """Read the first frame, which must be a small HELLO, by the handshake deadline, and answer it."""
-        deadline = time.monotonic() + self.handshake_timeout_s
         (method, flags, _, meta_len, payload_len, _), fds = state.read_header(conn, deadline)
         try:
             self._check_hello(method, flags, meta_len, payload_len, first=True)
@@ -437,8 +477,40 @@ class DataPlaneServer:
         dp.send_frame(conn, method, body, out.buffers())
 
 
+def _drain(conn: socket.socket) -> None:
+    """End the connection after what was sent: shut down writing, then read and drop what the
+    peer still sends (bounded in bytes and time) so that no reset destroys our last bytes.
+    Below TLS on an SSL socket (its records are dropped undecrypted)."""
+    try:
+        socket.socket.shutdown(conn, socket.SHUT_WR)
+        scratch = bytearray(16 * 1024)
+        deadline = time.monotonic() + _DRAIN_S
+        left = _DRAIN_BYTES
+        while left > 0:
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                break
+            socket.socket.settimeout(conn, wait)
+            n = socket.socket.recv_into(conn, scratch)
+            if n == 0:
+                break
+            left -= n
+    except OSError:
+        pass
+
+
+def _peer(conn: socket.socket) -> str:
+    try:
+        host, port = conn.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "?"
+
+
 def _readable(conn: socket.socket, timeout_s: float) -> bool:
     """Whether ``conn`` has bytes (or EOF) to read within ``timeout_s``."""
+    if isinstance(conn, ssl.SSLSocket) and conn.pending():
+        return True  # decrypted already, in TLS's buffer: the socket itself may have nothing
     poller = select.poll()
     poller.register(conn, select.POLLIN | select.POLLPRI)
     return bool(poller.poll(timeout_s * 1000))
@@ -456,9 +528,10 @@ def _close_all(fds: list[int]) -> None:
 class _Connection:
     """Per-connection state: authentication, the shared region, the reusable receive buffer."""
 
-    def __init__(self, server: DataPlaneServer, unix: bool, authenticated: bool) -> None:
+    def __init__(self, server: DataPlaneServer, unix: bool, authenticated: bool, tls: bool = False) -> None:
         self.server = server
         self.unix = unix
+        self.tls = tls
         self.authenticated = authenticated
         self.region: dp.SharedRegion | None = None
         self.header = bytearray(dp.HEADER.size)

@@ -118,7 +118,7 @@ class ShardMetrics:
         self.serving = Gauge("tether_shard_up", "1 while the shard is serving, else 0.", registry=r)
         self.data_connections = Gauge(
             "tether_shard_data_connections",
-            "Open data-plane connections, by how their payloads travel (shm: shared memory, tcp: the socket).",
+            "Open data-plane connections, by how their payloads travel (shm: shared memory, tcp: the socket, tcp+tls: the socket inside TLS).",
             ["mode"], registry=r)
 
         # Export the bounded series at 0 from the start so rate() and alerts see them.
@@ -126,7 +126,7 @@ class ShardMetrics:
             self.updates_applied.labels(kind=kind)
         for reason in REJECT_REASONS:
             self.updates_rejected.labels(reason=reason)
-        for mode in ("shm", "tcp"):
+        for mode in ("shm", "tcp", "tcp+tls"):
             self.data_connections.labels(mode=mode)
         self.staleness_bound.set(-1)
         # Memory (RSS), CPU and fds of the process: what the dashboard's process panels read.

@@ -20,7 +20,7 @@ from tether.protos.allocator import tune_malloc
 from tether.protos.codec import decode_ids, decode_tensor, encode_tensor, torch_dtype
 from tether.protos.dataplane import PayloadWriter
 from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherError, status_of
-from tether.protos.security import server_credentials
+from tether.protos.security import server_credentials, server_ssl_context
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.auth import TokenAuthInterceptor
 from tether.server.checkpoint import CheckpointInfo, Checkpointer
@@ -421,12 +421,17 @@ def start_shard(config: ShardConfig, shard: Shard | None = None, metrics: object
         health_port = _bind(health_server, f"{config.host}:{config.health_port}", None)
         health_server.start()
     dataplane = None
-    if config.data_port is not None and not config.tls:
+    if config.data_port is not None:
+        # TLS on the data port with the gRPC port's files. The unix socket (shared memory, same
+        # machine) carries no TLS: it is offered unless clients must prove who they are by
+        # certificate, which a local process could otherwise skip.
         dataplane = DataPlaneServer(
             servicer, config.host, config.data_port, token=config.auth_token,
             max_message_bytes=config.max_message_bytes, max_connections=config.max_concurrent_rpcs,
             buffer_bytes=config.data_buffer_bytes, handshake_timeout_s=config.data_handshake_timeout_s,
             idle_timeout_s=config.data_idle_timeout_s,
+            ssl_context=server_ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls else None,
+            unix_socket=not config.tls_client_ca,
         )
         servicer.data_port = dataplane.port
         servicer.data_socket = dataplane.socket_name

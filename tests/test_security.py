@@ -204,6 +204,127 @@ def test_a_secured_cluster_of_processes_with_flags(tmp_path: Path, certs) -> Non
         stranger.close()
 
 
+# -- TLS on the data plane ----------------------------------------------------------------------
+
+
+def test_a_tls_shard_serves_its_data_plane_in_tls_to_a_tls_client(secured, certs) -> None:
+    """Mutual TLS + token: pushes and pulls go over the data port inside TLS (no shared memory:
+    under mutual TLS the unix socket is not offered), with the same results as over gRPC."""
+    running, address = secured
+    assert running.dataplane is not None and running.dataplane.socket_name == ""
+    client = _client(address, certs)
+    client.declare([TableConfig("t", 4, SGD, init_scale=0.0)], {"w": torch.zeros(300_000)}, SGD)
+    assert client.transports() == ["tcp+tls"]
+    ids = torch.arange(4, dtype=torch.int64)
+    client.push({"t": (ids, torch.ones(4, 4))}, {"w": torch.full((300_000,), 2.0)}).result(10)
+    pulled = client.pull({"t": ids}, ["w"]).result(10)
+    assert torch.equal(pulled.rows["t"], -torch.ones(4, 4)) and torch.equal(pulled.dense["w"], torch.full((300_000,), -2.0))
+    out = client.push_pull(push_dense={"w": torch.ones(300_000)}, pull_dense=["w"]).result(10)
+    assert torch.equal(out.dense["w"], torch.full((300_000,), -3.0))
+    assert client.transports() == ["tcp+tls"]  # still: nothing fell back to gRPC
+    assert running.dataplane.connections >= 1
+    client.close()
+
+
+def test_server_only_tls_keeps_shared_memory_on_the_same_machine(certs) -> None:
+    running = _shard(tls_cert=str(certs["server.crt"]), tls_key=str(certs["server.key"]))
+    try:
+        address = f"127.0.0.1:{running.port}"
+        auto = _client(address, certs, client=None, token=None)
+        tcp = _client(address, certs, client=None, token=None, transport="tcp")
+        for c in (auto, tcp):
+            c.declare([TableConfig("t", 64, SGD, init_scale=0.0)])
+            ids = torch.arange(2048, dtype=torch.int64)
+            c.push({"t": (ids, torch.ones(2048, 64))}).result(10)
+        assert auto.transports() == ["shm"] and tcp.transports() == ["tcp+tls"]
+        assert torch.equal(tcp.pull({"t": torch.arange(2048, dtype=torch.int64)}).result(10).rows["t"], -2 * torch.ones(2048, 64))
+        auto.close()
+        tcp.close()
+    finally:
+        running.stop(0)
+
+
+def _data_connection(running: RunningShard, certs: dict[str, Path], client: str | None = "client", ca: str = "ca",
+                     token: str | None = TOKEN):
+    from tether.worker.transport import DataConnection
+
+    security = ClientSecurity(
+        tls_ca=str(certs[f"{ca}.crt"]) if ca else None,
+        tls_cert=str(certs[f"{client}.crt"]) if client else None,
+        tls_key=str(certs[f"{client}.key"]) if client else None,
+    )
+    return DataConnection("127.0.0.1", running.data_port, token, 5.0, shm=False, ssl_context=security.ssl_context())
+
+
+@pytest.mark.parametrize(
+    "client, ca, why",
+    [(None, "ca", "certificate required"), ("stranger", "ca", "unknown ca"), ("client", "other-ca", "certificate verify failed")],
+)
+def test_the_tls_data_port_refuses_what_the_grpc_port_refuses(secured, certs, client, ca, why) -> None:
+    from tether.worker.transport import DataPlaneStatus
+
+    running, _ = secured
+    with pytest.raises(DataPlaneStatus, match="TLS with the data plane of 127.0.0.1") as err:
+        _data_connection(running, certs, client=client, ca=ca)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and why in err.value.details.lower()
+    assert running.shard.tables == {}
+
+
+def test_the_tls_data_port_checks_the_shard_host_name(certs) -> None:
+    """The shard's certificate names 127.0.0.1 and localhost: reached as another name, refused."""
+    from tether.worker.transport import DataConnection, DataPlaneStatus
+
+    running = start_shard(ShardConfig(host="0.0.0.0", port=0, tls_cert=str(certs["server.crt"]), tls_key=str(certs["server.key"])))
+    try:
+        ctx = ClientSecurity(tls_ca=str(certs["ca.crt"])).ssl_context()
+        DataConnection("127.0.0.1", running.data_port, None, 5.0, shm=False, ssl_context=ctx).close()
+        with pytest.raises(DataPlaneStatus, match="IP address mismatch"):
+            DataConnection("127.0.0.2", running.data_port, None, 5.0, shm=False, ssl_context=ctx)
+    finally:
+        running.stop(0)
+
+
+def test_a_plaintext_client_at_a_tls_data_port_is_told_and_not_left_hanging(secured, certs) -> None:
+    import time
+
+    from tether.worker.transport import DataPlaneStatus
+
+    running, _ = secured
+    started = time.monotonic()
+    with pytest.raises(DataPlaneStatus, match="serves TLS and the client spoke plaintext") as err:
+        _data_connection(running, certs, client=None, ca=None)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.closed
+    assert time.monotonic() - started < 3.0
+
+
+def test_a_wrong_token_is_refused_on_the_tls_data_port(secured, certs) -> None:
+    from tether.worker.transport import DataPlaneStatus
+
+    running, _ = secured
+    for token in (None, "wrong-token"):
+        with pytest.raises(DataPlaneStatus, match="bearer token") as err:
+            _data_connection(running, certs, token=token)
+        assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+    good = _data_connection(running, certs)
+    assert good.tls
+    good.close()
+
+
+def test_a_silent_client_cannot_hold_a_tls_data_port_handshake(certs) -> None:
+    """A TCP connection that never starts its TLS handshake is closed at the handshake timeout."""
+    import socket
+    import time
+
+    running = _shard(tls_cert=str(certs["server.crt"]), tls_key=str(certs["server.key"]), data_handshake_timeout_s=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", running.data_port), timeout=5) as s:
+            started = time.monotonic()
+            assert s.recv(1) == b""
+            assert time.monotonic() - started < 3.0
+    finally:
+        running.stop(0)
+
+
 def test_security_config_validation(tmp_path: Path, certs, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="tls_cert and tls_key go together"):
         ShardConfig(tls_cert=str(certs["server.crt"]))

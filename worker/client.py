@@ -93,7 +93,7 @@ class ClientConfig:
     keepalive_s: float = 10.0
     # How Push/Pull/PushPull travel: "auto" uses the shard's data plane, with shared memory
     # when the shard is on this machine; "tcp" the data plane without shared memory; "grpc"
-    # everything over gRPC. With TLS everything goes over gRPC (the data plane is plaintext).
+    # everything over gRPC. With TLS the data plane's TCP connections run inside TLS too.
     transport: str = "auto"
     # The longest one call takes, every attempt, backoff and data-plane fallback included; then
     # it raises Unavailable. Each attempt gets min(timeout_s, what is left). Checkpoint calls
@@ -265,9 +265,11 @@ class PSClient:
         self._splits: dict[str, list[tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]]] = {}
         self._split_lock = threading.Lock()
         self._data: list[DataPlane] | None = None
-        if config.transport != "grpc" and not config.security.tls:
+        if config.transport != "grpc":
+            ssl_context = config.security.ssl_context()
             self._data = [
-                DataPlane(a.rsplit(":", 1)[0].strip("[]"), config.security.token, config.timeout_s, config.transport == "auto", config.max_backoff_s)
+                DataPlane(a.rsplit(":", 1)[0].strip("[]"), config.security.token, config.timeout_s, config.transport == "auto",
+                          config.max_backoff_s, ssl_context)
                 for a in config.addresses
             ]
 
@@ -280,11 +282,11 @@ class PSClient:
             c.close()
 
     def transports(self) -> list[str]:
-        """How each shard is reached right now: "shm", "tcp" or "grpc"."""
+        """How each shard is reached right now: "shm", "tcp", "tcp+tls" or "grpc"."""
         out = []
         for d in self._data or [None] * self.num_shards:
             conn = None if d is None or not d.port else d.acquire(lambda: (0, ""))
-            out.append("grpc" if conn is None else "shm" if conn.region is not None else "tcp")
+            out.append("grpc" if conn is None else "shm" if conn.region is not None else "tcp+tls" if conn.tls else "tcp")
             if conn is not None:
                 d.release(conn)
         return out

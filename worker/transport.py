@@ -7,6 +7,8 @@ shared memory allowed, a connection first tries the shard's abstract unix socket
 process on the same machine and network namespace reaches) and sends it a sealed memfd region
 with its HELLO; then tensors never cross the socket. When that fails (another machine, no
 memory for the region, a shard that refuses it) the connection is TCP, said once in the log.
+With TLS (``ClientSecurity.ssl_context``) a TCP connection is wrapped in TLS, checking the
+shard's certificate and host name as the gRPC channel does; the unix socket never is.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import os
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +51,15 @@ class DataPlaneStatus(Exception):
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
+def _tls_reason(exc: OSError) -> str:
+    """OpenSSL's reason in words ("tlsv13 alert certificate required", "Hostname mismatch, ...")."""
+    if isinstance(exc, ssl.SSLCertVerificationError) and exc.verify_message:
+        return f"certificate verify failed: {exc.verify_message}"
+    if not isinstance(exc, ssl.SSLError) or isinstance(exc, ssl.SSLEOFError):
+        return "the shard closed the connection during the TLS handshake"
+    return (exc.reason or str(exc)).replace("_", " ").lower()
+
+
 class DataConnection:
     """One connection to a shard's data plane, with its shared region when the shard maps it.
 
@@ -55,6 +67,7 @@ class DataConnection:
         socket_name: the shard's abstract unix socket ("" or None: none); tried first when ``shm``.
         shm: whether to offer a shared region (over the unix socket only).
         on_fallback: told why, when a region this connection had or wanted cannot be had later.
+        ssl_context: wrap the TCP connection in TLS with this context (verifying ``host``).
 
     Raises:
         OSError, DataPlaneStatus: neither the unix socket with a region nor TCP works.
@@ -69,6 +82,7 @@ class DataConnection:
         shm: bool,
         socket_name: str | None = None,
         on_fallback: Callable[[str], None] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._token = token
         self._on_fallback = on_fallback
@@ -79,6 +93,8 @@ class DataConnection:
         # Why shared memory is not used on this connection (None: it is, or it was not asked for).
         self.fallback: str | None = None
         self.shm = False
+        # Whether this connection runs inside TLS (TCP only).
+        self.tls = False
         self._sock: socket.socket | None = None
         if shm:
             self._try_unix(socket_name, timeout_s)
@@ -86,10 +102,30 @@ class DataConnection:
             self._sock = socket.create_connection((host, port), timeout=timeout_s)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
+                if ssl_context is not None:
+                    self._start_tls(ssl_context, host, port)
                 self._hello(0, timeout_s)
+            except (ssl.SSLError, ConnectionResetError, BrokenPipeError) as exc:
+                if not isinstance(exc, ssl.SSLError) and not self.tls:
+                    self.close()
+                    raise
+                self.close()
+                # Under TLS 1.3 a shard refuses a client certificate after the client's side of
+                # the handshake is done: that alert comes with the first answer, here.
+                raise DataPlaneStatus(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"TLS with the data plane of {host}:{port} failed: {_tls_reason(exc)} (check the TLS CA, "
+                    f"and the client certificate where the shard requires one)",
+                    closed=True,
+                ) from exc
             except BaseException:
                 self.close()
                 raise
+
+    def _start_tls(self, ctx: ssl.SSLContext, host: str, port: int) -> None:
+        """Wrap the TCP socket in TLS, checking the shard's certificate for ``host``."""
+        self._sock = ctx.wrap_socket(self._sock, server_hostname=host)
+        self.tls = True
 
     def _try_unix(self, name: str | None, timeout_s: float) -> None:
         """Connect to the shard's unix socket with a region; on any failure, note why and leave no socket."""
@@ -245,8 +281,11 @@ class DataConnection:
 class DataPlane:
     """Data-plane connections to one shard, or the knowledge that there are none to use now."""
 
-    def __init__(self, host: str, token: str | None, timeout_s: float, shm: bool, rediscover_s: float) -> None:
+    def __init__(
+        self, host: str, token: str | None, timeout_s: float, shm: bool, rediscover_s: float, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self.host = host
+        self._ssl = ssl_context
         self._token = token
         self._timeout_s = timeout_s
         self._shm = shm
@@ -295,7 +334,7 @@ class DataPlane:
                 if port == 0:
                     return None
             limit = self._timeout_s if end is None else min(self._timeout_s, max(end - time.monotonic(), 0.001))
-            conn = DataConnection(self.host, port, self._token, limit, self._shm, socket_name, self._fallback)
+            conn = DataConnection(self.host, port, self._token, limit, self._shm, socket_name, self._fallback, self._ssl)
         except (OSError, DataPlaneStatus, grpc.RpcError) as exc:
             log.info("data plane of %s unreachable (%s); using gRPC for %.1fs", self.host, exc, self._rediscover_s)
             self.failed()
