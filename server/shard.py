@@ -491,8 +491,11 @@ class Shard:
             blocks = [(t, u.ids, u.grads, p) for (t, p), u in zip(checked, sparse)] + [(c, None, u.grad, None) for c, u in zip(chunks, dense)]
             for (target, ids, grad, pulled), s in zip(blocks, stale):
                 scale: float | np.ndarray = 1.0
-                if staleness_aware and isinstance(s, np.ndarray) and (s > 1).any():
-                    scale = 1.0 / np.maximum(s, 1)
+                # Per row (or chunk): 1 / its staleness; a row overtaken by at most one update
+                # keeps the full step (1 / max(s, 1)).
+                if staleness_aware and isinstance(s, np.ndarray):
+                    if (s > 1).any():
+                        scale = 1.0 / np.maximum(s, 1)
                 elif staleness_aware and s:
                     scale = 1.0 / s
                 if ids is None:

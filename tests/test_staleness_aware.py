@@ -131,3 +131,17 @@ def test_a_read_older_than_the_update_log_counts_the_table_updates() -> None:
     for seq in range(1, 300):  # more updates than the log keeps
         _push(shard, "b", seq, [1] if seq == 1 else [2], table.version, False)
     assert table.staleness(np.array([1], np.int64), read).tolist() == [299]
+
+
+def test_rows_overtaken_at_most_once_keep_the_full_step() -> None:
+    # Several rows, each overtaken by at most one update: the per-row staleness is [1, 1, 0]
+    # (an array with nothing above 1), which once made an aware push fail ("truth value of an
+    # array ... is ambiguous") instead of applying it unscaled.
+    shard = _table_shard()
+    _, read = _read(shard, [1, 2, 3])
+    _, v = _read(shard, [1, 2])
+    _push(shard, "b", 1, [1, 2], v, False)
+    assert shard.tables["t"].staleness(np.array([1, 2, 3], np.int64), read).tolist() == [1, 1, 0]
+    assert _push(shard, "a", 1, [1, 2, 3], read, True) == 1
+    rows, _ = _read(shard, [1, 2, 3])
+    assert rows.tolist() == [[-1.0, -1.0], [-1.0, -1.0], [-0.5, -0.5]]
