@@ -58,6 +58,27 @@ def _evals(curve: Sequence[dict[str, object]]) -> list[dict[str, object]]:
     return points
 
 
+def _with_job_end(curve: list[dict[str, object]], summary: dict[str, object], records: list[dict[str, object]]) -> list[dict[str, object]]:
+    """The curve ending at the run's final loss: when the job's final evaluation (after every
+    worker finished) differs from worker 0's last one, it is added as a last point at the job's
+    training end (the slowest worker's training time) with every worker's samples. Without it,
+    in async or ssp:S, a worker 0 that finished before the others could end its curve above
+    the final loss the table reports, and never reach a target taken from those losses."""
+    final = float(summary["eval_loss"])
+    last = curve[-1]
+    if "eval_loss" in last and abs(float(last["eval_loss"]) - final) <= 1e-9:
+        return curve
+    end = {
+        "step": last["step"],
+        "samples": last["samples"],
+        "total_samples": sum(int(r["samples"]) for r in records),
+        "wall_s": max(float(last["wall_s"]), float(summary["train_wall_s"])),
+        "eval_loss": final,
+        "job_end": True,
+    }
+    return [*curve, end]
+
+
 def _mode_dir(mode: str) -> str:
     return mode.replace(":", "-")
 
@@ -173,7 +194,7 @@ def compare(
                     + f" ({cfg.num_workers} workers, {num_shards} shards, straggler {spec})")
             summary = run_job(cfg, num_shards, out=run_dir, timeout_s=timeout_s, echo=echo)
             records = [json.loads((run_dir / f"worker-{w}.json").read_text()) for w in range(cfg.num_workers)]
-            curve = _with_total_samples(records)
+            curve = _with_job_end(_with_total_samples(records), summary, records)
             updates = sorted(int(x) for r in records for x in r.get("update_staleness", []))
             run = {
                 "mode": mode,

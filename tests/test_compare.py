@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tether.deploy.compare import format_table, recommend, time_to_target, write_plot
+from tether.deploy.compare import _with_job_end, format_table, recommend, time_to_target, write_plot
 from tether.protos.errors import UsageError
 from tether.worker.config import TrainingConfig
 from tether.worker.stragglers import StragglerSpec, delay_factor, parse_straggler
@@ -27,6 +27,20 @@ def test_time_to_target_is_interpolated_between_evaluations() -> None:
     fast_late = [{"wall_s": 0.0, "eval_loss": 0.6}, {"wall_s": 30.0, "eval_loss": 0.451}, {"wall_s": 40.0, "eval_loss": 0.3}]
     slow_early = [{"wall_s": 0.0, "eval_loss": 0.6}, {"wall_s": 30.0, "eval_loss": 0.449}]
     assert time_to_target(fast_late, 0.45) < 31.0 and time_to_target(slow_early, 0.45) > 29.0
+
+
+def test_the_curve_ends_at_the_jobs_final_loss() -> None:
+    # async: worker 0 finished first (its last evaluation 0.574); the job's final evaluation,
+    # after the slower worker's last steps, is 0.567. A target taken from the final losses
+    # (0.570) must be reached on the curve, at the job's end.
+    curve = [{"step": 0, "samples": 0, "total_samples": 0, "wall_s": 0.0, "eval_loss": 0.73},
+             {"step": 40, "samples": 5120, "total_samples": 8000, "wall_s": 1.2, "eval_loss": 0.574}]
+    records = [{"samples": 5120}, {"samples": 5120}]
+    ended = _with_job_end(curve, {"eval_loss": 0.567, "train_wall_s": 2.0}, records)
+    assert ended[-1] == {"step": 40, "samples": 5120, "total_samples": 10240, "wall_s": 2.0, "eval_loss": 0.567, "job_end": True}
+    assert time_to_target(curve, 0.570) is None and time_to_target(ended, 0.570) == pytest.approx(1.2 + 0.8 * 4 / 7)
+    # sync: rank 0's last evaluation is the job's: nothing added.
+    assert _with_job_end(curve, {"eval_loss": 0.574, "train_wall_s": 1.3}, records) == curve
 
 
 def _result(mode: str, ttt: float, ttt_std: float, loss: float = 0.47, repeats: int = 3) -> dict[str, object]:
