@@ -25,6 +25,7 @@ for ``RELEASE_IDLE_S`` and counted against a budget for all connections together
 
 from __future__ import annotations
 
+import ctypes
 import hmac
 import logging
 import mmap
@@ -59,6 +60,8 @@ OVERLOADED = "Concurrent RPC limit exceeded"
 RELEASE_IDLE_S = 1.0
 # Bytes read and thrown away after a refusal, so the answer is not lost to a reset.
 _DRAIN_BYTES = 256 * 1024
+# Buffers from this size on ask for transparent huge pages.
+_HUGE = 2 << 20
 _DRAIN_S = 0.5
 
 
@@ -516,6 +519,28 @@ def _readable(conn: socket.socket, timeout_s: float) -> bool:
     return bool(poller.poll(timeout_s * 1000))
 
 
+def _anonymous(n: int) -> tuple[mmap.mmap, int]:
+    """``n`` bytes of anonymous memory, in transparent huge pages where the system allows them:
+    the mapping and the offset in it where the ``n`` bytes start.
+
+    A buffer of megabytes is then faulted in a few 2 MiB pages instead of 4 KiB at a time (a
+    4 MiB frame after an idle release: 1,025 page faults before, 3 with THP on ``madvise``)
+    and costs fewer TLB misses while the frame is received and applied.
+    """
+    if n < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return mmap.mmap(-1, n), 0
+    # Private (shared anonymous memory is shmem: no huge pages unless shmem THP is on), one huge
+    # page longer so that the bytes used can start on a huge-page boundary (only touched pages
+    # cost memory).
+    buf = mmap.mmap(-1, n + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        return buf, 0  # no THP here: 4 KiB pages, as before
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    return buf, -address % _HUGE
+
+
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         try:
@@ -537,6 +562,7 @@ class _Connection:
         self.header = bytearray(dp.HEADER.size)
         # Anonymous memory (returned to the system on release, whatever malloc's thresholds).
         self._buffer: mmap.mmap | None = None
+        self._base = 0  # where the buffer starts in its mapping (a huge-page boundary)
         self._reserved = 0
 
     def read_header(self, conn: socket.socket, deadline: float | None) -> tuple[tuple[int, int, int, int, int, int], list[int]]:
@@ -559,11 +585,11 @@ class _Connection:
             self.server._reserve(need)
             self._reserved = need
             try:
-                self._buffer = mmap.mmap(-1, max(need, 1))
+                self._buffer, self._base = _anonymous(max(need, 1))
             except BaseException:
                 self.release()
                 raise
-        view = memoryview(self._buffer)
+        view = memoryview(self._buffer)[self._base :]
         dp.recv_into(conn, view[:meta_len])
         if payload_len == 0:
             return view[:meta_len], None
