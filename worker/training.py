@@ -124,7 +124,6 @@ def batch_size_of(batch: Any) -> int:
 class _Policy:
     """Asynchronous (ASP): never wait; one push_pull per step once the loop is under way."""
 
-    name = "async"
     prefetch = True  # the next batch's rows may be pulled before this step's push lands
     settle_every_step = False
     sparse_scale = 1.0
@@ -165,7 +164,6 @@ class _SSP(_Policy):
     """Stale synchronous parallel: wait while more than ``bound`` steps ahead of the slowest
     live worker; pull only once the wait is over; a step's push lands before the next step."""
 
-    name = "ssp"
     prefetch = False
     settle_every_step = True
 
@@ -186,7 +184,6 @@ class _Sync(_Policy):
     """Synchronous: dense gradients averaged by all-reduce and stepped on every rank; row
     gradients pushed in lock step (averaged over the ranks), a barrier after each step."""
 
-    name = "sync"
     prefetch = False
     settle_every_step = True
     dense_on_shards = False
