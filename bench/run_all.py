@@ -233,7 +233,8 @@ def measure_extra(res: dict[str, Any], seconds: float, quick: bool, tls: bool, l
         log("TLS: data plane inside TLS vs plain TCP; model, mutual TLS vs plaintext")
         c = tp.compare_tls([_TARGET_SIZE], seconds, 1, 200 if quick else 1000, log=log)
         d = c["dense"][_TARGET_SIZE]
-        res["tls"] = {"dense": {"tls": d.tether, "tcp": d.other}, "model": {"tls": c["model"].tether, "plain": c["model"].other}}
+        res["tls"] = {"dense": {"tls": d.tether, "tcp": d.other},
+                      "model": {"tls": c["model"].tether, "plain": c["model"].other, "plain_tcp": c["model_tcp"]}}
     if links:
         import cross_host as xh
 
@@ -634,6 +635,8 @@ def render(
              _rx(_ratio(tls["dense"]["tls"], tls["dense"]["tcp"])), f">= {TARGETS['tls_dense_vs_tcp']:.1f}x"],
             ["model, samples/s", _range(tls["model"]["tls"]), _range(tls["model"]["plain"]),
              _rx(_ratio(tls["model"]["tls"], tls["model"]["plain"])), f">= {TARGETS['tls_model_vs_plaintext']:.1f}x"],
+            ["model, plaintext workers on TCP (`--transport tcp`), samples/s", _range(tls["model"]["tls"]),
+             _range(tls["model"]["plain_tcp"]), _rx(_ratio(tls["model"]["tls"], tls["model"]["plain_tcp"])), "(TLS's own cost)"],
         ]))
     L += ["", "## What limits us", "", limits(res), ""]
     return "\n".join(L)

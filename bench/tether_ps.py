@@ -366,12 +366,13 @@ def in_process_samples_per_s(steps: int, batch_size: int = 256, timeout: float =
 
 def tether_job_samples_per_s(
     workers: int, shards: int, steps: int, batch_size: int = 256, wire: str = "float32", tls: dict[str, Path] | None = None,
-    mutual: bool = False,
+    mutual: bool = False, transport: str = "auto",
 ) -> dict[str, Any]:
     """Samples/s of the default model through a local cluster (``run_job``) and the step split.
 
     ``tls``: certificates (``make_certificates``): shards serve TLS and workers connect with it;
-    ``mutual``: the shards also require the workers' client certificate (no shared memory then).
+    ``mutual``: the shards also require the workers' client certificate (no shared memory then);
+    ``transport``: the workers' ``--transport``.
 
     Returns:
         ``samples_per_sec`` (all workers) and ``phases`` (fraction of worker step time per
@@ -382,7 +383,7 @@ def tether_job_samples_per_s(
 
     cfg = WorkerConfig(
         shards=("pending:0",), num_workers=workers, steps=steps, batch_size=batch_size,
-        eval_samples=2000, device="cpu", log_every=steps, wire_dtype=wire, tls_ca=str(tls["ca.crt"]) if tls else None,
+        eval_samples=2000, device="cpu", log_every=steps, wire_dtype=wire, transport=transport, tls_ca=str(tls["ca.crt"]) if tls else None,
         tls_cert=str(tls["client.crt"]) if tls and mutual else None, tls_key=str(tls["client.key"]) if tls and mutual else None,
     )
     shard_args = tls_shard_args(tls, mutual) if tls else []
@@ -582,7 +583,9 @@ def compare_tls(
     1 worker x 1 shard.
 
     Returns:
-        ``{"dense": {size: Comparison(tls, plain)}, "model": Comparison(mutual TLS, plaintext) or None}``.
+        ``{"dense": {size: Comparison(tls, plain)}, "model": Comparison(mutual TLS, plaintext) or None,
+        "model_tcp": [samples/s of the plaintext cluster with its workers on TCP, per repeat] or None}``
+        (the last tells the cost of TLS from the cost of leaving shared memory).
     """
     with tempfile.TemporaryDirectory(prefix="tether-bench-tls-") as tmp:
         certs = make_certificates(Path(tmp))
@@ -591,13 +594,15 @@ def compare_tls(
             repeats, lambda: tether_dense_mbps(sizes, seconds, conn=tls_conn, shard_args=tls_shard_args(certs)),
             lambda: tether_dense_mbps(sizes, seconds, conn={"transport": "tcp", "expect": "tcp"}), log, "dense, TLS vs TCP",
         )
-        out: dict[str, Any] = {"dense": {s: Comparison(fmt_size(s), [x[s] for x in t], [x[s] for x in o]) for s in sizes}, "model": None}
+        out: dict[str, Any] = {"dense": {s: Comparison(fmt_size(s), [x[s] for x in t], [x[s] for x in o]) for s in sizes}, "model": None,
+                               "model_tcp": None}
         if model_steps:
             mt, mo = _side_by_side(
                 repeats, lambda: tether_job_samples_per_s(1, 1, model_steps, tls=certs, mutual=True)["samples_per_sec"],
                 lambda: tether_job_samples_per_s(1, 1, model_steps)["samples_per_sec"], log, "model, TLS vs plaintext",
             )
             out["model"] = Comparison("model 1 worker x 1 shard", mt, mo)
+            out["model_tcp"] = [tether_job_samples_per_s(1, 1, model_steps, transport="tcp")["samples_per_sec"] for _ in range(repeats)]
     return out
 
 
