@@ -40,7 +40,8 @@ def sample(pid: int | str = "self") -> dict[str, float]:
     """CPU seconds, page faults and context switches of a process so far."""
     stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     tick = os.sysconf("SC_CLK_TCK")
-    out = {"minflt": float(stat[7]), "majflt": float(stat[9]), "cpu_s": (float(stat[11]) + float(stat[12])) / tick}
+    out = {"minflt": float(stat[7]), "majflt": float(stat[9]), "cpu_s": (float(stat[11]) + float(stat[12])) / tick,
+           "sys_s": float(stat[12]) / tick}
     out["vcsw"] = out["ivcsw"] = 0.0
     for task in Path(f"/proc/{pid}/task").iterdir():  # every thread's switches (the process's status has the main thread's)
         try:
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     c, s = out["client"], out["shard"]
     print(
         f"{out['transport']}: {out['mib_per_s']:,.0f} MiB/s, {out['wall_ms']:.2f} ms/step wall; CPU per step client "
-        f"{c['cpu_s'] * 1e3:.2f} ms + shard {s['cpu_s'] * 1e3:.2f} ms; page faults per step client {c['minflt']:.2f} shard "
+        f"{c['cpu_s'] * 1e3:.2f} ms (system {c['sys_s'] * 1e3:.2f}) + shard {s['cpu_s'] * 1e3:.2f} ms (system "
+        f"{s['sys_s'] * 1e3:.2f}); page faults per step client {c['minflt']:.2f} shard "
         f"{s['minflt']:.2f} (after a 1.2 s pause: {idle['client']['minflt']:.0f} / {idle['shard']['minflt']:.0f}); "
         f"context switches per step client {c['vcsw']:.1f}+{c['ivcsw']:.1f} shard {s['vcsw']:.1f}+{s['ivcsw']:.1f} "
         f"(voluntary+involuntary); steal {out['steal']:.1%}, copy {copy:.1f} GB/s, load {out['load']:.1f}",
