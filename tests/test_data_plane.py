@@ -290,3 +290,48 @@ def test_with_the_data_port_off_everything_goes_over_grpc() -> None:
         running.stop(1.0)
     with pytest.raises(ValueError, match="data_port"):
         ShardConfig(data_port=70000)
+
+
+def test_a_tcp_pull_receives_whole_blocks_in_place_and_the_rest_through_the_buffer(monkeypatch) -> None:
+    """Over TCP, fp32 dense chunks and a table's rows in request order go from the socket straight
+    into the result; rows that must be scattered, and a bfloat16 wire, are copied from the buffer.
+    Every way gives what gRPC gives."""
+    from tether.worker import client as client_module
+
+    placed: list[int] = []
+    direct = client_module._PullAnswer.direct
+
+    def spy(self, shard, meta, payload_len):
+        out = direct(self, shard, meta, payload_len)
+        placed.append(len(out))
+        return out
+
+    monkeypatch.setattr(client_module._PullAnswer, "direct", spy)
+    running = start_shard(ShardConfig(host="127.0.0.1", port=0))
+    try:
+        address = [f"127.0.0.1:{running.port}"]
+        table = TableConfig("emb", dim=8, optimizer=SGD, init_scale=0.0)
+        clients = {name: make_client(address, f"w-{name}", transport=t, chunk_elems=1000, **kw)
+                   for name, t, kw in (("tcp", "tcp", {}), ("grpc", "grpc", {}), ("bf16", "tcp", {"wire_dtype": torch.bfloat16}))}
+        for c in clients.values():
+            c.declare([table], dense={"w": torch.zeros(2500)}, dense_optimizer=SGD)
+        ids = torch.tensor([5, 1, 900, 77], dtype=torch.int64)  # unsorted: the shard answers in request order
+        grads = torch.arange(32, dtype=torch.float32).reshape(4, 8)
+        w = (torch.arange(2500) % 64).float() / 4  # exact in bfloat16 too
+        clients["grpc"].push({"emb": (ids, grads)}, dense={"w": -w}).result(10)
+        want = clients["grpc"].pull({"emb": ids}, dense=["w"]).result(10)
+        assert torch.equal(want.dense["w"], w)
+        for name in ("tcp", "bf16"):
+            placed.clear()
+            got = clients[name].pull({"emb": ids}, dense=["w"]).result(10)
+            assert clients[name].transports() == ["tcp"]
+            assert torch.equal(got.rows["emb"], want.rows["emb"]) and torch.equal(got.dense["w"], want.dense["w"]), name
+            # fp32: the table's rows and the 3 chunks of "w" in place; bfloat16: nothing.
+            assert placed == ([4] if name == "tcp" else [0]), name
+        # Pulled twice in a row into fresh results: nothing of an earlier answer leaks into the next.
+        again = clients["tcp"].pull({"emb": ids[:2]}, dense=["w"]).result(10)
+        assert torch.equal(again.rows["emb"], want.rows["emb"][:2]) and torch.equal(again.dense["w"], want.dense["w"])
+        for c in clients.values():
+            c.close()
+    finally:
+        running.stop(0)

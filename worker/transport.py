@@ -193,7 +193,9 @@ class DataConnection:
             self.shm = False
             self.fallback = f"the shard refused the shared region: {hello.get('shm_error', '?') if isinstance(hello, dict) else '?'}"
 
-    def _read(self, region: dp.SharedRegion | None) -> tuple[bytes, memoryview | None]:
+    def _read(
+        self, region: dp.SharedRegion | None, place: Callable[[bytes, int], list[tuple[int, memoryview]]] | None = None
+    ) -> tuple[bytes, memoryview | None]:
         method, flags, status, meta_len, payload_len, aux = dp.read_header(self._sock, self._header)
         meta = bytearray(meta_len)
         dp.recv_into(self._sock, memoryview(meta))
@@ -206,7 +208,17 @@ class DataConnection:
             if len(self._buffer) < payload_len:
                 self._buffer = bytearray(payload_len)
             payload = memoryview(self._buffer)[:payload_len]
-            dp.recv_into(self._sock, payload)
+            pos = 0
+            # Blocks the caller names go straight from the socket to where they belong (no
+            # staging copy); the rest to the buffer.
+            for offset, dest in (place(bytes(meta), payload_len) if place is not None and not status else ()):
+                if offset < pos or offset + dest.nbytes > payload_len:
+                    raise dp.FrameError(f"bytes [{offset}, {offset + dest.nbytes}) to place are not in order inside the payload")
+                if offset > pos:
+                    dp.recv_into(self._sock, payload[pos:offset])
+                dp.recv_into(self._sock, dest)
+                pos = offset + dest.nbytes
+            dp.recv_into(self._sock, payload[pos:])
         if status:
             code = _CODES.get(status, grpc.StatusCode.UNKNOWN)
             raise DataPlaneStatus(code, bytes(meta).decode(errors="replace"), closed=method == 0)
@@ -251,15 +263,22 @@ class DataConnection:
         else:
             dp.send_frame(self._sock, method, meta, out.buffers())
 
-    def receive(self, timeout_s: float) -> tuple[bytes, memoryview | None]:
+    def receive(
+        self, timeout_s: float, place: Callable[[bytes, int], list[tuple[int, memoryview]]] | None = None
+    ) -> tuple[bytes, memoryview | None]:
         """The answer to the last ``send``: its message and payload (valid until the next call).
+
+        ``place``, given the answer's message and payload size, may name (payload offset,
+        destination) pairs, ascending, disjoint and inside the payload: over the socket those bytes
+        are received there directly (the returned payload holds stale bytes in their place);
+        through a region it is not called.
 
         Raises:
             DataPlaneStatus: the shard answered with an error.
             OSError: the connection failed or timed out (the caller drops it).
         """
         self._sock.settimeout(timeout_s)
-        return self._read(self.region if self._use_region else None)
+        return self._read(self.region if self._use_region else None, place)
 
     def readable(self) -> bool:
         """Whether an answer has started to arrive (on an idle connection: the shard closed it)."""
