@@ -56,11 +56,14 @@ def test_session_bags_beat_the_constant_click_rate(tmp_path: Path) -> None:
 def test_dlrm_on_gzipped_criteo_files_beats_the_constant_click_rate(tmp_path: Path) -> None:
     pattern = str(tmp_path / "day_*.tsv.gz")
     script = EXAMPLES / "dlrm_criteo" / "train.py"
-    gen = subprocess.run([sys.executable, str(script), "--generate", "3", "--lines", "12000", "--data", pattern],
+    gen = subprocess.run([sys.executable, str(script), "--generate", "3", "--lines", "40000", "--data", pattern],
                          capture_output=True, text=True, timeout=180)
     assert gen.returncode == 0, gen.stderr
     assert sorted(p.name for p in tmp_path.glob("day_*.tsv.gz")) == ["day_00.tsv.gz", "day_01.tsv.gz", "day_02.tsv.gz"]
-    # Two workers, one pass over most of the 32,400 training lines of the three files.
+    # Two workers, one pass over most of the 108,000 training lines of the three files (a second
+    # pass overfits the ids seen once; 60 steps over 32,400 lines gave gains of 0.009-0.034, too
+    # noisy). Three runs of this one: losses 0.572-0.579 against 0.631, AUC 0.697-0.703.
     summary = _launch(tmp_path, "dlrm", script, f"--data '{pattern}' --eval-samples 3000",
-                      "--num-workers", "2", "--steps", "60", "--log-every", "60")
-    assert summary["eval_loss"] < summary["eval_baseline_loss"] - 0.01, summary
+                      "--num-workers", "2", "--steps", "200", "--log-every", "200")
+    assert summary["eval_loss"] < summary["eval_baseline_loss"] - 0.03, summary
+    assert summary["eval_auc"] > 0.66, summary
