@@ -9,7 +9,6 @@ flags, so it comes back from its last checkpoint where the workers' retries find
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -162,8 +161,7 @@ class LocalCluster:
     ) -> _Child:
         log_path = self.log_dir / f"{name}.log"
         proc = subprocess.Popen(
-            [sys.executable, *argv],
-            preexec_fn=_die_with_parent,
+            child_command(argv),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -388,16 +386,25 @@ def _quantile(sorted_values: list[int], q: float) -> float:
     return float(sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))])
 
 
-# Loaded here, not in the child: between fork and exec only async-signal-safe work is safe.
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-_PR_SET_PDEATHSIG = 1
+# A child of the launcher asks Linux to SIGTERM it when the launcher dies (so a killed launcher
+# never leaves shards running), then becomes the program: a few lines of Python run first in the
+# child, which then execs. Not a ``preexec_fn``: with one, Python forks instead of vforking, gRPC's
+# fork handlers restart its poller in the child, and closing the inherited descriptors before exec
+# then aborts the child ("epoll_wait error: Bad file descriptor", grpc/grpc#43055) whenever the
+# launcher has gRPC calls in flight: 22 of 300 children so started died that way here.
+_ORPHAN_GUARD = (
+    "import ctypes, os, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('tether: the launcher exited before this process started')\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
+)
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: ask Linux to SIGTERM it if the launcher dies, so a killed
-    launcher never leaves shards running."""
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def child_command(argv: Sequence[str]) -> list[str]:
+    """The command line that runs ``python argv...`` as a child that dies with this process."""
+    return [sys.executable, "-c", _ORPHAN_GUARD, str(os.getpid()), *argv]
 
 
 def _worker_failed(child: _Child, code: int) -> None:
