@@ -326,7 +326,7 @@ def test_a_stopped_shard_is_given_up_on_at_the_call_deadline(
     """SIGSTOP (the process is there, its sockets accept, nothing answers): every call raises
     Unavailable once its total deadline is spent, whatever the per-attempt timeout, on the data
     plane (with its fallback to gRPC) and over gRPC."""
-    call_deadline_s = 4.0
+    call_deadline_s = 2.5
     (address,) = cluster.start_shards(1, extra_args=["--checkpoint-dir", str(tmp_path / "ckpt")])
     client = make_client([address], timeout_s=timeout_s, retries=8, call_deadline_s=call_deadline_s, transport=transport)
     ids = torch.arange(16, dtype=torch.int64)

@@ -1,13 +1,11 @@
-"""The launcher's children: started safely while gRPC calls are in flight, and gone with the launcher."""
+"""The launcher's children start safely while it has gRPC calls in flight (that they die with the
+launcher is tests/test_integration.py::test_shards_die_with_a_killed_launcher)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent import futures
 
 import grpc
@@ -44,37 +42,3 @@ def test_children_start_while_grpc_calls_are_in_flight() -> None:
         server.stop(None)
     assert calls[0] > 0
     assert codes == [0] * 50, [c for c in codes if c]
-
-
-def test_a_child_dies_with_its_launcher() -> None:
-    launcher = subprocess.Popen(
-        [sys.executable, "-c",
-         "import subprocess, sys, time\n"
-         "from tether.deploy.launch import child_command\n"
-         "p = subprocess.Popen(child_command(['-c', 'import time; time.sleep(120)']))\n"
-         "print(p.pid, flush=True)\n"
-         "time.sleep(120)\n"],
-        stdout=subprocess.PIPE, text=True,
-    )
-    child = int(launcher.stdout.readline())
-    try:
-        time.sleep(0.5)  # the child is past its guard and running the program
-        os.kill(child, 0)
-        launcher.kill()
-        launcher.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.kill(child, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        else:
-            raise AssertionError(f"child {child} still runs 10 s after its launcher was killed")
-    finally:
-        launcher.kill()
-        try:
-            os.kill(child, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        launcher.stdout.close()
