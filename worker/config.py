@@ -247,6 +247,13 @@ class WorkerConfig(TrainingConfig):
             _check_data_file(self.data)
 
 
+# Sizes of the built-in model by name (``--preset``); a flag given for one of these fields wins.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "default": {"batch_size": WorkerConfig.batch_size, "num_sparse": WorkerConfig.num_sparse, "embedding_dim": WorkerConfig.embedding_dim},
+    "gpu": {"batch_size": 8192, "num_sparse": 26, "embedding_dim": 128},
+}
+
+
 def _env(name: str, default: object) -> object:
     return os.environ.get(name, default)
 
@@ -299,11 +306,15 @@ def add_job_flags(p: argparse.ArgumentParser, default_steps: int | None = 2000, 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """Flags of the built-in CTR model and its data (``WorkerConfig``)."""
-    p.add_argument("--batch-size", type=int, default=_env("TETHER_BATCH_SIZE", 256), help="samples per step (env TETHER_BATCH_SIZE)")
+    p.add_argument("--preset", choices=tuple(MODEL_PRESETS), default=_env("TETHER_PRESET", "default"),
+                   help="model and batch size: default (batch 256, 8 fields, 16-wide rows: CPU-sized) or gpu (batch 8,192, "
+                   "26 fields as in Criteo, 128-wide rows: a CUDA step not bound by kernel launches); --batch-size, "
+                   "--num-sparse and --embedding-dim override it (env TETHER_PRESET)")
+    p.add_argument("--batch-size", type=int, default=_env("TETHER_BATCH_SIZE", None), help="samples per step (default: the preset's) (env TETHER_BATCH_SIZE)")
     p.add_argument("--data", default=_env("TETHER_DATA", "synthetic"), help="'synthetic' or 'criteo:PATH' to a Criteo TSV file (env TETHER_DATA)")
     p.add_argument("--vocab-size", type=int, default=_env("TETHER_VOCAB_SIZE", 100_000), help="synthetic data: ids per field (env TETHER_VOCAB_SIZE)")
-    p.add_argument("--num-sparse", type=int, default=_env("TETHER_NUM_SPARSE", 8), help="synthetic data: categorical fields (env TETHER_NUM_SPARSE)")
-    p.add_argument("--embedding-dim", type=int, default=_env("TETHER_EMBEDDING_DIM", 16), help="width of every embedding row (env TETHER_EMBEDDING_DIM)")
+    p.add_argument("--num-sparse", type=int, default=_env("TETHER_NUM_SPARSE", None), help="synthetic data: categorical fields (default: the preset's) (env TETHER_NUM_SPARSE)")
+    p.add_argument("--embedding-dim", type=int, default=_env("TETHER_EMBEDDING_DIM", None), help="width of every embedding row (default: the preset's) (env TETHER_EMBEDDING_DIM)")
     p.add_argument("--eval-samples", type=int, default=_env("TETHER_EVAL_SAMPLES", 20_000), help="held-out samples (env TETHER_EVAL_SAMPLES)")
     p.add_argument("--data-seed", type=int, default=_env("TETHER_DATA_SEED", 0), help="synthetic data: order of the training batches (0: the seed's own) (env TETHER_DATA_SEED)")
 
@@ -384,12 +395,11 @@ def training_values(a: argparse.Namespace) -> dict[str, object]:
 def config_from_args(a: argparse.Namespace, **overrides: object) -> WorkerConfig:
     """``WorkerConfig`` from parsed flags (``overrides`` win)."""
     values = training_values(a)
+    preset = MODEL_PRESETS[getattr(a, "preset", "default")]
+    values.update({k: int(v) if (v := getattr(a, k, None)) not in (None, "") else preset[k] for k in preset})
     values.update(
-        batch_size=int(a.batch_size),
         data=a.data,
         vocab_size=int(a.vocab_size),
-        num_sparse=int(a.num_sparse),
-        embedding_dim=int(a.embedding_dim),
         eval_samples=int(a.eval_samples),
         data_seed=int(getattr(a, "data_seed", 0)),
         metrics_port=_optional_int(getattr(a, "metrics_port", None)),
