@@ -28,7 +28,7 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.clocks import WorkerClocks
 from tether.server.tables import DenseChunk, EmbeddingTable, Pulled
 
-__all__ = ["DenseDecl", "DenseState", "DenseUpdate", "PushResult", "Shard", "ShardState", "SparseUpdate", "TableState"]
+__all__ = ["DenseDecl", "DenseState", "DenseUpdate", "PushResult", "Shard", "ShardState", "SparseUpdate", "TableState", "staleness_scale"]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,31 @@ class ShardState:
     # Applied push sequence numbers per client incarnation (``dedup_key``), oldest first (uint64).
     seqs: dict[str, np.ndarray]
     applied_pushes: int = 0
+
+
+# Weight of each push in the running mean of a table's or chunk's staleness (staleness_scale).
+_TYPICAL_WEIGHT = 0.1
+
+
+def staleness_scale(stale: int | np.ndarray | None, typical: float) -> float | np.ndarray:
+    """The learning-rate factor of ``--staleness-aware`` for a block ``stale`` updates stale.
+
+    Zhang et al. (2016) divide the step by the staleness; tether divides by the staleness
+    relative to the ``typical`` one of the table or chunk (a running mean), because the learning
+    rate was chosen for a job in which the other workers' pushes overtake every read: a block
+    at most as stale as usual (or overtaken at most once) keeps its full step, a staler one gets
+    ``max(typical, 1) / stale``. So the rule damps only unusually stale gradients, and is a
+    no-op where nothing overtook a read.
+
+    Args:
+        stale: updates since the read, per row (int64 array), for the whole block (int), or
+            None (no update since).
+        typical: the running mean of the block's staleness.
+    """
+    ref = max(typical, 1.0)
+    if isinstance(stale, np.ndarray):
+        return np.minimum(1.0, ref / np.maximum(stale, 1)) if (stale > ref).any() else 1.0
+    return ref / stale if stale and stale > ref else 1.0
 
 
 class _Gate:
@@ -233,6 +258,8 @@ class Shard:
         # worker id -> incarnation -> window, least recently used incarnation first.
         self._seqs: dict[str, OrderedDict[int, _SeqWindow]] = {}
         self._gate = _Gate()
+        # (table,) or (chunk name, index) -> running mean of its pushes' staleness.
+        self._typical: dict[tuple[object, ...], float] = {}
         # Pushes applied and specs declared; a periodic checkpoint skips an unchanged shard.
         self.mutations = 0
         self.restored_checkpoint = ""
@@ -451,7 +478,7 @@ class Shard:
                 are deduplicated within one incarnation only.
             sparse, dense: the gradients.
             clock: the pushing worker's clock after this step (0: not tracked).
-            staleness_aware: divide each block's learning rate by its staleness.
+            staleness_aware: damp the step of rows and chunks staler than usual (staleness_scale).
 
         Raises:
             NotFound, InvalidArgument, FailedPrecondition: malformed; nothing was applied.
@@ -467,12 +494,23 @@ class Shard:
         except Exception:
             self.rejected_pushes += 1
             raise
-        # Staleness in updates: per row, how many updates that row received since the read it
-        # was computed from (None: none did); per dense chunk, that chunk's updates since.
-        row_stale = [t.staleness(u.ids, u.read_version, p) if u.ids.size else None for (t, p), u in zip(checked, sparse)]
-        stale: list[int | np.ndarray | None] = [*row_stale]
-        stale += [max(c.version - u.read_version, 0) for c, u in zip(chunks, dense)]
-        staleness = max((int(s.max()) if isinstance(s, np.ndarray) else (s or 0) for s in stale), default=0)
+        # Staleness in updates: per dense chunk, that chunk's updates since the push's read; per
+        # row, how many updates that row received since (None: none did). Rows are counted one
+        # by one only for --staleness-aware; otherwise only the push's largest staleness is
+        # wanted (hard limit, metric, ack), and a table's updates since the read bound every
+        # row's, so a table whose count does not exceed what the push has shown is skipped.
+        intervals = [max(t.version - u.read_version, 0) for (t, _), u in zip(checked, sparse)]
+        intervals += [max(c.version - u.read_version, 0) for c, u in zip(chunks, dense)]
+        stale: list[int | np.ndarray | None] = [None] * len(sparse) + intervals[len(sparse):]
+        staleness = max(intervals[len(sparse):], default=0)
+        for i, ((t, p), u) in enumerate(zip(checked, sparse)):
+            if not u.ids.size or not intervals[i]:
+                continue
+            if staleness_aware:
+                rows = stale[i] = t.staleness(u.ids, u.read_version, p)
+                staleness = max(staleness, int(rows.max()) if rows is not None else 0)
+            elif intervals[i] > staleness:
+                staleness = max(staleness, t.max_staleness(u.ids, u.read_version, p))
         if self.max_staleness is not None and staleness > self.max_staleness:
             self.rejected_pushes += 1
             self.too_stale_pushes += 1
@@ -489,15 +527,16 @@ class Shard:
             # move only once a step is applied on every shard.
             clock_lag = self.clocks.lag(clock) if clock and self.shard_index == 0 else 0
             blocks = [(t, u.ids, u.grads, p) for (t, p), u in zip(checked, sparse)] + [(c, None, u.grad, None) for c, u in zip(chunks, dense)]
-            for (target, ids, grad, pulled), s in zip(blocks, stale):
+            for (target, ids, grad, pulled), s, n in zip(blocks, stale, intervals):
+                # The typical staleness of this table or chunk: a running mean of its updates
+                # between a push's read and its apply, over every push (a racy update loses at
+                # most one sample).
+                key = (target.config.name,) if ids is not None else (target.name, target.index)
+                typical = self._typical.get(key, float(n))
+                self._typical[key] = typical + _TYPICAL_WEIGHT * (n - typical)
                 scale: float | np.ndarray = 1.0
-                # Per row (or chunk): 1 / its staleness; a row overtaken by at most one update
-                # keeps the full step (1 / max(s, 1)).
-                if staleness_aware and isinstance(s, np.ndarray):
-                    if (s > 1).any():
-                        scale = 1.0 / np.maximum(s, 1)
-                elif staleness_aware and s:
-                    scale = 1.0 / s
+                if staleness_aware:
+                    scale = staleness_scale(s, typical)
                 if ids is None:
                     target.push(grad, scale)
                 else:

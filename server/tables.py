@@ -429,6 +429,13 @@ class EmbeddingTable:
         Only rows newer than the read are counted, over the log of the last updates; a read
         older than that log counts each such row as stale by every update since the read.
         """
+        return self._staleness(ids, read_version, pulled, per_row=True)  # type: ignore[return-value]
+
+    def max_staleness(self, ids: np.ndarray, read_version: int, pulled: Pulled | None = None) -> int:
+        """The largest of ``staleness(ids, read_version)``, without an array per id (0: none)."""
+        return self._staleness(ids, read_version, pulled, per_row=False)  # type: ignore[return-value]
+
+    def _staleness(self, ids: np.ndarray, read_version: int, pulled: Pulled | None, per_row: bool) -> np.ndarray | int | None:
         with self._lock:
             slots = pulled.slots if pulled is not None and pulled.index is self._index else self._recent_slots(ids)
             present = None
@@ -443,9 +450,11 @@ class EmbeddingTable:
             if present is not None:
                 newer &= present
             if not newer.any():
-                return None
+                return None if per_row else 0
             log = self._log
             if not log or log[0][0] > read_version + 1:
+                if not per_row:
+                    return self.version - read_version
                 return np.where(newer, self.version - read_version, 0).astype(np.int64)
             if len(self._hits) < self._weights.shape[0]:
                 self._hits = np.zeros(self._weights.shape[0], np.int32)
@@ -457,10 +466,13 @@ class EmbeddingTable:
                 since.append(updated)
             for updated in since:
                 hits[updated] += 1
-            out = np.zeros(len(slots), np.int64)
-            out[newer] = hits[slots[newer]]
+            counted = hits[slots[newer]]
             for updated in since:
                 hits[updated] = 0
+            if not per_row:
+                return int(counted.max())
+            out = np.zeros(len(slots), np.int64)
+            out[newer] = counted
             return out
 
     def push(

@@ -1,9 +1,11 @@
-"""Staleness-aware learning rates (Zhang et al. 2016) on the shard itself.
+"""Staleness-aware learning rates on the shard itself (issue 18): Zhang et al. 2016's 1/staleness,
+relative to the typical staleness of the table or chunk (``staleness_scale``).
 
-Simulated Hogwild: W workers take turns; each reads the dense parameters, and its gradient
-is pushed only after the other W-1 workers have pushed theirs, so every push is W-1 updates
-stale. With a step size that is stable without staleness, plain SGD then oscillates and
-diverges on a stiff quadratic; dividing by the staleness converges.
+Simulated Hogwild: fast workers take turns, each gradient pushed after the next FAST reads
+(FAST updates stale, the staleness the learning rate was tuned for), and a straggler whose
+gradient, read every SLOW_EVERY steps, lands SLOW_DELAY steps later. With a step size that is
+stable without the straggler, plain SGD on a stiff quadratic diverges; damping the straggler's
+unusually stale gradients converges. Without the straggler the rule changes nothing.
 """
 
 from __future__ import annotations
@@ -11,45 +13,100 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
+import pytest
 import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
+from tether.server import shard as shard_module
+from tether.server.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate, staleness_scale
 from tether.server.tables import EmbeddingTable
 
 DIM = 20
-STALENESS_WORKERS = 16
-STEPS = 600
+FAST, SLOW_EVERY, SLOW_DELAY, LR = 2, 4, 30, 0.2
+STEPS = 800
 
 
-def _run(staleness_aware: bool) -> tuple[float, int]:
-    torch.manual_seed(0)
+def _run(staleness_aware: bool, straggler: bool = True) -> tuple[torch.Tensor, int]:
     curvature = torch.linspace(0.5, 3.0, DIM)  # f(w) = 0.5 * sum(c * w^2)
     shard = Shard()
-    shard.declare([], [DenseDecl("w", 0, torch.ones(DIM), OptimizerConfig("sgd", lr=0.3))])
+    shard.declare([], [DenseDecl("w", 0, torch.ones(DIM), OptimizerConfig("sgd", lr=LR))])
     chunk = shard.dense[("w", 0)]
-    in_flight: deque[tuple[torch.Tensor, int]] = deque()
-    max_seen = 0
-    for seq in range(1, STEPS + 1):
+    fast: deque[tuple[torch.Tensor, int]] = deque()
+    slow: deque[tuple[int, torch.Tensor, int]] = deque()
+    seq = max_seen = 0
+
+    def push(worker: str, grad: torch.Tensor, read_version: int) -> None:
+        nonlocal seq, max_seen
+        seq += 1
+        update = DenseUpdate("w", 0, grad, read_version)
+        max_seen = max(max_seen, shard.push(worker, seq, [], [update], staleness_aware=staleness_aware, incarnation=1).max_staleness)
+
+    for step in range(STEPS):
         w, version = chunk.pull()
-        in_flight.append((curvature * w.clone(), version))
-        if len(in_flight) == STALENESS_WORKERS:
-            grad, read_version = in_flight.popleft()
-            result = shard.push("w", seq, [], [DenseUpdate("w", 0, grad, read_version)], staleness_aware=staleness_aware, incarnation=1)
-            max_seen = max(max_seen, result.max_staleness)
-        value = float(0.5 * (curvature * chunk.pull()[0] ** 2).sum())
-        if not value < 1e6:
-            return float("inf"), max_seen
-    return value, max_seen
+        fast.append((curvature * w.clone(), version))
+        if straggler and step % SLOW_EVERY == 0:
+            slow.append((step + SLOW_DELAY, curvature * w.clone(), version))
+        if len(fast) > FAST:
+            push("fast", *fast.popleft())
+        while slow and slow[0][0] <= step:
+            push("slow", *slow.popleft()[1:])
+        if not float(chunk.pull()[0].abs().max()) < 1e6:
+            break
+    return chunk.pull()[0].clone(), max_seen
 
 
-def test_staleness_aware_lr_converges_where_plain_does_worse() -> None:
+def _loss(w: torch.Tensor) -> float:
+    return float(0.5 * (torch.linspace(0.5, 3.0, DIM) * w**2).sum())
+
+
+def test_staleness_aware_lr_converges_where_a_straggler_makes_plain_diverge() -> None:
     plain, plain_staleness = _run(staleness_aware=False)
     aware, aware_staleness = _run(staleness_aware=True)
-    start = float(0.5 * torch.linspace(0.5, 3.0, DIM).sum())
-    assert plain_staleness == aware_staleness == STALENESS_WORKERS - 1
-    assert aware < 1e-3 * start, aware
-    assert plain > 10 * start, plain  # diverged (or blew up to inf)
+    start = _loss(torch.ones(DIM))
+    assert plain_staleness == aware_staleness > 4 * FAST  # the straggler's pushes
+    assert _loss(aware) < 1e-3 * start, _loss(aware)
+    assert not _loss(plain) < 10 * start, _loss(plain)  # diverged (or blew up to inf)
+
+
+def test_staleness_aware_changes_nothing_at_the_typical_staleness(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every push FAST updates stale, as the other workers' pushes make it in any async job: the
+    # learning rate was tuned for this, so the rule keeps the full step (Zhang et al.'s plain
+    # 1/s would cut every step to 1/FAST). Only while the running mean warms up from the first
+    # pushes (nothing overtook those) are the first few steps damped, less and less.
+    scales: list[float] = []
+
+    def record(stale: int | np.ndarray | None, typical: float) -> float | np.ndarray:
+        scales.append(float(np.min(got := staleness_scale(stale, typical))))
+        return got
+
+    monkeypatch.setattr(shard_module, "staleness_scale", record)
+    plain, staleness = _run(staleness_aware=False, straggler=False)
+    aware, _ = _run(staleness_aware=True, straggler=False)
+    assert staleness == FAST
+    assert len(scales) == STEPS - FAST
+    assert min(scales[30:]) > 0.95 and min(scales[100:]) > 0.9999, (scales[:40], min(scales[100:]))
+    assert _loss(plain) < 1e-3 * _loss(torch.ones(DIM))
+    assert _loss(aware) < 1e-3 * _loss(torch.ones(DIM))
+
+
+@pytest.mark.parametrize(
+    ("stale", "typical", "want"),
+    [
+        (None, 4.0, 1.0),  # nothing overtook the read
+        (0, 4.0, 1.0),
+        (1, 0.0, 1.0),  # overtaken once keeps the full step even where nothing usually is
+        (4, 4.5, 1.0),  # as stale as usual
+        (9, 4.5, 0.5),  # twice as stale as usual: half the step
+        (3, 0.2, 1 / 3),  # the floor of the reference is one update
+    ],
+)
+def test_staleness_scale(stale: int | None, typical: float, want: float) -> None:
+    assert staleness_scale(stale, typical) == pytest.approx(want)
+
+
+def test_staleness_scale_per_row() -> None:
+    assert staleness_scale(np.array([0, 2, 3], np.int64), 3.0) == 1.0
+    np.testing.assert_allclose(staleness_scale(np.array([0, 3, 6, 12], np.int64), 3.0), [1.0, 1.0, 0.5, 0.25])
 
 
 def test_without_staleness_both_rules_are_the_same() -> None:
@@ -145,3 +202,35 @@ def test_rows_overtaken_at_most_once_keep_the_full_step() -> None:
     assert _push(shard, "a", 1, [1, 2, 3], read, True) == 1
     rows, _ = _read(shard, [1, 2, 3])
     assert rows.tolist() == [[-1.0, -1.0], [-1.0, -1.0], [-0.5, -0.5]]
+
+
+# -- the push's largest staleness without per-row counts (issue 17) ---------------------------------
+
+
+def test_a_push_reports_its_largest_staleness_without_counting_rows_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    shard = Shard()
+    shard.declare(
+        [TableConfig(name="t", dim=2, optimizer=OptimizerConfig("sgd", lr=0.5), init_scale=0.0)],
+        [DenseDecl("d", 0, torch.zeros(2), OptimizerConfig("sgd", lr=0.5))],
+    )
+    table, chunk = shard.tables["t"], shard.dense[("d", 0)]
+
+    def push(worker: str, seq: int, ids: list[int], version: int, chunk_version: int | None = None) -> int:
+        sparse = [SparseUpdate("t", np.array(ids, np.int64), torch.ones(len(ids), 2), version)]
+        dense = [] if chunk_version is None else [DenseUpdate("d", 0, torch.ones(2), chunk_version)]
+        return shard.push(worker, seq, sparse, dense, incarnation=1).max_staleness
+
+    def per_row(*args: object) -> None:
+        raise AssertionError("per-row staleness computed for a push that needs only its largest")
+
+    monkeypatch.setattr(table, "staleness", per_row)
+    read, chunk_read = table.version, chunk.version
+    # B: row 3 twice and 7 once, each with the chunk (the table and the chunk move 3 times).
+    for seq, ids in enumerate(([3], [3], [7]), start=1):
+        push("b", seq, ids, table.version, chunk.version)
+    # The chunk's 3 bound every row's: no count needed, and 3 is the push's largest.
+    assert push("a", 1, [1, 3], read, chunk_read) == 3
+    # Without a chunk, the table's count (4 since the read) is only a bound: rows are counted.
+    assert push("a", 2, [2, 9], read) == 0  # rows nobody updated since the read
+    assert push("a", 3, [1, 3], read) == 3  # row 3: B's two pushes and a's first
+    assert shard.tables["t"].max_staleness(np.array([3, 9], np.int64), read) == 4

@@ -1,0 +1,72 @@
+"""The cost of a shard's push with overtaking workers (issue 17): ``Shard.push`` in this process.
+
+W simulated async workers take turns on one shard that holds one embedding table (Adagrad,
+dim 16) and one dense chunk: in each round every worker reads (pull), then all push, so the
+k-th push of a round was overtaken by the k-1 before it, as in a Hogwild job. Each push names
+``--ids`` unique ids, a quarter of them shared by every worker, so rows are stale too. Only
+``Shard.push`` is timed, in CPU time of this thread; neither ``--staleness-aware`` nor a hard
+limit is set, the case where the shard needs only a push's largest staleness (metric, ack).
+
+Run it under two trees, alternating, to compare commits, for example
+``PYTHONPATH=<dir with a tether/ package of the old tree> python bench/staleness_push.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from tether.protos.specs import OptimizerConfig, TableConfig  # noqa: E402
+from tether.server.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate  # noqa: E402
+
+
+def run(workers: int, ids: int, dense: int, rounds: int, seed: int = 0) -> float:
+    """CPU microseconds per push (this thread's time, which a loaded machine disturbs less than
+    wall time; median over rounds of the mean push in a round)."""
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(seed)
+    shard = Shard()
+    opt = OptimizerConfig("adagrad", lr=0.05)
+    shard.declare([TableConfig(name="t", dim=16, optimizer=opt)], [DenseDecl("d", 0, torch.zeros(dense), opt)])
+    hot = rng.choice(1 << 40, ids // 4, replace=False)  # shared by every worker
+    grads = torch.full((ids, 16), 1e-3)
+    dgrad = torch.full((dense,), 1e-3)
+    per_round = []
+    seq = 0
+    for _ in range(rounds):
+        reads = []
+        for _w in range(workers):
+            own = rng.integers(0, 1 << 40, ids - hot.size)
+            batch = np.unique(np.concatenate([hot, own]))[:ids]
+            rows, values = shard.pull([("t", batch)], [("d", 0)])
+            reads.append((batch, rows[0][2], values[0][1]))
+        t0 = time.thread_time()
+        for w, (batch, tv, dv) in enumerate(reads):
+            seq += 1
+            shard.push(
+                f"w{w}", seq, [SparseUpdate("t", batch, grads[: batch.size], tv)], [DenseUpdate("d", 0, dgrad, dv)], incarnation=1
+            )
+        per_round.append((time.thread_time() - t0) / workers * 1e6)
+    return statistics.median(per_round[rounds // 10 :])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--ids", type=int, default=4096)
+    p.add_argument("--dense", type=int, default=16384)
+    p.add_argument("--rounds", type=int, default=300)
+    a = p.parse_args()
+    us = run(a.workers, a.ids, a.dense, a.rounds)
+    print(f"{us:.1f} us per push ({a.workers} workers, {a.ids} ids, dense {a.dense})")
+
+
+if __name__ == "__main__":
+    main()
