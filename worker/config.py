@@ -291,7 +291,7 @@ def add_job_flags(p: argparse.ArgumentParser, default_steps: int | None = 2000, 
     if mode:
         p.add_argument("--mode", default=_env("TETHER_MODE", "async"), help="consistency: async, ssp:S (at most S steps ahead of the slowest live worker) or sync (all-reduce; start with torchrun) (env TETHER_MODE)")
     p.add_argument("--staleness-aware", action="store_true", default=_env("TETHER_STALENESS_AWARE", "") not in ("", "0"),
-                   help="divide each update's learning rate by its staleness (Zhang et al. 2016) (env TETHER_STALENESS_AWARE=1)")
+                   help="damp rows and dense chunks staler than usual: step x typical/staleness (Zhang et al. 2016, relative to the running mean) (env TETHER_STALENESS_AWARE=1)")
     p.add_argument("--straggler", default=_env("TETHER_STRAGGLER", ""),
                    help="straggler experiments: persistent:K[:WORKER] (the last worker, or WORKER, K times slower), transient:P:K "
                    "(each step, each worker K times slower with probability P), pareto:A[:CAP] (heavy-tailed factors) or none; "
