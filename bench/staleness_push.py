@@ -27,34 +27,42 @@ from tether.protos.specs import OptimizerConfig, TableConfig  # noqa: E402
 from tether.server.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate  # noqa: E402
 
 
-def run(workers: int, ids: int, dense: int, rounds: int, seed: int = 0) -> float:
+def run(workers: int, ids: int, dense: int, rounds: int, vocab: int, seed: int = 0) -> tuple[float, float]:
     """CPU microseconds per push (this thread's time, which a loaded machine disturbs less than
-    wall time; median over rounds of the mean push in a round)."""
+    wall time; median over rounds of the mean push in a round), and the CPU microseconds of the
+    per-row count (``EmbeddingTable.staleness``) that a push paid before it was skipped."""
     torch.set_num_threads(1)
     rng = np.random.default_rng(seed)
     shard = Shard()
     opt = OptimizerConfig("adagrad", lr=0.05)
     shard.declare([TableConfig(name="t", dim=16, optimizer=opt)], [DenseDecl("d", 0, torch.zeros(dense), opt)])
-    hot = rng.choice(1 << 40, ids // 4, replace=False)  # shared by every worker
+    hot = rng.choice(vocab, ids // 4, replace=False)  # shared by every worker
+    table = shard.tables["t"]
     grads = torch.full((ids, 16), 1e-3)
     dgrad = torch.full((dense,), 1e-3)
-    per_round = []
+    per_round, per_row = [], []
     seq = 0
     for _ in range(rounds):
         reads = []
         for _w in range(workers):
-            own = rng.integers(0, 1 << 40, ids - hot.size)
-            batch = np.unique(np.concatenate([hot, own]))[:ids]
+            own = rng.permutation(np.setdiff1d(rng.integers(0, vocab, 2 * ids), hot))[: ids - hot.size]
+            batch = np.concatenate([hot, own])
             rows, values = shard.pull([("t", batch)], [("d", 0)])
             reads.append((batch, rows[0][2], values[0][1]))
-        t0 = time.thread_time()
+        push_s = count_s = 0.0
         for w, (batch, tv, dv) in enumerate(reads):
             seq += 1
+            t0 = time.thread_time()
+            table.staleness(batch, tv)  # what every push counted before (not part of the push now)
+            t1 = time.thread_time()
             shard.push(
                 f"w{w}", seq, [SparseUpdate("t", batch, grads[: batch.size], tv)], [DenseUpdate("d", 0, dgrad, dv)], incarnation=1
             )
-        per_round.append((time.thread_time() - t0) / workers * 1e6)
-    return statistics.median(per_round[rounds // 10 :])
+            push_s += time.thread_time() - t1
+            count_s += t1 - t0
+        per_round.append(push_s / workers * 1e6)
+        per_row.append(count_s / workers * 1e6)
+    return statistics.median(per_round[rounds // 10 :]), statistics.median(per_row[rounds // 10 :])
 
 
 def main() -> None:
@@ -63,9 +71,10 @@ def main() -> None:
     p.add_argument("--ids", type=int, default=4096)
     p.add_argument("--dense", type=int, default=16384)
     p.add_argument("--rounds", type=int, default=300)
+    p.add_argument("--vocab", type=int, default=1 << 18, help="ids are drawn from [0, vocab)")
     a = p.parse_args()
-    us = run(a.workers, a.ids, a.dense, a.rounds)
-    print(f"{us:.1f} us per push ({a.workers} workers, {a.ids} ids, dense {a.dense})")
+    push_us, rows_us = run(a.workers, a.ids, a.dense, a.rounds, a.vocab)
+    print(f"{push_us:.1f} us per push, of which the per-row count would be {rows_us:.1f} us ({a.workers} workers, {a.ids} ids, dense {a.dense})")
 
 
 if __name__ == "__main__":
