@@ -25,7 +25,7 @@ from tether.protos.errors import InvalidArgument, NotFound, Unauthenticated
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
 from tether.server.service import start_shard
-from tether.worker import transport
+from tether.worker import dataplane as worker_dataplane
 
 from conftest import make_client
 
@@ -225,16 +225,16 @@ def test_a_lost_data_plane_ack_is_retried_and_applied_once(cluster: LocalCluster
     try:
         client.declare([TABLE])
         ids = torch.arange(8, dtype=torch.int64)
-        real = transport.DataConnection.receive
+        real = worker_dataplane.DataConnection.receive
         lost = []
 
-        def lose_first_ack(self: transport.DataConnection, timeout_s: float) -> object:
+        def lose_first_ack(self: worker_dataplane.DataConnection, timeout_s: float) -> object:
             if not lost:
                 lost.append(real(self, timeout_s))  # the shard applied it and answered...
                 raise ConnectionResetError("ack lost")  # ...and the answer never arrived
             return real(self, timeout_s)
 
-        monkeypatch.setattr(transport.DataConnection, "receive", lose_first_ack)
+        monkeypatch.setattr(worker_dataplane.DataConnection, "receive", lose_first_ack)
         ack = client.push({"emb": (ids, torch.ones(8, 4))}).result(30)
         monkeypatch.undo()
         assert lost and ack.duplicates == 1  # the retry was recognised by (worker id, seq)

@@ -260,7 +260,7 @@ def test_a_symlink_in_dev_shm_is_never_opened(cluster: LocalCluster, tmp_path: P
 _HELLO_THEN_WAIT = textwrap.dedent(
     """
     import sys
-    from tether.worker.transport import DataConnection
+    from tether.worker.dataplane import DataConnection
     port, name = int(sys.argv[1]), sys.argv[2]
     try:
         DataConnection("127.0.0.1", port, None, 60.0, True, "\\0" + name)
@@ -368,7 +368,7 @@ def test_an_unreachable_unix_socket_falls_back_to_tcp_and_says_so_once(cluster: 
         plane = client._data[0]
         plane.set_port(plane.port, "\0no-such-tether-socket-" + os.urandom(4).hex())
         ids = torch.arange(20000)
-        with caplog.at_level(logging.INFO, logger="tether.worker.transport"):
+        with caplog.at_level(logging.INFO, logger="tether.worker.dataplane"):
             handles = [client.pull({"emb": ids}) for _ in range(3)]  # three connections at once
             for h in handles:
                 h.result(10)

@@ -38,7 +38,7 @@ from tether.protos.errors import InvalidArgument, TetherError, Unavailable, erro
 from tether.protos.partition import dense_shard, split_ids
 from tether.protos.security import ClientSecurity
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.worker.transport import DataConnection, DataPlane, DataPlaneStatus
+from tether.worker.dataplane import DataConnection, DataPlane, DataPlaneStatus
 
 __all__ = ["CheckpointResult", "ClientConfig", "ClientSecurity", "ClockReply", "Handle", "PSClient", "PushAck", "PullResult"]
 
