@@ -26,7 +26,8 @@ from tether.protos.errors import FailedPrecondition, InvalidArgument, NotFound, 
 from tether.protos.partition import dense_shard, shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.clocks import WorkerClocks
-from tether.server.tables import DenseChunk, EmbeddingTable, Pulled
+from tether.server.dense import DenseChunk
+from tether.server.tables import EmbeddingTable, Pulled
 
 __all__ = ["DenseDecl", "DenseState", "DenseUpdate", "PushResult", "Shard", "ShardState", "SparseUpdate", "TableState", "staleness_scale"]
 

@@ -1,4 +1,4 @@
-"""Parameter storage of one shard: embedding tables and dense chunks.
+"""Embedding tables of one shard: rows keyed by int64 id, their optimizer state and versions.
 
 Embedding rows live in one contiguous tensor per table (plus one per optimizer state), and
 ids map to row slots through a vectorised hash index (``tether.server.index``): no Python
@@ -10,139 +10,41 @@ pulls, go on in parallel (pulls of an unbounded table read without a lock, Hogwi
 A table may be bounded (``TableConfig.capacity``): when a new row would not fit, the least
 recently touched rows are evicted in one batch (``numpy.argpartition`` over last-touch ticks)
 (tombstoned in the index) and their slots reused. Admission (``TableConfig.min_count``) keeps ids that were seen fewer
-than N times out of the table altogether; their counts live in a fixed-size count-min sketch.
+than N times out of the table altogether; their counts live in a fixed-size count-min sketch
+(``tether.server.admission``). Dense chunks live in ``tether.server.dense``.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
-import zlib
 from collections import deque
 from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from tether.protos.errors import InvalidArgument
-from tether.protos.partition import mix64, mix64_
-from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.protos.specs import TableConfig
+from tether.server.admission import CountMinSketch, sketch_width
 from tether.server.index import IdIndex
+from tether.server.initial import init_rows
 from tether.server.optimizers import state_shapes, step
+from tether.server.recent import Pulled, RecentPulls
 
-__all__ = ["CountMinSketch", "DenseChunk", "EmbeddingTable", "Pulled", "TableConfig", "init_rows"]
+__all__ = ["EmbeddingTable", "Pulled", "TableConfig"]
 
 log = logging.getLogger(__name__)
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _GROWTH = 1.5
 # An empty table starts with at most this many bytes of rows, whatever its dim.
 _INITIAL_BYTES = 4 << 20
 # Evict at least this fraction of the capacity at once, so the O(rows) selection runs rarely.
 _EVICT_BATCH = 1 / 16
-# Pulls remembered for the pushes that follow (a few per worker) and the largest one kept.
-_RECENT_PULLS = 16
-_RECENT_MAX_IDS = 1 << 16
 # The last updates' row slots, kept to count how many updates each row of a push missed since
 # its read (per-row staleness): at most this many updates and this many slots in all. A read
 # older than the log counts each row updated since as stale by the whole table's updates.
 _LOG_UPDATES = 256
 _LOG_SLOTS = 1 << 21
-
-
-def init_rows(ids: np.ndarray, dim: int, seed: int, table: str, scale: float, out: np.ndarray | None = None) -> torch.Tensor:
-    """Deterministic initial rows, uniform in [-scale, scale), from (seed, table, id) alone.
-
-    ``out``: a float32 ``[len(ids), dim]`` array to write them into (returned as a tensor view).
-    """
-    base = mix64_(ids.astype(np.int64, copy=False).view(np.uint64) ^ _salt(seed, table))
-    h = mix64_(base[:, None] + _column_steps(dim))
-    h >>= np.uint64(40)
-    # h < 2**24, exactly representable: u = h * 2 * scale / 2**24 - scale.
-    u = np.multiply(h, np.float32(2 * scale / (1 << 24)), out=out, dtype=np.float32, casting="unsafe")
-    u -= np.float32(scale)
-    return torch.from_numpy(u)
-
-
-@functools.lru_cache(maxsize=256)
-def _salt(seed: int, table: str) -> np.uint64:
-    return np.uint64((zlib.crc32(table.encode()) << 32) ^ (seed & 0xFFFFFFFF))
-
-
-@functools.lru_cache(maxsize=64)
-def _column_steps(dim: int) -> np.ndarray:
-    steps = np.arange(1, dim + 1, dtype=np.uint64)[None, :] * _GOLDEN
-    steps.flags.writeable = False
-    return steps
-
-
-class CountMinSketch:
-    """Approximate touch counts of int64 ids in fixed memory.
-
-    ``depth`` rows of ``width`` 16-bit saturating counters; an id's count is the smallest of
-    its cells (never an under-estimate). Conservative update raises only the cells that hold
-    that minimum, and every ``width`` touches all counters are halved, so an endless stream of
-    new ids cannot fill the sketch up and admit everything: an id is admitted when it comes
-    back ``min_count`` times within a few ``width`` touches of other ids.
-    """
-
-    def __init__(self, width: int, depth: int = 4, seed: int = 0) -> None:
-        if width < 1 or width & (width - 1):
-            raise ValueError(f"width must be a power of two, got {width!r}")
-        if not 1 <= depth <= 16:
-            raise ValueError(f"depth must be in [1, 16], got {depth!r}")
-        self.width = width
-        self.depth = depth
-        self._counts = np.zeros((depth, width), np.uint16)
-        salts = np.arange(1, depth + 1, dtype=np.uint64) * _GOLDEN
-        self._salts = mix64(salts ^ np.uint64(seed & 0xFFFFFFFFFFFFFFFF))
-        self._mask = np.uint64(width - 1)
-        self._rows = np.arange(depth)[:, None]
-        self._touches = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the counters."""
-        return self._counts.nbytes
-
-    def _cells(self, ids: np.ndarray) -> np.ndarray:
-        keys = ids.astype(np.int64, copy=False).view(np.uint64)
-        return (mix64(keys[None, :] ^ self._salts[:, None]) & self._mask).astype(np.intp)
-
-    def estimate(self, ids: np.ndarray) -> np.ndarray:
-        """Estimated touches of each id (int64)."""
-        return self._counts[self._rows, self._cells(ids)].min(axis=0).astype(np.int64)
-
-    def add(self, ids: np.ndarray) -> np.ndarray:
-        """Count one touch of each of the unique ``ids``; returns their estimates after it."""
-        if ids.size == 0:
-            return np.empty(0, np.int64)
-        cells = self._cells(ids)
-        est = self._counts[self._rows, cells].min(axis=0).astype(np.int64) + 1
-        new = np.broadcast_to(np.minimum(est, 0xFFFF).astype(np.uint16), cells.shape)
-        # np.maximum.at, not fancy assignment: two ids of one call may share a cell.
-        np.maximum.at(self._counts, (np.broadcast_to(self._rows, cells.shape), cells), new)
-        self._touches += ids.size
-        if self._touches >= self.width:
-            self._counts >>= 1
-            self._touches = 0
-        return est
-
-
-def _sketch_width(capacity: int) -> int:
-    """Counters per sketch row: ~8 per resident row, 4K..4M (a power of two)."""
-    want = 8 * capacity if capacity else 1 << 20
-    return 1 << int(min(max(want, 1 << 12), 1 << 22) - 1).bit_length()
-
-
-class Pulled(NamedTuple):
-    """Slots a recent pull found for a push's ids (``EmbeddingTable.pulled``)."""
-
-    index: IdIndex
-    slots: np.ndarray
-    unique: bool
 
 
 class EmbeddingTable:
@@ -180,14 +82,10 @@ class EmbeddingTable:
         self._locked_reads = self.capacity > 0
         self._tick = 0
         self._touched = np.zeros(cap, np.int64) if self.capacity else None
-        self._sketch = CountMinSketch(_sketch_width(self.capacity), seed=config.seed) if config.min_count > 1 else None
-        # (index, ids, slots) of the last pulls, for the pushes that follow them: only where a
-        # row's slot never changes once it exists (no capacity, no admission).
-        self._recent: deque[tuple[IdIndex, np.ndarray, np.ndarray]] | None = (
-            deque(maxlen=_RECENT_PULLS) if not self.capacity and self._sketch is None else None
-        )
-        # Scratch for the uniqueness check of ``pulled`` (one int32 per row, under the lock).
-        self._marks = np.zeros(0, np.int32)
+        self._sketch = CountMinSketch(sketch_width(self.capacity), seed=config.seed) if config.min_count > 1 else None
+        # The last pulls, for the pushes that follow them: only where a row's slot never
+        # changes once it exists (no capacity, no admission).
+        self._recent = RecentPulls() if not self.capacity and self._sketch is None else None
         # Per-row staleness: the table version of each row's last update, and the slots of the
         # last updates (version, slots), oldest first; ``_hits`` is scratch for counting them.
         self._row_version = np.zeros(cap, np.int64)
@@ -386,20 +284,14 @@ class EmbeddingTable:
             # Admission may have left ids out: they get their initial rows.
             return self._gather(ids, slots), None, version
         # Every id of a table that keeps recent pulls is a row by now (no admission, no capacity).
-        if len(ids) <= _RECENT_MAX_IDS:
-            self._recent.append((index, ids.copy(), slots))
+        self._recent.remember(index, ids, slots)
         return self._weights, torch.from_numpy(slots), version
 
     def _recent_slots(self, ids: np.ndarray) -> np.ndarray | None:
         """Slots of ``ids`` if a recent pull named exactly these ids (a push's ids are usually
         those of its step's pull). Only tables that never move or drop rows keep this. The
         array is shared with the cache: callers only read it."""
-        if self._recent is None:
-            return None
-        for index, seen, slots in reversed(list(self._recent)):
-            if index is self._index and len(seen) == len(ids) and np.array_equal(seen, ids):
-                return slots
-        return None
+        return None if self._recent is None else self._recent.slots(self._index, ids)
 
     def pulled(self, ids: np.ndarray) -> Pulled | None:
         """If a recent pull named exactly ``ids``: their slots, and whether they are unique.
@@ -410,17 +302,7 @@ class EmbeddingTable:
         if self._recent is None:
             return None
         with self._lock:
-            slots = self._recent_slots(ids)
-            if slots is None:
-                return None
-            if len(self._marks) < self._weights.shape[0]:
-                self._marks = np.zeros(self._weights.shape[0], np.int32)
-            # Write each slot's position, read them back: a slot named twice keeps only its
-            # last position, so an earlier one reads back different.
-            order = np.arange(len(slots), dtype=np.int32)
-            self._marks[slots] = order
-            unique = bool(np.array_equal(self._marks[slots], order))
-            return Pulled(self._index, slots, unique)
+            return self._recent.pulled(self._index, ids, self._weights.shape[0])
 
     def staleness(self, ids: np.ndarray, read_version: int, pulled: Pulled | None = None) -> np.ndarray | None:
         """How many updates each row of ``ids`` received since a read at table version
@@ -580,56 +462,4 @@ class EmbeddingTable:
             self._row_version = np.zeros(max(n, 1), np.int64)
             self._log.clear()
             self._log_slots = 0
-            self.version = int(version)
-
-
-class DenseChunk:
-    """One chunk of a dense parameter (flat float32) and its optimizer state."""
-
-    def __init__(self, name: str, index: int, init: torch.Tensor, optimizer: OptimizerConfig) -> None:
-        if init.dim() != 1 or init.numel() == 0:
-            raise InvalidArgument(f"dense chunk {name}[{index}] must be a non-empty 1-D tensor, got shape {tuple(init.shape)}")
-        self.name = name
-        self.index = index
-        self.optimizer = optimizer
-        self.value = init.to(torch.float32).clone()
-        self.version = 0
-        self._lock = threading.Lock()
-        # Per-element state; Adam's step count is one scalar for the whole chunk.
-        self._state = {k: torch.zeros(() if k == "t" else init.numel()) for k in state_shapes(optimizer, 1)}
-
-    @property
-    def numel(self) -> int:
-        """Number of elements."""
-        return self.value.numel()
-
-    def pull(self) -> tuple[torch.Tensor, int]:
-        """The chunk's values (read without a lock) and their version."""
-        return self.value, self.version
-
-    def push(self, grad: torch.Tensor, lr_scale: float = 1.0) -> int:
-        """Apply a gradient with the chunk's optimizer; returns the new version."""
-        with self._lock:
-            step(self.optimizer, self.value, grad, self._state, lr_scale)
-            self.version += 1
-            return self.version
-
-    def snapshot(self) -> dict[str, object]:
-        """Value, optimizer state and version (copies)."""
-        with self._lock:
-            return {"value": self.value.clone(), "state": {k: t.clone() for k, t in self._state.items()}, "version": self.version}
-
-    def load(self, value: torch.Tensor, state: dict[str, torch.Tensor], version: int) -> None:
-        """Replace value, optimizer state and version with restored ones.
-
-        Raises:
-            ValueError: a value or state of another shape.
-        """
-        if tuple(value.shape) != (self.numel,):
-            raise ValueError(f"dense chunk {self.name}[{self.index}]: restored value has shape {tuple(value.shape)}, expected ({self.numel},)")
-        if set(state) != set(self._state) or any(state[k].shape != t.shape for k, t in self._state.items()):
-            raise ValueError(f"dense chunk {self.name}[{self.index}]: restored optimizer state does not match {self.optimizer.name}")
-        with self._lock:
-            self.value = value.to(torch.float32).clone()
-            self._state = {k: t.to(torch.float32).clone() for k, t in state.items()}
             self.version = int(version)

@@ -10,7 +10,9 @@ from prometheus_client import CollectorRegistry
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.metrics import ShardMetrics
 from tether.server.shard import Shard, SparseUpdate
-from tether.server.tables import CountMinSketch, EmbeddingTable, init_rows
+from tether.server.admission import CountMinSketch
+from tether.server.initial import init_rows
+from tether.server.tables import EmbeddingTable
 
 SGD = OptimizerConfig("sgd", 1.0)
 

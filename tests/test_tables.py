@@ -3,7 +3,9 @@ import pytest
 import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.tables import DenseChunk, EmbeddingTable, init_rows
+from tether.server.dense import DenseChunk
+from tether.server.initial import init_rows
+from tether.server.tables import EmbeddingTable
 
 
 def test_rows_created_on_first_touch_deterministically() -> None:
