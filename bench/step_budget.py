@@ -7,14 +7,14 @@
 
 Each stage of the request path runs alone, in this process, on the real objects, along the
 data plane's shared-memory path: the client builds the requests and lays out their payload
-(``PSClient._push_requests`` / ``_pull_requests``) and copies it into the region, protobuf
+(``Router.push_requests`` / ``pull_requests``) and copies it into the region, protobuf
 carries the small messages, the shard's servicer handles them (``ShardServicer.data_call``:
 decode, validate, apply; lookup, gather) and copies pulled values into the region, and the
-client places them in the result (``_place_pull``). The end-to-end step against a real shard
+client places them in the result (``Router.place_pull``). The end-to-end step against a real shard
 process is measured beside, so what the stages do not explain is the transport (sockets,
 wake-ups, scheduling).
-One torch thread, as in every benchmark. Private client methods are used on purpose: this is
-a profiling tool, and these are the pieces the fast path will change.
+One torch thread, as in every benchmark. The client's router (``PSClient.router``) builds and
+places the requests, so each of those stages is timed on its own.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class _Setup:
 
         for name, tensor in (dense or {}).items():
             flat = tensor.detach().reshape(-1).float()
-            for index, a, b in self.client._dense[name].chunks:
+            for index, a, b in self.client.router.dense[name].chunks:
                 if dense_shard(name, index, 1) != 0:
                     raise RuntimeError("one shard owns every chunk")
                 d = request.dense.add(name=name, index=index, optimizer=opt.to_proto())
@@ -101,7 +101,7 @@ def _stages_push_pull(s: _Setup, push_kw: dict[str, Any], pull_kw: dict[str, Any
 
     c, sv = s.client, s.servicer
     rows: list[tuple[str, float]] = []
-    t, (reqs, payloads) = _t(lambda: c._push_requests(push_kw.get("sparse", {}), push_kw.get("dense", {}), 0, None), reps)
+    t, (reqs, payloads) = _t(lambda: c.router.push_requests(push_kw.get("sparse", {}), push_kw.get("dense", {}), 0, None), reps)
     rows.append(("client: build push request (split, lay out payload)", t))
     req, payload = reqs[0], payloads[0]
     region = memoryview(bytearray(dp.align(payload.nbytes) + 2 * 2**20 + dp.align(_pull_bytes(c, pull_kw))))
@@ -119,7 +119,7 @@ def _stages_push_pull(s: _Setup, push_kw: dict[str, Any], pull_kw: dict[str, Any
 
     t, _ = _t(push_once, reps)
     rows.append(("shard: Push handler (decode, validate, apply)", t))
-    t, (preqs, plan) = _t(lambda: c._pull_requests(pull_kw.get("sparse", {}), pull_kw.get("dense", ())), reps)
+    t, (preqs, plan) = _t(lambda: c.router.pull_requests(pull_kw.get("sparse", {}), pull_kw.get("dense", ())), reps)
     rows.append(("client: build pull request", t))
     pwire = preqs[0].SerializeToString()
     t, pparsed = _t(lambda: pb.PullRequest.FromString(pwire), reps)
@@ -133,13 +133,13 @@ def _stages_push_pull(s: _Setup, push_kw: dict[str, Any], pull_kw: dict[str, Any
     t, rwire = _t(resp.SerializeToString, reps)
     rows.append((f"protobuf: serialise + parse pull answer ({len(rwire) / 2**10:.1f} KiB)", t + _t(lambda: pb.PullResponse.FromString(rwire), reps)[0]))
     rparsed = pb.PullResponse.FromString(rwire)
-    t, _ = _t(lambda: c._place_pull(plan, 0, rparsed, region[: out.nbytes]), reps)
+    t, _ = _t(lambda: c.router.place_pull(plan, 0, rparsed, region[: out.nbytes]), reps)
     rows.append(("client: place pulled values (decode_tensor, copy or scatter rows)", t))
     return rows
 
 
 def _pull_bytes(c: Any, pull_kw: dict[str, Any]) -> int:
-    _, plan = c._pull_requests(pull_kw.get("sparse", {}), pull_kw.get("dense", ()))
+    _, plan = c.router.pull_requests(pull_kw.get("sparse", {}), pull_kw.get("dense", ()))
     return sum(plan.response_bytes.values())
 
 

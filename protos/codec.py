@@ -18,6 +18,7 @@ from tether.protos.errors import InvalidArgument
 __all__ = [
     "MAX_DIMS",
     "MAX_DIM_SIZE",
+    "WIRE_DTYPES",
     "CodecError",
     "decode_ids",
     "decode_tensor",
@@ -49,6 +50,8 @@ _TO_TORCH = {
     pb.INT64: torch.int64,
 }
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+# The element types parameters and gradients may travel in, by the name flags and configs use.
+WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # bfloat16 has no numpy dtype: carry its bits as int16 and reinterpret in torch.
 _NUMPY_VIEW = {
     pb.FLOAT32: np.dtype("<f4"),

@@ -7,6 +7,7 @@ import sys
 import grpc
 
 __all__ = [
+    "OVERLOADED",
     "USAGE_EXIT_CODE",
     "DeadlineExceeded",
     "FailedPrecondition",
@@ -20,8 +21,15 @@ __all__ = [
     "UsageError",
     "error_from_status",
     "report_usage_error",
+    "retryable",
     "status_of",
 ]
+
+# What grpc's server says when it sheds a call past maximum_concurrent_rpcs, and the shard's data
+# plane says the same: load, not a bad request, so clients retry it with backoff (a message over
+# the size limit, also RESOURCE_EXHAUSTED, is not retried).
+OVERLOADED = "Concurrent RPC limit exceeded"
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 # What a command exits with when the user asked for something it cannot do (argparse's code).
 USAGE_EXIT_CODE = 2
@@ -103,3 +111,8 @@ def status_of(exc: TetherError) -> grpc.StatusCode:
 def error_from_status(code: grpc.StatusCode, details: str) -> TetherError:
     """tether error for a gRPC status code (``TetherError`` itself for codes not in the table)."""
     return _BY_CODE.get(code, TetherError)(f"{code.name}: {details}")
+
+
+def retryable(code: grpc.StatusCode, details: str) -> bool:
+    """Whether a call that failed with ``code`` and ``details`` is worth another try."""
+    return code in _TRANSIENT or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and OVERLOADED in details)

@@ -4,15 +4,21 @@ default next to its environment variable, and old flag spellings kept for one re
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["DeprecatedAlias", "HelpFormatter"]
+__all__ = ["DeprecatedAlias", "HelpFormatter", "env"]
 
 # The last "(env TETHER_X ...)" of a help text; the default goes inside it.
 _ENV = re.compile(r"\(env ([^()]*)\)")
+
+
+def env(name: str, default: object) -> object:
+    """A flag's default: the environment variable ``name`` when it is set, else ``default``."""
+    return os.environ.get(name, default)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

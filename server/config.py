@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tether.protos.flags import HelpFormatter
+from tether.protos.flags import HelpFormatter, env
 from tether.protos.security import TOKEN_ENV, check_token, resolve_token
 
 __all__ = ["ShardConfig", "load_config"]
@@ -106,9 +106,6 @@ class ShardConfig:
         return self.tls_cert is not None
 
 
-def _env(name: str, default: object) -> object:
-    return os.environ.get(name, default)
-
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Flags of ``tether server``; each falls back to a ``TETHER_*`` environment variable."""
@@ -117,30 +114,30 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         description="Run one parameter-server shard. Every flag falls back to the TETHER_* environment variable its help names.",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--host", default=_env("TETHER_HOST", "127.0.0.1"), help="address to bind (env TETHER_HOST)")
-    p.add_argument("--port", type=int, default=_env("TETHER_PORT", 50051), help="gRPC port, 0 picks a free one (env TETHER_PORT)")
-    p.add_argument("--shard-index", type=int, default=_env("TETHER_SHARD_INDEX", 0), help="this shard's index (env TETHER_SHARD_INDEX)")
-    p.add_argument("--num-shards", type=int, default=_env("TETHER_NUM_SHARDS", 1), help="shards in the job (env TETHER_NUM_SHARDS)")
-    p.add_argument("--metrics-port", type=int, default=_env("TETHER_METRICS_PORT", None), help="serve Prometheus /metrics on this port (env TETHER_METRICS_PORT)")
-    p.add_argument("--threads", type=int, default=_env("TETHER_THREADS", 8), help="gRPC worker threads (env TETHER_THREADS)")
-    p.add_argument("--max-message-mb", type=int, default=_env("TETHER_MAX_MESSAGE_MB", 256), help="largest request or response, MiB (env TETHER_MAX_MESSAGE_MB)")
-    p.add_argument("--max-concurrent-rpcs", type=int, default=_env("TETHER_MAX_CONCURRENT_RPCS", 64), help="calls in flight beyond this get RESOURCE_EXHAUSTED (env TETHER_MAX_CONCURRENT_RPCS)")
-    p.add_argument("--port-file", default=_env("TETHER_PORT_FILE", None), help="write the bound port to this file once serving (env TETHER_PORT_FILE)")
-    p.add_argument("--grace-seconds", type=float, metavar="SECONDS", default=_env("TETHER_GRACE_SECONDS", 5.0), help="seconds in-flight calls get to finish on SIGTERM (env TETHER_GRACE_SECONDS)")
-    p.add_argument("--lease-seconds", type=float, metavar="SECONDS", default=_env("TETHER_LEASE_SECONDS", 10.0), help="seconds: a worker silent this long no longer holds SSP back (env TETHER_LEASE_SECONDS)")
-    p.add_argument("--max-staleness", type=int, default=_env("TETHER_MAX_STALENESS", None), help="reject pushes staler than this many updates (ABORTED); unset: no limit (env TETHER_MAX_STALENESS)")
-    p.add_argument("--checkpoint-dir", default=_env("TETHER_CHECKPOINT_DIR", None), help="restore from the newest checkpoint here at start; write checkpoints here (env TETHER_CHECKPOINT_DIR)")
-    p.add_argument("--checkpoint-every", type=float, metavar="SECONDS", default=_env("TETHER_CHECKPOINT_EVERY", None), help="checkpoint every this many seconds while the shard changes; unset: only on demand and at SIGTERM (env TETHER_CHECKPOINT_EVERY)")
-    p.add_argument("--checkpoint-keep", type=int, default=_env("TETHER_CHECKPOINT_KEEP", 3), help="checkpoints of this shard to keep (env TETHER_CHECKPOINT_KEEP)")
-    p.add_argument("--tls-cert", default=_env("TETHER_TLS_CERT", None), help="serve TLS with this PEM certificate (env TETHER_TLS_CERT)")
-    p.add_argument("--tls-key", default=_env("TETHER_TLS_KEY", None), help="PEM private key of --tls-cert (env TETHER_TLS_KEY)")
-    p.add_argument("--tls-client-ca", default=_env("TETHER_TLS_CLIENT_CA", None), help="require client certificates signed by this PEM CA: mutual TLS (env TETHER_TLS_CLIENT_CA)")
-    p.add_argument("--auth-token-file", default=_env("TETHER_AUTH_TOKEN_FILE", None), help=f"require 'authorization: Bearer <token>' on every call, token read from this file (env TETHER_AUTH_TOKEN_FILE, or the token itself in ${TOKEN_ENV})")
-    p.add_argument("--health-port", type=int, default=_env("TETHER_HEALTH_PORT", None), help="also serve gRPC health in plaintext on this port, for probes that cannot do TLS (env TETHER_HEALTH_PORT)")
-    p.add_argument("--data-port", default=_env("TETHER_DATA_PORT", "0"), help="TCP port of the data plane for push/pull (0: a free one, told to clients; 'off': gRPC only; with --tls-cert it serves TLS too) (env TETHER_DATA_PORT)")
-    p.add_argument("--data-buffer-mb", type=int, default=_env("TETHER_DATA_BUFFER_MB", 1024), help="receive buffers of all data connections together, MiB, at least --max-message-mb; beyond it RESOURCE_EXHAUSTED (env TETHER_DATA_BUFFER_MB)")
-    p.add_argument("--data-handshake-timeout", type=float, metavar="SECONDS", default=_env("TETHER_DATA_HANDSHAKE_TIMEOUT", 10.0), help="seconds a new data connection has to send its HELLO (env TETHER_DATA_HANDSHAKE_TIMEOUT)")
-    p.add_argument("--data-idle-timeout", type=float, metavar="SECONDS", default=_env("TETHER_DATA_IDLE_TIMEOUT", 120.0), help="close a data connection silent this many seconds (env TETHER_DATA_IDLE_TIMEOUT)")
+    p.add_argument("--host", default=env("TETHER_HOST", "127.0.0.1"), help="address to bind (env TETHER_HOST)")
+    p.add_argument("--port", type=int, default=env("TETHER_PORT", 50051), help="gRPC port, 0 picks a free one (env TETHER_PORT)")
+    p.add_argument("--shard-index", type=int, default=env("TETHER_SHARD_INDEX", 0), help="this shard's index (env TETHER_SHARD_INDEX)")
+    p.add_argument("--num-shards", type=int, default=env("TETHER_NUM_SHARDS", 1), help="shards in the job (env TETHER_NUM_SHARDS)")
+    p.add_argument("--metrics-port", type=int, default=env("TETHER_METRICS_PORT", None), help="serve Prometheus /metrics on this port (env TETHER_METRICS_PORT)")
+    p.add_argument("--threads", type=int, default=env("TETHER_THREADS", 8), help="gRPC worker threads (env TETHER_THREADS)")
+    p.add_argument("--max-message-mb", type=int, default=env("TETHER_MAX_MESSAGE_MB", 256), help="largest request or response, MiB (env TETHER_MAX_MESSAGE_MB)")
+    p.add_argument("--max-concurrent-rpcs", type=int, default=env("TETHER_MAX_CONCURRENT_RPCS", 64), help="calls in flight beyond this get RESOURCE_EXHAUSTED (env TETHER_MAX_CONCURRENT_RPCS)")
+    p.add_argument("--port-file", default=env("TETHER_PORT_FILE", None), help="write the bound port to this file once serving (env TETHER_PORT_FILE)")
+    p.add_argument("--grace-seconds", type=float, metavar="SECONDS", default=env("TETHER_GRACE_SECONDS", 5.0), help="seconds in-flight calls get to finish on SIGTERM (env TETHER_GRACE_SECONDS)")
+    p.add_argument("--lease-seconds", type=float, metavar="SECONDS", default=env("TETHER_LEASE_SECONDS", 10.0), help="seconds: a worker silent this long no longer holds SSP back (env TETHER_LEASE_SECONDS)")
+    p.add_argument("--max-staleness", type=int, default=env("TETHER_MAX_STALENESS", None), help="reject pushes staler than this many updates (ABORTED); unset: no limit (env TETHER_MAX_STALENESS)")
+    p.add_argument("--checkpoint-dir", default=env("TETHER_CHECKPOINT_DIR", None), help="restore from the newest checkpoint here at start; write checkpoints here (env TETHER_CHECKPOINT_DIR)")
+    p.add_argument("--checkpoint-every", type=float, metavar="SECONDS", default=env("TETHER_CHECKPOINT_EVERY", None), help="checkpoint every this many seconds while the shard changes; unset: only on demand and at SIGTERM (env TETHER_CHECKPOINT_EVERY)")
+    p.add_argument("--checkpoint-keep", type=int, default=env("TETHER_CHECKPOINT_KEEP", 3), help="checkpoints of this shard to keep (env TETHER_CHECKPOINT_KEEP)")
+    p.add_argument("--tls-cert", default=env("TETHER_TLS_CERT", None), help="serve TLS with this PEM certificate (env TETHER_TLS_CERT)")
+    p.add_argument("--tls-key", default=env("TETHER_TLS_KEY", None), help="PEM private key of --tls-cert (env TETHER_TLS_KEY)")
+    p.add_argument("--tls-client-ca", default=env("TETHER_TLS_CLIENT_CA", None), help="require client certificates signed by this PEM CA: mutual TLS (env TETHER_TLS_CLIENT_CA)")
+    p.add_argument("--auth-token-file", default=env("TETHER_AUTH_TOKEN_FILE", None), help=f"require 'authorization: Bearer <token>' on every call, token read from this file (env TETHER_AUTH_TOKEN_FILE, or the token itself in ${TOKEN_ENV})")
+    p.add_argument("--health-port", type=int, default=env("TETHER_HEALTH_PORT", None), help="also serve gRPC health in plaintext on this port, for probes that cannot do TLS (env TETHER_HEALTH_PORT)")
+    p.add_argument("--data-port", default=env("TETHER_DATA_PORT", "0"), help="TCP port of the data plane for push/pull (0: a free one, told to clients; 'off': gRPC only; with --tls-cert it serves TLS too) (env TETHER_DATA_PORT)")
+    p.add_argument("--data-buffer-mb", type=int, default=env("TETHER_DATA_BUFFER_MB", 1024), help="receive buffers of all data connections together, MiB, at least --max-message-mb; beyond it RESOURCE_EXHAUSTED (env TETHER_DATA_BUFFER_MB)")
+    p.add_argument("--data-handshake-timeout", type=float, metavar="SECONDS", default=env("TETHER_DATA_HANDSHAKE_TIMEOUT", 10.0), help="seconds a new data connection has to send its HELLO (env TETHER_DATA_HANDSHAKE_TIMEOUT)")
+    p.add_argument("--data-idle-timeout", type=float, metavar="SECONDS", default=env("TETHER_DATA_IDLE_TIMEOUT", 120.0), help="close a data connection silent this many seconds (env TETHER_DATA_IDLE_TIMEOUT)")
     return p
 
 

@@ -43,6 +43,7 @@ from google.protobuf.message import DecodeError
 
 from tether.protos import dataplane as dp
 from tether.protos import tether_pb2 as pb
+from tether.protos.errors import OVERLOADED
 
 if TYPE_CHECKING:
     from tether.server.service import ShardServicer
@@ -52,9 +53,6 @@ __all__ = ["RELEASE_IDLE_S", "DataPlaneServer"]
 log = logging.getLogger(__name__)
 
 _REQUESTS = {dp.PUSH: pb.PushRequest, dp.PULL: pb.PullRequest, dp.PUSH_PULL: pb.PushPullRequest}
-# What a client sees when the shard sheds a connection (the same words grpc uses, so the
-# client treats it as load and retries).
-OVERLOADED = "Concurrent RPC limit exceeded"
 # A connection's receive buffer is given back after this many seconds without a frame, so
 # back-to-back calls reuse it and an idle connection holds nothing.
 RELEASE_IDLE_S = 1.0

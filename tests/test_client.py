@@ -75,7 +75,7 @@ def test_unreachable_shard_fails_clearly_and_in_bounded_time() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens here once closed
     client = make_client([f"127.0.0.1:{port}"], timeout_s=0.5, retries=2)
-    client._dims["e"] = 2  # skip the declare, which would fail the same way
+    client.router.dims["e"] = 2  # skip the declare, which would fail the same way
     start = time.monotonic()
     with pytest.raises(Unavailable, match=r"failed after 3 tries"):
         client.pull({"e": torch.tensor([1])}).result(30)
@@ -92,7 +92,7 @@ def test_client_side_validation(two_shards: list[str]) -> None:
         client.pull({"e": torch.tensor([1.0])})
     with pytest.raises(InvalidArgument, match=r"gradient shape \(1, 3\)"):
         client.push({"e": (torch.tensor([1]), torch.ones(1, 3))})
-    client._dims["ghost"] = 2  # declared here but not on the shards
+    client.router.dims["ghost"] = 2  # declared here but not on the shards
     with pytest.raises(NotFound, match="unknown table 'ghost'"):
         client.pull({"ghost": torch.arange(10)}).result(10)
     client.close()
@@ -120,7 +120,7 @@ def test_client_config_validation(kwargs: dict, message: str) -> None:
 
 def test_call_deadline_flag_env_and_default(monkeypatch: pytest.MonkeyPatch) -> None:
     """``tether worker --call-deadline`` (env TETHER_CALL_DEADLINE) reaches the client's config."""
-    from tether.worker.config import build_parser, load_config
+    from tether.worker.flags import build_parser, load_config
 
     assert ClientConfig(addresses=("127.0.0.1:1",), worker_id="w").call_deadline_s == 60.0
     assert load_config(["--shards", "127.0.0.1:1"]).call_deadline_s == 60.0

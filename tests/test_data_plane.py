@@ -123,7 +123,7 @@ def test_bad_input_over_the_data_plane_is_refused_and_changes_nothing(cluster: L
         bad[2, 1] = float("nan")
         with pytest.raises(InvalidArgument, match="finite|NaN|nan"):
             client.push({"emb": (ids, bad)}).result(10)
-        client._dims["nope"] = 4  # a table this shard never heard of
+        client.router.dims["nope"] = 4  # a table this shard never heard of
         with pytest.raises(NotFound):
             client.push({"nope": (ids, torch.ones(4, 4))}).result(10)
         assert torch.equal(client.pull({"emb": ids}).result(10).rows["emb"], torch.zeros(4, 4))
@@ -296,17 +296,17 @@ def test_a_tcp_pull_receives_whole_blocks_in_place_and_the_rest_through_the_buff
     """Over TCP, fp32 dense chunks and a table's rows in request order go from the socket straight
     into the result; rows that must be scattered, and a bfloat16 wire, are copied from the buffer.
     Every way gives what gRPC gives."""
-    from tether.worker import client as client_module
+    from tether.worker import router as router_module
 
     placed: list[int] = []
-    direct = client_module._PullAnswer.direct
+    direct = router_module.PullAnswer.direct
 
     def spy(self, shard, meta, payload_len):
         out = direct(self, shard, meta, payload_len)
         placed.append(len(out))
         return out
 
-    monkeypatch.setattr(client_module._PullAnswer, "direct", spy)
+    monkeypatch.setattr(router_module.PullAnswer, "direct", spy)
     running = start_shard(ShardConfig(host="127.0.0.1", port=0))
     try:
         address = [f"127.0.0.1:{running.port}"]

@@ -365,7 +365,7 @@ def test_an_unreachable_unix_socket_falls_back_to_tcp_and_says_so_once(cluster: 
     client = make_client([address], transport="auto")
     try:
         client.declare([TABLE])
-        plane = client._data[0]
+        plane = client.channels[0].data
         plane.set_port(plane.port, "\0no-such-tether-socket-" + os.urandom(4).hex())
         ids = torch.arange(20000)
         with caplog.at_level(logging.INFO, logger="tether.worker.dataplane"):

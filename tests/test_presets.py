@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tether.worker.config import MODEL_PRESETS, load_config
+from tether.worker.config import MODEL_PRESETS
+from tether.worker.flags import load_config
 
 
 def _size(argv: list[str]) -> tuple[int, int, int]:

@@ -102,7 +102,7 @@ def test_missing_package_is_one_line_before_training(monkeypatch: pytest.MonkeyP
 
 
 def test_config_and_flag(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tether.worker.config import load_config
+    from tether.worker.flags import load_config
 
     assert load_config(["--shards", "127.0.0.1:1"]).tensorboard is None
     assert load_config(["--shards", "127.0.0.1:1", "--tensorboard", "runs/tb"]).tensorboard == "runs/tb"

@@ -140,7 +140,8 @@ def test_a_launched_worker_gets_every_setting_through_flags_and_environment(monk
     import dataclasses
 
     from tether.deploy.launch import job_env, worker_argv
-    from tether.worker.config import WorkerConfig, build_parser, config_from_args
+    from tether.worker.config import WorkerConfig
+    from tether.worker.flags import build_parser, config_from_args
 
     cfg = WorkerConfig(
         shards=("127.0.0.1:1", "127.0.0.1:2"), worker_index=1, num_workers=3, mode="ssp:3", steps=77, optimizer="sgd", lr=0.125,

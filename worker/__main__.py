@@ -8,7 +8,8 @@ import sys
 from collections.abc import Sequence
 
 from tether.protos.errors import TetherError, UsageError, report_usage_error
-from tether.worker.config import WorkerConfig, load_config
+from tether.worker.config import WorkerConfig
+from tether.worker.flags import load_config
 from tether.worker.trainer import train
 
 __all__ = ["main", "run"]

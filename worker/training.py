@@ -34,6 +34,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
+from tether.protos.codec import WIRE_DTYPES
 from tether.protos.errors import DeadlineExceeded, FailedPrecondition, TooStale, UsageError
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.client import ClientConfig, Handle, PSClient, PullResult
@@ -49,7 +50,6 @@ __all__ = ["Trainer", "TrainingConfig", "batch_size_of", "local_optimizer", "pic
 log = logging.getLogger(__name__)
 
 B = TypeVar("B")
-_WIRE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def pick_device(name: str) -> torch.device:
@@ -312,7 +312,7 @@ class Trainer(Generic[B]):
                 worker_id=config.worker_id or f"worker-{config.worker_index}",
                 timeout_s=config.timeout_s,
                 call_deadline_s=config.call_deadline_s,
-                wire_dtype=_WIRE[config.wire_dtype],
+                wire_dtype=WIRE_DTYPES[config.wire_dtype],
                 transport=config.transport,
                 # In sync every rank's gradients of a step were computed on the same parameters
                 # (those after the previous step's barrier): none is stale, though the shard sees
