@@ -8,7 +8,7 @@
 Each stage of the request path runs alone, in this process, on the real objects, along the
 data plane's shared-memory path: the client builds the requests and lays out their payload
 (``Router.push_requests`` / ``pull_requests``) and copies it into the region, protobuf
-carries the small messages, the shard's servicer handles them (``ShardServicer.data_call``:
+carries the small messages, the shard's request handler handles them (``RequestHandler.data_call``:
 decode, validate, apply; lookup, gather) and copies pulled values into the region, and the
 client places them in the result (``Router.place_pull``). The end-to-end step against a real shard
 process is measured beside, so what the stages do not explain is the transport (sockets,
@@ -57,7 +57,7 @@ class _Setup:
 
     def __init__(self) -> None:
         from tether.deploy.launch import LocalCluster
-        from tether.server.service import ShardServicer
+        from tether.server.handler import RequestHandler
         from tether.server.shard import Shard
         from tether.worker.client import ClientConfig, PSClient
 
@@ -65,14 +65,14 @@ class _Setup:
         addresses = self.cluster.start_shards(1, timeout_s=90)
         self.client = PSClient(ClientConfig(addresses=tuple(addresses), worker_id="budget", timeout_s=60.0))
         self.shard = Shard(0, 1)
-        self.servicer = ShardServicer(self.shard)
+        self.handler = RequestHandler(self.shard)
 
     def declare_local(self, tables: list[Any] = (), dense: dict[str, torch.Tensor] | None = None, opt: Any = None) -> None:
         """Declare on the shard process (through the client) and on the in-process shard alike."""
         from tether.protos import tether_pb2 as pb
 
         self.client.declare(tables, dense, opt)
-        # The same Declare request the client sent, handled by the in-process servicer.
+        # The same Declare request the client sent, handled by the in-process handler.
         request = pb.DeclareRequest()
         for t in tables:
             request.tables.append(t.to_proto())
@@ -86,7 +86,7 @@ class _Setup:
                     raise RuntimeError("one shard owns every chunk")
                 d = request.dense.add(name=name, index=index, optimizer=opt.to_proto())
                 encode_tensor(flat[a:b], d.init)
-        self.servicer.Declare(request, None)
+        self.handler.call("Declare", request)
 
     def close(self) -> None:
         self.client.close()
@@ -99,7 +99,7 @@ def _stages_push_pull(s: _Setup, push_kw: dict[str, Any], pull_kw: dict[str, Any
     from tether.protos import dataplane as dp
     from tether.protos import tether_pb2 as pb
 
-    c, sv = s.client, s.servicer
+    c, sv = s.client, s.handler
     rows: list[tuple[str, float]] = []
     t, (reqs, payloads) = _t(lambda: c.router.push_requests(push_kw.get("sparse", {}), push_kw.get("dense", {}), 0, None), reps)
     rows.append(("client: build push request (split, lay out payload)", t))

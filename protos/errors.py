@@ -8,6 +8,7 @@ import grpc
 
 __all__ = [
     "OVERLOADED",
+    "REJECT_REASONS",
     "USAGE_EXIT_CODE",
     "DeadlineExceeded",
     "FailedPrecondition",
@@ -20,6 +21,7 @@ __all__ = [
     "Unavailable",
     "UsageError",
     "error_from_status",
+    "reject_reason",
     "report_usage_error",
     "retryable",
     "status_of",
@@ -87,22 +89,27 @@ class DeadlineExceeded(TetherError, TimeoutError):
     """A call or a wait ran past its deadline."""
 
 
-_TABLE: tuple[tuple[type[TetherError], grpc.StatusCode], ...] = (
-    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
-    (NotFound, grpc.StatusCode.NOT_FOUND),
-    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
-    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
-    (TooStale, grpc.StatusCode.ABORTED),
-    (Unavailable, grpc.StatusCode.UNAVAILABLE),
-    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+# Each error's status code, and the reason a shard's metrics give for a push it refused so
+# (``tether_shard_updates_rejected_total{reason}``; errors without one count as invalid_argument).
+_TABLE: tuple[tuple[type[TetherError], grpc.StatusCode, str | None], ...] = (
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
+    (NotFound, grpc.StatusCode.NOT_FOUND, "not_found"),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION, "failed_precondition"),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED, "resource_exhausted"),
+    (TooStale, grpc.StatusCode.ABORTED, "too_stale"),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated"),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE, None),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED, None),
 )
-_BY_CODE = {code: cls for cls, code in _TABLE}
+_BY_CODE = {code: cls for cls, code, _ in _TABLE}
+_REASON = {code: reason for _, code, reason in _TABLE if reason is not None}
+# Every reason ``reject_reason`` gives.
+REJECT_REASONS: tuple[str, ...] = tuple(_REASON.values())
 
 
 def status_of(exc: TetherError) -> grpc.StatusCode:
     """gRPC status code for a tether error."""
-    for cls, code in _TABLE:
+    for cls, code, _ in _TABLE:
         if isinstance(exc, cls):
             return code
     return grpc.StatusCode.INTERNAL
@@ -116,3 +123,8 @@ def error_from_status(code: grpc.StatusCode, details: str) -> TetherError:
 def retryable(code: grpc.StatusCode, details: str) -> bool:
     """Whether a call that failed with ``code`` and ``details`` is worth another try."""
     return code in _TRANSIENT or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and OVERLOADED in details)
+
+
+def reject_reason(code: grpc.StatusCode) -> str:
+    """Why a push refused with ``code`` was not applied, as the shard's metrics say it."""
+    return _REASON.get(code, "invalid_argument")

@@ -11,7 +11,9 @@ from collections.abc import Sequence
 
 from tether.protos.errors import TetherError, UsageError, report_usage_error
 from tether.server.config import ShardConfig, load_config
-from tether.server.service import start_shard
+from tether.protos.allocator import tune_malloc
+from tether.server.metrics import NullShardMetrics, ShardRecorder
+from tether.server.serve import start_shard
 
 __all__ = ["main", "run"]
 
@@ -33,7 +35,9 @@ def run(config: ShardConfig) -> int:
     Raises:
         UsageError: the metrics port is taken.
     """
-    metrics = None
+    # Steps free and allocate tensors of MiBs: keep them in the heap (tether.protos.allocator).
+    tune_malloc()
+    metrics: ShardRecorder = NullShardMetrics()
     if config.metrics_port is not None:
         from prometheus_client import CollectorRegistry
 
@@ -51,8 +55,7 @@ def run(config: ShardConfig) -> int:
     except (RuntimeError, ValueError) as exc:
         log.error("shard %d cannot start: %s", config.shard_index, exc)
         return 1
-    if metrics is not None:
-        metrics.serving.set(1)
+    metrics.set_serving(True)
     log.info(
         "shard %d/%d serving on %s:%d (%s%s), data plane %s", config.shard_index, config.num_shards, config.host, running.port,
         "mutual TLS" if config.tls_client_ca else "TLS" if config.tls else "plaintext",
@@ -70,8 +73,7 @@ def run(config: ShardConfig) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     stop.wait()
-    if metrics is not None:
-        metrics.serving.set(0)
+    metrics.set_serving(False)
     try:
         final = running.shutdown(config.grace_seconds)
     except TetherError as exc:

@@ -46,6 +46,7 @@ import torch
 from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherError, Unavailable
 from tether.protos.partition import dense_shard, shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.shard import DenseState, Shard, ShardState, TableState
 
 __all__ = [
@@ -481,7 +482,7 @@ class Checkpointer:
         root: str | Path,
         every_s: float | None = None,
         keep: int = 3,
-        metrics: object | None = None,
+        metrics: ShardRecorder | None = None,
     ) -> None:
         if every_s is not None and not every_s > 0:
             raise ValueError(f"every_s must be > 0 or None, got {every_s!r}")
@@ -492,12 +493,11 @@ class Checkpointer:
         self.root = Path(root).absolute()
         self.every_s = every_s
         self.keep = keep
-        self.metrics = metrics
+        self.metrics: ShardRecorder = metrics if metrics is not None else NullShardMetrics()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._mutations_saved = 0
-        self.last: CheckpointInfo | None = None
 
     # -- restore ---------------------------------------------------------------------------------
 
@@ -525,9 +525,8 @@ class Checkpointer:
                 continue
             s.restored_checkpoint = plan.id
             self._mutations_saved = s.mutations
-            if self.metrics is not None:
-                # The state served now is that checkpoint's: it is the last one that holds it.
-                self.metrics.last_checkpoint_timestamp.set(plan.created)
+            # The state served now is that checkpoint's: it is the last one that holds it.
+            self.metrics.restored(plan.created)
             rows = sum(len(t.ids) for t in state.tables)
             log.info(
                 "restored checkpoint %s (%s, %d part(s)): %d rows in %d table(s), %d dense chunk(s) in %.2fs",
@@ -568,11 +567,8 @@ class Checkpointer:
                 raise FailedPrecondition(f"checkpoint {ckpt_id}: cannot write under {self.root}: {exc}") from exc
             info = CheckpointInfo(written.id, written.path, written.bytes, time.perf_counter() - start, written.created)
             self._mutations_saved = mutations
-            self.last = info
             s.last_checkpoint = ckpt_id
-            if self.metrics is not None:
-                self.metrics.last_checkpoint_timestamp.set(info.created)
-                self.metrics.checkpoint_seconds.observe(info.seconds)
+            self.metrics.checkpointed(info.created, info.seconds)
             log.info("checkpoint %s: %d bytes in %.2fs (%s)", ckpt_id, info.bytes, info.seconds, info.path)
             self._prune()
             return info

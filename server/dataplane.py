@@ -1,7 +1,7 @@
 """The shard's data plane: Push, Pull and PushPull over framed TCP (see ``tether.protos.dataplane``).
 
 One thread per connection reads a frame into a buffer it reuses, hands the request to the same
-``ShardServicer`` the gRPC server uses (so validation, errors, deduplication and metrics are
+``RequestHandler`` the gRPC server uses (so validation, errors, deduplication and metrics are
 one code path) and writes the answer back, with pulled values either after the message or in
 the connection's shared-memory region. Torch releases the GIL while it applies or gathers rows,
 so connections of different workers run in parallel.
@@ -46,7 +46,7 @@ from tether.protos import tether_pb2 as pb
 from tether.protos.errors import OVERLOADED
 
 if TYPE_CHECKING:
-    from tether.server.service import ShardServicer
+    from tether.server.handler import RequestHandler
 
 __all__ = ["RELEASE_IDLE_S", "DataPlaneServer"]
 
@@ -80,7 +80,7 @@ class DataPlaneServer:
 
     def __init__(
         self,
-        servicer: ShardServicer,
+        handler: RequestHandler,
         host: str,
         port: int,
         *,
@@ -105,7 +105,7 @@ class DataPlaneServer:
         Raises:
             RuntimeError: the port cannot be bound.
         """
-        self.servicer = servicer
+        self.handler = handler
         self._token = token.encode() if token is not None else None
         self._tls = ssl_context
         self.max_message_bytes = max_message_bytes
@@ -270,9 +270,8 @@ class DataPlaneServer:
             conn.close()
 
     def _count(self, state: _Connection, delta: int) -> None:
-        if self.servicer.metrics is not None:
-            mode = "shm" if state.region is not None else "tcp+tls" if state.tls else "tcp"
-            self.servicer.metrics.data_connections.labels(mode=mode).inc(delta)
+        mode = "shm" if state.region is not None else "tcp+tls" if state.tls else "tcp"
+        self.handler.metrics.connections(mode, delta)
 
     def _start_tls(self, conn: socket.socket, deadline: float) -> ssl.SSLSocket:
         """The TLS side of a new TCP connection, its handshake done by ``deadline``.
@@ -422,8 +421,7 @@ class DataPlaneServer:
             if self._token is not None:
                 token = hello.get("token")
                 if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token):
-                    if self.servicer.metrics is not None:
-                        self.servicer.metrics.requests.labels(rpc="Hello", code="UNAUTHENTICATED").inc()
+                    self.handler.metrics.refused("Hello", "UNAUTHENTICATED")
                     raise _Refuse(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
                 state.authenticated = True
             region, refused = None, None
@@ -445,7 +443,7 @@ class DataPlaneServer:
             state.region.close()
         state.region = region
         self._count(state, +1)
-        answer: dict[str, object] = {"shard": self.servicer.shard.shard_index, "shm": region is not None}
+        answer: dict[str, object] = {"shard": self.handler.shard.shard_index, "shm": region is not None}
         if refused is not None:
             answer["shm_error"] = refused
         return answer
@@ -459,7 +457,7 @@ class DataPlaneServer:
         except DecodeError as exc:
             raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {rpc}: {exc}") from exc
         out = dp.PayloadWriter()
-        response, code, message = self.servicer.data_call(rpc, request, payload, out)
+        response, code, message = self.handler.data_call(rpc, request, payload, out)
         if code != grpc.StatusCode.OK:
             dp.send_frame(conn, method, message.encode(), status=code.value[0])
             return

@@ -1,11 +1,14 @@
-"""Prometheus metrics of one shard, registered in a caller-supplied registry."""
+"""What a shard records about itself: the ``ShardRecorder`` protocol, its null object, and
+``ShardMetrics``, which exports it to Prometheus in a caller-supplied registry."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tether.protos.errors import REJECT_REASONS as _ERROR_REASONS
 from tether.protos.metrics_http import register_process_metrics, serve_metrics
 
 __all__ = [
@@ -14,7 +17,9 @@ __all__ = [
     "REQUEST_BUCKETS",
     "STALENESS_BUCKETS",
     "UPDATE_KINDS",
+    "NullShardMetrics",
     "ShardMetrics",
+    "ShardRecorder",
     "serve_metrics",
 ]
 
@@ -28,19 +33,115 @@ STALENESS_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64,
 CHECKPOINT_BUCKETS: tuple[float, ...] = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 UPDATE_KINDS: tuple[str, ...] = ("sparse", "dense")
-REJECT_REASONS: tuple[str, ...] = (
-    "invalid_argument",
-    "not_found",
-    "failed_precondition",
-    "resource_exhausted",
-    "too_stale",
-    "duplicate",
-    "unauthenticated",
-)
+M = TypeVar("M", Counter, Gauge, Histogram)
+
+# Why a push was not applied: an error's reason (``tether.protos.errors.reject_reason``), or
+# a retried push the shard had applied already.
+REJECT_REASONS: tuple[str, ...] = (*_ERROR_REASONS, "duplicate")
+
+
+class ShardRecorder(Protocol):
+    """What the parts of a shard (request handler, tables, checkpointer, data plane) record."""
+
+    def request(self, rpc: str, code: str, seconds: float, received_bytes: int) -> None:
+        """One call handled, with its status code name, duration and request bytes."""
+
+    def refused(self, rpc: str, code: str) -> None:
+        """One call refused before it was handled (a missing or wrong token)."""
+
+    def sent(self, rpc: str, nbytes: int) -> None:
+        """Response bytes sent for one call."""
+
+    def reject(self, reason: str) -> None:
+        """One push not applied, for ``reason`` (one of ``REJECT_REASONS``)."""
+
+    def pulled(self, tables: Sequence[tuple[str, int]]) -> None:
+        """Rows returned by one pull, as (table, rows)."""
+
+    def pushed(self, tables: Sequence[tuple[str, int]], dense_blocks: int, staleness: int, clock_staleness: int | None) -> None:
+        """One push applied: rows per table, dense chunks, its staleness in updates and (when
+        it carried a clock) in clock ticks."""
+
+    def evicted(self, table: str, rows: int) -> None:
+        """Rows evicted from a bounded table."""
+
+    def dropped(self, table: str, rows: int) -> None:
+        """Row gradients dropped (ids not admitted yet)."""
+
+    def watch_table(self, name: str, rows: Callable[[], float], memory_bytes: Callable[[], float]) -> None:
+        """Export table ``name``'s resident rows and bytes, read when scraped."""
+
+    def set_staleness_bound(self, bound: int | None) -> None:
+        """The job's staleness bound; ``None`` means unbounded (async)."""
+
+    def clocks(self, live_workers: int, min_clock: int, max_clock: int) -> None:
+        """The live workers and their clocks."""
+
+    def checkpointed(self, created: float, seconds: float) -> None:
+        """A checkpoint written at unix time ``created`` in ``seconds``."""
+
+    def restored(self, created: float) -> None:
+        """The shard restored a checkpoint written at unix time ``created``."""
+
+    def connections(self, mode: str, delta: int) -> None:
+        """Data-plane connections opened (+) or closed (-), by mode (shm, tcp, tcp+tls)."""
+
+    def set_serving(self, up: bool) -> None:
+        """Whether the shard is serving."""
+
+
+class NullShardMetrics:
+    """A ``ShardRecorder`` that records nothing (a shard without a metrics port)."""
+
+    def request(self, rpc: str, code: str, seconds: float, received_bytes: int) -> None:
+        pass
+
+    def refused(self, rpc: str, code: str) -> None:
+        pass
+
+    def sent(self, rpc: str, nbytes: int) -> None:
+        pass
+
+    def reject(self, reason: str) -> None:
+        pass
+
+    def pulled(self, tables: Sequence[tuple[str, int]]) -> None:
+        pass
+
+    def pushed(self, tables: Sequence[tuple[str, int]], dense_blocks: int, staleness: int, clock_staleness: int | None) -> None:
+        pass
+
+    def evicted(self, table: str, rows: int) -> None:
+        pass
+
+    def dropped(self, table: str, rows: int) -> None:
+        pass
+
+    def watch_table(self, name: str, rows: Callable[[], float], memory_bytes: Callable[[], float]) -> None:
+        pass
+
+    def set_staleness_bound(self, bound: int | None) -> None:
+        pass
+
+    def clocks(self, live_workers: int, min_clock: int, max_clock: int) -> None:
+        pass
+
+    def checkpointed(self, created: float, seconds: float) -> None:
+        pass
+
+    def restored(self, created: float) -> None:
+        pass
+
+    def connections(self, mode: str, delta: int) -> None:
+        pass
+
+    def set_serving(self, up: bool) -> None:
+        pass
 
 
 class ShardMetrics:
-    """Every metric a shard exports; label values are bounded (rpc, code, table, kind, reason)."""
+    """Every metric a shard exports (a ``ShardRecorder``); label values are bounded (rpc, code,
+    table, kind, reason)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         """Create the metrics in ``registry``; a second instance needs a second registry."""
@@ -48,7 +149,7 @@ class ShardMetrics:
             raise ValueError("registry must be a CollectorRegistry, got None")
         r = registry
         self.registry = registry
-        self._series: dict[tuple[int, tuple[str, ...]], Counter | Gauge | Histogram] = {}
+        self._series: dict[tuple[int, tuple[str, ...]], Any] = {}
 
         self.requests = Counter(
             "tether_shard_requests_total", "RPCs handled, by method and gRPC status code.",
@@ -132,7 +233,7 @@ class ShardMetrics:
         # Memory (RSS), CPU and fds of the process: what the dashboard's process panels read.
         register_process_metrics(r)
 
-    def series(self, metric: Counter | Gauge | Histogram, *values: str) -> Counter | Gauge | Histogram:
+    def series(self, metric: M, *values: str) -> M:
         """``metric.labels(*values)``, remembered: ``labels`` checks and locks on every call, and
         a data-plane call records several series (label values are bounded, so is this cache)."""
         key = (id(metric), values)
@@ -169,3 +270,51 @@ class ShardMetrics:
         if blocks < 0:
             raise ValueError(f"blocks must be >= 0, got {blocks!r}")
         self.series(self.updates_applied, kind).inc(blocks)
+
+    def request(self, rpc: str, code: str, seconds: float, received_bytes: int) -> None:
+        self.series(self.requests, rpc, code).inc()
+        self.series(self.request_seconds, rpc).observe(seconds)
+        self.series(self.received_bytes, rpc).inc(received_bytes)
+
+    def refused(self, rpc: str, code: str) -> None:
+        self.series(self.requests, rpc, code).inc()
+
+    def sent(self, rpc: str, nbytes: int) -> None:
+        self.series(self.sent_bytes, rpc).inc(nbytes)
+
+    def pulled(self, tables: Sequence[tuple[str, int]]) -> None:
+        for name, rows in tables:
+            self.series(self.rows_pulled, name).inc(rows)
+
+    def pushed(self, tables: Sequence[tuple[str, int]], dense_blocks: int, staleness: int, clock_staleness: int | None) -> None:
+        self.applied("sparse", len(tables))
+        self.applied("dense", dense_blocks)
+        for name, rows in tables:
+            self.series(self.rows_pushed, name).inc(rows)
+        self.push_update_staleness.observe(staleness)
+        if clock_staleness is not None:
+            self.push_staleness.observe(clock_staleness)
+
+    def evicted(self, table: str, rows: int) -> None:
+        self.series(self.rows_evicted, table).inc(rows)
+
+    def dropped(self, table: str, rows: int) -> None:
+        self.series(self.rows_dropped, table).inc(rows)
+
+    def clocks(self, live_workers: int, min_clock: int, max_clock: int) -> None:
+        self.live_workers.set(live_workers)
+        self.worker_clock_min.set(min_clock)
+        self.worker_clock_max.set(max_clock)
+
+    def checkpointed(self, created: float, seconds: float) -> None:
+        self.last_checkpoint_timestamp.set(created)
+        self.checkpoint_seconds.observe(seconds)
+
+    def restored(self, created: float) -> None:
+        self.last_checkpoint_timestamp.set(created)
+
+    def connections(self, mode: str, delta: int) -> None:
+        self.series(self.data_connections, mode).inc(delta)
+
+    def set_serving(self, up: bool) -> None:
+        self.serving.set(1 if up else 0)

@@ -27,6 +27,7 @@ from tether.protos.partition import dense_shard, shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.clocks import WorkerClocks
 from tether.server.dense import DenseChunk
+from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.tables import EmbeddingTable, Pulled
 
 __all__ = ["DenseDecl", "DenseState", "DenseUpdate", "PushResult", "Shard", "ShardState", "SparseUpdate", "TableState", "staleness_scale"]
@@ -235,7 +236,7 @@ class Shard:
         self,
         shard_index: int = 0,
         num_shards: int = 1,
-        metrics: object | None = None,
+        metrics: ShardRecorder | None = None,
         lease_s: float = 10.0,
         max_staleness: int | None = None,
     ) -> None:
@@ -245,10 +246,10 @@ class Shard:
             raise ValueError(f"max_staleness must be >= 0 or None, got {max_staleness!r}")
         self.clocks = WorkerClocks(lease_s)
         self.max_staleness = max_staleness
-        self.too_stale_pushes = 0
         self.shard_index = shard_index
         self.num_shards = num_shards
-        self.metrics = metrics
+        # Where tables report evicted rows and dropped row gradients (the handler records the rest).
+        self.metrics: ShardRecorder = metrics if metrics is not None else NullShardMetrics()
         self.tables: dict[str, EmbeddingTable] = {}
         self.dense: dict[tuple[str, int], DenseChunk] = {}
         self.applied_pushes = 0
@@ -303,13 +304,8 @@ class Shard:
                     self.mutations += 1
 
     def _new_table(self, cfg: TableConfig) -> EmbeddingTable:
-        if self.metrics is None:
-            return EmbeddingTable(cfg)
-        return EmbeddingTable(
-            cfg,
-            on_evict=self.metrics.rows_evicted.labels(table=cfg.name).inc,
-            on_drop=self.metrics.rows_dropped.labels(table=cfg.name).inc,
-        )
+        m, name = self.metrics, cfg.name
+        return EmbeddingTable(cfg, on_evict=lambda n: m.evicted(name, n), on_drop=lambda n: m.dropped(name, n))
 
     # -- checkpoint state ----------------------------------------------------------------------
 
@@ -455,9 +451,6 @@ class Shard:
             self._check_ids(name, ids, unique=False)
         rows = [table.locate(ids) for table, (_, ids) in zip(tables, sparse)]
         values = [chunk.pull() for chunk in chunks]
-        if self.metrics is not None:
-            for (name, ids) in sparse:
-                self.metrics.series(self.metrics.rows_pulled, name).inc(ids.size)
         return rows, values
 
     def push(
@@ -514,15 +507,12 @@ class Shard:
                 staleness = max(staleness, t.max_staleness(u.ids, u.read_version, p))
         if self.max_staleness is not None and staleness > self.max_staleness:
             self.rejected_pushes += 1
-            self.too_stale_pushes += 1
             raise TooStale(f"push from {worker_id!r} is {staleness} updates stale; this shard's limit is {self.max_staleness}")
         with self._gate.shared():
             with self._seq_lock:
                 fresh = self._window(worker_id, incarnation).add(seq)
             if not fresh:
                 self.duplicate_pushes += 1
-                if self.metrics is not None:
-                    self.metrics.reject("duplicate")
                 return PushResult(applied=False, max_staleness=0)
             # Clock staleness is measured on shard 0, the coordinator ssp waits on, where clocks
             # move only once a step is applied on every shard.
@@ -546,13 +536,4 @@ class Shard:
                 self.clocks.update(worker_id, clock, from_push=True)
             self.applied_pushes += 1
             self.mutations += 1
-        if self.metrics is not None:
-            m = self.metrics
-            m.applied("sparse", len(sparse))
-            m.applied("dense", len(dense))
-            for u in sparse:
-                m.series(m.rows_pushed, u.table).inc(u.ids.size)
-            m.push_update_staleness.observe(staleness)
-            if clock:
-                m.push_staleness.observe(clock_lag)
         return PushResult(applied=True, max_staleness=staleness, clock_staleness=clock_lag)

@@ -8,7 +8,7 @@ import pytest
 
 from tether.deploy.launch import LocalCluster
 from tether.server.config import ShardConfig
-from tether.server.service import RunningShard, start_shard
+from tether.server.serve import RunningShard, start_shard
 from tether.worker.client import ClientConfig, PSClient
 
 

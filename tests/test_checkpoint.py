@@ -32,7 +32,7 @@ from tether.server.checkpoint import (
 )
 from tether.server.config import ShardConfig
 from tether.server.metrics import ShardMetrics
-from tether.server.service import RunningShard, start_shard
+from tether.server.serve import RunningShard, start_shard
 from tether.server.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate, dedup_key
 
 from conftest import make_client

@@ -24,7 +24,7 @@ from tether.protos.codec import encode_ids
 from tether.protos.errors import InvalidArgument, NotFound, Unauthenticated
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
-from tether.server.service import start_shard
+from tether.server.serve import start_shard
 from tether.worker import dataplane as worker_dataplane
 
 from conftest import make_client

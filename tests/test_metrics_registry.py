@@ -259,7 +259,7 @@ def test_series_are_remembered_and_table_gauges_read_at_scrape_time() -> None:
     import numpy as np
 
     from tether.protos.specs import OptimizerConfig, TableConfig
-    from tether.server.service import ShardServicer
+    from tether.server.handler import RequestHandler
     from tether.server.shard import Shard
 
     registry = CollectorRegistry()
@@ -271,7 +271,7 @@ def test_series_are_remembered_and_table_gauges_read_at_scrape_time() -> None:
 
     shard = Shard(metrics=metrics)
     shard.declare([TableConfig("t", dim=4, optimizer=OptimizerConfig("sgd", lr=0.1))], [])
-    ShardServicer(shard, metrics)  # exports the tables the shard already holds (as after a restore)
+    RequestHandler(shard, metrics)  # exports the tables the shard already holds (as after a restore)
     assert registry.get_sample_value("tether_shard_table_rows", {"table": "t"}) == 0
     shard.pull([("t", np.arange(10, dtype=np.int64))], [])
     # No call since the pull: the gauge reads the table when scraped.

@@ -32,7 +32,7 @@ from tether.protos.security import ClientSecurity, resolve_token
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig, load_config
 from tether.server.metrics import ShardMetrics
-from tether.server.service import RunningShard, start_shard
+from tether.server.serve import RunningShard, start_shard
 from tether.worker.flags import load_config as load_worker_config
 
 from conftest import make_client
