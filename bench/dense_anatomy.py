@@ -69,7 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from tether.deploy.launch import LocalCluster
     from tether.protos.specs import OptimizerConfig
+    from tether.protos.allocator import tune_malloc
     from tether.worker.client import ClientConfig, PSClient
+
+    tune_malloc()  # what tether's own worker processes do at start-up
 
     torch.set_num_threads(1)
     n = a.mib * 2**18

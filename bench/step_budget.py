@@ -59,7 +59,10 @@ class _Setup:
         from tether.deploy.launch import LocalCluster
         from tether.server.handler import RequestHandler
         from tether.server.shard import Shard
+        from tether.protos.allocator import tune_malloc
         from tether.worker.client import ClientConfig, PSClient
+
+        tune_malloc()  # what tether's own worker processes do at start-up
 
         self.cluster = LocalCluster(grace_s=5.0)
         addresses = self.cluster.start_shards(1, timeout_s=90)

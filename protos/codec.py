@@ -24,14 +24,10 @@ __all__ = [
     "decode_tensor",
     "encode_ids",
     "encode_tensor",
+    "quiet_readonly_warning",
     "torch_dtype",
     "wire_dtype",
 ]
-
-
-# Decoded tensors are read-only views of the message (zero copy, by design); torch warns
-# about non-writable arrays, once per process, which is noise here.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
 # Nothing tether sends has more dims (rows x dim at most), or dims anywhere near this size.
@@ -59,6 +55,13 @@ _NUMPY_VIEW = {
     pb.BFLOAT16: np.dtype("<i2"),
     pb.INT64: np.dtype("<i8"),
 }
+
+
+def quiet_readonly_warning() -> None:
+    """Silence torch's warning about non-writable arrays, for the whole process (entry points
+    call it): decoded tensors are read-only views of the message (zero copy, by design), and
+    the warning, given once per process, is noise here."""
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
 def torch_dtype(dtype: int) -> torch.dtype:

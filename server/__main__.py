@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from tether.protos.errors import TetherError, UsageError, report_usage_error
 from tether.server.config import ShardConfig, load_config
 from tether.protos.allocator import tune_malloc
+from tether.protos.codec import quiet_readonly_warning
 from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.serve import start_shard
 
@@ -37,6 +38,7 @@ def run(config: ShardConfig) -> int:
     """
     # Steps free and allocate tensors of MiBs: keep them in the heap (tether.protos.allocator).
     tune_malloc()
+    quiet_readonly_warning()
     metrics: ShardRecorder = NullShardMetrics()
     if config.metrics_port is not None:
         from prometheus_client import CollectorRegistry

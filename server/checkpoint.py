@@ -50,7 +50,6 @@ from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.shard import DenseState, Shard, ShardState, TableState
 
 __all__ = [
-    "CRASH_BEFORE_MANIFEST_ENV",
     "FORMAT",
     "CheckpointInfo",
     "Checkpointer",
@@ -71,7 +70,6 @@ log = logging.getLogger(__name__)
 
 FORMAT = "tether-checkpoint/1"
 # Test hook: a writer with this set to 1 exits between its data file and its manifest.
-CRASH_BEFORE_MANIFEST_ENV = "TETHER_TEST_CRASH_BEFORE_MANIFEST"
 _ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 _PART = re.compile(r"shard-(\d+)-of-(\d+)\.manifest\.json")
 # Longest a checkpoint call waits for the one before it to finish.
@@ -234,11 +232,14 @@ def _dense_record(d: DenseState) -> dict[str, object]:
     }
 
 
-def write_checkpoint(state: ShardState, root: Path, ckpt_id: str, shard_index: int, num_shards: int) -> CheckpointInfo:
+def write_checkpoint(
+    state: ShardState, root: Path, ckpt_id: str, shard_index: int, num_shards: int, crash_before_manifest: bool = False
+) -> CheckpointInfo:
     """Write one shard's part of checkpoint ``ckpt_id`` under ``root``: data file, then manifest.
 
     Writing an id this shard wrote before replaces its part (the old manifest goes first, so
-    a crash midway leaves no manifest pointing at a half-written part).
+    a crash midway leaves no manifest pointing at a half-written part). ``crash_before_manifest``
+    (a test hook) ends the process between the two.
 
     Raises:
         InvalidArgument: an unsafe ``ckpt_id``.
@@ -273,8 +274,8 @@ def write_checkpoint(state: ShardState, root: Path, ckpt_id: str, shard_index: i
 
     data_bytes = _atomic_write(data_path, write_data)
     _fsync_dir(folder)
-    if os.environ.get(CRASH_BEFORE_MANIFEST_ENV) == "1":
-        log.error("%s=1: exiting between the data file and the manifest of checkpoint %s", CRASH_BEFORE_MANIFEST_ENV, ckpt_id)
+    if crash_before_manifest:
+        log.error("crash_before_manifest: exiting between the data file and the manifest of checkpoint %s", ckpt_id)
         os._exit(1)
     created = time.time()
     manifest = {
@@ -483,6 +484,7 @@ class Checkpointer:
         every_s: float | None = None,
         keep: int = 3,
         metrics: ShardRecorder | None = None,
+        crash_before_manifest: bool = False,
     ) -> None:
         if every_s is not None and not every_s > 0:
             raise ValueError(f"every_s must be > 0 or None, got {every_s!r}")
@@ -498,6 +500,7 @@ class Checkpointer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._mutations_saved = 0
+        self._crash_before_manifest = crash_before_manifest
 
     # -- restore ---------------------------------------------------------------------------------
 
@@ -562,7 +565,7 @@ class Checkpointer:
             mutations = s.mutations
             state = s.export_state()
             try:
-                written = write_checkpoint(state, self.root, ckpt_id, s.shard_index, s.num_shards)
+                written = write_checkpoint(state, self.root, ckpt_id, s.shard_index, s.num_shards, self._crash_before_manifest)
             except OSError as exc:
                 raise FailedPrecondition(f"checkpoint {ckpt_id}: cannot write under {self.root}: {exc}") from exc
             info = CheckpointInfo(written.id, written.path, written.bytes, time.perf_counter() - start, written.created)

@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 from tether.protos.flags import HelpFormatter, env
 from tether.protos.security import TOKEN_ENV, check_token, resolve_token
 
-__all__ = ["ShardConfig", "load_config"]
+# Set to 1, a shard process exits between a checkpoint's data file and its manifest (tests).
+CRASH_BEFORE_MANIFEST_ENV = "TETHER_TEST_CRASH_BEFORE_MANIFEST"
+
+__all__ = ["CRASH_BEFORE_MANIFEST_ENV", "ShardConfig", "load_config"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,9 @@ class ShardConfig:
     data_buffer_bytes: int = 1024 * 1024 * 1024
     data_handshake_timeout_s: float = 10.0
     data_idle_timeout_s: float = 120.0
+    # Test hook (``CRASH_BEFORE_MANIFEST_ENV=1``): exit between a checkpoint's data file and its
+    # manifest, as a crash there would.
+    crash_before_manifest: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -182,4 +188,5 @@ def load_config(argv: Sequence[str] | None = None) -> ShardConfig:
         data_buffer_bytes=int(a.data_buffer_mb) * 1024 * 1024,
         data_handshake_timeout_s=float(a.data_handshake_timeout),
         data_idle_timeout_s=float(a.data_idle_timeout),
+        crash_before_manifest=env(CRASH_BEFORE_MANIFEST_ENV, "") == "1",
     )

@@ -90,7 +90,9 @@ def start_shard(config: ShardConfig, shard: Shard | None = None, metrics: ShardR
     )
     checkpointer = None
     if config.checkpoint_dir is not None:
-        checkpointer = Checkpointer(shard, config.checkpoint_dir, config.checkpoint_every_s, config.checkpoint_keep, metrics)
+        checkpointer = Checkpointer(
+            shard, config.checkpoint_dir, config.checkpoint_every_s, config.checkpoint_keep, metrics, config.crash_before_manifest
+        )
         # Before the port opens: no call ever sees the shard half restored.
         checkpointer.restore()
     credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls else None

@@ -23,14 +23,13 @@ from tether.protos.errors import FailedPrecondition, InvalidArgument
 from tether.protos.partition import shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.checkpoint import (
-    CRASH_BEFORE_MANIFEST_ENV,
     Checkpointer,
     choose_restore,
     file_checksum,
     list_manifests,
     manifest_checksum,
 )
-from tether.server.config import ShardConfig
+from tether.server.config import CRASH_BEFORE_MANIFEST_ENV, ShardConfig
 from tether.server.metrics import ShardMetrics
 from tether.server.serve import RunningShard, start_shard
 from tether.server.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate, dedup_key

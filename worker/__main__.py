@@ -7,6 +7,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from tether.protos.allocator import tune_malloc
+from tether.protos.codec import quiet_readonly_warning
 from tether.protos.errors import TetherError, UsageError, report_usage_error
 from tether.worker.config import WorkerConfig
 from tether.worker.flags import load_config
@@ -23,6 +25,9 @@ def run(config: WorkerConfig) -> int:
     Raises:
         UsageError: the metrics port is taken, sync mode outside torchrun, a bad data file.
     """
+    # Steps free and allocate tensors of MiBs: keep them in the heap (tether.protos.allocator).
+    tune_malloc()
+    quiet_readonly_warning()
     metrics = None
     if config.metrics_port is not None:
         from prometheus_client import CollectorRegistry

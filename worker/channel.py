@@ -26,6 +26,7 @@ from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.errors import Unavailable, error_from_status, retryable
 from tether.worker.config import ClientConfig
 from tether.worker.dataplane import DataConnection, DataPlane, DataPlaneStatus
+from tether.worker.metrics import WorkerRecorder
 
 __all__ = ["Answer", "Call", "DataCall", "ShardChannel", "channel_options", "time_left"]
 
@@ -91,7 +92,7 @@ class ShardChannel:
     """Calls to one shard, with retries; the data plane when a call has a payload and the
     shard offers one, else gRPC."""
 
-    def __init__(self, index: int, config: ClientConfig, metrics: object | None = None) -> None:
+    def __init__(self, index: int, config: ClientConfig, metrics: WorkerRecorder) -> None:
         self.index = index
         self.address = config.addresses[index]
         self.config = config
@@ -167,8 +168,7 @@ class ShardChannel:
                     failed = exc
             code, details = failed.code, failed.details
             self._note_resend(call.request)
-            if self.metrics is not None:
-                self.metrics.rpc_errors.labels(rpc=method, code=code.name).inc()
+            self.metrics.rpc_failed(method, code.name)
             pause = backoff * (0.5 + random.random())
             # No retry that could not start before the deadline: give up now, not after the pause.
             spent = time.monotonic() + pause >= deadline
@@ -182,8 +182,7 @@ class ShardChannel:
                         f"{code.name}: {details}{hint}"
                     ) from failed.__cause__
                 raise error_from_status(code, f"shard {self.index} {method}: {details}") from failed.__cause__
-            if self.metrics is not None:
-                self.metrics.retries.labels(rpc=method).inc()
+            self.metrics.retried(method)
             log.warning("shard %d %s: %s, retry %d in %.2fs", self.index, method, code.name, attempt + 1, pause)
             time.sleep(pause)
             backoff = min(backoff * 2, cfg.max_backoff_s)

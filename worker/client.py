@@ -25,6 +25,7 @@ from tether.protos.security import ClientSecurity
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.channel import Call, DataCall, ShardChannel, time_left
 from tether.worker.config import ClientConfig
+from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
 from tether.worker.results import CheckpointResult, ClockReply, Handle, Pending, PullResult, PushAck
 from tether.worker.router import PullAnswer, Router
 
@@ -41,15 +42,15 @@ _CLOCK_HOLD_S = 5.0
 class PSClient:
     """Push/pull over all shards of a job."""
 
-    def __init__(self, config: ClientConfig, metrics: object | None = None) -> None:
+    def __init__(self, config: ClientConfig, metrics: WorkerRecorder | None = None) -> None:
         self.config = config
-        self.metrics = metrics
+        self.metrics: WorkerRecorder = metrics if metrics is not None else NullWorkerMetrics()
         self.num_shards = len(config.addresses)
         # A random id of this client process: shards deduplicate its pushes by (worker id,
         # incarnation, seq), so a worker restarted under the same id is not taken for a retry.
         self.incarnation = int.from_bytes(os.urandom(8), "little") or 1
         self.router = Router(config, self.incarnation)
-        self.channels = [ShardChannel(s, config, metrics) for s in range(self.num_shards)]
+        self.channels = [ShardChannel(s, config, self.metrics) for s in range(self.num_shards)]
         self._pool = ThreadPoolExecutor(max_workers=max(config.threads, self.num_shards), thread_name_prefix="tether-client")
 
     def close(self) -> None:
@@ -136,8 +137,7 @@ class PSClient:
                     "shard %d called push %d of worker %r (incarnation %016x) a duplicate, but it was sent once",
                     s, requests[s].seq, self.config.worker_id, self.incarnation,
                 )
-                if self.metrics is not None:
-                    self.metrics.unexpected_duplicates.inc()
+                self.metrics.unexpected_duplicate()
         return PushAck(
             staleness=max((a.max_staleness for a in values), default=0),
             clock_staleness=max((a.clock_staleness for a in values), default=0),

@@ -11,6 +11,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from tether.protos.allocator import tune_malloc
+from tether.protos.codec import quiet_readonly_warning
 from tether.protos.errors import UsageError, report_usage_error
 
 __all__ = ["main", "resolve"]
@@ -41,6 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         return report_usage_error("tether worker", UsageError("usage: python -m tether.worker.entry module:function [args...]"))
+    # Steps free and allocate tensors of MiBs: keep them in the heap (tether.protos.allocator).
+    tune_malloc()
+    quiet_readonly_warning()
     try:
         fn = resolve(argv[0])
         sys.argv = [argv[0], *argv[1:]]

@@ -1,14 +1,16 @@
-"""Prometheus metrics of one worker, registered in a caller-supplied registry."""
+"""What a worker records about itself: the ``WorkerRecorder`` protocol, its null object, and
+``WorkerMetrics``, which exports it to Prometheus in a caller-supplied registry."""
 
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tether.protos.metrics_http import register_process_metrics, serve_metrics
 
-__all__ = ["PHASES", "PHASE_BUCKETS", "STEP_BUCKETS", "WorkerMetrics", "serve_metrics"]
+__all__ = ["PHASES", "PHASE_BUCKETS", "STEP_BUCKETS", "NullWorkerMetrics", "WorkerMetrics", "WorkerRecorder", "serve_metrics"]
 
 PHASES: tuple[str, ...] = ("pull_wait", "compute", "push", "staleness_wait")
 # 50us .. 10s: a prefetched pull costs ~nothing, an ssp wait behind a straggler costs seconds.
@@ -21,8 +23,59 @@ STEP_BUCKETS: tuple[float, ...] = (
 )
 
 
+class WorkerRecorder(Protocol):
+    """What a worker's client and training loop record."""
+
+    def rpc_failed(self, rpc: str, code: str) -> None:
+        """One attempt of a call failed with status ``code`` (a name)."""
+
+    def retried(self, rpc: str) -> None:
+        """A failed attempt is tried again."""
+
+    def unexpected_duplicate(self) -> None:
+        """A shard called a push a duplicate although this client sent it once."""
+
+    def rpc_failed(self, rpc: str, code: str) -> None:
+        self.rpc_errors.labels(rpc=rpc, code=code).inc()
+
+    def retried(self, rpc: str) -> None:
+        self.retries.labels(rpc=rpc).inc()
+
+    def unexpected_duplicate(self) -> None:
+        self.unexpected_duplicates.inc()
+
+    def record_step(self, phases: dict[str, float], seconds: float, samples: int, loss: float, clock: int) -> None:
+        """One finished training step: its phases, duration, samples, loss and clock."""
+
+
+class NullWorkerMetrics:
+    """A ``WorkerRecorder`` that records nothing (a worker without a metrics port)."""
+
+    def rpc_failed(self, rpc: str, code: str) -> None:
+        pass
+
+    def retried(self, rpc: str) -> None:
+        pass
+
+    def unexpected_duplicate(self) -> None:
+        pass
+
+    def rpc_failed(self, rpc: str, code: str) -> None:
+        self.rpc_errors.labels(rpc=rpc, code=code).inc()
+
+    def retried(self, rpc: str) -> None:
+        self.retries.labels(rpc=rpc).inc()
+
+    def unexpected_duplicate(self) -> None:
+        self.unexpected_duplicates.inc()
+
+    def record_step(self, phases: dict[str, float], seconds: float, samples: int, loss: float, clock: int) -> None:
+        pass
+
+
 class WorkerMetrics:
-    """Every metric a worker exports; label values are bounded (phase, rpc, code)."""
+    """Every metric a worker exports (a ``WorkerRecorder``); label values are bounded (phase,
+    rpc, code)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         """Create the metrics in ``registry``; a second instance needs a second registry."""
@@ -61,6 +114,15 @@ class WorkerMetrics:
         self._phases = {phase: self.phase_seconds.labels(phase=phase) for phase in PHASES}
         # Memory (RSS), CPU and fds of the process (once per registry: a shard may share it).
         register_process_metrics(r)
+
+    def rpc_failed(self, rpc: str, code: str) -> None:
+        self.rpc_errors.labels(rpc=rpc, code=code).inc()
+
+    def retried(self, rpc: str) -> None:
+        self.retries.labels(rpc=rpc).inc()
+
+    def unexpected_duplicate(self) -> None:
+        self.unexpected_duplicates.inc()
 
     def record_step(self, phases: dict[str, float], seconds: float, samples: int, loss: float, clock: int) -> None:
         """Record one finished training step: its phases, duration, samples, loss and clock."""

@@ -31,7 +31,7 @@ from tether.worker.data import (
 )
 from tether.worker.embedding import ShardedEmbeddingBag
 from tether.worker.evaluation import constant_baseline_loss, evaluate
-from tether.worker.metrics import WorkerMetrics
+from tether.worker.metrics import WorkerRecorder
 from tether.worker.model import CTRModel
 from tether.worker.training import Trainer
 
@@ -131,7 +131,7 @@ def _ctr_metrics(model: nn.Module, batch: Batch) -> dict[str, float]:
     return evaluate(model, batch, 4096)
 
 
-def ctr_trainer(cfg: WorkerConfig, ds: Dataset, metrics: WorkerMetrics | None = None, printer: Callable[[str], None] = print) -> Trainer[Batch]:
+def ctr_trainer(cfg: WorkerConfig, ds: Dataset, metrics: WorkerRecorder | None = None, printer: Callable[[str], None] = print) -> Trainer[Batch]:
     """A ``Trainer`` of the CTR model on the shards of ``cfg`` (rows init ``init_scale``, seeded)."""
     model = build_model(cfg, ds)
     opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr)
@@ -139,7 +139,7 @@ def ctr_trainer(cfg: WorkerConfig, ds: Dataset, metrics: WorkerMetrics | None = 
     return Trainer(model, cfg, loss=ctr_loss, sparse=ctr_sparse, tables=tables, metrics=metrics, printer=printer)
 
 
-def train(cfg: WorkerConfig, metrics: WorkerMetrics | None = None, printer: Callable[[str], None] = print) -> dict[str, object]:
+def train(cfg: WorkerConfig, metrics: WorkerRecorder | None = None, printer: Callable[[str], None] = print) -> dict[str, object]:
     """Run one worker of the CTR job and return its record (also written to ``cfg.out``).
 
     Raises:

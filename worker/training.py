@@ -41,7 +41,7 @@ from tether.worker.client import ClientConfig, Handle, PSClient, PullResult
 from tether.worker.config import TrainingConfig
 from tether.worker.data import in_background
 from tether.worker.embedding import Prefetch, PSModel, flat_grads, split_flat
-from tether.worker.metrics import WorkerMetrics
+from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
 from tether.worker.stragglers import delay_factor
 from tether.worker.tensorboard_writer import TensorBoardRecorder
 
@@ -263,7 +263,7 @@ class Trainer(Generic[B]):
             for features sharing a table) for every table the batch looks up.
         tables: table specs to declare; by default one per table of the model, with the
             config's optimizer, learning rate, ``init_scale`` and seed.
-        metrics: where to record Prometheus metrics (``WorkerMetrics``), or None.
+        metrics: where to record steps and calls (``WorkerMetrics`` for Prometheus), or None.
         printer: where progress lines go.
         batch_size: ``batch_size(batch)`` -> samples (default: the first tensor's length).
 
@@ -280,7 +280,7 @@ class Trainer(Generic[B]):
         loss: Callable[[nn.Module, B], torch.Tensor],
         sparse: Callable[[B], Mapping[str, torch.Tensor | Sequence[torch.Tensor]]],
         tables: Sequence[TableConfig] | None = None,
-        metrics: WorkerMetrics | None = None,
+        metrics: WorkerRecorder | None = None,
         printer: Callable[[str], None] = print,
         batch_size: Callable[[B], int] = batch_size_of,
     ) -> None:
@@ -301,7 +301,7 @@ class Trainer(Generic[B]):
         self.loss_fn = loss
         self.sparse_fn = sparse
         self.batch_size_fn = batch_size
-        self.metrics = metrics
+        self.metrics: WorkerRecorder = metrics if metrics is not None else NullWorkerMetrics()
         self.printer = printer
         self.name = f"worker {config.worker_index}/{config.num_workers}"
         # TensorBoard curves (--tensorboard): a missing package is a UsageError before any connection.
@@ -320,7 +320,7 @@ class Trainer(Generic[B]):
                 staleness_aware=config.staleness_aware and kind != "sync",
                 security=config.security,
             ),
-            metrics,
+            self.metrics,
         )
         try:
             self.ps = PSModel(model.to(device), self.client, device, dense_on_shards=policy.dense_on_shards)
@@ -509,8 +509,7 @@ class Trainer(Generic[B]):
             durations = {"staleness_wait": tw - t0, "pull_wait": t1 - tw, "compute": t2 - t1, "push": t3 - t2}
             for key, value in durations.items():
                 phase[key] += value
-            if self.metrics is not None:
-                self.metrics.record_step(durations, t3 - t0, n, loss_value, clock + 1)
+            self.metrics.record_step(durations, t3 - t0, n, loss_value, clock + 1)
             last = upcoming is None
             if cfg.checkpoint_every_steps and cfg.worker_index == 0 and (step + 1) % cfg.checkpoint_every_steps == 0:
                 self._checkpoint(clock + 1)

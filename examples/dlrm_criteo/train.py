@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from tether.protos.allocator import tune_malloc
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.data import CRITEO_DENSE, CRITEO_SPARSE, CriteoStream, criteo_eval_set, write_criteo_sample
 from tether.worker.embedding import ShardedEmbeddingBag
@@ -56,6 +57,7 @@ def main() -> None:
         generate(a.data, a.generate, a.lines)
         print(f"wrote {', '.join(sorted(glob.glob(a.data)))}")
         return
+    tune_malloc()  # a worker process: keep each step's MiB-sized tensors in the heap
     config = TrainingConfig.from_env()
     held_out = criteo_eval_set(a.data, a.eval_samples, holdout_every=HOLDOUT)
     click_rate = float(next(iter(CriteoStream(a.data, 20_000, holdout_every=HOLDOUT))).labels.mean())
