@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from tether.protos.partition import mix64
-from tether.worker.data import Batch, CriteoStream, write_criteo_sample
+from tether.worker.criteo import CriteoStream, write_criteo_sample
+from tether.worker.data import Batch
 
 # -- the old parser (worker/data.py's CriteoTSV before the streaming reader), the baseline ------
 
@@ -130,7 +131,7 @@ def _check_equal(path: Path, lines: int) -> None:
 
 _PEAK = """
 import resource, sys
-from tether.worker.data import CriteoStream
+from tether.worker.criteo import CriteoStream
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 n = sum(b.labels.numel() for b in CriteoStream(sys.argv[1], 4096))
 print(n, before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)

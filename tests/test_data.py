@@ -9,17 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tether.worker.data import (
-    Batch,
-    CriteoStream,
-    DataError,
-    SyntheticClickLog,
-    SyntheticConfig,
-    criteo_eval_set,
-    criteo_files,
-    in_background,
-    write_criteo_sample,
-)
+from tether.worker.criteo import CriteoStream, criteo_eval_set, criteo_files, write_criteo_sample
+from tether.worker.data import Batch, DataError, SyntheticClickLog, SyntheticConfig, in_background
 from tether.worker.evaluation import constant_baseline_loss
 
 

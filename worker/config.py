@@ -57,7 +57,7 @@ def _check_data_file(data: str) -> None:
     Raises:
         ValueError: no path, nothing matches, not a file, or not readable.
     """
-    from tether.worker.data import criteo_files
+    from tether.worker.criteo import criteo_files
 
     path = data.split(":", 1)[1]
     if not path:

@@ -19,16 +19,8 @@ from torch import nn
 
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.config import WorkerConfig
-from tether.worker.data import (
-    CRITEO_DENSE,
-    CRITEO_SPARSE,
-    Batch,
-    CriteoStream,
-    SyntheticClickLog,
-    SyntheticConfig,
-    criteo_eval_set,
-    criteo_files,
-)
+from tether.worker.criteo import CRITEO_DENSE, CRITEO_SPARSE, CriteoStream, criteo_eval_set, criteo_files
+from tether.worker.data import Batch, SyntheticClickLog, SyntheticConfig
 from tether.worker.embedding import ShardedEmbeddingBag
 from tether.worker.evaluation import constant_baseline_loss, evaluate
 from tether.worker.metrics import WorkerRecorder

@@ -20,7 +20,7 @@ import torch
 
 from tether.protos.allocator import tune_malloc
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.worker.data import CRITEO_DENSE, CRITEO_SPARSE, CriteoStream, criteo_eval_set, write_criteo_sample
+from tether.worker.criteo import CRITEO_DENSE, CRITEO_SPARSE, CriteoStream, criteo_eval_set, write_criteo_sample
 from tether.worker.embedding import ShardedEmbeddingBag
 from tether.worker.evaluation import constant_baseline_loss, evaluate
 from tether.worker.model import CTRModel
