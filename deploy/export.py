@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from tether.server.checkpoint import RestorePlan, complete_checkpoints, list_manifests, load_state
+from tether.server.checkpoint_files import RestorePlan, load_state
+from tether.server.restore import complete_checkpoints, list_manifests
 from tether.worker.serving import EXPORT_FORMAT, MANIFEST, WEIGHTS
 
 __all__ = ["export_checkpoint"]

@@ -11,7 +11,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tether.protos.security import server_credentials, server_ssl_context
 from tether.server.auth import TokenAuthInterceptor
-from tether.server.checkpoint import CheckpointInfo, Checkpointer
+from tether.server.checkpoint import Checkpointer
+from tether.server.checkpoint_files import CheckpointInfo
 from tether.server.config import ShardConfig
 from tether.server.dataplane import DataPlaneServer
 from tether.server.handler import RequestHandler

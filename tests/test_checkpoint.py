@@ -22,13 +22,9 @@ from tether.protos.codec import encode_ids, encode_tensor
 from tether.protos.errors import FailedPrecondition, InvalidArgument
 from tether.protos.partition import shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.checkpoint import (
-    Checkpointer,
-    choose_restore,
-    file_checksum,
-    list_manifests,
-    manifest_checksum,
-)
+from tether.server.checkpoint import Checkpointer
+from tether.server.checkpoint_files import file_checksum, manifest_checksum
+from tether.server.restore import choose_restore, list_manifests
 from tether.server.config import CRASH_BEFORE_MANIFEST_ENV, ShardConfig
 from tether.server.metrics import ShardMetrics
 from tether.server.serve import RunningShard, start_shard

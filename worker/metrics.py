@@ -35,15 +35,6 @@ class WorkerRecorder(Protocol):
     def unexpected_duplicate(self) -> None:
         """A shard called a push a duplicate although this client sent it once."""
 
-    def rpc_failed(self, rpc: str, code: str) -> None:
-        self.rpc_errors.labels(rpc=rpc, code=code).inc()
-
-    def retried(self, rpc: str) -> None:
-        self.retries.labels(rpc=rpc).inc()
-
-    def unexpected_duplicate(self) -> None:
-        self.unexpected_duplicates.inc()
-
     def record_step(self, phases: dict[str, float], seconds: float, samples: int, loss: float, clock: int) -> None:
         """One finished training step: its phases, duration, samples, loss and clock."""
 
@@ -59,15 +50,6 @@ class NullWorkerMetrics:
 
     def unexpected_duplicate(self) -> None:
         pass
-
-    def rpc_failed(self, rpc: str, code: str) -> None:
-        self.rpc_errors.labels(rpc=rpc, code=code).inc()
-
-    def retried(self, rpc: str) -> None:
-        self.retries.labels(rpc=rpc).inc()
-
-    def unexpected_duplicate(self) -> None:
-        self.unexpected_duplicates.inc()
 
     def record_step(self, phases: dict[str, float], seconds: float, samples: int, loss: float, clock: int) -> None:
         pass
