@@ -25,12 +25,9 @@ for ``RELEASE_IDLE_S`` and counted against a budget for all connections together
 
 from __future__ import annotations
 
-import ctypes
 import hmac
 import logging
-import mmap
 import os
-import select
 import socket
 import ssl
 import threading
@@ -44,6 +41,7 @@ from google.protobuf.message import DecodeError
 from tether.protos import dataplane as dp
 from tether.protos import tether_pb2 as pb
 from tether.protos.errors import OVERLOADED
+from tether.server.connection import Connection, Refuse, close_all, drain, peer, readable
 
 if TYPE_CHECKING:
     from tether.server.handler import RequestHandler
@@ -56,23 +54,10 @@ _REQUESTS = {dp.PUSH: pb.PushRequest, dp.PULL: pb.PullRequest, dp.PUSH_PULL: pb.
 # A connection's receive buffer is given back after this many seconds without a frame, so
 # back-to-back calls reuse it and an idle connection holds nothing.
 RELEASE_IDLE_S = 1.0
-# Bytes read and thrown away after a refusal, so the answer is not lost to a reset.
-_DRAIN_BYTES = 256 * 1024
-# Buffers from this size on ask for transparent huge pages.
-_HUGE = 2 << 20
-_DRAIN_S = 0.5
 
 
 def _over_limit(size: int, limit: int) -> str:
     return f"message of {size} bytes is over the shard's limit of {limit}"
-
-
-class _Refuse(Exception):
-    """Answer with this status and close the connection."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class DataPlaneServer:
@@ -240,10 +225,10 @@ class DataPlaneServer:
             dp.send_frame(conn, 0, message.encode(), status=code.value[0])
         except OSError:
             return
-        _drain(conn)
+        drain(conn)
 
     def _serve(self, conn: socket.socket, unix: bool) -> None:
-        state = _Connection(self, unix, authenticated=self._token is None, tls=self._tls is not None and not unix)
+        state = Connection(self._reserve, self._unreserve, unix, authenticated=self._token is None, tls=self._tls is not None and not unix)
         self._count(state, +1)
         deadline = time.monotonic() + self.handshake_timeout_s
         try:
@@ -252,7 +237,7 @@ class DataPlaneServer:
             self._handshake(conn, state, deadline)
             while self._one_call(conn, state):
                 pass
-        except _Refuse as exc:
+        except Refuse as exc:
             self._refuse(conn, exc.code, str(exc))
         except dp.FrameError as exc:
             self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -269,7 +254,7 @@ class DataPlaneServer:
                 self._conns.pop(conn, None)
             conn.close()
 
-    def _count(self, state: _Connection, delta: int) -> None:
+    def _count(self, state: Connection, delta: int) -> None:
         mode = "shm" if state.region is not None else "tcp+tls" if state.tls else "tcp"
         self.handler.metrics.connections(mode, delta)
 
@@ -277,7 +262,7 @@ class DataPlaneServer:
         """The TLS side of a new TCP connection, its handshake done by ``deadline``.
 
         Raises:
-            _Refuse: the client spoke plaintext (answered in plaintext: UNAVAILABLE).
+            Refuse: the client spoke plaintext (answered in plaintext: UNAVAILABLE).
             ConnectionError: the handshake failed (no or an untrusted client certificate, ...).
             TimeoutError: the handshake did not finish in time.
         """
@@ -286,12 +271,12 @@ class DataPlaneServer:
         if not first:
             raise ConnectionError("closed before the TLS handshake")
         if first == dp.MAGIC[:1]:
-            raise _Refuse(
+            raise Refuse(
                 grpc.StatusCode.UNAVAILABLE,
                 "this shard's data port serves TLS and the client spoke plaintext: give the worker --tls-ca "
                 "(and --tls-cert/--tls-key where the shard requires client certificates)",
             )
-        peer = _peer(conn)
+        who = peer(conn)
         with self._lock:  # the serving thread is registered under the socket stop() shuts down
             thread = self._conns.pop(conn)
             tls = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
@@ -301,8 +286,8 @@ class DataPlaneServer:
             tls.do_handshake()
         except BaseException as exc:
             if isinstance(exc, ssl.SSLError):
-                log.info("data plane: TLS handshake with %s failed: %s", peer, exc.reason or exc)
-                _drain(tls)  # so that the alert OpenSSL sent reaches the client
+                log.info("data plane: TLS handshake with %s failed: %s", who, exc.reason or exc)
+                drain(tls)  # so that the alert OpenSSL sent reaches the client
             with self._lock:
                 self._conns.pop(tls, None)
             tls.close()
@@ -311,7 +296,7 @@ class DataPlaneServer:
             raise
         return tls
 
-    def _handshake(self, conn: socket.socket, state: _Connection, deadline: float) -> None:
+    def _handshake(self, conn: socket.socket, state: Connection, deadline: float) -> None:
         """Read the first frame, which must be a small HELLO, by the handshake deadline, and answer it."""
         (method, flags, _, meta_len, payload_len, _), fds = state.read_header(conn, deadline)
         try:
@@ -321,31 +306,31 @@ class DataPlaneServer:
             answer = self._hello(bytes(meta), state, fds)
             fds = []
         finally:
-            _close_all(fds)
+            close_all(fds)
         dp.send_frame(conn, dp.HELLO, msgpack.packb(answer))
 
     def _check_hello(self, method: int, flags: int, meta_len: int, payload_len: int, first: bool) -> None:
         if method != dp.HELLO:
             if first and self._token is not None:
-                raise _Refuse(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token: a connection must start with HELLO")
+                raise Refuse(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token: a connection must start with HELLO")
             if first:
-                raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"a connection must start with HELLO, not method {method}")
+                raise Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"a connection must start with HELLO, not method {method}")
         if flags or payload_len or meta_len > dp.HELLO_MAX:
-            raise _Refuse(
+            raise Refuse(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"HELLO must be at most {dp.HELLO_MAX} bytes with no payload, got {meta_len} + {payload_len} (flags {flags})",
             )
 
-    def _wait_for_frame(self, conn: socket.socket, state: _Connection) -> bool:
+    def _wait_for_frame(self, conn: socket.socket, state: Connection) -> bool:
         """Wait for the next frame: release the buffer after a short pause, give up at the idle timeout."""
-        if not _readable(conn, min(RELEASE_IDLE_S, self.idle_timeout_s)):
+        if not readable(conn, min(RELEASE_IDLE_S, self.idle_timeout_s)):
             state.release()
-            if not _readable(conn, max(self.idle_timeout_s - RELEASE_IDLE_S, 0.0)):
+            if not readable(conn, max(self.idle_timeout_s - RELEASE_IDLE_S, 0.0)):
                 log.debug("data connection idle for %.1fs: closed", self.idle_timeout_s)
                 return False
         return True
 
-    def _one_call(self, conn: socket.socket, state: _Connection) -> bool:
+    def _one_call(self, conn: socket.socket, state: Connection) -> bool:
         if not self._wait_for_frame(conn, state):
             return False
         conn.settimeout(self.idle_timeout_s)  # a frame that stalls half-way counts as idle too
@@ -358,17 +343,17 @@ class DataPlaneServer:
                 answer = self._hello(bytes(meta), state, fds)
                 fds = []
             finally:
-                _close_all(fds)
+                close_all(fds)
             dp.send_frame(conn, dp.HELLO, msgpack.packb(answer))
             return True
-        _close_all(fds)  # descriptors ride only with a HELLO
+        close_all(fds)  # descriptors ride only with a HELLO
         if method not in dp.METHODS:
-            raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"unknown data-plane method {method}")
+            raise Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"unknown data-plane method {method}")
         shared = bool(flags & dp.FLAG_SHM)
         too_big = meta_len + payload_len > self.max_message_bytes
         if too_big and not (shared and meta_len <= self.max_message_bytes):
             # Bytes we will not read are still on the socket: answer, then hang up.
-            raise _Refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, _over_limit(meta_len + payload_len, self.max_message_bytes))
+            raise Refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, _over_limit(meta_len + payload_len, self.max_message_bytes))
         meta, payload = state.receive(conn, meta_len, 0 if shared else payload_len)
         if too_big:  # a shared payload: refuse the call, keep the connection
             dp.send_frame(conn, method, _over_limit(meta_len + payload_len, self.max_message_bytes).encode(),
@@ -376,11 +361,11 @@ class DataPlaneServer:
             return True
         with self._lock:
             if self._draining:
-                raise _Refuse(grpc.StatusCode.UNAVAILABLE, "shard is draining")
+                raise Refuse(grpc.StatusCode.UNAVAILABLE, "shard is draining")
             self._busy += 1
         try:
             if not state.authenticated:
-                raise _Refuse(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+                raise Refuse(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
             if shared:
                 payload = state.shared_payload(aux, payload_len)
             self._answer(conn, method, meta, payload, state, aux + payload_len if shared else None)
@@ -394,11 +379,11 @@ class DataPlaneServer:
         """Count ``n`` more bytes of receive buffers against the budget.
 
         Raises:
-            _Refuse: RESOURCE_EXHAUSTED, they do not fit.
+            Refuse: RESOURCE_EXHAUSTED, they do not fit.
         """
         with self._lock:
             if self._buffered + n > self.buffer_bytes:
-                raise _Refuse(
+                raise Refuse(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{OVERLOADED}: a frame needs {n} more bytes of receive buffer, and the data plane's buffers "
                     f"already hold {self._buffered} of their limit of {self.buffer_bytes} bytes (--data-buffer-mb)",
@@ -409,20 +394,20 @@ class DataPlaneServer:
         with self._lock:
             self._buffered -= n
 
-    def _hello(self, meta: bytes, state: _Connection, fds: list[int]) -> dict[str, object]:
+    def _hello(self, meta: bytes, state: Connection, fds: list[int]) -> dict[str, object]:
         """Authenticate and take the offered region (``fds``: the descriptors that came with it, taken over)."""
         try:
             try:
                 hello = msgpack.unpackb(meta)
             except (ValueError, msgpack.UnpackException) as exc:
-                raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"HELLO is not msgpack: {exc}") from exc
+                raise Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"HELLO is not msgpack: {exc}") from exc
             if not isinstance(hello, dict):
-                raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, "HELLO must be a msgpack map")
+                raise Refuse(grpc.StatusCode.INVALID_ARGUMENT, "HELLO must be a msgpack map")
             if self._token is not None:
                 token = hello.get("token")
                 if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token):
                     self.handler.metrics.refused("Hello", "UNAUTHENTICATED")
-                    raise _Refuse(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+                    raise Refuse(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
                 state.authenticated = True
             region, refused = None, None
             if hello.get("shm_size") is not None:
@@ -436,7 +421,7 @@ class DataPlaneServer:
                 if refused is not None:
                     log.info("shared region refused: %s", refused)
         finally:
-            _close_all(fds)
+            close_all(fds)
         # A new HELLO replaces the connection's region (or drops it, when it offers none).
         self._count(state, -1)
         if state.region is not None:
@@ -449,13 +434,13 @@ class DataPlaneServer:
         return answer
 
     def _answer(
-        self, conn: socket.socket, method: int, meta: memoryview, payload: memoryview | None, state: _Connection, shm_end: int | None
+        self, conn: socket.socket, method: int, meta: memoryview, payload: memoryview | None, state: Connection, shm_end: int | None
     ) -> None:
         rpc = dp.METHODS[method]
         try:
             request = _REQUESTS[method].FromString(meta)
         except DecodeError as exc:
-            raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {rpc}: {exc}") from exc
+            raise Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {rpc}: {exc}") from exc
         out = dp.PayloadWriter()
         response, code, message = self.handler.data_call(rpc, request, payload, out)
         if code != grpc.StatusCode.OK:
@@ -474,143 +459,3 @@ class DataPlaneServer:
                 dp.send_frame(conn, method, body, flags=dp.FLAG_SHM, payload_len=out.nbytes, aux=start)
                 return
         dp.send_frame(conn, method, body, out.buffers())
-
-
-def _drain(conn: socket.socket) -> None:
-    """End the connection after what was sent: shut down writing, then read and drop what the
-    peer still sends (bounded in bytes and time) so that no reset destroys our last bytes.
-    Below TLS on an SSL socket (its records are dropped undecrypted)."""
-    try:
-        socket.socket.shutdown(conn, socket.SHUT_WR)
-        scratch = bytearray(16 * 1024)
-        deadline = time.monotonic() + _DRAIN_S
-        left = _DRAIN_BYTES
-        while left > 0:
-            wait = deadline - time.monotonic()
-            if wait <= 0:
-                break
-            socket.socket.settimeout(conn, wait)
-            n = socket.socket.recv_into(conn, scratch)
-            if n == 0:
-                break
-            left -= n
-    except OSError:
-        pass
-
-
-def _peer(conn: socket.socket) -> str:
-    try:
-        host, port = conn.getpeername()[:2]
-        return f"{host}:{port}"
-    except OSError:
-        return "?"
-
-
-def _readable(conn: socket.socket, timeout_s: float) -> bool:
-    """Whether ``conn`` has bytes (or EOF) to read within ``timeout_s``."""
-    if isinstance(conn, ssl.SSLSocket) and conn.pending():
-        return True  # decrypted already, in TLS's buffer: the socket itself may have nothing
-    poller = select.poll()
-    poller.register(conn, select.POLLIN | select.POLLPRI)
-    return bool(poller.poll(timeout_s * 1000))
-
-
-def _anonymous(n: int) -> tuple[mmap.mmap, int]:
-    """``n`` bytes of anonymous memory, in transparent huge pages where the system allows them:
-    the mapping and the offset in it where the ``n`` bytes start.
-
-    A buffer of megabytes is then faulted in a few 2 MiB pages instead of 4 KiB at a time (a
-    4 MiB frame after an idle release: 1,025 page faults before, 3 with THP on ``madvise``)
-    and costs fewer TLB misses while the frame is received and applied.
-    """
-    if n < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return mmap.mmap(-1, n), 0
-    # Private (shared anonymous memory is shmem: no huge pages unless shmem THP is on), one huge
-    # page longer so that the bytes used can start on a huge-page boundary (only touched pages
-    # cost memory).
-    buf = mmap.mmap(-1, n + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-        return buf, 0  # no THP here: 4 KiB pages, as before
-    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    return buf, -address % _HUGE
-
-
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    fds.clear()
-
-
-class _Connection:
-    """Per-connection state: authentication, the shared region, the reusable receive buffer."""
-
-    def __init__(self, server: DataPlaneServer, unix: bool, authenticated: bool, tls: bool = False) -> None:
-        self.server = server
-        self.unix = unix
-        self.tls = tls
-        self.authenticated = authenticated
-        self.region: dp.SharedRegion | None = None
-        self.header = bytearray(dp.HEADER.size)
-        # Anonymous memory (returned to the system on release, whatever malloc's thresholds).
-        self._buffer: mmap.mmap | None = None
-        self._base = 0  # where the buffer starts in its mapping (a huge-page boundary)
-        self._reserved = 0
-
-    def read_header(self, conn: socket.socket, deadline: float | None) -> tuple[tuple[int, int, int, int, int, int], list[int]]:
-        """The next header, and the descriptors that came with it (unix connections only)."""
-        if self.unix:
-            return dp.recv_header_fds(conn, self.header, deadline)
-        dp.recv_into(conn, memoryview(self.header), deadline)
-        return dp.unpack_header(self.header), []
-
-    def receive(self, conn: socket.socket, meta_len: int, payload_len: int) -> tuple[memoryview, memoryview | None]:
-        """Read a frame's message and ``payload_len`` payload bytes into the reusable buffer.
-
-        Raises:
-            _Refuse: RESOURCE_EXHAUSTED, the buffer would go over the shard's budget.
-        """
-        start = dp.align(meta_len)
-        need = start + payload_len
-        if need > self._reserved:
-            self.release()
-            self.server._reserve(need)
-            self._reserved = need
-            try:
-                self._buffer, self._base = _anonymous(max(need, 1))
-            except BaseException:
-                self.release()
-                raise
-        view = memoryview(self._buffer)[self._base :]
-        dp.recv_into(conn, view[:meta_len])
-        if payload_len == 0:
-            return view[:meta_len], None
-        dp.recv_into(conn, view[start:need])
-        return view[:meta_len], view[start:need]
-
-    def release(self) -> None:
-        """Give the receive buffer back (to the system and to the budget)."""
-        if self._buffer is not None:
-            try:
-                self._buffer.close()
-            except BufferError:
-                pass  # a view still lives: the mapping goes with it
-            self._buffer = None
-        if self._reserved:
-            self.server._unreserve(self._reserved)
-            self._reserved = 0
-
-    def shared_payload(self, offset: int, n: int) -> memoryview:
-        """The request's payload in the shared region."""
-        if self.region is None:
-            raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, "payload flagged as shared but no region was announced")
-        if offset % dp.ALIGN or offset < 0 or offset + n > self.region.size:
-            raise _Refuse(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"shared payload [{offset}, {offset + n}) is not an aligned range of the {self.region.size}-byte region",
-            )
-        return self.region.view[offset : offset + n]
