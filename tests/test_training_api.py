@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from tether.deploy.launch import LocalCluster
+from tether.worker.batches import batch_size_of, to_device
 from tether.worker.embedding import ShardedEmbeddingBag
-from tether.worker.training import Trainer, TrainingConfig, batch_size_of, to_device
+from tether.worker.training import Trainer, TrainingConfig
 
 DIM, USERS, ITEMS = 4, 30, 40
 

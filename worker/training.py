@@ -17,234 +17,37 @@ model and ``tether worker`` train through this class too.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import itertools
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, replace
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 from torch import nn
 
 from tether.protos.codec import WIRE_DTYPES
-from tether.protos.errors import DeadlineExceeded, FailedPrecondition, TooStale, UsageError
+from tether.protos.errors import FailedPrecondition, TooStale, UsageError
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.client import ClientConfig, Handle, PSClient, PullResult
+from tether.worker.batches import batch_size_of, pick_device, to_device
 from tether.worker.config import TrainingConfig
 from tether.worker.data import in_background
-from tether.worker.embedding import Prefetch, PSModel, flat_grads, split_flat
+from tether.worker.embedding import Prefetch, PSModel
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
+from tether.worker.policies import SyncPolicy, local_optimizer, policy_for
 from tether.worker.stragglers import delay_factor
 from tether.worker.tensorboard_writer import TensorBoardRecorder
 
-__all__ = ["Trainer", "TrainingConfig", "batch_size_of", "local_optimizer", "pick_device", "to_device"]
+__all__ = ["Trainer", "TrainingConfig"]
 
 log = logging.getLogger(__name__)
 
 B = TypeVar("B")
-
-
-def pick_device(name: str) -> torch.device:
-    """``auto`` means CUDA when there is a GPU, else the CPU.
-
-    Raises:
-        UsageError: CUDA asked for but not available.
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {name}: torch sees no CUDA device")
-    return device
-
-
-def local_optimizer(name: str, lr: float, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """The torch optimizer that matches the shards' update rule (sync mode's dense step)."""
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=lr, eps=1e-8)
-    return torch.optim.Adam(params, lr=lr, eps=1e-8)
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor in it on ``device`` (tensors, mappings, sequences, named
-    tuples and dataclasses are walked; anything else is left as it is)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if device.type == "cpu" and _all_cpu(batch):
-        return batch
-    if isinstance(batch, Mapping):
-        return type(batch)({k: to_device(v, device) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_device(v, device) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return replace(batch, **{f.name: to_device(getattr(batch, f.name), device) for f in dataclasses.fields(batch) if f.init})
-    return batch
-
-
-def _all_cpu(batch: Any) -> bool:
-    return all(t.device.type == "cpu" for t in _tensors(batch))
-
-
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
-        for v in batch.values():
-            yield from _tensors(v)
-    elif isinstance(batch, (list, tuple)):
-        for v in batch:
-            yield from _tensors(v)
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        for f in dataclasses.fields(batch):
-            yield from _tensors(getattr(batch, f.name))
-
-
-def batch_size_of(batch: Any) -> int:
-    """Samples in ``batch``: the length of its first tensor (0 if it holds none)."""
-    for t in _tensors(batch):
-        return int(t.shape[0]) if t.dim() else 1
-    return 0
-
-
-# -- the policies: what each consistency mode adds to the loop --------------------------------------
-
-
-class _Policy:
-    """Asynchronous (ASP): never wait; one push_pull per step once the loop is under way."""
-
-    prefetch = True  # the next batch's rows may be pulled before this step's push lands
-    settle_every_step = False
-    sparse_scale = 1.0
-    dense_on_shards = True
-
-    def start(self, trainer: Trainer) -> int:
-        """Join, then wait (bounded) until every worker of the job has: the workers of a run
-        start training together, in every mode, so that start-up is not counted as staleness
-        and no one runs ahead of a worker that has not started yet. A worker restarted into a
-        running job starts at the slowest other worker's clock rather than at 0. Returns the
-        clock this worker starts from."""
-        cfg = trainer.config
-        deadline = time.monotonic() + cfg.ssp_timeout_s
-        while True:
-            reply = trainer.client.clock(0)
-            if reply.live_workers >= cfg.num_workers:
-                return reply.min_other_clock
-            if time.monotonic() > deadline:
-                raise DeadlineExceeded(f"only {reply.live_workers} of {cfg.num_workers} workers joined within {cfg.ssp_timeout_s:.0f}s")
-            time.sleep(0.05)
-
-    def before_step(self, trainer: Trainer, clock: int) -> None:
-        """Called before a step pulls its rows."""
-
-    def after_backward(self) -> None:
-        """Called once the gradients are in."""
-
-    def after_push(self) -> None:
-        """Called once a step's push landed (``settle_every_step`` policies)."""
-
-    def finish(self, trainer: Trainer, clock: int, record: dict[str, object]) -> None:
-        """Called after the last step: leave, so the others' staleness is not measured against
-        a worker that is done."""
-        trainer.client.clock(clock, leave=True)
-
-
-class _SSP(_Policy):
-    """Stale synchronous parallel: wait while more than ``bound`` steps ahead of the slowest
-    live worker; pull only once the wait is over; a step's push lands before the next step."""
-
-    prefetch = False
-    settle_every_step = True
-
-    def __init__(self, bound: int) -> None:
-        self.bound = bound
-
-    def before_step(self, trainer: Trainer, clock: int) -> None:
-        cfg = trainer.config
-        reply = trainer.client.clock(clock, wait_bound=self.bound, timeout_s=cfg.ssp_timeout_s)
-        if not reply.ready:
-            raise DeadlineExceeded(
-                f"{trainer.name} waited {cfg.ssp_timeout_s:.0f}s at clock {clock} for the slowest live worker "
-                f"(clock {reply.min_clock}, bound {self.bound})"
-            )
-
-
-class _Sync(_Policy):
-    """Synchronous: dense gradients averaged by all-reduce and stepped on every rank; row
-    gradients pushed in lock step (averaged over the ranks), a barrier after each step."""
-
-    prefetch = False
-    settle_every_step = True
-    dense_on_shards = False
-
-    def __init__(self, world: int) -> None:
-        import torch.distributed as dist
-
-        self.dist = dist
-        self.world = world
-        self.sparse_scale = 1.0 / world
-        self.params: list[nn.Parameter] = []
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.digests: list[str] = []
-
-    def bind(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
-        """The dense parameters this rank all-reduces and steps."""
-        self.params, self.optimizer = params, optimizer
-
-    def after_backward(self) -> None:
-        if not self.params:
-            return
-        flat = flat_grads(self.params)
-        self.dist.all_reduce(flat)
-        flat /= self.world
-        for p, grad in zip(self.params, split_flat(flat, self.params)):
-            p.grad = grad
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def after_push(self) -> None:
-        self.dist.barrier()
-        self.digests.append(self.digest())
-
-    def digest(self) -> str:
-        """Short hash of the dense parameters (identical on every rank after every step)."""
-        if not self.params:
-            return ""
-        data = torch.cat([p.detach().reshape(-1).cpu() for p in self.params]).numpy().tobytes()
-        return hashlib.sha1(data).hexdigest()[:16]
-
-    def finish(self, trainer: Trainer, clock: int, record: dict[str, object]) -> None:
-        super().finish(trainer, clock, record)
-        record["dense_digests"] = self.digests
-        record["backend"] = self.dist.get_backend()
-
-
-def _init_sync(cfg: TrainingConfig, device: torch.device) -> TrainingConfig:
-    """Join the torchrun process group (NCCL when every rank has CUDA, else gloo), unless the
-    caller already did; the config takes its rank and world size."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            raise UsageError(
-                "--mode sync: the ranks run under torchrun, which sets RANK and WORLD_SIZE: start them with "
-                "'torchrun --nproc-per-node N -m tether.worker --mode sync ...', or use 'tether launch --mode sync'"
-            )
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=max(cfg.timeout_s * 4, 60)))
-    return replace(cfg, worker_index=dist.get_rank(), num_workers=dist.get_world_size())
 
 
 # -- the trainer ------------------------------------------------------------------------------------
@@ -284,17 +87,8 @@ class Trainer(Generic[B]):
         printer: Callable[[str], None] = print,
         batch_size: Callable[[B], int] = batch_size_of,
     ) -> None:
-        kind, bound = config.consistency
-        device = pick_device(config.device)
-        if kind == "sync":
-            if device.type == "cuda" and device.index is None:
-                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-            config = _init_sync(config, device)
-            policy: _Policy = _Sync(config.num_workers)
-        elif kind == "ssp":
-            policy = _SSP(int(bound))
-        else:
-            policy = _Policy()
+        kind, _ = config.consistency
+        config, device, policy = policy_for(config, pick_device(config.device))
         self.config = config
         self.device = device
         self.policy = policy
@@ -331,7 +125,7 @@ class Trainer(Generic[B]):
                     for t, bags in self.ps.bags.items()
                 ]
             self.client.declare(list(tables), self.ps.dense_tensors() if policy.dense_on_shards and self.ps.dense else None, opt)
-            if isinstance(policy, _Sync):
+            if isinstance(policy, SyncPolicy):
                 params = list(self.ps.parameters())
                 policy.bind(params, local_optimizer(config.optimizer, config.lr, params) if params else None)
         except BaseException:
@@ -598,7 +392,7 @@ class Trainer(Generic[B]):
         """Leave the process group (sync), close the client and the TensorBoard writer."""
         if self.board is not None:
             self.board.close()
-        if isinstance(self.policy, _Sync) and self.policy.dist.is_initialized():
+        if isinstance(self.policy, SyncPolicy) and self.policy.dist.is_initialized():
             self.policy.dist.barrier()
             self.policy.dist.destroy_process_group()
         self.client.close()
