@@ -30,7 +30,7 @@ PACKAGES = ("server", "worker", "protos", "deploy")
 
 _JOB = """
 import sys, tempfile
-from tether.deploy.launch import run_job
+from tether.deploy.job import run_job
 from tether.worker.config import WorkerConfig
 cfg = WorkerConfig(shards=("pending:0",), num_workers=1, steps=int(sys.argv[1]), batch_size=int(sys.argv[2]),
                    eval_samples=2000, device="cpu", log_every=int(sys.argv[1]))

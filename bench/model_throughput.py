@@ -74,7 +74,7 @@ def in_process(steps: int, size: dict[str, int], device: str, warmup: int = 20, 
 
 def through_tether(steps: int, size: dict[str, int], device: str, shards: int = 1, workers: int = 1) -> dict:
     """Samples/s of the same model through a local tether cluster (real processes)."""
-    from tether.deploy.launch import run_job
+    from tether.deploy.job import run_job
     from tether.worker.config import WorkerConfig
 
     cfg = WorkerConfig(shards=("pending:0",), num_workers=workers, steps=steps, eval_samples=2000, device=device, log_every=steps, **size)

@@ -380,7 +380,7 @@ def tether_job_samples_per_s(
         ``samples_per_sec`` (all workers) and ``phases`` (fraction of worker step time per
         phase, summed over workers).
     """
-    from tether.deploy.launch import run_job
+    from tether.deploy.job import run_job
     from tether.worker.config import WorkerConfig
 
     cfg = WorkerConfig(

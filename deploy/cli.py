@@ -37,7 +37,8 @@ def _launch(argv: Sequence[str]) -> int:
     p.add_argument("--script-args", default="", help="arguments for --script or --entry, as one shell-quoted string")
     add_training_flags(p)
     a = p.parse_args(argv)
-    from tether.deploy.launch import ClusterError, Interrupted, Program, run_job
+    from tether.deploy.job import run_job
+    from tether.deploy.launch import ClusterError, Interrupted, Program
 
     # Every flag is checked here, before any process starts (the data file included).
     try:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tether.deploy.launch import run_job
+from tether.deploy.job import quantile, run_job
 from tether.protos.errors import UsageError
 from tether.worker.config import WorkerConfig, parse_mode
 from tether.worker.stragglers import StragglerSpec, parse_straggler
@@ -273,8 +273,8 @@ def _mode_result(mode: str, runs: list[dict[str, object]]) -> dict[str, object]:
         "final_eval_auc": statistics.fmean(float(r["final_eval_auc"]) for r in runs),
         "samples_per_sec": statistics.fmean(float(r["samples_per_sec"]) for r in runs),
         "train_wall_s": statistics.fmean(float(r["train_wall_s"]) for r in runs),
-        "staleness_p50": _quantile(lags, 0.5),
-        "staleness_p99": _quantile(lags, 0.99),
+        "staleness_p50": quantile(lags, 0.5),
+        "staleness_p99": quantile(lags, 0.99),
         "staleness_max": lags[-1] if lags else 0,
         "update_staleness_p50": statistics.fmean(float(r["update_staleness_p50"]) for r in runs),
         "runs": [
@@ -282,12 +282,6 @@ def _mode_result(mode: str, runs: list[dict[str, object]]) -> dict[str, object]:
             for r in runs
         ],
     }
-
-
-def _quantile(values: Sequence[int], q: float) -> float:
-    if not values:
-        return 0.0
-    return float(values[min(int(q * len(values)), len(values) - 1)])
 
 
 def recommend(results: Sequence[dict[str, object]], tolerance: float = 0.01) -> dict[str, object]:

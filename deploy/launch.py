@@ -9,7 +9,6 @@ flags, so it comes back from its last checkpoint where the workers' retries find
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -24,9 +23,10 @@ from pathlib import Path
 from typing import IO
 
 from tether.protos.errors import USAGE_EXIT_CODE, UsageError
+from tether.deploy.worker_args import job_env, worker_argv
 from tether.worker.config import WorkerConfig
 
-__all__ = ["ClusterError", "Interrupted", "LocalCluster", "Program", "job_env", "run_job"]
+__all__ = ["ClusterError", "Interrupted", "LocalCluster", "Program"]
 
 log = logging.getLogger(__name__)
 
@@ -379,13 +379,6 @@ class LocalCluster:
         return self.stopped
 
 
-def _quantile(sorted_values: list[int], q: float) -> float:
-    """Nearest-rank quantile of sorted values (0 for none)."""
-    if not sorted_values:
-        return 0.0
-    return float(sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))])
-
-
 # A child of the launcher asks Linux to SIGTERM it when the launcher dies (so a killed launcher
 # never leaves shards running), then becomes the program: a few lines of Python run first in the
 # child, which then execs. Not a ``preexec_fn``: with one, Python forks instead of vforking, gRPC's
@@ -435,138 +428,3 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def worker_argv(cfg: WorkerConfig) -> list[str]:
-    """``tether worker`` flags that reproduce ``cfg``."""
-    argv = [
-        "--shards", ",".join(cfg.shards), "--worker-index", str(cfg.worker_index), "--num-workers", str(cfg.num_workers),
-        "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size), "--data", cfg.data,
-        "--vocab-size", str(cfg.vocab_size), "--num-sparse", str(cfg.num_sparse), "--embedding-dim", str(cfg.embedding_dim),
-        "--optimizer", cfg.optimizer, "--lr", repr(cfg.lr), "--seed", str(cfg.seed),
-        "--eval-samples", str(cfg.eval_samples), "--eval-every", str(cfg.eval_every), "--device", cfg.device,
-        "--log-every", str(cfg.log_every), "--timeout", repr(cfg.timeout_s), "--call-deadline", repr(cfg.call_deadline_s),
-        "--wire-dtype", cfg.wire_dtype,
-        "--transport", cfg.transport, "--mode", cfg.mode, "--ssp-timeout", repr(cfg.ssp_timeout_s), "--slowdown", repr(cfg.slowdown),
-        "--init-scale", repr(cfg.init_scale), "--checkpoint-every-steps", str(cfg.checkpoint_every_steps),
-    ]
-    if cfg.worker_id:
-        argv += ["--worker-id", cfg.worker_id]
-    if cfg.slow_worker is not None:
-        argv += ["--slow-worker", str(cfg.slow_worker)]
-    if cfg.straggler:
-        argv += ["--straggler", cfg.straggler]
-    if cfg.data_seed:
-        argv += ["--data-seed", str(cfg.data_seed)]
-    if cfg.staleness_aware:
-        argv.append("--staleness-aware")
-    if not cfg.prefetch:
-        argv.append("--no-prefetch")
-    if cfg.out:
-        argv += ["--out", cfg.out]
-    if cfg.tensorboard:
-        argv += ["--tensorboard", cfg.tensorboard]
-    for flag, value in (("--tls-ca", cfg.tls_ca), ("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key),
-                        ("--auth-token-file", cfg.auth_token_file)):
-        if value:
-            argv += [flag, value]
-    # A token from $TETHER_AUTH_TOKEN is never put on a command line: the child inherits the variable.
-    return argv
-
-
-def job_env(cfg: WorkerConfig) -> dict[str, str]:
-    """The ``TETHER_*`` variables that describe ``cfg`` to a worker (``TrainingConfig.from_env``
-    reads them): the variable of each ``tether worker`` flag, ``1`` for a switch."""
-    env: dict[str, str] = {}
-    argv = worker_argv(cfg)
-    i = 0
-    while i < len(argv):
-        name = "TETHER_" + argv[i].lstrip("-").upper().replace("-", "_")
-        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            env[name] = argv[i + 1]
-            i += 2
-        else:
-            env[name] = "1"
-            i += 1
-    return env
-
-
-def run_job(
-    template: WorkerConfig,
-    num_shards: int,
-    out: str | Path | None = None,
-    timeout_s: float = 3600.0,
-    echo: bool = True,
-    metrics: bool = False,
-    checkpoint_every: float | None = None,
-    program: Program | None = None,
-    shard_args: Sequence[str] = (),
-) -> dict[str, object]:
-    """Run a whole job locally, evaluate the result, and write ``summary.json`` to ``out``.
-
-    With a ``program`` the workers are the user's code; the result is what its workers
-    recorded (worker 0's final held-out metrics, when it evaluated). ``shard_args``: extra
-    ``tether server`` flags (TLS files, for one; the workers' own come from ``template``).
-
-    Raises:
-        UsageError: a worker found a mistake in what it was asked (a malformed data line).
-        ClusterError: a process failed or the job ran past ``timeout_s``.
-        Interrupted: Ctrl-C; every process was stopped.
-    """
-    from tether.worker.trainer import evaluate_job, open_dataset, reference_losses
-
-    out_dir = Path(out) if out else None
-    if out_dir:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    # A shard that dies is restarted on its port; with checkpoint_every it comes back from its
-    # last checkpoint (without, it comes back empty).
-    cluster = LocalCluster(log_dir=out_dir / "logs" if out_dir else None, restart=True)
-    try:
-        with cluster:
-            workdir = out_dir or cluster.log_dir
-            template = replace(template, out=str(workdir))
-            extra = list(shard_args)
-            if checkpoint_every is not None:
-                extra += ["--checkpoint-dir", str(Path(workdir, "checkpoints").resolve()), "--checkpoint-every", repr(checkpoint_every)]
-            addresses = cluster.start_shards(num_shards, extra_args=extra, metrics=metrics)
-            print(f"tether: {num_shards} shard(s) at {', '.join(addresses)}; starting {template.num_workers} worker(s)", flush=True)
-            t0 = time.perf_counter()
-            cluster.start_workers(template, echo=echo, metrics=metrics, program=program)
-            cluster.wait_workers(timeout_s)
-            wall = time.perf_counter() - t0
-            metrics_ports = dict(cluster.metrics_ports)
-            records = [workdir / f"worker-{i}.json" for i in range(template.num_workers)]
-            workers = [json.loads(r.read_text()) for r in records if r.exists()]
-            if program is not None:
-                if not workers:
-                    raise ClusterError(f"the workers wrote no records to {workdir} (train with Trainer and TrainingConfig.from_env())")
-                evaluation = dict(workers[0].get("final_eval", {})) if workers[0].get("worker_index") == 0 else {}
-            elif template.consistency[0] == "sync":
-                # Dense parameters live on the ranks, so rank 0 evaluated the final model.
-                evaluation = {**workers[0]["final_eval"], **reference_losses(open_dataset(template))}
-            else:
-                evaluation = evaluate_job(replace(template, shards=tuple(addresses)))
-    except KeyboardInterrupt:
-        # Leaving the with block stopped every process.
-        raise Interrupted(cluster.stopped) from None
-    total = sum(int(w["samples"]) for w in workers)
-    train_wall = max(float(w["wall_s"]) for w in workers)
-    lags = sorted(int(x) for w in workers for x in w["clock_staleness"])
-    summary: dict[str, object] = {
-        "mode": template.mode,
-        **evaluation,
-        "samples_per_sec": total / train_wall,
-        "total_samples": total,
-        "train_wall_s": train_wall,
-        "job_wall_s": wall,
-        "num_shards": num_shards,
-        "num_workers": template.num_workers,
-        "metrics_ports": metrics_ports,
-        "staleness_p50": _quantile(lags, 0.5),
-        "staleness_p99": _quantile(lags, 0.99),
-        "staleness_max": lags[-1] if lags else 0,
-        "workers": [{k: w[k] for k in ("worker_index", "samples", "wall_s", "samples_per_sec", "phase_seconds")} for w in workers],
-    }
-    if out_dir:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary

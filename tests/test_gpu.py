@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tether.deploy.launch import run_job
+from tether.deploy.job import run_job
 from tether.worker.config import WorkerConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

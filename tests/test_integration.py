@@ -104,7 +104,7 @@ def test_launch_restarts_a_killed_shard_from_its_checkpoint(tmp_path: Path) -> N
     import threading
     import time
 
-    from tether.deploy.launch import run_job
+    from tether.deploy.job import run_job
     from tether.worker.config import WorkerConfig
 
     out = tmp_path / "job"

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tether.deploy.launch import LocalCluster, run_job
+from tether.deploy.job import run_job
+from tether.deploy.launch import LocalCluster
 from tether.worker.config import WorkerConfig
 
 BASE = WorkerConfig(

@@ -140,7 +140,7 @@ def test_a_launched_worker_gets_every_setting_through_flags_and_environment(monk
     reproduces the job's config field for field."""
     import dataclasses
 
-    from tether.deploy.launch import job_env, worker_argv
+    from tether.deploy.worker_args import job_env, worker_argv
     from tether.worker.config import WorkerConfig
     from tether.worker.flags import build_parser, config_from_args
 

@@ -1,0 +1,103 @@
+"""A whole training job on this machine (``tether launch``): shards and workers started, waited
+for, the result evaluated and summarised in ``summary.json``."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from tether.deploy.launch import ClusterError, Interrupted, LocalCluster, Program
+from tether.worker.config import WorkerConfig
+
+__all__ = ["quantile", "run_job"]
+
+
+def quantile(sorted_values: Sequence[int], q: float) -> float:
+    """Nearest-rank quantile of sorted values (0 for none)."""
+    if not sorted_values:
+        return 0.0
+    return float(sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))])
+
+
+def run_job(
+    template: WorkerConfig,
+    num_shards: int,
+    out: str | Path | None = None,
+    timeout_s: float = 3600.0,
+    echo: bool = True,
+    metrics: bool = False,
+    checkpoint_every: float | None = None,
+    program: Program | None = None,
+    shard_args: Sequence[str] = (),
+) -> dict[str, object]:
+    """Run a whole job locally, evaluate the result, and write ``summary.json`` to ``out``.
+
+    With a ``program`` the workers are the user's code; the result is what its workers
+    recorded (worker 0's final held-out metrics, when it evaluated). ``shard_args``: extra
+    ``tether server`` flags (TLS files, for one; the workers' own come from ``template``).
+
+    Raises:
+        UsageError: a worker found a mistake in what it was asked (a malformed data line).
+        ClusterError: a process failed or the job ran past ``timeout_s``.
+        Interrupted: Ctrl-C; every process was stopped.
+    """
+    from tether.worker.trainer import evaluate_job, open_dataset, reference_losses
+
+    out_dir = Path(out) if out else None
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    # A shard that dies is restarted on its port; with checkpoint_every it comes back from its
+    # last checkpoint (without, it comes back empty).
+    cluster = LocalCluster(log_dir=out_dir / "logs" if out_dir else None, restart=True)
+    try:
+        with cluster:
+            workdir = out_dir or cluster.log_dir
+            template = replace(template, out=str(workdir))
+            extra = list(shard_args)
+            if checkpoint_every is not None:
+                extra += ["--checkpoint-dir", str(Path(workdir, "checkpoints").resolve()), "--checkpoint-every", repr(checkpoint_every)]
+            addresses = cluster.start_shards(num_shards, extra_args=extra, metrics=metrics)
+            print(f"tether: {num_shards} shard(s) at {', '.join(addresses)}; starting {template.num_workers} worker(s)", flush=True)
+            t0 = time.perf_counter()
+            cluster.start_workers(template, echo=echo, metrics=metrics, program=program)
+            cluster.wait_workers(timeout_s)
+            wall = time.perf_counter() - t0
+            metrics_ports = dict(cluster.metrics_ports)
+            records = [workdir / f"worker-{i}.json" for i in range(template.num_workers)]
+            workers = [json.loads(r.read_text()) for r in records if r.exists()]
+            if program is not None:
+                if not workers:
+                    raise ClusterError(f"the workers wrote no records to {workdir} (train with Trainer and TrainingConfig.from_env())")
+                evaluation = dict(workers[0].get("final_eval", {})) if workers[0].get("worker_index") == 0 else {}
+            elif template.consistency[0] == "sync":
+                # Dense parameters live on the ranks, so rank 0 evaluated the final model.
+                evaluation = {**workers[0]["final_eval"], **reference_losses(open_dataset(template))}
+            else:
+                evaluation = evaluate_job(replace(template, shards=tuple(addresses)))
+    except KeyboardInterrupt:
+        # Leaving the with block stopped every process.
+        raise Interrupted(cluster.stopped) from None
+    total = sum(int(w["samples"]) for w in workers)
+    train_wall = max(float(w["wall_s"]) for w in workers)
+    lags = sorted(int(x) for w in workers for x in w["clock_staleness"])
+    summary: dict[str, object] = {
+        "mode": template.mode,
+        **evaluation,
+        "samples_per_sec": total / train_wall,
+        "total_samples": total,
+        "train_wall_s": train_wall,
+        "job_wall_s": wall,
+        "num_shards": num_shards,
+        "num_workers": template.num_workers,
+        "metrics_ports": metrics_ports,
+        "staleness_p50": quantile(lags, 0.5),
+        "staleness_p99": quantile(lags, 0.99),
+        "staleness_max": lags[-1] if lags else 0,
+        "workers": [{k: w[k] for k in ("worker_index", "samples", "wall_s", "samples_per_sec", "phase_seconds")} for w in workers],
+    }
+    if out_dir:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
