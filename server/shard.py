@@ -14,19 +14,18 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from tether.protos.errors import FailedPrecondition, InvalidArgument, NotFound, TooStale, Unavailable
+from tether.protos.errors import FailedPrecondition, InvalidArgument, NotFound, TooStale
 from tether.protos.partition import dense_shard, shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.clocks import WorkerClocks
+from tether.server.dedup import AppliedPushes
 from tether.server.dense import DenseChunk
+from tether.server.gate import Gate
 from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.tables import EmbeddingTable, Pulled
 
@@ -34,12 +33,6 @@ __all__ = ["DenseDecl", "DenseState", "DenseUpdate", "PushResult", "Shard", "Sha
 
 log = logging.getLogger(__name__)
 
-_SEQ_WINDOW = 4096
-# Dedup windows kept per worker id (one per client incarnation, least recently used dropped):
-# a worker restarted more often than this cannot have a push of its eighth-oldest life in flight.
-_INCARNATIONS = 8
-# Longest a push waits for a checkpoint's in-memory copy (normally well under a second).
-_GATE_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -140,45 +133,6 @@ def staleness_scale(stale: int | np.ndarray | None, typical: float) -> float | n
     return ref / stale if stale and stale > ref else 1.0
 
 
-class _Gate:
-    """Pushes share it; a checkpoint's copy holds it alone, so no push is half applied in it."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._active = 0
-        self._closed = False
-
-    @contextmanager
-    def shared(self, timeout_s: float = _GATE_WAIT_S) -> Iterator[None]:
-        with self._cond:
-            if not self._cond.wait_for(lambda: not self._closed, timeout_s):
-                raise Unavailable(f"a checkpoint held pushes back for over {timeout_s:.0f}s; retry")
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._active -= 1
-                if self._active == 0:
-                    self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self, timeout_s: float = _GATE_WAIT_S) -> Iterator[None]:
-        with self._cond:
-            # Close first: new pushes wait, so in-flight ones cannot starve the checkpoint.
-            self._closed = True
-            if not self._cond.wait_for(lambda: self._active == 0, timeout_s):
-                self._closed = False
-                self._cond.notify_all()
-                raise Unavailable(f"pushes did not pause for a checkpoint within {timeout_s:.0f}s")
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._closed = False
-                self._cond.notify_all()
-
-
 def _has_duplicates(ids: np.ndarray) -> bool:
     # A sort and a neighbour compare: a third of np.unique's time for a few thousand ids.
     s = np.sort(ids)
@@ -191,42 +145,6 @@ def _finite(t: torch.Tensor) -> bool:
     if math.isfinite(float(t.sum())):  # a third of the time of torch.isfinite on the sum
         return True
     return bool(torch.isfinite(t).all())
-
-
-def dedup_key(worker_id: str, incarnation: int) -> str:
-    """The checkpoint key of one client incarnation's dedup window."""
-    return f"{incarnation:016x}:{worker_id}"
-
-
-def parse_dedup_key(key: str) -> tuple[str, int] | None:
-    """``(worker_id, incarnation)`` of a ``dedup_key``; None for a key of another format (such
-    as a window saved per worker id only, which no incarnation can match)."""
-    head, sep, worker = key.partition(":")
-    if not sep or len(head) != 16 or not worker:
-        return None
-    try:
-        return worker, int(head, 16)
-    except ValueError:
-        return None
-
-
-class _SeqWindow:
-    """Recently applied sequence numbers of one worker (bounded)."""
-
-    def __init__(self, seqs: np.ndarray | None = None) -> None:
-        self.seen: OrderedDict[int, None] = OrderedDict()
-        if seqs is not None:
-            for seq in seqs[-_SEQ_WINDOW:].tolist():
-                self.seen[int(seq)] = None
-
-    def add(self, seq: int) -> bool:
-        """Record ``seq``; False if it was already there."""
-        if seq in self.seen:
-            return False
-        self.seen[seq] = None
-        if len(self.seen) > _SEQ_WINDOW:
-            self.seen.popitem(last=False)
-        return True
 
 
 class Shard:
@@ -256,10 +174,8 @@ class Shard:
         self.duplicate_pushes = 0
         self.rejected_pushes = 0
         self._declare_lock = threading.Lock()
-        self._seq_lock = threading.Lock()
-        # worker id -> incarnation -> window, least recently used incarnation first.
-        self._seqs: dict[str, OrderedDict[int, _SeqWindow]] = {}
-        self._gate = _Gate()
+        self._applied = AppliedPushes()
+        self._gate = Gate()
         # (table,) or (chunk name, index) -> running mean of its pushes' staleness.
         self._typical: dict[tuple[object, ...], float] = {}
         # Pushes applied and specs declared; a periodic checkpoint skips an unchanged shard.
@@ -324,13 +240,7 @@ class Shard:
             for (name, index), chunk in sorted(self.dense.items()):
                 snap = chunk.snapshot()
                 dense.append(DenseState(name, index, chunk.optimizer, snap["value"], snap["state"], snap["version"]))
-            with self._seq_lock:
-                seqs = {
-                    dedup_key(w, inc): np.fromiter(win.seen, dtype=np.uint64, count=len(win.seen))
-                    for w, lives in self._seqs.items()
-                    for inc, win in lives.items()
-                }
-            return ShardState(tables, dense, seqs, self.applied_pushes)
+            return ShardState(tables, dense, self._applied.export(), self.applied_pushes)
 
     def import_state(self, state: ShardState) -> None:
         """Load restored tables, chunks and dedup windows into this (fresh) shard.
@@ -351,26 +261,8 @@ class Shard:
                 chunk = DenseChunk(d.name, d.index, d.value, d.optimizer)
                 chunk.load(d.value, d.state, d.version)
                 self.dense[(d.name, d.index)] = chunk
-            with self._seq_lock:
-                for key, seqs in state.seqs.items():
-                    parsed = parse_dedup_key(key)
-                    if parsed is None:
-                        log.info("ignoring dedup window %r of an older checkpoint format", key)
-                        continue
-                    self._window(*parsed, seqs)
+            self._applied.load(state.seqs)
             self.applied_pushes = max(self.applied_pushes, state.applied_pushes)
-
-    def _window(self, worker_id: str, incarnation: int, seqs: np.ndarray | None = None) -> _SeqWindow:
-        """The dedup window of one client incarnation (created if new); hold ``_seq_lock``."""
-        lives = self._seqs.setdefault(worker_id, OrderedDict())
-        win = lives.get(incarnation)
-        if win is None:
-            win = lives[incarnation] = _SeqWindow(seqs)
-            if len(lives) > _INCARNATIONS:
-                lives.popitem(last=False)
-        else:
-            lives.move_to_end(incarnation)
-        return win
 
     # -- validation --------------------------------------------------------------------------
 
@@ -509,8 +401,7 @@ class Shard:
             self.rejected_pushes += 1
             raise TooStale(f"push from {worker_id!r} is {staleness} updates stale; this shard's limit is {self.max_staleness}")
         with self._gate.shared():
-            with self._seq_lock:
-                fresh = self._window(worker_id, incarnation).add(seq)
+            fresh = self._applied.add(worker_id, incarnation, seq)
             if not fresh:
                 self.duplicate_pushes += 1
                 return PushResult(applied=False, max_staleness=0)

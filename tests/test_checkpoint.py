@@ -28,7 +28,8 @@ from tether.server.restore import choose_restore, list_manifests
 from tether.server.config import CRASH_BEFORE_MANIFEST_ENV, ShardConfig
 from tether.server.metrics import ShardMetrics
 from tether.server.serve import RunningShard, start_shard
-from tether.server.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate, dedup_key
+from tether.server.dedup import dedup_key
+from tether.server.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
 
 from conftest import make_client
 
