@@ -1,63 +1,18 @@
-"""Specs of tables and update rules: the contract's dataclasses and their wire form."""
+"""Specs of tables and their update rules: the contract's dataclasses and their wire form."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from tether.protos import tether_pb2 as pb
+from tether.protos.optimizers import OPTIMIZERS, OptimizerConfig
 
+# A table's spec names its update rule: the contract's page shows the rules' config and names too
+# (they live in tether.protos.optimizers).
 __all__ = ["MAX_MIN_COUNT", "OPTIMIZERS", "OptimizerConfig", "TableConfig"]
 
-OPTIMIZERS = ("sgd", "adagrad", "adam")
 # Admission counts live in 16-bit saturating counters.
 MAX_MIN_COUNT = 65535
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """Hyper-parameters of one table's or dense chunk's update rule."""
-
-    name: str = "adagrad"
-    lr: float = 0.05
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    initial_accumulator: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.name!r}")
-        if not (self.lr > 0 and self.lr < float("inf")):
-            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
-        if not 0 <= self.beta1 < 1 or not 0 <= self.beta2 < 1:
-            raise ValueError(f"betas must be in [0, 1), got ({self.beta1!r}, {self.beta2!r})")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps!r}")
-        if self.weight_decay < 0 or self.initial_accumulator < 0:
-            raise ValueError(
-                f"weight_decay and initial_accumulator must be >= 0, got {self.weight_decay!r}, {self.initial_accumulator!r}"
-            )
-
-    def to_proto(self) -> pb.OptimizerSpec:
-        """Wire form."""
-        return pb.OptimizerSpec(
-            name=self.name, lr=self.lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-            weight_decay=self.weight_decay, initial_accumulator=self.initial_accumulator,
-        )
-
-    @classmethod
-    def from_proto(cls, spec: pb.OptimizerSpec) -> OptimizerConfig:
-        """Validated config from the wire form (unset fields take the defaults).
-
-        Raises:
-            ValueError: a field out of range.
-        """
-        d = cls()
-        return cls(
-            name=spec.name or d.name, lr=spec.lr or d.lr, beta1=spec.beta1 or d.beta1, beta2=spec.beta2 or d.beta2,
-            eps=spec.eps or d.eps, weight_decay=spec.weight_decay, initial_accumulator=spec.initial_accumulator,
-        )
 
 
 @dataclass(frozen=True)

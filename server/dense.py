@@ -7,8 +7,7 @@ import threading
 import torch
 
 from tether.protos.errors import InvalidArgument
-from tether.protos.specs import OptimizerConfig
-from tether.server.optimizers import state_shapes, step
+from tether.protos.optimizers import OptimizerConfig, rule
 
 __all__ = ["DenseChunk"]
 
@@ -25,8 +24,9 @@ class DenseChunk:
         self.value = init.to(torch.float32).clone()
         self.version = 0
         self._lock = threading.Lock()
-        # Per-element state; Adam's step count is one scalar for the whole chunk.
-        self._state = {k: torch.zeros(() if k == "t" else init.numel()) for k in state_shapes(optimizer, 1)}
+        # Per-element state (a rule's per-row scalar, Adam's step count, is one for the chunk).
+        self._rule = rule(optimizer.name)
+        self._state = {k: torch.zeros(s) for k, s in self._rule.state_shapes(init.numel()).items()}
 
     @property
     def numel(self) -> int:
@@ -40,7 +40,7 @@ class DenseChunk:
     def push(self, grad: torch.Tensor, lr_scale: float = 1.0) -> int:
         """Apply a gradient with the chunk's optimizer; returns the new version."""
         with self._lock:
-            step(self.optimizer, self.value, grad, self._state, lr_scale)
+            self._rule.apply(self.optimizer, self.value, grad, self._state, lr_scale)
             self.version += 1
             return self.version
 

@@ -24,11 +24,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from tether.protos.optimizers import rule
 from tether.protos.specs import TableConfig
 from tether.server.admission import CountMinSketch, sketch_width
 from tether.server.index import IdIndex
 from tether.server.initial import init_rows
-from tether.server.optimizers import state_shapes, step
 from tether.server.recent import Pulled, RecentPulls
 
 __all__ = ["EmbeddingTable", "Pulled", "TableConfig"]
@@ -67,7 +67,10 @@ class EmbeddingTable:
         self._on_evict = on_evict
         self._on_drop = on_drop
         self._lock = threading.Lock()
-        self._state_shapes = state_shapes(config.optimizer, config.dim)
+        # The update rule, plugged in by name, and what a new row's state starts at.
+        self._rule = rule(config.optimizer.name)
+        self._state_shapes = self._rule.state_shapes(config.dim)
+        self._initial_state = self._rule.initial_state(config.optimizer)
         # Slots handed out so far; a slot below this is a row or sits in the free list.
         self._used = 0
         self._free = np.empty(0, np.int64)
@@ -160,7 +163,7 @@ class EmbeddingTable:
             weights[rows] = init_rows(new_ids, self.dim, cfg.seed, cfg.name, cfg.init_scale).numpy()
         for name, t in self._state.items():
             # A reused slot still holds the evicted row's state.
-            t.numpy()[rows] = cfg.optimizer.initial_accumulator if name == "sum" else 0.0
+            t.numpy()[rows] = self._initial_state.get(name, 0.0)
         if self._touched is not None:
             self._touched[slots] = self._tick
         # A reused slot's updates were the evicted row's: the new row was never updated.
@@ -390,11 +393,11 @@ class EmbeddingTable:
                 # does not depend on it, so a row's step scaled afterwards is the scaled rule.
                 scaled = torch.from_numpy(np.flatnonzero(lr_scale != 1.0))
                 before = w.index_select(0, scaled)
-                step(opt, w, grads, state, 1.0)
+                self._rule.apply(opt, w, grads, state, 1.0)
                 factor = torch.from_numpy(lr_scale[scaled.numpy()].astype(np.float32))[:, None]
                 w[scaled] = before + (w.index_select(0, scaled) - before) * factor
             else:
-                step(opt, w, grads, state, lr_scale)
+                self._rule.apply(opt, w, grads, state, lr_scale)
             # NumPy scatters rows 2-3x faster than index_copy_ (a memcpy per row, not per
             # element); it holds the GIL for those few tens of microseconds.
             self._weights.numpy()[slots] = w.numpy()

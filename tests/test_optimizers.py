@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from tether.protos.specs import OptimizerConfig
-from tether.server.optimizers import state_shapes, step
+from tether.protos.optimizers import OPTIMIZERS, OptimizerConfig, rule
 from tether.server.tables import EmbeddingTable, TableConfig
 
 
@@ -29,9 +28,9 @@ def test_dense_matches_torch_optim(name: str) -> None:
     grads = [torch.randn(50) for _ in range(5)]
     cfg = OptimizerConfig(name=name, lr=0.1, eps=1e-8)
     w = w0.clone()
-    state = {k: torch.zeros(() if k == "t" else 50) for k in state_shapes(cfg, 1)}
+    state = {k: torch.zeros(s) for k, s in rule(name).state_shapes(50).items()}
     for g in grads:
-        step(cfg, w, g, state)
+        rule(name).apply(cfg, w, g, state)
     # Adagrad adds eps outside the sqrt, like torch.optim.Adagrad.
     assert torch.allclose(w, _torch_reference(name, w0, grads), atol=1e-5)
 
@@ -62,3 +61,25 @@ def test_sparse_adam_keeps_a_step_count_per_row() -> None:
 def test_config_validation(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         OptimizerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_each_rule_names_the_torch_optimizer_that_takes_its_steps(name: str) -> None:
+    torch.manual_seed(1)
+    w0 = torch.randn(20)
+    grads = [torch.randn(20) for _ in range(4)]
+    cfg = OptimizerConfig(name=name, lr=0.05, weight_decay=0.01)
+    p = torch.nn.Parameter(w0.clone())
+    opt = rule(name).torch_optimizer(cfg, [p])
+    w = w0.clone()
+    state = {k: torch.zeros(s) for k, s in rule(name).state_shapes(20).items()}
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+        rule(name).apply(cfg, w, g, state)
+    assert torch.allclose(w, p.detach(), atol=1e-5)
+
+
+def test_an_unknown_rule_is_named() -> None:
+    with pytest.raises(ValueError, match="'rmsprop'"):
+        rule("rmsprop")

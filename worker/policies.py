@@ -18,7 +18,7 @@ from tether.worker.client import PSClient
 from tether.worker.config import TrainingConfig
 from tether.worker.embedding import flat_grads, split_flat
 
-__all__ = ["Policy", "SSPPolicy", "SyncPolicy", "TrainerView", "init_sync", "local_optimizer", "policy_for"]
+__all__ = ["Policy", "SSPPolicy", "SyncPolicy", "TrainerView", "init_sync", "policy_for"]
 
 
 class TrainerView(Protocol):
@@ -32,16 +32,6 @@ class TrainerView(Protocol):
 
     @property
     def name(self) -> str: ...
-
-
-def local_optimizer(name: str, lr: float, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """The torch optimizer that matches the shards' update rule (sync mode's dense step)."""
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=lr, eps=1e-8)
-    return torch.optim.Adam(params, lr=lr, eps=1e-8)
-
 
 
 class Policy:

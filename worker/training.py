@@ -32,14 +32,15 @@ from torch import nn
 
 from tether.protos.codec import WIRE_DTYPES
 from tether.protos.errors import FailedPrecondition, TooStale, UsageError
-from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.protos.optimizers import OptimizerConfig, rule
+from tether.protos.specs import TableConfig
 from tether.worker.client import ClientConfig, Handle, PSClient, PullResult
 from tether.worker.batches import batch_size_of, pick_device, to_device
 from tether.worker.config import TrainingConfig
 from tether.worker.data import in_background
 from tether.worker.embedding import Prefetch, PSModel
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
-from tether.worker.policies import SyncPolicy, local_optimizer, policy_for
+from tether.worker.policies import SyncPolicy, policy_for
 from tether.worker.stragglers import delay_factor
 from tether.worker.tensorboard_writer import TensorBoardRecorder
 
@@ -127,7 +128,8 @@ class Trainer(Generic[B]):
             self.client.declare(list(tables), self.ps.dense_tensors() if policy.dense_on_shards and self.ps.dense else None, opt)
             if isinstance(policy, SyncPolicy):
                 params = list(self.ps.parameters())
-                policy.bind(params, local_optimizer(config.optimizer, config.lr, params) if params else None)
+                # The torch optimizer that takes the shards' steps: every rank steps its own copy.
+                policy.bind(params, rule(opt.name).torch_optimizer(opt, params) if params else None)
         except BaseException:
             self.client.close()
             if self.board is not None:
