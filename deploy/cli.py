@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 from tether.protos.errors import TetherError, UsageError, report_usage_error
 from tether.protos.flags import DeprecatedAlias, HelpFormatter
@@ -63,7 +64,7 @@ def _launch(argv: Sequence[str]) -> int:
     return 0
 
 
-def _result_lines(summary: dict[str, object], out: str | None, own_program: bool) -> str:
+def _result_lines(summary: dict[str, Any], out: str | None, own_program: bool) -> str:
     """What a finished launch prints: the held-out result and the throughput."""
     if own_program:
         metrics = ", ".join(f"{k} {v:.4f}" for k, v in summary.items() if k.startswith("eval_") and isinstance(v, float))
@@ -125,7 +126,7 @@ def _add_counts(p: argparse.ArgumentParser, shards: int, workers: int, per: str)
 class _Refused(argparse.Action):
     """A flag that means nothing to this command: one error line, exit code 2."""
 
-    def __init__(self, option_strings: Sequence[str], dest: str, *, why: str, **kwargs: object) -> None:
+    def __init__(self, option_strings: Sequence[str], dest: str, *, why: str, **kwargs: Any) -> None:
         self.why = why
         super().__init__(option_strings, dest, **kwargs)
 

@@ -22,6 +22,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +36,7 @@ __all__ = ["check_arguments", "compare", "recommend", "time_to_target", "write_p
 CSV_FIELDS = ("mode", "repeat", "worker", "step", "samples", "total_samples", "wall_s", "train_loss", "eval_loss", "staleness_mean")
 
 
-def time_to_target(curve: Sequence[dict[str, object]], target: float, x: str = "wall_s") -> float | None:
+def time_to_target(curve: Sequence[dict[str, Any]], target: float, x: str = "wall_s") -> float | None:
     """When the eval loss first reaches ``target``: ``x`` (wall seconds) interpolated linearly
     between the evaluation before and the first at or below it (None if never)."""
     prev: tuple[float, float] | None = None
@@ -51,14 +52,14 @@ def time_to_target(curve: Sequence[dict[str, object]], target: float, x: str = "
     return None
 
 
-def _evals(curve: Sequence[dict[str, object]]) -> list[dict[str, object]]:
+def _evals(curve: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     points = [p for p in curve if "eval_loss" in p]
     if not points:
         raise ValueError("worker 0 recorded no evaluation; set eval_every >= 1")
     return points
 
 
-def _with_job_end(curve: list[dict[str, object]], summary: dict[str, object], records: list[dict[str, object]]) -> list[dict[str, object]]:
+def _with_job_end(curve: list[dict[str, Any]], summary: dict[str, Any], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The curve ending at the run's final loss: when the job's final evaluation (after every
     worker finished) differs from worker 0's last one, it is added as a last point at the job's
     training end (the slowest worker's training time) with every worker's samples. Without it,
@@ -116,7 +117,7 @@ def _spread(values: Sequence[float]) -> float:
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def _with_total_samples(records: list[dict[str, object]]) -> list[dict[str, object]]:
+def _with_total_samples(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Worker 0's curve with ``total_samples``: every worker's samples at the moment of each of
     its points, interpolated from each worker's own (time, samples) records."""
     tracks = []
@@ -147,7 +148,7 @@ def compare(
     echo: bool = False,
     repeats: int = 1,
     printer: Callable[[str], None] = print,
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """Run ``template`` under each mode, ``repeats`` times, and write the comparison to ``out``.
 
     Args:
@@ -182,7 +183,7 @@ def compare(
     template = replace(template, straggler=str(spec), slowdown=1.0, slow_worker=None, log_every=min(template.log_every, template.eval_every))
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs: list[dict[str, object]] = []
+    runs: list[dict[str, Any]] = []
     for repeat in range(repeats):
         for mode in modes:
             cfg = replace(template, mode=mode, data_seed=template.data_seed + repeat)
@@ -196,7 +197,7 @@ def compare(
             records = [json.loads((run_dir / f"worker-{w}.json").read_text()) for w in range(cfg.num_workers)]
             curve = _with_job_end(_with_total_samples(records), summary, records)
             updates = sorted(int(x) for r in records for x in r.get("update_staleness", []))
-            run = {
+            run: dict[str, Any] = {
                 "mode": mode,
                 "repeat": repeat,
                 "data_seed": cfg.data_seed,
@@ -224,7 +225,7 @@ def compare(
         # From the runs themselves (the worst final loss), so every run reaches it.
         worst = max(float(r["final_eval_loss"]) for r in runs)
         target_loss = baseline - target_fraction * (baseline - worst)
-    rows: list[dict[str, object]] = []
+    rows: list[dict[str, Any]] = []
     for run in runs:
         run["time_to_target_s"] = time_to_target(run["curve"], target_loss)
         for w, record in enumerate(run["records"]):
@@ -257,7 +258,7 @@ def compare(
     return summary
 
 
-def _mode_result(mode: str, runs: list[dict[str, object]]) -> dict[str, object]:
+def _mode_result(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One mode's figures over its runs: means, spreads (sample standard deviation) and each run."""
     losses = [float(r["final_eval_loss"]) for r in runs]
     times = [r["time_to_target_s"] for r in runs]
@@ -284,7 +285,7 @@ def _mode_result(mode: str, runs: list[dict[str, object]]) -> dict[str, object]:
     }
 
 
-def recommend(results: Sequence[dict[str, object]], tolerance: float = 0.01) -> dict[str, object]:
+def recommend(results: Sequence[dict[str, Any]], tolerance: float = 0.01) -> dict[str, Any]:
     """The bound to use, if the runs can tell.
 
     Eligible bounds reached the target in every run with a mean final loss within
@@ -308,7 +309,7 @@ def recommend(results: Sequence[dict[str, object]], tolerance: float = 0.01) -> 
         raise UsageError("no staleness bound reached the target loss in every run; lower the target or train longer")
     best = min(eligible, key=lambda r: float(r["time_to_target_s"]))
 
-    def tied(r: dict[str, object]) -> bool:
+    def tied(r: dict[str, Any]) -> bool:
         lead = float(r["time_to_target_s"]) - float(best["time_to_target_s"])
         return lead <= float(best.get("time_to_target_s_std") or 0.0) + float(r.get("time_to_target_s_std") or 0.0)
 
@@ -325,7 +326,7 @@ def recommend(results: Sequence[dict[str, object]], tolerance: float = 0.01) -> 
     return {"best": best, "recommended": chosen, "tied": names, "message": f"recommended staleness bound: {parse_mode(str(chosen['mode']))[1]}{note}"}
 
 
-def _band(runs: list[dict[str, object]], x: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _band(runs: list[dict[str, Any]], x: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Mean, low and high of the runs' eval loss on a common grid of ``x`` (up to the shortest run)."""
     curves = [_evals(r["curve"]) for r in runs]
     end = min(float(c[-1][x]) for c in curves)
@@ -335,7 +336,7 @@ def _band(runs: list[dict[str, object]], x: str) -> tuple[np.ndarray, np.ndarray
 
 
 def write_plot(
-    runs: dict[str, list[dict[str, object]]],
+    runs: dict[str, list[dict[str, Any]]],
     path: Path,
     target: float,
     baseline: float,
@@ -391,9 +392,9 @@ def write_plot(
     for mode, mode_runs in runs.items():
         records = mode_runs[0]["records"]
         t0 = min(float(r.get("start_time", 0.0)) for r in records)
-        points = sorted((float(p["time"]) - t0, float(p["staleness_mean"])) for r in records for p in r["history"] if "staleness_mean" in p and "time" in p)
-        if points:
-            ax_z.plot([p[0] for p in points], [p[1] for p in points], lw=1, color=colors[mode], label=mode)
+        lags = sorted((float(p["time"]) - t0, float(p["staleness_mean"])) for r in records for p in r["history"] if "staleness_mean" in p and "time" in p)
+        if lags:
+            ax_z.plot([p[0] for p in lags], [p[1] for p in lags], lw=1, color=colors[mode], label=mode)
     ax_z.set_xlabel("time since the start (s), first run")
     ax_z.set_ylabel("clock staleness (ticks), mean per logged window")
     ax_z.grid(alpha=0.3)
@@ -404,12 +405,12 @@ def write_plot(
     plt.close(fig)
 
 
-def format_table(summary: dict[str, object]) -> str:
+def format_table(summary: dict[str, Any]) -> str:
     """The per-mode results as an aligned text table (mean +- standard deviation over repeats)."""
     repeats = int(summary.get("repeats", 1))
     pm = repeats > 1
 
-    def fmt(mean: object, std: object, digits: int, width: int) -> str:
+    def fmt(mean: Any, std: Any, digits: int, width: int) -> str:
         if mean is None:
             return f"{'never':>{width}s}"
         text = f"{float(mean):.{digits}f}" + (f" +-{float(std or 0):.{digits}f}" if pm else "")
@@ -441,8 +442,8 @@ def sweep(
     num_shards: int,
     out: str | Path,
     tolerance: float = 0.01,
-    **kwargs: object,
-) -> dict[str, object]:
+    **kwargs: Any,
+) -> dict[str, Any]:
     """``compare`` over ``ssp:S`` for each bound, plus the recommendation (see ``recommend``):
     ``recommended_staleness`` is None when the runs show no significant difference."""
     if not bounds or any(b < 0 for b in bounds):

@@ -12,10 +12,11 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from tether.server.checkpoint_files import RestorePlan, load_state
+from tether.server.checkpoint_files import Manifest, RestorePlan, load_state
 from tether.server.restore import complete_checkpoints, list_manifests
 from tether.worker.serving import EXPORT_FORMAT, MANIFEST, WEIGHTS
 
@@ -35,7 +36,7 @@ def _newest_parts(checkpoint_dir: Path) -> RestorePlan | None:
     if not manifests:
         return None
     n = manifests[0].num_shards
-    newest: dict[int, object] = {}
+    newest: dict[int, Manifest] = {}
     for m in manifests:
         if m.num_shards == n:
             newest.setdefault(m.shard_index, m)
@@ -46,7 +47,7 @@ def _newest_parts(checkpoint_dir: Path) -> RestorePlan | None:
     return RestorePlan("+".join(ids), parts, True, max(p.created for p in parts))
 
 
-def export_checkpoint(checkpoint_dir: str | Path, out: str | Path, ckpt_id: str | None = None) -> dict[str, object]:
+def export_checkpoint(checkpoint_dir: str | Path, out: str | Path, ckpt_id: str | None = None) -> dict[str, Any]:
     """Write checkpoint ``ckpt_id`` of ``checkpoint_dir`` (default: every shard's newest part)
     into the folder ``out``; returns the manifest written.
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from tether.deploy.launch import ClusterError, Interrupted, LocalCluster, Program
 from tether.worker.config import WorkerConfig
@@ -32,7 +33,7 @@ def run_job(
     checkpoint_every: float | None = None,
     program: Program | None = None,
     shard_args: Sequence[str] = (),
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """Run a whole job locally, evaluate the result, and write ``summary.json`` to ``out``.
 
     With a ``program`` the workers are the user's code; the result is what its workers
@@ -83,7 +84,7 @@ def run_job(
     total = sum(int(w["samples"]) for w in workers)
     train_wall = max(float(w["wall_s"]) for w in workers)
     lags = sorted(int(x) for w in workers for x in w["clock_staleness"])
-    summary: dict[str, object] = {
+    summary: dict[str, Any] = {
         "mode": template.mode,
         **evaluation,
         "samples_per_sec": total / train_wall,

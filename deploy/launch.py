@@ -131,8 +131,11 @@ class LocalCluster:
         """
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts!r}")
-        self._tmp = tempfile.TemporaryDirectory(prefix="tether-") if log_dir is None else None
-        self.log_dir = Path(log_dir or self._tmp.name)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if log_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="tether-")
+            log_dir = self._tmp.name
+        self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.host = host
         self.grace_s = grace_s
@@ -222,6 +225,8 @@ class LocalCluster:
 
     def _await_port(self, child: _Child, deadline: float, timeout_s: float) -> int:
         pf = child.port_file
+        if pf is None:
+            raise ClusterError(f"{child.name} reports no port")
         while not pf.exists():
             if child.proc.poll() is not None:
                 raise ClusterError(f"{child.name} exited with code {child.proc.returncode}; see {child.log_path}:\n{_tail(child.log_path)}")
@@ -245,7 +250,8 @@ class LocalCluster:
                     log.warning("%s exited with code %s; restart %d of %d on the same port",
                                 child.name, code, self.restarts[i], self.max_restarts)
                     child.pump.join(timeout=1)
-                    child.port_file.unlink(missing_ok=True)
+                    if child.port_file is not None:
+                        child.port_file.unlink(missing_ok=True)
                     fresh = self._spawn(child.name, child.argv, echo=False, env=child.env, append=True)
                     fresh.port_file = child.port_file
                     self.shards[i] = fresh
@@ -260,8 +266,9 @@ class LocalCluster:
         while True:
             with self._lock:
                 child = self.shards[index]
-            if child.port_file.exists() and child.proc.poll() is None:
-                return f"{self.host}:{int(child.port_file.read_text())}"
+            pf = child.port_file
+            if pf is not None and pf.exists() and child.proc.poll() is None:
+                return f"{self.host}:{int(pf.read_text())}"
             if time.monotonic() > deadline:
                 raise ClusterError(f"{child.name} is not serving after {timeout_s:.0f}s; see {child.log_path}:\n{_tail(child.log_path)}")
             time.sleep(0.05)

@@ -39,7 +39,7 @@ class CodecError(InvalidArgument):
     """A payload that cannot be decoded as the tensor it claims to be."""
 
 
-_TO_TORCH = {
+_TO_TORCH: dict[int, torch.dtype] = {
     pb.FLOAT32: torch.float32,
     pb.FLOAT16: torch.float16,
     pb.BFLOAT16: torch.bfloat16,
@@ -49,7 +49,7 @@ _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
 # The element types parameters and gradients may travel in, by the name flags and configs use.
 WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # bfloat16 has no numpy dtype: carry its bits as int16 and reinterpret in torch.
-_NUMPY_VIEW = {
+_NUMPY_VIEW: dict[int, np.dtype] = {
     pb.FLOAT32: np.dtype("<f4"),
     pb.FLOAT16: np.dtype("<f2"),
     pb.BFLOAT16: np.dtype("<i2"),

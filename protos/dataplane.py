@@ -42,6 +42,7 @@ import ssl
 import struct
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -159,12 +160,12 @@ class PayloadWriter:
                 t = t.index_select(0, rows)
             if offset > pos:
                 out.append(memoryview(bytes(offset - pos)))
-            out.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            out.append(t.reshape(-1).view(torch.uint8).numpy().data)
             pos = offset + t.numel() * t.element_size()
         return out
 
 
-def _inline(msg: object, data: bytes) -> None:
+def _inline(msg: Any, data: bytes) -> None:
     if isinstance(msg, pb.Tensor):
         if msg.payload_bytes:
             msg.data = data[msg.payload_offset : msg.payload_offset + msg.payload_bytes]

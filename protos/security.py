@@ -188,7 +188,7 @@ class ClientSecurity:
         if self.tls_ca is None:
             return None
         ca = read_pem(self.tls_ca, "TLS CA")
-        if self.tls_cert is None:
+        if self.tls_cert is None or self.tls_key is None:  # together or not at all (__post_init__)
             return grpc.ssl_channel_credentials(root_certificates=ca)
         return grpc.ssl_channel_credentials(
             root_certificates=ca,
@@ -208,7 +208,7 @@ class ClientSecurity:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED and check_hostname
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         _load_ca(ctx, self.tls_ca, "TLS CA")
-        if self.tls_cert is not None:
+        if self.tls_cert is not None and self.tls_key is not None:
             _load_chain(ctx, self.tls_cert, self.tls_key)
         return ctx
 

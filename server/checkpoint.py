@@ -184,6 +184,8 @@ class Checkpointer:
 
     def _loop(self) -> None:
         every = self.every_s
+        if every is None:  # start_periodic starts no loop without a period
+            return
         while True:
             # Shards of a job wake at the same multiples of the period and name the checkpoint
             # after it, so their parts share an id and the checkpoint becomes complete.

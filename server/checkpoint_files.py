@@ -25,8 +25,10 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, IO, cast
 
 import numpy as np
 import torch
@@ -88,7 +90,7 @@ def file_checksum(path: str | Path) -> str:
     return f"{CHECKSUM}:{h.hexdigest()}"
 
 
-def manifest_checksum(doc: dict[str, object]) -> str:
+def manifest_checksum(doc: dict[str, Any]) -> str:
     """``"sha256:<hex>"`` of a manifest's fields other than ``checksum`` (canonical JSON)."""
     body = {k: v for k, v in doc.items() if k != "checksum"}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
@@ -98,7 +100,7 @@ def manifest_checksum(doc: dict[str, object]) -> str:
 class _HashingWriter:
     """A file wrapper that hashes what goes through it (the data file is hashed as it is written)."""
 
-    def __init__(self, f: object) -> None:
+    def __init__(self, f: IO[bytes]) -> None:
         self._f = f
         self._hash = hashlib.new(CHECKSUM)
 
@@ -179,7 +181,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write: object) -> int:
+def _atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> int:
     """Write through ``write(file)`` to a temporary name, fsync, rename; returns the bytes."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -195,7 +197,7 @@ def _atomic_write(path: Path, write: object) -> int:
     return size
 
 
-def _table_record(t: TableState) -> dict[str, object]:
+def _table_record(t: TableState) -> dict[str, Any]:
     return {
         "config": asdict(t.config),
         "ids": torch.from_numpy(np.ascontiguousarray(t.ids, dtype=np.int64)),
@@ -205,7 +207,7 @@ def _table_record(t: TableState) -> dict[str, object]:
     }
 
 
-def _dense_record(d: DenseState) -> dict[str, object]:
+def _dense_record(d: DenseState) -> dict[str, Any]:
     return {
         "name": d.name,
         "index": int(d.index),
@@ -252,9 +254,10 @@ def write_checkpoint(
     }
     writers: list[_HashingWriter] = []
 
-    def write_data(f: object) -> None:
+    def write_data(f: IO[bytes]) -> None:
         writers.append(_HashingWriter(f))
-        torch.save(payload, writers[-1])
+        # torch.save needs only write and flush of a file object: the wrapper has both.
+        torch.save(payload, cast(IO[bytes], writers[-1]))
 
     data_bytes = _atomic_write(data_path, write_data)
     _fsync_dir(folder)
@@ -284,7 +287,7 @@ def write_checkpoint(
 # -- loading ------------------------------------------------------------------------------------
 
 
-def _load_part(path: Path, checksum: str) -> dict[str, object]:
+def _load_part(path: Path, checksum: str) -> dict[str, Any]:
     actual = file_checksum(path)
     if actual != checksum:
         raise ChecksumMismatch(path, checksum, actual)
@@ -295,11 +298,11 @@ def _load_part(path: Path, checksum: str) -> dict[str, object]:
     return doc
 
 
-def _optimizer(d: dict[str, object]) -> OptimizerConfig:
+def _optimizer(d: dict[str, Any]) -> OptimizerConfig:
     return OptimizerConfig(**d)
 
 
-def _table_config(d: dict[str, object]) -> TableConfig:
+def _table_config(d: dict[str, Any]) -> TableConfig:
     fields = dict(d)
     fields["optimizer"] = _optimizer(fields["optimizer"])
     return TableConfig(**fields)

@@ -156,8 +156,12 @@ def _data_port(value: str) -> int | None:
         raise ValueError(f"--data-port must be a port number or 'off', got {value!r}") from None
 
 
-def _optional(value: object, kind: type) -> object:
-    return None if value in (None, "") else kind(value)
+def _optional_int(value: str | int | None) -> int | None:
+    return None if value is None or value == "" else int(value)
+
+
+def _optional_float(value: str | float | None) -> float | None:
+    return None if value is None or value == "" else float(value)
 
 
 def load_config(argv: Sequence[str] | None = None) -> ShardConfig:
@@ -175,15 +179,15 @@ def load_config(argv: Sequence[str] | None = None) -> ShardConfig:
         port_file=a.port_file,
         grace_seconds=float(a.grace_seconds),
         lease_seconds=float(a.lease_seconds),
-        max_staleness=_optional(a.max_staleness, int),
+        max_staleness=_optional_int(a.max_staleness),
         checkpoint_dir=a.checkpoint_dir or None,
-        checkpoint_every_s=_optional(a.checkpoint_every, float),
+        checkpoint_every_s=_optional_float(a.checkpoint_every),
         checkpoint_keep=int(a.checkpoint_keep),
         tls_cert=a.tls_cert or None,
         tls_key=a.tls_key or None,
         tls_client_ca=a.tls_client_ca or None,
         auth_token=resolve_token(a.auth_token_file),
-        health_port=_optional(a.health_port, int),
+        health_port=_optional_int(a.health_port),
         data_port=_data_port(a.data_port),
         data_buffer_bytes=int(a.data_buffer_mb) * 1024 * 1024,
         data_handshake_timeout_s=float(a.data_handshake_timeout),

@@ -148,7 +148,8 @@ class Connection:
             except BaseException:
                 self.release()
                 raise
-        view = memoryview(self._buffer)[self._base :]
+        # No buffer only for a frame of no bytes at all (nothing was reserved for it).
+        view = memoryview(self._buffer if self._buffer is not None else b"")[self._base :]
         dp.recv_into(conn, view[:meta_len])
         if payload_len == 0:
             return view[:meta_len], None

@@ -277,9 +277,12 @@ class DataPlaneServer:
                 "(and --tls-cert/--tls-key where the shard requires client certificates)",
             )
         who = peer(conn)
+        ctx = self._tls
+        if ctx is None:
+            raise ConnectionError("this data port serves no TLS")
         with self._lock:  # the serving thread is registered under the socket stop() shuts down
             thread = self._conns.pop(conn)
-            tls = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            tls = ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
             self._conns[tls] = thread
         try:
             dp._until(tls, deadline)
@@ -452,7 +455,7 @@ class DataPlaneServer:
             message = "answer: " + _over_limit(len(body) + out.nbytes, self.max_message_bytes)
             dp.send_frame(conn, method, message.encode(), status=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
             return
-        if shm_end is not None and out.nbytes:
+        if shm_end is not None and out.nbytes and state.region is not None:
             start = dp.align(shm_end)
             if start + out.nbytes <= state.region.size:
                 out.copy_into(state.region.view[start:])

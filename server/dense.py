@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ class DenseChunk:
             self.version += 1
             return self.version
 
-    def snapshot(self) -> dict[str, object]:
+    def snapshot(self) -> dict[str, Any]:
         """Value, optimizer state and version (copies)."""
         with self._lock:
             return {"value": self.value.clone(), "state": {k: t.clone() for k, t in self._state.items()}, "version": self.version}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
@@ -19,6 +19,7 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.checkpoint import Checkpointer
 from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.shard import DenseDecl, DenseUpdate, PushResult, Shard, SparseUpdate
+from tether.server.tables import EmbeddingTable
 
 __all__ = ["MAX_CLOCK_WAIT_S", "RequestHandler", "Unparsable"]
 
@@ -241,5 +242,10 @@ class RequestHandler:
         tables = self.shard.tables
         for name in list(tables):
             if name not in self._watched:
-                self.metrics.watch_table(name, lambda n=name: tables[n].rows, lambda n=name: tables[n].memory_bytes)
+                self.metrics.watch_table(name, *_table_gauges(tables, name))
                 self._watched.add(name)
+
+
+def _table_gauges(tables: Mapping[str, EmbeddingTable], name: str) -> tuple[Callable[[], float], Callable[[], float]]:
+    """Readers of table ``name``'s resident rows and bytes (looked up each time they are read)."""
+    return (lambda: tables[name].rows), (lambda: tables[name].memory_bytes)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -16,7 +16,8 @@ _RECENT_PULLS = 16
 _RECENT_MAX_IDS = 1 << 16
 
 
-class Pulled(NamedTuple):
+@dataclass(frozen=True)
+class Pulled:
     """Slots a recent pull found for a push's ids (``EmbeddingTable.pulled``)."""
 
     index: IdIndex

@@ -96,7 +96,9 @@ def start_shard(config: ShardConfig, shard: Shard | None = None, metrics: ShardR
         )
         # Before the port opens: no call ever sees the shard half restored.
         checkpointer.restore()
-    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls else None
+    # Certificate and key go together (ShardConfig checks it): TLS when they are given.
+    tls = (config.tls_cert, config.tls_key) if config.tls_cert is not None and config.tls_key is not None else None
+    credentials = server_credentials(*tls, config.tls_client_ca) if tls else None
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -140,7 +142,7 @@ def start_shard(config: ShardConfig, shard: Shard | None = None, metrics: ShardR
             max_message_bytes=config.max_message_bytes, max_connections=config.max_concurrent_rpcs,
             buffer_bytes=config.data_buffer_bytes, handshake_timeout_s=config.data_handshake_timeout_s,
             idle_timeout_s=config.data_idle_timeout_s,
-            ssl_context=server_ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls else None,
+            ssl_context=server_ssl_context(*tls, config.tls_client_ca) if tls else None,
             unix_socket=not config.tls_client_ca,
         )
         handler.data_port = dataplane.port

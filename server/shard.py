@@ -15,6 +15,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -408,7 +409,10 @@ class Shard:
             # Clock staleness is measured on shard 0, the coordinator ssp waits on, where clocks
             # move only once a step is applied on every shard.
             clock_lag = self.clocks.lag(clock) if clock and self.shard_index == 0 else 0
-            blocks = [(t, u.ids, u.grads, p) for (t, p), u in zip(checked, sparse)] + [(c, None, u.grad, None) for c, u in zip(chunks, dense)]
+            # (table or chunk, ids or None, gradient, what a recent pull found of the ids)
+            blocks: list[tuple[Any, np.ndarray | None, torch.Tensor, Pulled | None]] = [
+                (t, u.ids, u.grads, p) for (t, p), u in zip(checked, sparse)
+            ] + [(c, None, u.grad, None) for c, u in zip(chunks, dense)]
             for (target, ids, grad, pulled), s, n in zip(blocks, stale, intervals):
                 # The typical staleness of this table or chunk: a running mean of its updates
                 # between a push's read and its apply, over every push (a racy update loses at

@@ -20,6 +20,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -173,6 +174,8 @@ class EmbeddingTable:
 
     def _evict(self, want: int) -> int:
         """Evict up to ``want`` least recently touched rows not touched by the current call."""
+        if self._touched is None:  # only bounded tables evict, and they track touches
+            return 0
         keys, slots = self._index.items(sort=False)
         touched = self._touched[slots]
         candidates = np.flatnonzero(touched < self._tick)
@@ -411,7 +414,7 @@ class EmbeddingTable:
                 self._log_slots -= len(self._log.popleft()[1])
             return self.version
 
-    def snapshot(self) -> dict[str, object]:
+    def snapshot(self) -> dict[str, Any]:
         """Ids, rows, optimizer state and version, sorted by id (for checkpoints and tests)."""
         with self._lock:
             keys, slots = self._index.items()

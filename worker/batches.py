@@ -36,8 +36,9 @@ def to_device(batch: Any, device: torch.device) -> Any:
         return batch.to(device, non_blocking=True)
     if device.type == "cpu" and _all_cpu(batch):
         return batch
+    kind: Any = type(batch)  # the batch's own container type, rebuilt around moved tensors
     if isinstance(batch, Mapping):
-        return type(batch)({k: to_device(v, device) for k, v in batch.items()})
+        return kind({k: to_device(v, device) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(to_device(v, device) for v in batch))
     if isinstance(batch, (list, tuple)):

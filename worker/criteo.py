@@ -103,7 +103,7 @@ def _blocks(path: Path, block_bytes: int) -> Iterator[bytes]:
         DataError: the file cannot be opened or read, or holds damaged gzip data.
     """
     raw = _open(path)
-    f: BinaryIO = raw
+    f: BinaryIO | gzip.GzipFile = raw
     try:
         if _is_gzip(path):
             f = gzip.GzipFile(fileobj=raw, mode="rb")

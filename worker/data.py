@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
@@ -178,7 +178,7 @@ class SyntheticClickLog:
 _JOIN_S = 10.0
 
 
-def in_background(batches: Iterator[_T], depth: int = 4) -> Iterator[_T]:
+def in_background(batches: Iterator[_T], depth: int = 4) -> Generator[_T, None, None]:
     """Batches of ``batches`` produced on a background thread, up to ``depth`` ahead (like a
     DataLoader worker), so data preparation overlaps the step instead of adding to it.
 

@@ -21,6 +21,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 import msgpack
@@ -122,9 +123,20 @@ class DataConnection:
                 self.close()
                 raise
 
+    @property
+    def _live(self) -> socket.socket:
+        """The socket of this open connection.
+
+        Raises:
+            ConnectionError: the connection was closed.
+        """
+        if self._sock is None:
+            raise ConnectionError("the data connection is closed")
+        return self._sock
+
     def _start_tls(self, ctx: ssl.SSLContext, host: str, port: int) -> None:
         """Wrap the TCP socket in TLS, checking the shard's certificate for ``host``."""
-        self._sock = ctx.wrap_socket(self._sock, server_hostname=host)
+        self._sock = ctx.wrap_socket(self._live, server_hostname=host)
         self.tls = True
 
     def _try_unix(self, name: str | None, timeout_s: float) -> None:
@@ -167,8 +179,8 @@ class DataConnection:
                 fds.append(fd)
                 meta["shm_size"] = region_size
         try:
-            self._sock.settimeout(timeout_s)
-            dp.send_frame(self._sock, dp.HELLO, msgpack.packb(meta), fds=fds)
+            self._live.settimeout(timeout_s)
+            dp.send_frame(self._live, dp.HELLO, msgpack.packb(meta), fds=fds)
         except BaseException:
             if region is not None:
                 region.close()
@@ -196,9 +208,9 @@ class DataConnection:
     def _read(
         self, region: dp.SharedRegion | None, place: Callable[[bytes, int], list[tuple[int, memoryview]]] | None = None
     ) -> tuple[bytes, memoryview | None]:
-        method, flags, status, meta_len, payload_len, aux = dp.read_header(self._sock, self._header)
+        method, flags, status, meta_len, payload_len, aux = dp.read_header(self._live, self._header)
         meta = bytearray(meta_len)
-        dp.recv_into(self._sock, memoryview(meta))
+        dp.recv_into(self._live, memoryview(meta))
         payload = None
         if flags & dp.FLAG_SHM:
             if region is None or aux + payload_len > region.size:
@@ -215,16 +227,16 @@ class DataConnection:
                 if offset < pos or offset + dest.nbytes > payload_len:
                     raise dp.FrameError(f"bytes [{offset}, {offset + dest.nbytes}) to place are not in order inside the payload")
                 if offset > pos:
-                    dp.recv_into(self._sock, payload[pos:offset])
-                dp.recv_into(self._sock, dest)
+                    dp.recv_into(self._live, payload[pos:offset])
+                dp.recv_into(self._live, dest)
                 pos = offset + dest.nbytes
-            dp.recv_into(self._sock, payload[pos:])
+            dp.recv_into(self._live, payload[pos:])
         if status:
             code = _CODES.get(status, grpc.StatusCode.UNKNOWN)
             raise DataPlaneStatus(code, bytes(meta).decode(errors="replace"), closed=method == 0)
         return bytes(meta), payload
 
-    def send(self, method: int, request: object, out: dp.PayloadWriter, response_bytes: int, timeout_s: float) -> None:
+    def send(self, method: int, request: Any, out: dp.PayloadWriter, response_bytes: int, timeout_s: float) -> None:
         """Send ``request`` with its payload (through the region when both are large enough to
         be worth it and the shard maps it); ``receive`` gets the answer.
 
@@ -238,7 +250,7 @@ class DataConnection:
             # A shard that refuses a frame (too large, over its buffers) answers and closes
             # before reading the rest: its answer says why, and is waiting to be read.
             try:
-                self._sock.settimeout(1.0)
+                self._live.settimeout(1.0)
                 self._read(None)
             except DataPlaneStatus as status:
                 raise status from exc
@@ -246,9 +258,9 @@ class DataConnection:
                 pass
             raise
 
-    def _send(self, method: int, request: object, out: dp.PayloadWriter, response_bytes: int, timeout_s: float) -> None:
+    def _send(self, method: int, request: Any, out: dp.PayloadWriter, response_bytes: int, timeout_s: float) -> None:
         meta = request.SerializeToString()
-        self._sock.settimeout(timeout_s)
+        self._live.settimeout(timeout_s)
         self._use_region = self.shm and out.nbytes + response_bytes >= SHM_MIN_BYTES
         if self._use_region:
             need = dp.align(out.nbytes) + response_bytes + dp.ALIGN
@@ -257,11 +269,11 @@ class DataConnection:
                 if self.region is None and self._on_fallback is not None:
                     self._on_fallback(f"{self.fallback}; this connection sends through its socket from now on")
             self._use_region = self.region is not None
-        if self._use_region:
+        if self._use_region and self.region is not None:
             out.copy_into(self.region.view)
-            dp.send_frame(self._sock, method, meta, flags=dp.FLAG_SHM, payload_len=out.nbytes, aux=0)
+            dp.send_frame(self._live, method, meta, flags=dp.FLAG_SHM, payload_len=out.nbytes, aux=0)
         else:
-            dp.send_frame(self._sock, method, meta, out.buffers())
+            dp.send_frame(self._live, method, meta, out.buffers())
 
     def receive(
         self, timeout_s: float, place: Callable[[bytes, int], list[tuple[int, memoryview]]] | None = None
@@ -277,13 +289,13 @@ class DataConnection:
             DataPlaneStatus: the shard answered with an error.
             OSError: the connection failed or timed out (the caller drops it).
         """
-        self._sock.settimeout(timeout_s)
+        self._live.settimeout(timeout_s)
         return self._read(self.region if self._use_region else None, place)
 
     def readable(self) -> bool:
         """Whether an answer has started to arrive (on an idle connection: the shard closed it)."""
         poller = select.poll()
-        poller.register(self._sock, select.POLLIN | select.POLLPRI)
+        poller.register(self._live, select.POLLIN | select.POLLPRI)
         return bool(poller.poll(0))
 
     def close(self) -> None:

@@ -85,10 +85,21 @@ class ShardedEmbeddingBag(nn.Module):
                 raise InvalidArgument(f"table {self.table!r}: ids were not pulled and no fetcher is set")
             unique = torch.unique(flat if pad is None else flat[~pad])
             self.bind(unique, self._fetch(self.table, unique).to(flat.device))
-            pos = torch.searchsorted(self._ids, flat).clamp_(max=max(self._ids.numel() - 1, 0))
+            bound_ids, _ = self._bound()
+            pos = torch.searchsorted(bound_ids, flat).clamp_(max=max(bound_ids.numel() - 1, 0))
         if pad is not None:
-            pos = torch.where(pad, self._rows.shape[0], pos)
+            pos = torch.where(pad, self._bound()[1].shape[0], pos)
         return pos
+
+    def _bound(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bound ids and rows (``_positions`` binds them where they were missing).
+
+        Raises:
+            InvalidArgument: no rows are bound.
+        """
+        if self._ids is None or self._rows is None:
+            raise InvalidArgument(f"table {self.table!r}: no rows are bound")
+        return self._ids, self._rows
 
     def forward(
         self, ids: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None
@@ -101,7 +112,7 @@ class ShardedEmbeddingBag(nn.Module):
             raise InvalidArgument(f"table {self.table!r}: ids must be [B], [B, L] or [N] with offsets, got shape {tuple(ids.shape)}")
         flat = ids.reshape(-1).contiguous()
         pos = self._positions(flat)
-        rows = self._rows
+        rows = bound = self._bound()[1]
         if self.padding_id is not None:
             rows = torch.cat([rows, rows.new_zeros(1, self.dim)])
         if ids.dim() == 1 and offsets is None:
@@ -112,7 +123,7 @@ class ShardedEmbeddingBag(nn.Module):
             offsets = torch.arange(0, flat.numel(), ids.shape[1], device=flat.device)
             if per_sample_weights is not None:
                 per_sample_weights = per_sample_weights.reshape(-1)
-        padding_idx = self._rows.shape[0] if self.padding_id is not None else None
+        padding_idx = bound.shape[0] if self.padding_id is not None else None
         return F.embedding_bag(pos, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights, padding_idx=padding_idx)
 
 
@@ -202,7 +213,7 @@ class PSModel:
         for bag in self._all_bags():
             bag.set_fetcher(self._fetch)
         if hasattr(model, "fused_lookup"):
-            model.fused_lookup = self.lookup
+            setattr(model, "fused_lookup", self.lookup)  # noqa: B010 - an attribute torch's Module typing does not know
 
     def _all_bags(self) -> Iterator[ShardedEmbeddingBag]:
         return (bag for same in self.bags.values() for bag in same)
@@ -233,7 +244,7 @@ class PSModel:
         unique, counts, inverse = unique_columns(columns)
         return dict(zip(sparse, torch.split(unique, counts))), columns, inverse
 
-    def prefetch(self, sparse: Mapping[str, torch.Tensor], with_dense: bool = True) -> Prefetch:
+    def prefetch(self, sparse: Mapping[str, torch.Tensor | Sequence[torch.Tensor]], with_dense: bool = True) -> Prefetch:
         """Start pulling the rows of ``sparse`` (table -> ids of any shape) and the dense values."""
         unique, columns, inverse = self._unique(sparse)
         names = [self.FLAT] if with_dense and self.dense_on_shards and self.dense else []
@@ -283,7 +294,7 @@ class PSModel:
     def lookup(self, sparse: torch.Tensor) -> torch.Tensor | None:
         """Rows [B, T, dim] of every table for ids [B, T] (column t: table t of the bound
         prefetch) in one gather, if those are the ids bound; else None."""
-        if self._inverse is None or self._rows is None or sparse.shape != self._inverse.shape:
+        if self._inverse is None or self._rows is None or self._columns is None or sparse.shape != self._inverse.shape:
             return None
         if not torch.equal(sparse.t(), self._columns):
             return None
@@ -323,7 +334,7 @@ class PSModel:
         self._clear()
         return handle
 
-    def push_pull(self, clock: int, versions: PullResult, sparse: Mapping[str, torch.Tensor]) -> Prefetch:
+    def push_pull(self, clock: int, versions: PullResult, sparse: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> Prefetch:
         """Push the collected gradients and pull the rows of ``sparse`` in one round trip.
 
         The shard applies the push before it reads the pull, so the rows include this step's

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tether.protos.allocator import tune_malloc
 from tether.protos.codec import quiet_readonly_warning
@@ -18,7 +18,7 @@ from tether.protos.errors import UsageError, report_usage_error
 __all__ = ["main", "resolve"]
 
 
-def resolve(target: str) -> object:
+def resolve(target: str) -> Callable[[], object]:
     """The function ``module:function`` names.
 
     Raises:

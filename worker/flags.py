@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import Any
 
 from tether.protos.codec import WIRE_DTYPES
 from tether.protos.dataplane import TRANSPORTS
@@ -25,8 +26,8 @@ __all__ = [
 ]
 
 
-def _optional_int(value: object) -> int | None:
-    return None if value in (None, "") else int(value)
+def _optional_int(value: str | int | None) -> int | None:
+    return None if value is None or value == "" else int(value)
 
 
 def add_job_flags(p: argparse.ArgumentParser, default_steps: int | None = 2000, mode: bool = True) -> None:
@@ -121,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def training_values(a: argparse.Namespace) -> dict[str, object]:
+def training_values(a: argparse.Namespace) -> dict[str, Any]:
     """``TrainingConfig`` fields from parsed connection and job flags."""
     steps = getattr(a, "steps", None)
     return dict(

@@ -111,12 +111,12 @@ class SyncPolicy(Policy):
         self.optimizer: torch.optim.Optimizer | None = None
         self.digests: list[str] = []
 
-    def bind(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+    def bind(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None) -> None:
         """The dense parameters this rank all-reduces and steps."""
         self.params, self.optimizer = params, optimizer
 
     def after_backward(self) -> None:
-        if not self.params:
+        if not self.params or self.optimizer is None:
             return
         flat = flat_grads(self.params)
         self.dist.all_reduce(flat)

@@ -266,13 +266,14 @@ class PullAnswer:
         plan = self._plan
         response = pb.PullResponse.FromString(meta)
         fp32 = wire_dtype(torch.float32)
-        out, keys = [], []
+        out: list[tuple[int, memoryview]] = []
+        keys: list[tuple[object, ...]] = []
         for block in response.sparse:
             rows = plan.rows.get(block.table)
             v = block.values
             if (rows is not None and plan.positions.get((shard, block.table), 0) is None and v.dtype == fp32
                     and not v.data and v.payload_bytes == rows.numel() * 4 and tuple(v.shape) == tuple(rows.shape)):
-                out.append((v.payload_offset, memoryview(rows.numpy()).cast("B")))
+                out.append((v.payload_offset, rows.numpy().data.cast("B")))
                 keys.append(("sparse", block.table))
         for b in response.dense:
             layout = self._router.dense.get(b.name)
@@ -282,7 +283,7 @@ class PullAnswer:
             _, a, stop = layout.chunks[b.index]
             v = b.value
             if v.dtype == fp32 and not v.data and v.payload_bytes == (stop - a) * 4 and list(v.shape) == [stop - a]:
-                out.append((v.payload_offset, memoryview(flat[a:stop].numpy()).cast("B")))
+                out.append((v.payload_offset, flat[a:stop].numpy().data.cast("B")))
                 keys.append(("dense", b.name, b.index))
         order = sorted(range(len(out)), key=lambda i: out[i][0])
         end = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
+from typing import Any
 from pathlib import Path
 
 from tether.protos.errors import UsageError
@@ -54,7 +55,7 @@ class TensorBoardRecorder:
         self._samples = 0
         self._wall = 0.0
 
-    def write(self, record: Mapping[str, object], clock_staleness: int | None = None) -> None:
+    def write(self, record: Mapping[str, Any], clock_staleness: int | None = None) -> None:
         """One logged step: ``record`` is a history entry of ``Trainer.fit`` (``step``,
         ``samples``, ``wall_s``, ``train_loss``, maybe ``staleness_mean``/``staleness_max`` and
         ``eval_*``)."""

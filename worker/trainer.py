@@ -12,6 +12,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -131,7 +132,7 @@ def ctr_trainer(cfg: WorkerConfig, ds: Dataset, metrics: WorkerRecorder | None =
     return Trainer(model, cfg, loss=ctr_loss, sparse=ctr_sparse, tables=tables, metrics=metrics, printer=printer)
 
 
-def train(cfg: WorkerConfig, metrics: WorkerRecorder | None = None, printer: Callable[[str], None] = print) -> dict[str, object]:
+def train(cfg: WorkerConfig, metrics: WorkerRecorder | None = None, printer: Callable[[str], None] = print) -> dict[str, Any]:
     """Run one worker of the CTR job and return its record (also written to ``cfg.out``).
 
     Raises:

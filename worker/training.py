@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -170,7 +170,7 @@ class Trainer(Generic[B]):
         eval_data: Iterable[B] | None = None,
         evaluate: Callable[[nn.Module, B], Mapping[str, float]] | None = None,
         background: bool = True,
-    ) -> dict[str, object]:
+    ) -> dict[str, Any]:
         """Train on ``data`` until it ends or ``config.steps`` steps are done; returns this
         worker's record (also written to ``config.out/worker-<i>.json``).
 
@@ -184,22 +184,23 @@ class Trainer(Generic[B]):
             DeadlineExceeded: an ``ssp`` wait ran past ``config.ssp_timeout_s``.
             TetherError: a shard call failed after retries.
         """
-        stream = in_background(iter(data)) if background else iter(data)
+        producer = in_background(iter(data)) if background else None
         try:
-            return self._fit(stream, eval_data, evaluate)
+            return self._fit(iter(data) if producer is None else producer, eval_data, evaluate)
         finally:
-            if background:
-                stream.close()  # stops the producer thread (the data may go on forever)
+            if producer is not None:
+                producer.close()  # stops the producer thread (the data may go on forever)
 
     def _fit(
         self, stream: Iterator[B], eval_data: Iterable[B] | None, evaluate: Callable[[nn.Module, B], Mapping[str, float]] | None
-    ) -> dict[str, object]:
+    ) -> dict[str, Any]:
         cfg, policy, ps = self.config, self.policy, self.ps
         evaluating = eval_data is not None and cfg.worker_index == 0
+        held_out: Iterable[B] = eval_data if eval_data is not None else ()
         prefetch = cfg.prefetch and policy.prefetch
         # Without prefetching a step's push lands before the next step pulls (sequential SGD).
         settle_every_step = policy.settle_every_step or not cfg.prefetch
-        history: list[dict[str, object]] = []
+        history: list[dict[str, Any]] = []
         staleness: list[int] = []
         update_staleness: list[int] = []
         too_stale = 0
@@ -237,7 +238,7 @@ class Trainer(Generic[B]):
                      + (f", {steps} steps" if steps else ", until the data ends"))
         if evaluating and cfg.eval_every > 0:
             # The curve's first point: the initial model, evaluated before the others may start.
-            history.append({"step": 0, "samples": 0, "wall_s": 0.0, "time": time.time(), **self.evaluate(eval_data, evaluate)})
+            history.append({"step": 0, "samples": 0, "wall_s": 0.0, "time": time.time(), **self.evaluate(held_out, evaluate)})
             if self.board is not None:
                 self.board.write(history[-1])
         start_clock = policy.start(self)
@@ -293,8 +294,9 @@ class Trainer(Generic[B]):
                 push = ps.push(clock=clock + 1, versions=pulled, sparse_scale=policy.sparse_scale)
             if settle_every_step:
                 # The step's updates must land before this worker's clock (or the barrier) lets
-                # anyone read past them.
-                settle(push)
+                # anyone read past them (such policies never prefetch: the push was just made).
+                if push is not None:
+                    settle(push)
                 push = None
                 policy.after_push()
             t3 = time.perf_counter()
@@ -312,7 +314,7 @@ class Trainer(Generic[B]):
             evaluate_now = evaluating and ((cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0) or last)
             if (step + 1) % cfg.log_every == 0 or last or evaluate_now:
                 wall = time.perf_counter() - t_start - eval_time
-                record: dict[str, object] = {
+                record: dict[str, Any] = {
                     "step": step + 1,
                     "samples": samples,
                     "wall_s": round(wall, 4),
@@ -328,7 +330,7 @@ class Trainer(Generic[B]):
                 if evaluate_now:
                     # Evaluation time is left out of the wall clock so curves compare training.
                     te = time.perf_counter()
-                    record.update(self.evaluate(eval_data, evaluate))
+                    record.update(self.evaluate(held_out, evaluate))
                     eval_time += time.perf_counter() - te
                 history.append(record)
                 if self.board is not None:
@@ -341,7 +343,7 @@ class Trainer(Generic[B]):
         if push is not None:
             settle(push)
         wall = time.perf_counter() - t_start - eval_time
-        result: dict[str, object] = {
+        result: dict[str, Any] = {
             "worker_index": cfg.worker_index,
             "mode": cfg.mode,
             "device": str(self.device),
@@ -368,7 +370,7 @@ class Trainer(Generic[B]):
             (out / f"worker-{cfg.worker_index}.json").write_text(json.dumps(result, indent=2))
         return result
 
-    def _progress(self, record: dict[str, object], phase: dict[str, float], wall: float, steps: int | None, total: str) -> str:
+    def _progress(self, record: dict[str, Any], phase: dict[str, float], wall: float, steps: int | None, total: str) -> str:
         """One progress line: step, loss, throughput, where the time went, elapsed and ETA."""
         busy = sum(phase.values()) or 1.0
         kind = self.config.consistency[0]
