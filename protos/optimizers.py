@@ -149,8 +149,7 @@ class OptimizerConfig:
     initial_accumulator: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.name!r}")
+        rule(self.name)  # ValueError naming the rules there are
         if not (self.lr > 0 and self.lr < float("inf")):
             raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
         if not 0 <= self.beta1 < 1 or not 0 <= self.beta2 < 1:

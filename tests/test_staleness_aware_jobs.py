@@ -18,7 +18,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from tether.deploy.launch import LocalCluster, run_job
+from tether.deploy.job import run_job
+from tether.deploy.launch import LocalCluster
 from tether.worker.config import WorkerConfig
 from tether.worker.embedding import ShardedEmbeddingBag
 from tether.worker.training import Trainer, TrainingConfig
