@@ -169,7 +169,7 @@ def data_ms_per_batch(batch_size: int = 256, batches: int = 300) -> float:
 # --------------------------------------------------------------------------- measuring
 
 
-def measure(quick: bool, repeats: int, seconds: float, wire: str | None, log: Any = tp._stderr) -> dict[str, Any]:
+def measure(quick: bool, repeats: int, seconds: float, wire: str | None, log: Any = tp.log_stderr) -> dict[str, Any]:
     """Run every benchmark; returns the raw per-repeat figures (JSON-friendly keys)."""
     sizes = QUICK_SIZES if quick else SIZES
     t0 = time.perf_counter()
@@ -227,7 +227,7 @@ def measure(quick: bool, repeats: int, seconds: float, wire: str | None, log: An
     return res
 
 
-def measure_extra(res: dict[str, Any], seconds: float, quick: bool, tls: bool, links: list[str], log: Any = tp._stderr) -> None:
+def measure_extra(res: dict[str, Any], seconds: float, quick: bool, tls: bool, links: list[str], log: Any = tp.log_stderr) -> None:
     """The TLS and cross-host stages of one invocation, added to ``res``."""
     if tls:
         log("TLS: data plane inside TLS vs plain TCP; model, mutual TLS vs plaintext")
@@ -748,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tether-run-all-") as tmp:
         for i in range(invocations):
             out = Path(tmp) / f"invocation-{i}.json"
-            tp._stderr(f"invocation {i + 1}/{invocations}")
+            tp.log_stderr(f"invocation {i + 1}/{invocations}")
             child = [a_ for a_ in args if a_ != "--check"] + ["--_invocation", str(out)]
             subprocess.run([sys.executable, str(Path(__file__).resolve()), *child], check=True)
             runs.append(json.loads(out.read_text()))

@@ -228,7 +228,7 @@ def budget_model(steps: int, cprofile: bool) -> None:
 
     from tether.deploy.launch import LocalCluster
     from tether.worker.config import WorkerConfig
-    from tether.worker.trainer import ctr_sparse as _sparse
+    from tether.worker.trainer import ctr_sparse
     from tether.worker.trainer import ctr_trainer, open_dataset
 
     torch.set_num_threads(1)
@@ -247,7 +247,7 @@ def budget_model(steps: int, cprofile: bool) -> None:
         def step(b: Any, record: bool) -> None:
             clock = time.perf_counter
             t0 = clock()
-            pre = ps.prefetch(_sparse(b))
+            pre = ps.prefetch(ctr_sparse(b))
             t1 = clock()
             pre.handle.result(60)
             t2 = clock()
@@ -297,7 +297,7 @@ def budget_model(steps: int, cprofile: bool) -> None:
             print(f"| {n} | {t * 1e3:.3f} |")
         print(f"| **serial step, mean wall** | **{wall * 1e3:.3f}** |")
         print(f"| in one process: forward + backward + Adagrad step | {t_local * 1e3:.3f} |")
-        uniq = {t: int(torch.unique(v).numel()) for t, v in _sparse(batches[-1]).items()}
+        uniq = {t: int(torch.unique(v).numel()) for t, v in ctr_sparse(batches[-1]).items()}
         print(f"\nunique ids per table in one batch: {uniq}")
         if cprofile:
             again = iter(batches[20:])

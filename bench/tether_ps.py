@@ -449,13 +449,13 @@ def _side_by_side(
     return t_runs, o_runs
 
 
-def _stderr(msg: str) -> None:
+def log_stderr(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 def compare_dense(
     sizes: Sequence[int], seconds: float, repeats: int, wire: str = "float32", with_ceiling: bool = True,
-    log: Callable[[str], None] = _stderr,
+    log: Callable[[str], None] = log_stderr,
 ) -> dict[str, dict[int, Comparison]]:
     """Dense MiB/s per size: tether against the rpc peer and (optionally) the ceilings.
 
@@ -483,7 +483,7 @@ def compare_dense(
     return out
 
 
-def compare_small(seconds: float, repeats: int, log: Callable[[str], None] = _stderr) -> dict[str, dict[str, Comparison]]:
+def compare_small(seconds: float, repeats: int, log: Callable[[str], None] = log_stderr) -> dict[str, dict[str, Comparison]]:
     """Small-call rate and latency: tether ``push_pull`` against the peer and raw grpc echo."""
     from ceilings import grpc_small_calls
     from rpc_peer import rpc_small_calls
@@ -499,7 +499,7 @@ def compare_small(seconds: float, repeats: int, log: Callable[[str], None] = _st
 
 
 def compare_sparse(
-    shard_counts: Sequence[int], seconds: float, repeats: int, wire: str = "float32", log: Callable[[str], None] = _stderr,
+    shard_counts: Sequence[int], seconds: float, repeats: int, wire: str = "float32", log: Callable[[str], None] = log_stderr,
     fused: bool = False,
 ) -> dict[int, Comparison]:
     """Sparse rows/s (4096 ids x 64, pull + push) per shard count: tether against the peer
@@ -517,7 +517,7 @@ def compare_sparse(
     return out
 
 
-def compare_apply(seconds: float, repeats: int, log: Callable[[str], None] = _stderr) -> dict[str, dict[str, Any]]:
+def compare_apply(seconds: float, repeats: int, log: Callable[[str], None] = log_stderr) -> dict[str, dict[str, Any]]:
     """Shard apply rows/s (in process): ``EmbeddingTable.push`` against raw torch, per optimizer."""
     torch.set_num_threads(1)
     out: dict[str, dict[str, Any]] = {}
@@ -536,7 +536,7 @@ def compare_model(
     repeats: int,
     configs: Sequence[tuple[int, int, str]] = ((1, 1, "float32"), (1, 2, "float32"), (2, 1, "float32"), (2, 2, "float32")),
     batch_size: int = 256,
-    log: Callable[[str], None] = _stderr,
+    log: Callable[[str], None] = log_stderr,
 ) -> dict[str, Any]:
     """Samples/s of the default model: in one process, and through tether per configuration.
 
@@ -577,7 +577,7 @@ def tls_shard_args(certs: dict[str, Path], mutual: bool = False) -> list[str]:
 
 
 def compare_tls(
-    sizes: Sequence[int], seconds: float, repeats: int, model_steps: int = 0, log: Callable[[str], None] = _stderr
+    sizes: Sequence[int], seconds: float, repeats: int, model_steps: int = 0, log: Callable[[str], None] = log_stderr
 ) -> dict[str, Any]:
     """tether's data plane over TCP inside TLS against plain TCP (both ``transport="tcp"``), and,
     with ``model_steps``, the default model's samples/s through a mutual-TLS cluster (its data plane
@@ -608,7 +608,7 @@ def compare_tls(
     return out
 
 
-def repeat_tether(repeats: int, fn: Callable[[], Any], log: Callable[[str], None] = _stderr, what: str = "") -> list[Any]:
+def repeat_tether(repeats: int, fn: Callable[[], Any], log: Callable[[str], None] = log_stderr, what: str = "") -> list[Any]:
     """Run a tether-only measurement ``repeats`` times (for extra rows beside a peer already measured)."""
     out = []
     for r in range(repeats):
