@@ -1,1 +1,1 @@
-"""tether deployment: local launcher, command-line entry point, Kubernetes and Prometheus files."""
+"""tether deployment: the command line, local clusters and jobs, compare/sweep, export, Kubernetes and Prometheus files."""

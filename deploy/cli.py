@@ -1,4 +1,4 @@
-"""The ``tether`` command: ``server``, ``worker``, ``launch``, ``compare`` and ``sweep``."""
+"""The ``tether`` command: ``server``, ``worker``, ``launch``, ``compare``, ``sweep`` and ``export``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``tether launch``: a local cluster of shard and worker processes on this machine.
+"""A local cluster of shard and worker processes on this machine (what ``tether launch`` runs on).
 
 Shards bind port 0 and report the port they got through a port file, so no port is ever
 guessed. Every wait is bounded; on Ctrl-C, on an error or at the end of the job every child

@@ -1,1 +1,1 @@
-"""tether wire contract: the .proto, generated stubs, tensor codec, error table, partition function."""
+"""tether contract, shared by shards and workers: the .proto and its stubs, specs, update rules, codec, errors, partition."""

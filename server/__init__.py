@@ -1,1 +1,1 @@
-"""tether shard: embedding and dense parameter storage, server-side optimizers, gRPC service."""
+"""tether shard: the request handler behind gRPC and the data plane, parameter storage, clocks, checkpoints."""

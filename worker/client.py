@@ -43,7 +43,6 @@ class PSClient:
     """Push/pull over all shards of a job."""
 
     def __init__(self, config: ClientConfig, metrics: WorkerRecorder | None = None) -> None:
-        self.config = config
         self.metrics: WorkerRecorder = metrics if metrics is not None else NullWorkerMetrics()
         self.num_shards = len(config.addresses)
         # A random id of this client process: shards deduplicate its pushes by (worker id,
@@ -51,7 +50,21 @@ class PSClient:
         self.incarnation = int.from_bytes(os.urandom(8), "little") or 1
         self.router = Router(config, self.incarnation)
         self.channels = [ShardChannel(s, config, self.metrics) for s in range(self.num_shards)]
+        self.config = config
         self._pool = ThreadPoolExecutor(max_workers=max(config.threads, self.num_shards), thread_name_prefix="tether-client")
+
+    @property
+    def config(self) -> ClientConfig:
+        """How this client calls the shards."""
+        return self._config
+
+    @config.setter
+    def config(self, config: ClientConfig) -> None:
+        # The router and the channels read it on every call: a replaced config (a flag turned
+        # on, a longer deadline) holds from the next call on. Channels and connections stay.
+        self._config = self.router.config = config
+        for c in self.channels:
+            c.config = config
 
     def close(self) -> None:
         """Close channels, data-plane connections and the fan-out pool."""
