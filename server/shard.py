@@ -388,7 +388,8 @@ class Shard:
         # row's, so a table whose count does not exceed what the push has shown is skipped.
         intervals = [max(t.version - u.read_version, 0) for (t, _), u in zip(checked, sparse)]
         intervals += [max(c.version - u.read_version, 0) for c, u in zip(chunks, dense)]
-        stale: list[int | np.ndarray | None] = [None] * len(sparse) + intervals[len(sparse):]
+        stale: list[int | np.ndarray | None] = [None] * len(sparse)
+        stale += intervals[len(sparse):]
         staleness = max(intervals[len(sparse):], default=0)
         for i, ((t, p), u) in enumerate(zip(checked, sparse)):
             if not u.ids.size or not intervals[i]:
