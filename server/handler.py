@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 MAX_CLOCK_WAIT_S = 5.0
 # Calls whose refusal is a push not applied (counted by reason).
 _PUSHES = ("Push", "PushPull")
+# Calls that answer with values (counted as bytes sent).
+_PULLS = ("Pull", "PushPull")
 
 Outcome = tuple[Any, grpc.StatusCode, str]
 
@@ -63,6 +65,12 @@ class RequestHandler:
             "Declare": self._declare, "Pull": self._pull, "Push": lambda r: self._push_response(self._push(r)),
             "PushPull": self._push_pull, "Info": self._info, "Clock": self._clock, "Checkpoint": self._checkpoint,
         }
+        # The data plane's calls: (request, payload, writer of pulled values) -> response.
+        self._data: dict[str, Callable[[Any, memoryview | None, PayloadWriter], Any]] = {
+            "Push": lambda r, payload, out: self._push_response(self._push(r, payload)),
+            "Pull": lambda r, payload, out: self._pull(r, out),
+            "PushPull": self._push_pull,
+        }
 
     def run(self, rpc: str, request: Any, call: Callable[[], Any], extra_bytes: int = 0) -> Outcome:
         """Run ``call`` for ``request`` of ``rpc`` and record metrics.
@@ -95,7 +103,7 @@ class RequestHandler:
         """A gRPC call: every tensor is in the request, and the response carries its own."""
         def call() -> Any:
             response = self._unary[rpc](request)
-            if rpc in ("Pull", "PushPull"):
+            if rpc in _PULLS:
                 self.metrics.sent(rpc, response.ByteSize())
             return response
 
@@ -104,13 +112,9 @@ class RequestHandler:
     def data_call(self, rpc: str, request: Any, payload: memoryview | None, out: PayloadWriter) -> Outcome:
         """A data-plane call: tensors come from ``payload`` and pulled values go to ``out``."""
         def call() -> Any:
-            if rpc == "Push":
-                return self._push_response(self._push(request, payload))
-            if rpc == "Pull":
-                response = self._pull(request, out)
-            else:
-                response = self._push_pull(request, payload, out)
-            self.metrics.sent(rpc, response.ByteSize() + out.nbytes)
+            response = self._data[rpc](request, payload, out)
+            if rpc in _PULLS:
+                self.metrics.sent(rpc, response.ByteSize() + out.nbytes)
             return response
 
         return self.run(rpc, request, call, extra_bytes=0 if payload is None else len(payload))
