@@ -7,9 +7,11 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
 from tether.protos.errors import TetherError, UsageError, report_usage_error
+from tether.server import kernels
 from tether.server.config import ShardConfig, load_config
 from tether.protos.allocator import tune_malloc
 from tether.protos.codec import quiet_readonly_warning
@@ -52,6 +54,11 @@ def run(config: ShardConfig) -> int:
         except OSError as exc:
             raise UsageError(f"--metrics-port {config.metrics_port}: {exc.strerror or exc}") from None
         log.info("metrics on http://%s:%d/metrics", config.host, mport)
+    # Compile (the first time on this machine) or load from the on-disk cache the shard's hot
+    # loops now (after the checks of the user's flags), so that no request waits for it.
+    started = time.perf_counter()
+    kernels.warm_up()
+    log.info("compiled kernels ready in %.2fs", time.perf_counter() - started)
     try:
         running = start_shard(config, metrics=metrics)
     except (RuntimeError, ValueError) as exc:

@@ -1,0 +1,185 @@
+"""The shard's compiled hot loops (numba): the id index's probes and the optimizers' row updates.
+
+Each is one loop over a push or pull, compiled once by LLVM and cached on disk (``cache=True``:
+next to this file, or in ``NUMBA_CACHE_DIR`` where the package directory is read-only, as in the
+container image), so a restarted shard loads machine code instead of compiling it again. They
+release the GIL (``nogil``), so the shard's other threads (other connections, metrics, the
+checkpointer) run while a table is updated. There is no pure-Python twin: these are the code.
+
+Row updates apply a rule to the rows ``slots`` of a table in place, reading each row once and
+writing it once, instead of gathering rows, updating the copies and scattering them back. Each
+row's arithmetic runs as separate simple loops over its ``dim`` elements, so that LLVM can
+vectorise them (one loop that writes the weights and the state together is not vectorised: it
+cannot tell that they do not overlap).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+__all__ = ["index_lookup", "index_cells", "index_place", "sgd_rows", "adagrad_rows", "adam_rows", "warm_up"]
+
+_EMPTY = -1
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+_jit = numba.njit(cache=True, nogil=True)
+# Row arithmetic: the element-wise steps may be vectorised and contracted into fused multiply-adds
+# ("contract"), and a division may use a reciprocal ("arcp"); no other IEEE rule is relaxed, so
+# NaN and infinite gradients behave as in torch.
+_jit_math = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract", "arcp"})
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _home(key: np.int64, mask: np.uint64) -> np.int64:
+    # splitmix64's finaliser (``tether.protos.partition.mix64``), masked to the table size.
+    z = np.uint64(key)
+    z ^= z >> np.uint64(30)
+    z *= _M1
+    z ^= z >> np.uint64(27)
+    z *= _M2
+    z ^= z >> np.uint64(31)
+    return np.int64(z & mask)
+
+
+@_jit
+def index_cells(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Cell of each id in the key array ``keys`` (a power-of-two length), -1 where absent."""
+    mask = np.uint64(len(keys) - 1)
+    out = np.empty(len(ids), np.int64)
+    for i in range(len(ids)):
+        key = ids[i]
+        p = _home(key, mask)
+        while True:
+            k = keys[p]
+            if k == key:
+                out[i] = p
+                break
+            if k == _EMPTY:
+                out[i] = -1
+                break
+            p = (p + 1) & np.int64(mask)
+    return out
+
+
+@_jit
+def index_lookup(keys: np.ndarray, slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Slot of each id, -1 where absent (``keys`` and ``slots``: one snapshot of the index)."""
+    mask = np.uint64(len(keys) - 1)
+    out = np.empty(len(ids), np.int64)
+    for i in range(len(ids)):
+        key = ids[i]
+        p = _home(key, mask)
+        while True:
+            k = keys[p]
+            if k == key:
+                out[i] = slots[p]
+                break
+            if k == _EMPTY:
+                out[i] = -1
+                break
+            p = (p + 1) & np.int64(mask)
+    return out
+
+
+@_jit
+def index_place(keys: np.ndarray, slots: np.ndarray, ids: np.ndarray, new_slots: np.ndarray) -> None:
+    """Insert absent, unique ``ids`` with their slots by linear probing (the caller keeps the
+    load factor low). Each cell's slot is stored before its key, so a lock-free reader that
+    finds the key finds its slot."""
+    mask = np.uint64(len(keys) - 1)
+    for i in range(len(ids)):
+        p = _home(ids[i], mask)
+        while keys[p] != _EMPTY:
+            p = (p + 1) & np.int64(mask)
+        slots[p] = new_slots[i]
+        keys[p] = ids[i]
+
+
+@_jit_math
+def sgd_rows(w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, weight_decay: np.float32) -> None:
+    """``w[slots[i]] -= lr[i] * (g[i] + weight_decay * w[slots[i]])`` for each row ``i``."""
+    n, d = g.shape
+    for i in range(n):
+        row, grad, step = w[slots[i]], g[i], lr[i]
+        if weight_decay != 0:
+            for j in range(d):
+                row[j] -= step * (grad[j] + weight_decay * row[j])
+        else:
+            for j in range(d):
+                row[j] -= step * grad[j]
+
+
+@_jit_math
+def adagrad_rows(
+    w: np.ndarray, acc: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, eps: np.float32, weight_decay: np.float32,
+    scratch: np.ndarray,
+) -> None:
+    """Adagrad on rows ``slots``: ``acc += g * g``, ``w -= lr[i] * g / (sqrt(acc) + eps)``
+    (``g`` with ``weight_decay * w`` added first; ``scratch``: ``dim`` floats)."""
+    n, d = g.shape
+    for i in range(n):
+        s = slots[i]
+        row, state, step = w[s], acc[s], lr[i]
+        for j in range(d):
+            scratch[j] = g[i, j] + weight_decay * row[j]
+        for j in range(d):
+            state[j] += scratch[j] * scratch[j]
+        for j in range(d):
+            row[j] -= step * scratch[j] / (np.sqrt(state[j]) + eps)
+
+
+@_jit_math
+def adam_rows(
+    w: np.ndarray, m: np.ndarray, v: np.ndarray, t: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray,
+    beta1: np.float32, beta2: np.float32, eps: np.float32, weight_decay: np.float32, scratch: np.ndarray,
+) -> None:
+    """Adam on rows ``slots``, with one step count per row in ``t`` (bias-corrected, as torch)."""
+    n, d = g.shape
+    for i in range(n):
+        s = slots[i]
+        row, mr, vr, step = w[s], m[s], v[s], lr[i]
+        t[s] += 1
+        bc1 = np.float32(1.0) - beta1 ** t[s]
+        bc2 = np.float32(1.0) - beta2 ** t[s]
+        for j in range(d):
+            scratch[j] = g[i, j] + weight_decay * row[j]
+        for j in range(d):
+            mr[j] = beta1 * mr[j] + (np.float32(1.0) - beta1) * scratch[j]
+        for j in range(d):
+            vr[j] = beta2 * vr[j] + (np.float32(1.0) - beta2) * scratch[j] * scratch[j]
+        for j in range(d):
+            row[j] -= step * (mr[j] / bc1) / (np.sqrt(vr[j] / bc2) + eps)
+
+
+def warm_up() -> None:
+    """Load (or compile, the first time) every kernel for the types the shard uses, so that no
+    request pays for it: a shard calls this before it serves."""
+    keys = np.full(16, _EMPTY, np.int64)
+    slots = np.zeros(16, np.int64)
+    ids = np.arange(2, dtype=np.int64)
+    index_place(keys, slots, ids, ids.copy())
+    index_cells(keys, ids)
+    index_lookup(keys, slots, ids)
+    w, g = np.zeros((2, 4), np.float32), np.zeros((2, 4), np.float32)
+    lr, f = np.zeros(2, np.float32), np.float32(0.0)
+    sgd_rows(w, ids, g, lr, f)
+    adagrad_rows(w, np.zeros_like(w), ids, g, lr, f, f, np.zeros(4, np.float32))
+    adam_rows(w, np.zeros_like(w), np.zeros_like(w), np.zeros(2, np.float32), ids, g, lr, f, f, f, f, np.zeros(4, np.float32))
+
+
+def apply_rows(cfg, weights: np.ndarray, state: dict[str, np.ndarray], slots: np.ndarray, grads: np.ndarray, lr: np.ndarray) -> None:
+    """Apply the rule ``cfg`` names (an ``OptimizerConfig``) to rows ``slots`` of ``weights`` and
+    its ``state`` in place, row ``i`` with learning rate ``lr[i]`` (float32)."""
+    wd = np.float32(cfg.weight_decay)
+    scratch = np.empty(weights.shape[1], np.float32)
+    if cfg.name == "sgd":
+        sgd_rows(weights, slots, grads, lr, wd)
+    elif cfg.name == "adagrad":
+        adagrad_rows(weights, state["sum"], slots, grads, lr, np.float32(cfg.eps), wd, scratch)
+    elif cfg.name == "adam":
+        adam_rows(weights, state["m"], state["v"], state["t"], slots, grads, lr, np.float32(cfg.beta1), np.float32(cfg.beta2),
+                  np.float32(cfg.eps), wd, scratch)
+    else:
+        raise ValueError(f"no row kernel for optimizer {cfg.name!r}")
