@@ -32,6 +32,12 @@ def _write_port_file(path: str, port: int) -> None:
     os.replace(tmp, path)
 
 
+def _warm_up_kernels() -> None:
+    started = time.perf_counter()
+    kernels.warm_up()
+    log.info("compiled kernels ready in %.2fs", time.perf_counter() - started)
+
+
 def run(config: ShardConfig) -> int:
     """Serve until SIGTERM/SIGINT, then drain and exit 0.
 
@@ -41,6 +47,9 @@ def run(config: ShardConfig) -> int:
     # Steps free and allocate tensors of MiBs: keep them in the heap (tether.protos.allocator).
     tune_malloc()
     quiet_readonly_warning()
+    # Load the shard's compiled loops from the on-disk cache (or compile them, the first time on
+    # this machine) while the shard starts: a request that needs one before then waits for it.
+    threading.Thread(target=_warm_up_kernels, name="tether-kernels", daemon=True).start()
     metrics: ShardRecorder = NullShardMetrics()
     if config.metrics_port is not None:
         from prometheus_client import CollectorRegistry
@@ -54,11 +63,6 @@ def run(config: ShardConfig) -> int:
         except OSError as exc:
             raise UsageError(f"--metrics-port {config.metrics_port}: {exc.strerror or exc}") from None
         log.info("metrics on http://%s:%d/metrics", config.host, mport)
-    # Compile (the first time on this machine) or load from the on-disk cache the shard's hot
-    # loops now (after the checks of the user's flags), so that no request waits for it.
-    started = time.perf_counter()
-    kernels.warm_up()
-    log.info("compiled kernels ready in %.2fs", time.perf_counter() - started)
     try:
         running = start_shard(config, metrics=metrics)
     except (RuntimeError, ValueError) as exc:
