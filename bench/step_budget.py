@@ -116,9 +116,20 @@ def _stages_push_pull(s: _Setup, push_kw: dict[str, Any], pull_kw: dict[str, Any
     seqs = iter(range(1 << 40, 1 << 62))
     data = region[: payload.nbytes]
 
+    # Each push names the read it came from, as a worker's does (the read just before it: this
+    # process is the only writer, so every push moves each of its tables on by one version).
+    first = sv.data_call("Pull", pb.PullRequest(sparse=[pb.SparseBlock(table=b.table, ids=b.ids[:8]) for b in parsed.sparse],
+                                                   dense=[pb.DenseBlock(name=b.name, index=b.index) for b in parsed.dense]),
+                            None, dp.PayloadWriter())[0]
+    for b, r in zip(list(parsed.sparse) + list(parsed.dense), list(first.sparse) + list(first.dense), strict=True):
+        b.read_version = r.read_version
+
     def push_once() -> Any:
         parsed.seq = next(seqs)  # a fresh sequence number, or the shard would skip it as a retry
-        return sv.data_call("Push", parsed, data, dp.PayloadWriter())
+        answer = sv.data_call("Push", parsed, data, dp.PayloadWriter())
+        for b in (*parsed.sparse, *parsed.dense):
+            b.read_version += 1
+        return answer
 
     t, _ = _t(push_once, reps)
     rows.append(("shard: Push handler (decode, validate, apply)", t))
@@ -209,8 +220,8 @@ def sparse_budget(reps: int, cprofile: bool = False, num_ids: int = 4096, dim: i
         rows = _stages_push_pull(s, push_kw, pull_kw, reps)
 
         def e2e_step() -> None:
-            rows_ = s.client.pull({"emb": ids}).result().rows["emb"]
-            s.client.push({"emb": (ids, rows_.mul(0.01))}).result()
+            pulled = s.client.pull({"emb": ids}).result()
+            s.client.push({"emb": (ids, pulled.rows["emb"].mul(0.01))}, versions=pulled).result()
 
         for _ in range(3):
             e2e_step()

@@ -230,18 +230,21 @@ def _sparse_job(
         id_sets = [unique_ids(num_ids, gen) for _ in range(8)]
         it = iter(range(1 << 62))
 
+        # Each push names the pull its gradients came from, as tether's workers do (the shard
+        # counts staleness from that read; a push without it counts from version 0).
         def step() -> None:
             ids = id_sets[next(it) % len(id_sets)]
-            rows = client.pull({"emb": ids}).result().rows["emb"]
-            client.push({"emb": (ids, rows.mul(0.01))}).result()
+            pulled = client.pull({"emb": ids}).result()
+            client.push({"emb": (ids, pulled.rows["emb"].mul(0.01))}, versions=pulled).result()
 
         # One round trip per step: the last step's gradients go with this step's pull.
         last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        read: list[Any] = [None]
 
         def fused_step() -> None:
             ids = id_sets[next(it) % len(id_sets)]
-            rows = client.push_pull(push_sparse=last, pull_sparse={"emb": ids}).result().rows["emb"]
-            last["emb"] = (ids, rows.mul(0.01))
+            read[0] = pulled = client.push_pull(push_sparse=last, pull_sparse={"emb": ids}, versions=read[0]).result()
+            last["emb"] = (ids, pulled.rows["emb"].mul(0.01))
 
         lat = time_op(fused_step if fused else step, seconds, min_iters=3, warmup=2, warmup_seconds=seconds / 2)
         _check_transport(client, conn)
