@@ -15,6 +15,10 @@ cannot tell that they do not overlap).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import Any
+
 import numba
 import numpy as np
 
@@ -24,14 +28,35 @@ _EMPTY = -1
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
-_jit = numba.njit(cache=True, nogil=True)
+log = logging.getLogger("tether.server")
+_uncached: list[str] = []
+
+
+def _compiled(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """``numba.njit(cache=True, nogil=True, **options)``; where no cache location is writable
+    (a read-only package directory and no writable ``NUMBA_CACHE_DIR`` or home), the kernels
+    are compiled in memory at every start instead (a few seconds), with one warning."""
+
+    def decorate(fn: Callable[..., Any]) -> Any:
+        try:
+            return numba.njit(cache=True, nogil=True, **options)(fn)
+        except RuntimeError as exc:  # numba: "cannot cache function ...: no locator available"
+            if not _uncached:
+                log.warning("compiled kernels are not cached on disk (%s); set NUMBA_CACHE_DIR to a writable directory", exc)
+            _uncached.append(fn.__name__)
+            return numba.njit(cache=False, nogil=True, **options)(fn)
+
+    return decorate
+
+
+_jit = _compiled()
 # Row arithmetic: the element-wise steps may be vectorised and contracted into fused multiply-adds
 # ("contract"), and a division may use a reciprocal ("arcp"); no other IEEE rule is relaxed, so
 # NaN and infinite gradients behave as in torch.
-_jit_math = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract", "arcp"})
+_jit_math = _compiled(error_model="numpy", fastmath={"contract", "arcp"})
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@_compiled(inline="always")
 def _home(key: np.int64, mask: np.uint64) -> np.int64:
     # splitmix64's finaliser (``tether.protos.partition.mix64``), masked to the table size.
     z = np.uint64(key)

@@ -83,3 +83,52 @@ def test_each_rule_names_the_torch_optimizer_that_takes_its_steps(name: str) -> 
 def test_an_unknown_rule_is_named() -> None:
     with pytest.raises(ValueError, match="'rmsprop'"):
         rule("rmsprop")
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_tables_compiled_row_update_is_its_torch_optimizer_row_by_row(name: str, weight_decay: float) -> None:
+    """The shard's compiled row kernels (server/kernels.py) take the steps torch.optim takes on
+    each row, each row with its own learning-rate factor (staleness-aware pushes)."""
+    torch.manual_seed(2)
+    cfg = OptimizerConfig(name=name, lr=0.05, eps=1e-8, weight_decay=weight_decay)
+    table = EmbeddingTable(TableConfig("t", 8, cfg, init_scale=0.5))
+    ids = np.array([5, 900, 3, 77])
+    w0 = table.pull(ids)[0].clone()
+    params = [torch.nn.Parameter(w0[i].clone()) for i in range(len(ids))]
+    scales = np.array([1.0, 0.5, 0.25, 1.0])
+    opts = [rule(name).torch_optimizer(OptimizerConfig(name=name, lr=0.05 * s, eps=1e-8, weight_decay=weight_decay), [p])
+            for p, s in zip(params, scales)]
+    for step in range(4):
+        grads = torch.randn(len(ids), 8)
+        # Row 77 sits out the second step: its own step count (Adam) and state stay behind.
+        rows = [0, 1, 2] if step == 1 else [0, 1, 2, 3]
+        table.push(ids[rows], grads[rows], scales[rows])
+        for i in rows:
+            params[i].grad = grads[i].clone()
+            opts[i].step()
+    assert torch.allclose(table.pull(ids)[0], torch.stack([p.detach() for p in params]), atol=1e-5)
+
+
+def test_the_kernels_still_run_where_no_cache_directory_is_writable() -> None:
+    """A read-only package directory and no writable NUMBA_CACHE_DIR or home: the shard still
+    starts (the kernels are compiled in memory) and says how to cache them."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import logging; logging.basicConfig()\n"
+        "import numba.core.caching as c; c.CacheImpl._locator_classes = []\n"
+        "import numpy as np, torch\n"
+        "from tether.protos.optimizers import OptimizerConfig\n"
+        "from tether.server.tables import EmbeddingTable, TableConfig\n"
+        "t = EmbeddingTable(TableConfig('t', 4, OptimizerConfig('adagrad', lr=0.1), init_scale=0.0))\n"
+        "t.push(np.array([1, 2]), torch.ones(2, 4))\n"
+        "print(t.pull(np.array([1]))[0].tolist())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    # Adagrad's first step from zero with a gradient of one: -lr * 1 / (sqrt(1) + eps).
+    assert np.allclose(json.loads(out.stdout), [[-0.1] * 4], atol=1e-6), out.stdout
+    assert "not cached on disk" in out.stderr and "NUMBA_CACHE_DIR" in out.stderr
