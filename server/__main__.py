@@ -34,7 +34,11 @@ def _write_port_file(path: str, port: int) -> None:
 
 def _warm_up_kernels() -> None:
     started = time.perf_counter()
-    kernels.warm_up()
+    try:
+        kernels.warm_up()
+    except Exception:  # a request then compiles what it needs, and fails with the same error if it must
+        log.exception("compiled kernels could not be loaded or compiled in advance")
+        return
     log.info("compiled kernels ready in %.2fs", time.perf_counter() - started)
 
 

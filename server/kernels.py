@@ -1,8 +1,8 @@
 """The shard's compiled hot loops (numba): the id index's probes and the optimizers' row updates.
 
 Each is one loop over a push or pull, compiled once by LLVM and cached on disk (``cache=True``:
-next to this file, or in ``NUMBA_CACHE_DIR`` where the package directory is read-only, as in the
-container image), so a restarted shard loads machine code instead of compiling it again. They
+in ``NUMBA_CACHE_DIR`` when set, as in the container image, else next to this file or under
+``~/.cache/numba``), so a restarted shard loads machine code instead of compiling it again. They
 release the GIL (``nogil``), so the shard's other threads (other connections, metrics, the
 checkpointer) run while a table is updated. There is no pure-Python twin: these are the code.
 
@@ -180,7 +180,7 @@ def adam_rows(
 
 def warm_up() -> None:
     """Load (or compile, the first time) every kernel for the types the shard uses, so that no
-    request pays for it: a shard calls this before it serves."""
+    request pays for it: ``tether server`` runs this in a thread while the shard starts."""
     keys = np.full(16, _EMPTY, np.int64)
     slots = np.zeros(16, np.int64)
     ids = np.arange(2, dtype=np.int64)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tether.deploy.compare import _with_job_end, format_table, recommend, time_to_target, write_plot
+from tether.deploy.compare import _with_job_end, format_table, recommend, time_to_target
+from tether.deploy.plot import write_plot
 from tether.protos.errors import UsageError
 from tether.worker.config import TrainingConfig
 from tether.worker.stragglers import StragglerSpec, delay_factor, parse_straggler
