@@ -68,43 +68,38 @@ def _home(key: np.int64, mask: np.uint64) -> np.int64:
     return np.int64(z & mask)
 
 
+@_compiled(inline="always")
+def _cell(keys: np.ndarray, key: np.int64, mask: np.uint64) -> np.int64:
+    """The cell holding ``key``, -1 where it is absent: linear probing from its home cell."""
+    p = _home(key, mask)
+    while True:
+        k = keys[p]
+        if k == key:
+            return p
+        if k == _EMPTY:
+            return np.int64(-1)
+        p = (p + 1) & np.int64(mask)
+
+
 @_jit
 def index_cells(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Cell of each id in the key array ``keys`` (a power-of-two length), -1 where absent."""
     mask = np.uint64(len(keys) - 1)
     out = np.empty(len(ids), np.int64)
     for i in range(len(ids)):
-        key = ids[i]
-        p = _home(key, mask)
-        while True:
-            k = keys[p]
-            if k == key:
-                out[i] = p
-                break
-            if k == _EMPTY:
-                out[i] = -1
-                break
-            p = (p + 1) & np.int64(mask)
+        out[i] = _cell(keys, ids[i], mask)
     return out
 
 
 @_jit
 def index_lookup(keys: np.ndarray, slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Slot of each id, -1 where absent (``keys`` and ``slots``: one snapshot of the index)."""
+    """Slot of each id, -1 where absent (``keys`` and ``slots``: one snapshot of the index; a
+    cell's key is read before its slot, the reverse of the order a writer stores them in)."""
     mask = np.uint64(len(keys) - 1)
     out = np.empty(len(ids), np.int64)
     for i in range(len(ids)):
-        key = ids[i]
-        p = _home(key, mask)
-        while True:
-            k = keys[p]
-            if k == key:
-                out[i] = slots[p]
-                break
-            if k == _EMPTY:
-                out[i] = -1
-                break
-            p = (p + 1) & np.int64(mask)
+        c = _cell(keys, ids[i], mask)
+        out[i] = slots[c] if c >= 0 else -1
     return out
 
 
