@@ -122,13 +122,14 @@ def decode_tensor(msg: pb.Tensor, expect_dtype: torch.dtype | None = None, paylo
     shape = tuple(msg.shape)
     if len(shape) > MAX_DIMS:
         raise CodecError(f"tensor has {len(shape)} dimensions; at most {MAX_DIMS} are accepted")
-    if any(d < 0 for d in shape):
-        raise CodecError(f"tensor shape {shape} has a negative dimension")
-    # A zero-size tensor can claim any dims; torch refuses sizes whose product overflows int64.
-    if any(d > MAX_DIM_SIZE for d in shape):
-        raise CodecError(f"tensor shape {shape} has a dimension over {MAX_DIM_SIZE}")
+    # One pass over the dims (this runs for every block of every call).
     numel = 1
     for d in shape:
+        if d < 0:
+            raise CodecError(f"tensor shape {shape} has a negative dimension")
+        # A zero-size tensor can claim any dims; torch refuses sizes whose product overflows int64.
+        if d > MAX_DIM_SIZE:
+            raise CodecError(f"tensor shape {shape} has a dimension over {MAX_DIM_SIZE}")
         numel *= d
     if msg.payload_bytes:
         data = _out_of_band(msg, payload, np_dt.itemsize)
@@ -143,10 +144,11 @@ def decode_tensor(msg: pb.Tensor, expect_dtype: torch.dtype | None = None, paylo
     t = torch.from_numpy(arr)
     if msg.dtype == pb.BFLOAT16:
         t = t.view(torch.bfloat16)
-    try:
-        t = t.reshape(shape)
-    except RuntimeError as exc:  # e.g. zero-size dims whose running product overflows
-        raise CodecError(f"tensor shape {shape} cannot be built: {exc}") from exc
+    if len(shape) != 1:  # the flat view is already the 1-D tensor
+        try:
+            t = t.reshape(shape)
+        except RuntimeError as exc:  # e.g. zero-size dims whose running product overflows
+            raise CodecError(f"tensor shape {shape} cannot be built: {exc}") from exc
     if expect_dtype is not None and t.dtype != expect_dtype:
         if not (t.is_floating_point() and expect_dtype.is_floating_point):
             raise CodecError(f"expected a {expect_dtype} tensor, got {t.dtype}")

@@ -235,6 +235,9 @@ class DataPlaneServer:
             if state.tls:
                 conn = self._start_tls(conn, deadline)
             self._handshake(conn, state, deadline)
+            # Once, not per call (each settimeout is a syscall): a frame that stalls half-way
+            # counts as idle too. Nothing after the handshake sets another timeout.
+            conn.settimeout(self.idle_timeout_s)
             while self._one_call(conn, state):
                 pass
         except Refuse as exc:
@@ -336,7 +339,6 @@ class DataPlaneServer:
     def _one_call(self, conn: socket.socket, state: Connection) -> bool:
         if not self._wait_for_frame(conn, state):
             return False
-        conn.settimeout(self.idle_timeout_s)  # a frame that stalls half-way counts as idle too
         (method, flags, _, meta_len, payload_len, aux), fds = state.read_header(conn, None)
         if method == dp.HELLO:
             try:

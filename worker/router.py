@@ -48,6 +48,7 @@ class DenseLayout:
     shape: tuple[int, ...]
     numel: int
     chunks: tuple[tuple[int, int, int], ...]  # (index, start, stop) into the flat tensor
+    owners: tuple[int, ...]  # the shard that owns each chunk (``dense_shard``)
 
 
 class Router:
@@ -83,9 +84,10 @@ class Router:
             flat = tensor.detach().reshape(-1).to("cpu", torch.float32)
             step = self.config.chunk_elems
             chunks = tuple((i, a, min(a + step, flat.numel())) for i, a in enumerate(range(0, flat.numel(), step)))
-            layouts[name] = DenseLayout(tuple(tensor.shape), flat.numel(), chunks)
-            for index, a, b in chunks:
-                d = requests[dense_shard(name, index, self.num_shards)].dense.add(name=name, index=index, optimizer=opt)
+            owners = tuple(dense_shard(name, index, self.num_shards) for index, _, _ in chunks)
+            layouts[name] = DenseLayout(tuple(tensor.shape), flat.numel(), chunks, owners)
+            for (index, a, b), s in zip(chunks, owners):
+                d = requests[s].dense.add(name=name, index=index, optimizer=opt)
                 encode_tensor(flat[a:b], d.init)
         return requests, layouts
 
@@ -116,7 +118,7 @@ class Router:
             flats={name: torch.empty(self.dense_layout(name).numel) for name in dense},
             shapes={name: self.dense[name].shape for name in dense},
         )
-        itemsize = torch.empty(0, dtype=self.config.wire_dtype).element_size()
+        itemsize = self.config.wire_dtype.itemsize
 
         def req(s: int) -> pb.PullRequest:
             if s not in requests:
@@ -132,8 +134,8 @@ class Router:
                     plan.positions[(s, table)] = None if part.size == arr.size else pos
                     plan.response_bytes[s] = plan.response_bytes.get(s, 0) + dp.align(part.size * self.dims[table] * itemsize)
         for name in dense:
-            for index, a, b in self.dense[name].chunks:
-                s = dense_shard(name, index, self.num_shards)
+            layout = self.dense[name]
+            for (index, a, b), s in zip(layout.chunks, layout.owners):
                 req(s).dense.add(name=name, index=index)
                 plan.response_bytes[s] = plan.response_bytes.get(s, 0) + dp.align((b - a) * itemsize)
         return requests, plan
@@ -229,9 +231,8 @@ class Router:
             if tuple(grad.shape) != layout.shape:
                 raise InvalidArgument(f"dense {name!r}: gradient shape {tuple(grad.shape)} != {layout.shape}")
             flat = grad.detach().reshape(-1).to("cpu")
-            for index, a, b in layout.chunks:
+            for (index, a, b), s in zip(layout.chunks, layout.owners):
                 rv = versions.dense_versions.get((name, index), 0) if versions else 0
-                s = dense_shard(name, index, self.num_shards)
                 d = req(s).dense.add(name=name, index=index, read_version=rv)
                 payloads[s].add(flat[a:b], d.value, wire)
         if clock:
