@@ -20,7 +20,6 @@ def _evals(curve: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return points
 
 
-
 def _band(runs: list[dict[str, Any]], x: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Mean, low and high of the runs' eval loss on a common grid of ``x`` (up to the shortest run)."""
     curves = [_evals(r["curve"]) for r in runs]

@@ -113,10 +113,11 @@ class Router:
             InvalidArgument: undeclared table or tensor, or ids that are not 1-D int64.
         """
         requests: dict[int, pb.PullRequest] = {}
+        layouts = {name: self.dense_layout(name) for name in dense}
         plan = PullPlan(
             rows={},
-            flats={name: torch.empty(self.dense_layout(name).numel) for name in dense},
-            shapes={name: self.dense[name].shape for name in dense},
+            flats={name: torch.empty(layout.numel) for name, layout in layouts.items()},
+            shapes={name: layout.shape for name, layout in layouts.items()},
         )
         itemsize = self.config.wire_dtype.itemsize
 
@@ -134,7 +135,7 @@ class Router:
                     plan.positions[(s, table)] = None if part.size == arr.size else pos
                     plan.response_bytes[s] = plan.response_bytes.get(s, 0) + dp.align(part.size * self.dims[table] * itemsize)
         for name in dense:
-            layout = self.dense[name]
+            layout = layouts[name]
             for (index, a, b), s in zip(layout.chunks, layout.owners):
                 req(s).dense.add(name=name, index=index)
                 plan.response_bytes[s] = plan.response_bytes.get(s, 0) + dp.align((b - a) * itemsize)
