@@ -45,7 +45,7 @@ def test_launch_rejects_bad_flags(tmp_path: Path) -> None:
     assert not (tmp_path / "summary.json").exists()
 
 
-@pytest.mark.parametrize("argv, message", [(["worker"], "at least one shard address"), (["server", "--num-shards", "0"], "num_shards must be >= 1")])
+@pytest.mark.parametrize("argv, message", [(["worker"], "no shards: set TETHER_SHARDS"), (["server", "--num-shards", "0"], "num_shards must be >= 1")])
 def test_entry_points_validate(argv: list[str], message: str) -> None:
     proc = _tether(argv, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr

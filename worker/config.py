@@ -124,6 +124,9 @@ class TrainingConfig:
     tls_key: str | None = None
     auth_token_file: str | None = None
     auth_token: str | None = field(default=None, repr=False)
+    # Local mode: no shards; the tables live in this process with the shards' update rules
+    # (the one-process baseline, and unit tests of a model without a cluster).
+    local: bool = False
 
     @classmethod
     def from_env(cls, **overrides: object) -> TrainingConfig:
@@ -184,8 +187,13 @@ class TrainingConfig:
         parse_straggler(self.straggler)
         if not self.ssp_timeout_s > 0:
             raise ValueError(f"ssp_timeout_s must be > 0, got {self.ssp_timeout_s!r}")
-        if not self.shards:
-            raise ValueError("at least one shard address is needed (--shards host:port,...)")
+        if self.local and self.shards:
+            raise ValueError(f"local mode trains in this process: give no shards (got {','.join(self.shards)})")
+        if not self.shards and not self.local:
+            raise ValueError(
+                "no shards: set TETHER_SHARDS=host:port,... (flag --shards), or TETHER_LOCAL=1 (flag --local, "
+                "Trainer(local=True)) to train in this process without shards"
+            )
         for address in self.shards:
             _check_address(address)
         if self.num_workers < 1 or not 0 <= self.worker_index < self.num_workers:

@@ -97,6 +97,8 @@ def add_training_flags(p: argparse.ArgumentParser, mode: bool = True) -> None:
 def add_connection_flags(p: argparse.ArgumentParser) -> None:
     """Flags that place one worker in a job: the shards, its index, security, output."""
     p.add_argument("--shards", default=env("TETHER_SHARDS", ""), help="comma-separated host:port of every shard, in shard order (env TETHER_SHARDS)")
+    p.add_argument("--local", action="store_true", default=env("TETHER_LOCAL", "") not in ("", "0"),
+                   help="no shards: keep the tables in this process, with the shards' update rules (env TETHER_LOCAL=1)")
     p.add_argument("--worker-index", type=int, default=env("TETHER_WORKER_INDEX", env("JOB_COMPLETION_INDEX", 0)), help="this worker's index in [0, --num-workers) (env TETHER_WORKER_INDEX, else JOB_COMPLETION_INDEX)")
     p.add_argument("--num-workers", type=int, default=env("TETHER_NUM_WORKERS", 1), help="workers in the job (env TETHER_NUM_WORKERS)")
     p.add_argument("--worker-id", default=env("TETHER_WORKER_ID", None), help="name this worker gives the shards (default worker-<index>) (env TETHER_WORKER_ID)")
@@ -127,6 +129,7 @@ def training_values(a: argparse.Namespace) -> dict[str, Any]:
     steps = getattr(a, "steps", None)
     return dict(
         shards=tuple(s.strip() for s in str(getattr(a, "shards", "") or "").split(",") if s.strip()),
+        local=bool(getattr(a, "local", False)),
         worker_index=int(getattr(a, "worker_index", 0)),
         num_workers=int(getattr(a, "num_workers", 1)),
         mode=getattr(a, "mode", "async"),
