@@ -30,7 +30,7 @@ from tether.protos.specs import TableConfig
 from tether.server.admission import CountMinSketch, sketch_width
 from tether.server import kernels
 from tether.server.index import IdIndex
-from tether.server.initial import init_rows
+from tether.protos.initial import init_rows
 from tether.server.recent import Pulled, RecentPulls
 
 __all__ = ["EmbeddingTable", "Pulled", "TableConfig"]

@@ -1,4 +1,9 @@
-"""Initial rows of embedding tables: deterministic, from (seed, table, id) alone."""
+"""Initial rows of embedding tables: deterministic, from (seed, table, id) alone.
+
+Part of the contract: a shard creates a row with these values on its first touch, and local mode
+(``tether.worker.local``) creates its in-process rows with the very same ones, so a model trained
+either way starts from the same point.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,9 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 def init_rows(ids: np.ndarray, dim: int, seed: int, table: str, scale: float, out: np.ndarray | None = None) -> torch.Tensor:
     """Deterministic initial rows, uniform in [-scale, scale), from (seed, table, id) alone.
+
+    Any int64 id (negative ones too: the hash reads its 64 bits) gets its own row, whatever
+    the other ids of the call and whichever process creates it.
 
     ``out``: a float32 ``[len(ids), dim]`` array to write them into (returned as a tensor view).
     """
