@@ -11,6 +11,8 @@ from tether.worker.data import Batch
 from tether.worker.evaluation import auc, constant_baseline_loss, evaluate, log_loss
 from torch import nn
 
+from fake_cuda import FakeCuda, on_fake_cuda
+
 
 def _pairwise_auc(scores: list[float], labels: list[int]) -> float:
     """AUC by definition: P(score of a positive > score of a negative), ties counting half."""
@@ -107,3 +109,25 @@ def test_evaluate_chunks_without_grad_in_eval_mode_and_restores_mode() -> None:
     assert not probe.training  # a model that was in eval mode stays there
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         evaluate(probe, batch, batch_size=0)
+
+
+def test_metrics_take_gpu_tensors_and_labels_left_on_another_device() -> None:
+    scores = torch.tensor([0.1, 0.4, 0.4, 0.4, 0.8, 0.8, -2.0, 3.0])
+    labels = torch.tensor([0.0, 0, 1, 1, 0, 1, 0, 1])
+    want = (log_loss(scores, labels), auc(scores, labels), constant_baseline_loss(0.4, labels))
+    with FakeCuda():
+        # Both on the GPU (a user's per-batch metric); scores brought back, labels not (B1).
+        for s, y in ((scores.cuda(), labels.cuda()), (scores, labels.cuda()), (scores.cuda(), labels)):
+            assert (log_loss(s, y), auc(s, y), constant_baseline_loss(0.4, y)) == want
+
+
+def test_evaluate_a_gpu_model_on_a_batch_on_the_gpu_or_the_host() -> None:
+    dense = torch.tensor([[0.1], [2.0], [-1.0], [0.5], [-0.3], [1.5], [0.0], [-2.0], [0.7], [0.2]])
+    labels = torch.tensor([0.0, 1, 0, 1, 0, 1, 1, 0, 0, 1])
+    batch = Batch(dense, torch.zeros(10, 1, dtype=torch.int64), labels)
+    want = evaluate(_Probe(), batch, batch_size=4)
+    with FakeCuda():
+        probe = on_fake_cuda(_Probe())
+        # Trainer.evaluate moves the batch to the model's device first; a user may not.
+        assert evaluate(probe, Batch(*(t.cuda() for t in batch)), batch_size=4) == want
+        assert evaluate(probe, batch, batch_size=4) == want

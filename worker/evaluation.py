@@ -1,4 +1,9 @@
-"""Held-out metrics: log loss, AUC, and the constant predictor's loss."""
+"""Held-out metrics: log loss, AUC, and the constant predictor's loss.
+
+The metrics take tensors on any device (scores and labels may even be on different ones) and
+compute on the CPU in float64: held-out scores are small next to a step's traffic, and float64
+is slow or missing on accelerators.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,11 @@ from tether.worker.data import Batch
 __all__ = ["auc", "constant_baseline_loss", "evaluate", "log_loss"]
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as float64 on the CPU, where every metric here computes."""
+    return t.detach().to("cpu", torch.float64)
+
+
 def log_loss(logits: torch.Tensor, labels: torch.Tensor) -> float:
     """Mean binary cross-entropy of ``logits`` against 0/1 ``labels`` (numerically stable).
 
@@ -21,7 +31,7 @@ def log_loss(logits: torch.Tensor, labels: torch.Tensor) -> float:
     """
     if logits.shape != labels.shape or logits.numel() == 0:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} must be non-empty and alike")
-    return float(F.binary_cross_entropy_with_logits(logits.double(), labels.double()))
+    return float(F.binary_cross_entropy_with_logits(_host(logits), _host(labels)))
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -32,11 +42,11 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     """
     if scores.shape != labels.shape:
         raise ValueError(f"scores {tuple(scores.shape)} and labels {tuple(labels.shape)} differ in shape")
-    s = scores.double().reshape(-1)
+    s = _host(scores).reshape(-1)
     if not bool(torch.isfinite(s).all()):
         # A NaN would sort arbitrarily and give a meaningless number instead of an error.
         raise ValueError(f"scores must be finite, got {int((~torch.isfinite(s)).sum())} non-finite values")
-    y = labels.reshape(-1) > 0.5
+    y = _host(labels).reshape(-1) > 0.5
     pos, neg = int(y.sum()), int((~y).sum())
     if pos == 0 or neg == 0:
         raise ValueError(f"AUC needs both classes; got {pos} positives and {neg} negatives")
@@ -59,7 +69,7 @@ def constant_baseline_loss(p: float, labels: torch.Tensor) -> float:
     if labels.numel() == 0:
         raise ValueError("labels must be non-empty")
     p = min(max(p, 1e-7), 1 - 1e-7)
-    y = labels.double()
+    y = _host(labels)
     return float(-(y * math.log(p) + (1 - y) * math.log(1 - p)).mean())
 
 
@@ -91,9 +101,10 @@ def evaluate(model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch:
         with torch.no_grad():
             for start in range(0, n, batch_size):
                 part = Batch(*(t[start : start + batch_size] for t in batch))
-                logits.append(model(part.dense.to(device), part.sparse.to(device)).float().cpu())
+                logits.append(model(part.dense.to(device), part.sparse.to(device)).float())
     finally:
         if module is not None:
             module.train(was_training)
-    scores = torch.cat(logits)
+    # One copy to the host for all the chunks, not one (and a wait for the device) per chunk.
+    scores = torch.cat(logits).cpu()
     return {"eval_loss": log_loss(scores, batch.labels), "eval_auc": auc(scores, batch.labels)}
