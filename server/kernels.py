@@ -22,9 +22,13 @@ from typing import Any
 import numba
 import numpy as np
 
-__all__ = ["index_lookup", "index_cells", "index_place", "sgd_rows", "adagrad_rows", "adam_rows", "warm_up"]
+__all__ = ["EMPTY_SLOT", "REMOVED_SLOT", "index_lookup", "index_cells", "index_place", "sgd_rows", "adagrad_rows", "adam_rows", "warm_up"]
 
-_EMPTY = -1
+# A cell's state is its slot, so that every int64 is a valid key: a slot >= 0 is a row,
+# ``EMPTY_SLOT`` ends a probe chain, ``REMOVED_SLOT`` (a tombstone) is passed over like a row.
+EMPTY_SLOT = -1
+REMOVED_SLOT = -2
+_EMPTY = EMPTY_SLOT
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
@@ -69,52 +73,65 @@ def _home(key: np.int64, mask: np.uint64) -> np.int64:
 
 
 @_compiled(inline="always")
-def _cell(keys: np.ndarray, key: np.int64, mask: np.uint64) -> np.int64:
-    """The cell holding ``key``, -1 where it is absent: linear probing from its home cell."""
+def _cell(cells: np.ndarray, key: np.int64, mask: np.uint64) -> np.int64:
+    """The cell holding ``key``, -1 where it is absent: linear probing from its home cell.
+
+    A cell's slot is read before its key: a writer stores them in the other order, so a slot
+    that says "row" comes with its final key.
+    """
     p = _home(key, mask)
     while True:
-        k = keys[p]
-        if k == key:
-            return p
-        if k == _EMPTY:
+        s = cells[p, 1]
+        if s == _EMPTY:
             return np.int64(-1)
+        if s >= 0 and cells[p, 0] == key:
+            return p
         p = (p + 1) & np.int64(mask)
 
 
 @_jit
-def index_cells(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Cell of each id in the key array ``keys`` (a power-of-two length), -1 where absent."""
-    mask = np.uint64(len(keys) - 1)
+def index_cells(cells: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Cell of each id in ``cells`` ([n, 2] int64 (key, slot) pairs, n a power of two), -1 where absent."""
+    mask = np.uint64(len(cells) - 1)
     out = np.empty(len(ids), np.int64)
     for i in range(len(ids)):
-        out[i] = _cell(keys, ids[i], mask)
+        out[i] = _cell(cells, ids[i], mask)
     return out
 
 
 @_jit
-def index_lookup(keys: np.ndarray, slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Slot of each id, -1 where absent (``keys`` and ``slots``: one snapshot of the index; a
-    cell's key is read before its slot, the reverse of the order a writer stores them in)."""
-    mask = np.uint64(len(keys) - 1)
+def index_lookup(cells: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Slot of each id in ``cells`` (one snapshot of the index), -1 where absent."""
+    mask = np.uint64(len(cells) - 1)
     out = np.empty(len(ids), np.int64)
     for i in range(len(ids)):
-        c = _cell(keys, ids[i], mask)
-        out[i] = slots[c] if c >= 0 else -1
+        key = ids[i]
+        p = _home(key, mask)
+        while True:
+            # Slot before key (see ``_cell``); the slot read is also the answer, read once.
+            s = cells[p, 1]
+            if s == _EMPTY:
+                out[i] = -1
+                break
+            if s >= 0 and cells[p, 0] == key:
+                out[i] = s
+                break
+            p = (p + 1) & np.int64(mask)
     return out
 
 
 @_jit
-def index_place(keys: np.ndarray, slots: np.ndarray, ids: np.ndarray, new_slots: np.ndarray) -> None:
-    """Insert absent, unique ``ids`` with their slots by linear probing (the caller keeps the
-    load factor low). Each cell's slot is stored before its key, so a lock-free reader that
-    finds the key finds its slot."""
-    mask = np.uint64(len(keys) - 1)
+def index_place(cells: np.ndarray, ids: np.ndarray, new_slots: np.ndarray) -> None:
+    """Insert absent, unique ``ids`` with their slots (each >= 0) by linear probing into empty
+    cells (the caller keeps the load factor low; tombstones are not reused). Each cell's key
+    is stored before its slot, so a lock-free reader that sees the slot sees the key."""
+    mask = np.uint64(len(cells) - 1)
     for i in range(len(ids)):
         p = _home(ids[i], mask)
-        while keys[p] != _EMPTY:
+        while cells[p, 1] != _EMPTY:
             p = (p + 1) & np.int64(mask)
-        slots[p] = new_slots[i]
-        keys[p] = ids[i]
+        cells[p, 0] = ids[i]
+        cells[p, 1] = new_slots[i]
 
 
 @_jit_math
@@ -176,12 +193,11 @@ def adam_rows(
 def warm_up() -> None:
     """Load (or compile, the first time) every kernel for the types the shard uses, so that no
     request pays for it: ``tether server`` runs this in a thread while the shard starts."""
-    keys = np.full(16, _EMPTY, np.int64)
-    slots = np.zeros(16, np.int64)
+    cells = np.full((16, 2), _EMPTY, np.int64)
     ids = np.arange(2, dtype=np.int64)
-    index_place(keys, slots, ids, ids.copy())
-    index_cells(keys, ids)
-    index_lookup(keys, slots, ids)
+    index_place(cells, ids, ids.copy())
+    index_cells(cells, ids)
+    index_lookup(cells, ids)
     w, g = np.zeros((2, 4), np.float32), np.zeros((2, 4), np.float32)
     lr, f = np.zeros(2, np.float32), np.float32(0.0)
     sgd_rows(w, ids, g, lr, f)

@@ -282,8 +282,6 @@ class Shard:
     def _check_ids(self, table: str, ids: np.ndarray, unique: bool = True) -> None:
         if ids.size == 0:
             return
-        if ids.min() < 0:
-            raise InvalidArgument(f"table {table!r}: ids must be >= 0, got {int(ids.min())}")
         # A push must not name a row twice (one gradient per row); a pull may.
         if unique and _has_duplicates(ids):
             raise InvalidArgument(f"table {table!r}: ids in one push must be unique")

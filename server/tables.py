@@ -250,7 +250,7 @@ class EmbeddingTable:
         return out
 
     def slots(self, ids: np.ndarray) -> torch.Tensor:
-        """Row slots of ``ids`` (non-negative int64), creating missing rows (-1: not admitted)."""
+        """Row slots of ``ids`` (int64, any value), creating missing rows (-1: not admitted)."""
         if not self._locked_reads:
             slots = self._index.lookup(ids)
             if (slots >= 0).all():
@@ -303,7 +303,7 @@ class EmbeddingTable:
     def pulled(self, ids: np.ndarray) -> Pulled | None:
         """If a recent pull named exactly ``ids``: their slots, and whether they are unique.
 
-        Such ids passed a pull's checks (non-negative, owned by this shard), so a push of them
+        Such ids passed a pull's checks (owned by this shard), so a push of them
         needs only the uniqueness check, which on slots is two vectorised passes, not a sort.
         """
         if self._recent is None:

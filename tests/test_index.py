@@ -76,3 +76,83 @@ def test_lock_free_readers_never_see_a_wrong_slot() -> None:
         t.join(timeout=30)
     assert not bad
     assert index.lookup(ids[:2000]).tolist() == [slot_of[int(i)] for i in ids[:2000]]
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def test_any_int64_is_an_id_including_the_old_markers_and_the_range_edges() -> None:
+    # -1 and -2 were the empty and removed markers of the key array: they are ids like any other.
+    edges = np.array([INT64_MIN, INT64_MIN + 1, -2, -1, 0, 1, INT64_MAX - 1, INT64_MAX], dtype=np.int64)
+    index = IdIndex(capacity=16)
+    assert index.lookup(edges).tolist() == [-1] * len(edges)
+    index.insert(edges, np.arange(len(edges)) + 100)
+    assert index.lookup(edges).tolist() == list(range(100, 100 + len(edges)))
+    assert index.lookup(edges[::-1]).tolist() == list(range(100 + len(edges) - 1, 99, -1))
+    keys, slots = index.items()
+    assert keys.tolist() == sorted(edges.tolist()) and slots.tolist() == list(range(100, 100 + len(edges)))
+    # A fresh index has no id, 0 and the markers included.
+    assert IdIndex(capacity=16).lookup(np.array([0, -1, -2], dtype=np.int64)).tolist() == [-1, -1, -1]
+
+
+def test_negative_ids_survive_growth_and_removal() -> None:
+    rng = np.random.default_rng(3)
+    # Signed 64-bit hashes: about half negative, spread over the whole range.
+    ids = np.unique(rng.integers(INT64_MIN, INT64_MAX, 30_000, dtype=np.int64, endpoint=True))
+    ids = np.concatenate([ids, [INT64_MIN, -1, -2, INT64_MAX]])
+    ids = np.unique(ids)
+    rng.shuffle(ids)
+    assert (ids < 0).sum() > 10_000
+    index = IdIndex(capacity=16)  # grows many times
+    for start in range(0, len(ids), 2500):
+        index.insert(ids[start : start + 2500], np.arange(start, min(start + 2500, len(ids))))
+    assert index.size == len(ids)
+    assert np.array_equal(index.lookup(ids), np.arange(len(ids)))
+    # Remove the negative half: their cells become tombstones that probes pass over.
+    negative = ids < 0
+    assert index.remove(ids[negative]) == int(negative.sum())
+    assert index.remove(ids[negative]) == 0  # already gone
+    assert (index.lookup(ids[negative]) == -1).all()
+    assert np.array_equal(index.lookup(ids[~negative]), np.flatnonzero(~negative))
+    # Insert them again (new slots), past the tombstones, until a rebuild drops those.
+    again = ids[negative]
+    index.insert(again, np.arange(len(again)) + len(ids))
+    assert np.array_equal(index.lookup(again), np.arange(len(again)) + len(ids))
+    assert index.size == len(ids)
+    keys, slots = index.items()
+    assert np.all(np.diff(keys) > 0) and len(keys) == len(ids) and keys[0] == INT64_MIN and keys[-1] == INT64_MAX
+
+
+def test_slots_below_zero_are_refused() -> None:
+    import pytest
+
+    index = IdIndex(capacity=16)
+    with pytest.raises(ValueError, match="slots must be >= 0, got -1"):
+        index.insert(np.array([5], dtype=np.int64), np.array([-1], dtype=np.int64))
+    assert index.size == 0
+
+
+def test_lock_free_readers_never_see_a_wrong_slot_for_negative_ids() -> None:
+    index = IdIndex(capacity=16)
+    rng = np.random.default_rng(4)
+    ids = -rng.choice(2**62, 40_000, replace=False).astype(np.int64) - 1  # all negative
+    stop = threading.Event()
+    bad: list[int] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            got = index.lookup(ids[:2000])
+            found = got >= 0
+            if not np.array_equal(got[found], np.arange(2000)[found]):
+                bad.append(1)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for start in range(0, len(ids), 500):
+        index.insert(ids[start : start + 500], np.arange(start, start + 500))
+    stop.set()
+    for t in threads:
+        t.join(timeout=30)
+    assert not bad
+    assert np.array_equal(index.lookup(ids[:2000]), np.arange(2000))
