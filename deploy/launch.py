@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -295,8 +296,11 @@ class LocalCluster:
         """
         if template.consistency[0] == "sync":
             cfg = replace(template, shards=tuple(self.addresses), worker_index=0)
+            # Each rank's stderr is also kept in its own file, so a failed rank's error can be shown
+            # last, after torchrun's summary (see _worker_failed).
             argv = ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(template.num_workers),
-                    "--master-addr", self.host, "--master-port", str(_free_port(self.host))]
+                    "--master-addr", self.host, "--master-port", str(_free_port(self.host)),
+                    "--log-dir", str(self.log_dir / _RANK_LOGS), "--tee", "2"]
             if program is not None:
                 self.workers.append(self._spawn("torchrun", [*argv, *program.argv], echo=echo, env=job_env(cfg)))
                 return
@@ -308,8 +312,9 @@ class LocalCluster:
                 argv += ["--metrics-port", str(base)]
             self.workers.append(self._spawn("torchrun", argv, echo=echo))
             return
+        gpus = gpu_count()
         for i in range(template.num_workers):
-            cfg = replace(template, shards=tuple(self.addresses), worker_index=i)
+            cfg = replace(template, shards=tuple(self.addresses), worker_index=i, device=worker_device(template.device, i, gpus))
             if program is not None:
                 self.workers.append(self._spawn(f"worker-{i}", list(program.argv), echo=echo, env=job_env(cfg)))
                 continue
@@ -408,18 +413,68 @@ def child_command(argv: Sequence[str]) -> list[str]:
 
 
 def _worker_failed(child: _Child, code: int) -> None:
-    """Raise what a worker's non-zero exit ``code`` means (see ``LocalCluster.wait_workers``)."""
+    """Raise what a worker's non-zero exit ``code`` means (see ``LocalCluster.wait_workers``).
+    For torchrun, what the rank that failed first said: torchrun's own summary names it, and
+    its stderr file holds its error."""
     if code in (130, -signal.SIGINT):
         raise KeyboardInterrupt
+    name, log_path = child.name, child.log_path
+    if child.name == "torchrun":
+        found = _root_cause(log_path)
+        if found is not None:
+            name, code, log_path = found
     if code == USAGE_EXIT_CODE:
-        try:
-            lines = child.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            lines = []
-        for line in reversed(lines):
-            if _WORKER_USAGE_PREFIX in line:
-                raise UsageError(f"{child.name}: {line.split(_WORKER_USAGE_PREFIX, 1)[1].strip()}")
+        _raise_usage_line(name, log_path)
+    if name != child.name:
+        raise ClusterError(f"{name} failed first (exit code {code}; torchrun stopped the other ranks); its error, from {log_path}:\n{_tail(log_path)}")
     raise ClusterError(f"{child.name} exited with code {code}; see {child.log_path}:\n{_tail(child.log_path)}")
+
+
+def _raise_usage_line(name: str, log_path: Path) -> None:
+    """Raise the one line a worker printed before exiting with ``USAGE_EXIT_CODE``, if it did."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    for line in reversed(lines):
+        if _WORKER_USAGE_PREFIX in line:
+            raise UsageError(f"{name}: {line.split(_WORKER_USAGE_PREFIX, 1)[1].strip()}")
+
+
+# Where torchrun keeps each rank's stderr: <log dir>/ranks/<run id>/attempt_<n>/<local rank>/stderr.log.
+_RANK_LOGS = "ranks"
+
+
+def _root_cause(torchrun_log: Path) -> tuple[str, int, Path] | None:
+    """``(rank N, its exit code, its stderr file)`` of the rank torchrun's summary names as the
+    root cause, or None when the log or the file does not say."""
+    try:
+        text = torchrun_log.read_text(errors="replace")
+    except OSError:
+        return None
+    _, _, cause = text.rpartition("Root Cause")
+    found = re.search(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)", cause)
+    if found is None:
+        return None
+    rank, local_rank, code = (int(g) for g in found.groups())
+    files = sorted(torchrun_log.parent.glob(f"{_RANK_LOGS}/*/attempt_*/{local_rank}/stderr.log"), key=lambda f: f.stat().st_mtime)
+    return (f"rank {rank}", code, files[-1]) if files else None
+
+
+def gpu_count() -> int:
+    """CUDA devices torch sees on this host (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def worker_device(device: str, index: int, gpus: int) -> str:
+    """The device of async/ssp worker ``index`` on a host with ``gpus`` GPUs: ``cuda:(index mod
+    gpus)`` for ``auto`` or ``cuda`` when there are GPUs (one worker per GPU, round robin), else
+    ``device`` as given (``cpu``, an explicit ``cuda:N``, or ``auto`` without a GPU)."""
+    if device in ("auto", "cuda") and gpus > 0:
+        return f"cuda:{index % gpus}"
+    return device
 
 
 def _tail(path: Path, lines: int = 20) -> str:

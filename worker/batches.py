@@ -12,7 +12,7 @@ import torch
 
 from tether.protos.errors import UsageError
 
-__all__ = ["batch_size_of", "pick_device", "to_device"]
+__all__ = ["batch_size_of", "count_samples", "pick_device", "to_device"]
 
 
 def pick_device(name: str) -> torch.device:
@@ -53,21 +53,52 @@ def _all_cpu(batch: Any) -> bool:
 
 
 def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
-        for v in batch.values():
-            yield from _tensors(v)
-    elif isinstance(batch, (list, tuple)):
-        for v in batch:
-            yield from _tensors(v)
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        for f in dataclasses.fields(batch):
-            yield from _tensors(getattr(batch, f.name))
+    return (t for _, t in _named_tensors(batch, ""))
 
 
 def batch_size_of(batch: Any) -> int:
-    """Samples in ``batch``: the length of its first tensor (0 if it holds none)."""
-    for t in _tensors(batch):
-        return int(t.shape[0]) if t.dim() else 1
-    return 0
+    """Samples in ``batch``: the length most of its tensors share (see ``count_samples``)."""
+    return count_samples(batch)[0]
+
+
+def count_samples(batch: Any) -> tuple[int, str | None]:
+    """Samples in ``batch`` and, when its tensors disagree on their length, why that count.
+
+    The count is the leading length most of the batch's tensors share, the smaller on a tie: a
+    jagged tensor (the ids of variable-length bags, longer than the batch) or offsets with one
+    entry more than the bags are outvoted by the labels and the other per-sample tensors.
+    Scalars count as one sample; a batch with no tensor has none.
+
+    Returns:
+        ``(samples, note)``: ``note`` is None when every tensor has the same length, else one
+        line naming the lengths seen and the count taken.
+    """
+    lengths: dict[str, int] = {}
+    for path, t in _named_tensors(batch, "batch"):
+        lengths[path] = int(t.shape[0]) if t.dim() else 1
+    if not lengths:
+        return 0, None
+    votes: dict[int, int] = {}
+    for n in lengths.values():
+        votes[n] = votes.get(n, 0) + 1
+    count = min(votes, key=lambda n: (-votes[n], n))
+    if len(votes) == 1:
+        return count, None
+    seen = ", ".join(f"{path} {n}" for path, n in lengths.items())
+    return count, (f"the batch's tensors differ in length ({seen}): counting {count} samples a batch (the length most share); "
+                   "pass Trainer(batch_size=lambda batch: ...) to count them yourself")
+
+
+def _named_tensors(batch: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``batch`` with where it sits (``batch['ids']``, ``batch[0]``, ``batch.x``)."""
+    if isinstance(batch, torch.Tensor):
+        yield path, batch
+    elif isinstance(batch, Mapping):
+        for k, v in batch.items():
+            yield from _named_tensors(v, f"{path}[{k!r}]")
+    elif isinstance(batch, (list, tuple)):
+        for i, v in enumerate(batch):
+            yield from _named_tensors(v, f"{path}[{i}]")
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for f in dataclasses.fields(batch):
+            yield from _named_tensors(getattr(batch, f.name), f"{path}.{f.name}")

@@ -132,7 +132,8 @@ class TrainingConfig:
     def from_env(cls, **overrides: object) -> TrainingConfig:
         """The config the ``TETHER_*`` environment describes (what ``tether launch`` and the
         Kubernetes manifests give a worker; ``tether worker --help`` lists the variables),
-        with ``overrides`` winning.
+        with ``overrides`` winning. Under torchrun in sync mode the rank and world size come
+        from ``RANK`` and ``WORLD_SIZE``.
 
         Raises:
             ValueError: a bad value, named.
@@ -145,6 +146,13 @@ class TrainingConfig:
         add_job_flags(p, default_steps=None)
         values = training_values(p.parse_args([]))
         values.update(overrides)
+        if parse_mode(str(values["mode"]))[0] == "sync" and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            # A torchrun rank knows its place from torchrun before any process group exists, so
+            # code that runs before the Trainer (picking its slice of the data) sees it too.
+            if "worker_index" not in overrides:
+                values["worker_index"] = int(os.environ["RANK"])
+            if "num_workers" not in overrides:
+                values["num_workers"] = int(os.environ["WORLD_SIZE"])
         return cls(**values)
 
     @property

@@ -18,7 +18,7 @@ from tether.worker.client import PSClient
 from tether.worker.config import TrainingConfig
 from tether.worker.embedding import flat_grads, split_flat
 
-__all__ = ["Policy", "SSPPolicy", "SyncPolicy", "TrainerView", "init_sync", "policy_for"]
+__all__ = ["Policy", "SSPPolicy", "SyncPolicy", "TrainerView", "init_sync", "policy_for", "sync_device"]
 
 
 class TrainerView(Protocol):
@@ -39,7 +39,6 @@ class Policy:
 
     prefetch = True  # the next batch's rows may be pulled before this step's push lands
     settle_every_step = False
-    sparse_scale = 1.0
     dense_on_shards = True
 
     def start(self, trainer: TrainerView) -> int:
@@ -61,8 +60,14 @@ class Policy:
     def before_step(self, trainer: TrainerView, clock: int) -> None:
         """Called before a step pulls its rows."""
 
-    def after_backward(self) -> None:
-        """Called once the gradients are in."""
+    def after_backward(self, more: bool) -> bool:
+        """Called once the gradients are in; ``more``: this worker has another batch. Returns
+        False when the job's workers must stop after this step together (sync)."""
+        return True
+
+    def row_gradients(self, sparse: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The row gradients (table -> (ids, grads)) this worker pushes for its step's."""
+        return sparse
 
     def after_push(self) -> None:
         """Called once a step's push landed (``settle_every_step`` policies)."""
@@ -101,30 +106,79 @@ class SyncPolicy(Policy):
     settle_every_step = True
     dense_on_shards = False
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, rank: int, device: torch.device) -> None:
         import torch.distributed as dist
 
         self.dist = dist
         self.world = world
-        self.sparse_scale = 1.0 / world
+        self.rank = rank
+        # Where collectives' tensors live: NCCL's on this rank's GPU, gloo's on the CPU.
+        self.device = device
         self.params: list[nn.Parameter] = []
         self.optimizer: torch.optim.Optimizer | None = None
+        self.tables: dict[str, int] = {}
         self.digests: list[str] = []
 
-    def bind(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None) -> None:
-        """The dense parameters this rank all-reduces and steps."""
-        self.params, self.optimizer = params, optimizer
+    def bind(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, tables: dict[str, int]) -> None:
+        """The dense parameters this rank all-reduces and steps, and the model's tables (name
+        -> row width) whose row gradients the ranks combine."""
+        self.params, self.optimizer, self.tables = params, optimizer, dict(sorted(tables.items()))
 
-    def after_backward(self) -> None:
+    def after_backward(self, more: bool) -> bool:
+        """Average the dense gradients over the ranks and step them; the same all-reduce sums
+        each rank's "I have another batch", so the ranks learn together whether all go on."""
+        flag = torch.ones(1, device=self.device) if more else torch.zeros(1, device=self.device)
         if not self.params or self.optimizer is None:
-            return
-        flat = flat_grads(self.params)
+            self.dist.all_reduce(flag)
+            return int(flag.item()) == self.world
+        flat = torch.cat([flat_grads(self.params), flag.to(self.params[0].device)])
         self.dist.all_reduce(flat)
-        flat /= self.world
+        go_on = int(flat[-1].item()) == self.world
+        flat = flat[:-1].div_(self.world)
         for p, grad in zip(self.params, split_flat(flat, self.params)):
             p.grad = grad
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return go_on
+
+    def row_gradients(self, sparse: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Every rank's row gradients of the step, summed per id in rank order and averaged over
+        the ranks; this rank keeps the ids it pushes (id mod world == rank). Each row then gets
+        one update a step, made of the same sums in the same order on every run, whatever order
+        the ranks' pushes reach the shards in: sync is reproducible run to run."""
+        tables = list(self.tables)
+        counts = torch.tensor([len(sparse[t][0]) if t in sparse else 0 for t in tables], dtype=torch.int64)
+        every = self._gather(counts, len(tables))
+        ids = torch.cat([sparse[t][0].reshape(-1) for t in tables if t in sparse] or [torch.zeros(0, dtype=torch.int64)])
+        grads = torch.cat([sparse[t][1].reshape(-1).float() for t in tables if t in sparse] or [torch.zeros(0)])
+        all_ids = self._gather(ids, int(every.sum(1).max()))
+        widths = torch.tensor([self.tables[t] for t in tables], dtype=torch.int64)
+        all_grads = self._gather(grads, int((every * widths).sum(1).max()))
+        parts: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {t: ([], []) for t in tables}
+        for r in range(self.world):
+            id_at = grad_at = 0
+            for t, n, width in zip(tables, every[r].tolist(), widths.tolist()):
+                parts[t][0].append(all_ids[r, id_at:id_at + n])
+                parts[t][1].append(all_grads[r, grad_at:grad_at + n * width].view(n, width))
+                id_at, grad_at = id_at + n, grad_at + n * width
+        mine = {}
+        for t, (id_parts, grad_parts) in parts.items():
+            unique, inverse = torch.unique(torch.cat(id_parts), return_inverse=True)
+            if not len(unique):
+                continue
+            # index_add_ on the CPU adds in index order: the same sum on every run.
+            summed = torch.zeros(len(unique), self.tables[t]).index_add_(0, inverse, torch.cat(grad_parts)).div_(self.world)
+            keep = torch.remainder(unique, self.world) == self.rank
+            mine[t] = (unique[keep], summed[keep])
+        return mine
+
+    def _gather(self, t: torch.Tensor, length: int) -> torch.Tensor:
+        """Every rank's ``t`` (1-D, at most ``length`` long), zero-padded to ``length``: [world, length] on the CPU."""
+        padded = torch.zeros(length, dtype=t.dtype, device=self.device)
+        padded[: len(t)] = t.to(self.device)
+        out = [torch.empty_like(padded) for _ in range(self.world)]
+        self.dist.all_gather(out, padded)
+        return torch.stack(out).cpu()
 
     def after_push(self) -> None:
         self.dist.barrier()
@@ -141,6 +195,17 @@ class SyncPolicy(Policy):
         super().finish(trainer, clock, record)
         record["dense_digests"] = self.digests
         record["backend"] = self.dist.get_backend()
+
+    def leave(self, failed: bool) -> None:
+        """Leave the process group: after a barrier when the job ends well; at once when this
+        rank failed (the others, inside a step, would never meet the barrier: torchrun stops
+        them once this process exits)."""
+        if not self.dist.is_initialized():
+            return
+        if failed:
+            return
+        self.dist.barrier()
+        self.dist.destroy_process_group()
 
 
 def init_sync(cfg: TrainingConfig, device: torch.device) -> TrainingConfig:
@@ -160,15 +225,34 @@ def init_sync(cfg: TrainingConfig, device: torch.device) -> TrainingConfig:
     return replace(cfg, worker_index=dist.get_rank(), num_workers=dist.get_world_size())
 
 
+def sync_device(device: torch.device, local_rank: int, local_world: int, gpus: int) -> torch.device:
+    """The GPU of sync rank ``local_rank`` of ``local_world`` on a host with ``gpus``: its own,
+    ``cuda:<local_rank>`` (NCCL allows one rank per GPU).
+
+    Raises:
+        UsageError: more ranks on the host than GPUs, or one ``cuda:N`` for several ranks.
+    """
+    if local_world > gpus:
+        raise UsageError(
+            f"--mode sync: {local_world} ranks on this host need {local_world} GPUs (NCCL takes one rank per GPU), torch sees {gpus}: "
+            f"run at most {gpus} ranks per host, or --device cpu (gloo)"
+        )
+    if device.index is not None and local_world > 1:
+        raise UsageError(f"--device {device}: in sync every rank on this host would use that one GPU; use --device cuda (rank r gets cuda:r)")
+    return device if device.index is not None else torch.device("cuda", local_rank)
+
+
 def policy_for(config: TrainingConfig, device: torch.device) -> tuple[TrainingConfig, torch.device, Policy]:
     """The policy of ``config``'s consistency mode; in sync mode, after joining the process group
     (the config then takes its rank and world size, a CUDA device its local rank)."""
     kind, bound = config.consistency
     if kind == "sync":
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        if config.local:
+            raise UsageError("--mode sync runs ranks under torchrun against shards; local mode (no shards) trains one process: use async")
+        if device.type == "cuda":
+            device = sync_device(device, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
         config = init_sync(config, device)
-        return config, device, SyncPolicy(config.num_workers)
+        return config, device, SyncPolicy(config.num_workers, config.worker_index, device)
     if kind == "ssp":
         return config, device, SSPPolicy(int(bound or 0))
     return config, device, Policy()

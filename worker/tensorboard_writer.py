@@ -13,7 +13,10 @@ from pathlib import Path
 
 from tether.protos.errors import UsageError
 
-__all__ = ["MISSING", "TensorBoardRecorder", "require_tensorboard", "tensorboard_available"]
+__all__ = ["MISSING", "RECORD_KEYS", "TensorBoardRecorder", "require_tensorboard", "tensorboard_available"]
+
+# Keys of a ``Trainer.fit`` history record that are not held-out metrics (``evaluate``'s must not reuse them).
+RECORD_KEYS = frozenset({"step", "samples", "wall_s", "time", "train_loss", "staleness_mean", "staleness_max"})
 
 MISSING = "--tensorboard needs the tensorboard package: pip install 'tether[tensorboard]'"
 
@@ -58,7 +61,7 @@ class TensorBoardRecorder:
     def write(self, record: Mapping[str, Any], clock_staleness: int | None = None) -> None:
         """One logged step: ``record`` is a history entry of ``Trainer.fit`` (``step``,
         ``samples``, ``wall_s``, ``train_loss``, maybe ``staleness_mean``/``staleness_max`` and
-        ``eval_*``)."""
+        the held-out metrics)."""
         step = int(record["step"])
         samples, wall = int(record.get("samples", 0)), float(record.get("wall_s", 0.0))
         w = self._writer
@@ -73,8 +76,9 @@ class TensorBoardRecorder:
             if isinstance(record.get(key), (int, float)):
                 w.add_scalar(tag, float(record[key]), step)
         for key, value in record.items():
-            if key.startswith("eval_") and isinstance(value, (int, float)):
-                w.add_scalar(f"eval/{key[len('eval_'):]}", float(value), step)
+            # Every other number is a held-out metric, under the name the user's evaluate gave it.
+            if key not in RECORD_KEYS and isinstance(value, (int, float)):
+                w.add_scalar(f"eval/{key.removeprefix('eval_')}", float(value), step)
 
     def flush(self) -> None:
         """Write what is buffered to disk."""

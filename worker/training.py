@@ -35,14 +35,14 @@ from tether.protos.errors import FailedPrecondition, TooStale, UsageError
 from tether.protos.optimizers import OptimizerConfig, rule
 from tether.protos.specs import TableConfig
 from tether.worker.client import ClientConfig, Handle, PSClient, PullResult
-from tether.worker.batches import batch_size_of, pick_device, to_device
+from tether.worker.batches import count_samples, pick_device, to_device
 from tether.worker.config import TrainingConfig
 from tether.worker.data import in_background
 from tether.worker.embedding import Prefetch, PSModel
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
 from tether.worker.policies import SyncPolicy, policy_for
 from tether.worker.stragglers import delay_factor
-from tether.worker.tensorboard_writer import TensorBoardRecorder
+from tether.worker.tensorboard_writer import RECORD_KEYS, TensorBoardRecorder
 
 __all__ = ["Trainer", "TrainingConfig"]
 
@@ -69,7 +69,9 @@ class Trainer(Generic[B]):
             config's optimizer, learning rate, ``init_scale`` and seed.
         metrics: where to record steps and calls (``WorkerMetrics`` for Prometheus), or None.
         printer: where progress lines go.
-        batch_size: ``batch_size(batch)`` -> samples (default: the first tensor's length).
+        batch_size: ``batch_size(batch)`` -> samples, for the counts and samples/s (default: the
+            leading length most of the batch's tensors share, with one warning if they differ;
+            see ``tether.worker.batches.count_samples``).
 
     Raises:
         UsageError: ``sync`` outside torchrun, or CUDA asked for and missing.
@@ -86,7 +88,7 @@ class Trainer(Generic[B]):
         tables: Sequence[TableConfig] | None = None,
         metrics: WorkerRecorder | None = None,
         printer: Callable[[str], None] = print,
-        batch_size: Callable[[B], int] = batch_size_of,
+        batch_size: Callable[[B], int] | None = None,
     ) -> None:
         kind, _ = config.consistency
         config, device, policy = policy_for(config, pick_device(config.device))
@@ -95,13 +97,18 @@ class Trainer(Generic[B]):
         self.policy = policy
         self.loss_fn = loss
         self.sparse_fn = sparse
-        self.batch_size_fn = batch_size
+        self.batch_size_fn: Callable[[B], int] = batch_size if batch_size is not None else self._count_samples
+        self._count_noted = False
         self.metrics: WorkerRecorder = metrics if metrics is not None else NullWorkerMetrics()
         self.printer = printer
         self.name = f"worker {config.worker_index}/{config.num_workers}"
         # TensorBoard curves (--tensorboard): a missing package is a UsageError before any connection.
         self.board = TensorBoardRecorder(Path(config.tensorboard) / f"worker-{config.worker_index}") if config.tensorboard else None
-        self.client = PSClient(
+        # Local mode (config.local): no shards, the tables live in this process with the shards'
+        # rules and initial rows; sync and several workers are refused there (tether.worker.local).
+        from tether.worker.local import LocalClient
+
+        self.client = LocalClient.for_training(config, self.metrics) if config.local else PSClient(
             ClientConfig(
                 addresses=config.shards,
                 worker_id=config.worker_id or f"worker-{config.worker_index}",
@@ -129,7 +136,8 @@ class Trainer(Generic[B]):
             if isinstance(policy, SyncPolicy):
                 params = list(self.ps.parameters())
                 # The torch optimizer that takes the shards' steps: every rank steps its own copy.
-                policy.bind(params, rule(opt.name).torch_optimizer(opt, params) if params else None)
+                policy.bind(params, rule(opt.name).torch_optimizer(opt, params) if params else None,
+                            {t: bags[0].dim for t, bags in self.ps.bags.items()})
         except BaseException:
             self.client.close()
             if self.board is not None:
@@ -155,12 +163,23 @@ class Trainer(Generic[B]):
                 with torch.no_grad():
                     values = metric(self.model, on_device) if metric else {"eval_loss": float(self.loss_fn(self.model, on_device))}
                 k = self.batch_size_fn(batch)
+                reserved = sorted(set(values) & RECORD_KEYS)
+                if reserved:
+                    raise UsageError(f"evaluate returned {reserved}, which the record uses for itself ({', '.join(sorted(RECORD_KEYS))}): rename them")
                 for key, value in values.items():
                     totals[key] = totals.get(key, 0.0) + float(value) * k
                 n += k
         finally:
             self.model.train(was_training)
         return {key: value / max(n, 1) for key, value in totals.items()}
+
+    def _count_samples(self, batch: B) -> int:
+        """The default sample count; says once when the batch's tensors disagree on it."""
+        n, note = count_samples(batch)
+        if note is not None and not self._count_noted:
+            self._count_noted = True
+            log.warning("%s: %s", self.name, note)
+        return n
 
     # -- training -------------------------------------------------------------------------------
 
@@ -175,15 +194,26 @@ class Trainer(Generic[B]):
         worker's record (also written to ``config.out/worker-<i>.json``).
 
         Worker 0 evaluates ``eval_data`` (re-iterated each time: pass a list or a re-iterable
-        dataset) every ``config.eval_every`` steps and after the last step.
+        dataset) every ``config.eval_every`` steps and after the last step; the record's
+        ``final_eval`` holds the last evaluation's metrics under the names ``evaluate`` gave them.
 
         Args:
             background: prepare batches on a background thread, up to 4 ahead.
 
         Raises:
+            UsageError: ``eval_data`` is a one-shot iterator (a generator): the first evaluation
+                would use it up and leave every later one empty.
             DeadlineExceeded: an ``ssp`` wait ran past ``config.ssp_timeout_s``.
             TetherError: a shard call failed after retries.
         """
+        if eval_data is not None and iter(eval_data) is eval_data:
+            raise UsageError(
+                f"eval_data is a one-shot {type(eval_data).__name__}: it would be used up by the first evaluation; "
+                "pass a list or a re-iterable dataset (an object whose __iter__ starts over)"
+            )
+        if self.config.steps is None and not hasattr(data, "__len__"):
+            self.printer(f"{self.name}: no step limit (TrainingConfig.steps, env TETHER_STEPS) and the data has no length: "
+                         "training runs until the data ends, forever on an endless stream")
         producer = in_background(iter(data)) if background else None
         try:
             return self._fit(iter(data) if producer is None else producer, eval_data, evaluate)
@@ -236,9 +266,11 @@ class Trainer(Generic[B]):
         total = f"/{steps}" if steps else ""
         self.printer(f"{self.name}: mode {cfg.mode}, {len(cfg.shards)} shard(s), device {self.device}"
                      + (f", {steps} steps" if steps else ", until the data ends"))
+        last_eval: dict[str, float] = {}
         if evaluating and cfg.eval_every > 0:
             # The curve's first point: the initial model, evaluated before the others may start.
-            history.append({"step": 0, "samples": 0, "wall_s": 0.0, "time": time.time(), **self.evaluate(held_out, evaluate)})
+            last_eval = self.evaluate(held_out, evaluate)
+            history.append({"step": 0, "samples": 0, "wall_s": 0.0, "time": time.time(), **last_eval})
             if self.board is not None:
                 self.board.write(history[-1])
         start_clock = policy.start(self)
@@ -277,7 +309,11 @@ class Trainer(Generic[B]):
                 pending = ps.prefetch(self.sparse_fn(upcoming))
             loss = self.loss_fn(self.model, to_device(batch, self.device))
             loss.backward()
-            policy.after_backward()
+            if not policy.after_backward(more=upcoming is not None) and upcoming is not None:
+                # sync: another rank's data ended, so every rank stops after this step.
+                self.printer(f"{self.name}: stopping at step {step + 1} with data left: another rank's data ended there "
+                             "(sync steps every rank together: give the ranks equal numbers of batches, or set steps)")
+                upcoming = after = None
             loss_value = float(loss.detach())
             # Straggler experiments: this step computes ``factor`` times slower (same schedule
             # per worker and step in every mode: see tether.worker.stragglers).
@@ -291,7 +327,7 @@ class Trainer(Generic[B]):
             if prefetch and after is not None:
                 ahead = ps.push_pull(clock=clock + 1, versions=pulled, sparse=self.sparse_fn(after))
             else:
-                push = ps.push(clock=clock + 1, versions=pulled, sparse_scale=policy.sparse_scale)
+                push = ps.push(clock=clock + 1, versions=pulled, rows=policy.row_gradients)
             if settle_every_step:
                 # The step's updates must land before this worker's clock (or the barrier) lets
                 # anyone read past them (such policies never prefetch: the push was just made).
@@ -330,12 +366,13 @@ class Trainer(Generic[B]):
                 if evaluate_now:
                     # Evaluation time is left out of the wall clock so curves compare training.
                     te = time.perf_counter()
-                    record.update(self.evaluate(held_out, evaluate))
+                    last_eval = self.evaluate(held_out, evaluate)
+                    record.update(last_eval)
                     eval_time += time.perf_counter() - te
                 history.append(record)
                 if self.board is not None:
                     self.board.write(record, staleness[-1] if staleness else None)
-                self.printer(self._progress(record, phase, wall, steps, total))
+                self.printer(self._progress(record, last_eval if evaluate_now else {}, phase, wall, steps, total))
                 window_loss, window_n = 0.0, 0
             if upcoming is None:
                 break
@@ -359,8 +396,8 @@ class Trainer(Generic[B]):
             "history": history,
             "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k != "auth_token"},
         }
-        if evaluating and history:
-            result["final_eval"] = {k: v for k, v in history[-1].items() if k.startswith("eval_")}
+        if evaluating:
+            result["final_eval"] = last_eval
         policy.finish(self, start_clock + step + 1, result)
         if self.board is not None:
             self.board.flush()
@@ -370,16 +407,17 @@ class Trainer(Generic[B]):
             (out / f"worker-{cfg.worker_index}.json").write_text(json.dumps(result, indent=2))
         return result
 
-    def _progress(self, record: dict[str, Any], phase: dict[str, float], wall: float, steps: int | None, total: str) -> str:
-        """One progress line: step, loss, throughput, where the time went, elapsed and ETA."""
+    def _progress(
+        self, record: dict[str, Any], evals: Mapping[str, float], phase: dict[str, float], wall: float, steps: int | None, total: str
+    ) -> str:
+        """One progress line: step, loss, throughput, where the time went, elapsed and ETA, and
+        the held-out metrics when this step evaluated."""
         busy = sum(phase.values()) or 1.0
         kind = self.config.consistency[0]
         split = " ".join(f"{k} {v / busy:.0%}" for k, v in phase.items() if k != "staleness_wait" or kind == "ssp")
         done = int(record["step"])
         eta = f" eta {_clock(wall / done * (steps - done))}" if steps and done < steps else ""
-        extra = ""
-        if "eval_loss" in record:
-            extra = f" eval_loss {record['eval_loss']:.4f}" + (f" auc {record['eval_auc']:.4f}" if "eval_auc" in record else "")
+        extra = "".join(f" {k} {v:.4f}" for k, v in evals.items())
         return (f"{self.name} step {done}{total} loss {record['train_loss']:.4f} "
                 f"{int(record['samples']) / max(wall, 1e-9):,.0f} samples/s ({split}) elapsed {_clock(wall)}{eta}{extra}")
 
@@ -392,20 +430,25 @@ class Trainer(Generic[B]):
             log.warning("checkpoint_every_steps is set but the shards cannot checkpoint (%s); not asking again", exc)
             self.config = replace(self.config, checkpoint_every_steps=0)
 
-    def close(self) -> None:
-        """Leave the process group (sync), close the client and the TensorBoard writer."""
+    def close(self, failed: bool = False) -> None:
+        """Leave the process group (sync), close the client and the TensorBoard writer.
+
+        Args:
+            failed: this rank is ending on an error: leave the process group without the final
+                barrier, which the other ranks (inside a step) would never meet, so this rank
+                exits at once and torchrun stops the others with its error as the cause.
+        """
         if self.board is not None:
             self.board.close()
-        if isinstance(self.policy, SyncPolicy) and self.policy.dist.is_initialized():
-            self.policy.dist.barrier()
-            self.policy.dist.destroy_process_group()
+        if isinstance(self.policy, SyncPolicy):
+            self.policy.leave(failed)
         self.client.close()
 
     def __enter__(self) -> Trainer[B]:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self.close(failed=kind is not None)
 
 
 def _clock(seconds: float) -> str:
