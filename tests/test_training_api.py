@@ -162,3 +162,77 @@ def test_a_launched_worker_gets_every_setting_through_flags_and_environment(monk
     for f in dataclasses.fields(TrainingConfig):
         if f.name not in skip:
             assert getattr(from_env, f.name) == getattr(cfg, f.name), f.name
+
+
+def test_metric_names_are_kept_one_shot_eval_data_is_refused_and_jagged_batches_count_right(
+    cluster: LocalCluster, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tether.protos.errors import UsageError
+
+    addresses = cluster.start_shards(1)
+    torch.manual_seed(0)
+    model = MF(lambda name, dim: ShardedEmbeddingBag(name, dim))
+    config = TrainingConfig(shards=tuple(addresses), steps=6, log_every=3, device="cpu", lr=0.1)
+
+    def metrics(m: nn.Module, b: dict[str, torch.Tensor]) -> dict[str, float]:
+        err = m(b) - b["rating"]
+        return {"rmse": float(err.pow(2).mean().sqrt()), "mae": float(err.abs().mean())}
+
+    # A jagged tensor first: 3 ids per sample, so 96 long for 32 samples.
+    jagged = [{"history": torch.arange(96), **b} for b in _batches(10)]
+    held_out = _batches(2, size=16)
+    lines: list[str] = []
+    with Trainer(model, config, loss=_loss, sparse=_ids, printer=lines.append) as trainer:
+        with pytest.raises(UsageError, match="eval_data is a one-shot generator"):
+            trainer.fit(jagged, eval_data=(b for b in held_out))
+        with caplog.at_level("WARNING"):
+            record = trainer.fit(jagged, eval_data=held_out, evaluate=metrics)
+        with pytest.raises(UsageError, match=r"evaluate returned \['step'\]"):
+            trainer.evaluate(held_out, lambda m, b: {"step": 1.0})
+    assert set(record["final_eval"]) == {"rmse", "mae"}
+    assert record["final_eval"]["rmse"] == pytest.approx(record["history"][-1]["rmse"])
+    assert any("rmse" in line and "mae" in line for line in lines)
+    assert record["samples"] == 6 * 32
+    notes = [r.message for r in caplog.records if "differ in length" in r.message]
+    assert len(notes) == 1 and "batch['history'] 96" in notes[0] and "counting 32" in notes[0]
+
+
+def test_endless_data_without_a_step_limit_is_said_once(cluster: LocalCluster) -> None:
+    addresses = cluster.start_shards(1)
+    model = MF(lambda name, dim: ShardedEmbeddingBag(name, dim))
+    lines: list[str] = []
+    with Trainer(model, TrainingConfig(shards=tuple(addresses), device="cpu"), loss=_loss, sparse=_ids, printer=lines.append) as trainer:
+        trainer.fit(iter(_batches(3)))
+        trainer.fit(_batches(3))  # a list has a length: nothing to say
+    assert sum("no step limit" in line for line in lines) == 1
+
+
+def test_from_env_knows_the_rank_under_torchrun_and_names_a_missing_shard_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TETHER_SHARDS", "127.0.0.1:5000")
+    monkeypatch.setenv("TETHER_MODE", "sync")
+    monkeypatch.setenv("TETHER_WORKER_INDEX", "0")  # what tether launch gives every rank
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    config = TrainingConfig.from_env()
+    assert (config.worker_index, config.num_workers) == (2, 3)
+    assert TrainingConfig.from_env(worker_index=1).worker_index == 1  # overrides still win
+    assert TrainingConfig.from_env(mode="async").worker_index == 0  # RANK means nothing outside sync
+    monkeypatch.delenv("TETHER_SHARDS")
+    with pytest.raises(ValueError, match="no shards: set TETHER_SHARDS=host:port,... \\(flag --shards\\), or TETHER_LOCAL=1"):
+        TrainingConfig.from_env()
+
+
+def test_gpus_are_dealt_one_per_worker_and_one_per_sync_rank() -> None:
+    from tether.deploy.launch import worker_device
+    from tether.protos.errors import UsageError
+    from tether.worker.policies import sync_device
+
+    assert [worker_device("auto", i, 4) for i in range(6)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:0", "cuda:1"]
+    assert worker_device("cuda", 3, 2) == "cuda:1"
+    assert worker_device("cuda:2", 0, 4) == "cuda:2" and worker_device("cpu", 1, 4) == "cpu" and worker_device("auto", 1, 0) == "auto"
+    assert sync_device(torch.device("cuda"), 1, 2, 2) == torch.device("cuda", 1)
+    assert sync_device(torch.device("cuda", 3), 0, 1, 4) == torch.device("cuda", 3)
+    with pytest.raises(UsageError, match="3 ranks on this host need 3 GPUs"):
+        sync_device(torch.device("cuda"), 0, 3, 2)
+    with pytest.raises(UsageError, match="--device cuda:0: in sync every rank"):
+        sync_device(torch.device("cuda", 0), 0, 2, 2)
