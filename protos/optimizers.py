@@ -2,10 +2,33 @@
 its step, and the torch optimizer that matches it), in one registry, with the hyper-parameters
 they take (``OptimizerConfig``).
 
-A shard's tables and dense chunks apply the rule their config names (``rule(cfg.name)``); a sync
-worker steps its own dense parameters with the rule's torch equivalent. Each step updates a
-block of parameters in place from its gradient: for embedding tables the gathered rows of one
-push (the table scatters them back), for dense chunks the chunk itself.
+A shard's tables and dense chunks apply the rule their config names (``rule(cfg.name)``); local
+mode (``tether.worker.local``) applies the same rules to its in-process rows and dense tensors;
+a sync worker steps its own dense parameters with the rule's ``torch_optimizer``. Each step
+updates a block of parameters in place from its gradient: for embedding tables the gathered rows
+of one push, for dense parameters the chunk (or the whole flat tensor) itself.
+
+The rules, with ``g`` the gradient plus ``weight_decay * w`` (L2, added to the gradient as
+``torch.optim`` does; not AdamW's decoupled decay) and ``lr`` the configured rate times the
+push's factor (1, or less for an unusually stale push under ``--staleness-aware``):
+
+- ``sgd``: ``w -= lr * g``. No state, no momentum.
+- ``adagrad``: ``sum += g * g``, then ``w -= lr * g / (sqrt(sum) + eps)``: ``eps`` outside the
+  square root, as in ``torch.optim.Adagrad``, but ``eps`` defaults to **1e-8** here where torch's
+  default is 1e-10 (pass ``eps=1e-8`` to match); ``sum`` starts at ``initial_accumulator``
+  (default 0, torch's ``initial_accumulator_value``); no learning-rate decay.
+- ``adam``: ``m = beta1 * m + (1 - beta1) * g``, ``v = beta2 * v + (1 - beta2) * g * g``, ``t += 1``,
+  then ``w -= lr * (m / (1 - beta1**t)) / (sqrt(v / (1 - beta2**t)) + eps)``, with ``beta1`` 0.9,
+  ``beta2`` 0.999 and ``eps`` 1e-8 by default (torch's defaults; ``eps`` added after the bias
+  correction, as torch does; the corrections are taken in float64, as torch takes them);
+  ``m`` and ``v`` start at 0. An embedding row keeps its own ``t``: the number of pushes that
+  named it, not the table's, so a rare row's first steps get the full bias correction. A dense
+  chunk has one ``t``.
+
+Shards update embedding rows with compiled float32 kernels of these same formulas
+(``tether.server.kernels``, which may fuse a multiply-add), and dense chunks with ``apply``
+below; the two agree within float rounding (rows 30 steps on within 3e-7 of each other in
+``tests/test_local_mode.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +64,10 @@ class UpdateRule:
         raise NotImplementedError
 
     def torch_optimizer(self, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
-        """The ``torch.optim`` optimizer that takes the same steps on ``params``."""
+        """The torch optimizer that matches the shard's rule: a ``torch.optim`` optimizer over
+        ``params`` built with every constant of ``cfg`` (``eps`` included, which is not torch's
+        default for Adagrad), whose steps equal ``apply``'s within float rounding. Sync mode
+        steps its dense parameters with it."""
         raise NotImplementedError
 
     def apply(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, state: Mapping[str, torch.Tensor], lr_scale: float = 1.0) -> None:
@@ -61,7 +87,7 @@ class UpdateRule:
 
 
 class SGD(UpdateRule):
-    """Plain SGD: no state."""
+    """Plain SGD: ``w -= lr * g``; no state (``torch.optim.SGD`` without momentum)."""
 
     name = "sgd"
 
@@ -73,8 +99,9 @@ class SGD(UpdateRule):
 
 
 class Adagrad(UpdateRule):
-    """Adagrad: a running sum of squared gradients per element (``eps`` outside the sqrt, like
-    ``torch.optim.Adagrad``)."""
+    """Adagrad: a running sum of squared gradients per element, starting at
+    ``initial_accumulator``; ``w -= lr * g / (sqrt(sum) + eps)`` (``eps`` outside the sqrt, like
+    ``torch.optim.Adagrad``, default 1e-8 where torch's is 1e-10)."""
 
     name = "adagrad"
 
@@ -96,8 +123,9 @@ class Adagrad(UpdateRule):
 
 
 class Adam(UpdateRule):
-    """Adam: first and second moments per element, and a step count per row (one scalar for a
-    dense chunk)."""
+    """Adam: first and second moments per element (from 0), and a step count per row (one scalar
+    for a dense chunk); bias-corrected, ``eps`` (1e-8) added to the corrected ``sqrt(v)``, betas
+    (0.9, 0.999) by default: ``torch.optim.Adam``'s constants."""
 
     name = "adam"
 
@@ -109,9 +137,12 @@ class Adam(UpdateRule):
         t.add_(1)
         m.mul_(cfg.beta1).add_(g, alpha=1 - cfg.beta1)
         v.mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
-        tt = t.unsqueeze(-1) if w.dim() > 1 else t
-        bc1 = 1 - torch.pow(cfg.beta1, tt)
-        bc2 = 1 - torch.pow(cfg.beta2, tt)
+        tt = (t.unsqueeze(-1) if w.dim() > 1 else t).double()
+        # The bias corrections in float64, as torch.optim.Adam takes them (Python floats): in
+        # float32, 1 - 0.999**t loses digits to cancellation (1.3e-5 relative at t = 1) while the
+        # moments' 1 - beta2 does not, and v / bc2 is then off by that much.
+        bc1 = (1 - torch.pow(cfg.beta1, tt)).float()
+        bc2 = (1 - torch.pow(cfg.beta2, tt)).float()
         denom = (v / bc2).sqrt_().add_(cfg.eps)
         w.addcdiv_(m / bc1, denom, value=-lr)
 
@@ -142,10 +173,14 @@ class OptimizerConfig:
 
     name: str = "adagrad"
     lr: float = 0.05
+    # Adam's moment decays (torch's defaults).
     beta1: float = 0.9
     beta2: float = 0.999
+    # Adagrad's and Adam's denominator term: 1e-8 for both (torch.optim.Adagrad's default is 1e-10).
     eps: float = 1e-8
+    # L2 penalty, added to the gradient before the rule (as torch.optim does).
     weight_decay: float = 0.0
+    # Adagrad's starting sum of squares (torch's initial_accumulator_value).
     initial_accumulator: float = 0.0
 
     def __post_init__(self) -> None:

@@ -1,0 +1,511 @@
+"""Local mode: a client whose tables live in this process, with the shards' rules and no shards.
+
+``LocalClient`` answers the calls a ``PSClient`` makes (``declare``, ``pull``, ``push``,
+``push_pull``, ``clock``, ``wait``, ``checkpoint``) in process, so the same training script runs
+with no cluster (``TETHER_LOCAL=1``, ``--local``): the one-process baseline of a model, and unit
+tests of it. It keeps what makes the result a shard's:
+
+- a row is created on its first pull (or push) with the shards' initial values
+  (``tether.protos.initial.init_rows``: from the table's seed, its name and the id alone);
+- rows and dense parameters are updated with the shards' rules (``tether.protos.optimizers``):
+  the table's own optimizer and its constants, the rule's per-row state (Adagrad's sum starting
+  at ``initial_accumulator``, Adam's moments and a step count per row), weight decay;
+- a step reads what the previous pushes wrote, as a 1-shard 1-worker job does (with prefetching
+  on, the next batch's rows are read before this step's push, as there too).
+
+One worker and no network: ``clock`` answers at once as the only live worker (so ``ssp:S`` never
+waits and ``--staleness-aware`` never damps a step: nothing is staler than one update), ``sync``
+is refused (it needs torchrun ranks), checkpoints are refused like a shard's without a checkpoint
+directory, and nothing goes on a wire (``wire_dtype`` does not round anything). Bounded tables
+(``capacity``) and admission (``min_count``) need shards.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from tether.protos import tether_pb2 as pb
+from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherError, UsageError
+from tether.protos.initial import init_rows
+from tether.protos.optimizers import OptimizerConfig, rule
+from tether.protos.specs import TableConfig
+from tether.worker.client import PSClient
+from tether.worker.config import ClientConfig, TrainingConfig
+from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
+from tether.worker.results import CheckpointResult, ClockReply, Handle, PullResult, PushAck
+
+__all__ = ["LocalClient", "LocalClientConfig", "LocalTable"]
+
+T = TypeVar("T")
+
+# Rows of an empty table (grows by half as needed).
+_INITIAL_ROWS = 1024
+_GROWTH = 1.5
+# The last updates of a table whose rows are remembered, to count a push's staleness as a shard does.
+_LOG_UPDATES = 16
+
+
+@dataclass(frozen=True)
+class LocalClientConfig(ClientConfig):
+    """A ``LocalClient``'s config: no shard addresses (nothing is dialled); the deadlines bound
+    waits on handles as a ``PSClient``'s do."""
+
+    def __post_init__(self) -> None:
+        if self.addresses:
+            raise ValueError(f"a local client has no shards, got addresses {self.addresses!r}")
+        if not self.worker_id:
+            raise ValueError("worker_id must not be empty")
+        if not self.timeout_s > 0 or not 0 < self.call_deadline_s < float("inf"):
+            raise ValueError(f"timeout_s and call_deadline_s must be > 0, got {self.timeout_s!r}, {self.call_deadline_s!r}")
+
+
+class _Resolved:
+    """A call that is already answered (or failed): a ``Pending`` for ``Handle``."""
+
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self._value = value
+        self._error = error
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _answered(value: T) -> Handle[T]:
+    return Handle([_Resolved(value)], lambda answers: answers[0])
+
+
+def _failed(error: BaseException) -> Handle[Any]:
+    """What a shard's refusal looks like to a caller: raised by ``result``, not by the call."""
+    return Handle([_Resolved(error=error)], lambda answers: answers[0])
+
+
+class _Index:
+    """Id -> slot: a sorted array of ids and their slots, plus a small sorted one of recent
+    inserts merged into it once it outgrows a sixteenth of it (lookups are two vectorised binary
+    searches; an insert moves the small array, and the large one only at a merge)."""
+
+    def __init__(self) -> None:
+        self._keys = np.empty(0, np.int64)
+        self._slots = np.empty(0, np.int64)
+        self._new_keys = np.empty(0, np.int64)
+        self._new_slots = np.empty(0, np.int64)
+
+    @staticmethod
+    def _find(keys: np.ndarray, slots: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+        if not len(keys):
+            return
+        pos = np.searchsorted(keys, ids).clip(max=len(keys) - 1)
+        hit = keys[pos] == ids
+        out[hit] = slots[pos[hit]]
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """Slot of each id, -1 where absent."""
+        out = np.full(len(ids), -1, np.int64)
+        self._find(self._keys, self._slots, ids, out)
+        self._find(self._new_keys, self._new_slots, ids, out)
+        return out
+
+    @staticmethod
+    def _merge(keys: np.ndarray, slots: np.ndarray, ids: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        at = np.searchsorted(keys, ids)
+        return np.insert(keys, at, ids), np.insert(slots, at, new)
+
+    def insert(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Add absent ids (sorted, unique) with their slots."""
+        self._new_keys, self._new_slots = self._merge(self._new_keys, self._new_slots, ids, slots)
+        if len(self._new_keys) > max(4096, len(self._keys) >> 4):
+            self._keys, self._slots = self._merge(self._keys, self._slots, self._new_keys, self._new_slots)
+            self._new_keys, self._new_slots = self._new_keys[:0], self._new_slots[:0]
+
+
+class LocalTable:
+    """One embedding table in this process: rows keyed by int64 id, created on first touch with
+    the shards' initial values and updated with the table's rule, as a shard's table is."""
+
+    def __init__(self, config: TableConfig) -> None:
+        if config.capacity or config.min_count > 1:
+            raise UsageError(
+                f"table {config.name!r}: local mode keeps every row, so capacity={config.capacity} and "
+                f"min_count={config.min_count} need shards; leave them at 0 and 1 to train in this process"
+            )
+        self.config = config
+        self.dim = config.dim
+        self.version = 0
+        self._rule = rule(config.optimizer.name)
+        self._state_shapes = self._rule.state_shapes(config.dim)
+        self._initial_state = self._rule.initial_state(config.optimizer)
+        self._index = _Index()
+        self._used = 0
+        self._weights = torch.empty(_INITIAL_ROWS, config.dim)
+        self._state = {k: torch.zeros(_INITIAL_ROWS, *s) for k, s in self._state_shapes.items()}
+        # Per-row staleness as a shard counts it: the version of each row's last update, and
+        # the rows of the last updates.
+        self._row_version = np.zeros(_INITIAL_ROWS, np.int64)
+        self._log: deque[tuple[int, np.ndarray]] = deque(maxlen=_LOG_UPDATES)
+
+    @property
+    def rows(self) -> int:
+        """Number of rows created so far."""
+        return self._used
+
+    def _grow(self, need: int) -> None:
+        cap = self._weights.shape[0]
+        if need <= cap:
+            return
+        cap = max(need, int(cap * _GROWTH) + 1)
+        n = self._used
+        weights = torch.empty(cap, self.dim)
+        weights[:n] = self._weights[:n]
+        self._weights = weights
+        for k, s in self._state_shapes.items():
+            t = torch.zeros(cap, *s)
+            t[:n] = self._state[k][:n]
+            self._state[k] = t
+        row_version = np.zeros(cap, np.int64)
+        row_version[:n] = self._row_version[:n]
+        self._row_version = row_version
+
+    def slots(self, ids: np.ndarray) -> np.ndarray:
+        """Row slot of each id (repeats allowed), creating the missing rows."""
+        slots = self._index.lookup(ids)
+        missing = slots < 0
+        if missing.any():
+            fresh, where = np.unique(ids[missing], return_inverse=True)
+            start, k = self._used, len(fresh)
+            self._grow(start + k)
+            cfg = self.config
+            init_rows(fresh, self.dim, cfg.seed, cfg.name, cfg.init_scale, out=self._weights.numpy()[start:start + k])
+            for name, t in self._state.items():
+                t[start:start + k] = self._initial_state.get(name, 0.0)
+            new = np.arange(start, start + k, dtype=np.int64)
+            self._index.insert(fresh, new)
+            self._used += k
+            slots[missing] = new[where.reshape(-1)]
+        return slots
+
+    def pull(self, ids: np.ndarray) -> torch.Tensor:
+        """The rows of ``ids`` (a copy)."""
+        return self._weights.index_select(0, torch.from_numpy(self.slots(ids)))
+
+    def staleness(self, ids: np.ndarray, read_version: int) -> int:
+        """The most updates any row of ``ids`` received since a read at ``read_version``."""
+        if self.version <= read_version:
+            return 0
+        slots = self._index.lookup(ids)
+        slots = slots[slots >= 0]
+        newer = slots[self._row_version[slots] > read_version]
+        if not len(newer):
+            return 0
+        since = [updated for version, updated in self._log if version > read_version]
+        if len(since) < self.version - read_version:  # the log does not reach back that far
+            return self.version - read_version
+        hits = np.zeros(len(newer), np.int64)
+        for updated in since:
+            hits += np.isin(newer, updated)
+        return int(hits.max())
+
+    def push(self, ids: np.ndarray, grads: torch.Tensor) -> int:
+        """Apply one gradient per id (unique ids) with the table's rule; returns the new version."""
+        slots = self.slots(ids)
+        index = torch.from_numpy(slots)
+        w = self._weights.index_select(0, index)
+        state = {k: t.index_select(0, index) for k, t in self._state.items()}
+        self._rule.apply(self.config.optimizer, w, grads, state)
+        self._weights.index_copy_(0, index, w)
+        for k, t in self._state.items():
+            t.index_copy_(0, index, state[k])
+        self.version += 1
+        self._row_version[slots] = self.version
+        self._log.append((self.version, slots))
+        return self.version
+
+
+class _Dense:
+    """One dense parameter in this process: its flat value, the rule's state and a version."""
+
+    def __init__(self, init: torch.Tensor, optimizer: OptimizerConfig) -> None:
+        self.shape = tuple(init.shape)
+        self.optimizer = optimizer
+        self.value = init.detach().reshape(-1).to("cpu", torch.float32).clone()
+        r = rule(optimizer.name)
+        initial = r.initial_state(optimizer)
+        self.state = {k: torch.full(s, initial.get(k, 0.0)) for k, s in r.state_shapes(self.value.numel()).items()}
+        self.version = 0
+
+    def push(self, grad: torch.Tensor) -> None:
+        rule(self.optimizer.name).apply(self.optimizer, self.value, grad, self.state)
+        self.version += 1
+
+
+def _ids(table: str, ids: torch.Tensor) -> np.ndarray:
+    if ids.dtype != torch.int64 or ids.dim() != 1:
+        raise InvalidArgument(f"table {table!r}: ids must be a 1-D int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    return np.ascontiguousarray(ids.detach().cpu().numpy())
+
+
+class LocalClient(PSClient):
+    """A ``PSClient`` with no shards: every call is answered in this process, against
+    in-process tables and dense parameters (see the module's docstring). Its handles are
+    answered when the call returns; a refusal a shard would send (duplicate ids in a push, a
+    gradient with NaN) is raised by the handle's ``result``, as a shard's is.
+
+    Args:
+        worker_id: the name it answers clocks for.
+        metrics: kept for the trainer; no call is recorded (none leaves the process).
+        timeout_s, call_deadline_s: what ``config`` says (callers size their waits with them).
+    """
+
+    def __init__(
+        self, worker_id: str = "local", metrics: WorkerRecorder | None = None, *, timeout_s: float = 30.0, call_deadline_s: float = 60.0
+    ) -> None:
+        self.metrics = metrics if metrics is not None else NullWorkerMetrics()
+        self.num_shards = 0
+        self.incarnation = 1
+        self.channels = []
+        self._config = LocalClientConfig(addresses=(), worker_id=worker_id, timeout_s=timeout_s, call_deadline_s=call_deadline_s)
+        self.tables: dict[str, LocalTable] = {}
+        self.dense: dict[str, _Dense] = {}
+        self._clock = 0
+        self._live = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_training(cls, config: TrainingConfig, metrics: WorkerRecorder | None = None) -> LocalClient:
+        """The client of a ``Trainer`` in local mode (``config.local``).
+
+        Raises:
+            UsageError: a mode or worker count that needs other processes.
+        """
+        kind, _ = config.consistency
+        if kind == "sync":
+            raise UsageError(
+                "local mode (TETHER_LOCAL, --local) trains one worker in this process: mode 'sync' needs torchrun ranks "
+                "and shards; use mode async or ssp:S, or give shards"
+            )
+        if config.num_workers != 1:
+            raise UsageError(f"local mode (TETHER_LOCAL, --local) trains one worker in this process, got num_workers={config.num_workers}")
+        return cls(config.worker_id or f"worker-{config.worker_index}", metrics, timeout_s=config.timeout_s,
+                   call_deadline_s=config.call_deadline_s)
+
+    @property
+    def config(self) -> ClientConfig:
+        """The deadlines callers size their waits with (no addresses)."""
+        return self._config
+
+    @config.setter
+    def config(self, config: ClientConfig) -> None:
+        self._config = config
+
+    def close(self) -> None:
+        """Nothing to close: no channel, connection or thread."""
+
+    def transports(self) -> list[str]:
+        """No shard is reached, so none: ``[]``."""
+        return []
+
+    def declare(
+        self,
+        tables: Sequence[TableConfig] = (),
+        dense: Mapping[str, torch.Tensor] | None = None,
+        dense_optimizer: OptimizerConfig | None = None,
+    ) -> None:
+        """Create tables and dense parameters; re-declaring the same spec is a no-op, and the
+        first declaration of a dense parameter sets its value.
+
+        Raises:
+            FailedPrecondition: a table or dense parameter exists with another spec.
+            InvalidArgument: a dense initial value that is empty or not finite.
+            UsageError: a table with ``capacity`` or ``min_count`` (they need shards).
+        """
+        opt = dense_optimizer or OptimizerConfig()
+        dense = dense or {}
+        with self._lock:
+            for t in tables:
+                have = self.tables.get(t.name)
+                if have is not None and have.config != t:
+                    raise FailedPrecondition(f"table {t.name!r} exists with another spec: {have.config} != {t}")
+            for name, init in dense.items():
+                if init.numel() == 0 or not init.is_floating_point() or not bool(torch.isfinite(init).all()):
+                    raise InvalidArgument(f"dense {name!r}: the initial value must be a non-empty finite float tensor")
+                d = self.dense.get(name)
+                if d is not None and (d.shape != tuple(init.shape) or d.optimizer != opt):
+                    raise FailedPrecondition(f"dense {name!r} exists with another shape or optimizer")
+            new = {t.name: LocalTable(t) for t in tables if t.name not in self.tables}
+            self.tables.update(new)
+            for name, init in dense.items():
+                self.dense.setdefault(name, _Dense(init, opt))
+
+    def _table(self, name: str) -> LocalTable:
+        try:
+            return self.tables[name]
+        except KeyError:
+            raise InvalidArgument(f"table {name!r} was not declared by this client") from None
+
+    def _dense(self, name: str) -> _Dense:
+        try:
+            return self.dense[name]
+        except KeyError:
+            raise InvalidArgument(f"dense parameter {name!r} was not declared by this client") from None
+
+    def _read(self, sparse: Mapping[str, torch.Tensor], dense: Sequence[str]) -> PullResult:
+        checked = [(self._table(t), _ids(t, ids)) for t, ids in sparse.items()]
+        params = [(name, self._dense(name)) for name in dense]
+        rows = {table.config.name: table.pull(ids) for table, ids in checked}
+        values = {name: d.value.clone().view(d.shape) for name, d in params}
+        return PullResult(
+            rows, values, {(0, t.config.name): t.version for t, _ in checked}, {(name, 0): d.version for name, d in params}
+        )
+
+    def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = ()) -> Handle[PullResult]:
+        """Rows of ``sparse`` (table -> int64 ids; missing rows are created) and dense values.
+
+        Raises:
+            InvalidArgument: undeclared table or tensor, or ids that are not 1-D int64.
+        """
+        with self._lock:
+            return _answered(self._read(sparse or {}, dense))
+
+    def _check_push(
+        self, sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]], dense: Mapping[str, torch.Tensor]
+    ) -> tuple[list[tuple[LocalTable, np.ndarray, torch.Tensor]], list[tuple[str, _Dense, torch.Tensor]]]:
+        """What the client checks before sending a push (raised at once)."""
+        rows = []
+        for name, (ids, grads) in sparse.items():
+            table, arr = self._table(name), _ids(name, ids)
+            if tuple(grads.shape) != (arr.size, table.dim):
+                raise InvalidArgument(f"table {name!r}: gradient shape {tuple(grads.shape)} != ({arr.size}, {table.dim})")
+            rows.append((table, arr, grads.detach().to("cpu", torch.float32)))
+        params = []
+        for name, grad in dense.items():
+            d = self._dense(name)
+            if tuple(grad.shape) != d.shape:
+                raise InvalidArgument(f"dense {name!r}: gradient shape {tuple(grad.shape)} != {d.shape}")
+            params.append((name, d, grad.detach().reshape(-1).to("cpu", torch.float32)))
+        return rows, params
+
+    @staticmethod
+    def _refusal(
+        rows: list[tuple[LocalTable, np.ndarray, torch.Tensor]], params: list[tuple[str, _Dense, torch.Tensor]]
+    ) -> TetherError | None:
+        """What a shard refuses a push for (nothing of it is then applied)."""
+        for table, ids, grads in rows:
+            name = table.config.name
+            if len(ids) > 1 and bool((np.diff(np.sort(ids)) == 0).any()):
+                return InvalidArgument(f"table {name!r}: ids in one push must be unique")
+            if not bool(torch.isfinite(grads).all()):
+                return InvalidArgument(f"table {name!r}: gradients contain NaN or Inf")
+        for name, _, grad in params:
+            if not bool(torch.isfinite(grad).all()):
+                return InvalidArgument(f"dense {name!r}: gradient contains NaN or Inf")
+        return None
+
+    def _apply(
+        self,
+        rows: list[tuple[LocalTable, np.ndarray, torch.Tensor]],
+        params: list[tuple[str, _Dense, torch.Tensor]],
+        clock: int,
+        versions: PullResult | None,
+    ) -> PushAck:
+        staleness = 0
+        for table, ids, grads in rows:
+            read = versions.table_versions.get((0, table.config.name), 0) if versions else 0
+            staleness = max(staleness, table.staleness(ids, read))
+        for name, d, _ in params:
+            read = versions.dense_versions.get((name, 0), 0) if versions else 0
+            staleness = max(staleness, d.version - read)
+        for table, ids, grads in rows:
+            if len(ids):
+                table.push(ids, grads)
+        for _, d, grad in params:
+            d.push(grad)
+        if clock:
+            self._clock, self._live = max(self._clock, clock), True
+        # The only worker is never behind itself.
+        return PushAck(staleness=staleness, clock_staleness=0, duplicates=0)
+
+    def push(
+        self,
+        sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        dense: Mapping[str, torch.Tensor] | None = None,
+        clock: int = 0,
+        versions: PullResult | None = None,
+    ) -> Handle[PushAck]:
+        """Apply row gradients (table -> (unique ids, grads)) and dense gradients, each with its
+        rule; ``versions``: the pull they were computed from (for the ack's staleness).
+
+        Raises:
+            InvalidArgument: undeclared table or tensor, or a gradient of the wrong shape (at
+                once); ids repeated in a table, or a gradient with NaN or Inf (from the handle,
+                nothing applied).
+        """
+        with self._lock:
+            rows, params = self._check_push(sparse or {}, dense or {})
+            refusal = self._refusal(rows, params)
+            if refusal is not None:
+                return _failed(refusal)
+            return _answered(self._apply(rows, params, clock, versions))
+
+    def push_pull(
+        self,
+        push_sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        push_dense: Mapping[str, torch.Tensor] | None = None,
+        pull_sparse: Mapping[str, torch.Tensor] | None = None,
+        pull_dense: Sequence[str] = (),
+        clock: int = 0,
+        versions: PullResult | None = None,
+    ) -> Handle[PullResult]:
+        """Push, then pull what the push left (a shard applies the push before it reads).
+
+        Returns:
+            A handle whose result is a ``PullResult`` whose ``ack`` is the push's.
+        """
+        with self._lock:
+            rows, params = self._check_push(push_sparse or {}, push_dense or {})
+            for t, ids in (pull_sparse or {}).items():
+                self._table(t)
+                _ids(t, ids)
+            for name in pull_dense:
+                self._dense(name)
+            refusal = self._refusal(rows, params)
+            if refusal is not None:
+                return _failed(refusal)
+            ack = self._apply(rows, params, clock, versions)
+            result = self._read(pull_sparse or {}, pull_dense)
+            result.ack = ack
+            return _answered(result)
+
+    def clock(self, clock: int, wait_bound: int = -1, timeout_s: float = 60.0, leave: bool = False) -> ClockReply:
+        """Record this worker's clock and answer at once: it is the only worker, so every
+        bound holds (``leave``: no live worker is left)."""
+        with self._lock:
+            self._clock = max(self._clock, clock)
+            self._live = not leave
+            live = int(self._live)
+            return ClockReply(min_clock=self._clock if live else 0, max_clock=self._clock if live else 0, live_workers=live,
+                              ready=True, min_other_clock=0)
+
+    def checkpoint(self, ckpt_id: str, timeout_s: float = 600.0) -> list[CheckpointResult]:
+        """Refused: no shard writes checkpoints in local mode.
+
+        Raises:
+            FailedPrecondition: always, as from a shard without a checkpoint directory.
+        """
+        raise FailedPrecondition(
+            f"checkpoint {ckpt_id!r}: local mode has no shards and no checkpoint directory (the tables live in this process)"
+        )
+
+    def info(self) -> list[pb.InfoResponse]:
+        """Every shard's ``Info``: there is none, so ``[]``."""
+        return []
