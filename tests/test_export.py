@@ -95,6 +95,10 @@ def test_row_lookup_bag_matches_torch_embedding_bag_and_reads_unknown_ids_as_zer
     assert torch.allclose(bag(query, offsets, weights), ref(local, offsets, per_sample_weights=weights))
     assert torch.allclose(bag(query), rows[local])
     assert torch.equal(bag(torch.tensor([999])), torch.zeros(1, 5))
+    # Narrower integer ids are widened (as ShardedEmbeddingBag does); float ids are refused.
+    assert torch.equal(bag(torch.tensor([7, 3], dtype=torch.int32)), rows[[3, 1]])
+    with pytest.raises(ValueError, match="ids must be integers, got torch.float32"):
+        bag(torch.tensor([7.0]))
 
 
 def test_export_without_a_complete_checkpoint_is_one_clear_line(tmp_path: Path) -> None:

@@ -61,8 +61,8 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 class RowLookupBag(nn.Module):
-    """An embedding bag over an exported table: int64 ids of any value, looked up among the
-    table's ids; an id the table never held reads as a row of zeros.
+    """An embedding bag over an exported table: int64 ids of any value (narrower integer ids are
+    widened), looked up among the table's ids; an id the table never held reads as a row of zeros.
 
     ``forward(ids)`` takes what ``ShardedEmbeddingBag`` takes ([B] or [B, L] ids, reduced with
     ``mode``); ``forward(ids, offsets, per_sample_weights)`` follows ``torch.nn.EmbeddingBag``
@@ -107,7 +107,11 @@ class RowLookupBag(nn.Module):
         self, ids: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None
     ) -> torch.Tensor:
         if ids.dtype != torch.int64:
-            raise ValueError(f"ids must be int64, got {ids.dtype}")
+            # Integer ids of any width are widened, as ShardedEmbeddingBag does; a float or
+            # bool tensor is a mistake, not ids.
+            if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+                raise ValueError(f"ids must be integers, got {ids.dtype}")
+            ids = ids.to(torch.int64)
         if offsets is not None and ids.dim() != 1:
             raise ValueError(f"ids with offsets must be 1-D, got shape {tuple(ids.shape)}")
         if ids.dim() not in (1, 2):
