@@ -106,7 +106,7 @@ def _umask() -> int:
     return mask
 
 
-def _write(final: Path, write: Callable[[Path], None]) -> None:
+def _write(final: Path, write: Callable[[Path], object]) -> None:
     """``write`` a file beside ``final``, give it the mode a new file gets under the umask, and
     move it into place in one step (a reader sees the old file or the new one, whole)."""
     tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")

@@ -28,14 +28,14 @@ class OnCuda(torch.Tensor):
     """CPU data that stands for a tensor on ``cuda:0`` (see ``FakeCuda``)."""
 
     # The mode does all the work; the class only marks the tensor and reports its device.
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
-    @property  # type: ignore[override]
-    def device(self) -> torch.device:
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
         return CUDA
 
-    @property  # type: ignore[override]
-    def is_cuda(self) -> bool:
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
         return True
 
 
