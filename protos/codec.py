@@ -24,6 +24,8 @@ __all__ = [
     "decode_tensor",
     "encode_ids",
     "encode_tensor",
+    "int64_ids",
+    "is_id_dtype",
     "quiet_readonly_warning",
     "torch_dtype",
     "wire_dtype",
@@ -165,6 +167,35 @@ def _out_of_band(msg: pb.Tensor, payload: memoryview | None, itemsize: int) -> m
     if start % itemsize:
         raise CodecError(f"tensor payload offset {start} is not a multiple of its element size {itemsize}")
     return payload[start : start + n]
+
+
+# Tensors that may carry ids: every integer dtype this torch has (bool is not an integer here).
+_ID_DTYPES = frozenset(
+    d for d in (getattr(torch, n, None) for n in ("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64"))
+    if isinstance(d, torch.dtype)
+)
+
+
+def is_id_dtype(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` may carry ids: integers of any width, not bool or floats."""
+    return dtype in _ID_DTYPES
+
+
+def int64_ids(ids: torch.Tensor, table: str, error: type[Exception] = InvalidArgument) -> torch.Tensor:
+    """``ids`` as int64: integer ids of any width are widened (``ids`` itself when int64).
+
+    uint64 ids keep their 64 bits (read as int64), so distinct ids stay distinct.
+
+    Raises:
+        error: float, bool or complex ids (one line naming the table and the dtype).
+    """
+    if ids.dtype == torch.int64:
+        return ids
+    if ids.dtype not in _ID_DTYPES:
+        raise error(f"table {table!r}: ids must be integers, got a {ids.dtype} tensor")
+    if ids.dtype == getattr(torch, "uint64", None):
+        return ids.view(torch.int64)
+    return ids.to(torch.int64)
 
 
 def encode_ids(ids: torch.Tensor | np.ndarray) -> bytes:

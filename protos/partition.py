@@ -35,6 +35,8 @@ def shard_of_ids(ids: np.ndarray, num_shards: int) -> np.ndarray:
     """Shard index (int64) of each id: ``mix64(id) % num_shards``.
 
     Hashing first spreads ids that share low bits (for example hashed features of one field).
+    An id is hashed as its 64 bits, so every int64 (negative ones too) has an owner in
+    ``[0, num_shards)``.
 
     Raises:
         ValueError: if ``num_shards`` < 1.

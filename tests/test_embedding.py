@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tether.protos.errors import InvalidArgument
+from tether.protos.errors import InvalidArgument, UsageError
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.embedding import PSModel, ShardedEmbeddingBag
 
@@ -48,8 +48,10 @@ def test_unbound_ids_are_fetched_for_inference(inproc_shard) -> None:
     client.declare([TableConfig("e", 2, SGD, init_scale=0.0)], ps.dense_tensors(), SGD)
     with torch.no_grad():
         assert model(torch.tensor([1, 2, 3])).item() == 0.0
-    with pytest.raises(InvalidArgument, match="ids must be int64"):
+    with pytest.raises(UsageError, match=r"^table 'e': ids must be integers, got a torch.float32 tensor$"):
         model.bag(torch.tensor([1.0]))
+    with pytest.raises(UsageError, match=r"^table 'e': ids must be integers, got a torch.bool tensor$"):
+        model.bag(torch.tensor([True]))
     client.close()
 
 
@@ -186,3 +188,129 @@ def test_features_sharing_a_table_are_all_bound_and_their_gradients_add_up(inpro
     assert grads.tolist() == [[1.0, 1.0], [5.0, 5.0]]
     assert pulled.rows["items"].shape == (2, 2)
     client.close()
+
+
+class TwoTables(torch.nn.Module):
+    """Two tables, each looked up by every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.user = ShardedEmbeddingBag("users", 2)
+        self.item = ShardedEmbeddingBag("items", 2)
+
+    def forward(self, user: torch.Tensor, item: torch.Tensor) -> torch.Tensor:
+        return (self.user(user) * self.item(item)).sum()
+
+
+def _two_tables(port: int) -> tuple[TwoTables, PSModel]:
+    client = make_client([f"127.0.0.1:{port}"])
+    model = TwoTables()
+    ps = PSModel(model, client, torch.device("cpu"))
+    client.declare([TableConfig(t, 2, SGD, init_scale=0.5) for t in ("users", "items")])
+    return model, ps
+
+
+NOT_NAMED = r"^table 'items' was looked up by the forward pass but sparse\(batch\) did not name it: add 'items': <its ids> to sparse$"
+
+
+def test_a_training_forward_of_a_table_sparse_did_not_name_stops_with_one_line(inproc_shard) -> None:
+    model, ps = _two_tables(inproc_shard.port)
+    user, item = torch.tensor([1, 2]), torch.tensor([7, 8])
+    # The first step: nothing was ever bound to "items".
+    ps.install(ps.prefetch({"users": user}))
+    with pytest.raises(UsageError, match=NOT_NAMED):
+        model(user, item)
+    # A step that named both, then one that names only "users": the stale "items" rows of the
+    # step before are not looked up.
+    ps.install(ps.prefetch({"users": user, "items": item}))
+    model(user, item).backward()
+    ps._clear()
+    ps.install(ps.prefetch({"users": user}))
+    with pytest.raises(UsageError, match=NOT_NAMED):
+        model(user, item)
+    ps.client.close()
+
+
+def test_outside_a_training_step_tables_not_named_are_pulled_on_demand(inproc_shard) -> None:
+    model, ps = _two_tables(inproc_shard.port)
+    user, item = torch.tensor([1, 2]), torch.tensor([7, 8])
+    full = ps.install(ps.prefetch({"users": user, "items": item}), train=False)
+    with torch.no_grad():
+        expected = model(user, item)
+    # Evaluation (train=False) pulls what sparse did not name.
+    ps.install(ps.prefetch({"users": user}), train=False)
+    assert torch.allclose(model(user, item), expected)
+    # In a training step, a forward without autograd (nothing to push) may pull on demand too,
+    # and leaves the step's rows bound.
+    ps.install(ps.prefetch({"users": user}))
+    with torch.no_grad():
+        assert torch.allclose(model(user, item), expected)
+    with pytest.raises(UsageError, match=NOT_NAMED):
+        model(user, item)
+    assert full.rows["items"].shape == (2, 2)
+    ps.client.close()
+
+
+def test_ids_of_a_named_table_that_sparse_left_out_stop_a_training_step(inproc_shard) -> None:
+    model, ps = _two_tables(inproc_shard.port)
+    ps.install(ps.prefetch({"users": torch.tensor([1, 2]), "items": torch.tensor([7])}))
+    with pytest.raises(UsageError, match=r"^table 'items': the forward pass looked up 1 id\(s\) that sparse\(batch\) did not name \(id 8 for one\)"):
+        model(torch.tensor([1, 2]), torch.tensor([7, 8]))
+    ps.client.close()
+
+
+def test_a_table_named_in_sparse_but_not_looked_up_is_fine(inproc_shard) -> None:
+    client = make_client([f"127.0.0.1:{inproc_shard.port}"])
+    model = Tiny()
+    ps = PSModel(model, client, torch.device("cpu"))
+
+    class Other(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.unused = ShardedEmbeddingBag("unused", 2)
+
+    holder = torch.nn.ModuleDict({"tiny": model, "other": Other()})
+    ps = PSModel(holder, client, torch.device("cpu"))
+    client.declare([TableConfig(t, 2, SGD, init_scale=0.0) for t in ("e", "unused")], ps.dense_tensors(), SGD)
+    ids = torch.tensor([5, 7])
+    pulled = ps.install(ps.prefetch({"e": ids, "unused": torch.tensor([3])}))
+    model(ids).backward()
+    ps.push(clock=1, versions=pulled).result(10)
+    rows = client.pull({"e": ids, "unused": torch.tensor([3])}).result(10).rows
+    assert rows["e"].tolist() == [[-1.0, -1.0], [-1.0, -1.0]] and rows["unused"].tolist() == [[0.0, 0.0]]
+    client.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8, torch.int8])
+def test_narrow_integer_ids_are_the_same_ids_as_int64(inproc_shard, dtype: torch.dtype) -> None:
+    client = make_client([f"127.0.0.1:{inproc_shard.port}"])
+    model = Tiny()
+    ps = PSModel(model, client, torch.device("cpu"))
+    client.declare([TableConfig("e", 2, SGD, init_scale=0.0)], ps.dense_tensors(), SGD)
+    ids = torch.tensor([[5, 7], [5, 9]])
+    pulled = ps.install(ps.prefetch({"e": ids.to(dtype)}))
+    assert ps._groups[0][1][0][1].dtype == torch.int64
+    model(ids.to(dtype)).backward()
+    sparse, _ = ps.gradients()
+    assert sparse["e"][0].tolist() == [5, 7, 9] and sparse["e"][0].dtype == torch.int64
+    assert sparse["e"][1].tolist() == [[2.0, 2.0], [1.0, 1.0], [1.0, 1.0]]
+    ps.push(clock=1, versions=pulled).result(10)
+    # The client widens too: int32 ids pull the rows int64 ids name.
+    assert torch.equal(client.pull({"e": torch.tensor([5, 7, 9], dtype=dtype)}).result(10).rows["e"],
+                       client.pull({"e": torch.tensor([5, 7, 9])}).result(10).rows["e"])
+    with pytest.raises(UsageError, match=r"^table 'e': ids must be integers, got a torch.float64 tensor$"):
+        ps.prefetch({"e": ids.to(torch.float64)})
+    with pytest.raises(InvalidArgument, match=r"table 'e': ids must be integers, got a torch.bool tensor"):
+        client.pull({"e": torch.tensor([True])})
+    client.close()
+
+
+def test_negative_ids_and_padding_in_a_bag() -> None:
+    pad = -1
+    bag = ShardedEmbeddingBag("e", 2, mode="sum", padding_id=pad)
+    ids = torch.tensor([-(2**63), -5, 2**63 - 1])
+    bag.bind(ids, torch.tensor([[1.0, 1.0], [2.0, 2.0], [4.0, 4.0]]))
+    out = bag(torch.tensor([[-(2**63), -1, 2**63 - 1], [-5, -1, -1], [-1, -1, -1]]))
+    assert out.tolist() == [[5.0, 5.0], [2.0, 2.0], [0.0, 0.0]]
+    with pytest.raises(ValueError, match=r"padding_id must be None or an int64 id, got 9223372036854775808"):
+        ShardedEmbeddingBag("e", 2, padding_id=2**63)

@@ -47,3 +47,22 @@ def test_bad_arguments() -> None:
         shard_of_ids(np.array([1]), 0)
     with pytest.raises(ValueError, match="chunk index must be >= 0, got -1"):
         dense_shard("w", -1, 2)
+
+
+def test_every_int64_has_an_owner_negative_ids_included() -> None:
+    # Signed 64-bit hashes of strings are half negative: each is hashed as its 64 bits.
+    edges = np.array([-(2**63), -(2**63) + 1, -2, -1, 0, 1, 2**63 - 2, 2**63 - 1], dtype=np.int64)
+    hashes = np.random.default_rng(5).integers(-(2**63), 2**63 - 1, 4000, dtype=np.int64, endpoint=True)
+    ids = np.concatenate([edges, hashes])
+    for n in (1, 2, 3, 4, 7, 8, 33):
+        owner = shard_of_ids(ids, n)
+        assert owner.dtype == np.int64 and owner.min() >= 0 and owner.max() < n, n
+        assert np.array_equal(owner, (mix64(ids.view(np.uint64)) % np.uint64(n)).astype(np.int64)), n
+        out = np.zeros_like(ids)
+        for s, (pos, part) in enumerate(split_ids(ids, n)):
+            assert (shard_of_ids(part, n) == s).all()
+            out[pos] = part
+        assert np.array_equal(out, ids)
+    # Negative and non-negative ids spread alike.
+    counts = np.bincount(shard_of_ids(hashes[hashes < 0], 4), minlength=4)
+    assert counts.min() > 0.8 * (hashes < 0).sum() / 4

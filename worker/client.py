@@ -122,13 +122,14 @@ class PSClient:
         self.router.declared(tables, layouts)
 
     def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = ()) -> Handle[PullResult]:
-        """Start pulling rows of ``sparse`` (table -> unique int64 ids) and dense tensors.
+        """Start pulling rows of ``sparse`` (table -> unique ids, any int64 value; narrower integer
+        tensors are widened) and dense tensors.
 
         Returns:
             A handle whose result is a ``PullResult``.
 
         Raises:
-            InvalidArgument: undeclared table or tensor, or ids that are not 1-D int64.
+            InvalidArgument: undeclared table or tensor, or ids that are not a 1-D integer tensor.
         """
         requests, plan = self.router.pull_requests(sparse or {}, dense)
         answer = PullAnswer(self.router, plan)

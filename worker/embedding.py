@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tether.protos.errors import InvalidArgument
+from tether.protos.codec import int64_ids, is_id_dtype
+from tether.protos.errors import InvalidArgument, UsageError
 from tether.worker.client import Handle, PSClient, PullResult, PushAck
 
 __all__ = ["PSModel", "Prefetch", "ShardedEmbeddingBag", "flat_grads", "split_flat", "unique_columns"]
@@ -26,8 +27,9 @@ __all__ = ["PSModel", "Prefetch", "ShardedEmbeddingBag", "flat_grads", "split_fl
 class ShardedEmbeddingBag(nn.Module):
     """Embedding bag over rows of a table held on the shards.
 
-    ``forward`` takes what ``torch.nn.EmbeddingBag`` takes, with the table's own int64 ids
-    (any value >= 0, not row numbers):
+    ``forward`` takes what ``torch.nn.EmbeddingBag`` takes, with the table's own ids (any int64
+    value, negative 64-bit hashes included, not row numbers; int32, uint8 or any other integer
+    tensor is widened to int64, float and bool tensors are refused):
 
     - ids [B]: one id per sample, returns its row [B, dim];
     - ids [B, L]: a bag of L ids per sample, reduced with ``mode``;
@@ -38,6 +40,12 @@ class ShardedEmbeddingBag(nn.Module):
     same ``table``, or one module used on each). Ids equal to ``padding_id`` are ignored: they
     are not pulled, add nothing to a bag and do not count in a mean (a bag of padding only is
     a row of zeros).
+
+    In a training step (``PSModel.install(..., train=True)``) every id a forward looks up must
+    be among the rows bound for the step, the ones whose gradients are pushed: a table or ids
+    that ``sparse(batch)`` did not name stop the step with a ``UsageError`` saying what to add,
+    instead of being pulled on demand and never trained. Outside training steps (evaluation,
+    or any forward without autograd) ids that were not bound are pulled through the fetcher.
     """
 
     def __init__(self, table: str, dim: int, mode: str = "sum", padding_id: int | None = None) -> None:
@@ -46,19 +54,30 @@ class ShardedEmbeddingBag(nn.Module):
             raise ValueError(f"mode must be sum, mean or max, got {mode!r}")
         if not isinstance(dim, int) or dim < 1:
             raise ValueError(f"dim must be an int >= 1, got {dim!r}")
+        if padding_id is not None and (isinstance(padding_id, bool) or not isinstance(padding_id, int) or not -(2**63) <= padding_id < 2**63):
+            raise ValueError(f"padding_id must be None or an int64 id, got {padding_id!r}")
         self.table = table
         self.dim = dim
         self.mode = mode
         self.padding_id = padding_id
         self._ids: torch.Tensor | None = None  # sorted unique ids of the bound rows (on device)
         self._rows: torch.Tensor | None = None
+        # Whether the bound rows are a training step's (their gradients are pushed): then ids
+        # that were not bound are an error, not a pull (its rows would never be trained).
+        self._train_step = False
         self._fetch: Callable[[str, torch.Tensor], torch.Tensor] | None = None
 
-    def bind(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    def bind(self, ids: torch.Tensor, rows: torch.Tensor, train_step: bool = False) -> None:
         """Use ``rows`` (for sorted unique ``ids``) in the next forward passes. ``PSModel``
         passes a slice of one tensor holding every table's rows, so gradients reach that
-        tensor through autograd."""
-        self._ids, self._rows = ids, rows
+        tensor through autograd; ``train_step``: those are the only rows of this training step
+        (see the class docstring)."""
+        self._ids, self._rows, self._train_step = ids, rows, train_step
+
+    def unbind(self, train_step: bool = False) -> None:
+        """Drop the bound rows: this step has none of this table (``train_step``: a training
+        step, in which a lookup is then an error)."""
+        self._ids, self._rows, self._train_step = None, None, train_step
 
     def set_fetcher(self, fetch: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
         """Function ``fetch(table, unique_ids) -> rows`` used for ids that were not bound."""
@@ -69,50 +88,65 @@ class ShardedEmbeddingBag(nn.Module):
         flat = ids.reshape(-1)
         return flat if self.padding_id is None else flat[flat != self.padding_id]
 
-    def _positions(self, flat: torch.Tensor) -> torch.Tensor:
-        """Index of each id among the bound rows; ``len(rows)`` for padding."""
-        pad = None if self.padding_id is None else flat == self.padding_id
-        pos = None
-        if self._ids is not None and self._ids.numel():
-            pos = torch.searchsorted(self._ids, flat).clamp_(max=self._ids.numel() - 1)
-            found = self._ids[pos] == flat
-            if pad is not None:
-                found |= pad
-            if not bool(found.all()):
-                pos = None
-        if pos is None:
-            if self._fetch is None:
-                raise InvalidArgument(f"table {self.table!r}: ids were not pulled and no fetcher is set")
-            unique = torch.unique(flat if pad is None else flat[~pad])
-            self.bind(unique, self._fetch(self.table, unique).to(flat.device))
-            bound_ids, _ = self._bound()
-            pos = torch.searchsorted(bound_ids, flat).clamp_(max=max(bound_ids.numel() - 1, 0))
-        if pad is not None:
-            pos = torch.where(pad, self._bound()[1].shape[0], pos)
-        return pos
+    def _lookup(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pos, rows)``: each id's row is ``rows[pos]``, padding's is ``len(rows)``.
 
-    def _bound(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bound ids and rows (``_positions`` binds them where they were missing).
+        ``rows`` are the bound ones; ids that were not bound are pulled through the fetcher
+        (and bound, outside a training step).
 
         Raises:
-            InvalidArgument: no rows are bound.
+            UsageError: in a training step, a table or ids that ``sparse(batch)`` did not name.
+            InvalidArgument: ids that were not bound and no fetcher.
         """
-        if self._ids is None or self._rows is None:
-            raise InvalidArgument(f"table {self.table!r}: no rows are bound")
-        return self._ids, self._rows
+        pad = None if self.padding_id is None else flat == self.padding_id
+        ids, rows = self._ids, self._rows
+        if ids is not None and rows is not None and ids.numel():
+            pos = torch.searchsorted(ids, flat).clamp_(max=ids.numel() - 1)
+            found = ids[pos] == flat
+            if pad is not None:
+                found |= pad
+            if bool(found.all()):
+                return (pos if pad is None else torch.where(pad, rows.shape[0], pos)), rows
+            missing = flat[~found]
+        else:
+            missing = flat if pad is None else flat[~pad]
+            if rows is not None and not missing.numel():
+                # Padding only (or no id at all) and this step's (empty) rows: no row is needed.
+                return torch.full_like(flat, rows.shape[0]), rows
+        if self._train_step and torch.is_grad_enabled():
+            self._not_named(missing)
+        if self._fetch is None:
+            raise InvalidArgument(f"table {self.table!r}: ids were not pulled and no fetcher is set")
+        unique = torch.unique(flat if pad is None else flat[~pad])
+        fetched = self._fetch(self.table, unique).to(flat.device)
+        if not self._train_step:
+            # Kept for the next forward passes (evaluation looks the same ids up again); a
+            # training step's rows stay bound.
+            self.bind(unique, fetched)
+        pos = torch.searchsorted(unique, flat).clamp_(max=max(unique.numel() - 1, 0))
+        return (pos if pad is None else torch.where(pad, fetched.shape[0], pos)), fetched
+
+    def _not_named(self, missing: torch.Tensor) -> None:
+        """Stop a training step whose forward looks up rows that were not pulled for it."""
+        t = self.table
+        if self._ids is None:
+            raise UsageError(f"table {t!r} was looked up by the forward pass but sparse(batch) did not name it: add {t!r}: <its ids> to sparse")
+        raise UsageError(
+            f"table {t!r}: the forward pass looked up {int(torch.unique(missing).numel())} id(s) that sparse(batch) did not name "
+            f"(id {int(missing[0])} for one): give sparse every id of {t!r} the forward looks up (a list of tensors for several features)"
+        )
 
     def forward(
         self, ids: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if ids.dtype != torch.int64:
-            raise InvalidArgument(f"table {self.table!r}: ids must be int64, got {ids.dtype}")
+        ids = int64_ids(ids, self.table, UsageError)
         if offsets is not None and ids.dim() != 1:
             raise InvalidArgument(f"table {self.table!r}: ids with offsets must be 1-D, got shape {tuple(ids.shape)}")
         if ids.dim() not in (1, 2):
             raise InvalidArgument(f"table {self.table!r}: ids must be [B], [B, L] or [N] with offsets, got shape {tuple(ids.shape)}")
         flat = ids.reshape(-1).contiguous()
-        pos = self._positions(flat)
-        rows = bound = self._bound()[1]
+        pos, rows = self._lookup(flat)
+        bound = rows
         if self.padding_id is not None:
             rows = torch.cat([rows, rows.new_zeros(1, self.dim)])
         if ids.dim() == 1 and offsets is None:
@@ -232,12 +266,21 @@ class PSModel:
     def _unique(
         self, sparse: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
-        """Sorted unique ids per table (padding left out); several tensors for one table (its
-        features) are joined."""
+        """Sorted unique int64 ids per table (padding left out); several tensors for one table
+        (its features) are joined.
+
+        Raises:
+            InvalidArgument: a table no bag of the model uses.
+            UsageError: ids that are not integers.
+        """
         unknown = [t for t in sparse if t not in self.bags]
         if unknown:
             raise InvalidArgument(f"tables {unknown} have no ShardedEmbeddingBag in the model (its tables: {sorted(self.bags)})")
-        joined = {t: ids if isinstance(ids, torch.Tensor) else torch.cat([i.reshape(-1) for i in ids]) for t, ids in sparse.items()}
+        # Ids of any integer width are widened to int64 (float or bool ids: one line naming the table).
+        joined = {
+            t: int64_ids(ids, t, UsageError) if isinstance(ids, torch.Tensor) else torch.cat([int64_ids(i, t, UsageError).reshape(-1) for i in ids])
+            for t, ids in sparse.items()
+        }
         columns = None if any(self.bags[t][0].padding_id is not None for t in joined) else _columns(joined)
         if columns is None:
             return {t: torch.unique(self.bags[t][0].wanted(ids.cpu())) for t, ids in joined.items()}, None, None
@@ -245,7 +288,8 @@ class PSModel:
         return dict(zip(sparse, torch.split(unique, counts))), columns, inverse
 
     def prefetch(self, sparse: Mapping[str, torch.Tensor | Sequence[torch.Tensor]], with_dense: bool = True) -> Prefetch:
-        """Start pulling the rows of ``sparse`` (table -> ids of any shape) and the dense values."""
+        """Start pulling the rows of ``sparse`` (table -> integer ids of any shape, or a list of
+        such tensors for features that share the table) and the dense values."""
         unique, columns, inverse = self._unique(sparse)
         names = [self.FLAT] if with_dense and self.dense_on_shards and self.dense else []
         return Prefetch(unique, self.client.pull(unique, names), columns=columns, inverse=inverse)
@@ -256,7 +300,12 @@ class PSModel:
         return t
 
     def install(self, prefetch: Prefetch, train: bool = True, timeout: float | None = None) -> PullResult:
-        """Wait for a prefetch and load its rows and dense values into the model."""
+        """Wait for a prefetch and load its rows and dense values into the model.
+
+        Every bag is bound to this step's rows, and those of tables the prefetch did not name
+        to none, so no forward looks up another step's rows. ``train``: a training step, whose
+        forward may look up only the rows pulled here (those get their gradients pushed).
+        """
         pulled = prefetch.handle.result(timeout)
         if prefetch.pushed:
             prefetch.ack = pulled.ack
@@ -276,10 +325,14 @@ class PSModel:
                 stop = start + len(part)
                 ids = self._to_device(prefetch.ids[table])
                 for bag in self.bags[table]:
-                    bag.bind(ids, rows[start:stop])
+                    bag.bind(ids, rows[start:stop], train_step=train)
                 slices.append((table, prefetch.ids[table], start, stop))
                 start = stop
             self._groups.append((rows, slices))
+        for table, bags in self.bags.items():
+            if table not in prefetch.ids:
+                for bag in bags:
+                    bag.unbind(train_step=train)
         self._rows = self._groups[0][0] if len(self._groups) == 1 else None
         self._columns = None if prefetch.columns is None else self._to_device(prefetch.columns)
         self._inverse = None if prefetch.inverse is None else self._to_device(prefetch.inverse.t())
@@ -296,7 +349,7 @@ class PSModel:
         prefetch) in one gather, if those are the ids bound; else None."""
         if self._inverse is None or self._rows is None or self._columns is None or sparse.shape != self._inverse.shape:
             return None
-        if not torch.equal(sparse.t(), self._columns):
+        if not is_id_dtype(sparse.dtype) or not torch.equal(int64_ids(sparse, "sparse").t(), self._columns):
             return None
         return self._rows[self._inverse]
 

@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from tether.protos.codec import int64_ids, is_id_dtype
+
 __all__ = ["CTRModel", "LocalHashEmbedding"]
 
 
@@ -32,7 +34,7 @@ class LocalHashEmbedding(nn.Module):
         nn.init.uniform_(self.table.weight, -0.05, 0.05)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows [B, dim] for int64 ids [B] (any non-negative int64, bucketed)."""
+        """Rows [B, dim] for integer ids [B] (any value, bucketed by ``ids mod num_buckets``)."""
         return self.table(torch.remainder(ids, self.num_buckets))
 
 
@@ -100,15 +102,20 @@ class CTRModel(nn.Module):
         return [*self.bottom.parameters(), *self.top.parameters()]
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        """Click logits [B] for dense features [B, num_dense] and int64 ids [B, num_sparse].
+        """Click logits [B] for dense features [B, num_dense] and ids [B, num_sparse] (any int64
+        value; narrower integer dtypes are widened).
 
         Raises:
             ValueError: inputs of the wrong shape or dtype, or an embedding of the wrong shape.
         """
         if dense.dim() != 2 or dense.shape[1] != self.num_dense:
             raise ValueError(f"dense must be [B, {self.num_dense}], got {tuple(dense.shape)}")
-        if sparse.dtype != torch.int64 or sparse.shape != (dense.shape[0], self.num_sparse):
+        if not is_id_dtype(sparse.dtype):
+            raise ValueError(f"sparse must be integer ids [{dense.shape[0]}, {self.num_sparse}], got {sparse.dtype}")
+        if sparse.shape != (dense.shape[0], self.num_sparse):
             raise ValueError(f"sparse must be int64 [{dense.shape[0]}, {self.num_sparse}], got {sparse.dtype} {tuple(sparse.shape)}")
+        # Ids of any integer width are the same ids (int32 or uint8 columns are common).
+        sparse = int64_ids(sparse, "sparse")
         x = self.bottom(dense)
         fused = self.fused_lookup(sparse) if self.fused_lookup is not None else None
         if fused is not None:

@@ -13,7 +13,7 @@ import torch
 
 from tether.protos import dataplane as dp
 from tether.protos import tether_pb2 as pb
-from tether.protos.codec import decode_tensor, encode_ids, encode_tensor, wire_dtype
+from tether.protos.codec import decode_tensor, encode_ids, encode_tensor, int64_ids, wire_dtype
 from tether.protos.errors import InvalidArgument
 from tether.protos.partition import dense_shard, split_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
@@ -100,17 +100,18 @@ class Router:
     # -- pull --------------------------------------------------------------------------------
 
     def _check_ids(self, table: str, ids: torch.Tensor) -> np.ndarray:
+        """The ids of a 1-D integer tensor as int64 (any value; narrower integers widened)."""
         if table not in self.dims:
             raise InvalidArgument(f"table {table!r} was not declared by this client")
-        if ids.dtype != torch.int64 or ids.dim() != 1:
-            raise InvalidArgument(f"table {table!r}: ids must be a 1-D int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
-        return ids.detach().cpu().numpy()
+        if ids.dim() != 1:
+            raise InvalidArgument(f"table {table!r}: ids must be a 1-D tensor, got shape {tuple(ids.shape)}")
+        return int64_ids(ids.detach(), table).cpu().numpy()
 
     def pull_requests(self, sparse: Mapping[str, torch.Tensor], dense: Sequence[str]) -> tuple[dict[int, pb.PullRequest], PullPlan]:
         """One ``PullRequest`` per shard that owns something asked for, and the plan of the result.
 
         Raises:
-            InvalidArgument: undeclared table or tensor, or ids that are not 1-D int64.
+            InvalidArgument: undeclared table or tensor, or ids that are not a 1-D integer tensor.
         """
         requests: dict[int, pb.PullRequest] = {}
         layouts = {name: self.dense_layout(name) for name in dense}
