@@ -111,6 +111,10 @@ def test_export_without_a_complete_checkpoint_is_one_clear_line(tmp_path: Path) 
     assert "no complete checkpoint" in run.stderr
 
 
+# A checkpoint folder, a held-out batch (dense, user, items) and the trained model's logits for it.
+Wide = tuple[Path, tuple[torch.Tensor, ...], torch.Tensor]
+
+
 class WideDeep(nn.Module):
     """An outsider's model: a single-id table, a padded variable-length bag (mean), and two
     Linear layers and a bias-free one over the dense features and both embeddings."""
@@ -137,7 +141,7 @@ def _wide_batch(seed: int, n: int = 32) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 @pytest.fixture(scope="module")
-def wide_export(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, tuple[torch.Tensor, ...], torch.Tensor]]:
+def wide_export(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wide]:
     """A checkpoint of ``WideDeep`` trained 10 steps on an in-process shard; a held-out batch
     and the trained model's logits for it."""
     ckpt = tmp_path_factory.mktemp("wide") / "ckpt"
@@ -164,7 +168,7 @@ def wide_export(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path
     yield ckpt, (dense, user, items), expected
 
 
-def test_export_names_each_dense_parameter_and_round_trips_exactly(tmp_path: Path, wide_export: tuple[Path, tuple[torch.Tensor, ...], torch.Tensor]) -> None:
+def test_export_names_each_dense_parameter_and_round_trips_exactly(tmp_path: Path, wide_export: Wide) -> None:
     ckpt, inputs, expected = wide_export
     out = tmp_path / "export"
     manifest = export_checkpoint(ckpt, out, model=WideDeep())
@@ -183,7 +187,7 @@ def test_export_names_each_dense_parameter_and_round_trips_exactly(tmp_path: Pat
         assert torch.equal(served(*inputs), expected)
 
 
-def test_export_without_the_model_is_the_flat_vector_and_still_loads(tmp_path: Path, wide_export: tuple[Path, tuple[torch.Tensor, ...], torch.Tensor]) -> None:
+def test_export_without_the_model_is_the_flat_vector_and_still_loads(tmp_path: Path, wide_export: Wide) -> None:
     ckpt, inputs, expected = wide_export
     manifest = export_checkpoint(ckpt, tmp_path / "flat")
     total = sum(p.numel() for p in WideDeep().parameters())
@@ -192,7 +196,7 @@ def test_export_without_the_model_is_the_flat_vector_and_still_loads(tmp_path: P
         assert torch.equal(load_export(tmp_path / "flat").load_into(WideDeep())(*inputs), expected)
 
 
-def test_export_refuses_a_model_built_another_way(tmp_path: Path, wide_export: tuple[Path, tuple[torch.Tensor, ...], torch.Tensor]) -> None:
+def test_export_refuses_a_model_built_another_way(tmp_path: Path, wide_export: Wide) -> None:
     ckpt, _, _ = wide_export
     other = WideDeep()
     other.out = nn.Linear(5, 1)  # a bias the trained model did not have
@@ -204,7 +208,7 @@ def test_export_refuses_a_model_built_another_way(tmp_path: Path, wide_export: t
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
-def test_export_files_get_the_mode_the_umask_gives(tmp_path: Path, wide_export: tuple[Path, tuple[torch.Tensor, ...], torch.Tensor], umask: int, mode: int) -> None:
+def test_export_files_get_the_mode_the_umask_gives(tmp_path: Path, wide_export: Wide, umask: int, mode: int) -> None:
     old = os.umask(umask)
     try:
         export_checkpoint(wide_export[0], tmp_path / "out", model=WideDeep())
@@ -213,7 +217,7 @@ def test_export_files_get_the_mode_the_umask_gives(tmp_path: Path, wide_export: 
     assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()} == {"model.safetensors": mode, "manifest.json": mode}
 
 
-def test_load_into_a_model_already_on_the_gpu_puts_the_tables_there(tmp_path: Path, wide_export: tuple[Path, tuple[torch.Tensor, ...], torch.Tensor]) -> None:
+def test_load_into_a_model_already_on_the_gpu_puts_the_tables_there(tmp_path: Path, wide_export: Wide) -> None:
     ckpt, inputs, expected = wide_export
     export_checkpoint(ckpt, tmp_path / "out", model=WideDeep())
     export = load_export(tmp_path / "out")
