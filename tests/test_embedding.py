@@ -314,3 +314,15 @@ def test_negative_ids_and_padding_in_a_bag() -> None:
     assert out.tolist() == [[5.0, 5.0], [2.0, 2.0], [0.0, 0.0]]
     with pytest.raises(ValueError, match=r"padding_id must be None or an int64 id, got 9223372036854775808"):
         ShardedEmbeddingBag("e", 2, padding_id=2**63)
+
+
+def test_after_release_forwards_pull_what_they_look_up(inproc_shard) -> None:
+    model, ps = _two_tables(inproc_shard.port)
+    user, item = torch.tensor([1, 2]), torch.tensor([7, 8])
+    ps.install(ps.prefetch({"users": user}))
+    with pytest.raises(UsageError, match=NOT_NAMED):
+        model(user, item)
+    ps.release()  # what the trainer does once training ends
+    rows = ps.client.pull({"users": user, "items": item}).result(10).rows
+    assert torch.allclose(model(user, item), (rows["users"] * rows["items"]).sum())
+    ps.client.close()

@@ -344,6 +344,13 @@ class PSModel:
                     p.copy_(value)
         return pulled
 
+    def release(self) -> None:
+        """Unbind every bag (the end of training): later forward passes pull the rows they look
+        up through the fetcher, instead of failing as a training step's would."""
+        for bag in self._all_bags():
+            bag.unbind()
+        self._groups, self._rows, self._columns, self._inverse = [], None, None, None
+
     def lookup(self, sparse: torch.Tensor) -> torch.Tensor | None:
         """Rows [B, T, dim] of every table for ids [B, T] (column t: table t of the bound
         prefetch) in one gather, if those are the ids bound; else None."""
