@@ -178,6 +178,21 @@ def test_rows_start_as_a_shards_do_and_any_int64_id_is_a_row() -> None:
     assert client.tables["t"].rows == 4
 
 
+def test_a_table_grows_past_its_first_storage_as_rows_come() -> None:
+    """Rows created by a pull that outgrows the storage (and the id index's merges) keep their
+    values and their ids."""
+    table = LocalTable(TableConfig("t", 3, OptimizerConfig("sgd", lr=1.0), init_scale=0.5))
+    rng = np.random.default_rng(0)
+    seen = np.empty(0, np.int64)
+    for n in (5, 3000, 2500, 9000):
+        ids = np.unique(rng.integers(-(2**62), 2**62, n))
+        assert torch.equal(table.pull(ids), init_rows(ids, 3, 0, "t", 0.5))
+        seen = np.union1d(seen, ids)
+    assert table.rows == len(seen)
+    table.push(seen[:2], torch.ones(2, 3))
+    assert torch.equal(table.pull(seen), init_rows(seen, 3, 0, "t", 0.5) - torch.tensor([1.0, 1.0] + [0.0] * (len(seen) - 2))[:, None])
+
+
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_a_local_table_steps_as_a_shards_table(name: str, weight_decay: float) -> None:

@@ -197,7 +197,8 @@ class LocalTable:
 
     def pull(self, ids: np.ndarray) -> torch.Tensor:
         """The rows of ``ids`` (a copy)."""
-        return self._weights.index_select(0, torch.from_numpy(self.slots(ids)))
+        slots = torch.from_numpy(self.slots(ids))  # first: creating rows may replace the storage
+        return self._weights.index_select(0, slots)
 
     def staleness(self, ids: np.ndarray, read_version: int) -> int:
         """The most updates any row of ``ids`` received since a read at ``read_version``."""
