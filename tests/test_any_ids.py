@@ -220,3 +220,32 @@ def test_a_table_left_out_of_sparse_stops_the_first_step_with_one_line(cluster: 
         versions = {t.name: t.version for info in trainer.client.info() for t in info.tables}
     assert str(err.value) == "table 'items' was looked up by the forward pass but sparse(batch) did not name it: add 'items': <its ids> to sparse"
     assert versions == {"users": 0, "items": 0}  # nothing was pushed
+
+
+def test_admission_eviction_and_snapshots_of_a_table_take_negative_ids() -> None:
+    from tether.server.tables import EmbeddingTable
+
+    ids = np.sort(_edge_ids().numpy())
+    # Admission (count-min sketch of the ids' 64 bits): a row exists from the second touch.
+    admitted = EmbeddingTable(TableConfig("a", 2, SGD, init_scale=0.5, min_count=2))
+    first, _ = admitted.pull(ids)
+    assert admitted.rows == 0
+    again, _ = admitted.pull(ids)
+    assert admitted.rows == len(ids) and torch.equal(first, again)
+    admitted.push(ids, torch.ones(len(ids), 2))
+    assert torch.equal(admitted.pull(ids)[0], first - 1)
+    # Eviction: the least recently touched go, negative or not; a re-touched id comes back.
+    bounded = EmbeddingTable(TableConfig("b", 2, SGD, init_scale=0.5, capacity=16))
+    for k in range(0, len(ids), 8):
+        bounded.pull(ids[k : k + 8])
+    assert bounded.rows <= 16 and bounded.evicted_rows > 0
+    edges = np.array([INT64_MIN, -2, -1, INT64_MAX], dtype=np.int64)
+    before, _ = bounded.pull(edges)
+    bounded.push(edges, torch.ones(4, 2))
+    assert torch.equal(bounded.pull(edges)[0], before - 1)
+    # A snapshot is sorted by signed id and loads back.
+    snap = admitted.snapshot()
+    assert snap["ids"].tolist() == sorted(ids.tolist()) and snap["ids"][0] == INT64_MIN and snap["ids"][-1] == INT64_MAX
+    restored = EmbeddingTable(TableConfig("a", 2, SGD, init_scale=0.5, min_count=2))
+    restored.load(snap["ids"], snap["weights"], snap["state"], snap["version"])
+    assert torch.equal(restored.pull(ids)[0], first - 1)
