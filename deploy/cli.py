@@ -67,7 +67,7 @@ def _launch(argv: Sequence[str]) -> int:
 def _result_lines(summary: dict[str, Any], out: str | None, own_program: bool) -> str:
     """What a finished launch prints: the held-out result and the throughput."""
     if own_program:
-        metrics = ", ".join(f"{k} {v:.4f}" for k, v in summary.items() if k.startswith("eval_") and isinstance(v, float))
+        metrics = ", ".join(f"{k} {v:.4f}" for k, v in summary["final_eval"].items() if isinstance(v, (int, float)))
         first = f"result: worker 0's held-out {metrics}" if metrics else "result: no held-out metrics (give Trainer.fit an eval_data)"
     else:
         first = (

@@ -87,6 +87,8 @@ def run_job(
     summary: dict[str, Any] = {
         "mode": template.mode,
         **evaluation,
+        # The held-out metrics alone, under the names the workers' evaluate gave them.
+        "final_eval": evaluation,
         "samples_per_sec": total / train_wall,
         "total_samples": total,
         "train_wall_s": train_wall,

@@ -6,6 +6,7 @@ stop together."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -30,14 +31,16 @@ def _launch(tmp_path: Path, name: str, *script_args: str, workers: int = 3) -> t
 
 
 def test_sync_ranks_train_disjoint_slices_and_same_seed_runs_end_equal(tmp_path: Path) -> None:
-    first, ranks, _ = _launch(tmp_path, "a")
+    first, ranks, _ = _launch(tmp_path, "a", "--eval")
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    # The script's own metric name, not only eval_* ones, reaches the result line.
+    assert re.search(r"result: worker 0's held-out accuracy [01]\.\d{4}\n", first.stdout), first.stdout[-1000:]
     assert len(ranks) == 3
     seen = [set(r["seen"]) for r in ranks]
     assert all(len(s) == 160 for s in seen)
     assert not (seen[0] & seen[1] or seen[0] & seen[2] or seen[1] & seen[2])
     assert set().union(*seen) == set(range(480))
-    again, ranks_again, _ = _launch(tmp_path, "b")
+    again, ranks_again, _ = _launch(tmp_path, "b", "--eval")
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     # Dense parameters are stepped on the ranks, rows on the shards: both bitwise equal run to run.
     assert ranks[0]["dense"] == ranks_again[0]["dense"] == ranks[2]["dense"]

@@ -19,6 +19,7 @@ p.add_argument("--out", required=True)
 p.add_argument("--samples", type=int, default=480)
 p.add_argument("--fail-rank", type=int, default=-1)
 p.add_argument("--fail-at", type=int, default=3)
+p.add_argument("--eval", action="store_true", help="evaluate held-out accuracy (a metric name without eval_)")
 p.add_argument("--short-rank", type=int, default=-1, help="this rank gets half the batches of the others")
 a = p.parse_args()
 
@@ -67,7 +68,11 @@ def loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
 model = Scorer()
 with Trainer(model, config, loss=loss, sparse=lambda b: {"users": b["user"], "tags": b["tags"]},
              batch_size=lambda b: len(b["sid"])) as trainer:
-    record = trainer.fit(batches)
+    if a.eval:
+        accuracy = lambda m, b: {"accuracy": float(((m(b) > 0).float() == b["label"]).float().mean())}  # noqa: E731
+        record = trainer.fit(batches, eval_data=batches[:2], evaluate=accuracy)
+    else:
+        record = trainer.fit(batches)
     rows = trainer.client.pull({"users": torch.arange(-25, 25), "tags": torch.arange(10)}).result(30).rows
 out = Path(a.out)
 out.mkdir(parents=True, exist_ok=True)
