@@ -176,6 +176,11 @@ def test_rows_start_as_a_shards_do_and_any_int64_id_is_a_row() -> None:
     rows = client.pull({"t": ids}).result().rows["t"]
     assert torch.equal(rows, init_rows(ids.numpy(), 5, 9, "t", 0.4))
     assert client.tables["t"].rows == 4
+    # Narrower integer ids are widened, as a PSClient widens them; floats are not ids.
+    assert torch.equal(client.pull({"t": torch.tensor([7, 3], dtype=torch.int32)}).result().rows["t"],
+                       init_rows(np.array([7, 3]), 5, 9, "t", 0.4))
+    with pytest.raises(InvalidArgument, match="integers"):
+        client.pull({"t": torch.tensor([1.0])})
 
 
 def test_a_table_grows_past_its_first_storage_as_rows_come() -> None:

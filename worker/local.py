@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from tether.protos import tether_pb2 as pb
+from tether.protos.codec import int64_ids
 from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherError, UsageError
 from tether.protos.initial import init_rows
 from tether.protos.optimizers import OptimizerConfig, rule
@@ -251,9 +252,10 @@ class _Dense:
 
 
 def _ids(table: str, ids: torch.Tensor) -> np.ndarray:
-    if ids.dtype != torch.int64 or ids.dim() != 1:
-        raise InvalidArgument(f"table {table!r}: ids must be a 1-D int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
-    return np.ascontiguousarray(ids.detach().cpu().numpy())
+    """The ids of a 1-D integer tensor as int64, as a ``PSClient`` takes them (narrower integers widened)."""
+    if ids.dim() != 1:
+        raise InvalidArgument(f"table {table!r}: ids must be a 1-D tensor, got shape {tuple(ids.shape)}")
+    return np.ascontiguousarray(int64_ids(ids.detach(), table).cpu().numpy())
 
 
 class LocalClient(PSClient):
@@ -370,10 +372,11 @@ class LocalClient(PSClient):
         )
 
     def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = ()) -> Handle[PullResult]:
-        """Rows of ``sparse`` (table -> int64 ids; missing rows are created) and dense values.
+        """Rows of ``sparse`` (table -> ids, any int64 value, narrower integers widened; missing
+        rows are created) and dense values.
 
         Raises:
-            InvalidArgument: undeclared table or tensor, or ids that are not 1-D int64.
+            InvalidArgument: undeclared table or tensor, or ids that are not a 1-D integer tensor.
         """
         with self._lock:
             return _answered(self._read(sparse or {}, dense))
