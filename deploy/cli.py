@@ -225,10 +225,15 @@ def _export(argv: Sequence[str]) -> int:
     p.add_argument("--shards", default=None,
                    help="comma-separated host:port of a live cluster: first write checkpoint --id (default export-<unix time>) on every shard")
     p.add_argument("--out", required=True, help="folder for model.safetensors and manifest.json")
+    p.add_argument("--model", default=None, metavar="MODULE:FUNCTION",
+                   help="a function of no arguments (package.module:function or file.py:function) that builds the model the job trained: "
+                   "each dense parameter is written as dense.<name> with its shape (default: the shards' one flat vector dense.dense)")
     a = p.parse_args(argv)
-    from tether.deploy.export import export_checkpoint
+    from tether.deploy.export import export_checkpoint, load_model
 
     try:
+        # Built first: a bad --model is one line before any shard is asked to checkpoint.
+        model = load_model(a.model) if a.model is not None else None
         ckpt_id = a.id
         if a.shards is not None:
             from tether.worker.client import ClientConfig, PSClient
@@ -240,7 +245,7 @@ def _export(argv: Sequence[str]) -> int:
             ckpt_id = ckpt_id or f"export-{int(time.time())}"
             with PSClient(ClientConfig(addresses=addresses, worker_id="tether-export")) as client:
                 client.checkpoint(ckpt_id)
-        manifest = export_checkpoint(a.checkpoint_dir, a.out, ckpt_id)
+        manifest = export_checkpoint(a.checkpoint_dir, a.out, ckpt_id, model=model)
     except (ValueError, TetherError, OSError) as exc:
         return report_usage_error("tether export", exc)
     tables = ", ".join(f"{n} ({t['rows']:,} x {t['dim']})" for n, t in manifest["tables"].items())

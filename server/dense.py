@@ -27,7 +27,8 @@ class DenseChunk:
         self._lock = threading.Lock()
         # Per-element state (a rule's per-row scalar, Adam's step count, is one for the chunk).
         self._rule = rule(optimizer.name)
-        self._state = {k: torch.zeros(s) for k, s in self._rule.state_shapes(init.numel()).items()}
+        start = self._rule.initial_state(optimizer)
+        self._state = {k: torch.full(s, start.get(k, 0.0)) for k, s in self._rule.state_shapes(init.numel()).items()}
 
     @property
     def numel(self) -> int:

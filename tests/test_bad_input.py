@@ -63,7 +63,6 @@ def _grads(n: int, value: float = 1.0, dtype=torch.float32, dim: int = 4) -> pb.
 CASES = {
     "unknown table": (lambda s: _push(encode_ids(_owned(s)), _grads(2), table="nope"), grpc.StatusCode.NOT_FOUND, "unknown table 'nope'"),
     "ids not whole int64": (lambda s: _push(b"\x01\x02\x03", _grads(2)), grpc.StatusCode.INVALID_ARGUMENT, "not a whole number of int64"),
-    "negative id": (lambda s: _push(encode_ids(np.array([-5, int(_owned(s)[0])])), _grads(2)), grpc.StatusCode.INVALID_ARGUMENT, "ids must be >= 0"),
     "duplicate ids": (lambda s: _push(encode_ids(np.repeat(_owned(s, 1), 2)), _grads(2)), grpc.StatusCode.INVALID_ARGUMENT, "unique"),
     "wrong shard": (lambda s: _push(encode_ids(_owned(1 - s)), _grads(2)), grpc.StatusCode.FAILED_PRECONDITION, "belongs to shard"),
     "wrong shape": (lambda s: _push(encode_ids(_owned(s)), _grads(2, dim=3)), grpc.StatusCode.INVALID_ARGUMENT, "gradient shape (2, 3)"),

@@ -11,7 +11,7 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.metrics import ShardMetrics
 from tether.server.shard import Shard, SparseUpdate
 from tether.server.admission import CountMinSketch
-from tether.server.initial import init_rows
+from tether.protos.initial import init_rows
 from tether.server.tables import EmbeddingTable
 
 SGD = OptimizerConfig("sgd", 1.0)

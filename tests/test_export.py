@@ -247,3 +247,15 @@ def test_load_model_takes_a_module_or_a_file_and_names_a_bad_spec(tmp_path: Path
                           (f"{tmp_path / 'mine.py'}:nothing", "returned int, not a torch.nn.Module")):
         with pytest.raises(ValueError, match=message):
             load_model(spec)
+
+
+def test_the_export_command_names_dense_parameters_with_model(tmp_path: Path, wide_export: Wide) -> None:
+    ckpt, _, _ = wide_export
+    run = subprocess.run([sys.executable, "-m", "tether.deploy.cli", "export", "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "o"),
+                          "--model", f"{Path(__file__)}:WideDeep"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert manifest["dense_layout"] == "parameters" and "hidden.weight" in manifest["dense_shapes"]
+    bad = subprocess.run([sys.executable, "-m", "tether.deploy.cli", "export", "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "b"),
+                          "--model", "no_such_module_here:build"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "no_such_module_here" in bad.stderr

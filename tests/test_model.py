@@ -79,7 +79,7 @@ def test_local_hash_embedding_buckets_and_sparse_gradients() -> None:
     "dense, sparse, message",
     [
         (torch.randn(4, 2), torch.zeros(4, 3, dtype=torch.int64), r"dense must be \[B, 5\], got \(4, 2\)"),
-        (torch.randn(4, 5), torch.zeros(4, 3, dtype=torch.int32), r"sparse must be int64 \[4, 3\], got torch.int32"),
+        (torch.randn(4, 5), torch.zeros(4, 3), r"sparse must be integer ids \[4, 3\], got torch.float32"),
         (torch.randn(4, 5), torch.zeros(3, 3, dtype=torch.int64), r"sparse must be int64 \[4, 3\], got torch.int64 \(3, 3\)"),
     ],
 )

@@ -172,3 +172,18 @@ def test_the_kernels_still_run_where_no_cache_directory_is_writable() -> None:
     # Adagrad's first step from zero with a gradient of one: -lr * 1 / (sqrt(1) + eps).
     assert np.allclose(json.loads(out.stdout), [[-0.1] * 4], atol=1e-6), out.stdout
     assert "not cached on disk" in out.stderr and "NUMBA_CACHE_DIR" in out.stderr
+
+
+def test_a_dense_chunk_starts_adagrad_from_the_initial_accumulator() -> None:
+    from tether.server.dense import DenseChunk
+
+    cfg = OptimizerConfig("adagrad", lr=0.1, initial_accumulator=0.5)
+    w0 = torch.linspace(-1, 1, 6)
+    grad = torch.linspace(0.3, -0.2, 6)
+    chunk = DenseChunk("w", 0, w0, cfg)
+    chunk.push(grad)
+    p = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.Adagrad([p], lr=0.1, eps=cfg.eps, initial_accumulator_value=0.5)
+    p.grad = grad.clone()
+    opt.step()
+    assert torch.allclose(chunk.value, p.detach(), atol=1e-7)

@@ -4,7 +4,7 @@ import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.dense import DenseChunk
-from tether.server.initial import init_rows
+from tether.protos.initial import init_rows
 from tether.server.tables import EmbeddingTable
 
 

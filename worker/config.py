@@ -200,7 +200,7 @@ class TrainingConfig:
         if not self.shards and not self.local:
             raise ValueError(
                 "no shards: set TETHER_SHARDS=host:port,... (flag --shards), or TETHER_LOCAL=1 (flag --local, "
-                "Trainer(local=True)) to train in this process without shards"
+                "TrainingConfig(local=True)) to train in this process without shards"
             )
         for address in self.shards:
             _check_address(address)

@@ -39,6 +39,7 @@ from tether.worker.batches import count_samples, pick_device, to_device
 from tether.worker.config import TrainingConfig
 from tether.worker.data import in_background
 from tether.worker.embedding import Prefetch, PSModel
+from tether.worker.local import LocalClient
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
 from tether.worker.policies import SyncPolicy, policy_for
 from tether.worker.stragglers import delay_factor
@@ -92,6 +93,9 @@ class Trainer(Generic[B]):
     ) -> None:
         kind, _ = config.consistency
         config, device, policy = policy_for(config, pick_device(config.device))
+        if device.type == "cuda" and device.index is not None:
+            # Streams, events and device="cuda" allocations (the user's too) land on this worker's GPU, not cuda:0.
+            torch.cuda.set_device(device)
         self.config = config
         self.device = device
         self.policy = policy
@@ -106,8 +110,6 @@ class Trainer(Generic[B]):
         self.board = TensorBoardRecorder(Path(config.tensorboard) / f"worker-{config.worker_index}") if config.tensorboard else None
         # Local mode (config.local): no shards, the tables live in this process with the shards'
         # rules and initial rows; sync and several workers are refused there (tether.worker.local).
-        from tether.worker.local import LocalClient
-
         self.client = LocalClient.for_training(config, self.metrics) if config.local else PSClient(
             ClientConfig(
                 addresses=config.shards,
@@ -220,6 +222,8 @@ class Trainer(Generic[B]):
         finally:
             if producer is not None:
                 producer.close()  # stops the producer thread (the data may go on forever)
+            # Forwards after training (the user's own evaluation) pull the rows they look up.
+            self.ps.release()
 
     def _fit(
         self, stream: Iterator[B], eval_data: Iterable[B] | None, evaluate: Callable[[nn.Module, B], Mapping[str, float]] | None
@@ -264,7 +268,8 @@ class Trainer(Generic[B]):
 
         steps = cfg.steps
         total = f"/{steps}" if steps else ""
-        self.printer(f"{self.name}: mode {cfg.mode}, {len(cfg.shards)} shard(s), device {self.device}"
+        where = "local (in-process tables)" if cfg.local else f"{len(cfg.shards)} shard(s)"
+        self.printer(f"{self.name}: mode {cfg.mode}, {where}, device {self.device}"
                      + (f", {steps} steps" if steps else ", until the data ends"))
         last_eval: dict[str, float] = {}
         if evaluating and cfg.eval_every > 0:
