@@ -379,17 +379,23 @@ class PSModel:
         for p in self.dense.values():
             p.grad = None
 
-    def push(self, clock: int, versions: PullResult, sparse_scale: float = 1.0) -> Handle:
+    def push(
+        self,
+        clock: int,
+        versions: PullResult,
+        rows: Callable[[dict[str, tuple[torch.Tensor, torch.Tensor]]], dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None,
+    ) -> Handle:
         """Push the collected gradients (one request per shard) and clear them.
 
         Args:
             clock: this worker's clock once the step is done.
             versions: the pull the gradients were computed from.
-            sparse_scale: factor on row gradients (sync mode averages over ranks).
+            rows: turns the row gradients (table -> (ids, grads)) into those to push (sync
+                mode combines the ranks').
         """
         sparse, dense = self.gradients()
-        if sparse_scale != 1.0:
-            sparse = {t: (ids, g * sparse_scale) for t, (ids, g) in sparse.items()}
+        if rows is not None:
+            sparse = rows(sparse)
         handle = self.client.push(sparse, dense if self.dense_on_shards else {}, clock=clock, versions=versions)
         self._clear()
         return handle
