@@ -1,4 +1,4 @@
-"""The ``tether`` command: ``server``, ``worker``, ``launch``, ``compare``, ``sweep`` and ``export``."""
+"""The ``tether`` command: ``server``, ``worker``, ``launch``, ``compare``, ``sweep``, ``export`` and ``convert``."""
 
 from __future__ import annotations
 
@@ -253,6 +253,38 @@ def _export(argv: Sequence[str]) -> int:
     return 0
 
 
+def _convert(argv: Sequence[str]) -> int:
+    from tether.worker.parquet import CONVERT_ROW_GROUP_ROWS, write_criteo_parquet
+
+    p = argparse.ArgumentParser(
+        prog="tether convert",
+        description="Write Criteo-format TSV files (plain or gzip) as one Parquet file that --data parquet:OUT trains on: "
+        "label, I1..I13 (float32, log1p of the counts) and C1..C26 (int64 ids, hashed as the Criteo reader hashes them), "
+        "so the batches and the held-out rows are those of --data criteo:SOURCE. Needs pip install 'tether[parquet]'. "
+        "Its flags are per invocation and have no environment variable.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("source", help="criteo:PATH (or PATH): a file, a glob or a comma-separated list, read in order")
+    p.add_argument("out", help="the Parquet file to write (written under a temporary name, renamed once complete)")
+    p.add_argument("--row-group-rows", type=int, default=CONVERT_ROW_GROUP_ROWS, metavar="N",
+                   help="rows per row group: the unit dealt to workers (the files need at least one row group per worker)")
+    p.add_argument("--compression", default="snappy", choices=("snappy", "zstd", "gzip", "lz4", "none"), help="Parquet compression codec")
+    a = p.parse_args(argv)
+    source = a.source.removeprefix("criteo:")
+    try:
+        if a.row_group_rows < 1:
+            raise ValueError(f"--row-group-rows must be >= 1, got {a.row_group_rows}")
+        if Path(a.out).is_dir():
+            raise ValueError(f"{a.out}: is a folder; name the Parquet file to write")
+        start = time.perf_counter()
+        rows = write_criteo_parquet(source, a.out, row_group_rows=a.row_group_rows, compression=a.compression)
+    except ValueError as exc:
+        return report_usage_error("tether convert", exc)
+    size = Path(a.out).stat().st_size / 2**20
+    print(f"wrote {a.out}: {rows:,} rows, {-(-rows // a.row_group_rows)} row group(s), {size:.1f} MiB in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
 def _version() -> str:
     """The installed package's version (``unknown`` when tether runs from a tree that was never installed)."""
     try:
@@ -271,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "compare": "run the same job under several consistency modes",
         "sweep": "tune the staleness bound S of ssp:S",
         "export": "write a checkpoint's tables and dense parameters as safetensors for serving",
+        "convert": "write Criteo TSV files as a Parquet table (--data parquet:)",
     }
     if argv and argv[0] in ("-V", "--version"):
         print(f"tether {_version()}")
@@ -292,6 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return worker_main(rest)
     if command == "export":
         return _export(rest)
+    if command == "convert":
+        return _convert(rest)
     try:
         if command in ("compare", "sweep"):
             return _comparison(command, rest)

@@ -71,6 +71,26 @@ def _check_data_file(data: str) -> None:
             raise ValueError(f"--data {data}: {f} is not readable")
 
 
+def _check_parquet_data(data: str, num_workers: int) -> None:
+    """``parquet:PATH|GLOB|DIR|A,B`` names Parquet files the built-in CTR job can read: every
+    file's schema is read here, before any process starts (a ``label``, float dense columns,
+    integer or string id columns, the same in every file), and there are row groups enough for
+    ``num_workers`` workers.
+
+    Raises:
+        ValueError: one line naming the file and the column (or what else is wrong).
+    """
+    from tether.worker.parquet import check_parquet
+
+    path = data.split(":", 1)[1]
+    if not path:
+        raise ValueError(f"--data {data}: no path after 'parquet:'")
+    try:
+        check_parquet(path, world_size=num_workers)
+    except ValueError as exc:
+        raise ValueError(f"--data {data}: {exc}") from None
+
+
 @dataclass(frozen=True)
 class TrainingConfig:
     """One worker of a training job, whatever the model: where the shards are, which worker
@@ -258,10 +278,12 @@ class WorkerConfig(TrainingConfig):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.eval_samples < 0:
             raise ValueError(f"eval_samples must be >= 0, got {self.eval_samples!r}")
-        if self.data != "synthetic" and not self.data.startswith("criteo:"):
-            raise ValueError(f"data must be 'synthetic' or 'criteo:PATH', got {self.data!r}")
+        if self.data != "synthetic" and not self.data.startswith(("criteo:", "parquet:")):
+            raise ValueError(f"data must be 'synthetic', 'criteo:PATH' or 'parquet:PATH', got {self.data!r}")
         if self.data.startswith("criteo:"):
             _check_data_file(self.data)
+        if self.data.startswith("parquet:"):
+            _check_parquet_data(self.data, self.num_workers)
 
 
 # Sizes of the built-in model by name (``--preset``); a flag given for one of these fields wins.

@@ -79,7 +79,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    "26 fields as in Criteo, 128-wide rows: a CUDA step not bound by kernel launches); --batch-size, "
                    "--num-sparse and --embedding-dim override it (env TETHER_PRESET)")
     p.add_argument("--batch-size", type=int, default=env("TETHER_BATCH_SIZE", None), help="samples per step (default: the preset's) (env TETHER_BATCH_SIZE)")
-    p.add_argument("--data", default=env("TETHER_DATA", "synthetic"), help="'synthetic' or 'criteo:PATH' to a Criteo TSV file (env TETHER_DATA)")
+    p.add_argument("--data", default=env("TETHER_DATA", "synthetic"), help="'synthetic'; 'criteo:PATH' for Criteo TSV files (plain or gzip; a path, glob or comma list); "
+                   "or 'parquet:PATH' for a Criteo-shaped Parquet table (a file, folder, glob or comma list: a 'label' column, float dense "
+                   "columns, integer or string id columns; row groups dealt to the workers; needs pip install 'tether[parquet]'; "
+                   "tether convert writes Criteo TSV as one; docs/data.md) (env TETHER_DATA)")
     p.add_argument("--vocab-size", type=int, default=env("TETHER_VOCAB_SIZE", 100_000), help="synthetic data: ids per field (env TETHER_VOCAB_SIZE)")
     p.add_argument("--num-sparse", type=int, default=env("TETHER_NUM_SPARSE", None), help="synthetic data: categorical fields (default: the preset's) (env TETHER_NUM_SPARSE)")
     p.add_argument("--embedding-dim", type=int, default=env("TETHER_EMBEDDING_DIM", None), help="width of every embedding row (default: the preset's) (env TETHER_EMBEDDING_DIM)")

@@ -1,4 +1,4 @@
-"""The built-in CTR job: the synthetic click log or Criteo files, the DLRM-style model, and
+"""The built-in CTR job: the synthetic click log, Criteo files or a Criteo-shaped Parquet table, the DLRM-style model, and
 its training through the public API (``tether.worker.training.Trainer``), as ``tether worker``
 runs it.
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -42,8 +42,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Criteo files: line i is held out when i % CRITEO_HOLDOUT == CRITEO_HOLDOUT - 1.
+# Criteo files: line i is held out when i % CRITEO_HOLDOUT == CRITEO_HOLDOUT - 1 (Parquet
+# tables: row i, rows numbered across the files in order).
 CRITEO_HOLDOUT = 10
+# Parquet tables: rows in each worker's shuffle buffer (~17 MiB of a Criteo-shaped table).
+PARQUET_SHUFFLE_ROWS = 65_536
 
 
 @dataclass
@@ -52,7 +55,8 @@ class Dataset:
 
     num_dense: int
     num_sparse: int
-    train_batches: Callable[[int, int, int, int], Iterator[Batch]]
+    # (batch_size, batches, rank, world_size) -> the batches of that worker.
+    train_batches: Callable[[int, int, int, int], Iterable[Batch]]
     eval_set: Batch
     label_mean: float
     bayes_loss: float | None
@@ -62,8 +66,11 @@ def open_dataset(cfg: WorkerConfig) -> Dataset:
     """The job's data, identical on every worker (same seed).
 
     Raises:
-        UsageError: the Criteo files cannot be read or have a malformed line (``DataError``).
+        UsageError: the Criteo or Parquet files cannot be read, have a malformed line, a missing
+            column or one of the wrong type (``DataError``).
     """
+    if cfg.data.startswith("parquet:"):
+        return _parquet_dataset(cfg)
     if cfg.data == "synthetic":
         gen = SyntheticClickLog(SyntheticConfig(num_sparse=cfg.num_sparse, vocab_size=cfg.vocab_size, seed=cfg.seed))
         eval_set = gen.eval_set(max(cfg.eval_samples, 1))
@@ -92,6 +99,41 @@ def open_dataset(cfg: WorkerConfig) -> Dataset:
     return Dataset(
         num_dense=CRITEO_DENSE,
         num_sparse=CRITEO_SPARSE,
+        train_batches=batches,
+        eval_set=eval_set,
+        label_mean=label_mean,
+        bayes_loss=None,
+    )
+
+
+def _parquet_dataset(cfg: WorkerConfig) -> Dataset:
+    """A Criteo-shaped Parquet table (``--data parquet:GLOB``): ``label``, float columns as dense
+    features and integer or string columns as ids (``criteo_parquet_columns``); row ``i``
+    (numbered across the files) held out when ``i % 10 == 9``, as the Criteo reader holds out
+    lines; row groups dealt to the workers, each shuffling its share in a buffer of
+    ``PARQUET_SHUFFLE_ROWS`` rows seeded by ``seed`` and ``data_seed``.
+
+    Raises:
+        DataError: see ``ParquetStream``.
+    """
+    from tether.worker.parquet import HoldOut, ParquetStream, criteo_parquet_columns, parquet_files
+
+    files = parquet_files(cfg.data)
+    dense, ids = criteo_parquet_columns(files)
+    holdout = HoldOut.every_nth(CRITEO_HOLDOUT)
+    columns: dict[str, Any] = {"dense": dense, "ids": ids, "ctr": True, "holdout": holdout}
+    # The constant predictor learns its rate from training rows, not from the held-out ones.
+    label_mean = float(next(iter(ParquetStream(files, 20_000, **columns))).labels.mean())
+    eval_set = next(iter(ParquetStream(files, max(cfg.eval_samples, 1), held_out=True, **columns)))
+
+    def batches(bs: int, n: int, rank: int, world: int) -> Iterable[Batch]:
+        # The stream itself, not an islice of it: Trainer.fit finds its position (state_dict) there.
+        return ParquetStream(files, bs, rank=rank, world_size=world, epochs=None, shuffle_rows=PARQUET_SHUFFLE_ROWS,
+                             seed=cfg.seed * 1_000_003 + cfg.data_seed, max_batches=n, **columns)
+
+    return Dataset(
+        num_dense=len(dense),
+        num_sparse=len(ids),
         train_batches=batches,
         eval_set=eval_set,
         label_mean=label_mean,
