@@ -867,7 +867,8 @@ class ParquetStream(torch.utils.data.IterableDataset):
         # three times (slices, their concatenation, its permutation).
         cols: dict[str, np.ndarray] = {}
         for k in list(buf[0].cols):
-            cols[k] = np.concatenate([r.cols.pop(k) for r in buf])[perm]
+            parts = [r.cols.pop(k) for r in buf]
+            cols[k] = (parts[0] if len(parts) == 1 else np.concatenate(parts))[perm]
         bags = _Rows.concat([_Rows(r.n, {}, r.bags) for r in buf]).take(perm).bags if buf[0].bags else {}
         return _Rows(n, cols, bags)
 
