@@ -360,3 +360,30 @@ def test_memory_does_not_grow_with_the_data(tmp_path: Path) -> None:
         assert int(out[0]) == n
         peaks[n] = int(out[1])
     assert peaks[1_500_000] - peaks[150_000] < 100, peaks
+
+
+# -- the example ------------------------------------------------------------------------------------
+
+
+def test_dlrm_example_trains_from_parquet_and_leaves_each_workers_position(tmp_path: Path) -> None:
+    """examples/dlrm_criteo --parquet under tether launch: it learns, and the position each worker
+    wrote (after the batches fit trained on, though fit reads ahead) is where its stream goes on."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "dlrm_criteo" / "train.py"
+    pattern = str(tmp_path / "day_*.parquet")
+    gen = subprocess.run([sys.executable, str(script), "--parquet", "--generate", "3", "--lines", "20000", "--data", pattern],
+                         capture_output=True, text=True, timeout=120)
+    assert gen.returncode == 0, gen.stderr
+    steps, out, positions = 100, tmp_path / "run", tmp_path / "positions"
+    proc = _tether(["launch", "--script", str(script), "--script-args", f"--parquet --data '{pattern}' --position {positions} --eval-samples 2000",
+                    "--num-workers", "2", "--steps", str(steps), "--log-every", "100", "--out", str(out)], tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_loss"] < summary["eval_baseline_loss"], summary
+    for rank in (0, 1):
+        position = json.loads((positions / f"worker-{rank}.json").read_text())
+        settings: dict[str, Any] = dict(ctr=True, rank=rank, world_size=2, epochs=None, shuffle_rows=65_536, holdout=HoldOut.every_nth(10))
+        whole = iter(ParquetStream(pattern, 256, **settings))
+        for _ in range(steps):
+            next(whole)
+        resumed = next(iter(ParquetStream(pattern, 256, resume=position, **settings)))
+        assert all(torch.equal(a, b) for a, b in zip(next(whole), resumed))

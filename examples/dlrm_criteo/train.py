@@ -1,12 +1,19 @@
-"""DLRM on Criteo-format click logs, streamed from plain or gzipped files, trained through tether.
+"""DLRM on Criteo-format click logs, streamed from TSV files (plain or gzipped) or from Parquet,
+trained through tether.
 
 The model is tether's DLRM-style ``CTRModel`` built with shard-held embedding bags; the data is
-``CriteoStream`` (a glob or list of files, every 10th line held out); both are the same public
-pieces a team would use for its own click logs.
+``CriteoStream`` (a glob or list of TSV files, every 10th line held out) or, with ``--parquet``,
+``ParquetStream`` (Parquet files as ``tether convert`` or Spark writes them: row groups dealt to
+the workers, a seeded shuffle buffer, every 10th row held out, and a position to resume from);
+both are the same public pieces a team would use for its own click logs.
 
     python examples/dlrm_criteo/train.py --generate 3 --lines 20000 --data 'day_*.tsv.gz'  # sample files
-    tether launch --script examples/dlrm_criteo/train.py --script-args "--data 'day_*.tsv.gz'" \
+    tether launch --script examples/dlrm_criteo/train.py --script-args "--data 'day_*.tsv.gz'" \\
         --num-workers 2 --mode async --steps 100
+
+    python examples/dlrm_criteo/train.py --parquet --generate 3 --lines 20000 --data 'day_*.parquet'
+    tether launch --script examples/dlrm_criteo/train.py \\
+        --script-args "--parquet --data 'day_*.parquet' --position positions" --num-workers 2 --steps 100
 """
 
 from __future__ import annotations
@@ -14,64 +21,116 @@ from __future__ import annotations
 import argparse
 import glob
 import gzip
+import json
 import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from tether.protos.allocator import tune_malloc
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.criteo import CRITEO_DENSE, CRITEO_SPARSE, CriteoStream, criteo_eval_set, write_criteo_sample
+from tether.worker.data import Batch
 from tether.worker.embedding import ShardedEmbeddingBag
 from tether.worker.evaluation import constant_baseline_loss, evaluate
 from tether.worker.model import CTRModel
 from tether.worker.training import Trainer, TrainingConfig
 from tether.worker.trainer import ctr_loss, ctr_sparse
 
+if TYPE_CHECKING:
+    from tether.worker.parquet import ParquetStream
+
 HOLDOUT = 10
+SHUFFLE_ROWS = 65_536
 
 
-def generate(pattern: str, files: int, lines: int) -> None:
-    """Write ``files`` gzipped Criteo-format files of ``lines`` lines each, named after
-    ``pattern`` (its ``*`` numbered): one click log, drawn from one hidden model, cut in days."""
-    whole = pattern.replace("*", "all").removesuffix(".gz") + ".tmp"
+def generate(pattern: str, files: int, lines: int, parquet: bool) -> None:
+    """Write ``files`` Criteo-format files of ``lines`` lines each, named after ``pattern`` (its
+    ``*`` numbered): one click log, drawn from one hidden model, cut in days; gzipped TSV, or
+    Parquet (``--parquet``: each day converted as ``tether convert`` does it)."""
+    whole = pattern.replace("*", "all").removesuffix(".gz").removesuffix(".parquet") + ".tmp"
     write_criteo_sample(whole, files * lines, seed=0)
     with open(whole, "rb") as src:
         for i in range(files):
             name = pattern.replace("*", f"{i:02d}")
-            with (gzip.open(name, "wb") if name.endswith(".gz") else open(name, "wb")) as dst:
+            day = name + ".tsv" if parquet else name
+            with (gzip.open(day, "wb") if day.endswith(".gz") else open(day, "wb")) as dst:
                 for _ in range(lines):
                     dst.write(src.readline())
+            if parquet:
+                from tether.worker.parquet import write_criteo_parquet
+
+                # Row groups of 4,096 rows: a small sample still deals to several workers.
+                write_criteo_parquet(day, name, row_group_rows=4096)
+                os.remove(day)
     os.remove(whole)
+
+
+def parquet_data(a: argparse.Namespace, config: TrainingConfig) -> tuple[ParquetStream, Batch, float, Path | None]:
+    """The training stream, held-out set and click rate from Parquet files, and where this
+    worker's position is kept (``--position DIR``: DIR/worker-<i>.json, read to resume and
+    written when training ends)."""
+    # Imported here: pyarrow is an optional extra (pip install 'tether[parquet]').
+    from tether.worker.parquet import HoldOut, ParquetStream
+    holdout = HoldOut.every_nth(HOLDOUT)
+    held_out = next(iter(ParquetStream(a.data, a.eval_samples, ctr=True, holdout=holdout, held_out=True)))
+    click_rate = float(next(iter(ParquetStream(a.data, 20_000, ctr=True, holdout=holdout))).labels.mean())
+    position = Path(a.position) / f"worker-{config.worker_index}.json" if a.position else None
+    resume = json.loads(position.read_text()) if position is not None and position.exists() else None
+    train = ParquetStream(a.data, a.batch_size, ctr=True, rank=config.worker_index, world_size=config.num_workers, epochs=None,
+                          shuffle_rows=SHUFFLE_ROWS, seed=config.seed, holdout=holdout, resume=resume)
+    if resume is not None:
+        print(f"worker {config.worker_index}: resuming at epoch {resume['epoch']}, {resume['file']} row group {resume['row_group']}", flush=True)
+    return train, held_out, click_rate, position
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", required=True, help="Criteo-format files: a path, a glob or a comma-separated list")
-    p.add_argument("--generate", type=int, default=0, help="first write this many gzipped sample files matching --data, then exit")
+    p.add_argument("--data", required=True, help="Criteo-format files: a path, a glob or a comma-separated list (Parquet: a folder too)")
+    p.add_argument("--parquet", action="store_true", help="--data names Parquet files (label, float dense and integer id columns, as tether convert writes them)")
+    p.add_argument("--position", default=None, metavar="DIR",
+                   help="with --parquet: resume each worker from DIR/worker-<i>.json when it exists, and write it there when training ends")
+    p.add_argument("--generate", type=int, default=0, help="first write this many sample files matching --data (gzipped TSV, or Parquet with --parquet), then exit")
     p.add_argument("--lines", type=int, default=20_000, help="lines per generated file")
     p.add_argument("--batch-size", type=int, default=int(os.environ.get("TETHER_BATCH_SIZE", 256)))
     p.add_argument("--dim", type=int, default=int(os.environ.get("TETHER_EMBEDDING_DIM", 16)))
     p.add_argument("--eval-samples", type=int, default=int(os.environ.get("TETHER_EVAL_SAMPLES", 5000)))
     a = p.parse_args()
     if a.generate:
-        generate(a.data, a.generate, a.lines)
+        generate(a.data, a.generate, a.lines, a.parquet)
         print(f"wrote {', '.join(sorted(glob.glob(a.data)))}")
         return
+    if a.position and not a.parquet:
+        p.error("--position needs --parquet (the TSV reader has no position to resume from)")
     tune_malloc()  # a worker process: keep each step's MiB-sized tensors in the heap
     config = TrainingConfig.from_env()
-    held_out = criteo_eval_set(a.data, a.eval_samples, holdout_every=HOLDOUT)
-    click_rate = float(next(iter(CriteoStream(a.data, 20_000, holdout_every=HOLDOUT))).labels.mean())
+    position: Path | None = None
+    stream: ParquetStream | None = None
+    train: Iterable[Batch]
+    if a.parquet:
+        stream, held_out, click_rate, position = parquet_data(a, config)
+        train = stream
+    else:
+        held_out = criteo_eval_set(a.data, a.eval_samples, holdout_every=HOLDOUT)
+        click_rate = float(next(iter(CriteoStream(a.data, 20_000, holdout_every=HOLDOUT))).labels.mean())
+        train = CriteoStream(a.data, a.batch_size, rank=config.worker_index, world_size=config.num_workers, epochs=None, holdout_every=HOLDOUT)
     torch.manual_seed(config.seed)
     model = CTRModel(CRITEO_DENSE, CRITEO_SPARSE, a.dim, embedding_factory=lambda name, dim: ShardedEmbeddingBag(name, dim))
     opt = OptimizerConfig(config.optimizer, lr=config.lr)
     tables = [TableConfig(t, a.dim, opt, init_scale=config.init_scale, seed=config.seed) for t in model.table_names()]
-    train = CriteoStream(a.data, a.batch_size, rank=config.worker_index, world_size=config.num_workers, epochs=None, holdout_every=HOLDOUT)
 
     def metrics(model: torch.nn.Module, batch) -> dict[str, float]:
         return {**evaluate(model, batch, 4096), "eval_baseline_loss": constant_baseline_loss(click_rate, batch.labels)}
 
     with Trainer(model, config, loss=ctr_loss, sparse=ctr_sparse, tables=tables) as trainer:
         record = trainer.fit(train, eval_data=[held_out], evaluate=metrics)
+    if stream is not None and position is not None:
+        # fit read ahead of the steps it trained on: the position after those steps' batches.
+        position.parent.mkdir(parents=True, exist_ok=True)
+        position.write_text(json.dumps(stream.state_dict(batches=record["steps"]), indent=1))
+        print(f"worker {config.worker_index}: data position after {record['steps']} steps written to {position}", flush=True)
     if "final_eval" in record:
         e = record["final_eval"]
         print(f"held-out log loss {e['eval_loss']:.4f}, AUC {e['eval_auc']:.4f} (constant click rate: {e['eval_baseline_loss']:.4f})", flush=True)
