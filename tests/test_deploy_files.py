@@ -134,9 +134,9 @@ def _kubernetes_sd_missing(tmp_path: Path) -> str | None:
 
 
 def readme_metrics_ports() -> dict[str, list[int]]:
-    """--metrics-port of the shards and workers in the README's "Running shards and workers yourself"."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Running shards and workers yourself", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    """--metrics-port of the shards and workers in docs/running.md's first command block."""
+    page = (ROOT / "docs" / "running.md").read_text()
+    section = page.split("```bash", 1)[1].split("```", 1)[0]
     ports: dict[str, list[int]] = {"server": [], "worker": []}
     for line in section.splitlines():
         m = re.match(r"\s*tether (server|worker) .*--metrics-port (\d+)", line)

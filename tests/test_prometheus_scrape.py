@@ -22,7 +22,7 @@ from tether.worker.config import WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PROM_LOCAL = ROOT / "deploy" / "prometheus" / "prometheus-local.yml"
-# The README's "Running shards and workers yourself" serves metrics on these; the file scrapes them.
+# docs/running.md's cluster serves metrics on these; the file scrapes them.
 SHARD_METRICS_PORTS = (9100, 9101)
 WORKER_METRICS_PORTS = (9200, 9201)
 
@@ -162,8 +162,8 @@ def _busy(port: int) -> bool:
     return False
 
 
-def test_shipped_local_config_scrapes_the_readme_cluster(tmp_path: Path) -> None:
-    """Users' path, unmodified: the README's two shards and two workers on their fixed metrics
+def test_shipped_local_config_scrapes_the_documented_cluster(tmp_path: Path) -> None:
+    """Users' path, unmodified: docs/running.md's two shards and two workers on their fixed metrics
     ports, and ``prometheus --config.file=deploy/prometheus/prometheus-local.yml``.
 
     The file's ports are the product, so they are not rewritten; where something else holds one

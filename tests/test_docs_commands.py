@@ -1,0 +1,168 @@
+"""Every shell command the README and docs/ show that can run on a laptop runs here, as a reader
+would paste it, so the pages stay true to the code.
+
+Each page's ```bash blocks run in order in one scratch folder (the repository's ``examples``,
+``deploy`` and ``bench`` linked into it, so relative paths work), as ``bash -e`` scripts. To keep
+the suite CI-sized a command is shrunk before it runs, never otherwise changed: ``--steps``,
+``--num-workers``, ``--eval-samples`` and generated data sizes are capped, ``--repeats`` is 1,
+mode and bound lists keep their first two entries, and every fixed port moves by one offset to
+free ones; a command that gives no ``--steps`` gets ``TETHER_STEPS=20`` from the environment.
+An install step before ``&&`` is dropped (the suite runs installed). A command is skipped only
+for a reason named in ``SKIP``: it needs Docker, Kubernetes or a GPU, is a long-running server
+another test covers, or stands for the reader's own code.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+# A command holding one of these is not run here, for the reason given.
+SKIP = {
+    "docker ": "needs a Docker engine",
+    "kubectl ": "needs a Kubernetes cluster",
+    "deploy/k8s/*.yaml": "edits the Kubernetes manifests for a registry of your own",
+    "--device cuda": "needs a GPU (tests/test_gpu.py runs it on GPU hosts)",
+    "CUDA_VISIBLE_DEVICES": "needs a GPU (tests/test_gpu.py runs it on GPU hosts)",
+    "--preset gpu": "a GPU-sized model (tests/test_gpu.py runs it on GPU hosts)",
+    "python -m pytest": "the test suite itself",
+    "prometheus --config.file": "a long-running server: tests/test_prometheus_scrape.py scrapes with this file",
+    "mypackage.train:main": "stands for the reader's own module",
+    "my_model.py:build": "stands for the reader's own model file",
+    "/data/ckpt": "stands for the reader's own live cluster and checkpoint folder",
+    "--mode sync --shards 127.0.0.1": "needs the shards of docs/running.md already serving",
+}
+# Lines dropped from a block that is run: long-running viewers of what the block wrote.
+DROP = ("tensorboard --logdir",)
+# Commands a page shows failing, with the exit code it says they end with.
+EXPECTED_EXIT = {"--steps 10 --tls-ca ca.crt --auth-token-file token": 1, "--tls-key worker.key\n": 1}
+FIXED_PORTS = re.compile(r"\b(50\d\d\d|9[12]\d\d)\b")
+
+
+def _blocks(page: Path) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", page.read_text(), re.S)
+
+
+def _cap(pattern: str, limit: int, text: str) -> str:
+    return re.sub(pattern, lambda m: m.group(0).replace(m.group(1), str(min(int(m.group(1)), limit))), text)
+
+
+def _commands(block: str) -> list[str]:
+    """The block's commands: lines with their backslash continuations joined."""
+    return block.replace("\\\n", " ").splitlines()
+
+
+def _runnable(block: str) -> str:
+    """The block without the commands ``SKIP`` names and the lines ``DROP`` names."""
+    return "\n".join(c for c in _commands(block) if not any(key in c for key in SKIP) and not c.strip().startswith(DROP)) + "\n"
+
+
+def _shrink(block: str, port_offset: int) -> str:
+    block = re.sub(r"python -m pip install [^&\n]*&& ", "", block)
+    block = _cap(r"--steps (\d+)", 20, block)
+    block = _cap(r"--num-workers (\d+)", 2, block)
+    block = _cap(r"--eval-samples (\d+)", 1000, block)
+    block = _cap(r"--generate (\d+)", 20000, block)
+    block = _cap(r"write_criteo_sample\('[^']+', (\d+)\)", 20000, block)
+    block = re.sub(r"--repeats \d+", "--repeats 1", block)
+    block = re.sub(r"--(modes|bounds) ([\w:.]+,[\w:.]+)(,[\w:.,]+)?", r"--\1 \2", block)
+    return FIXED_PORTS.sub(lambda m: str(int(m.group(1)) + port_offset), block)
+
+
+def _port_offset(text: str) -> int:
+    """An offset that moves every fixed port the text names (and the next one) to a free port."""
+    ports = {int(p) for p in FIXED_PORTS.findall(text)}
+    for offset in range(1000, 15000, 97):
+        if all(_free(p + offset) and _free(p + offset + 1) for p in ports):
+            return offset
+    pytest.fail(f"no free ports for {sorted(ports)}")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _scratch(tmp_path: Path) -> dict[str, str]:
+    """Link the repository's folders in and put ``python`` and ``tether`` first on PATH."""
+    for name in ("examples", "deploy", "bench"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    bin_dir = tmp_path / ".bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    tether = bin_dir / "tether"
+    tether.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m tether.deploy.cli "$@"\n')
+    tether.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1", "TETHER_STEPS": "20"}
+
+
+def _pages_with_commands() -> list[Path]:
+    return [p for p in PAGES if any(_runnable(b).strip() for b in _blocks(p))]
+
+
+@pytest.mark.parametrize("page", _pages_with_commands(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_page_commands_run(page: Path, tmp_path: Path) -> None:
+    env = _scratch(tmp_path)
+    blocks = _blocks(page)
+    offset = _port_offset("\n".join(blocks))
+    groups: list[int] = []
+    try:
+        _run_blocks(page, blocks, offset, env, tmp_path, groups)
+    finally:
+        # Background processes the blocks started (shards with '&') go with the page.
+        for pgid in groups:
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def _run_blocks(page: Path, blocks: list[str], offset: int, env: dict[str, str], tmp_path: Path, groups: list[int]) -> None:
+    """Run a page's blocks in order."""
+    cwd = tmp_path
+    for block in blocks:
+        runnable = _runnable(block)
+        if not runnable.strip():
+            continue
+        script = _shrink(runnable, offset)
+        expected = next((code for key, code in EXPECTED_EXIT.items() if key in block), 0)
+        # A block may cd (the worked example of docs/security-and-faults.md): the next one goes on there.
+        # Output goes to a file, not a pipe: processes a block leaves in the background ('&')
+        # keep their copy of it open, and a pipe would not end until they do.
+        log = tmp_path / f".block-{len(groups)}.log"
+        with log.open("w") as sink:
+            proc = subprocess.Popen(["bash", "-ec", script + '\npwd > "$TETHER_DOCS_CWD"\n'], cwd=cwd, env={**env, "TETHER_DOCS_CWD": str(tmp_path / ".cwd")},
+                                    stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        groups.append(proc.pid)
+        try:
+            proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out = log.read_text(errors="replace")
+        assert proc.returncode == expected, f"{page.name}: exit {proc.returncode} (expected {expected}) for\n{script}\n--- output ---\n{out[-3000:]}"
+        if expected == 0:
+            cwd = Path((tmp_path / ".cwd").read_text().strip())
+
+
+def test_the_skip_list_names_commands_that_exist() -> None:
+    """Every ``SKIP`` entry matches a command of the docs (a stale entry is a reason for nothing)
+    and leaves the pages with commands to run."""
+    commands = [c for p in PAGES for b in _blocks(p) for c in _commands(b)]
+    unused = [key for key in SKIP if not any(key in c for c in commands)]
+    assert not unused, f"SKIP entries that match no command in the docs: {unused}"
+    assert len(_pages_with_commands()) >= 8
