@@ -9,6 +9,7 @@ one-line ``DataError``.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import os
 import threading
@@ -242,6 +243,7 @@ def criteo_parquet_columns(source: str | os.PathLike[str] | Sequence[str | os.Pa
                         f"found {len(dense)} float and {len(ids)} id columns")
     roles = {label: "label", **dict.fromkeys(dense, "dense"), **dict.fromkeys(ids, "id")}
     types = {f.name: f.type for f in schema}
+    _check_schema(files[0], schema, roles)
     for f in files[1:]:
         _check_schema(f, _open(f).schema_arrow, roles, files[0], types)
     return dense, ids
@@ -257,13 +259,14 @@ def check_parquet(
     Raises:
         DataError: one line naming the file and the column, or the row group count.
     """
-    dense, ids = criteo_parquet_columns(source, label)
-    _deal(_units(parquet_files(source)), 0, world_size, parquet_files(source))
+    files = parquet_files(source)
+    dense, ids = criteo_parquet_columns(files, label)
+    _deal(_units(files), 0, world_size, files)
     return dense, ids
 
 
-def _units(files: Sequence[Path]) -> list[_Unit]:
-    """Every row group of ``files``, in order.
+def _units(files: Sequence[Path], metadata: Sequence[Any] | None = None) -> list[_Unit]:
+    """Every row group of ``files``, in order (from their ``metadata`` when already read).
 
     Raises:
         DataError: a file that is not Parquet or is truncated.
@@ -271,7 +274,7 @@ def _units(files: Sequence[Path]) -> list[_Unit]:
     units: list[_Unit] = []
     first = 0
     for i, path in enumerate(files):
-        meta = _open(path).metadata
+        meta = metadata[i] if metadata is not None else _open(path).metadata
         for g in range(meta.num_row_groups):
             rows = meta.row_group(g).num_rows
             units.append(_Unit(i, g, rows, first))
@@ -287,16 +290,16 @@ def _deal(units: Sequence[_Unit], rank: int, world_size: int, files: Sequence[Pa
     Raises:
         DataError: some rank would get no rows.
     """
-    load = [0] * world_size
+    heap = [(0, r) for r in range(world_size)]  # (rows so far, rank): a heap from the start
     mine: list[_Unit] = []
     for u in units:
         if u.rows == 0:
             continue
-        r = min(range(world_size), key=lambda k: (load[k], k))
-        load[r] += u.rows
+        load, r = heapq.heappop(heap)
+        heapq.heappush(heap, (load + u.rows, r))
         if r == rank:
             mine.append(u)
-    empty = [r for r in range(world_size) if load[r] == 0]
+    empty = sorted(r for load, r in heap if load == 0)
     if empty:
         where = str(files[0]) if len(files) == 1 else f"{files[0]} and {len(files) - 1} more files"
         groups = sum(1 for u in units if u.rows)
@@ -601,12 +604,14 @@ class ParquetStream(torch.utils.data.IterableDataset):
         roles = {label: "label", **dict.fromkeys(ids, "id"), **dict.fromkeys(bags, "bag"), **dict.fromkeys(dense, "dense")}
         key = holdout.column if holdout is not None else None
         types = {f.name: f.type for f in schema}
+        metadata = []
         for i, f in enumerate(self.files):
-            file_schema = schema if i == 0 else _open(f).schema_arrow
-            _check_schema(f, file_schema, roles, self.files[0], types if i else None)
+            pf = first if i == 0 else _open(f)
+            _check_schema(f, pf.schema_arrow, roles, self.files[0], types if i else None)
             if key is not None:
                 # The held-out key: any integer or string column, read or not.
-                _check_schema(f, file_schema, {key: "key"}, self.files[0], types if i else None)
+                _check_schema(f, pf.schema_arrow, {key: "key"}, self.files[0], types if i else None)
+            metadata.append(pf.metadata)
         self.label, self.ids, self.bags, self.dense = label, ids, bags, dense
         self._read_columns = list(dict.fromkeys([label, *ids, *bags, *dense, *([key] if key else [])]))
         self.ctr = ctr
@@ -621,7 +626,7 @@ class ParquetStream(torch.utils.data.IterableDataset):
         self.drop_last = drop_last
         self.max_batches = max_batches
         self.read_rows = read_rows
-        all_units = _units(self.files)
+        all_units = _units(self.files, metadata)
         self._units = _deal(all_units, rank, world_size, self.files)
         # What fixes the order of the rows: a position from another setup would mean other rows.
         self._setup = {
