@@ -642,11 +642,10 @@ class ParquetStream(torch.utils.data.IterableDataset):
         self._null_ids = {c: int(hash_strings(_pyarrow()[0].array([c]))[0] & ID_MASK) for c in [*ids, *bags]}
         self._start = _Pos(0, 0, 0, 0)
         self._lock = threading.Lock()
-        self._positions: deque[tuple[int, _Pos]] = deque(maxlen=_POSITIONS_KEPT)
-        self._count = 0
+        # (batches yielded by this iteration, the position after them), the newest last.
+        self._positions: deque[tuple[int, _Pos]] = deque([(0, self._start)], maxlen=_POSITIONS_KEPT)
         if resume is not None:
             self.load_state_dict(resume)
-        self._positions.append((0, self._start))
 
     # -- position ---------------------------------------------------------------------------------
 
