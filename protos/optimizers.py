@@ -1,12 +1,24 @@
-"""Update rules of the shards: one rule object per optimizer (its state, the state of a new row,
-its step, and the torch optimizer that matches it), in one registry, with the hyper-parameters
-they take (``OptimizerConfig``).
+"""Update rules of the shards: one object per rule, in one registry (``rule(name)``), with the
+hyper-parameters they take (``OptimizerConfig``).
 
-A shard's tables and dense chunks apply the rule their config names (``rule(cfg.name)``); local
-mode (``tether.worker.local``) applies the same rules to its in-process rows and dense tensors;
-a sync worker steps its own dense parameters with the rule's ``torch_optimizer``. Each step
-updates a block of parameters in place from its gradient: for embedding tables the gathered rows
-of one push, for dense parameters the chunk (or the whole flat tensor) itself.
+A rule is the one home of everything about its optimizer:
+
+- its state: the tensors it keeps per row or per dense element (``state_shapes``) and what a new
+  row's state starts at (``initial_state``);
+- its torch form (``apply``): the reference maths, on a dense chunk or on any rows. Dense chunks
+  on a shard and every row and dense parameter of local mode (``tether.worker.local``) are
+  stepped with it;
+- its row kernel (``rows``): the same maths written as plain loops for numba, which updates the
+  rows a push names in place. The shard compiles it (``tether.server.kernels``, lazily and
+  cached on disk; this module never imports numba, so a worker does not pay for it) and applies
+  it to its embedding tables;
+- its ``torch_optimizer``: the ``torch.optim`` optimizer that takes the same steps, with which a
+  sync worker steps its own dense parameters.
+
+Adding a rule is one subclass here and its entry in the registry (plus, for a constant no rule
+took before, a field of ``OptimizerConfig`` and of its wire form); ``tests/test_optimizers.py``
+checks every registered rule's kernel against its torch form, and its torch form against its
+torch optimizer. Nothing else names a rule.
 
 The rules, with ``g`` the gradient plus ``weight_decay * w`` (L2, added to the gradient as
 ``torch.optim`` does; not AdamW's decoupled decay) and ``lr`` the configured rate times the
@@ -25,17 +37,19 @@ push's factor (1, or less for an unusually stale push under ``--staleness-aware`
   named it, not the table's, so a rare row's first steps get the full bias correction. A dense
   chunk has one ``t``.
 
-Shards update embedding rows with compiled float32 kernels of these same formulas
-(``tether.server.kernels``, which may fuse a multiply-add), and dense chunks with ``apply``
-below; the two agree within float rounding (rows 30 steps on within 3e-7 of each other in
-``tests/test_local_mode.py``).
+The row kernels compute in float32 as the torch form does, but the compiler may fuse a
+multiply-add or divide by a reciprocal, so the two forms agree within float rounding (rows six
+pushes on within 1e-6 in ``tests/test_optimizers.py``; a local table and a shard's 40 pushes
+on within 1e-5 in ``tests/test_local_mode.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -45,13 +59,14 @@ __all__ = ["OPTIMIZERS", "Adagrad", "Adam", "OptimizerConfig", "SGD", "UpdateRul
 
 
 class UpdateRule:
-    """One optimizer as the shards apply it; subclasses fill in the state and the step."""
+    """One optimizer as the shards apply it; a subclass fills in its state, its step in torch,
+    its row kernel and the constants that kernel takes, and its torch optimizer."""
 
     name: str = ""
 
     def state_shapes(self, dim: int) -> dict[str, tuple[int, ...]]:
         """State tensors the rule keeps per row (or for a flat chunk of ``dim`` elements), as
-        name -> trailing shape."""
+        name -> trailing shape, in the order the row kernel takes them."""
         return {}
 
     def initial_state(self, cfg: OptimizerConfig) -> dict[str, float]:
@@ -63,6 +78,26 @@ class UpdateRule:
         decay already added) with learning rate ``lr``; ``state`` is updated in place."""
         raise NotImplementedError
 
+    def kernel_constants(self, cfg: OptimizerConfig) -> tuple[Any, ...]:
+        """The constants ``rows`` takes after the state arrays, as numpy scalars (their types
+        are part of the compiled signature: float32 unless the maths needs float64)."""
+        return (np.float32(cfg.weight_decay),)
+
+    @staticmethod
+    def rows(*args: Any, **kwargs: Any) -> None:
+        """The row kernel, in the Python subset numba compiles (never called uncompiled):
+        ``rows(w, slots, g, lr, scratch, *state, *constants)`` updates rows ``slots[i]`` of ``w``
+        (float32, rows x dim) and of each state array (in ``state_shapes`` order, the rows
+        first) in place from ``g[i]`` with learning rate ``lr[i]`` (float32 per row), the
+        weight decay included; ``slots`` are unique; ``scratch`` holds ``dim`` float32s to
+        spare; ``constants`` are ``kernel_constants(cfg)``.
+
+        Each row's arithmetic runs as separate simple loops over its ``dim`` elements, so that
+        LLVM can vectorise them (one loop that writes the weights and the state together is not
+        vectorised: it cannot tell that they do not overlap).
+        """
+        raise NotImplementedError
+
     def torch_optimizer(self, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
         """The torch optimizer that matches the shard's rule: a ``torch.optim`` optimizer over
         ``params`` built with every constant of ``cfg`` (``eps`` included, which is not torch's
@@ -70,8 +105,10 @@ class UpdateRule:
         steps its dense parameters with it."""
         raise NotImplementedError
 
-    def apply(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, state: Mapping[str, torch.Tensor], lr_scale: float = 1.0) -> None:
-        """Apply one update in place.
+    def apply(
+        self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, state: Mapping[str, torch.Tensor], lr_scale: float = 1.0
+    ) -> None:
+        """Apply one update in place: the rule's torch form.
 
         Args:
             cfg: the hyper-parameters.
@@ -94,6 +131,18 @@ class SGD(UpdateRule):
     def step(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, state: Mapping[str, torch.Tensor], lr: float) -> None:
         w.add_(g, alpha=-lr)
 
+    @staticmethod
+    def rows(w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, scratch: np.ndarray, weight_decay: np.float32) -> None:
+        n, d = g.shape
+        for i in range(n):
+            row, grad, step = w[slots[i]], g[i], lr[i]
+            if weight_decay != 0:
+                for j in range(d):
+                    row[j] -= step * (grad[j] + weight_decay * row[j])
+            else:
+                for j in range(d):
+                    row[j] -= step * grad[j]
+
     def torch_optimizer(self, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
@@ -115,6 +164,25 @@ class Adagrad(UpdateRule):
         acc = state["sum"]
         acc.addcmul_(g, g)
         w.addcdiv_(g, acc.sqrt().add_(cfg.eps), value=-lr)
+
+    def kernel_constants(self, cfg: OptimizerConfig) -> tuple[Any, ...]:
+        return (np.float32(cfg.weight_decay), np.float32(cfg.eps))
+
+    @staticmethod
+    def rows(
+        w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, scratch: np.ndarray, acc: np.ndarray,
+        weight_decay: np.float32, eps: np.float32,
+    ) -> None:
+        n, d = g.shape
+        for i in range(n):
+            s = slots[i]
+            row, state, step = w[s], acc[s], lr[i]
+            for j in range(d):
+                scratch[j] = g[i, j] + weight_decay * row[j]
+            for j in range(d):
+                state[j] += scratch[j] * scratch[j]
+            for j in range(d):
+                row[j] -= step * scratch[j] / (np.sqrt(state[j]) + eps)
 
     def torch_optimizer(self, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.Adagrad(
@@ -145,6 +213,35 @@ class Adam(UpdateRule):
         bc2 = (1 - torch.pow(cfg.beta2, tt)).float()
         denom = (v / bc2).sqrt_().add_(cfg.eps)
         w.addcdiv_(m / bc1, denom, value=-lr)
+
+    def kernel_constants(self, cfg: OptimizerConfig) -> tuple[Any, ...]:
+        # The betas in float64: the bias corrections are taken in float64 as in ``step``.
+        return (np.float32(cfg.weight_decay), np.float64(cfg.beta1), np.float64(cfg.beta2), np.float32(cfg.eps))
+
+    @staticmethod
+    def rows(
+        w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, scratch: np.ndarray, m: np.ndarray, v: np.ndarray,
+        t: np.ndarray, weight_decay: np.float32, beta1: np.float64, beta2: np.float64, eps: np.float32,
+    ) -> None:
+        # The moments' factors in float32, each taken from the float64 constant as torch takes
+        # a Python float.
+        b1, c1 = np.float32(beta1), np.float32(1.0 - beta1)
+        b2, c2 = np.float32(beta2), np.float32(1.0 - beta2)
+        n, d = g.shape
+        for i in range(n):
+            s = slots[i]
+            row, mr, vr, step = w[s], m[s], v[s], lr[i]
+            t[s] += 1
+            bc1 = np.float32(1.0 - beta1 ** np.float64(t[s]))
+            bc2 = np.float32(1.0 - beta2 ** np.float64(t[s]))
+            for j in range(d):
+                scratch[j] = g[i, j] + weight_decay * row[j]
+            for j in range(d):
+                mr[j] = b1 * mr[j] + c1 * scratch[j]
+            for j in range(d):
+                vr[j] = b2 * vr[j] + c2 * scratch[j] * scratch[j]
+            for j in range(d):
+                row[j] -= step * (mr[j] / bc1) / (np.sqrt(vr[j] / bc2) + eps)
 
     def torch_optimizer(self, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)

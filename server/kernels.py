@@ -1,28 +1,33 @@
-"""The shard's compiled hot loops (numba): the id index's probes and the optimizers' row updates.
+"""The shard's compiled hot loops (numba): the id index's probes, and the machinery that
+compiles each update rule's row kernel.
 
 Each is one loop over a push or pull, compiled once by LLVM and cached on disk (``cache=True``:
-in ``NUMBA_CACHE_DIR`` when set, as in the container image, else next to this file or under
-``~/.cache/numba``), so a restarted shard loads machine code instead of compiling it again. They
-release the GIL (``nogil``), so the shard's other threads (other connections, metrics, the
-checkpointer) run while a table is updated. There is no pure-Python twin: these are the code.
+in ``NUMBA_CACHE_DIR`` when set, as in the container image, else next to the source file or
+under ``~/.cache/numba``), so a restarted shard loads machine code instead of compiling it again.
+They release the GIL (``nogil``), so the shard's other threads (other connections, metrics, the
+checkpointer) run while a table is updated.
 
-Row updates apply a rule to the rows ``slots`` of a table in place, reading each row once and
-writing it once, instead of gathering rows, updating the copies and scattering them back. Each
-row's arithmetic runs as separate simple loops over its ``dim`` elements, so that LLVM can
-vectorise them (one loop that writes the weights and the state together is not vectorised: it
-cannot tell that they do not overlap).
+The row updates are not written here: each update rule (``tether.protos.optimizers``) holds its
+own kernel (``UpdateRule.rows``) beside its torch form, and this module compiles whichever rule
+a table names (``row_kernel``) and binds it to the table's state and constants
+(``row_update``): a kernel applies the rule to the rows ``slots`` of a table in place, reading
+each row once and writing it once, instead of gathering rows, updating the copies and
+scattering them back.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numba
 import numpy as np
 
-__all__ = ["EMPTY_SLOT", "REMOVED_SLOT", "index_lookup", "index_cells", "index_place", "sgd_rows", "adagrad_rows", "adam_rows", "warm_up"]
+from tether.protos.optimizers import OPTIMIZERS, OptimizerConfig, UpdateRule, rule
+
+__all__ = ["EMPTY_SLOT", "REMOVED_SLOT", "index_cells", "index_lookup", "index_place", "row_kernel", "row_update", "warm_up"]
 
 # A cell's state is its slot, so that every int64 is a valid key: a slot >= 0 is a row,
 # ``EMPTY_SLOT`` ends a probe chain, ``REMOVED_SLOT`` (a tombstone) is passed over like a row.
@@ -134,60 +139,41 @@ def index_place(cells: np.ndarray, ids: np.ndarray, new_slots: np.ndarray) -> No
         cells[p, 1] = new_slots[i]
 
 
-@_jit_math
-def sgd_rows(w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, weight_decay: np.float32) -> None:
-    """``w[slots[i]] -= lr[i] * (g[i] + weight_decay * w[slots[i]])`` for each row ``i``."""
-    n, d = g.shape
-    for i in range(n):
-        row, grad, step = w[slots[i]], g[i], lr[i]
-        if weight_decay != 0:
-            for j in range(d):
-                row[j] -= step * (grad[j] + weight_decay * row[j])
-        else:
-            for j in range(d):
-                row[j] -= step * grad[j]
+# Each rule's compiled row kernel, created on first use (and compiled, or loaded from the disk
+# cache, on its first call), keyed by the rule's kernel function.
+_row_kernels: dict[Callable[..., None], Any] = {}
+_row_kernels_lock = threading.Lock()
 
 
-@_jit_math
-def adagrad_rows(
-    w: np.ndarray, acc: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, eps: np.float32, weight_decay: np.float32,
-    scratch: np.ndarray,
-) -> None:
-    """Adagrad on rows ``slots``: ``acc += g * g``, ``w -= lr[i] * g / (sqrt(acc) + eps)``
-    (``g`` with ``weight_decay * w`` added first; ``scratch``: ``dim`` floats)."""
-    n, d = g.shape
-    for i in range(n):
-        s = slots[i]
-        row, state, step = w[s], acc[s], lr[i]
-        for j in range(d):
-            scratch[j] = g[i, j] + weight_decay * row[j]
-        for j in range(d):
-            state[j] += scratch[j] * scratch[j]
-        for j in range(d):
-            row[j] -= step * scratch[j] / (np.sqrt(state[j]) + eps)
+def row_kernel(update_rule: UpdateRule) -> Any:
+    """The compiled form of ``update_rule.rows`` (one per rule for the process)."""
+    fn = update_rule.rows
+    with _row_kernels_lock:
+        kernel = _row_kernels.get(fn)
+        if kernel is None:
+            kernel = _row_kernels[fn] = _jit_math(fn)
+        return kernel
 
 
-@_jit_math
-def adam_rows(
-    w: np.ndarray, m: np.ndarray, v: np.ndarray, t: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray,
-    beta1: np.float32, beta2: np.float32, eps: np.float32, weight_decay: np.float32, scratch: np.ndarray,
-) -> None:
-    """Adam on rows ``slots``, with one step count per row in ``t`` (bias-corrected, as torch)."""
-    n, d = g.shape
-    for i in range(n):
-        s = slots[i]
-        row, mr, vr, step = w[s], m[s], v[s], lr[i]
-        t[s] += 1
-        bc1 = np.float32(1.0) - beta1 ** t[s]
-        bc2 = np.float32(1.0) - beta2 ** t[s]
-        for j in range(d):
-            scratch[j] = g[i, j] + weight_decay * row[j]
-        for j in range(d):
-            mr[j] = beta1 * mr[j] + (np.float32(1.0) - beta1) * scratch[j]
-        for j in range(d):
-            vr[j] = beta2 * vr[j] + (np.float32(1.0) - beta2) * scratch[j] * scratch[j]
-        for j in range(d):
-            row[j] -= step * (mr[j] / bc1) / (np.sqrt(vr[j] / bc2) + eps)
+# A rule's row update bound to a table's constants: (weights, state, slots, grads, lr) -> None.
+RowUpdate = Callable[[np.ndarray, Mapping[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray], None]
+
+
+def row_update(update_rule: UpdateRule, cfg: OptimizerConfig, dim: int) -> RowUpdate:
+    """``update_rule``'s compiled row update with the constants of ``cfg``, for rows of ``dim``
+    floats: ``update(weights, state, slots, grads, lr)`` updates rows ``slots`` (unique, int64)
+    of ``weights`` and of the ``state`` arrays (by name) in place, row ``i`` from ``grads[i]``
+    with learning rate ``lr[i]`` (float32, contiguous). Binding compiles nothing: the kernel is
+    compiled, or loaded from the disk cache, on its first call (or by ``warm_up``)."""
+    kernel = row_kernel(update_rule)
+    names = tuple(update_rule.state_shapes(dim))
+    constants = update_rule.kernel_constants(cfg)
+
+    def update(weights: np.ndarray, state: Mapping[str, np.ndarray], slots: np.ndarray, grads: np.ndarray, lr: np.ndarray) -> None:
+        scratch = np.empty(dim, np.float32)
+        kernel(weights, slots, grads, lr, scratch, *[state[k] for k in names], *constants)
+
+    return update
 
 
 def warm_up() -> None:
@@ -198,24 +184,8 @@ def warm_up() -> None:
     index_place(cells, ids, ids.copy())
     index_cells(cells, ids)
     index_lookup(cells, ids)
-    w, g = np.zeros((2, 4), np.float32), np.zeros((2, 4), np.float32)
-    lr, f = np.zeros(2, np.float32), np.float32(0.0)
-    sgd_rows(w, ids, g, lr, f)
-    adagrad_rows(w, np.zeros_like(w), ids, g, lr, f, f, np.zeros(4, np.float32))
-    adam_rows(w, np.zeros_like(w), np.zeros_like(w), np.zeros(2, np.float32), ids, g, lr, f, f, f, f, np.zeros(4, np.float32))
-
-
-def apply_rows(cfg, weights: np.ndarray, state: dict[str, np.ndarray], slots: np.ndarray, grads: np.ndarray, lr: np.ndarray) -> None:
-    """Apply the rule ``cfg`` names (an ``OptimizerConfig``) to rows ``slots`` of ``weights`` and
-    its ``state`` in place, row ``i`` with learning rate ``lr[i]`` (float32)."""
-    wd = np.float32(cfg.weight_decay)
-    scratch = np.empty(weights.shape[1], np.float32)
-    if cfg.name == "sgd":
-        sgd_rows(weights, slots, grads, lr, wd)
-    elif cfg.name == "adagrad":
-        adagrad_rows(weights, state["sum"], slots, grads, lr, np.float32(cfg.eps), wd, scratch)
-    elif cfg.name == "adam":
-        adam_rows(weights, state["m"], state["v"], state["t"], slots, grads, lr, np.float32(cfg.beta1), np.float32(cfg.beta2),
-                  np.float32(cfg.eps), wd, scratch)
-    else:
-        raise ValueError(f"no row kernel for optimizer {cfg.name!r}")
+    for name in OPTIMIZERS:
+        r = rule(name)
+        w, g, lr = np.zeros((2, 4), np.float32), np.zeros((2, 4), np.float32), np.zeros(2, np.float32)
+        state = {k: np.zeros((2, *s), np.float32) for k, s in r.state_shapes(4).items()}
+        row_update(r, OptimizerConfig(name), 4)(w, state, ids, g, lr)

@@ -2,8 +2,8 @@
 
 Embedding rows live in one contiguous tensor per table (plus one per optimizer state), and
 ids map to row slots through a vectorised hash index (``tether.server.index``): no Python
-object per row and no Python loop over ids. Updates to one table are applied in a
-short vectorised critical section (gather, update, scatter) under that table's own lock, so
+object per row and no Python loop over ids. Updates to one table are applied in place by the
+rule's compiled row kernel, in a short critical section under that table's own lock, so
 concurrent pushes never lose an update while pushes to other tables and dense chunks, and all
 pulls, go on in parallel (pulls of an unbounded table read without a lock, Hogwild-style).
 
@@ -69,10 +69,11 @@ class EmbeddingTable:
         self._on_evict = on_evict
         self._on_drop = on_drop
         self._lock = threading.Lock()
-        # The update rule, plugged in by name, and what a new row's state starts at.
+        # The update rule (its state, its row kernel), and what a new row's state starts at.
         self._rule = rule(config.optimizer.name)
         self._state_shapes = self._rule.state_shapes(config.dim)
         self._initial_state = self._rule.initial_state(config.optimizer)
+        self._update_rows = kernels.row_update(self._rule, config.optimizer, config.dim)
         # Slots handed out so far; a slot below this is a row or sits in the free list.
         self._used = 0
         self._free = np.empty(0, np.int64)
@@ -387,15 +388,16 @@ class EmbeddingTable:
                 slots, grads = slots[keep], grads[torch.from_numpy(keep)]
                 if isinstance(lr_scale, np.ndarray):
                     lr_scale = lr_scale[keep]
-            # Ids are unique: each row and its state are updated in place, in one compiled pass
-            # (tether.server.kernels), row by row with its own learning rate.
+            # Ids are unique: each row and its state are updated in place, in one pass of the
+            # rule's compiled row kernel (tether.server.kernels), row by row with its own
+            # learning rate.
             if isinstance(lr_scale, np.ndarray):
                 lr = (opt.lr * lr_scale).astype(np.float32)
             else:
                 lr = np.full(len(slots), opt.lr * lr_scale, np.float32)
             state = {k: t.numpy() for k, t in self._state.items()}
             grads_np = np.ascontiguousarray(grads.detach().numpy(), np.float32)
-            kernels.apply_rows(opt, self._weights.numpy(), state, np.ascontiguousarray(slots, np.int64), grads_np, lr)
+            self._update_rows(self._weights.numpy(), state, np.ascontiguousarray(slots, np.int64), grads_np, lr)
             self.version += 1
             self._row_version[slots] = self.version
             self._log.append((self.version, slots))
