@@ -17,7 +17,7 @@ import pytest
 
 from tether.deploy import cli
 
-COMMANDS = ("server", "worker", "launch", "compare", "sweep", "export")
+COMMANDS = ("server", "worker", "launch", "compare", "sweep", "export", "convert")
 # Commands whose every flag falls back to a TETHER_* variable (the README says so).
 ENV_COMMANDS = ("server", "worker")
 
@@ -102,7 +102,7 @@ def test_help_shows_every_default(command: str, monkeypatch: pytest.MonkeyPatch,
             shown = ("on" if action.default else "off") if isinstance(action.default, bool) else str(action.default)
             assert f"default: {shown}" in block, (command, action.option_strings, block)
             checked += 1
-    assert checked >= (0 if command == "export" else 3)  # export's flags are required or optional
+    assert checked >= (0 if command in ("export", "convert") else 3)  # their flags are required or optional
 
 
 @pytest.mark.parametrize("command", ENV_COMMANDS)
