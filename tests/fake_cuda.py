@@ -7,19 +7,44 @@ copy, as on a GPU). An op that combines it with a CPU tensor of one dimension or
 what CUDA raises, and so does ``.numpy()``; 0-dim CPU tensors combine freely, as CUDA allows.
 It is stricter than CUDA in one way (CPU index tensors are refused too) and never laxer, so
 code that runs here keeps its tensors on one device.
+
+It also stands in for what overlaps host and device work (issue 26):
+
+- **pinned memory**: ``pin_memory=True`` in a factory and ``Tensor.pin_memory()`` give CPU
+  tensors that ``is_pinned()`` (views of them too);
+- **streams and events**: ``torch.cuda.Stream``, ``Event``, ``current_stream``, ``stream``,
+  ``device``, ``current_device`` and ``synchronize`` work, and ``Tensor.record_stream`` takes
+  a fake stream;
+- **what waits for the GPU**, in ``syncs``: reading a device tensor's values on the host
+  (``item``, ``float``, ``bool``, ``int``, ``tolist``, ``torch.equal``, a blocking copy to the
+  host, ops whose output size depends on device values such as ``nonzero``, ``unique`` or a
+  boolean mask) and ``synchronize`` of an event, a stream or the device;
+- **copies between host and device**, in ``copies`` (direction, bytes, whether the host side is
+  pinned, whether it was asked not to block, the stream and the thread). A non-blocking copy
+  from the device into pinned memory lands, as on a GPU, only once something waits for it (an
+  event recorded after it, or any host read of device values): until then its destination
+  holds garbage (NaN, or -7777 for integers), so code that reads it too early fails here.
+
+Threads started inside the ``with`` see the fake device too. ``FakeCuda(available=True)`` also
+makes ``torch.cuda.is_available()`` true (for code that picks its device by it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
+
+from typing_extensions import Self
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["FakeCuda", "OnCuda", "on_fake_cuda"]
+__all__ = ["Copy", "FakeCuda", "FakeEvent", "FakeStream", "OnCuda", "on_fake_cuda"]
 
 CUDA = torch.device("cuda", 0)
 
@@ -63,8 +88,228 @@ def _is_cuda(device: Any) -> bool:
     return device is not None and torch.device(device).type == "cuda"
 
 
+@dataclass(frozen=True)
+class Copy:
+    """One copy between host and device."""
+
+    direction: str  # "h2d" or "d2h"
+    nbytes: int
+    dtype: torch.dtype
+    pinned: bool  # the host side is pinned memory
+    non_blocking: bool
+    stream: str  # the stream it was queued on
+    thread: str  # the name of the thread that queued it
+    host_ptr: int  # where the host side's bytes start
+
+
+class FakeStream(torch.Stream):
+    """A CUDA stream of the fake device (a ``torch.Stream``, so ``record_stream`` takes it)."""
+
+    def __new__(cls, device: Any = None, priority: int = 0, name: str = "") -> Self:
+        return super().__new__(cls, device="cpu")
+
+    def __init__(self, device: Any = None, priority: int = 0, name: str = "") -> None:
+        self.name = name or f"stream-{id(self):x}"
+        self.waited: list[FakeEvent] = []
+
+    def wait_event(self, event: Any) -> None:
+        self.waited.append(event)
+
+    def wait_stream(self, stream: torch.Stream) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Any:
+        event = event or FakeEvent()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        _active().sync("Stream.synchronize")
+
+    def __repr__(self) -> str:
+        return f"FakeStream({self.name})"
+
+
+class FakeEvent:
+    """A CUDA event of the fake device: ``synchronize`` lands the copies queued before ``record``."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self._mark: int | None = None
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        self._mark = _active().queued()
+
+    def query(self) -> bool:
+        return self._mark is None or not _active().pending(self._mark)
+
+    def synchronize(self) -> None:
+        fake = _active()
+        fake.sync("Event.synchronize")
+        if self._mark is not None:
+            fake.land(self._mark)
+
+    def wait(self, stream: FakeStream | None = None) -> None:
+        pass
+
+
+_ACTIVE: list[FakeCuda] = []
+
+
+def _active() -> FakeCuda:
+    if not _ACTIVE:
+        raise RuntimeError("a fake CUDA stream or event used outside 'with FakeCuda()'")
+    return _ACTIVE[-1]
+
+
+# Ops whose output size depends on device values: CUDA copies a count back and waits for it.
+_SIZED_BY_VALUES = {torch.nonzero, torch.Tensor.nonzero, torch.unique, torch.Tensor.unique, torch.masked_select,
+                    torch.Tensor.masked_select, torch.unique_consecutive, torch.argwhere}
+# Host reads of a device tensor's values.
+_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
+          torch.Tensor.__index__, torch.equal}
+_FACTORIES_PINNED = "pin_memory"
+
+
 class FakeCuda(TorchFunctionMode):
     """Torch calls see ``OnCuda`` tensors as on another device than the CPU's."""
+
+    def __init__(self, available: bool = False) -> None:
+        super().__init__()
+        self.available = available
+        self.syncs: list[str] = []
+        self.copies: list[Copy] = []
+        self.pin_calls = 0  # Tensor.pin_memory(): a host copy into pinned memory
+        self._lock = threading.RLock()
+        self._pinned: dict[int, torch.UntypedStorage] = {}
+        # Non-blocking copies from the device not landed yet: (sequence number, destination, source).
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._seq = 0
+        self._local = threading.local()
+        self.default_stream = FakeStream(name="default")
+        self._saved: dict[str, Any] = {}
+        self._saved_run: Callable[[threading.Thread], None] = threading.Thread.run
+        self._depth = 0
+
+    # -- what the tests read ------------------------------------------------------------------
+
+    def sync(self, what: str) -> None:
+        """Note a wait for the device; everything queued before it lands."""
+        with self._lock:
+            self.syncs.append(what)
+            self.land(self._seq)
+
+    def queued(self) -> int:
+        with self._lock:
+            return self._seq
+
+    def pending(self, mark: int) -> bool:
+        with self._lock:
+            return any(seq < mark for seq, _, _ in self._pending)
+
+    def land(self, mark: int) -> None:
+        """Finish the non-blocking copies queued before ``mark``."""
+        with self._lock:
+            keep = []
+            for seq, dst, src in self._pending:
+                if seq < mark:
+                    torch.Tensor.copy_(dst, src)
+                else:
+                    keep.append((seq, dst, src))
+            self._pending = keep
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return not isinstance(t, OnCuda) and t.untyped_storage().data_ptr() in self._pinned
+
+    def current_stream(self) -> FakeStream:
+        return getattr(self._local, "stream", None) or self.default_stream
+
+    # -- entering: torch.cuda's stream API and threads ----------------------------------------
+
+    def __enter__(self) -> Self:
+        if self._depth == 0:
+            self._patch()
+        self._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self._depth -= 1
+        if self._depth == 0:
+            self._unpatch()
+
+    def _patch(self) -> None:
+        fake = self
+        cuda = torch.cuda
+
+        @contextlib.contextmanager
+        def stream(s: FakeStream | None) -> Iterator[None]:
+            before = getattr(fake._local, "stream", None)
+            fake._local.stream = s
+            try:
+                yield
+            finally:
+                fake._local.stream = before
+
+        @contextlib.contextmanager
+        def device(d: Any) -> Iterator[None]:
+            yield
+
+        run = threading.Thread.run
+
+        def run_faked(thread: threading.Thread) -> None:
+            # The mode only (torch's mode stack is per thread); patching is the owner's.
+            TorchFunctionMode.__enter__(fake)
+            try:
+                run(thread)
+            finally:
+                TorchFunctionMode.__exit__(fake, None, None, None)
+
+        replaced: dict[str, Any] = {
+            "Stream": FakeStream,
+            "Event": FakeEvent,
+            "current_stream": lambda device=None: fake.current_stream(),
+            "stream": stream,
+            "device": device,
+            "current_device": lambda: 0,
+            "synchronize": lambda device=None: fake.sync("torch.cuda.synchronize"),
+        }
+        if self.available:
+            replaced.update(is_available=lambda: True, device_count=lambda: 1)
+        self._saved = {name: getattr(cuda, name) for name in replaced}
+        for name, value in replaced.items():
+            setattr(cuda, name, value)
+        self._saved_run = run
+        setattr(threading.Thread, "run", run_faked)  # noqa: B010 - a method mypy would not let be assigned
+        _ACTIVE.append(self)
+
+    def _unpatch(self) -> None:
+        setattr(threading.Thread, "run", self._saved_run)  # noqa: B010
+        for name, value in self._saved.items():
+            setattr(torch.cuda, name, value)
+        self._saved = {}
+        _ACTIVE.remove(self)
+
+    # -- the mode -------------------------------------------------------------------------------
+
+    def _copy(self, direction: str, host: torch.Tensor, nbytes: int, dtype: torch.dtype, pinned: bool, non_blocking: bool) -> None:
+        with self._lock:
+            self.copies.append(Copy(direction, nbytes, dtype, pinned, non_blocking, self.current_stream().name,
+                                    threading.current_thread().name, host.data_ptr()))
+
+    def _later(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A non-blocking copy from the device into pinned memory: lands when something waits."""
+        with self._lock:
+            self._pending.append((self._seq, dst, torch.Tensor.clone(src)))
+            self._seq += 1
+        if dst.is_floating_point():
+            torch.Tensor.fill_(dst, float("nan"))
+        elif dst.dtype == torch.bool:
+            torch.Tensor.fill_(dst, False)
+        else:
+            torch.Tensor.fill_(dst, -7777)
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = dict(kwargs or {})
@@ -73,20 +318,76 @@ class FakeCuda(TorchFunctionMode):
         name = getattr(func, "__name__", str(func))
         if func is torch.Tensor.numpy and gpu:
             raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host memory first.")
+        if gpu and (func in _READS or func in _SIZED_BY_VALUES):
+            self.sync(name)
+        elif gpu and func is torch.Tensor.__getitem__ and any(isinstance(t, OnCuda) and t.dtype == torch.bool for t in tensors[1:]):
+            self.sync("boolean mask")
+        if func is torch.Tensor.pin_memory:
+            self.pin_calls += 1
+            out = torch.Tensor.clone(args[0])
+            self._pinned[out.untyped_storage().data_ptr()] = out.untyped_storage()
+            return out
+        if func is torch.Tensor.is_pinned:
+            return self.is_pinned(args[0])
+        if func is torch.Tensor.record_stream:
+            if not isinstance(args[0], OnCuda) or not isinstance(args[1], FakeStream):
+                raise RuntimeError("record_stream takes a CUDA tensor and a CUDA stream")
+            return None
+        if kwargs.pop(_FACTORIES_PINNED, False):
+            out = func(*args, **kwargs)
+            self._pinned[out.untyped_storage().data_ptr()] = out.untyped_storage()
+            return out
+        if func is torch.Tensor.copy_ and gpu:
+            dst, src = args[0], args[1]
+            non_blocking = bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
+            if isinstance(dst, OnCuda) and not isinstance(src, OnCuda):
+                self._copy("h2d", src, src.numel() * src.element_size(), src.dtype, self.is_pinned(src), non_blocking)
+                torch.Tensor.copy_(dst, src)
+                return dst
+            if not isinstance(dst, OnCuda):
+                pinned = self.is_pinned(dst)
+                self._copy("d2h", dst, src.numel() * src.element_size(), src.dtype, pinned, non_blocking)
+                if non_blocking and pinned:
+                    self._later(dst, src)
+                else:
+                    self.sync("blocking copy to the host")
+                    torch.Tensor.copy_(dst, src)
+                return dst
+            return func(*args, **kwargs)
         if func is torch.Tensor.cpu:
-            return torch.Tensor.clone(args[0]) if gpu else func(*args, **kwargs)
+            if gpu:
+                self._copy("d2h", args[0], args[0].numel() * args[0].element_size(), args[0].dtype, False, False)
+                self.sync("cpu()")
+                return torch.Tensor.clone(args[0])
+            return func(*args, **kwargs)
         if func is torch.Tensor.cuda:
-            return args[0] if gpu else _mark(torch.Tensor.clone(args[0]))
+            if gpu:
+                return args[0]
+            self._copy("h2d", args[0], args[0].numel() * args[0].element_size(), args[0].dtype, self.is_pinned(args[0]),
+                       bool(kwargs.get("non_blocking", False)))
+            return _mark(torch.Tensor.clone(args[0]))
         if func is torch.Tensor.to:
             src = args[0]
             if len(args) > 1 and isinstance(args[1], torch.Tensor):  # .to(other): other's device and dtype
-                device, dtype = (CUDA if isinstance(args[1], OnCuda) else torch.device("cpu")), args[1].dtype
+                device, dtype, non_blocking = (CUDA if isinstance(args[1], OnCuda) else torch.device("cpu")), args[1].dtype, False
             else:
-                device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+                device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
             src_gpu = isinstance(src, OnCuda)
             if device is not None and _is_cuda(device) != src_gpu:
-                out = torch.Tensor.to(src, dtype=dtype or src.dtype, copy=True)
-                return _mark(out) if _is_cuda(device) else out
+                nbytes = src.numel() * src.element_size()
+                if src_gpu:
+                    # As torch does, a non-blocking copy to the host goes into pinned memory.
+                    out = torch.empty(src.shape, dtype=dtype or src.dtype)
+                    self._copy("d2h", out, nbytes, src.dtype, bool(non_blocking), bool(non_blocking))
+                    if non_blocking:
+                        self._pinned[out.untyped_storage().data_ptr()] = out.untyped_storage()
+                        self._later(out, torch.Tensor.to(src, dtype=dtype or src.dtype))
+                    else:
+                        self.sync("blocking copy to the host")
+                        torch.Tensor.copy_(out, src)
+                    return out
+                self._copy("h2d", src, nbytes, src.dtype, self.is_pinned(src), bool(non_blocking))
+                return _mark(torch.Tensor.to(src, dtype=dtype or src.dtype, copy=True))
             out = torch.Tensor.to(src, dtype=dtype or src.dtype)
             return _mark(out) if src_gpu else out
         if _is_cuda(kwargs.get("device")):

@@ -118,6 +118,7 @@ class SyncPolicy(Policy):
         self.optimizer: torch.optim.Optimizer | None = None
         self.tables: dict[str, int] = {}
         self.digests: list[str] = []
+        self._prints: list[torch.Tensor] = []  # fingerprints not read yet, on the device
 
     def bind(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, tables: dict[str, int]) -> None:
         """The dense parameters this rank all-reduces and steps, and the model's tables (name
@@ -181,19 +182,37 @@ class SyncPolicy(Policy):
         return torch.stack(out).cpu()
 
     def after_push(self) -> None:
+        """The barrier, and this step's digest of the dense parameters: on a GPU a fingerprint
+        computed there and read only at the end (reading it every step would wait for the GPU)."""
         self.dist.barrier()
-        self.digests.append(self.digest())
+        if not self.params or self.params[0].device.type == "cpu":
+            self.digests.append(self.digest())
+            return
+        self._prints.append(_fingerprint(self.params))
+        if len(self._prints) >= 1024:
+            self._prints = [torch.cat([t.reshape(-1) for t in self._prints])]
 
     def digest(self) -> str:
-        """Short hash of the dense parameters (identical on every rank after every step)."""
+        """Short hash of the dense parameters (identical on every rank after every step), 16 hex
+        digits: SHA-1 of their bytes on the CPU, ``_fingerprint`` on a GPU (reading it there
+        waits for the device)."""
         if not self.params:
             return ""
+        if self.params[0].device.type != "cpu":
+            return _hex(_fingerprint(self.params))[0]
         data = torch.cat([p.detach().reshape(-1).cpu() for p in self.params]).numpy().tobytes()
         return hashlib.sha1(data).hexdigest()[:16]
 
+    def _read_digests(self) -> list[str]:
+        """Every step's fingerprint so far, as ``digest`` writes it (one read of the device)."""
+        if self._prints:
+            self.digests.extend(_hex(torch.cat([t.reshape(-1) for t in self._prints])))
+            self._prints = []
+        return self.digests
+
     def finish(self, trainer: TrainerView, clock: int, record: dict[str, object]) -> None:
         super().finish(trainer, clock, record)
-        record["dense_digests"] = self.digests
+        record["dense_digests"] = self._read_digests()
         record["backend"] = self.dist.get_backend()
 
     def leave(self, failed: bool) -> None:
@@ -206,6 +225,31 @@ class SyncPolicy(Policy):
             return
         self.dist.barrier()
         self.dist.destroy_process_group()
+
+
+def _fingerprint(params: list[nn.Parameter]) -> torch.Tensor:
+    """A 0-dim int64 of the parameters' bits, computed on their device without reading them.
+
+    The sum over every element of (its bit pattern as 32-, 16- or 8-bit integers) x (an odd
+    weight, 2i + 1 for position i), each product taken mod 2^32: one changed or two swapped
+    elements always change it, and integer sums are exact, so it is the same on every rank
+    and run, whatever order the device adds in.
+    """
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    size = flat.element_size()
+    bits = flat.view(torch.uint8 if size == 1 else torch.int16 if size == 2 else torch.int32)
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    step = 1 << 22  # elements at a time: the int64 temporaries stay small beside the model
+    for at in range(0, bits.numel(), step):
+        part = bits[at : at + step].to(torch.int64)
+        weights = torch.arange(2 * at + 1, 2 * (at + part.numel()) + 1, 2, dtype=torch.int64, device=flat.device)
+        total += part.mul_(weights).bitwise_and_(0xFFFFFFFF).sum()
+    return total
+
+
+def _hex(prints: torch.Tensor) -> list[str]:
+    """Fingerprints as 16 hex digits each."""
+    return [f"{v & 0xFFFFFFFFFFFFFFFF:016x}" for v in prints.reshape(-1).tolist()]
 
 
 def init_sync(cfg: TrainingConfig, device: torch.device) -> TrainingConfig:

@@ -66,6 +66,10 @@ class Router:
         self.dense: dict[str, DenseLayout] = {}
         self._splits: dict[str, list[tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]]] = {}
         self._split_lock = threading.Lock()
+        # Pulls answer into page-locked (pinned) memory, the rows of same-width tables one after
+        # another in one buffer (a CUDA worker's ``PSModel`` turns this on): its copy to the GPU
+        # is then one asynchronous copy of what was received, with no host copy before it.
+        self.pin_memory = False
 
     # -- declare -----------------------------------------------------------------------------
 
@@ -115,9 +119,10 @@ class Router:
         """
         requests: dict[int, pb.PullRequest] = {}
         layouts = {name: self.dense_layout(name) for name in dense}
+        arrays = {table: self._check_ids(table, ids) for table, ids in sparse.items()}
         plan = PullPlan(
-            rows={},
-            flats={name: torch.empty(layout.numel) for name, layout in layouts.items()},
+            rows=self._row_buffers(arrays),
+            flats={name: torch.empty(layout.numel, pin_memory=self.pin_memory) for name, layout in layouts.items()},
             shapes={name: layout.shape for name, layout in layouts.items()},
         )
         itemsize = self.config.wire_dtype.itemsize
@@ -127,9 +132,7 @@ class Router:
                 requests[s] = pb.PullRequest(worker_id=self.config.worker_id, wire_dtype=wire_dtype(self.config.wire_dtype))
             return requests[s]
 
-        for table, ids in sparse.items():
-            arr = self._check_ids(table, ids)
-            plan.rows[table] = torch.empty(arr.size, self.dims[table])
+        for table, arr in arrays.items():
             for s, (pos, part) in enumerate(self._split(table, arr)):
                 if part.size:
                     req(s).sparse.add(table=table, ids=encode_ids(part))
@@ -141,6 +144,23 @@ class Router:
                 req(s).dense.add(name=name, index=index)
                 plan.response_bytes[s] = plan.response_bytes.get(s, 0) + dp.align((b - a) * itemsize)
         return requests, plan
+
+    def _row_buffers(self, arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Where each table's pulled rows go: a tensor of its own, or with ``pin_memory`` a
+        slice of one pinned buffer per row width (tables in request order, back to back)."""
+        if not self.pin_memory:
+            return {table: torch.empty(arr.size, self.dims[table]) for table, arr in arrays.items()}
+        totals: dict[int, int] = {}
+        for table, arr in arrays.items():
+            totals[self.dims[table]] = totals.get(self.dims[table], 0) + arr.size
+        buffers = {dim: torch.empty(n, dim, pin_memory=True) for dim, n in totals.items()}
+        start = dict.fromkeys(totals, 0)
+        rows = {}
+        for table, arr in arrays.items():
+            dim = self.dims[table]
+            rows[table] = buffers[dim][start[dim] : start[dim] + arr.size]
+            start[dim] += arr.size
+        return rows
 
     def _split(self, table: str, arr: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """``split_ids``, remembered for the last two id sets of each table: a step pushes the
@@ -263,11 +283,22 @@ class PullAnswer:
         placed = self._placed.pop(shard, frozenset()) if payload is not None else frozenset()
         self._router.place_pull(self._plan, shard, response, payload, placed)
 
+    def push_pull(self, shard: int, response: pb.PushPullResponse, payload: memoryview | None) -> pb.PushResponse:
+        """A ``PushPull`` answer: its pull placed as a ``Pull`` answer's is; the push's response."""
+        self(shard, response.pull, payload)
+        return response.push
+
     def direct(self, shard: int, meta: bytes, payload_len: int) -> list[tuple[int, memoryview]]:
         """Where the blocks of this answer can be received in place: (payload offset, bytes),
         ascending and disjoint inside ``payload_len`` (else none: all go through the buffer)."""
+        return self._direct(shard, pb.PullResponse.FromString(meta), payload_len)
+
+    def direct_push_pull(self, shard: int, meta: bytes, payload_len: int) -> list[tuple[int, memoryview]]:
+        """``direct`` for a ``PushPull`` answer (its pull's blocks)."""
+        return self._direct(shard, pb.PushPullResponse.FromString(meta).pull, payload_len)
+
+    def _direct(self, shard: int, response: pb.PullResponse, payload_len: int) -> list[tuple[int, memoryview]]:
         plan = self._plan
-        response = pb.PullResponse.FromString(meta)
         fp32 = wire_dtype(torch.float32)
         out: list[tuple[int, memoryview]] = []
         keys: list[tuple[object, ...]] = []

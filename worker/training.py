@@ -41,7 +41,7 @@ from tether.worker.data import in_background
 from tether.worker.embedding import Prefetch, PSModel
 from tether.worker.local import LocalClient
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
-from tether.worker.policies import SyncPolicy, policy_for
+from tether.worker.policies import Policy, SyncPolicy, policy_for
 from tether.worker.stragglers import delay_factor
 from tether.worker.tensorboard_writer import RECORD_KEYS, TensorBoardRecorder
 
@@ -293,7 +293,14 @@ class Trainer(Generic[B]):
         ahead = None  # the push_pull carrying the next step's pull
         push = None
         phase = {"staleness_wait": 0.0, "pull_wait": 0.0, "compute": 0.0, "push": 0.0}
-        window_loss, window_n, samples, eval_time = 0.0, 0, 0, 0.0
+        window_n, samples, eval_time = 0, 0, 0.0
+        # This window's summed loss, where the loss is (a GPU's: reading it there waits for the
+        # device, so it is read when a record is written, not every step); the last value read.
+        window_loss: torch.Tensor | None = None
+        loss_value = math.nan
+        on_host = self.device.type == "cpu"
+        # Sync's combiner of the ranks' row gradients (which wants them in float32), else none.
+        combine = policy.row_gradients if type(policy).row_gradients is not Policy.row_gradients else None
         straggler, delay_seed = cfg.straggler_spec, cfg.seed
         t_start = time.perf_counter()
         start_time = time.time()
@@ -319,7 +326,12 @@ class Trainer(Generic[B]):
                 self.printer(f"{self.name}: stopping at step {step + 1} with data left: another rank's data ended there "
                              "(sync steps every rank together: give the ranks equal numbers of batches, or set steps)")
                 upcoming = after = None
-            loss_value = float(loss.detach())
+            held = loss.detach()
+            window_loss = held.double() if window_loss is None else window_loss + held
+            if on_host:
+                loss_value = float(held)  # free on the CPU: the loss gauge gets every step's
+            # The step's gradients to the host: on CUDA the host's one wait for the GPU this step.
+            ps.collect(exact=combine is not None)
             # Straggler experiments: this step computes ``factor`` times slower (same schedule
             # per worker and step in every mode: see tether.worker.stragglers).
             factor = delay_factor(straggler, delay_seed, cfg.worker_index, start_clock + step, cfg.num_workers) if straggler.active else 1.0
@@ -332,7 +344,7 @@ class Trainer(Generic[B]):
             if prefetch and after is not None:
                 ahead = ps.push_pull(clock=clock + 1, versions=pulled, sparse=self.sparse_fn(after))
             else:
-                push = ps.push(clock=clock + 1, versions=pulled, rows=policy.row_gradients)
+                push = ps.push(clock=clock + 1, versions=pulled, rows=combine)
             if settle_every_step:
                 # The step's updates must land before this worker's clock (or the barrier) lets
                 # anyone read past them (such policies never prefetch: the push was just made).
@@ -343,7 +355,6 @@ class Trainer(Generic[B]):
             t3 = time.perf_counter()
             n = self.batch_size_fn(batch)
             samples += n
-            window_loss += loss_value
             window_n += 1
             durations = {"staleness_wait": tw - t0, "pull_wait": t1 - tw, "compute": t2 - t1, "push": t3 - t2}
             for key, value in durations.items():
@@ -360,7 +371,7 @@ class Trainer(Generic[B]):
                     "samples": samples,
                     "wall_s": round(wall, 4),
                     "time": time.time(),
-                    "train_loss": round(window_loss / max(window_n, 1), 6),
+                    "train_loss": round(float(window_loss) / max(window_n, 1), 6) if window_loss is not None else math.nan,
                 }
                 window = staleness[window_start:]
                 if window:
@@ -378,7 +389,9 @@ class Trainer(Generic[B]):
                 if self.board is not None:
                     self.board.write(record, staleness[-1] if staleness else None)
                 self.printer(self._progress(record, last_eval if evaluate_now else {}, phase, wall, steps, total))
-                window_loss, window_n = 0.0, 0
+                if not on_host:
+                    loss_value = record["train_loss"]  # the loss gauge's, until the next record
+                window_loss, window_n = None, 0
             if upcoming is None:
                 break
             batch, upcoming = upcoming, after
