@@ -55,7 +55,7 @@ from torch import nn
 
 from tether.protos import tether_pb2 as pb
 
-__all__ = ["OPTIMIZERS", "Adagrad", "Adam", "OptimizerConfig", "SGD", "UpdateRule", "rule"]
+__all__ = ["OPTIMIZERS", "Adagrad", "Adam", "OptimizerConfig", "RuleOptimizer", "SGD", "UpdateRule", "rule"]
 
 
 class UpdateRule:
@@ -102,8 +102,9 @@ class UpdateRule:
         """The torch optimizer that matches the shard's rule: a ``torch.optim`` optimizer over
         ``params`` built with every constant of ``cfg`` (``eps`` included, which is not torch's
         default for Adagrad), whose steps equal ``apply``'s within float rounding. Sync mode
-        steps its dense parameters with it."""
-        raise NotImplementedError
+        steps its dense parameters with it. A rule that ``torch.optim`` lacks keeps this
+        default: ``RuleOptimizer``, which steps each parameter with ``apply``."""
+        return RuleOptimizer(self, cfg, params)
 
     def apply(
         self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, state: Mapping[str, torch.Tensor], lr_scale: float = 1.0
@@ -247,6 +248,39 @@ class Adam(UpdateRule):
 
     def torch_optimizer(self, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+class RuleOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim`` optimizer that steps each parameter, flattened, with a rule's torch form
+    (``apply``) as a shard steps a dense chunk; its state per parameter is the rule's, on the
+    parameter's device. A group's ``lr`` scales the step by ``lr / cfg.lr``, so learning-rate
+    schedulers work on it."""
+
+    def __init__(self, update_rule: UpdateRule, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> None:
+        super().__init__(params, {"lr": cfg.lr})
+        self.update_rule, self.cfg = update_rule, cfg
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # torch.optim's signature
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    initial = self.update_rule.initial_state(self.cfg)
+                    for k, shape in self.update_rule.state_shapes(p.numel()).items():
+                        state[k] = torch.full(shape, initial.get(k, 0.0), dtype=p.dtype, device=p.device)
+                contiguous = p.is_contiguous()
+                flat = p.view(-1) if contiguous else p.reshape(-1).clone()
+                self.update_rule.apply(self.cfg, flat, p.grad.reshape(-1), state, group["lr"] / self.cfg.lr)
+                if not contiguous:
+                    p.copy_(flat.view(p.shape))
+        return loss
 
 
 _RULES: dict[str, UpdateRule] = {r.name: r for r in (SGD(), Adagrad(), Adam())}

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from tether.protos.optimizers import OPTIMIZERS, SGD, OptimizerConfig, UpdateRule, rule
+from tether.protos.optimizers import OPTIMIZERS, SGD, OptimizerConfig, RuleOptimizer, UpdateRule, rule
 from tether.server import kernels
 from tether.server.tables import EmbeddingTable, TableConfig
 
@@ -251,3 +251,28 @@ def test_the_kernel_machinery_takes_any_rule_object() -> None:
     update(w, {}, np.array([2, 0], np.int64), np.array([[1.0, -2.0], [0.0, 3.0]], np.float32), np.array([0.5, 0.25], np.float32))
     assert w.tolist() == [[0.0, -0.25], [0.0, 0.0], [-0.5, 0.5]]
     assert kernels.row_kernel(SGD()) is kernels.row_kernel(rule("sgd"))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_rule_torch_lacks_still_has_a_torch_optimizer(name: str) -> None:
+    """``RuleOptimizer`` (the default ``torch_optimizer`` of a rule with no ``torch.optim`` twin)
+    steps parameters of any shape, a transposed one included, as the rule's own torch optimizer
+    does, and a group's lr (a scheduler's) scales its steps."""
+    gen = torch.Generator().manual_seed(5)
+    cfg = OptimizerConfig(name, lr=0.05, weight_decay=0.01, initial_accumulator=0.1)
+    shapes = [(6, 4), (7,)]
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    ours.append(torch.nn.Parameter(torch.randn(4, 3, generator=gen).t()))  # not contiguous
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt_ours, opt_theirs = RuleOptimizer(rule(name), cfg, ours), rule(name).torch_optimizer(cfg, theirs)
+    for step in range(5):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = a.grad.clone()
+        if step == 3:
+            for o in (opt_ours, opt_theirs):
+                o.param_groups[0]["lr"] = 0.02
+        opt_ours.step()
+        opt_theirs.step()
+    for a, b in zip(ours, theirs):
+        assert torch.allclose(a.detach(), b.detach(), atol=1e-6)

@@ -17,6 +17,7 @@ model and ``tether worker`` train through this class too.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import logging
@@ -103,6 +104,8 @@ class Trainer(Generic[B]):
         self.sparse_fn = sparse
         self.batch_size_fn: Callable[[B], int] = batch_size if batch_size is not None else self._count_samples
         self._count_noted = False
+        # Where the data stream is after n batches, when it can say (set by fit).
+        self._position_of: Callable[[int], dict[str, Any]] | None = None
         self.metrics: WorkerRecorder = metrics if metrics is not None else NullWorkerMetrics()
         self.printer = printer
         self.name = f"worker {config.worker_index}/{config.num_workers}"
@@ -216,6 +219,7 @@ class Trainer(Generic[B]):
         if self.config.steps is None and not hasattr(data, "__len__"):
             self.printer(f"{self.name}: no step limit (TrainingConfig.steps, env TETHER_STEPS) and the data has no length: "
                          "training runs until the data ends, forever on an endless stream")
+        self._position_of = _position_of(data)
         producer = in_background(iter(data)) if background else None
         try:
             return self._fit(iter(data) if producer is None else producer, eval_data, evaluate)
@@ -361,8 +365,10 @@ class Trainer(Generic[B]):
                 phase[key] += value
             self.metrics.record_step(durations, t3 - t0, n, loss_value, clock + 1)
             last = upcoming is None
-            if cfg.checkpoint_every_steps and cfg.worker_index == 0 and (step + 1) % cfg.checkpoint_every_steps == 0:
-                self._checkpoint(clock + 1)
+            if cfg.checkpoint_every_steps and (step + 1) % cfg.checkpoint_every_steps == 0:
+                if cfg.worker_index == 0:
+                    self._checkpoint(clock + 1)
+                self._save_position(clock + 1, step + 1)
             evaluate_now = evaluating and ((cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0) or last)
             if (step + 1) % cfg.log_every == 0 or last or evaluate_now:
                 wall = time.perf_counter() - t_start - eval_time
@@ -416,6 +422,8 @@ class Trainer(Generic[B]):
         }
         if evaluating:
             result["final_eval"] = last_eval
+        if self._position_of is not None:
+            result["data_position"] = self._position_of(step + 1)
         policy.finish(self, start_clock + step + 1, result)
         if self.board is not None:
             self.board.flush()
@@ -438,6 +446,17 @@ class Trainer(Generic[B]):
         extra = "".join(f" {k} {v:.4f}" for k, v in evals.items())
         return (f"{self.name} step {done}{total} loss {record['train_loss']:.4f} "
                 f"{int(record['samples']) / max(wall, 1e-9):,.0f} samples/s ({split}) elapsed {_clock(wall)}{eta}{extra}")
+
+    def _save_position(self, clock: int, steps: int) -> None:
+        """Write where this worker's data stream is after ``steps`` batches next to checkpoint
+        ``step-<clock>`` (``out/positions/step-<clock>/worker-<i>.json``), when the data can say.
+        Every worker writes its own at its own step boundary; under ``ssp:S`` the shards' checkpoint
+        of that name may be up to S steps off it: ``step`` in the file says where this worker was."""
+        if self._position_of is None or not self.config.out:
+            return
+        path = Path(self.config.out) / "positions" / f"step-{clock}" / f"worker-{self.config.worker_index}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"step": steps, "position": self._position_of(steps)}))
 
     def _checkpoint(self, clock: int) -> None:
         """Ask every shard for a checkpoint ``step-<clock>`` (worker 0); a shard without a
@@ -467,6 +486,17 @@ class Trainer(Generic[B]):
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self.close(failed=kind is not None)
+
+
+def _position_of(data: object) -> Callable[[int], dict[str, Any]] | None:
+    """``data.state_dict(batches=n)`` (the stream's position after n batches: ``fit`` reads ahead
+    of the step) when the data has one, as ``ParquetStream`` does; else None."""
+    state_dict = getattr(data, "state_dict", None)
+    try:
+        takes_batches = callable(state_dict) and "batches" in inspect.signature(state_dict).parameters
+    except (TypeError, ValueError):
+        takes_batches = False
+    return (lambda n: state_dict(batches=n)) if takes_batches and state_dict is not None else None
 
 
 def _clock(seconds: float) -> str:
