@@ -388,3 +388,36 @@ def test_dlrm_example_trains_from_parquet_and_leaves_each_workers_position(tmp_p
             next(whole)
         resumed = next(iter(ParquetStream(pattern, 256, resume=position, **settings)))
         assert all(torch.equal(a, b) for a, b in zip(next(whole), resumed))
+
+
+def test_the_trainer_records_the_streams_position_and_writes_it_beside_checkpoints(files: list[Path], tmp_path: Path) -> None:
+    """Trainer.fit puts the stream's position after its last trained batch in the record, and every
+    checkpoint_every_steps writes it to out/positions/step-<clock>/worker-<i>.json: resuming there
+    reads on from the batch after."""
+    from torch import nn
+
+    from tether.worker.embedding import ShardedEmbeddingBag
+    from tether.worker.training import Trainer, TrainingConfig
+
+    settings: dict[str, Any] = dict(bs=64, shuffle_rows=300, seed=3)
+    whole = list(_stream(files, **settings))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows = ShardedEmbeddingBag("rows", 4)
+            self.hist = ShardedEmbeddingBag("hist", 4)
+            self.out = nn.Linear(10, 1)
+
+        def forward(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self.out(torch.cat([self.rows(b["row"]), self.hist(b["hist"], b["hist_offsets"]), b["dense"]], 1)).squeeze(1)
+
+    torch.manual_seed(0)
+    config = TrainingConfig(shards=(), local=True, steps=7, checkpoint_every_steps=3, out=str(tmp_path / "out"), device="cpu")
+    with Trainer(Model(), config, loss=lambda m, b: nn.functional.binary_cross_entropy_with_logits(m(b), b["label"]),
+                 sparse=lambda b: {"rows": b["row"], "hist": b["hist"]}, printer=lambda line: None) as trainer:
+        record = trainer.fit(_stream(files, **settings))
+    assert _same(list(_stream(files, resume=record["data_position"], **settings)), whole[7:])
+    saved = json.loads((tmp_path / "out" / "positions" / "step-3" / "worker-0.json").read_text())
+    assert saved["step"] == 3
+    assert _same(list(_stream(files, resume=saved["position"], **settings)), whole[3:])

@@ -365,7 +365,8 @@ class Trainer(Generic[B]):
                 phase[key] += value
             self.metrics.record_step(durations, t3 - t0, n, loss_value, clock + 1)
             last = upcoming is None
-            if cfg.checkpoint_every_steps and (step + 1) % cfg.checkpoint_every_steps == 0:
+            # self.config: _checkpoint turns checkpoints off for the run when the shards cannot take them.
+            if self.config.checkpoint_every_steps and (step + 1) % self.config.checkpoint_every_steps == 0:
                 if cfg.worker_index == 0:
                     self._checkpoint(clock + 1)
                 self._save_position(clock + 1, step + 1)
