@@ -31,6 +31,10 @@ def _launch(argv: Sequence[str]) -> int:
     p.add_argument("--job-timeout", type=float, default=3600.0, metavar="SECONDS", help="give up after this many seconds")
     p.add_argument("--metrics", action="store_true", help="give every process a Prometheus /metrics port")
     p.add_argument("--checkpoint-every", type=float, default=None, metavar="SECONDS", help="shards checkpoint to OUT/checkpoints this often (seconds); a shard that dies is restarted from its last one")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart an async or ssp worker that dies (any exit but a usage error or Ctrl-C) up to N times, as a new "
+                   "incarnation, for the steps it had not reported done; the others train on meanwhile (0: the first failure ends "
+                   "the job). Not for --mode sync, where a rank that dies ends the job naming it")
     own = p.add_mutually_exclusive_group()
     own.add_argument("--script", default=None, help="run this Python training script as the workers (it reads its place in the job with "
                      "TrainingConfig.from_env(); under --mode sync torchrun runs it) instead of the built-in CTR model")
@@ -45,13 +49,18 @@ def _launch(argv: Sequence[str]) -> int:
     try:
         _check_job_flags(a)
         template = config_from_args(a, shards=("pending:0",), num_workers=a.num_workers, worker_index=0)
+        if a.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {a.max_restarts}")
+        if a.max_restarts and template.consistency[0] == "sync":
+            raise ValueError(f"--max-restarts {a.max_restarts}: sync ranks are not restarted (a rank that dies ends the job, naming it); "
+                             "use --mode async or ssp:S")
         args = shlex.split(a.script_args)
         program = Program.script(a.script, args) if a.script else Program.entry(a.entry, args) if a.entry else None
     except ValueError as exc:
         return report_usage_error("tether launch", exc)
     try:
         summary = run_job(template, a.num_shards, out=a.out, timeout_s=a.job_timeout, metrics=a.metrics, checkpoint_every=a.checkpoint_every,
-                          program=program)
+                          program=program, max_restarts=a.max_restarts)
     except UsageError as exc:  # a worker's own one line (a malformed data line found mid-run)
         return report_usage_error("tether launch", exc)
     except ClusterError as exc:
@@ -81,6 +90,10 @@ def _result_lines(summary: dict[str, Any], out: str | None, own_program: bool) -
         f"        {summary['total_samples']:,} samples in {summary['train_wall_s']:.1f}s = {summary['samples_per_sec']:,.0f} samples/s"
         f" across {summary['num_workers']} worker(s) and {summary['num_shards']} shard(s)",
     ]
+    restarted = {name: n for name, n in summary.get("restarts", {}).items() if n}
+    if restarted:
+        lines.append("        restarts: " + ", ".join(f"{name} {n}" for name, n in restarted.items())
+                     + (" (restarted workers re-read their data from the start: see summary.json)" if "restarted_workers" in summary else ""))
     if out:
         lines.append(f"        summary written to {out}/summary.json")
     return "\n".join(lines)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,12 +34,22 @@ def run_job(
     checkpoint_every: float | None = None,
     program: Program | None = None,
     shard_args: Sequence[str] = (),
+    max_restarts: int = 0,
+    shard_restarts: int = 5,
+    during: Callable[[LocalCluster], AbstractContextManager[object]] | None = None,
 ) -> dict[str, Any]:
     """Run a whole job locally, evaluate the result, and write ``summary.json`` to ``out``.
 
     With a ``program`` the workers are the user's code; the result is what its workers
     recorded (worker 0's final held-out metrics, when it evaluated). ``shard_args``: extra
     ``tether server`` flags (TLS files, for one; the workers' own come from ``template``).
+
+    Args:
+        max_restarts: restart an async or ssp worker that dies up to this many times (see
+            ``LocalCluster``); a sync rank that dies ends the job.
+        shard_restarts: restart a shard that dies up to this many times.
+        during: a context entered once the workers have started and left once they have all
+            finished, before the evaluation (a fault schedule, for one).
 
     Raises:
         UsageError: a worker found a mistake in what it was asked (a malformed data line).
@@ -52,7 +63,8 @@ def run_job(
         out_dir.mkdir(parents=True, exist_ok=True)
     # A shard that dies is restarted on its port; with checkpoint_every it comes back from its
     # last checkpoint (without, it comes back empty).
-    cluster = LocalCluster(log_dir=out_dir / "logs" if out_dir else None, restart=True)
+    cluster = LocalCluster(log_dir=out_dir / "logs" if out_dir else None, restart=True, max_restarts=shard_restarts,
+                           max_worker_restarts=max_restarts)
     try:
         with cluster:
             workdir = out_dir or cluster.log_dir
@@ -64,9 +76,12 @@ def run_job(
             print(f"tether: {num_shards} shard(s) at {', '.join(addresses)}; starting {template.num_workers} worker(s)", flush=True)
             t0 = time.perf_counter()
             cluster.start_workers(template, echo=echo, metrics=metrics, program=program)
-            cluster.wait_workers(timeout_s)
+            with during(cluster) if during is not None else nullcontext():
+                cluster.wait_workers(timeout_s)
             wall = time.perf_counter() - t0
             metrics_ports = dict(cluster.metrics_ports)
+            restarts = cluster.restart_counts()
+            steps_before = cluster.steps_before_restarts()
             records = [workdir / f"worker-{i}.json" for i in range(template.num_workers)]
             workers = [json.loads(r.read_text()) for r in records if r.exists()]
             if program is not None:
@@ -81,8 +96,13 @@ def run_job(
     except KeyboardInterrupt:
         # Leaving the with block stopped every process.
         raise Interrupted(cluster.stopped) from None
-    total = sum(int(w["samples"]) for w in workers)
-    train_wall = max(float(w["wall_s"]) for w in workers)
+    # A restarted worker's record is its last incarnation's: the steps the earlier ones reported
+    # done are added (at the batch size the built-in job and Trainer.fit use), and the
+    # throughput is over the whole job's wall time, restarts included.
+    before = {int(name.rpartition("-")[2]): n for name, n in steps_before.items()}
+    earlier = {w["worker_index"]: before.get(int(w["worker_index"]), 0) * template.batch_size for w in workers}
+    total = sum(int(w["samples"]) for w in workers) + sum(earlier.values())
+    train_wall = wall if steps_before else max(float(w["wall_s"]) for w in workers)
     lags = sorted(int(x) for w in workers for x in w["clock_staleness"])
     summary: dict[str, Any] = {
         "mode": template.mode,
@@ -99,8 +119,24 @@ def run_job(
         "staleness_p50": quantile(lags, 0.5),
         "staleness_p99": quantile(lags, 0.99),
         "staleness_max": lags[-1] if lags else 0,
-        "workers": [{k: w[k] for k in ("worker_index", "samples", "wall_s", "samples_per_sec", "phase_seconds")} for w in workers],
+        "workers": [
+            {**{k: w[k] for k in ("worker_index", "samples", "wall_s", "samples_per_sec", "phase_seconds")},
+             "restarts": restarts.get(f"worker-{w['worker_index']}", 0),
+             "samples_before_restarts": earlier.get(w["worker_index"], 0)}
+            for w in workers
+        ],
+        # Restarts of every process (shard-<i>, worker-<i>; torchrun in sync mode), and what a
+        # restarted worker read.
+        "restarts": restarts,
+        "max_restarts": max_restarts,
     }
+    if steps_before:
+        summary["restarted_workers"] = (
+            "a restarted worker is a new client incarnation that ran the steps its earlier incarnations had not reported "
+            "done (progress lines, every --log-every steps), reading its share of the data from the start again: "
+            "it re-read batches its first incarnation trained on, and did not read those after them; "
+            "samples_per_sec is over job_wall_s"
+        )
     if out_dir:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

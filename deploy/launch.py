@@ -5,6 +5,12 @@ guessed. Every wait is bounded; on Ctrl-C, on an error or at the end of the job 
 is stopped (SIGTERM, then SIGKILL after a grace period). With ``restart=True`` a supervisor
 thread starts a shard that crashed (any exit but 0) again on the same port with the same
 flags, so it comes back from its last checkpoint where the workers' retries find it.
+
+With ``max_worker_restarts=N`` an async or ssp worker that dies (any exit but 0, a usage error
+or Ctrl-C) is started again, up to N times, as a new client incarnation (its pushes are
+deduplicated apart from the dead one's), for the steps its earlier incarnations did not report
+done; the others train on meanwhile. A sync rank is never restarted: torchrun stops the others
+and the job ends naming the rank.
 """
 
 from __future__ import annotations
@@ -108,6 +114,12 @@ class _Child:
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] | None = None
     port_file: Path | None = None
+    # Where this incarnation's output starts in its (appended) log.
+    log_offset: int = 0
+    # Workers: the job's steps per worker (None: until the data ends), and the steps earlier
+    # incarnations reported done.
+    steps: int | None = None
+    steps_done: int = 0
 
 
 class LocalCluster:
@@ -120,6 +132,7 @@ class LocalCluster:
         grace_s: float = 10.0,
         restart: bool = False,
         max_restarts: int = 5,
+        max_worker_restarts: int = 0,
     ) -> None:
         """Set up (nothing starts until ``start_shards``).
 
@@ -129,9 +142,13 @@ class LocalCluster:
             grace_s: how long ``stop`` waits after SIGTERM before SIGKILL.
             restart: restart shards that crash (exit code other than 0).
             max_restarts: give up on a shard after this many restarts.
+            max_worker_restarts: restart an async or ssp worker that dies up to this many times
+                (``wait_workers`` does); 0: the first worker failure ends the job.
         """
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts!r}")
+        if max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts must be >= 0, got {max_worker_restarts!r}")
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if log_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="tether-")
@@ -142,15 +159,19 @@ class LocalCluster:
         self.grace_s = grace_s
         self.restart = restart
         self.max_restarts = max_restarts
+        self.max_worker_restarts = max_worker_restarts
         self.shards: list[_Child] = []
         self.workers: list[_Child] = []
         self.addresses: list[str] = []
         self.metrics_ports: dict[str, int] = {}
-        # Restarts per shard index.
+        # Restarts per shard index, and per worker name (worker-<i>).
         self.restarts: dict[int, int] = {}
+        self.worker_restarts: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
+        # Whether workers' output is echoed (start_workers sets it; restarts keep it).
+        self._echo = True
         # How many processes the last ``stop`` stopped.
         self.stopped = 0
 
@@ -164,6 +185,7 @@ class LocalCluster:
         self, name: str, argv: list[str], echo: bool, env: dict[str, str] | None = None, append: bool = False
     ) -> _Child:
         log_path = self.log_dir / f"{name}.log"
+        offset = log_path.stat().st_size if append and log_path.exists() else 0
         proc = subprocess.Popen(
             child_command(argv),
             stdout=subprocess.PIPE,
@@ -176,7 +198,7 @@ class LocalCluster:
         sink = log_path.open("a" if append else "w")
         pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{name}] ", sink, echo), daemon=True)
         pump.start()
-        return _Child(name, proc, pump, log_path, list(argv), env)
+        return _Child(name, proc, pump, log_path, list(argv), env, log_offset=offset)
 
     def start_shards(
         self,
@@ -286,6 +308,54 @@ class LocalCluster:
         with self._lock:
             return self.shards[index].proc
 
+    def restart_shard(self, index: int, timeout_s: float = 60.0) -> int:
+        """Stop shard ``index`` as an operator would (SIGTERM: it drains and writes its final
+        checkpoint) and start it again on its port; counted in ``restarts``. Returns the new pid.
+
+        Raises:
+            ClusterError: it did not exit within ``timeout_s`` (it is then killed and restarted).
+        """
+        with self._lock:
+            child = self.shards[index]
+        child.proc.send_signal(signal.SIGTERM)
+        late = False
+        try:
+            child.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            late = True
+            child.proc.kill()
+            child.proc.wait(timeout=10)
+        child.pump.join(timeout=1)
+        with self._lock:
+            if self._stopping.is_set() or self.shards[index] is not child:
+                return self.shards[index].proc.pid if self.shards else child.proc.pid
+            if child.port_file is not None:
+                child.port_file.unlink(missing_ok=True)
+            fresh = self._spawn(child.name, child.argv, echo=False, env=child.env, append=True)
+            fresh.port_file = child.port_file
+            self.shards[index] = fresh
+            self.restarts[index] = self.restarts.get(index, 0) + 1
+        if late:
+            raise ClusterError(f"{child.name} did not stop within {timeout_s:.0f}s of SIGTERM; killed and restarted")
+        return fresh.proc.pid
+
+    def processes(self) -> dict[str, subprocess.Popen]:
+        """The current process of every shard and worker, by name (shard-<i>, worker-<i>, torchrun)."""
+        with self._lock:
+            return {c.name: c.proc for c in self.shards + self.workers}
+
+    def restart_counts(self) -> dict[str, int]:
+        """Restarts of every shard and worker so far, by name (0 for those never restarted)."""
+        with self._lock:
+            counts = {c.name: self.restarts.get(i, 0) for i, c in enumerate(self.shards)}
+            counts.update({c.name: self.worker_restarts.get(c.name, 0) for c in self.workers})
+        return counts
+
+    def steps_before_restarts(self) -> dict[str, int]:
+        """Per restarted worker, the steps its earlier incarnations reported done."""
+        with self._lock:
+            return {c.name: c.steps_done for c in self.workers if c.name in self.worker_restarts}
+
     def start_workers(
         self, template: WorkerConfig, extra_args: Sequence[str] = (), echo: bool = True, metrics: bool = False, program: Program | None = None
     ) -> None:
@@ -294,6 +364,7 @@ class LocalCluster:
 
         In sync mode the workers are the ranks of one ``torchrun``.
         """
+        self._echo = echo
         if template.consistency[0] == "sync":
             cfg = replace(template, shards=tuple(self.addresses), worker_index=0)
             # Each rank's stderr is also kept in its own file, so a failed rank's error can be shown
@@ -316,40 +387,97 @@ class LocalCluster:
         for i in range(template.num_workers):
             cfg = replace(template, shards=tuple(self.addresses), worker_index=i, device=worker_device(template.device, i, gpus))
             if program is not None:
-                self.workers.append(self._spawn(f"worker-{i}", list(program.argv), echo=echo, env=job_env(cfg)))
-                continue
-            argv = ["-m", "tether.worker", *worker_argv(cfg), *extra_args]
-            if metrics:
-                port = _free_port(self.host)
-                self.metrics_ports[f"worker-{i}"] = port
-                argv += ["--metrics-port", str(port)]
-            self.workers.append(self._spawn(f"worker-{i}", argv, echo=echo))
+                child = self._spawn(f"worker-{i}", list(program.argv), echo=echo, env=job_env(cfg))
+            else:
+                argv = ["-m", "tether.worker", *worker_argv(cfg), *extra_args]
+                if metrics:
+                    port = _free_port(self.host)
+                    self.metrics_ports[f"worker-{i}"] = port
+                    argv += ["--metrics-port", str(port)]
+                child = self._spawn(f"worker-{i}", argv, echo=echo)
+            child.steps = template.steps
+            with self._lock:
+                self.workers.append(child)
 
     def wait_workers(self, timeout_s: float) -> None:
-        """Wait for every worker to exit; the first one that fails ends the wait (checked
-        every 50 ms), so the others are not waited for.
+        """Wait for every worker to exit; one that fails is restarted (``max_worker_restarts``)
+        or ends the wait at once (checked every 50 ms), so the others are not waited for.
 
         Raises:
             UsageError: a worker exited with ``USAGE_EXIT_CODE``; the message is its one line.
             KeyboardInterrupt: a worker was interrupted (exit 130 or SIGINT).
-            ClusterError: a worker failed otherwise, or the job ran past ``timeout_s``.
+            ClusterError: a worker failed otherwise (and had no restart left), or the job ran
+                past ``timeout_s``.
         """
         deadline = time.monotonic() + timeout_s
-        running = list(self.workers)
-        while running:
-            for child in list(running):
+        finished: list[str] = []
+        while True:
+            with self._lock:
+                running = [c for c in self.workers if c.name not in finished]
+            if not running:
+                return
+            for child in running:
                 code = child.proc.poll()
                 if code is None:
                     continue
-                running.remove(child)
                 child.pump.join(timeout=5)
-                if code != 0:
-                    _worker_failed(child, code)
-            if not running:
-                return
+                if code == 0:
+                    finished.append(child.name)
+                elif self._may_restart(child, code, finished):
+                    self._restart_worker(child, code)
+                else:
+                    _worker_failed(child, code, self.worker_restarts.get(child.name, 0), self.max_worker_restarts)
             if time.monotonic() > deadline:
                 raise ClusterError(f"job did not finish within {timeout_s:.0f}s ({running[0].name} still running)")
             time.sleep(0.05)
+
+    def _may_restart(self, child: _Child, code: int, finished: Sequence[str]) -> bool:
+        """Whether a worker that exited with ``code`` is started again.
+
+        Raises:
+            ClusterError: it would be, but a worker of the job has finished already: a restarted
+                worker waits for all of them to join (``Policy.start``), so it would wait in vain.
+        """
+        if child.name == "torchrun" or code in (USAGE_EXIT_CODE, 130, -signal.SIGINT):
+            return False
+        if self.worker_restarts.get(child.name, 0) >= self.max_worker_restarts:
+            return False
+        if finished:
+            raise ClusterError(
+                f"{child.name} exited with code {code} after {', '.join(finished)} finished; not restarted: a restarted worker "
+                f"waits for all {len(self.workers)} workers to join, and a finished one does not; see {child.log_path}:\n{_tail(child.log_path)}"
+            )
+        return True
+
+    def _restart_worker(self, child: _Child, code: int) -> None:
+        """Start a dead worker again (a new client incarnation) for the steps its incarnations
+        did not report done; it reads its share of the data from the start again."""
+        done = child.steps_done + _steps_reported(child.log_path, child.log_offset)
+        argv, env = list(child.argv), dict(child.env or {})
+        remaining = None
+        if child.steps is not None:
+            # A worker that reported every step died after them (its evaluation, its record): one step redoes those.
+            remaining = max(child.steps - done, 1)
+            if "--steps" in argv:
+                argv[argv.index("--steps") + 1] = str(remaining)
+            elif "TETHER_STEPS" in env:
+                env["TETHER_STEPS"] = str(remaining)
+        count = self.worker_restarts.get(child.name, 0) + 1
+        env["TETHER_RESTART_COUNT"] = str(count)
+        log.warning("%s exited with code %s; restart %d of %d%s", child.name, code, count, self.max_worker_restarts,
+                    f", for the {remaining} of its {child.steps} steps not reported done" if remaining is not None else "")
+        fresh = self._spawn(child.name, argv, echo=self._echo, env=env, append=True)
+        fresh.steps, fresh.steps_done = child.steps, done
+        with self._lock:
+            self.worker_restarts[child.name] = count
+            self.workers[self.workers.index(child)] = fresh
+
+    def signal_worker(self, index: int, signum: int = signal.SIGKILL) -> int:
+        """Send ``signum`` to worker ``index`` (its current incarnation); returns the pid it went to."""
+        with self._lock:
+            proc = self.workers[index].proc
+        proc.send_signal(signum)
+        return proc.pid
 
     def stop(self) -> int:
         """Stop every child: SIGTERM, then SIGKILL after the grace period. A second Ctrl-C
@@ -412,7 +540,7 @@ def child_command(argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-c", _ORPHAN_GUARD, str(os.getpid()), *argv]
 
 
-def _worker_failed(child: _Child, code: int) -> None:
+def _worker_failed(child: _Child, code: int, restarts: int = 0, limit: int = 0) -> None:
     """Raise what a worker's non-zero exit ``code`` means (see ``LocalCluster.wait_workers``).
     For torchrun, what the rank that failed first said: torchrun's own summary names it, and
     its stderr file holds its error."""
@@ -427,7 +555,24 @@ def _worker_failed(child: _Child, code: int) -> None:
         _raise_usage_line(name, log_path)
     if name != child.name:
         raise ClusterError(f"{name} failed first (exit code {code}; torchrun stopped the other ranks); its error, from {log_path}:\n{_tail(log_path)}")
-    raise ClusterError(f"{child.name} exited with code {code}; see {child.log_path}:\n{_tail(child.log_path)}")
+    after = f" (restarted {restarts} time{'' if restarts == 1 else 's'}, --max-restarts {limit})" if limit else ""
+    raise ClusterError(f"{child.name} exited with code {code}{after}; see {child.log_path}:\n{_tail(child.log_path)}")
+
+
+# A progress line of the training loop: "worker 1/3 step 450/600 loss ...".
+_STEP_LINE = re.compile(r"\bstep (\d+)(?:/\d+)? loss ")
+
+
+def _steps_reported(log_path: Path, offset: int) -> int:
+    """The last step a worker incarnation reported in its log (from byte ``offset``); 0 if none."""
+    try:
+        with log_path.open("rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return 0
+    found = _STEP_LINE.findall(text)
+    return int(found[-1]) if found else 0
 
 
 def _raise_usage_line(name: str, log_path: Path) -> None:

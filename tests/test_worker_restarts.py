@@ -1,0 +1,164 @@
+"""Workers that come back: ``tether launch --max-restarts N`` restarts an async worker killed with
+SIGKILL mid-job as a new incarnation while the others train on; a worker that dies more often
+than N ends the job naming it; a sync rank that dies ends the job within 15 s naming the rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+# Small enough for CI, long enough that a restarted worker (~10 s to start on a busy 2-core
+# machine) rejoins while the others are still training.
+_JOB = ["--num-shards", "2", "--batch-size", "128", "--vocab-size", "5000", "--eval-samples", "2000", "--log-every", "25"]
+
+
+def _start(out: Path, *flags: str) -> subprocess.Popen:
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tether.deploy.cli", "launch", "--out", str(out), *_JOB, *flags],
+        stdout=(out / "stdout.txt").open("w"), stderr=(out / "stderr.txt").open("w"), text=True,
+    )
+
+
+def _finish(proc: subprocess.Popen, out: Path, timeout_s: float) -> tuple[int, str, str]:
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # the launcher stops its children
+        proc.wait(timeout=30)
+        raise
+    return code, (out / "stdout.txt").read_text(), (out / "stderr.txt").read_text()
+
+
+def _pids(out: Path, marker: str, rank: int | None = None) -> list[int]:
+    """Pids of this job's processes whose command line holds ``marker`` (and whose RANK is ``rank``)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            if str(out).encode() not in b" ".join(cmdline) or marker.encode() not in b"\0".join(cmdline):
+                continue
+            if rank is not None and f"RANK={rank}".encode() not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                continue
+        except OSError:
+            continue
+        found.append(int(entry))
+    return found
+
+
+def _worker_pid(out: Path, index: int, not_pid: int | None = None, timeout_s: float = 120.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pids = [p for p in _pids(out, f"--worker-index\0{index}\0") if p != not_pid]
+        if pids:
+            return pids[0]
+        time.sleep(0.1)
+    raise AssertionError(f"worker {index} of {out} did not start within {timeout_s:.0f}s")
+
+
+def _wait_for_line(path: Path, text: str, proc: subprocess.Popen, timeout_s: float = 120.0, after: int = 0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace")[after:]:
+            return
+        assert proc.poll() is None, f"the launcher exited ({proc.returncode}) before {path.name} said {text!r}"
+        time.sleep(0.1)
+    raise AssertionError(f"{path} did not say {text!r} within {timeout_s:.0f}s")
+
+
+def test_an_async_worker_killed_mid_job_is_restarted_and_the_job_succeeds(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    steps = 1200
+    proc = _start(out, "--mode", "async", "--num-workers", "3", "--steps", str(steps), "--max-restarts", "1")
+    try:
+        log = out / "logs" / "worker-1.log"
+        _wait_for_line(log, f"step 100/{steps}", proc)
+        first = _worker_pid(out, 1)
+        os.kill(first, signal.SIGKILL)
+        code, stdout, stderr = _finish(proc, out, timeout_s=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == {"shard-0": 0, "shard-1": 0, "worker-0": 0, "worker-1": 1, "worker-2": 0}
+    assert "restarts: worker-1 1" in stdout
+    assert "worker-1 exited with code -9; restart 1 of 1" in stderr
+    (w1,) = [w for w in summary["workers"] if w["worker_index"] == 1]
+    # The restart ran the steps the first incarnation had not reported (it reported >= 100).
+    done_before = w1["samples_before_restarts"] // 128
+    assert done_before >= 100
+    assert w1["samples"] == (steps - done_before) * 128
+    assert summary["total_samples"] == 3 * steps * 128
+    assert "restarted_workers" in summary
+    assert summary["eval_loss"] < summary["baseline_loss"] - 0.03, summary
+    # Both incarnations wrote to one log; the second one's pushes were its own (a new incarnation).
+    text = log.read_text()
+    assert text.count("worker 1/3: mode async") == 2, text[-2000:]
+
+
+def test_a_worker_that_dies_more_often_than_max_restarts_ends_the_job_naming_it(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    steps = 4000
+    proc = _start(out, "--mode", "ssp:2", "--num-workers", "3", "--steps", str(steps), "--max-restarts", "1")
+    try:
+        log = out / "logs" / "worker-2.log"
+        _wait_for_line(log, f"step 50/{steps}", proc)
+        first = _worker_pid(out, 2)
+        os.kill(first, signal.SIGKILL)
+        size = len(log.read_text(errors="replace"))
+        second = _worker_pid(out, 2, not_pid=first)
+        _wait_for_line(log, "worker 2/3: mode ssp:2", proc, after=size)
+        time.sleep(1.0)
+        os.kill(second, signal.SIGKILL)
+        code, stdout, stderr = _finish(proc, out, timeout_s=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 1, stdout[-3000:] + stderr[-3000:]
+    assert "tether launch: worker-2 exited with code -9 (restarted 1 time, --max-restarts 1)" in stderr, stderr[-3000:]
+    assert not _pids(out, "tether"), "processes of the job outlived it"
+
+
+def test_a_killed_sync_rank_ends_the_job_within_15_s_naming_the_rank(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    proc = _start(out, "--mode", "sync", "--num-workers", "2", "--steps", "100000")
+    try:
+        _wait_for_line(out / "stdout.txt", "step 25/100000", proc, timeout_s=180)
+        deadline = time.monotonic() + 30
+        while not (ranks := _pids(out, "tether.worker", rank=1)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ranks, "rank 1 not found"
+        killed = time.monotonic()
+        os.kill(ranks[0], signal.SIGKILL)
+        code, stdout, stderr = _finish(proc, out, timeout_s=60)
+        ended = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 1, stdout[-3000:] + stderr[-3000:]
+    assert "rank 1 failed first (exit code -9" in stderr, stderr[-3000:]
+    assert ended < 15, ended
+    print(f"sync: the job ended {ended:.1f}s after rank 1 was killed")
+    assert not _pids(out, "tether"), "processes of the job outlived it"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
+    (["--mode", "sync", "--max-restarts", "2"], "--max-restarts 2: sync ranks are not restarted"),
+])
+def test_max_restarts_is_checked_before_any_process_starts(tmp_path: Path, flags: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "tether.deploy.cli", "launch", "--out", str(tmp_path / "o"), *flags],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
