@@ -22,7 +22,9 @@ class TableConfig:
     name: str
     dim: int
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    init_scale: float = 0.01
+    # New rows start uniform in [-init_scale, init_scale]; TrainingConfig.init_scale (--init-scale)
+    # takes this default, so a job's rows start the same with or without its own ``tables=``.
+    init_scale: float = 0.05
     seed: int = 0
     # Most rows one shard keeps (0: unbounded); the least recently touched are evicted.
     capacity: int = 0

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from tether.protos.flags import HelpFormatter, env
+from tether.protos import fields
+from tether.protos.fields import derived, optional_float, optional_int, optional_str, setting
+from tether.protos.flags import HelpFormatter
 from tether.protos.security import TOKEN_ENV, check_token, resolve_token
 
 # Set to 1, a shard process exits between a checkpoint's data file and its manifest (tests).
@@ -16,45 +19,104 @@ CRASH_BEFORE_MANIFEST_ENV = "TETHER_TEST_CRASH_BEFORE_MANIFEST"
 __all__ = ["CRASH_BEFORE_MANIFEST_ENV", "ShardConfig", "load_config"]
 
 
+MIB = 1024 * 1024
+
+
+def _mib(text: str) -> int:
+    """A size flag given in MiB, as bytes."""
+    try:
+        return int(text) * MIB
+    except ValueError:
+        raise ValueError(f"expected a whole number of MiB, got {text!r}") from None
+
+
+def _in_mib(size: int) -> str:
+    return str(size // MIB)
+
+
+def _data_port(text: str) -> int | None:
+    """``--data-port``: a port, or ``off`` (also ``none``, ``-1``) for no data plane."""
+    if text.strip().lower() in ("off", "none", "-1"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"must be a port number or 'off', got {text!r}") from None
+
+
+def _show_data_port(port: int | None) -> str:
+    return "off" if port is None else str(port)
+
+
+def _auth_token(values: Mapping[str, Any], environ: Mapping[str, str]) -> str | None:
+    return resolve_token(values["auth_token_file"], environ)
+
+
 @dataclass(frozen=True)
 class ShardConfig:
-    """Everything a shard process needs to start."""
+    """Everything a shard process needs to start. Each field that can be set from outside
+    declares its flag, ``TETHER_*`` variable and help here (``tether.protos.fields``)."""
 
-    host: str = "127.0.0.1"
-    port: int = 50051
-    shard_index: int = 0
-    num_shards: int = 1
-    metrics_port: int | None = None
-    threads: int = 8
-    max_message_bytes: int = 256 * 1024 * 1024
-    max_concurrent_rpcs: int = 64
-    port_file: str | None = None
-    grace_seconds: float = 5.0
-    lease_seconds: float = 10.0
-    max_staleness: int | None = None
+    host: str = setting("127.0.0.1", flag="--host", help="address to bind")
+    port: int = setting(50051, flag="--port", help="gRPC port, 0 picks a free one")
+    shard_index: int = setting(0, flag="--shard-index", help="this shard's index")
+    num_shards: int = setting(1, flag="--num-shards", help="shards in the job")
+    metrics_port: int | None = setting(None, flag="--metrics-port", parse=optional_int, help="serve Prometheus /metrics on this port")
+    threads: int = setting(8, flag="--threads", help="gRPC worker threads")
+    max_message_bytes: int = setting(256 * MIB, flag="--max-message-mb", parse=_mib, show=_in_mib, help="largest request or response, MiB")
+    max_concurrent_rpcs: int = setting(64, flag="--max-concurrent-rpcs", help="calls in flight beyond this get RESOURCE_EXHAUSTED")
+    port_file: str | None = setting(None, flag="--port-file", parse=optional_str, help="write the bound port to this file once serving")
+    grace_seconds: float = setting(5.0, flag="--grace-seconds", metavar="SECONDS", help="seconds in-flight calls get to finish on SIGTERM")
+    lease_seconds: float = setting(10.0, flag="--lease-seconds", metavar="SECONDS",
+                                   help="seconds: a worker silent this long no longer holds SSP back")
+    max_staleness: int | None = setting(None, flag="--max-staleness", parse=optional_int,
+                                        help="reject pushes staler than this many updates (ABORTED); unset: no limit")
     # Checkpoints: restore from here at start, write here on demand, periodically and at SIGTERM.
-    checkpoint_dir: str | None = None
-    checkpoint_every_s: float | None = None
-    checkpoint_keep: int = 3
+    checkpoint_dir: str | None = setting(None, flag="--checkpoint-dir", parse=optional_str,
+                                         help="restore from the newest checkpoint here at start; write checkpoints here")
+    checkpoint_every_s: float | None = setting(None, flag="--checkpoint-every", parse=optional_float, metavar="SECONDS",
+                                               help="checkpoint every this many seconds while the shard changes; unset: only on demand and at SIGTERM")
+    checkpoint_keep: int = setting(3, flag="--checkpoint-keep", help="checkpoints of this shard to keep")
     # TLS from PEM files; with tls_client_ca, clients must present a certificate (mutual TLS).
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    # Bearer token every ParameterServer call must carry (kept out of repr and logs).
-    auth_token: str | None = field(default=None, repr=False)
+    tls_cert: str | None = setting(None, flag="--tls-cert", parse=optional_str, help="serve TLS with this PEM certificate")
+    tls_key: str | None = setting(None, flag="--tls-key", parse=optional_str, help="PEM private key of --tls-cert")
+    tls_client_ca: str | None = setting(None, flag="--tls-client-ca", parse=optional_str,
+                                        help="require client certificates signed by this PEM CA: mutual TLS")
+    # Bearer token every ParameterServer call must carry (kept out of repr and logs), read from
+    # auth_token_file, else from $TETHER_AUTH_TOKEN.
+    auth_token_file: str | None = setting(None, flag="--auth-token-file", parse=optional_str,
+                                          help=f"require 'authorization: Bearer <token>' on every call, token read from this file "
+                                          f"(or the token itself in ${TOKEN_ENV})")
+    auth_token: str | None = derived(_auth_token, repr=False)
     # Plaintext port serving only gRPC health, for probes that cannot speak TLS (Kubernetes).
-    health_port: int | None = None
+    health_port: int | None = setting(None, flag="--health-port", parse=optional_int,
+                                      help="also serve gRPC health in plaintext on this port, for probes that cannot do TLS")
     # Data plane for Push/Pull/PushPull (0: a free port, told to clients; None: off). A shard
     # that serves TLS serves it there too (same files); its unix socket only without a client CA.
-    data_port: int | None = 0
+    data_port: int | None = setting(0, flag="--data-port", parse=_data_port, show=_show_data_port,
+                                    help="TCP port of the data plane for push/pull (0: a free one, told to clients; 'off': gRPC only; "
+                                    "with --tls-cert it serves TLS too)")
     # Data plane bounds: receive buffers of all connections together (at least max_message_bytes),
     # seconds a new connection has to complete its HELLO, seconds a connection may stay silent.
-    data_buffer_bytes: int = 1024 * 1024 * 1024
-    data_handshake_timeout_s: float = 10.0
-    data_idle_timeout_s: float = 120.0
-    # Test hook (``CRASH_BEFORE_MANIFEST_ENV=1``): exit between a checkpoint's data file and its
-    # manifest, as a crash there would.
-    crash_before_manifest: bool = False
+    data_buffer_bytes: int = setting(1024 * MIB, flag="--data-buffer-mb", parse=_mib, show=_in_mib,
+                                     help="receive buffers of all data connections together, MiB, at least --max-message-mb; "
+                                     "beyond it RESOURCE_EXHAUSTED")
+    data_handshake_timeout_s: float = setting(10.0, flag="--data-handshake-timeout", metavar="SECONDS",
+                                              help="seconds a new data connection has to send its HELLO")
+    data_idle_timeout_s: float = setting(120.0, flag="--data-idle-timeout", metavar="SECONDS",
+                                         help="close a data connection silent this many seconds")
+    # Test hook: exit between a checkpoint's data file and its manifest, as a crash there would.
+    crash_before_manifest: bool = setting(False, flag=None, env=CRASH_BEFORE_MANIFEST_ENV,
+                                          help="exit between a checkpoint's data file and its manifest (tests)")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> ShardConfig:
+        """The config the ``TETHER_*`` environment describes, ``overrides`` winning.
+
+        Raises:
+            ValueError: a bad value, named.
+        """
+        return fields.from_env(cls, overrides)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -112,7 +174,6 @@ class ShardConfig:
         return self.tls_cert is not None
 
 
-
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Flags of ``tether server``; each falls back to a ``TETHER_*`` environment variable."""
     p = parser or argparse.ArgumentParser(
@@ -120,77 +181,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         description="Run one parameter-server shard. Every flag falls back to the TETHER_* environment variable its help names.",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--host", default=env("TETHER_HOST", "127.0.0.1"), help="address to bind (env TETHER_HOST)")
-    p.add_argument("--port", type=int, default=env("TETHER_PORT", 50051), help="gRPC port, 0 picks a free one (env TETHER_PORT)")
-    p.add_argument("--shard-index", type=int, default=env("TETHER_SHARD_INDEX", 0), help="this shard's index (env TETHER_SHARD_INDEX)")
-    p.add_argument("--num-shards", type=int, default=env("TETHER_NUM_SHARDS", 1), help="shards in the job (env TETHER_NUM_SHARDS)")
-    p.add_argument("--metrics-port", type=int, default=env("TETHER_METRICS_PORT", None), help="serve Prometheus /metrics on this port (env TETHER_METRICS_PORT)")
-    p.add_argument("--threads", type=int, default=env("TETHER_THREADS", 8), help="gRPC worker threads (env TETHER_THREADS)")
-    p.add_argument("--max-message-mb", type=int, default=env("TETHER_MAX_MESSAGE_MB", 256), help="largest request or response, MiB (env TETHER_MAX_MESSAGE_MB)")
-    p.add_argument("--max-concurrent-rpcs", type=int, default=env("TETHER_MAX_CONCURRENT_RPCS", 64), help="calls in flight beyond this get RESOURCE_EXHAUSTED (env TETHER_MAX_CONCURRENT_RPCS)")
-    p.add_argument("--port-file", default=env("TETHER_PORT_FILE", None), help="write the bound port to this file once serving (env TETHER_PORT_FILE)")
-    p.add_argument("--grace-seconds", type=float, metavar="SECONDS", default=env("TETHER_GRACE_SECONDS", 5.0), help="seconds in-flight calls get to finish on SIGTERM (env TETHER_GRACE_SECONDS)")
-    p.add_argument("--lease-seconds", type=float, metavar="SECONDS", default=env("TETHER_LEASE_SECONDS", 10.0), help="seconds: a worker silent this long no longer holds SSP back (env TETHER_LEASE_SECONDS)")
-    p.add_argument("--max-staleness", type=int, default=env("TETHER_MAX_STALENESS", None), help="reject pushes staler than this many updates (ABORTED); unset: no limit (env TETHER_MAX_STALENESS)")
-    p.add_argument("--checkpoint-dir", default=env("TETHER_CHECKPOINT_DIR", None), help="restore from the newest checkpoint here at start; write checkpoints here (env TETHER_CHECKPOINT_DIR)")
-    p.add_argument("--checkpoint-every", type=float, metavar="SECONDS", default=env("TETHER_CHECKPOINT_EVERY", None), help="checkpoint every this many seconds while the shard changes; unset: only on demand and at SIGTERM (env TETHER_CHECKPOINT_EVERY)")
-    p.add_argument("--checkpoint-keep", type=int, default=env("TETHER_CHECKPOINT_KEEP", 3), help="checkpoints of this shard to keep (env TETHER_CHECKPOINT_KEEP)")
-    p.add_argument("--tls-cert", default=env("TETHER_TLS_CERT", None), help="serve TLS with this PEM certificate (env TETHER_TLS_CERT)")
-    p.add_argument("--tls-key", default=env("TETHER_TLS_KEY", None), help="PEM private key of --tls-cert (env TETHER_TLS_KEY)")
-    p.add_argument("--tls-client-ca", default=env("TETHER_TLS_CLIENT_CA", None), help="require client certificates signed by this PEM CA: mutual TLS (env TETHER_TLS_CLIENT_CA)")
-    p.add_argument("--auth-token-file", default=env("TETHER_AUTH_TOKEN_FILE", None), help=f"require 'authorization: Bearer <token>' on every call, token read from this file (env TETHER_AUTH_TOKEN_FILE, or the token itself in ${TOKEN_ENV})")
-    p.add_argument("--health-port", type=int, default=env("TETHER_HEALTH_PORT", None), help="also serve gRPC health in plaintext on this port, for probes that cannot do TLS (env TETHER_HEALTH_PORT)")
-    p.add_argument("--data-port", default=env("TETHER_DATA_PORT", "0"), help="TCP port of the data plane for push/pull (0: a free one, told to clients; 'off': gRPC only; with --tls-cert it serves TLS too) (env TETHER_DATA_PORT)")
-    p.add_argument("--data-buffer-mb", type=int, default=env("TETHER_DATA_BUFFER_MB", 1024), help="receive buffers of all data connections together, MiB, at least --max-message-mb; beyond it RESOURCE_EXHAUSTED (env TETHER_DATA_BUFFER_MB)")
-    p.add_argument("--data-handshake-timeout", type=float, metavar="SECONDS", default=env("TETHER_DATA_HANDSHAKE_TIMEOUT", 10.0), help="seconds a new data connection has to send its HELLO (env TETHER_DATA_HANDSHAKE_TIMEOUT)")
-    p.add_argument("--data-idle-timeout", type=float, metavar="SECONDS", default=env("TETHER_DATA_IDLE_TIMEOUT", 120.0), help="close a data connection silent this many seconds (env TETHER_DATA_IDLE_TIMEOUT)")
+    fields.add_flags(p, ShardConfig)
     return p
 
 
-def _data_port(value: str) -> int | None:
-    if str(value).strip().lower() in ("off", "none", "-1"):
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"--data-port must be a port number or 'off', got {value!r}") from None
-
-
-def _optional_int(value: str | int | None) -> int | None:
-    return None if value is None or value == "" else int(value)
-
-
-def _optional_float(value: str | float | None) -> float | None:
-    return None if value is None or value == "" else float(value)
-
-
 def load_config(argv: Sequence[str] | None = None) -> ShardConfig:
-    """Parse flags (with env fallbacks) into a validated ``ShardConfig``."""
-    a = build_parser().parse_args(argv)
-    return ShardConfig(
-        host=a.host,
-        port=int(a.port),
-        shard_index=int(a.shard_index),
-        num_shards=int(a.num_shards),
-        metrics_port=None if a.metrics_port in (None, "") else int(a.metrics_port),
-        threads=int(a.threads),
-        max_message_bytes=int(a.max_message_mb) * 1024 * 1024,
-        max_concurrent_rpcs=int(a.max_concurrent_rpcs),
-        port_file=a.port_file,
-        grace_seconds=float(a.grace_seconds),
-        lease_seconds=float(a.lease_seconds),
-        max_staleness=_optional_int(a.max_staleness),
-        checkpoint_dir=a.checkpoint_dir or None,
-        checkpoint_every_s=_optional_float(a.checkpoint_every),
-        checkpoint_keep=int(a.checkpoint_keep),
-        tls_cert=a.tls_cert or None,
-        tls_key=a.tls_key or None,
-        tls_client_ca=a.tls_client_ca or None,
-        auth_token=resolve_token(a.auth_token_file),
-        health_port=_optional_int(a.health_port),
-        data_port=_data_port(a.data_port),
-        data_buffer_bytes=int(a.data_buffer_mb) * 1024 * 1024,
-        data_handshake_timeout_s=float(a.data_handshake_timeout),
-        data_idle_timeout_s=float(a.data_idle_timeout),
-        crash_before_manifest=env(CRASH_BEFORE_MANIFEST_ENV, "") == "1",
-    )
+    """Parse flags (with env fallbacks) into a validated ``ShardConfig``.
+
+    Raises:
+        ValueError: a bad value, named.
+    """
+    return ShardConfig(**fields.values_from_args(ShardConfig, build_parser().parse_args(argv)))

@@ -10,7 +10,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from importlib.metadata import version
 
 import pytest
@@ -81,8 +81,9 @@ def option_blocks(help_text: str) -> dict[str, str]:
 
 
 def _documented(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
+    """Each option the help lists (positionals, such as convert's, have no flag or default)."""
     for action in parser._actions:
-        if action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction):
+        if action.option_strings and action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction):
             yield action
 
 

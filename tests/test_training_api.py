@@ -135,35 +135,6 @@ def test_a_table_the_model_does_not_have_is_a_clear_error(cluster: LocalCluster)
             trainer.fit(_batches(2), background=False)
 
 
-def test_a_launched_worker_gets_every_setting_through_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What tether launch hands a worker (flags for tether worker, TETHER_* for a user's script)
-    reproduces the job's config field for field."""
-    import dataclasses
-
-    from tether.deploy.worker_args import job_env, worker_argv
-    from tether.worker.config import WorkerConfig
-    from tether.worker.flags import build_parser, config_from_args
-
-    cfg = WorkerConfig(
-        shards=("127.0.0.1:1", "127.0.0.1:2"), worker_index=1, num_workers=3, mode="ssp:3", steps=77, optimizer="sgd", lr=0.125,
-        init_scale=0.25, seed=9, eval_every=11, log_every=13, checkpoint_every_steps=17, device="cpu", prefetch=False,
-        staleness_aware=True, out="/tmp/x", worker_id="me", timeout_s=7.5, call_deadline_s=21.0, ssp_timeout_s=99.0,
-        wire_dtype="bfloat16", transport="tcp", slowdown=2.0, slow_worker=2, batch_size=64, vocab_size=500, num_sparse=3,
-        embedding_dim=8, eval_samples=123,
-    )
-    skip = {"auth_token", "metrics_port"}
-    again = config_from_args(build_parser().parse_args(worker_argv(cfg)))
-    for f in dataclasses.fields(WorkerConfig):
-        if f.name not in skip:
-            assert getattr(again, f.name) == getattr(cfg, f.name), f.name
-    for name, value in job_env(cfg).items():
-        monkeypatch.setenv(name, value)
-    from_env = TrainingConfig.from_env()
-    for f in dataclasses.fields(TrainingConfig):
-        if f.name not in skip:
-            assert getattr(from_env, f.name) == getattr(cfg, f.name), f.name
-
-
 def test_metric_names_are_kept_one_shot_eval_data_is_refused_and_jagged_batches_count_right(
     cluster: LocalCluster, tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:

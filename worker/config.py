@@ -3,27 +3,38 @@
 
 from __future__ import annotations
 
-import argparse
+import functools
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
+from tether.protos import fields
 from tether.protos.codec import WIRE_DTYPES
 from tether.protos.dataplane import TRANSPORTS
-from tether.protos.security import ClientSecurity
-from tether.protos.specs import OPTIMIZERS
+from tether.protos.fields import default_of, derived, optional_int, optional_str, override, setting
+from tether.protos.optimizers import OptimizerConfig
+from tether.protos.security import TOKEN_ENV, ClientSecurity, resolve_token
+from tether.protos.specs import OPTIMIZERS, TableConfig
 from tether.worker.stragglers import StragglerSpec, parse_straggler
 
-__all__ = ["MODEL_PRESETS", "ClientConfig", "TrainingConfig", "WorkerConfig", "parse_mode"]
+T = TypeVar("T", bound="TrainingConfig")
+
+__all__ = ["JOB", "MODEL", "MODEL_PRESETS", "PLACE", "PROCESS", "ClientConfig", "TrainingConfig", "WorkerConfig", "parse_mode"]
 
 
 def _names(names: Iterable[str]) -> str:
     """``a, b or c``."""
     *first, last = list(names)
     return f"{', '.join(first)} or {last}"
+
+
+def _wire_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``: a wire element type's name."""
+    return next(name for name, d in WIRE_DTYPES.items() if d == dtype)
 
 
 def parse_mode(mode: str) -> tuple[str, int | None]:
@@ -92,64 +103,175 @@ def _check_parquet_data(data: str, num_workers: int) -> None:
 
 
 @dataclass(frozen=True)
+class ClientConfig:
+    """Where the shards are and how to call them (``PSClient``'s config; a ``Trainer`` makes it
+    with ``ClientConfig.for_training``)."""
+
+    addresses: tuple[str, ...]
+    worker_id: str
+    # Deadline of one attempt (one RPC or data-plane round trip).
+    timeout_s: float = 30.0
+    retries: int = 8
+    backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+    max_message_bytes: int = 256 * 1024 * 1024
+    chunk_elems: int = 1 << 20
+    wire_dtype: torch.dtype = torch.float32
+    threads: int = 8
+    staleness_aware: bool = False
+    security: ClientSecurity = field(default_factory=ClientSecurity)
+    # HTTP/2 keepalive: a connection that stops answering pings this long plus a bit is
+    # given up, so a partition or a dead shard is noticed without waiting for TCP.
+    keepalive_s: float = 10.0
+    # How Push/Pull/PushPull travel: "auto" uses the shard's data plane, with shared memory
+    # when the shard is on this machine; "tcp" the data plane without shared memory; "grpc"
+    # everything over gRPC. With TLS the data plane's TCP connections run inside TLS too.
+    transport: str = "auto"
+    # The longest one call takes, every attempt, backoff and data-plane fallback included; then
+    # it raises Unavailable. Each attempt gets min(timeout_s, what is left). Checkpoint calls
+    # and SSP waits have their own limits (see ``checkpoint`` and ``clock``).
+    call_deadline_s: float = 60.0
+
+    @classmethod
+    def for_training(cls, config: TrainingConfig) -> ClientConfig:
+        """The client of one worker of a training job (the rest at the client's defaults)."""
+        return cls(
+            addresses=config.shards,
+            worker_id=config.worker_name,
+            timeout_s=config.timeout_s,
+            call_deadline_s=config.call_deadline_s,
+            wire_dtype=WIRE_DTYPES[config.wire_dtype],
+            transport=config.transport,
+            # In sync every rank's gradients of a step were computed on the same parameters
+            # (those after the previous step's barrier): none is stale, though the shard sees
+            # the other ranks' pushes of that step land first. So sync never asks for it.
+            staleness_aware=config.staleness_aware and config.consistency[0] != "sync",
+            security=config.security,
+        )
+
+    def __post_init__(self) -> None:
+        if not self.addresses:
+            raise ValueError("at least one shard address is needed")
+        for a in self.addresses:
+            if ":" not in a:
+                raise ValueError(f"shard address must be host:port, got {a!r}")
+        if not self.worker_id:
+            raise ValueError("worker_id must not be empty")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries!r}")
+        if self.chunk_elems < 1:
+            raise ValueError(f"chunk_elems must be >= 1, got {self.chunk_elems!r}")
+        if self.wire_dtype not in WIRE_DTYPES.values():
+            raise ValueError(f"wire_dtype must be {_names(WIRE_DTYPES)}, got {self.wire_dtype}")
+        if not isinstance(self.security, ClientSecurity):
+            raise ValueError(f"security must be a ClientSecurity, got {type(self.security).__name__}")
+        if not self.keepalive_s > 0:
+            raise ValueError(f"keepalive_s must be > 0, got {self.keepalive_s!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if not 0 < self.backoff_s <= self.max_backoff_s:
+            raise ValueError(f"need 0 < backoff_s <= max_backoff_s, got {self.backoff_s!r}, {self.max_backoff_s!r}")
+        if not (isinstance(self.call_deadline_s, (int, float)) and 0 < self.call_deadline_s < math.inf):
+            raise ValueError(f"call_deadline_s must be a finite number of seconds > 0, got {self.call_deadline_s!r}")
+
+
+# The groups of flags (``fields.add_flags(groups=...)``): where one worker stands in its job
+# (``tether worker`` only), what the job is (``launch``, ``compare`` and ``sweep`` too), the
+# worker process's own, and the built-in model's.
+PLACE, JOB, PROCESS, MODEL = "place", "job", "process", "model"
+
+
+def _client(name: str) -> Any:
+    """The client's default of ``name``: a job setting that is the client's has its default."""
+    return default_of(ClientConfig, name)
+
+
+def _auth_token(values: Mapping[str, Any], environ: Mapping[str, str]) -> str | None:
+    return resolve_token(values["auth_token_file"], environ)
+
+
+@dataclass(frozen=True)
 class TrainingConfig:
     """One worker of a training job, whatever the model: where the shards are, which worker
     this is, the consistency mode, the schedule and the connection. ``Trainer`` takes it;
-    ``WorkerConfig`` adds the built-in CTR model and its data."""
+    ``WorkerConfig`` adds the built-in CTR model and its data. Each field that can be set from
+    outside declares its flag, ``TETHER_*`` variable and help here (``tether.protos.fields``)."""
 
-    shards: tuple[str, ...]
-    worker_index: int = 0
-    num_workers: int = 1
-    # async, ssp:S or sync (see parse_mode).
-    mode: str = "async"
-    # Stop after this many steps (None: when the data ends).
-    steps: int | None = None
-    # The shards' update rule for rows and (outside sync) dense parameters; sync steps dense
-    # parameters with the matching torch optimizer.
-    optimizer: str = "adagrad"
-    lr: float = 0.05
-    # New rows start uniform in [-init_scale, init_scale] (seeded by id and seed).
-    init_scale: float = 0.05
-    seed: int = 0
-    # Worker 0 evaluates every N steps (0: only after the last step).
-    eval_every: int = 0
-    log_every: int = 50
-    # Worker 0 asks every shard for a checkpoint every N steps (0: never; shards also
-    # checkpoint on their own with --checkpoint-every seconds).
-    checkpoint_every_steps: int = 0
-    device: str = "auto"
-    prefetch: bool = True
-    staleness_aware: bool = False
-    out: str | None = None
-    # Write TensorBoard scalars (loss, eval metrics, samples/s, staleness) to <tensorboard>/worker-<index>.
-    tensorboard: str | None = None
-    # How this worker names itself to the shards (default worker-<index>).
-    worker_id: str | None = None
-    timeout_s: float = 30.0
-    # The longest one push, pull or declare takes, retries included (ClientConfig.call_deadline_s).
-    call_deadline_s: float = 60.0
-    ssp_timeout_s: float = 300.0
-    wire_dtype: str = "float32"
-    # Push/pull transport (tether.worker.client.ClientConfig.transport): auto, tcp or grpc.
-    transport: str = "auto"
-    slowdown: float = 1.0
-    slow_worker: int | None = None
-    # Straggler experiments (tether.worker.stragglers): persistent:K[:W], transient:P:K,
-    # pareto:A[:CAP] or none; empty: ``slowdown`` / ``slow_worker`` decide.
-    straggler: str = ""
-    # Transport security (see tether.protos.security): TLS files, and the bearer token with
-    # the file it came from (None: from $TETHER_AUTH_TOKEN, which child processes inherit).
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    auth_token_file: str | None = None
-    auth_token: str | None = field(default=None, repr=False)
+    # Where this worker stands: ``tether worker`` and ``from_env`` only (a launcher sets them per worker).
+    shards: tuple[str, ...] = setting((), flag="--shards", group=PLACE, help="comma-separated host:port of every shard, in shard order")
     # Local mode: no shards; the tables live in this process with the shards' update rules
     # (the one-process baseline, and unit tests of a model without a cluster).
-    local: bool = False
+    local: bool = setting(False, flag="--local", group=PLACE, help="no shards: keep the tables in this process, with the shards' update rules")
+    worker_index: int = setting(0, flag="--worker-index", group=PLACE, fallback_env=("JOB_COMPLETION_INDEX",),
+                                help="this worker's index in [0, --num-workers)")
+    num_workers: int = setting(1, flag="--num-workers", group=PLACE, help="workers in the job")
+    worker_id: str | None = setting(None, flag="--worker-id", parse=optional_str, group=PLACE,
+                                    help="name this worker gives the shards (default worker-<index>)")
+    out: str | None = setting(None, flag="--out", parse=optional_str, group=PLACE, help="write worker-<index>.json with the loss history here")
+    slowdown: float = setting(1.0, flag="--slowdown", group=PLACE, help="make compute this many times slower (straggler experiments)")
+    slow_worker: int | None = setting(None, flag="--slow-worker", parse=optional_int, group=PLACE,
+                                      help="only the worker with this index is slowed (default: this worker)")
+    # Transport security (see tether.protos.security): TLS files, and the bearer token with
+    # the file it came from (None: from $TETHER_AUTH_TOKEN, which child processes inherit).
+    tls_ca: str | None = setting(None, flag="--tls-ca", parse=optional_str, group=PLACE,
+                                 help="connect with TLS; the shards' certificates are signed by this PEM CA")
+    tls_cert: str | None = setting(None, flag="--tls-cert", parse=optional_str, group=PLACE,
+                                   help="client certificate (PEM) for shards that require mutual TLS")
+    tls_key: str | None = setting(None, flag="--tls-key", parse=optional_str, group=PLACE, help="PEM private key of --tls-cert")
+    auth_token_file: str | None = setting(None, flag="--auth-token-file", parse=optional_str, group=PLACE,
+                                          help=f"send 'authorization: Bearer <token>' with the token in this file (or the token itself in ${TOKEN_ENV})")
+    auth_token: str | None = derived(_auth_token, repr=False)
+
+    # The job: every worker of it alike.
+    steps: int | None = setting(None, flag="--steps", parse=optional_int, group=JOB, help="training steps per worker; empty: until the data ends")
+    mode: str = setting("async", flag="--mode", group=JOB, help="consistency: async, ssp:S (at most S steps ahead of the slowest live "
+                        "worker) or sync (all-reduce; start with torchrun)")
+    # The shards' update rule for rows and (outside sync) dense parameters; sync steps dense
+    # parameters with the matching torch optimizer.
+    optimizer: str = setting(default_of(OptimizerConfig, "name"), flag="--optimizer", choices=OPTIMIZERS, group=JOB, help="server-side update rule")
+    lr: float = setting(default_of(OptimizerConfig, "lr"), flag="--lr", group=JOB, help="learning rate")
+    # New rows start uniform in [-init_scale, init_scale] (seeded by id and seed).
+    init_scale: float = setting(default_of(TableConfig, "init_scale"), flag="--init-scale", group=JOB, help="new rows start uniform in [-S, S]")
+    seed: int = setting(0, flag="--seed", group=JOB, help="seed of the model, the rows and the data")
+    eval_every: int = setting(0, flag="--eval-every", group=JOB, help="worker 0 evaluates every N steps (0: only at the end)")
+    # Worker 0 asks every shard for a checkpoint every N steps (shards also checkpoint on their
+    # own with --checkpoint-every seconds).
+    checkpoint_every_steps: int = setting(0, flag="--checkpoint-every-steps", group=JOB,
+                                          help="worker 0 asks every shard for a checkpoint every N steps (0: never)")
+    device: str = setting("auto", flag="--device", group=JOB, help="auto (CUDA when present), cpu, cuda[:N]")
+    prefetch: bool = setting(True, flag="--no-prefetch", negated=True, group=JOB,
+                             help="pull each batch after the previous push has landed instead of during compute")
+    log_every: int = setting(50, flag="--log-every", group=JOB, help="print progress every N steps")
+    timeout_s: float = setting(_client("timeout_s"), flag="--timeout", metavar="SECONDS", group=JOB, help="deadline of each RPC attempt, seconds")
+    call_deadline_s: float = setting(
+        _client("call_deadline_s"), flag="--call-deadline", metavar="SECONDS", group=JOB,
+        help="longest one push, pull or declare takes, every retry included: each attempt gets at most what is left of it, "
+        "and when it is spent (a shard that is down or stopped) the worker fails with Unavailable; seconds. "
+        "SSP waits are bounded by --ssp-timeout instead",
+    )
+    staleness_aware: bool = setting(_client("staleness_aware"), flag="--staleness-aware", group=JOB,
+                                    help="divide each update's learning rate by its staleness (Zhang et al. 2016)")
+    # Straggler experiments (tether.worker.stragglers); empty: ``slowdown`` / ``slow_worker`` decide.
+    straggler: str = setting("", flag="--straggler", group=JOB,
+                             help="straggler experiments: persistent:K[:WORKER] (the last worker, or WORKER, K times slower), transient:P:K "
+                             "(each step, each worker K times slower with probability P), pareto:A[:CAP] (heavy-tailed factors) or none; "
+                             "seeded by --seed, so every mode sees the same delays")
+    ssp_timeout_s: float = setting(300.0, flag="--ssp-timeout", metavar="SECONDS", group=JOB,
+                                   help="longest wait on the staleness bound before failing, seconds")
+    transport: str = setting(_client("transport"), flag="--transport", choices=TRANSPORTS, group=JOB,
+                             help="push/pull over the shards' data plane (auto: shared memory on the same machine, else TCP; tcp: never "
+                             "shared memory) or grpc only")
+    wire_dtype: str = setting(_wire_name(_client("wire_dtype")), flag="--wire-dtype", choices=tuple(WIRE_DTYPES), group=JOB,
+                              help="element type of parameters and gradients on the wire")
+    # TensorBoard scalars (loss, eval metrics, samples/s, staleness) go to <tensorboard>/worker-<index>.
+    tensorboard: str | None = setting(None, flag="--tensorboard", parse=optional_str, metavar="DIR", group=JOB,
+                                      help="write TensorBoard scalars (train loss, eval metrics, samples/s, clock staleness) per logged step to "
+                                      "DIR/worker-<index>; needs the tensorboard package: pip install 'tether[tensorboard]'")
 
     @classmethod
-    def from_env(cls, **overrides: object) -> TrainingConfig:
+    def from_env(cls: type[T], **overrides: object) -> T:
         """The config the ``TETHER_*`` environment describes (what ``tether launch`` and the
         Kubernetes manifests give a worker; ``tether worker --help`` lists the variables),
         with ``overrides`` winning. Under torchrun in sync mode the rank and world size come
@@ -158,15 +280,9 @@ class TrainingConfig:
         Raises:
             ValueError: a bad value, named.
         """
-        # flags builds configs from parsed flags, so it is imported here, not at the top.
-        from tether.worker.flags import add_connection_flags, add_job_flags, training_values
-
-        p = argparse.ArgumentParser(add_help=False)
-        add_connection_flags(p)
-        add_job_flags(p, default_steps=None)
-        values = training_values(p.parse_args([]))
-        values.update(overrides)
-        if parse_mode(str(values["mode"]))[0] == "sync" and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        values = fields.env_values(cls, overrides)
+        # ``sync`` is the whole mode (no bound follows it), so this needs no parse_mode.
+        if values.get("mode", default_of(cls, "mode")) == "sync" and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             # A torchrun rank knows its place from torchrun before any process group exists, so
             # code that runs before the Trainer (picking its slice of the data) sees it too.
             if "worker_index" not in overrides:
@@ -181,11 +297,9 @@ class TrainingConfig:
         return ClientSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key, token=self.auth_token)
 
     @property
-    def my_slowdown(self) -> float:
-        """This worker's slowdown factor (1 unless it is the straggler)."""
-        if self.slow_worker is None or self.slow_worker == self.worker_index:
-            return self.slowdown
-        return 1.0
+    def worker_name(self) -> str:
+        """How this worker names itself to the shards: ``worker_id``, else ``worker-<index>``."""
+        return self.worker_id or f"worker-{self.worker_index}"
 
     @property
     def straggler_spec(self) -> StragglerSpec:
@@ -203,13 +317,13 @@ class TrainingConfig:
         this only bounds the wait should it not."""
         return self.call_deadline_s + self.timeout_s
 
-    @property
+    @functools.cached_property
     def consistency(self) -> tuple[str, int | None]:
-        """``(kind, bound)`` of ``mode``."""
+        """``(kind, bound)`` of ``mode``, parsed once per config."""
         return parse_mode(self.mode)
 
     def __post_init__(self) -> None:
-        parse_mode(self.mode)
+        self.consistency  # noqa: B018 - parses (and keeps) the mode
         if not self.slowdown >= 1.0:
             raise ValueError(f"slowdown must be >= 1 (1 = full speed), got {self.slowdown!r}")
         parse_straggler(self.straggler)
@@ -259,17 +373,27 @@ class TrainingConfig:
 class WorkerConfig(TrainingConfig):
     """``tether worker``: a ``TrainingConfig`` for the built-in CTR model and its data."""
 
-    steps: int = 2000
-    batch_size: int = 256
-    data: str = "synthetic"
-    vocab_size: int = 100_000
-    num_sparse: int = 8
-    embedding_dim: int = 16
-    eval_samples: int = 20_000
-    metrics_port: int | None = None
+    steps: int = override(TrainingConfig, "steps", 2000, help="training steps per worker")
+    # The worker process's own.
+    metrics_port: int | None = setting(None, flag="--metrics-port", parse=optional_int, group=PROCESS,
+                                       help="serve Prometheus /metrics on this port")
+    # The built-in model and its data. Batch size, fields and width: unset flags take the
+    # ``--preset``'s (tether.worker.flags), so their flags have no default of their own.
+    batch_size: int = setting(256, flag="--batch-size", unset=True, group=MODEL, help="samples per step (default: the preset's)")
+    data: str = setting("synthetic", flag="--data", group=MODEL,
+                        help="'synthetic'; 'criteo:PATH' for Criteo TSV files (plain or gzip; a path, glob or comma list); "
+                        "or 'parquet:PATH' for a Criteo-shaped Parquet table (a file, folder, glob or comma list: a 'label' column, float dense "
+                        "columns, integer or string id columns; row groups dealt to the workers; needs pip install 'tether[parquet]'; "
+                        "tether convert writes Criteo TSV as one; docs/data.md)")
+    vocab_size: int = setting(100_000, flag="--vocab-size", group=MODEL, help="synthetic data: ids per field")
+    num_sparse: int = setting(8, flag="--num-sparse", unset=True, group=MODEL, help="synthetic data: categorical fields (default: the preset's)")
+    embedding_dim: int = setting(16, flag="--embedding-dim", unset=True, group=MODEL, help="width of every embedding row (default: the preset's)")
+    eval_samples: int = setting(20_000, flag="--eval-samples", group=MODEL, help="held-out samples")
     # Order of the synthetic training batches (0: the seed's own order; compare --repeats
     # varies it while the model, the data distribution and the held-out set stay the same).
-    data_seed: int = 0
+    data_seed: int = setting(0, flag="--data-seed", group=MODEL, help="synthetic data: order of the training batches (0: the seed's own)")
+    resume_data: str | None = setting(None, flag="--resume-data", parse=optional_str, metavar="DIR", group=MODEL,
+                                      help="resume each worker's data stream from DIR/worker-<i>.json (a ParquetStream position)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -278,6 +402,8 @@ class WorkerConfig(TrainingConfig):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.eval_samples < 0:
             raise ValueError(f"eval_samples must be >= 0, got {self.eval_samples!r}")
+        if self.resume_data is not None and not self.resume_data:
+            raise ValueError("resume_data must name a directory (None: start each stream at its beginning), got ''")
         if self.data != "synthetic" and not self.data.startswith(("criteo:", "parquet:")):
             raise ValueError(f"data must be 'synthetic', 'criteo:PATH' or 'parquet:PATH', got {self.data!r}")
         if self.data.startswith("criteo:"):
@@ -288,63 +414,6 @@ class WorkerConfig(TrainingConfig):
 
 # Sizes of the built-in model by name (``--preset``); a flag given for one of these fields wins.
 MODEL_PRESETS: dict[str, dict[str, int]] = {
-    "default": {"batch_size": WorkerConfig.batch_size, "num_sparse": WorkerConfig.num_sparse, "embedding_dim": WorkerConfig.embedding_dim},
+    "default": {name: default_of(WorkerConfig, name) for name in ("batch_size", "num_sparse", "embedding_dim")},
     "gpu": {"batch_size": 8192, "num_sparse": 26, "embedding_dim": 128},
 }
-
-
-@dataclass(frozen=True)
-class ClientConfig:
-    """Where the shards are and how to call them."""
-
-    addresses: tuple[str, ...]
-    worker_id: str
-    # Deadline of one attempt (one RPC or data-plane round trip).
-    timeout_s: float = 30.0
-    retries: int = 8
-    backoff_s: float = 0.05
-    max_backoff_s: float = 2.0
-    max_message_bytes: int = 256 * 1024 * 1024
-    chunk_elems: int = 1 << 20
-    wire_dtype: torch.dtype = torch.float32
-    threads: int = 8
-    staleness_aware: bool = False
-    security: ClientSecurity = field(default_factory=ClientSecurity)
-    # HTTP/2 keepalive: a connection that stops answering pings this long plus a bit is
-    # given up, so a partition or a dead shard is noticed without waiting for TCP.
-    keepalive_s: float = 10.0
-    # How Push/Pull/PushPull travel: "auto" uses the shard's data plane, with shared memory
-    # when the shard is on this machine; "tcp" the data plane without shared memory; "grpc"
-    # everything over gRPC. With TLS the data plane's TCP connections run inside TLS too.
-    transport: str = "auto"
-    # The longest one call takes, every attempt, backoff and data-plane fallback included; then
-    # it raises Unavailable. Each attempt gets min(timeout_s, what is left). Checkpoint calls
-    # and SSP waits have their own limits (see ``checkpoint`` and ``clock``).
-    call_deadline_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if not self.addresses:
-            raise ValueError("at least one shard address is needed")
-        for a in self.addresses:
-            if ":" not in a:
-                raise ValueError(f"shard address must be host:port, got {a!r}")
-        if not self.worker_id:
-            raise ValueError("worker_id must not be empty")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
-        if self.retries < 0:
-            raise ValueError(f"retries must be >= 0, got {self.retries!r}")
-        if self.chunk_elems < 1:
-            raise ValueError(f"chunk_elems must be >= 1, got {self.chunk_elems!r}")
-        if self.wire_dtype not in WIRE_DTYPES.values():
-            raise ValueError(f"wire_dtype must be {_names(WIRE_DTYPES)}, got {self.wire_dtype}")
-        if not isinstance(self.security, ClientSecurity):
-            raise ValueError(f"security must be a ClientSecurity, got {type(self.security).__name__}")
-        if not self.keepalive_s > 0:
-            raise ValueError(f"keepalive_s must be > 0, got {self.keepalive_s!r}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
-        if not 0 < self.backoff_s <= self.max_backoff_s:
-            raise ValueError(f"need 0 < backoff_s <= max_backoff_s, got {self.backoff_s!r}, {self.max_backoff_s!r}")
-        if not (isinstance(self.call_deadline_s, (int, float)) and 0 < self.call_deadline_s < math.inf):
-            raise ValueError(f"call_deadline_s must be a finite number of seconds > 0, got {self.call_deadline_s!r}")

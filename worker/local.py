@@ -271,7 +271,12 @@ class LocalClient(PSClient):
     """
 
     def __init__(
-        self, worker_id: str = "local", metrics: WorkerRecorder | None = None, *, timeout_s: float = 30.0, call_deadline_s: float = 60.0
+        self,
+        worker_id: str = "local",
+        metrics: WorkerRecorder | None = None,
+        *,
+        timeout_s: float = ClientConfig.timeout_s,
+        call_deadline_s: float = ClientConfig.call_deadline_s,
     ) -> None:
         self.metrics = metrics if metrics is not None else NullWorkerMetrics()
         self.num_shards = 0
@@ -299,8 +304,7 @@ class LocalClient(PSClient):
             )
         if config.num_workers != 1:
             raise UsageError(f"local mode (TETHER_LOCAL, --local) trains one worker in this process, got num_workers={config.num_workers}")
-        return cls(config.worker_id or f"worker-{config.worker_index}", metrics, timeout_s=config.timeout_s,
-                   call_deadline_s=config.call_deadline_s)
+        return cls(config.worker_name, metrics, timeout_s=config.timeout_s, call_deadline_s=config.call_deadline_s)
 
     @property
     def config(self) -> ClientConfig:

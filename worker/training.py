@@ -114,20 +114,7 @@ class Trainer(Generic[B]):
         # Local mode (config.local): no shards, the tables live in this process with the shards'
         # rules and initial rows; sync and several workers are refused there (tether.worker.local).
         self.client = LocalClient.for_training(config, self.metrics) if config.local else PSClient(
-            ClientConfig(
-                addresses=config.shards,
-                worker_id=config.worker_id or f"worker-{config.worker_index}",
-                timeout_s=config.timeout_s,
-                call_deadline_s=config.call_deadline_s,
-                wire_dtype=WIRE_DTYPES[config.wire_dtype],
-                transport=config.transport,
-                # In sync every rank's gradients of a step were computed on the same parameters
-                # (those after the previous step's barrier): none is stale, though the shard sees
-                # the other ranks' pushes of that step land first. So sync never asks for it.
-                staleness_aware=config.staleness_aware and kind != "sync",
-                security=config.security,
-            ),
-            self.metrics,
+            ClientConfig.for_training(config), self.metrics
         )
         try:
             self.ps = PSModel(model.to(device), self.client, device, dense_on_shards=policy.dense_on_shards)

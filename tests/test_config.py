@@ -1,0 +1,266 @@
+"""Configs declared once (``tether.protos.fields``): every flag of ``tether worker`` and ``tether
+server`` is made from a field's declaration and defaults to it, a concept two configs share has
+one default, and what a launcher hands a child (flags or ``TETHER_*`` variables) reproduces the
+config field for field, every field set to a value that is not its default."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tether.deploy.worker_args import job_env, worker_argv
+from tether.protos import fields
+from tether.protos.codec import WIRE_DTYPES
+from tether.protos.optimizers import OptimizerConfig
+from tether.protos.specs import TableConfig
+from tether.server import config as server_config
+from tether.server.config import ShardConfig
+from tether.worker import flags as worker_flags
+from tether.worker.config import ClientConfig, TrainingConfig, WorkerConfig
+from tether.worker.local import LocalClient
+
+# Flags a parser has that are no config field: help, and the preset that fills three fields.
+NOT_FIELDS = {"help", "preset"}
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No TETHER_* variable (parsers and from_env read them), no torchrun rank."""
+    for name in list(os.environ):
+        if name.startswith("TETHER_") or name in ("JOB_COMPLETION_INDEX", "RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(name)
+
+
+def non_default(cls: type, special: Mapping[str, Any], keep: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A value for every declared field of ``cls`` that is not its default: made from the field's
+    declaration (a switch flipped, another choice, a number moved, a name made up), or taken from
+    ``special`` for a field whose values are constrained. A field added later gets one too, or
+    this fails naming it, so no field can be left out of the round trips below."""
+    values: dict[str, Any] = {}
+    for f, decl in fields.declared(cls):
+        if f.name in keep:
+            continue
+        default = fields.default_of(cls, f.name)
+        if f.name in special:
+            value = special[f.name]
+        elif decl.switch:
+            value = not default
+        elif decl.choices:
+            value = next(c for c in decl.choices if c != default)
+        elif isinstance(default, float):
+            value = default * 2 + 0.5
+        elif isinstance(default, int):
+            value = default + 3
+        elif decl.parse is fields.optional_int:
+            value = 7
+        elif decl.parse is fields.optional_float:
+            value = 2.5
+        elif decl.parse is fields.optional_str:
+            value = f"/tmp/tether-{f.name}"
+        else:
+            raise AssertionError(f"{cls.__name__}.{f.name}: give it a value that is not its default in this test's special values")
+        assert value != default, (cls.__name__, f.name, value)
+        values[f.name] = value
+    return values
+
+
+def _token_file(tmp_path: Path) -> str:
+    path = tmp_path / "token"
+    path.write_text("s3cret-token\n")
+    return str(path)
+
+
+def _worker_config(tmp_path: Path) -> WorkerConfig:
+    data = tmp_path / "day_0.tsv"
+    data.write_text("")
+    special = {
+        "shards": ("127.0.0.1:1", "127.0.0.1:2"),
+        "mode": "ssp:3",
+        "device": "cpu",
+        "straggler": "transient:0.5:3",
+        "data": f"criteo:{data}",
+        "auth_token_file": _token_file(tmp_path),
+    }
+    # Local mode and a shard list exclude each other: local gets its own round trip.
+    return WorkerConfig(**non_default(WorkerConfig, special, keep=("local",)), auth_token="s3cret-token")
+
+
+def _shard_config(tmp_path: Path) -> ShardConfig:
+    pem = {name: tmp_path / f"{name}.pem" for name in ("tls_cert", "tls_key", "tls_client_ca")}
+    for path in pem.values():
+        path.write_text("")
+    special = {
+        "host": "0.0.0.0",
+        "max_message_bytes": 300 * server_config.MIB,
+        "data_buffer_bytes": 2048 * server_config.MIB,
+        "auth_token_file": _token_file(tmp_path),
+        **{name: str(path) for name, path in pem.items()},
+    }
+    # A test hook with no flag: the environment of the shard's own process sets it.
+    values = non_default(ShardConfig, special, keep=("crash_before_manifest",))
+    return ShardConfig(**values, auth_token="s3cret-token")
+
+
+# -- every flag is a declaration, with the declaration's default ------------------------------------
+
+
+@pytest.mark.parametrize("cls, parser", [(WorkerConfig, worker_flags.build_parser), (ShardConfig, server_config.build_parser)])
+def test_every_flag_is_made_from_a_declaration_and_defaults_to_it(cls: type, parser: Any, clean_env: None) -> None:
+    built: argparse.ArgumentParser = parser()
+    declared = {decl.dest: (f, decl) for f, decl in fields.declared(cls) if decl.flag is not None}
+    actions = {a.dest: a for a in built._actions if a.dest not in NOT_FIELDS}
+    # Every flag is declared, and every declared flag is there: nothing is written twice.
+    assert set(actions) == set(declared)
+    for dest, action in actions.items():
+        f, decl = declared[dest]
+        default = fields.default_of(cls, f.name)
+        if decl.switch:
+            expected: Any = bool(default) != decl.negated
+        elif decl.unset or default is None:
+            expected = None
+        else:
+            expected = decl.show(default)
+        assert action.default == expected, (cls.__name__, f.name, action.default, default)
+        assert action.option_strings == [decl.flag]
+        assert decl.env == "TETHER_" + decl.dest.upper(), (f.name, decl.env)  # the rule a child's environment is written by
+        # The help names the variable once, where HelpFormatter finds it.
+        assert decl.env_note() in (action.help or "") and "(env " not in decl.help, f.name
+        if not decl.switch and default is not None and not decl.unset:
+            assert decl.parse(decl.show(default)) == default, f.name  # the text form reads back
+
+
+def test_declarations_name_each_flag_and_variable_once() -> None:
+    for cls in (WorkerConfig, ShardConfig):
+        decls = [decl for _, decl in fields.declared(cls)]
+        flags = [d.flag for d in decls if d.flag is not None]
+        assert len(flags) == len(set(flags)), cls
+        assert len({d.env for d in decls}) == len(decls), cls
+
+
+def test_one_default_per_concept(clean_env: None) -> None:
+    """A setting two configs share has the one default: the training job's connection settings
+    are the client's, its update rule and rate the optimizer's, its new rows' scale the
+    table's (so passing tables= does not change where rows start)."""
+    address = ("127.0.0.1:1",)
+    assert ClientConfig.for_training(TrainingConfig(shards=address)) == ClientConfig(addresses=address, worker_id="worker-0")
+    assert fields.default_of(TrainingConfig, "wire_dtype") in WIRE_DTYPES
+    optimizer = OptimizerConfig()
+    job = TrainingConfig(local=True)
+    assert (job.optimizer, job.lr) == (optimizer.name, optimizer.lr)
+    assert job.init_scale == TableConfig("t", 1).init_scale
+    local = LocalClient().config
+    assert (local.timeout_s, local.call_deadline_s) == (job.timeout_s, job.call_deadline_s)
+    # The worker's built-in job runs 2000 steps; a user's until its data ends.
+    assert (WorkerConfig(local=True).steps, job.steps) == (2000, None)
+    # from_env and the flags agree on every default.
+    assert TrainingConfig.from_env(local=True) == job
+    assert worker_flags.load_config(["--local"]) == WorkerConfig(local=True)
+    assert server_config.load_config([]) == ShardConfig() == ShardConfig.from_env()
+
+
+def test_a_job_setting_reaches_the_client_in_one_call() -> None:
+    cfg = TrainingConfig(shards=("127.0.0.1:1",), worker_index=2, num_workers=3, timeout_s=7.0, call_deadline_s=9.0,
+                         wire_dtype="bfloat16", transport="tcp", staleness_aware=True)
+    client = ClientConfig.for_training(cfg)
+    assert (client.worker_id, client.timeout_s, client.call_deadline_s) == ("worker-2", 7.0, 9.0)
+    assert (client.wire_dtype, client.transport, client.staleness_aware) == (WIRE_DTYPES["bfloat16"], "tcp", True)
+    # In sync no gradient is stale: the shards are never asked to scale for it.
+    assert not ClientConfig.for_training(dataclasses.replace(cfg, mode="sync")).staleness_aware
+
+
+# -- round trips: argv and environment, every field not at its default -----------------------------
+
+
+def test_a_launched_worker_gets_every_setting_through_flags_and_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_env: None
+) -> None:
+    """What tether launch hands a worker (flags for tether worker, TETHER_* for a user's script)
+    reproduces the job's config field for field, every field set away from its default."""
+    cfg = _worker_config(tmp_path)
+    assert cfg.auth_token == "s3cret-token"
+    again = worker_flags.config_from_args(worker_flags.build_parser().parse_args(worker_argv(cfg)))
+    assert again == cfg
+    assert "s3cret-token" not in " ".join(worker_argv(cfg)) and "s3cret-token" not in job_env(cfg).values()
+    for name, value in job_env(cfg).items():
+        monkeypatch.setenv(name, value)
+    assert WorkerConfig.from_env() == cfg
+    from_env = TrainingConfig.from_env()
+    for f in dataclasses.fields(TrainingConfig):
+        assert getattr(from_env, f.name) == getattr(cfg, f.name), f.name
+    # Local mode (which takes no shards) the same way.
+    local = dataclasses.replace(cfg, shards=(), local=True)
+    assert worker_flags.config_from_args(worker_flags.build_parser().parse_args(worker_argv(local))) == local
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    limit: int | None = fields.setting(5, flag="--limit", parse=fields.optional_int, help="a limit; empty: none")
+    name: str | None = fields.setting(None, flag="--name", parse=fields.optional_str, help="a name")
+
+
+def test_unset_values_travel_too() -> None:
+    """A field set to None where its default is not is told as an empty value, not left to the
+    child's default; a None that is the default too is left out (a variable the child inherits
+    may still set it)."""
+    cfg = _Job(limit=None)
+    assert fields.to_argv(cfg) == ["--limit", ""] and fields.to_env(cfg) == {"TETHER_LIMIT": ""}
+    parser = argparse.ArgumentParser()
+    fields.add_flags(parser, _Job, environ={})
+    assert _Job(**fields.values_from_args(_Job, parser.parse_args(fields.to_argv(cfg)), environ={})) == cfg
+    assert fields.from_env(_Job, environ=fields.to_env(cfg)) == cfg
+    assert fields.from_env(_Job, {"name": "x"}, environ={"TETHER_LIMIT": "9"}) == _Job(limit=9, name="x")
+
+
+def test_a_shard_config_round_trips_through_flags_and_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_env: None
+) -> None:
+    cfg = _shard_config(tmp_path)
+    assert server_config.load_config(fields.to_argv(cfg)) == cfg
+    assert "s3cret-token" not in fields.to_argv(cfg)
+    off = dataclasses.replace(cfg, data_port=None)
+    assert server_config.load_config(fields.to_argv(off)).data_port is None
+    for name, value in fields.to_env(cfg).items():
+        monkeypatch.setenv(name, value)
+    assert ShardConfig.from_env() == cfg
+    assert server_config.load_config([]) == cfg  # every flag falls back to its variable
+
+
+# -- the environment's mistakes are named -----------------------------------------------------------
+
+
+def test_a_bad_variable_is_named_with_its_value(clean_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TETHER_LR", "fast")
+    with pytest.raises(ValueError, match="TETHER_LR='fast'"):
+        TrainingConfig.from_env(local=True)
+    assert TrainingConfig.from_env(local=True, lr=0.5).lr == 0.5  # an override is not read from the environment
+    monkeypatch.setenv("TETHER_DATA_PORT", "some")
+    with pytest.raises(ValueError, match="TETHER_DATA_PORT='some': must be a port number or 'off'"):
+        ShardConfig.from_env()
+
+
+def test_the_worker_index_falls_back_to_the_kubernetes_completion_index(clean_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "2")
+    assert TrainingConfig.from_env(local=True, num_workers=3).worker_index == 2
+    assert worker_flags.load_config(["--local", "--num-workers", "3"]).worker_index == 2
+    monkeypatch.setenv("TETHER_WORKER_INDEX", "1")
+    assert TrainingConfig.from_env(local=True, num_workers=3).worker_index == 1
+
+
+def test_the_shard_test_hook_is_read_from_its_variable_only(clean_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not server_config.load_config([]).crash_before_manifest
+    monkeypatch.setenv(server_config.CRASH_BEFORE_MANIFEST_ENV, "1")
+    assert server_config.load_config([]).crash_before_manifest
+    assert "--crash-before-manifest" not in server_config.build_parser().format_help()
+
+
+def test_a_declaration_needs_what_cannot_be_guessed() -> None:
+    with pytest.raises(ValueError, match="give parse="):
+        fields.setting(None, flag="--x", help="x")
+    with pytest.raises(ValueError, match="needs env="):
+        fields.setting(0, flag=None, help="x")
