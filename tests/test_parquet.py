@@ -326,6 +326,25 @@ def test_launch_trains_the_builtin_job_from_parquet(criteo_parquet: Path, tmp_pa
     assert 0 < summary["eval_loss"] < 1.5 and "baseline_loss" in summary
 
 
+def test_launch_resumes_each_workers_stream_from_a_checkpoints_positions(criteo_parquet: Path, tmp_path: Path) -> None:
+    """20 steps with a checkpoint every 10 leave each worker's position at step 10; a job resumed
+    there for 10 steps ends where the first one ended (the same stream, read on, not re-read)."""
+    common = ["launch", "--num-shards", "1", "--num-workers", "2", "--data", f"parquet:{criteo_parquet}", "--batch-size", "64",
+              "--eval-samples", "500", "--device", "cpu", "--checkpoint-every", "600"]
+    first = _tether([*common, "--steps", "20", "--checkpoint-every-steps", "10", "--out", str(tmp_path / "a")], tmp_path, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = tmp_path / "a" / "positions" / "step-10"
+    assert sorted(p.name for p in saved.iterdir()) == ["worker-0.json", "worker-1.json"]
+    again = _tether([*common, "--steps", "10", "--resume-data", str(saved), "--out", str(tmp_path / "b")], tmp_path, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for i in (0, 1):
+        ended = json.loads((tmp_path / "a" / f"worker-{i}.json").read_text())["data_position"]
+        resumed = json.loads((tmp_path / "b" / f"worker-{i}.json").read_text())["data_position"]
+        assert resumed == ended
+    wrong = _tether([*common, "--steps", "5", "--resume-data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "c")], tmp_path)
+    assert wrong.returncode == 2 and "--resume-data" in wrong.stderr and "no such directory" in wrong.stderr
+
+
 # -- memory -----------------------------------------------------------------------------------------
 
 _PROBE = textwrap.dedent("""

@@ -393,7 +393,8 @@ class WorkerConfig(TrainingConfig):
     # varies it while the model, the data distribution and the held-out set stay the same).
     data_seed: int = setting(0, flag="--data-seed", group=MODEL, help="synthetic data: order of the training batches (0: the seed's own)")
     resume_data: str | None = setting(None, flag="--resume-data", parse=optional_str, metavar="DIR", group=MODEL,
-                                      help="resume each worker's data stream from DIR/worker-<i>.json (a ParquetStream position)")
+                                      help="resume each worker's --data parquet: stream from DIR/worker-<i>.json, as a worker with "
+                                      "--checkpoint-every-steps writes them to OUT/positions/step-<clock>/")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -404,6 +405,10 @@ class WorkerConfig(TrainingConfig):
             raise ValueError(f"eval_samples must be >= 0, got {self.eval_samples!r}")
         if self.resume_data is not None and not self.resume_data:
             raise ValueError("resume_data must name a directory (None: start each stream at its beginning), got ''")
+        if self.resume_data is not None and not self.data.startswith("parquet:"):
+            raise ValueError(f"--resume-data {self.resume_data}: only a Parquet stream (--data parquet:PATH) has a position to resume, got --data {self.data}")
+        if self.resume_data is not None and not os.path.isdir(self.resume_data):
+            raise ValueError(f"--resume-data {self.resume_data}: no such directory")
         if self.data != "synthetic" and not self.data.startswith(("criteo:", "parquet:")):
             raise ValueError(f"data must be 'synthetic', 'criteo:PATH' or 'parquet:PATH', got {self.data!r}")
         if self.data.startswith("criteo:"):

@@ -9,15 +9,18 @@ finished.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tether.protos.errors import UsageError
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.config import WorkerConfig
 from tether.worker.criteo import CRITEO_DENSE, CRITEO_SPARSE, CriteoStream, criteo_eval_set, criteo_files
@@ -129,7 +132,7 @@ def _parquet_dataset(cfg: WorkerConfig) -> Dataset:
     def batches(bs: int, n: int, rank: int, world: int) -> Iterable[Batch]:
         # The stream itself, not an islice of it: Trainer.fit finds its position (state_dict) there.
         return ParquetStream(files, bs, rank=rank, world_size=world, epochs=None, shuffle_rows=PARQUET_SHUFFLE_ROWS,
-                             seed=cfg.seed * 1_000_003 + cfg.data_seed, max_batches=n, **columns)
+                             seed=cfg.seed * 1_000_003 + cfg.data_seed, max_batches=n, resume=_resume_position(cfg, rank), **columns)
 
     return Dataset(
         num_dense=len(dense),
@@ -139,6 +142,27 @@ def _parquet_dataset(cfg: WorkerConfig) -> Dataset:
         label_mean=label_mean,
         bayes_loss=None,
     )
+
+
+def _resume_position(cfg: WorkerConfig, rank: int) -> dict[str, Any] | None:
+    """Worker ``rank``'s stream position in ``cfg.resume_data`` (``worker-<rank>.json``: what
+    ``Trainer.fit`` writes beside a checkpoint, ``{"step": n, "position": {...}}``, or a position
+    alone), or None without ``--resume-data``.
+
+    Raises:
+        UsageError: the file is missing or is not such JSON.
+    """
+    if cfg.resume_data is None:
+        return None
+    path = Path(cfg.resume_data) / f"worker-{rank}.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--resume-data {cfg.resume_data}: cannot read worker {rank}'s position {path}: {exc}") from None
+    position = saved.get("position", saved) if isinstance(saved, dict) else None
+    if not isinstance(position, dict):
+        raise UsageError(f"--resume-data {cfg.resume_data}: {path} holds no stream position")
+    return position
 
 
 def build_model(cfg: WorkerConfig, ds: Dataset) -> CTRModel:
