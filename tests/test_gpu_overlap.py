@@ -293,6 +293,24 @@ def test_ids_sparse_did_not_name_stop_a_gpu_step_when_its_gradients_come_back() 
             model(user.cuda(), item.cuda())
 
 
+def test_sync_reads_its_flag_after_the_gradient_copies_are_queued_and_that_one_wait_covers_them() -> None:
+    user, item = torch.tensor([1, 2]), torch.tensor([7, 8])
+    with FakeCuda() as fake:
+        model = TwoTables()
+        ps = _local_gpu_model(model, {"users": 2, "items": 2})
+        ps.install(ps.prefetch({"users": user, "items": item}))
+        model(user.cuda(), item.cuda()).backward()
+        ps.collect(exact=True, wait=False)  # what Trainer does before the policy's after_backward
+        waits = len(fake.syncs)
+        assert int(torch.ones(1, device="cuda").item()) == 1  # sync's "every rank goes on" flag
+        ps.collect(exact=True)
+        assert fake.syncs[waits:] == ["item"]  # and no second wait for the gradients
+        sparse, _ = ps.gradients()
+    # float32 for sync's combiner, and the values the backward made (landed, not garbage).
+    assert sparse["users"][1].dtype == torch.float32 and torch.isfinite(sparse["users"][1]).all()
+    assert sparse["items"][0].tolist() == [7, 8]
+
+
 def test_the_fused_lookup_is_checked_once_then_with_the_gradients() -> None:
     batches = _ctr_batches(3)
     with FakeCuda() as fake:

@@ -344,6 +344,9 @@ class PSModel:
         self._unique_ids: torch.Tensor | None = None
         self._checks: list[tuple[ShardedEmbeddingBag | None, torch.Tensor, torch.Tensor]] | None = None
         self._collected: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+        # The gradients' copies to the host once queued and not yet waited for (``collect``).
+        self._copying: tuple[Any, list[torch.Tensor], list[tuple[int, list[tuple[str, torch.Tensor, int, int]]]], int | None,
+                             list[tuple[ShardedEmbeddingBag | None, torch.Tensor, torch.Tensor]]] | None = None
         self._fused_ok: bool | None = None
         self._executor: ThreadPoolExecutor | None = None
         if self._cuda:
@@ -469,7 +472,7 @@ class PSModel:
         to none, so no forward looks up another step's rows. ``train``: a training step, whose
         forward may look up only the rows pulled here (those get their gradients pushed).
         """
-        self._collected = None
+        self._collected = self._copying = None
         if self._cuda:
             return self._install_staged(prefetch, train, timeout)
         pulled = prefetch.handle.result(timeout)
@@ -542,7 +545,7 @@ class PSModel:
         for bag in self._all_bags():
             bag.unbind()
         self._groups, self._rows, self._columns, self._inverse, self._unique_ids = [], None, None, None, None
-        self._checks, self._collected = None, None
+        self._checks, self._collected, self._copying = None, None, None
         if self._executor is not None:
             # Whatever it still has (nothing, after fit) ends on its own; a later pull starts another.
             self._executor.shutdown(wait=False)
@@ -581,40 +584,49 @@ class PSModel:
                 return None
         return self._rows[self._inverse]
 
-    def collect(self, exact: bool = False) -> None:
+    def collect(self, exact: bool = False, wait: bool = True) -> None:
         """Bring this step's gradients to the host, where ``push`` sends them from (call it once
         the backward is done; ``push`` calls it if the caller did not).
 
         On CUDA each gradient is cast to the wire dtype on the GPU (``exact``: kept in float32,
         for a combiner that sums them first, as sync's does), copied without blocking into
         pinned memory, and the host waits once for those copies: the step's one wait for the
-        GPU. The training step's lookup checks come back with them. On the CPU nothing happens
-        here: ``push`` reads the gradients where they are.
+        GPU. The training step's lookup checks come back with them. ``wait=False`` only queues
+        the copies; the next call waits for them, and not at all if something else waited for
+        the GPU since (sync's all-reduce). Dense gradients come back where they are pushed (not
+        in sync mode, whose ranks all-reduce them). On the CPU nothing happens here: ``push``
+        reads the gradients where they are.
 
         Raises:
             UsageError: a lookup of this training step used ids that ``sparse(batch)`` did not name.
         """
         if not self._cuda or self._collected is not None:
             return
-        wire = torch.float32 if exact else self.client.config.wire_dtype
-        sources: list[torch.Tensor] = []
-        grouped = []
-        for rows, slices in self._groups:
-            if rows.grad is not None:
-                grouped.append((len(sources), slices))
-                sources.append(rows.grad.detach().to(wire))
-        dense_at = None
-        if self.dense and any(p.grad is not None for p in self.dense.values()):
-            dense_at = len(sources)
-            sources.append(flat_grads(list(self.dense.values())).detach().to(wire))
-        checks = self._checks or []
-        if checks:
-            sources.append(torch.stack([found.all() for _, _, found in checks]).all().reshape(1))
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in sources]
-        for h, t in zip(host, sources):
-            h.copy_(t, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(torch.cuda.current_stream(self._index))
+        if self._copying is None:
+            wire = torch.float32 if exact else self.client.config.wire_dtype
+            sources: list[torch.Tensor] = []
+            grouped = []
+            for rows, slices in self._groups:
+                if rows.grad is not None:
+                    grouped.append((len(sources), slices))
+                    sources.append(rows.grad.detach().to(wire))
+            dense_at = None
+            if self.dense_on_shards and self.dense and any(p.grad is not None for p in self.dense.values()):
+                dense_at = len(sources)
+                sources.append(flat_grads(list(self.dense.values())).detach().to(wire))
+            checks = list(self._checks or [])
+            if checks:
+                sources.append(torch.stack([found.all() for _, _, found in checks]).all().reshape(1))
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in sources]
+            for h, t in zip(host, sources):
+                h.copy_(t, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(self._index))
+            self._copying = (copied, host, grouped, dense_at, checks)
+        if not wait:
+            return
+        copied, host, grouped, dense_at, checks = self._copying
+        self._copying = None
         if not copied.query():
             copied.synchronize()
         if checks and not bool(host[-1][0]):
@@ -639,7 +651,7 @@ class PSModel:
     def gradients(self) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
         """Row gradients of the bound tables (where the backward reached them) and the dense
         gradients, on the host (on CUDA: those ``collect`` brought back, in float32 unless it
-        cast them to the wire dtype)."""
+        cast them to the wire dtype, and dense ones only where they are pushed)."""
         if self._cuda:
             self.collect(exact=True)
             assert self._collected is not None
@@ -659,7 +671,7 @@ class PSModel:
             rows.grad = None
         for p in self.dense.values():
             p.grad = None
-        self._collected = None
+        self._collected = self._copying = None
         if self._checks:
             self._checks.clear()
 

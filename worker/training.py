@@ -312,6 +312,8 @@ class Trainer(Generic[B]):
                 pending = ps.prefetch(self.sparse_fn(upcoming))
             loss = self.loss_fn(self.model, to_device(batch, self.device))
             loss.backward()
+            # The gradients' copies to the host, queued now: sync's wait in after_backward covers them.
+            ps.collect(exact=combine is not None, wait=False)
             if not policy.after_backward(more=upcoming is not None) and upcoming is not None:
                 # sync: another rank's data ended, so every rank stops after this step.
                 self.printer(f"{self.name}: stopping at step {step + 1} with data left: another rank's data ended there "
@@ -321,7 +323,7 @@ class Trainer(Generic[B]):
             window_loss = held.double() if window_loss is None else window_loss + held
             if on_host:
                 loss_value = float(held)  # free on the CPU: the loss gauge gets every step's
-            # The step's gradients to the host: on CUDA the host's one wait for the GPU this step.
+            # The step's gradients on the host: on CUDA the host's one wait for the GPU this step.
             ps.collect(exact=combine is not None)
             # Straggler experiments: this step computes ``factor`` times slower (same schedule
             # per worker and step in every mode: see tether.worker.stragglers).
