@@ -251,7 +251,7 @@ def add_flags(
             if decl.group != group:
                 continue
             text = decl.text_from(environ)
-            help_text = f"{decl.help} {decl.env_note()}"
+            help_text = f"{decl.help} {decl.env_note()}".replace("%", "%%")  # argparse formats help with %
             default = default_of(cls, f.name)
             if decl.switch:
                 on = _truthy(text) if text is not None else bool(default) != decl.negated

@@ -77,14 +77,22 @@ def _token_file(tmp_path: Path) -> str:
 
 
 def _worker_config(tmp_path: Path) -> WorkerConfig:
-    data = tmp_path / "day_0.tsv"
-    data.write_text("")
+    """Every field away from its default: a Parquet table (row groups for 4 workers) and a
+    folder of positions, since only a Parquet stream resumes."""
+    pytest.importorskip("pyarrow")
+    from tether.worker.criteo import write_criteo_sample
+    from tether.worker.parquet import write_criteo_parquet
+
+    write_criteo_sample(tmp_path / "day.tsv", 400)
+    write_criteo_parquet(str(tmp_path / "day.tsv"), str(tmp_path / "day.parquet"), row_group_rows=50)
+    (tmp_path / "positions").mkdir()
     special = {
         "shards": ("127.0.0.1:1", "127.0.0.1:2"),
         "mode": "ssp:3",
         "device": "cpu",
         "straggler": "transient:0.5:3",
-        "data": f"criteo:{data}",
+        "data": f"parquet:{tmp_path / 'day.parquet'}",
+        "resume_data": str(tmp_path / "positions"),
         "auth_token_file": _token_file(tmp_path),
     }
     # Local mode and a shard list exclude each other: local gets its own round trip.

@@ -1,5 +1,8 @@
 """Configuration of one worker process: the training job's, the built-in model's and the client's
-(frozen dataclasses, validated in ``__post_init__``; ``tether.worker.flags`` loads them)."""
+(frozen dataclasses, validated in ``__post_init__``). Each field a user can set declares its flag,
+``TETHER_*`` variable, help and default once, here (``tether.protos.fields``): the flags of
+``tether worker`` and the launchers (``tether.worker.flags``), ``from_env`` and what a launcher
+hands a worker (``tether.deploy.worker_args``) are made from those declarations."""
 
 from __future__ import annotations
 
