@@ -111,8 +111,6 @@ class Setting:
     fallback_env: tuple[str, ...] = ()
     # The flag's default is None, not the field's: someone else fills the field (a preset).
     unset: bool = False
-    # Never written into a child's argv or environment (the child inherits the variable).
-    secret: bool = False
 
     @property
     def dest(self) -> str:
@@ -147,7 +145,6 @@ def setting(
     choices: Sequence[str] | None = None,
     fallback_env: Sequence[str] = (),
     unset: bool = False,
-    secret: bool = False,
     repr: bool = True,  # noqa: A002 - dataclasses' name
 ) -> Any:
     """A dataclass field with its default, flag, variable (``TETHER_`` + the flag's name unless
@@ -172,7 +169,6 @@ def setting(
     decl = Setting(
         flag=flag, env=env, help=help, parse=parse, show=show, group=group, switch=isinstance(default, bool), negated=negated,
         metavar=metavar, choices=tuple(choices) if choices is not None else None, fallback_env=tuple(fallback_env), unset=unset,
-        secret=secret,
     )
     return dataclasses.field(default=default, repr=repr, metadata={_SETTING: decl})
 
@@ -335,12 +331,13 @@ def from_env(cls: type[C], overrides: Mapping[str, Any] | None = None, *, enviro
 
 
 def _texts(cfg: Any) -> Iterator[tuple[str, str, str | None]]:
-    """``(flag, variable, text)`` of each flagged, non-secret field of ``cfg`` a child must be
-    told: text None for a switch that is on; a switch that is off and a None that is the
-    default too are left out (so what a child inherits can still set them, as ever)."""
+    """``(flag, variable, text)`` of each flagged field of ``cfg`` a child must be told: text
+    None for a switch that is on; a switch that is off and a None that is the default too are
+    left out (so what a child inherits can still set them, as ever). Derived fields (a token
+    read from a file) are never written: the child derives them again."""
     cls = type(cfg)
     for f, decl in declared(cls):
-        if decl.flag is None or decl.secret:
+        if decl.flag is None:
             continue
         value = getattr(cfg, f.name)
         if decl.switch:
