@@ -31,7 +31,6 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
-from tether.protos.codec import WIRE_DTYPES
 from tether.protos.errors import FailedPrecondition, TooStale, UsageError
 from tether.protos.optimizers import OptimizerConfig, rule
 from tether.protos.specs import TableConfig
@@ -92,7 +91,6 @@ class Trainer(Generic[B]):
         printer: Callable[[str], None] = print,
         batch_size: Callable[[B], int] | None = None,
     ) -> None:
-        kind, _ = config.consistency
         config, device, policy = policy_for(config, pick_device(config.device))
         if device.type == "cuda" and device.index is not None:
             # Streams, events and device="cuda" allocations (the user's too) land on this worker's GPU, not cuda:0.
