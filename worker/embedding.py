@@ -95,7 +95,9 @@ class ShardedEmbeddingBag(nn.Module):
         tensor through autograd; ``train_step``: those are the only rows of this training step
         (see the class docstring); ``checks``: a list where a training step's lookups append
         ``(bag, ids, found)`` instead of reading ``found`` (on a GPU, a wait per lookup)."""
-        self._ids, self._rows, self._train_step, self._checks = ids, rows, train_step, checks
+        self._ids, self._rows, self._train_step = ids, rows, train_step
+        if checks is not self._checks:  # (nn.Module's __setattr__ is not free, and this runs per bag per step)
+            self._checks = checks
 
     def unbind(self, train_step: bool = False) -> None:
         """Drop the bound rows: this step has none of this table (``train_step``: a training
