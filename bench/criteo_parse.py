@@ -20,7 +20,6 @@ import gzip
 import os
 import platform
 import re
-import resource
 import shutil
 import statistics
 import subprocess

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import ssl
 import sys
 import tempfile
 import time

@@ -174,7 +174,9 @@ def compare(
         template = replace(template, eval_every=max(template.steps // 20, 1))
     # Every worker records (time, samples) as often as worker 0 evaluates: all workers'
     # samples and the staleness panel are read off those records.
-    template = replace(template, straggler=str(spec), slowdown=1.0, slow_worker=None, log_every=min(template.log_every, template.eval_every))
+    template = replace(
+        template, straggler=str(spec), slowdown=1.0, slow_worker=None, log_every=min(template.log_every, template.eval_every)
+    )
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
@@ -233,7 +235,8 @@ def compare(
         writer.writerows(rows)
     best_possible = float(first["bayes_loss"]) if "bayes_loss" in first else None
     write_plot({m: [r for r in runs if r["mode"] == m] for m in modes}, out_dir / "curves.png", target_loss, baseline, best_possible,
-               title=f"{template.num_workers} workers, {num_shards} shards, straggler {spec}" + (f", {repeats} repeats" if repeats > 1 else ""))
+               title=f"{template.num_workers} workers, {num_shards} shards, straggler {spec}"
+               + (f", {repeats} repeats" if repeats > 1 else ""))
     summary = {
         "target_loss": target_loss,
         "baseline_loss": baseline,
@@ -273,7 +276,10 @@ def _mode_result(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "staleness_max": lags[-1] if lags else 0,
         "update_staleness_p50": statistics.fmean(float(r["update_staleness_p50"]) for r in runs),
         "runs": [
-            {k: r[k] for k in ("repeat", "data_seed", "final_eval_loss", "final_eval_auc", "time_to_target_s", "samples_per_sec", "train_wall_s")}
+            {
+                k: r[k]
+                for k in ("repeat", "data_seed", "final_eval_loss", "final_eval_auc", "time_to_target_s", "samples_per_sec", "train_wall_s")
+            }
             for r in runs
         ],
     }
@@ -317,7 +323,8 @@ def recommend(results: Sequence[dict[str, Any]], tolerance: float = 0.01) -> dic
     note = " (one run per bound: the spread is unknown; use --repeats 3)" if single else ""
     if len(group) > 1:
         note += f"; {', '.join(names)} are within the spread of each other, the smallest bound is recommended"
-    return {"best": best, "recommended": chosen, "tied": names, "message": f"recommended staleness bound: {parse_mode(str(chosen['mode']))[1]}{note}"}
+    return {"best": best, "recommended": chosen, "tied": names,
+            "message": f"recommended staleness bound: {parse_mode(str(chosen['mode']))[1]}{note}"}
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -332,7 +339,10 @@ def format_table(summary: dict[str, Any]) -> str:
         return f"{text:>{width}s}"
 
     tw, lw = (15, 17) if pm else (13, 10)
-    head = f"{'mode':10s} {'to target (s)':>{tw}s} {'final loss':>{lw}s} {'AUC':>7s} {'samples/s':>10s} {'stale p50':>9s} {'p99':>5s} {'max':>5s}"
+    head = (
+        f"{'mode':10s} {'to target (s)':>{tw}s} {'final loss':>{lw}s} {'AUC':>7s} {'samples/s':>10s} "
+        f"{'stale p50':>9s} {'p99':>5s} {'max':>5s}"
+    )
     lines = [
         f"target eval loss {summary['target_loss']:.4f} (constant predictor {summary['baseline_loss']:.4f}"
         + (f", best possible {summary['bayes_loss']:.4f}" if "bayes_loss" in summary else "")

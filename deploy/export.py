@@ -120,7 +120,9 @@ def _write(final: Path, write: Callable[[Path], object]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def export_checkpoint(checkpoint_dir: str | Path, out: str | Path, ckpt_id: str | None = None, model: nn.Module | None = None) -> dict[str, Any]:
+def export_checkpoint(
+    checkpoint_dir: str | Path, out: str | Path, ckpt_id: str | None = None, model: nn.Module | None = None
+) -> dict[str, Any]:
     """Write checkpoint ``ckpt_id`` of ``checkpoint_dir`` (default: every shard's newest part)
     into the folder ``out``; returns the manifest written.
 
@@ -139,7 +141,9 @@ def export_checkpoint(checkpoint_dir: str | Path, out: str | Path, ckpt_id: str 
     if ckpt_id is not None:
         plan = next((p for p in complete_checkpoints(Path(checkpoint_dir)) if p.id == ckpt_id), None)
         if plan is None:
-            raise ValueError(f"no complete checkpoint {ckpt_id!r} under {checkpoint_dir} (every shard of the job must have written its part)")
+            raise ValueError(
+                f"no complete checkpoint {ckpt_id!r} under {checkpoint_dir} (every shard of the job must have written its part)"
+            )
     else:
         plan = _newest_parts(Path(checkpoint_dir))
         if plan is None:

@@ -47,7 +47,10 @@ def write_plot(
 
     fig, (ax_t, ax_s, ax_z) = plt.subplots(1, 3, figsize=(16, 4.6))
     colors = {mode: f"C{i}" for i, mode in enumerate(runs)}
-    for ax, x, xlabel in ((ax_t, "wall_s", "worker 0's training time (s), evaluations left out"), (ax_s, "total_samples", "samples, all workers")):
+    for ax, x, xlabel in (
+        (ax_t, "wall_s", "worker 0's training time (s), evaluations left out"),
+        (ax_s, "total_samples", "samples, all workers"),
+    ):
         inset = ax.inset_axes([0.42, 0.42, 0.55, 0.53])
         tail: list[float] = []
         x_end = 0.0
@@ -86,7 +89,12 @@ def write_plot(
     for mode, mode_runs in runs.items():
         records = mode_runs[0]["records"]
         t0 = min(float(r.get("start_time", 0.0)) for r in records)
-        lags = sorted((float(p["time"]) - t0, float(p["staleness_mean"])) for r in records for p in r["history"] if "staleness_mean" in p and "time" in p)
+        lags = sorted(
+            (float(p["time"]) - t0, float(p["staleness_mean"]))
+            for r in records
+            for p in r["history"]
+            if "staleness_mean" in p and "time" in p
+        )
         if lags:
             ax_z.plot([p[0] for p in lags], [p[1] for p in lags], lw=1, color=colors[mode], label=mode)
     ax_z.set_xlabel("time since the start (s), first run")

@@ -66,6 +66,7 @@ __all__ = [
     "recv_header_fds",
     "recv_into",
     "send_frame",
+    "settimeout_by",
     "unpack_header",
 ]
 
@@ -251,7 +252,12 @@ class SharedRegion:
             pass
 
 
-def _until(sock: socket.socket, deadline: float | None) -> None:
+def settimeout_by(sock: socket.socket, deadline: float | None) -> None:
+    """Give ``sock`` the time left until ``deadline`` (a ``time.monotonic()`` value; None: leave it).
+
+    Raises:
+        TimeoutError: the deadline has passed.
+    """
     if deadline is not None:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -269,7 +275,7 @@ def recv_into(sock: socket.socket, view: memoryview, deadline: float | None = No
     got = 0
     n = len(view)
     while got < n:
-        _until(sock, deadline)
+        settimeout_by(sock, deadline)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise ConnectionError("connection closed by the peer")
@@ -317,7 +323,7 @@ def recv_header_fds(
     got = 0
     try:
         while got < HEADER.size:
-            _until(sock, deadline)
+            settimeout_by(sock, deadline)
             k, ancillary, msg_flags, _ = sock.recvmsg_into([view[got:]], socket.CMSG_SPACE(_MAX_FDS * 4))
             for level, kind, data in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

@@ -37,7 +37,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             or default is None
             or default is argparse.SUPPRESS
             or default == ""
-            or isinstance(action, (argparse._HelpAction, argparse._VersionAction))
+            or isinstance(action, (argparse._HelpAction, argparse._VersionAction))  # noqa: SLF001 - argparse has no public names for them
         ):
             return text
         value = ("on" if default else "off") if isinstance(default, bool) else "%(default)s"
@@ -61,7 +61,9 @@ class DeprecatedAlias(argparse.Action):
         self.new = new
         super().__init__(option_strings, dest, **kwargs)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None
+    ) -> None:
         print(
             f"{parser.prog}: warning: {option_string} is deprecated and will be removed in the next release; use {self.new}",
             file=sys.stderr, flush=True,

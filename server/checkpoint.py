@@ -145,7 +145,10 @@ class Checkpointer:
     def final(self) -> CheckpointInfo | None:
         """The shutdown checkpoint (``final-<unix ms>``); None when nothing changed since the last one."""
         if not self.dirty:
-            log.info("no change since checkpoint %s; no final checkpoint needed", self.shard.last_checkpoint or self.shard.restored_checkpoint or "-")
+            log.info(
+                "no change since checkpoint %s; no final checkpoint needed",
+                self.shard.last_checkpoint or self.shard.restored_checkpoint or "-",
+            )
             return None
         return self.checkpoint(f"final-{int(time.time() * 1000)}")
 

@@ -75,7 +75,8 @@ class ShardConfig:
     checkpoint_dir: str | None = setting(None, flag="--checkpoint-dir", parse=optional_str,
                                          help="restore from the newest checkpoint here at start; write checkpoints here")
     checkpoint_every_s: float | None = setting(None, flag="--checkpoint-every", parse=optional_float, metavar="SECONDS",
-                                               help="checkpoint every this many seconds while the shard changes; unset: only on demand and at SIGTERM")
+                                               help="checkpoint every this many seconds while the shard changes; "
+                                               "unset: only on demand and at SIGTERM")
     checkpoint_keep: int = setting(3, flag="--checkpoint-keep", help="checkpoints of this shard to keep")
     # TLS from PEM files; with tls_client_ca, clients must present a certificate (mutual TLS).
     tls_cert: str | None = setting(None, flag="--tls-cert", parse=optional_str, help="serve TLS with this PEM certificate")

@@ -269,7 +269,7 @@ class DataPlaneServer:
             ConnectionError: the handshake failed (no or an untrusted client certificate, ...).
             TimeoutError: the handshake did not finish in time.
         """
-        dp._until(conn, deadline)
+        dp.settimeout_by(conn, deadline)
         first = conn.recv(1, socket.MSG_PEEK)
         if not first:
             raise ConnectionError("closed before the TLS handshake")
@@ -288,7 +288,7 @@ class DataPlaneServer:
             tls = ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
             self._conns[tls] = thread
         try:
-            dp._until(tls, deadline)
+            dp.settimeout_by(tls, deadline)
             tls.do_handshake()
         except BaseException as exc:
             if isinstance(exc, ssl.SSLError):

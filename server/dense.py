@@ -58,7 +58,9 @@ class DenseChunk:
             ValueError: a value or state of another shape.
         """
         if tuple(value.shape) != (self.numel,):
-            raise ValueError(f"dense chunk {self.name}[{self.index}]: restored value has shape {tuple(value.shape)}, expected ({self.numel},)")
+            raise ValueError(
+                f"dense chunk {self.name}[{self.index}]: restored value has shape {tuple(value.shape)}, expected ({self.numel},)"
+            )
         if set(state) != set(self._state) or any(state[k].shape != t.shape for k, t in self._state.items()):
             raise ValueError(f"dense chunk {self.name}[{self.index}]: restored optimizer state does not match {self.optimizer.name}")
         with self._lock:

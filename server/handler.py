@@ -182,7 +182,9 @@ class RequestHandler:
     def _push_response(result: PushResult) -> pb.PushResponse:
         return pb.PushResponse(applied=result.applied, max_staleness=result.max_staleness, clock_staleness=result.clock_staleness)
 
-    def _push_pull(self, request: pb.PushPullRequest, payload: memoryview | None = None, out: PayloadWriter | None = None) -> pb.PushPullResponse:
+    def _push_pull(
+        self, request: pb.PushPullRequest, payload: memoryview | None = None, out: PayloadWriter | None = None
+    ) -> pb.PushPullResponse:
         result = self._push(request.push, payload)
         return pb.PushPullResponse(push=self._push_response(result), pull=self._pull(request.pull, out))
 

@@ -219,7 +219,8 @@ class ShardMetrics:
         self.serving = Gauge("tether_shard_up", "1 while the shard is serving, else 0.", registry=r)
         self.data_connections = Gauge(
             "tether_shard_data_connections",
-            "Open data-plane connections, by how their payloads travel (shm: shared memory, tcp: the socket, tcp+tls: the socket inside TLS).",
+            "Open data-plane connections, by how their payloads travel "
+            "(shm: shared memory, tcp: the socket, tcp+tls: the socket inside TLS).",
             ["mode"], registry=r)
 
         # Export the bounded series at 0 from the start so rate() and alerts see them.

@@ -437,7 +437,9 @@ class EmbeddingTable:
         with self._lock:
             if self.capacity and n > self.capacity:
                 # The checkpoint holds no recency: keep the first rows by id and count the rest.
-                log.warning("table %s: %d restored rows exceed the capacity %d; evicting %d", self.config.name, n, self.capacity, n - self.capacity)
+                log.warning(
+                    "table %s: %d restored rows exceed the capacity %d; evicting %d", self.config.name, n, self.capacity, n - self.capacity
+                )
                 self.evicted_rows += n - self.capacity
                 if self._on_evict is not None:
                     self._on_evict(n - self.capacity)

@@ -4,7 +4,6 @@ launcher is tests/test_integration.py::test_shards_die_with_a_killed_launcher)."
 from __future__ import annotations
 
 import subprocess
-import sys
 import threading
 from concurrent import futures
 

@@ -206,8 +206,8 @@ class ShardChannel:
                 call.payload.inline(call.request)
             response = getattr(self._stub, call.method)(call.request, timeout=timeout, metadata=self._metadata)
             return call.answer(response, None) if call.answer else response
-        self._data_send(conn, call, timeout)
-        return self._data_receive(conn, call, timeout)
+        self.data_send(conn, call, timeout)
+        return self.data_receive(conn, call, timeout)
 
     def data_connection(self, call: Call, timeout: float | None = None) -> DataConnection | None:
         """A data-plane connection for ``call``, or None: it goes over gRPC."""
@@ -215,14 +215,16 @@ class ShardChannel:
             return None
         return self.data.acquire(lambda: self._discover(timeout), timeout)
 
-    def _data_send(self, conn: DataConnection, call: Call, timeout: float) -> None:
+    def data_send(self, conn: DataConnection, call: Call, timeout: float) -> None:
+        """Send ``call`` on the data-plane connection ``conn`` (a failure drops or keeps it, see ``_data_failure``)."""
         assert call.payload is not None
         try:
             conn.send(_DATA_METHODS[call.method], call.request, call.payload, call.response_bytes, timeout)
         except BaseException as exc:
             raise self._data_failure(conn, exc) from exc
 
-    def _data_receive(self, conn: DataConnection, call: Call, timeout: float) -> Any:
+    def data_receive(self, conn: DataConnection, call: Call, timeout: float) -> Any:
+        """The answer to ``call`` sent on ``conn``; the connection goes back to the pool (or is dropped on a failure)."""
         answer = call.answer
         try:
             meta, data = conn.receive(timeout) if call.direct is None else conn.receive(timeout, call.direct)
@@ -274,7 +276,7 @@ class DataCall:
         self._conn: DataConnection | None = conn
         self._failed: _Failed | None = None
         try:
-            channel._data_send(conn, call, time_left(deadline, channel.config.timeout_s))
+            channel.data_send(conn, call, time_left(deadline, channel.config.timeout_s))
         except _Failed as exc:
             self._conn, self._failed = None, exc
 
@@ -303,7 +305,7 @@ class DataCall:
         try:
             if self._conn is not None:
                 try:
-                    return True, channel._data_receive(self._conn, self._call, limit)
+                    return True, channel.data_receive(self._conn, self._call, limit)
                 except _Failed as exc:
                     self._failed = exc
             return True, channel.call(self._call, failed=self._failed, deadline=self._deadline)

@@ -206,13 +206,15 @@ class TrainingConfig:
     shards: tuple[str, ...] = setting((), flag="--shards", group=PLACE, help="comma-separated host:port of every shard, in shard order")
     # Local mode: no shards; the tables live in this process with the shards' update rules
     # (the one-process baseline, and unit tests of a model without a cluster).
-    local: bool = setting(False, flag="--local", group=PLACE, help="no shards: keep the tables in this process, with the shards' update rules")
+    local: bool = setting(False, flag="--local", group=PLACE,
+                          help="no shards: keep the tables in this process, with the shards' update rules")
     worker_index: int = setting(0, flag="--worker-index", group=PLACE, fallback_env=("JOB_COMPLETION_INDEX",),
                                 help="this worker's index in [0, --num-workers)")
     num_workers: int = setting(1, flag="--num-workers", group=PLACE, help="workers in the job")
     worker_id: str | None = setting(None, flag="--worker-id", parse=optional_str, group=PLACE,
                                     help="name this worker gives the shards (default worker-<index>)")
-    out: str | None = setting(None, flag="--out", parse=optional_str, group=PLACE, help="write worker-<index>.json with the loss history here")
+    out: str | None = setting(None, flag="--out", parse=optional_str, group=PLACE,
+                              help="write worker-<index>.json with the loss history here")
     slowdown: float = setting(1.0, flag="--slowdown", group=PLACE, help="make compute this many times slower (straggler experiments)")
     slow_worker: int | None = setting(None, flag="--slow-worker", parse=optional_int, group=PLACE,
                                       help="only the worker with this index is slowed (default: this worker)")
@@ -224,19 +226,23 @@ class TrainingConfig:
                                    help="client certificate (PEM) for shards that require mutual TLS")
     tls_key: str | None = setting(None, flag="--tls-key", parse=optional_str, group=PLACE, help="PEM private key of --tls-cert")
     auth_token_file: str | None = setting(None, flag="--auth-token-file", parse=optional_str, group=PLACE,
-                                          help=f"send 'authorization: Bearer <token>' with the token in this file (or the token itself in ${TOKEN_ENV})")
+                                          help="send 'authorization: Bearer <token>' with the token in this file "
+                                          f"(or the token itself in ${TOKEN_ENV})")
     auth_token: str | None = derived(_auth_token, repr=False)
 
     # The job: every worker of it alike.
-    steps: int | None = setting(None, flag="--steps", parse=optional_int, group=JOB, help="training steps per worker; empty: until the data ends")
+    steps: int | None = setting(None, flag="--steps", parse=optional_int, group=JOB,
+                                help="training steps per worker; empty: until the data ends")
     mode: str = setting("async", flag="--mode", group=JOB, help="consistency: async, ssp:S (at most S steps ahead of the slowest live "
                         "worker) or sync (all-reduce; start with torchrun)")
     # The shards' update rule for rows and (outside sync) dense parameters; sync steps dense
     # parameters with the matching torch optimizer.
-    optimizer: str = setting(default_of(OptimizerConfig, "name"), flag="--optimizer", choices=OPTIMIZERS, group=JOB, help="server-side update rule")
+    optimizer: str = setting(default_of(OptimizerConfig, "name"), flag="--optimizer", choices=OPTIMIZERS, group=JOB,
+                             help="server-side update rule")
     lr: float = setting(default_of(OptimizerConfig, "lr"), flag="--lr", group=JOB, help="learning rate")
     # New rows start uniform in [-init_scale, init_scale] (seeded by id and seed).
-    init_scale: float = setting(default_of(TableConfig, "init_scale"), flag="--init-scale", group=JOB, help="new rows start uniform in [-S, S]")
+    init_scale: float = setting(default_of(TableConfig, "init_scale"), flag="--init-scale", group=JOB,
+                                help="new rows start uniform in [-S, S]")
     seed: int = setting(0, flag="--seed", group=JOB, help="seed of the model, the rows and the data")
     eval_every: int = setting(0, flag="--eval-every", group=JOB, help="worker 0 evaluates every N steps (0: only at the end)")
     # Worker 0 asks every shard for a checkpoint every N steps (shards also checkpoint on their
@@ -247,7 +253,8 @@ class TrainingConfig:
     prefetch: bool = setting(True, flag="--no-prefetch", negated=True, group=JOB,
                              help="pull each batch after the previous push has landed instead of during compute")
     log_every: int = setting(50, flag="--log-every", group=JOB, help="print progress every N steps")
-    timeout_s: float = setting(_client("timeout_s"), flag="--timeout", metavar="SECONDS", group=JOB, help="deadline of each RPC attempt, seconds")
+    timeout_s: float = setting(_client("timeout_s"), flag="--timeout", metavar="SECONDS", group=JOB,
+                               help="deadline of each RPC attempt, seconds")
     call_deadline_s: float = setting(
         _client("call_deadline_s"), flag="--call-deadline", metavar="SECONDS", group=JOB,
         help="longest one push, pull or declare takes, every retry included: each attempt gets at most what is left of it, "
@@ -258,9 +265,9 @@ class TrainingConfig:
                                     help="divide each update's learning rate by its staleness (Zhang et al. 2016)")
     # Straggler experiments (tether.worker.stragglers); empty: ``slowdown`` / ``slow_worker`` decide.
     straggler: str = setting("", flag="--straggler", group=JOB,
-                             help="straggler experiments: persistent:K[:WORKER] (the last worker, or WORKER, K times slower), transient:P:K "
-                             "(each step, each worker K times slower with probability P), pareto:A[:CAP] (heavy-tailed factors) or none; "
-                             "seeded by --seed, so every mode sees the same delays")
+                             help="straggler experiments: persistent:K[:WORKER] (the last worker, or WORKER, K times slower), "
+                             "transient:P:K (each step, each worker K times slower with probability P), "
+                             "pareto:A[:CAP] (heavy-tailed factors) or none; seeded by --seed, so every mode sees the same delays")
     ssp_timeout_s: float = setting(300.0, flag="--ssp-timeout", metavar="SECONDS", group=JOB,
                                    help="longest wait on the staleness bound before failing, seconds")
     transport: str = setting(_client("transport"), flag="--transport", choices=TRANSPORTS, group=JOB,
@@ -270,8 +277,9 @@ class TrainingConfig:
                               help="element type of parameters and gradients on the wire")
     # TensorBoard scalars (loss, eval metrics, samples/s, staleness) go to <tensorboard>/worker-<index>.
     tensorboard: str | None = setting(None, flag="--tensorboard", parse=optional_str, metavar="DIR", group=JOB,
-                                      help="write TensorBoard scalars (train loss, eval metrics, samples/s, clock staleness) per logged step to "
-                                      "DIR/worker-<index>; needs the tensorboard package: pip install 'tether[tensorboard]'")
+                                      help="write TensorBoard scalars (train loss, eval metrics, samples/s, clock staleness) "
+                                      "per logged step to DIR/worker-<index>; "
+                                      "needs the tensorboard package: pip install 'tether[tensorboard]'")
 
     @classmethod
     def from_env(cls: type[T], **overrides: object) -> T:
@@ -311,7 +319,9 @@ class TrainingConfig:
         if self.straggler:
             return parse_straggler(self.straggler)
         if self.slowdown > 1.0:
-            return StragglerSpec("persistent", factor=self.slowdown, worker=self.worker_index if self.slow_worker is None else self.slow_worker)
+            return StragglerSpec(
+                "persistent", factor=self.slowdown, worker=self.worker_index if self.slow_worker is None else self.slow_worker
+            )
         return StragglerSpec()
 
     @property
@@ -348,7 +358,9 @@ class TrainingConfig:
         if self.log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {self.log_every!r}")
         if self.eval_every < 0 or self.checkpoint_every_steps < 0:
-            raise ValueError(f"eval_every and checkpoint_every_steps must be >= 0, got {self.eval_every!r}, {self.checkpoint_every_steps!r}")
+            raise ValueError(
+                f"eval_every and checkpoint_every_steps must be >= 0, got {self.eval_every!r}, {self.checkpoint_every_steps!r}"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if not self.lr > 0:
@@ -385,12 +397,14 @@ class WorkerConfig(TrainingConfig):
     batch_size: int = setting(256, flag="--batch-size", unset=True, group=MODEL, help="samples per step (default: the preset's)")
     data: str = setting("synthetic", flag="--data", group=MODEL,
                         help="'synthetic'; 'criteo:PATH' for Criteo TSV files (plain or gzip; a path, glob or comma list); "
-                        "or 'parquet:PATH' for a Criteo-shaped Parquet table (a file, folder, glob or comma list: a 'label' column, float dense "
-                        "columns, integer or string id columns; row groups dealt to the workers; needs pip install 'tether[parquet]'; "
-                        "tether convert writes Criteo TSV as one; docs/data.md)")
+                        "or 'parquet:PATH' for a Criteo-shaped Parquet table (a file, folder, glob or comma list: a 'label' column, "
+                        "float dense columns, integer or string id columns; row groups dealt to the workers; "
+                        "needs pip install 'tether[parquet]'; tether convert writes Criteo TSV as one; docs/data.md)")
     vocab_size: int = setting(100_000, flag="--vocab-size", group=MODEL, help="synthetic data: ids per field")
-    num_sparse: int = setting(8, flag="--num-sparse", unset=True, group=MODEL, help="synthetic data: categorical fields (default: the preset's)")
-    embedding_dim: int = setting(16, flag="--embedding-dim", unset=True, group=MODEL, help="width of every embedding row (default: the preset's)")
+    num_sparse: int = setting(8, flag="--num-sparse", unset=True, group=MODEL,
+                              help="synthetic data: categorical fields (default: the preset's)")
+    embedding_dim: int = setting(16, flag="--embedding-dim", unset=True, group=MODEL,
+                                 help="width of every embedding row (default: the preset's)")
     eval_samples: int = setting(20_000, flag="--eval-samples", group=MODEL, help="held-out samples")
     # Order of the synthetic training batches (0: the seed's own order; compare --repeats
     # varies it while the model, the data distribution and the held-out set stay the same).
@@ -409,7 +423,10 @@ class WorkerConfig(TrainingConfig):
         if self.resume_data is not None and not self.resume_data:
             raise ValueError("resume_data must name a directory (None: start each stream at its beginning), got ''")
         if self.resume_data is not None and not self.data.startswith("parquet:"):
-            raise ValueError(f"--resume-data {self.resume_data}: only a Parquet stream (--data parquet:PATH) has a position to resume, got --data {self.data}")
+            raise ValueError(
+                f"--resume-data {self.resume_data}: only a Parquet stream (--data parquet:PATH) has a position to resume, "
+                f"got --data {self.data}"
+            )
         if self.resume_data is not None and not os.path.isdir(self.resume_data):
             raise ValueError(f"--resume-data {self.resume_data}: no such directory")
         if self.data != "synthetic" and not self.data.startswith(("criteo:", "parquet:")):

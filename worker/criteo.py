@@ -288,7 +288,9 @@ class CriteoStream(torch.utils.data.IterableDataset):
                 labels, dense, ids = (np.concatenate(x) if len(parts) > 1 else x[0] for x in zip(*parts))
                 full = have - have % bs
                 for s in range(0, full, bs):
-                    yield Batch(torch.from_numpy(dense[s : s + bs]), torch.from_numpy(ids[s : s + bs]), torch.from_numpy(labels[s : s + bs]))
+                    yield Batch(
+                        torch.from_numpy(dense[s : s + bs]), torch.from_numpy(ids[s : s + bs]), torch.from_numpy(labels[s : s + bs])
+                    )
                 parts = [(labels[full:], dense[full:], ids[full:])] if full < have else []
                 have -= full
             if seen == 0:

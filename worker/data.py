@@ -203,7 +203,7 @@ def in_background(batches: Iterator[_T], depth: int = 4) -> Generator[_T, None, 
                 if not offer(b):
                     return
             offer(done)
-        except BaseException as exc:  # handed to the consumer
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             offer(exc)
 
     producer = threading.Thread(target=produce, name="tether-data", daemon=True)

@@ -67,7 +67,9 @@ class ShardedEmbeddingBag(nn.Module):
             raise ValueError(f"mode must be sum, mean or max, got {mode!r}")
         if not isinstance(dim, int) or dim < 1:
             raise ValueError(f"dim must be an int >= 1, got {dim!r}")
-        if padding_id is not None and (isinstance(padding_id, bool) or not isinstance(padding_id, int) or not -(2**63) <= padding_id < 2**63):
+        if padding_id is not None and (
+            isinstance(padding_id, bool) or not isinstance(padding_id, int) or not -(2**63) <= padding_id < 2**63
+        ):
             raise ValueError(f"padding_id must be None or an int64 id, got {padding_id!r}")
         self.table = table
         self.dim = dim
@@ -147,7 +149,7 @@ class ShardedEmbeddingBag(nn.Module):
                 # Padding only (or no id at all) and this step's (empty) rows: no row is needed.
                 return torch.full_like(flat, rows.shape[0]), rows
         if self._train_step and torch.is_grad_enabled():
-            self._not_named(missing)
+            self.raise_not_named(missing)
         if self._fetch is None:
             raise InvalidArgument(f"table {self.table!r}: ids were not pulled and no fetcher is set")
         unique = torch.unique(flat if pad is None else flat[~pad])
@@ -159,11 +161,17 @@ class ShardedEmbeddingBag(nn.Module):
         pos = torch.searchsorted(unique, flat).clamp_(max=max(unique.numel() - 1, 0))
         return (pos if pad is None else torch.where(pad, fetched.shape[0], pos)), fetched
 
-    def _not_named(self, missing: torch.Tensor) -> None:
-        """Stop a training step whose forward looks up rows that were not pulled for it."""
+    def raise_not_named(self, missing: torch.Tensor) -> None:
+        """Stop a training step whose forward looks up rows that were not pulled for it.
+
+        Raises:
+            UsageError: always, naming the table and (where it was named) one of the ``missing`` ids.
+        """
         t = self.table
         if self._ids is None:
-            raise UsageError(f"table {t!r} was looked up by the forward pass but sparse(batch) did not name it: add {t!r}: <its ids> to sparse")
+            raise UsageError(
+                f"table {t!r} was looked up by the forward pass but sparse(batch) did not name it: add {t!r}: <its ids> to sparse"
+            )
         raise UsageError(
             f"table {t!r}: the forward pass looked up {int(torch.unique(missing).numel())} id(s) that sparse(batch) did not name "
             f"(id {int(missing[0])} for one): give sparse every id of {t!r} the forward looks up (a list of tensors for several features)"
@@ -394,7 +402,11 @@ class PSModel:
             raise InvalidArgument(f"tables {unknown} have no ShardedEmbeddingBag in the model (its tables: {sorted(self.bags)})")
         # Ids of any integer width are widened to int64 (float or bool ids: one line naming the table).
         return {
-            t: int64_ids(ids, t, UsageError) if isinstance(ids, torch.Tensor) else torch.cat([int64_ids(i, t, UsageError).reshape(-1) for i in ids])
+            t: (
+                int64_ids(ids, t, UsageError)
+                if isinstance(ids, torch.Tensor)
+                else torch.cat([int64_ids(i, t, UsageError).reshape(-1) for i in ids])
+            )
             for t, ids in sparse.items()
         }
 
@@ -647,7 +659,7 @@ class PSModel:
                         "(column t for table t, in the order sparse gives the tables): give sparse each column of the ids the "
                         "forward looks up, in column order"
                     )
-                bag._not_named(ids[~found])
+                bag.raise_not_named(ids[~found])
         raise AssertionError("unreachable: a lookup check failed but none was found")
 
     def gradients(self) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
@@ -698,7 +710,9 @@ class PSModel:
             sparse = rows(sparse)
         dense = dense if self.dense_on_shards else {}
         if self._cuda:
-            handle: Handle = Handle([_Chained(self._transfers().submit(self.client.push, sparse, dense, clock=clock, versions=versions))], _first)
+            handle: Handle = Handle(
+                [_Chained(self._transfers().submit(self.client.push, sparse, dense, clock=clock, versions=versions))], _first
+            )
         else:
             handle = self.client.push(sparse, dense, clock=clock, versions=versions)
         self._clear()

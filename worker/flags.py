@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Flags of ``tether worker``; each falls back to a ``TETHER_*`` environment variable."""
     p = argparse.ArgumentParser(
         prog="tether worker",
-        description="Train with parameters held on tether shards. Every flag falls back to the TETHER_* environment variable its help names.",
+        description="Train with parameters held on tether shards. "
+        "Every flag falls back to the TETHER_* environment variable its help names.",
         formatter_class=HelpFormatter,
     )
     fields.add_flags(p, WorkerConfig, groups=(PLACE, PROCESS))

@@ -184,12 +184,21 @@ def _infer(schema: Any, label: str, path: Path, ctr: bool) -> tuple[list[str], l
         elif _is_bag_type(f.type) and not ctr:
             bags.append(f.name)
         else:
-            what = "float dense features and integer or string ids" if ctr else "floats (dense), integers or strings (ids) and lists of them (bags)"
-            raise DataError(f"{path}: column {f.name!r} is {f.type}: tether reads {what}; name the columns to read (ids=, bags=, dense=) to leave it out")
+            what = (
+                "float dense features and integer or string ids"
+                if ctr
+                else "floats (dense), integers or strings (ids) and lists of them (bags)"
+            )
+            raise DataError(
+                f"{path}: column {f.name!r} is {f.type}: tether reads {what}; "
+                "name the columns to read (ids=, bags=, dense=) to leave it out"
+            )
     return ids, bags, dense
 
 
-def _check_schema(path: Path, schema: Any, roles: Mapping[str, str], first: Path | None = None, first_types: Mapping[str, Any] | None = None) -> None:
+def _check_schema(
+    path: Path, schema: Any, roles: Mapping[str, str], first: Path | None = None, first_types: Mapping[str, Any] | None = None
+) -> None:
     """Every column of ``roles`` is in ``schema`` with a type its role takes (and, past the
     first file, the type the first file gave it).
 
@@ -224,7 +233,9 @@ def _kind(t: Any) -> str:
     return "string"
 
 
-def criteo_parquet_columns(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], label: str = "label") -> tuple[list[str], list[str]]:
+def criteo_parquet_columns(
+    source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], label: str = "label"
+) -> tuple[list[str], list[str]]:
     """``(dense, ids)`` of a Criteo-shaped table as the built-in CTR job reads it: every float
     column but ``label`` is a dense feature, every integer or string column an id (one table
     each), in the first file's column order; the other files must agree.
@@ -739,7 +750,9 @@ class ParquetStream(torch.utils.data.IterableDataset):
             try:
                 batch = next(reader, None)
             except (pa.ArrowException, OSError) as exc:
-                raise DataError(f"{path}: row group {unit.group}{self._bad_column(pf, unit.group)}: cannot be read ({' '.join(str(exc).split())})") from exc
+                raise DataError(
+                    f"{path}: row group {unit.group}{self._bad_column(pf, unit.group)}: cannot be read ({' '.join(str(exc).split())})"
+                ) from exc
             if batch is None:
                 return
             if k >= start:

@@ -282,7 +282,9 @@ def sync_device(device: torch.device, local_rank: int, local_world: int, gpus: i
             f"run at most {gpus} ranks per host, or --device cpu (gloo)"
         )
     if device.index is not None and local_world > 1:
-        raise UsageError(f"--device {device}: in sync every rank on this host would use that one GPU; use --device cuda (rank r gets cuda:r)")
+        raise UsageError(
+            f"--device {device}: in sync every rank on this host would use that one GPU; use --device cuda (rank r gets cuda:r)"
+        )
     return device if device.index is not None else torch.device("cuda", local_rank)
 
 
@@ -294,7 +296,9 @@ def policy_for(config: TrainingConfig, device: torch.device) -> tuple[TrainingCo
         if config.local:
             raise UsageError("--mode sync runs ranks under torchrun against shards; local mode (no shards) trains one process: use async")
         if device.type == "cuda":
-            device = sync_device(device, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
+            device = sync_device(
+                device, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
+            )
         config = init_sync(config, device)
         return config, device, SyncPolicy(config.num_workers, config.worker_index, device)
     if kind == "ssp":

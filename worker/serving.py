@@ -50,7 +50,10 @@ def split_dense(flat: torch.Tensor, model: nn.Module) -> dict[str, torch.Tensor]
             f"{flat.numel()} (shape {tuple(flat.shape)}): build the model the way it was trained"
         )
     # Copies, not views of ``flat``: safetensors refuses tensors that share memory.
-    return {name: part.reshape(p.shape).clone() for (name, p), part in zip(params.items(), torch.split(flat, [p.numel() for p in params.values()]))}
+    return {
+        name: part.reshape(p.shape).clone()
+        for (name, p), part in zip(params.items(), torch.split(flat, [p.numel() for p in params.values()]))
+    }
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -177,7 +180,9 @@ class Export:
             for name, child in list(parent.named_children()):
                 if isinstance(child, ShardedEmbeddingBag):
                     if child.dim != self._dim(child.table):
-                        raise ValueError(f"table {child.table!r}: the model's rows are {child.dim} wide, the export's {self._dim(child.table)}")
+                        raise ValueError(
+                            f"table {child.table!r}: the model's rows are {child.dim} wide, the export's {self._dim(child.table)}"
+                        )
                     setattr(parent, name, self.embedding_bag(child.table, child.mode, child.padding_id, device))
         return model
 
@@ -224,7 +229,10 @@ def load_export(path: str | Path) -> Export:
     path = Path(path)
     manifest = json.loads((path / MANIFEST).read_text())
     if manifest.get("format") not in READABLE_FORMATS:
-        raise ValueError(f"{path / MANIFEST} is not a manifest this tether reads ({', '.join(READABLE_FORMATS)}), its format is {manifest.get('format')!r}")
+        raise ValueError(
+            f"{path / MANIFEST} is not a manifest this tether reads ({', '.join(READABLE_FORMATS)}), "
+            f"its format is {manifest.get('format')!r}"
+        )
     layout = manifest.setdefault("dense_layout", FLAT)
     if layout not in (PARAMETERS, FLAT):
         raise ValueError(f"{path / MANIFEST}: dense_layout must be {PARAMETERS!r} or {FLAT!r}, got {layout!r}")

@@ -190,11 +190,15 @@ def _ctr_metrics(model: nn.Module, batch: Batch) -> dict[str, float]:
     return evaluate(model, batch, 4096)
 
 
-def ctr_trainer(cfg: WorkerConfig, ds: Dataset, metrics: WorkerRecorder | None = None, printer: Callable[[str], None] = print) -> Trainer[Batch]:
+def ctr_trainer(
+    cfg: WorkerConfig, ds: Dataset, metrics: WorkerRecorder | None = None, printer: Callable[[str], None] = print
+) -> Trainer[Batch]:
     """A ``Trainer`` of the CTR model on the shards of ``cfg`` (rows init ``init_scale``, seeded)."""
     model = build_model(cfg, ds)
     opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr)
-    tables = [TableConfig(name=t, dim=cfg.embedding_dim, optimizer=opt, init_scale=cfg.init_scale, seed=cfg.seed) for t in model.table_names()]
+    tables = [
+        TableConfig(name=t, dim=cfg.embedding_dim, optimizer=opt, init_scale=cfg.init_scale, seed=cfg.seed) for t in model.table_names()
+    ]
     return Trainer(model, cfg, loss=ctr_loss, sparse=ctr_sparse, tables=tables, metrics=metrics, printer=printer)
 
 

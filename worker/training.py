@@ -155,7 +155,9 @@ class Trainer(Generic[B]):
                 k = self.batch_size_fn(batch)
                 reserved = sorted(set(values) & RECORD_KEYS)
                 if reserved:
-                    raise UsageError(f"evaluate returned {reserved}, which the record uses for itself ({', '.join(sorted(RECORD_KEYS))}): rename them")
+                    raise UsageError(
+                        f"evaluate returned {reserved}, which the record uses for itself ({', '.join(sorted(RECORD_KEYS))}): rename them"
+                    )
                 for key, value in values.items():
                     totals[key] = totals.get(key, 0.0) + float(value) * k
                 n += k

@@ -82,17 +82,22 @@ def parquet_data(a: argparse.Namespace, config: TrainingConfig) -> tuple[Parquet
     train = ParquetStream(a.data, a.batch_size, ctr=True, rank=config.worker_index, world_size=config.num_workers, epochs=None,
                           shuffle_rows=SHUFFLE_ROWS, seed=config.seed, holdout=holdout, resume=resume)
     if resume is not None:
-        print(f"worker {config.worker_index}: resuming at epoch {resume['epoch']}, {resume['file']} row group {resume['row_group']}", flush=True)
+        print(
+            f"worker {config.worker_index}: resuming at epoch {resume['epoch']}, {resume['file']} row group {resume['row_group']}",
+            flush=True,
+        )
     return train, held_out, click_rate, position
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True, help="Criteo-format files: a path, a glob or a comma-separated list (Parquet: a folder too)")
-    p.add_argument("--parquet", action="store_true", help="--data names Parquet files (label, float dense and integer id columns, as tether convert writes them)")
+    p.add_argument("--parquet", action="store_true",
+                   help="--data names Parquet files (label, float dense and integer id columns, as tether convert writes them)")
     p.add_argument("--position", default=None, metavar="DIR",
                    help="with --parquet: resume each worker from DIR/worker-<i>.json when it exists, and write it there when training ends")
-    p.add_argument("--generate", type=int, default=0, help="first write this many sample files matching --data (gzipped TSV, or Parquet with --parquet), then exit")
+    p.add_argument("--generate", type=int, default=0,
+                   help="first write this many sample files matching --data (gzipped TSV, or Parquet with --parquet), then exit")
     p.add_argument("--lines", type=int, default=20_000, help="lines per generated file")
     p.add_argument("--batch-size", type=int, default=int(os.environ.get("TETHER_BATCH_SIZE", 256)))
     p.add_argument("--dim", type=int, default=int(os.environ.get("TETHER_EMBEDDING_DIM", 16)))
@@ -115,7 +120,8 @@ def main() -> None:
     else:
         held_out = criteo_eval_set(a.data, a.eval_samples, holdout_every=HOLDOUT)
         click_rate = float(next(iter(CriteoStream(a.data, 20_000, holdout_every=HOLDOUT))).labels.mean())
-        train = CriteoStream(a.data, a.batch_size, rank=config.worker_index, world_size=config.num_workers, epochs=None, holdout_every=HOLDOUT)
+        train = CriteoStream(a.data, a.batch_size, rank=config.worker_index, world_size=config.num_workers, epochs=None,
+                             holdout_every=HOLDOUT)
     torch.manual_seed(config.seed)
     model = CTRModel(CRITEO_DENSE, CRITEO_SPARSE, a.dim, embedding_factory=lambda name, dim: ShardedEmbeddingBag(name, dim))
     opt = OptimizerConfig(config.optimizer, lr=config.lr)
@@ -133,7 +139,10 @@ def main() -> None:
         print(f"worker {config.worker_index}: data position after {record['steps']} steps written to {position}", flush=True)
     if "final_eval" in record:
         e = record["final_eval"]
-        print(f"held-out log loss {e['eval_loss']:.4f}, AUC {e['eval_auc']:.4f} (constant click rate: {e['eval_baseline_loss']:.4f})", flush=True)
+        print(
+            f"held-out log loss {e['eval_loss']:.4f}, AUC {e['eval_auc']:.4f} (constant click rate: {e['eval_baseline_loss']:.4f})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

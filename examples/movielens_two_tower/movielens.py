@@ -34,7 +34,9 @@ def write_ratings(path: str | Path, num_ratings: int, num_users: int = 2000, num
             f.write("::".join(str(int(x)) for x in row) + "\n")
 
 
-def read_ratings(path: str | Path, rank: int = 0, world_size: int = 1, held_out_every: int = 10) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def read_ratings(
+    path: str | Path, rank: int = 0, world_size: int = 1, held_out_every: int = 10
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """This worker's training ratings (line i with i % world_size == rank) and the held-out
     set (every ``held_out_every``-th line, the same on every worker, never trained on).
 

@@ -101,12 +101,17 @@ def main() -> None:
                 "eval_baseline_loss": constant_baseline_loss(click_rate, batch["label"])}
 
     # Samples are sessions: the history tensor is jagged, so say how to count them.
-    with Trainer(model, config, loss=loss, sparse=lambda b: {"items": [b["history"], b["candidate"]]}, batch_size=lambda b: len(b["candidate"])) as trainer:
+    with Trainer(
+        model, config, loss=loss, sparse=lambda b: {"items": [b["history"], b["candidate"]]}, batch_size=lambda b: len(b["candidate"])
+    ) as trainer:
         data = Sessions(seed=config.seed * 1000 + config.worker_index + 1).batches(a.batch_size)
         record = trainer.fit(data, eval_data=held_out, evaluate=metrics)
     if "final_eval" in record:
         e = record["final_eval"]
-        print(f"held-out log loss {e['eval_loss']:.4f}, AUC {e['eval_auc']:.4f} (constant click rate: {e['eval_baseline_loss']:.4f})", flush=True)
+        print(
+            f"held-out log loss {e['eval_loss']:.4f}, AUC {e['eval_auc']:.4f} (constant click rate: {e['eval_baseline_loss']:.4f})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
