@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tether.worker.criteo_parser import CriteoParser
-from tether.worker.data import Batch, DataError, SyntheticClickLog, SyntheticConfig, in_background
+from tether.worker.data import Batch, DataError, SyntheticClickLog, SyntheticConfig, check_stream, in_background
 
 __all__ = [
     "CRITEO_DENSE",
@@ -197,12 +197,7 @@ class CriteoStream(torch.utils.data.IterableDataset):
         block_bytes: int = _BLOCK_BYTES,
     ) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size!r}), got {rank!r}")
-        if epochs is not None and epochs < 0:
-            raise ValueError(f"epochs must be >= 0 or None, got {epochs!r}")
+        check_stream(batch_size, rank, world_size, epochs)
         if holdout_every is not None and holdout_every < 2:
             raise ValueError(f"holdout_every must be >= 2 or None, got {holdout_every!r}")
         if held_out and holdout_every is None:

@@ -20,7 +20,7 @@ import torch
 from tether.protos.errors import UsageError
 from tether.protos.partition import mix64
 
-__all__ = ["ID_MASK", "Batch", "DataError", "MalformedLineError", "SyntheticClickLog", "SyntheticConfig", "in_background"]
+__all__ = ["ID_MASK", "Batch", "DataError", "MalformedLineError", "SyntheticClickLog", "SyntheticConfig", "check_stream", "in_background"]
 
 # Feature ids are non-negative int64 values below 2**62.
 ID_MASK = np.uint64((1 << 62) - 1)
@@ -176,6 +176,20 @@ class SyntheticClickLog:
 
 # Longest a closed background stream waits for its producer to finish the batch in hand.
 _JOIN_S = 10.0
+
+
+def check_stream(batch_size: int, rank: int, world_size: int, epochs: int | None) -> None:
+    """The settings every file stream takes (Criteo TSV, Parquet).
+
+    Raises:
+        ValueError: a batch size below 1, a rank outside [0, world_size), or negative epochs.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size!r}), got {rank!r}")
+    if epochs is not None and epochs < 0:
+        raise ValueError(f"epochs must be >= 0 or None, got {epochs!r}")
 
 
 def in_background(batches: Iterator[_T], depth: int = 4) -> Generator[_T, None, None]:

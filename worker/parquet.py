@@ -24,7 +24,7 @@ import torch
 
 from tether.protos.partition import mix64, mix64_
 from tether.worker.criteo import CRITEO_DENSE, CRITEO_SPARSE, CriteoStream, criteo_files
-from tether.worker.data import ID_MASK, Batch, DataError
+from tether.worker.data import ID_MASK, Batch, DataError, check_stream
 
 __all__ = [
     "CONVERT_ROW_GROUP_ROWS",
@@ -580,12 +580,7 @@ class ParquetStream(torch.utils.data.IterableDataset):
         resume: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size!r}), got {rank!r}")
-        if epochs is not None and epochs < 0:
-            raise ValueError(f"epochs must be >= 0 or None, got {epochs!r}")
+        check_stream(batch_size, rank, world_size, epochs)
         if shuffle_rows < 0:
             raise ValueError(f"shuffle_rows must be >= 0 (0: no shuffle), got {shuffle_rows!r}")
         if read_rows < 1:
