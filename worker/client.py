@@ -205,9 +205,8 @@ class PSClient:
             requests[s] = pb.PushPullRequest(push=push, pull=pull)
             payloads.setdefault(s, dp.PayloadWriter())
 
-        def place(shard: int, response: pb.PushPullResponse, payload: memoryview | None) -> pb.PushResponse:
-            self.router.place_pull(plan, shard, response.pull, payload)
-            return response.push
+        # Its pull's blocks received in place over a data connection, as a plain pull's are.
+        answer = PullAnswer(self.router, plan)
 
         def combine(acks: dict[int, pb.PushResponse]) -> PullResult:
             result = plan.result()
@@ -215,7 +214,8 @@ class PSClient:
             return result
 
         calls = {
-            s: Call("PushPull", r, payloads[s], plan.response_bytes.get(s, 0), functools.partial(place, s))
+            s: Call("PushPull", r, payloads[s], plan.response_bytes.get(s, 0), functools.partial(answer.push_pull, s),
+                    functools.partial(answer.direct_push_pull, s))
             for s, r in requests.items()
         }
         return self._fan_out(calls, combine)

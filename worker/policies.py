@@ -119,6 +119,9 @@ class SyncPolicy(Policy):
         self.tables: dict[str, int] = {}
         self.digests: list[str] = []
         self._prints: list[torch.Tensor] = []  # fingerprints not read yet, on the device
+        # The row gradients are on the host: with NCCL they are gathered over a gloo group of the
+        # same ranks instead, so no copy to the GPU and back (and no wait on it) is needed.
+        self.host_group = dist.new_group(backend="gloo") if device.type == "cuda" and dist.is_initialized() else None
 
     def bind(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, tables: dict[str, int]) -> None:
         """The dense parameters this rank all-reduces and steps, and the model's tables (name
@@ -175,11 +178,14 @@ class SyncPolicy(Policy):
 
     def _gather(self, t: torch.Tensor, length: int) -> torch.Tensor:
         """Every rank's ``t`` (1-D, at most ``length`` long), zero-padded to ``length``: [world, length] on the CPU."""
-        padded = torch.zeros(length, dtype=t.dtype, device=self.device)
-        padded[: len(t)] = t.to(self.device)
+        padded = torch.zeros(length, dtype=t.dtype)
+        padded[: len(t)] = t.cpu()
         out = [torch.empty_like(padded) for _ in range(self.world)]
-        self.dist.all_gather(out, padded)
-        return torch.stack(out).cpu()
+        if self.host_group is not None:
+            self.dist.all_gather(out, padded, group=self.host_group)
+        else:
+            self.dist.all_gather(out, padded)
+        return torch.stack(out)
 
     def after_push(self) -> None:
         """The barrier, and this step's digest of the dense parameters: on a GPU a fingerprint
