@@ -594,7 +594,7 @@ class Chaos:
                 bad.append({"id": rid, "acked": acked[rid], "verdict": "lost"})
         totals = {k: sum(r[k] for r in per_shard) for k in per_shard[0]} if per_shard else {}
         return {"pushes": len(ids), "failed_calls": len(failed), "per_shard": per_shard, "total": totals, "violations": bad[:20],
-                "writer_restarts": {f"ledger-{l.index}": l.restarts for l in self.ledgers}}
+                "writer_restarts": {f"ledger-{w.index}": w.restarts for w in self.ledgers}}
 
     def _shards_at_rest(self) -> dict[str, Any]:
         """Each shard's file descriptors and memfd regions with every client gone (waited for, up

@@ -30,7 +30,8 @@ def _launch(argv: Sequence[str]) -> int:
     p.add_argument("--out", default=None, help="write summary.json, worker-<i>.json and logs/ here")
     p.add_argument("--job-timeout", type=float, default=3600.0, metavar="SECONDS", help="give up after this many seconds")
     p.add_argument("--metrics", action="store_true", help="give every process a Prometheus /metrics port")
-    p.add_argument("--checkpoint-every", type=float, default=None, metavar="SECONDS", help="shards checkpoint to OUT/checkpoints this often (seconds); a shard that dies is restarted from its last one")
+    p.add_argument("--checkpoint-every", type=float, default=None, metavar="SECONDS",
+                   help="shards checkpoint to OUT/checkpoints this often (seconds); a shard that dies is restarted from its last one")
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="restart an async or ssp worker that dies (any exit but a usage error or Ctrl-C) up to N times, as a new "
                    "incarnation, for the steps it had not reported done; the others train on meanwhile (0: the first failure ends "
@@ -59,7 +60,8 @@ def _launch(argv: Sequence[str]) -> int:
     except ValueError as exc:
         return report_usage_error("tether launch", exc)
     try:
-        summary = run_job(template, a.num_shards, out=a.out, timeout_s=a.job_timeout, metrics=a.metrics, checkpoint_every=a.checkpoint_every,
+        summary = run_job(template, a.num_shards, out=a.out, timeout_s=a.job_timeout, metrics=a.metrics,
+                          checkpoint_every=a.checkpoint_every,
                           program=program, max_restarts=a.max_restarts)
     except UsageError as exc:  # a worker's own one line (a malformed data line found mid-run)
         return report_usage_error("tether launch", exc)
@@ -93,7 +95,8 @@ def _result_lines(summary: dict[str, Any], out: str | None, own_program: bool) -
     restarted = {name: n for name, n in summary.get("restarts", {}).items() if n}
     if restarted:
         lines.append("        restarts: " + ", ".join(f"{name} {n}" for name, n in restarted.items())
-                     + (" (restarted workers re-read their data from the start: see summary.json)" if "restarted_workers" in summary else ""))
+                     + (" (restarted workers re-read their data from the start: see summary.json)"
+                        if "restarted_workers" in summary else ""))
     if out:
         lines.append(f"        summary written to {out}/summary.json")
     return "\n".join(lines)
@@ -143,7 +146,9 @@ class _Refused(argparse.Action):
         self.why = why
         super().__init__(option_strings, dest, **kwargs)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object, option_string: str | None = None) -> None:
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object, option_string: str | None = None
+    ) -> None:
         raise SystemExit(report_usage_error(parser.prog, ValueError(f"{option_string} {values}: {self.why}")))
 
 
@@ -171,7 +176,8 @@ def _comparison(command: str, argv: Sequence[str]) -> int:
     p.add_argument("--verbose", action="store_true", help="show every worker's progress")
     # Several modes run here: a --mode would mean nothing (and would otherwise abbreviate --modes).
     p.add_argument("--mode", action=_Refused, help=argparse.SUPPRESS, default=argparse.SUPPRESS,
-                   why=f"tether {command} runs " + ("ssp:S for every S of --bounds" if sweep else "every mode of --modes") + "; --mode is for launch and worker")
+                   why=f"tether {command} runs " + ("ssp:S for every S of --bounds" if sweep else "every mode of --modes")
+                   + "; --mode is for launch and worker")
     add_training_flags(p, mode=False)
     a = p.parse_args(argv)
     from tether.deploy.compare import check_arguments, compare, format_table
@@ -236,7 +242,8 @@ def _export(argv: Sequence[str]) -> int:
     p.add_argument("--checkpoint-dir", required=True, help="the shards' --checkpoint-dir (every shard's part must be readable here)")
     p.add_argument("--id", default=None, help="checkpoint id to export (default: every shard's newest part)")
     p.add_argument("--shards", default=None,
-                   help="comma-separated host:port of a live cluster: first write checkpoint --id (default export-<unix time>) on every shard")
+                   help="comma-separated host:port of a live cluster: first write checkpoint --id (default export-<unix time>) "
+                   "on every shard")
     p.add_argument("--out", required=True, help="folder for model.safetensors and manifest.json")
     p.add_argument("--model", default=None, metavar="MODULE:FUNCTION",
                    help="a function of no arguments (package.module:function or file.py:function) that builds the model the job trained: "
@@ -262,7 +269,8 @@ def _export(argv: Sequence[str]) -> int:
     except (ValueError, TetherError, OSError) as exc:
         return report_usage_error("tether export", exc)
     tables = ", ".join(f"{n} ({t['rows']:,} x {t['dim']})" for n, t in manifest["tables"].items())
-    print(f"exported checkpoint {manifest['checkpoint']} to {a.out}: tables {tables or 'none'}; dense {sum(manifest['dense'].values()):,} values")
+    dense = sum(manifest["dense"].values())
+    print(f"exported checkpoint {manifest['checkpoint']} to {a.out}: tables {tables or 'none'}; dense {dense:,} values")
     return 0
 
 
@@ -294,7 +302,8 @@ def _convert(argv: Sequence[str]) -> int:
     except ValueError as exc:
         return report_usage_error("tether convert", exc)
     size = Path(a.out).stat().st_size / 2**20
-    print(f"wrote {a.out}: {rows:,} rows, {-(-rows // a.row_group_rows)} row group(s), {size:.1f} MiB in {time.perf_counter() - start:.1f}s")
+    took = time.perf_counter() - start
+    print(f"wrote {a.out}: {rows:,} rows, {-(-rows // a.row_group_rows)} row group(s), {size:.1f} MiB in {took:.1f}s")
     return 0
 
 

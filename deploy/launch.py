@@ -357,7 +357,12 @@ class LocalCluster:
             return {c.name: c.steps_done for c in self.workers if c.name in self.worker_restarts}
 
     def start_workers(
-        self, template: WorkerConfig, extra_args: Sequence[str] = (), echo: bool = True, metrics: bool = False, program: Program | None = None
+        self,
+        template: WorkerConfig,
+        extra_args: Sequence[str] = (),
+        echo: bool = True,
+        metrics: bool = False,
+        program: Program | None = None,
     ) -> None:
         """Start ``template.num_workers`` worker processes against the running shards:
         ``tether worker``, or the user's ``program`` configured through the environment.
@@ -445,7 +450,8 @@ class LocalCluster:
         if finished:
             raise ClusterError(
                 f"{child.name} exited with code {code} after {', '.join(finished)} finished; not restarted: a restarted worker "
-                f"waits for all {len(self.workers)} workers to join, and a finished one does not; see {child.log_path}:\n{_tail(child.log_path)}"
+                f"waits for all {len(self.workers)} workers to join, and a finished one does not; "
+                f"see {child.log_path}:\n{_tail(child.log_path)}"
             )
         return True
 
@@ -554,7 +560,9 @@ def _worker_failed(child: _Child, code: int, restarts: int = 0, limit: int = 0) 
     if code == USAGE_EXIT_CODE:
         _raise_usage_line(name, log_path)
     if name != child.name:
-        raise ClusterError(f"{name} failed first (exit code {code}; torchrun stopped the other ranks); its error, from {log_path}:\n{_tail(log_path)}")
+        raise ClusterError(
+            f"{name} failed first (exit code {code}; torchrun stopped the other ranks); its error, from {log_path}:\n{_tail(log_path)}"
+        )
     after = f" (restarted {restarts} time{'' if restarts == 1 else 's'}, --max-restarts {limit})" if limit else ""
     raise ClusterError(f"{child.name} exited with code {code}{after}; see {child.log_path}:\n{_tail(child.log_path)}")
 
