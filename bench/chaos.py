@@ -76,10 +76,26 @@ def ledger_main(argv: list[str]) -> int:
     from tether.protos.specs import OptimizerConfig, TableConfig
     from tether.worker.client import ClientConfig, PSClient
 
+    import logging
+
+    from tether.worker.metrics import NullWorkerMetrics
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     addresses, journal, index, life, rate, stop_file = argv[0].split(","), Path(argv[1]), int(argv[2]), int(argv[3]), float(argv[4]), Path(argv[5])
+
+    class Attempts(NullWorkerMetrics):
+        """Failed attempts (each followed by a retry or the call's failure), and when the last was."""
+
+        def __init__(self) -> None:
+            self.failed, self.last = 0, 0.0
+
+        def rpc_failed(self, rpc: str, code: str) -> None:
+            self.failed, self.last = self.failed + 1, time.time()
+
+    attempts = Attempts()
     table = TableConfig(LEDGER, 1, OptimizerConfig("sgd", 1.0), init_scale=0.0)
     client = PSClient(ClientConfig(addresses=tuple(addresses), worker_id=f"ledger-{index}", timeout_s=5.0, retries=100,
-                                   backoff_s=0.05, max_backoff_s=0.5, call_deadline_s=30.0))
+                                   backoff_s=0.05, max_backoff_s=0.5, call_deadline_s=30.0), metrics=attempts)
     client.declare([table])
     ones = torch.ones(1, 1)
     with journal.open("a", buffering=1) as out:
@@ -90,12 +106,16 @@ def ledger_main(argv: list[str]) -> int:
             rid = (index << _WRITER_BITS) | (life << _LIFE_BITS) | seq
             ids = torch.tensor([rid], dtype=torch.int64)
             out.write(f"S {rid} {time.time():.6f}\n")
+            failed = attempts.failed
             try:
                 if seq % 2:
                     client.push({LEDGER: (ids, ones)}).result(60)
                 else:  # the async workers' round trip: a push carrying a pull
                     client.push_pull({LEDGER: (ids, ones)}, pull_sparse={LEDGER: ids}).result(60)
-                out.write(f"A {rid} {time.time():.6f}\n")
+                # With its failed attempts and when the last one failed: the attempt that was
+                # answered started after that (before it, the shard it was first sent to had it).
+                retried = attempts.failed - failed
+                out.write(f"A {rid} {time.time():.6f} {retried} {attempts.last if retried else 0.0:.6f}\n")
             except TetherError as exc:
                 out.write(f"F {rid} {time.time():.6f} {type(exc).__name__}\n")
             time.sleep(1.0 / rate)
@@ -548,9 +568,12 @@ class Chaos:
         sent: dict[int, float] = {}
         acked: dict[int, float] = {}
         failed: dict[int, float] = {}
+        retried_at: dict[int, float] = {}
         for ledger in self.ledgers:
-            for kind, rid, t in _journal(ledger.journal):
+            for kind, rid, t, last_failure in _journal(ledger.journal):
                 {"S": sent, "A": acked, "F": failed}[kind][rid] = t
+                if last_failure:
+                    retried_at[rid] = last_failure
         ids = sorted(sent)
         num_shards = len(self.cluster.addresses)
         values: dict[int, float] = {}
@@ -587,7 +610,7 @@ class Chaos:
                 row["applied" if rid in acked else "applied_unacknowledged"] += 1
             elif rid not in acked:
                 row["never_applied_unacknowledged"] += 1
-            elif _lost_by_design(int(shard), acked[rid], kills, restores):
+            elif _lost_by_design(int(shard), retried_at.get(rid, sent[rid]), acked[rid], kills, restores):
                 row["lost_by_design"] += 1
             else:
                 row["lost"] += 1
@@ -616,7 +639,8 @@ class Chaos:
         return out
 
 
-def _journal(path: Path) -> Iterator[tuple[str, int, float]]:
+def _journal(path: Path) -> Iterator[tuple[str, int, float, float]]:
+    """(kind, row id, unix time, when its last failed attempt was: 0.0 for none) of each line."""
     try:
         lines = path.read_text().splitlines()
     except OSError:
@@ -625,7 +649,8 @@ def _journal(path: Path) -> Iterator[tuple[str, int, float]]:
         parts = line.split()
         if len(parts) >= 3 and parts[0] in ("S", "A", "F"):
             try:
-                yield parts[0], int(parts[1]), float(parts[2])
+                last_failure = float(parts[4]) if parts[0] == "A" and len(parts) >= 5 and int(parts[3]) else 0.0
+                yield parts[0], int(parts[1]), float(parts[2]), last_failure
             except ValueError:
                 continue  # a line cut short by a SIGKILL
 
@@ -676,16 +701,21 @@ def _restores(log: Path) -> list[tuple[float, float | None]]:
     return out
 
 
-def _lost_by_design(shard: int, acked_at: float, kills: list[tuple[int, float]], restores: dict[int, list[tuple[float, float | None]]]) -> bool:
-    """Whether a push acknowledged at ``acked_at`` may be missing: its shard was SIGKILLed after
-    it and the next incarnation served a checkpoint begun no earlier than the acknowledgement
-    (or none)."""
+def _lost_by_design(shard: int, applied_from: float, acked_at: float, kills: list[tuple[int, float]],
+                    restores: dict[int, list[tuple[float, float | None]]]) -> bool:
+    """Whether a push that is not in its shard's final state may be missing by design: the shard
+    applied it between ``applied_from`` (when it was sent, or when its last failed attempt failed)
+    and ``acked_at``, and a SIGKILL after ``applied_from`` was followed by a restore of a
+    checkpoint begun before ``acked_at`` (or of none). A checkpoint begun after the push was
+    applied holds it: pushes pause while a shard copies its tables.
+
+    The acknowledgement may be read after the kill (a client SIGSTOPped with the answer in its
+    socket): what bounds the application is when the answered attempt was sent, not when its
+    answer was read."""
     for s, killed in kills:
-        if s != shard or killed <= acked_at:
+        if s != shard or killed <= applied_from:
             continue
         after = [begun for served, begun in restores.get(shard, []) if served > killed]
-        # A checkpoint begun after the acknowledgement holds the push (pushes pause while a shard
-        # copies its tables); one begun before it, or none, does not.
         if after and (after[0] is None or after[0] < acked_at):
             return True
     return False

@@ -74,7 +74,13 @@ def test_the_ledger_tells_a_loss_by_design_from_a_lost_push(tmp_path: Path) -> N
     t0 = restores[0][0][0]
     assert restores[0][0][1] is None and restores[0][1][1] == t0 + 6.0
     kills = [(0, t0 + 8.0)]
-    assert chaos._lost_by_design(0, t0 + 7.0, kills, restores)  # acked after the checkpoint began, before the kill
-    assert not chaos._lost_by_design(0, t0 + 5.0, kills, restores)  # the checkpoint holds it: a loss
-    assert not chaos._lost_by_design(0, t0 + 8.5, kills, restores)  # acked after the kill, by the next incarnation
-    assert not chaos._lost_by_design(1, t0 + 7.0, kills, restores)  # another shard, never killed
+    # (shard, sent or last failed, acked): applied by the shard in between.
+    assert chaos._lost_by_design(0, t0 + 6.5, t0 + 7.0, kills, restores)  # acked after the checkpoint began, before the kill
+    assert not chaos._lost_by_design(0, t0 + 4.8, t0 + 5.0, kills, restores)  # the checkpoint holds it: a loss
+    assert not chaos._lost_by_design(0, t0 + 8.2, t0 + 8.5, kills, restores)  # sent after the kill, to the next incarnation
+    # Sent before the kill and answered once, the answer read after it (the client was stopped
+    # with it in its socket): the killed shard applied it.
+    assert chaos._lost_by_design(0, t0 + 7.9, t0 + 8.3, kills, restores)
+    # The same push retried after a failed attempt at 8.1: the next incarnation applied it.
+    assert not chaos._lost_by_design(0, t0 + 8.1, t0 + 8.3, kills, restores)
+    assert not chaos._lost_by_design(1, t0 + 6.5, t0 + 7.0, kills, restores)  # another shard, never killed
