@@ -125,7 +125,13 @@ def test_launch_restarts_a_killed_shard_from_its_checkpoint(tmp_path: Path) -> N
         return None
 
     deadline = time.monotonic() + 120
-    while not list((out / "checkpoints").glob("*/shard-1-of-2.manifest.json")) and time.monotonic() < deadline:
+    # Kill once training is under way (a worker logged a step) and shard 1 has a checkpoint: a
+    # kill during the workers' declare tests their start-up retries, not the restore.
+    def training() -> bool:
+        log = out / "logs" / "worker-0.log"
+        return log.exists() and " step " in log.read_text(errors="replace")
+
+    while not (list((out / "checkpoints").glob("*/shard-1-of-2.manifest.json")) and training()) and time.monotonic() < deadline:
         time.sleep(0.1)
     pid = shard_pid()
     assert pid is not None, "shard 1 is not running"
