@@ -411,7 +411,7 @@ class WorkerConfig(TrainingConfig):
     data_seed: int = setting(0, flag="--data-seed", group=MODEL, help="synthetic data: order of the training batches (0: the seed's own)")
     resume_data: str | None = setting(None, flag="--resume-data", parse=optional_str, metavar="DIR", group=MODEL,
                                       help="resume each worker's --data parquet: stream from DIR/worker-<i>.json, as a worker with "
-                                      "--checkpoint-every-steps writes them to OUT/positions/step-<clock>/")
+                                      "--checkpoint-every-steps writes them to OUT/positions/step-<n>/")
 
     def __post_init__(self) -> None:
         super().__post_init__()

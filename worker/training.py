@@ -438,15 +438,17 @@ class Trainer(Generic[B]):
                 f"{int(record['samples']) / max(wall, 1e-9):,.0f} samples/s ({split}) elapsed {_clock(wall)}{eta}{extra}")
 
     def _save_position(self, clock: int, steps: int) -> None:
-        """Write where this worker's data stream is after ``steps`` batches next to checkpoint
-        ``step-<clock>`` (``out/positions/step-<clock>/worker-<i>.json``), when the data can say.
-        Every worker writes its own at its own step boundary; under ``ssp:S`` the shards' checkpoint
-        of that name may be up to S steps off it: ``step`` in the file says where this worker was."""
+        """Write where this worker's data stream is after ``steps`` batches of its own to
+        ``out/positions/step-<steps>/worker-<i>.json``, when the data can say. The folder is named
+        by the workers' own step counts, so one folder holds every worker's position after the
+        same number of batches (their clocks may differ: a worker can start at another's clock);
+        ``clock`` in the file is the clock of worker 0's checkpoint request ``step-<clock>`` for
+        worker 0, this worker's own clock for the others (under ``ssp:S`` up to S off it)."""
         if self._position_of is None or not self.config.out:
             return
-        path = Path(self.config.out) / "positions" / f"step-{clock}" / f"worker-{self.config.worker_index}.json"
+        path = Path(self.config.out) / "positions" / f"step-{steps}" / f"worker-{self.config.worker_index}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"step": steps, "position": self._position_of(steps)}))
+        path.write_text(json.dumps({"step": steps, "clock": clock, "position": self._position_of(steps)}))
 
     def _checkpoint(self, clock: int) -> None:
         """Ask every shard for a checkpoint ``step-<clock>`` (worker 0); a shard without a
