@@ -26,7 +26,7 @@ What it reports, per mode, chaos and undisturbed side by side:
 * the largest RSS of each process (VmHWM, sampled every 0.5 s; the maximum over incarnations).
 
 Worker faults stop once a worker is 80% through its steps: a worker restarted after another
-finished would wait for every worker to join (``Policy.start``) and is not restarted.
+finished would wait for every worker to join (``AsyncPolicy.start``) and is not restarted.
 """
 
 from __future__ import annotations

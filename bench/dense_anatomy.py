@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from tether.deploy.launch import LocalCluster
     from tether.protos.specs import OptimizerConfig
-    from tether.protos.allocator import tune_malloc
+    from tether.common.allocator import tune_malloc
     from tether.worker.client import ClientConfig, PSClient
 
     tune_malloc()  # what tether's own worker processes do at start-up

@@ -45,7 +45,7 @@ def _client_loop(workload: str, addresses: list[str], seconds: float) -> None:
     import torch
 
     from tether.protos.specs import OptimizerConfig, TableConfig
-    from tether.protos.allocator import tune_malloc
+    from tether.common.allocator import tune_malloc
     from tether.worker.client import ClientConfig, PSClient
 
     tune_malloc()  # what tether's own worker processes do at start-up

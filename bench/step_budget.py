@@ -59,7 +59,7 @@ class _Setup:
         from tether.deploy.launch import LocalCluster
         from tether.server.handler import RequestHandler
         from tether.server.shard import Shard
-        from tether.protos.allocator import tune_malloc
+        from tether.common.allocator import tune_malloc
         from tether.worker.client import ClientConfig, PSClient
 
         tune_malloc()  # what tether's own worker processes do at start-up
@@ -99,7 +99,7 @@ class _Setup:
 def _stages_push_pull(s: _Setup, push_kw: dict[str, Any], pull_kw: dict[str, Any], reps: int) -> list[tuple[str, float]]:
     """Per-stage median seconds of one push followed by one pull, all in this process, along
     the data plane's shared-memory path (what a client on the shard's machine takes)."""
-    from tether.protos import dataplane as dp
+    from tether.protos import framing as dp
     from tether.protos import tether_pb2 as pb
 
     c, sv = s.client, s.handler
@@ -239,8 +239,8 @@ def budget_model(steps: int, cprofile: bool) -> None:
 
     from tether.deploy.launch import LocalCluster
     from tether.worker.config import WorkerConfig
-    from tether.worker.trainer import ctr_sparse
-    from tether.worker.trainer import ctr_trainer, open_dataset
+    from tether.worker.ctr_job import ctr_sparse
+    from tether.worker.ctr_job import ctr_trainer, open_dataset
 
     torch.set_num_threads(1)
     with LocalCluster(grace_s=5.0) as cluster:

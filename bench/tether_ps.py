@@ -153,8 +153,8 @@ def run_tether_client(
 def _client(addresses: list[str], wire: str = "float32", chunk_elems: int | None = None, conn: dict[str, Any] | None = None) -> Any:
     """A bench client; ``conn``: ``transport`` ("auto", "tcp", "grpc"), ``tls_ca`` (a CA file: TLS) and
     ``expect`` (how every shard must be reached, checked after the measurement)."""
-    from tether.protos.allocator import tune_malloc
-    from tether.protos.security import ClientSecurity
+    from tether.common.allocator import tune_malloc
+    from tether.common.security import ClientSecurity
     from tether.worker.client import ClientConfig, PSClient
 
     tune_malloc()  # what tether's own worker processes do at start-up

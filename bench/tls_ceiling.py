@@ -38,7 +38,7 @@ def _fill(sock: socket.socket, view: memoryview) -> bool:
 
 def echo_mib_per_s(nbytes: int, seconds: float, tls: dict[str, Path] | None) -> float:
     """MiB/s of send + receive of ``nbytes`` echoed by a forked server (inside TLS with ``tls``)."""
-    from tether.protos.security import ClientSecurity, server_ssl_context
+    from tether.common.security import ClientSecurity, server_ssl_context
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]

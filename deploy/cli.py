@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tether.protos.errors import TetherError, UsageError, report_usage_error
-from tether.protos.flags import DeprecatedAlias, HelpFormatter
+from tether.common.cli_args import DeprecatedAlias, HelpFormatter
 from tether.worker.flags import add_training_flags, config_from_args
 from tether.worker.tensorboard_writer import require_tensorboard, tensorboard_available
 

@@ -56,7 +56,7 @@ def run_job(
         ClusterError: a process failed or the job ran past ``timeout_s``.
         Interrupted: Ctrl-C; every process was stopped.
     """
-    from tether.worker.trainer import evaluate_job, open_dataset, reference_losses
+    from tether.worker.ctr_job import evaluate_job, open_dataset, reference_losses
 
     out_dir = Path(out) if out else None
     if out_dir:

@@ -441,7 +441,7 @@ class LocalCluster:
 
         Raises:
             ClusterError: it would be, but a worker of the job has finished already: a restarted
-                worker waits for all of them to join (``Policy.start``), so it would wait in vain.
+                worker waits for all of them to join (``AsyncPolicy.start``), so it would wait in vain.
         """
         if child.name == "torchrun" or code in (USAGE_EXIT_CODE, 130, -signal.SIGINT):
             return False

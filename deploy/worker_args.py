@@ -1,10 +1,10 @@
 """How a ``WorkerConfig`` reaches a worker process: the ``tether worker`` flags that reproduce it,
 or the ``TETHER_*`` environment a user's program reads it from (both made from the config's
-declarations, ``tether.protos.fields``)."""
+declarations, ``tether.common.settings``)."""
 
 from __future__ import annotations
 
-from tether.protos import fields
+from tether.common import settings as fields
 from tether.worker.config import WorkerConfig
 
 __all__ = ["job_env", "worker_argv"]

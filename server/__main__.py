@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from tether.protos.errors import TetherError, UsageError, report_usage_error
 from tether.server import kernels
 from tether.server.config import ShardConfig, load_config
-from tether.protos.allocator import tune_malloc
+from tether.common.allocator import tune_malloc
 from tether.protos.codec import quiet_readonly_warning
 from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.serve import start_shard
@@ -48,7 +48,7 @@ def run(config: ShardConfig) -> int:
     Raises:
         UsageError: the metrics port is taken.
     """
-    # Steps free and allocate tensors of MiBs: keep them in the heap (tether.protos.allocator).
+    # Steps free and allocate tensors of MiBs: keep them in the heap (tether.common.allocator).
     tune_malloc()
     quiet_readonly_warning()
     # Load the shard's compiled loops from the on-disk cache (or compile them, the first time on

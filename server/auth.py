@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 
 from tether.protos import tether_pb2 as pb
-from tether.protos.security import AUTH_METADATA_KEY, bearer, check_token
+from tether.common.security import AUTH_METADATA_KEY, bearer, check_token
 
 __all__ = ["OPEN_METHOD_PREFIXES", "TokenAuthInterceptor"]
 

@@ -8,10 +8,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tether.protos import fields
-from tether.protos.fields import derived, optional_float, optional_int, optional_str, setting
-from tether.protos.flags import HelpFormatter
-from tether.protos.security import TOKEN_ENV, check_token, resolve_token
+from tether.common import settings as fields
+from tether.common.settings import derived, optional_float, optional_int, optional_str, setting
+from tether.common.cli_args import HelpFormatter
+from tether.common.security import TOKEN_ENV, check_token, resolve_token
 
 # Set to 1, a shard process exits between a checkpoint's data file and its manifest (tests).
 CRASH_BEFORE_MANIFEST_ENV = "TETHER_TEST_CRASH_BEFORE_MANIFEST"
@@ -55,7 +55,7 @@ def _auth_token(values: Mapping[str, Any], environ: Mapping[str, str]) -> str | 
 @dataclass(frozen=True)
 class ShardConfig:
     """Everything a shard process needs to start. Each field that can be set from outside
-    declares its flag, ``TETHER_*`` variable and help here (``tether.protos.fields``)."""
+    declares its flag, ``TETHER_*`` variable and help here (``tether.common.settings``)."""
 
     host: str = setting("127.0.0.1", flag="--host", help="address to bind")
     port: int = setting(50051, flag="--port", help="gRPC port, 0 picks a free one")

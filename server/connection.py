@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import grpc
 
-from tether.protos import dataplane as dp
+from tether.protos import framing as dp
 
 __all__ = ["Connection", "Refuse", "anonymous", "close_all", "drain", "peer", "readable"]
 

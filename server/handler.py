@@ -13,7 +13,7 @@ import torch
 
 from tether.protos import tether_pb2 as pb
 from tether.protos.codec import decode_ids, decode_tensor, encode_tensor, torch_dtype
-from tether.protos.dataplane import PayloadWriter
+from tether.protos.framing import PayloadWriter
 from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherError, reject_reason, status_of
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.checkpoint import Checkpointer

@@ -9,7 +9,7 @@ from typing import Any, Protocol, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tether.protos.errors import REJECT_REASONS as _ERROR_REASONS
-from tether.protos.metrics_http import register_process_metrics, serve_metrics
+from tether.common.metrics_http import register_process_metrics, serve_metrics
 
 __all__ = [
     "CHECKPOINT_BUCKETS",

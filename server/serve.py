@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tether.protos.security import server_credentials, server_ssl_context
+from tether.common.security import server_credentials, server_ssl_context
 from tether.server.auth import TokenAuthInterceptor
 from tether.server.checkpoint import Checkpointer
 from tether.server.checkpoint_files import CheckpointInfo
 from tether.server.config import ShardConfig
-from tether.server.dataplane import DataPlaneServer
+from tether.server.data_port import DataPlaneServer
 from tether.server.handler import RequestHandler
 from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.service import SERVICE_NAME, ShardServicer, add_servicer

@@ -1,4 +1,4 @@
-"""tether.protos.allocator: tensors of MiBs stay in the heap instead of being mmap'd per step."""
+"""tether.common.allocator: tensors of MiBs stay in the heap instead of being mmap'd per step."""
 
 import subprocess
 import sys
@@ -9,7 +9,7 @@ import pytest
 # they applied, then how many bytes an 8 MiB allocation added to glibc's mmap'd blocks.
 _PROBE = """
 import ctypes, sys
-from tether.protos.allocator import tune_malloc
+from tether.common.allocator import tune_malloc
 print(tune_malloc())
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]

@@ -56,7 +56,7 @@ def test_ids() -> None:
 
 @pytest.mark.parametrize("wire", [None, torch.bfloat16])
 def test_payload_rows_are_gathered_when_written(wire: torch.dtype | None) -> None:
-    from tether.protos import dataplane as dp
+    from tether.protos import framing as dp
 
     source = torch.arange(40, dtype=torch.float32).view(10, 4)
     index = torch.tensor([7, 0, 3])

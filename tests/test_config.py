@@ -1,4 +1,4 @@
-"""Configs declared once (``tether.protos.fields``): every flag of ``tether worker`` and ``tether
+"""Configs declared once (``tether.common.settings``): every flag of ``tether worker`` and ``tether
 server`` is made from a field's declaration and defaults to it, a concept two configs share has
 one default, and what a launcher hands a child (flags or ``TETHER_*`` variables) reproduces the
 config field for field, every field set to a value that is not its default."""
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tether.deploy.worker_args import job_env, worker_argv
-from tether.protos import fields
+from tether.common import settings as fields
 from tether.protos.codec import WIRE_DTYPES
 from tether.protos.optimizers import OptimizerConfig
 from tether.protos.specs import TableConfig

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tether.deploy.launch import LocalCluster
-from tether.protos import dataplane as dp
+from tether.protos import framing as dp
 from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.codec import encode_ids
@@ -25,7 +25,7 @@ from tether.protos.errors import InvalidArgument, NotFound, Unauthenticated
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
 from tether.server.serve import start_shard
-from tether.worker import dataplane as worker_dataplane
+from tether.worker import data_channel as worker_dataplane
 
 from conftest import make_client
 
@@ -192,7 +192,7 @@ def test_out_of_band_payload_over_grpc_is_invalid_argument(cluster: LocalCluster
 
 def test_the_bearer_token_guards_the_data_plane(cluster: LocalCluster) -> None:
     (address,) = cluster.start_shards(1, env={"TETHER_AUTH_TOKEN": TOKEN})
-    from tether.protos.security import ClientSecurity
+    from tether.common.security import ClientSecurity
 
     good = make_client([address], security=ClientSecurity(token=TOKEN))
     try:

@@ -28,11 +28,11 @@ import pytest
 import torch
 
 from tether.deploy.launch import LocalCluster
-from tether.protos import dataplane as dp
+from tether.protos import framing as dp
 from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.codec import encode_ids
-from tether.protos.security import ClientSecurity
+from tether.common.security import ClientSecurity
 from tether.protos.specs import OptimizerConfig, TableConfig
 
 from conftest import make_client
@@ -266,7 +266,7 @@ def test_a_symlink_in_dev_shm_is_never_opened(cluster: LocalCluster, tmp_path: P
 _HELLO_THEN_WAIT = textwrap.dedent(
     """
     import sys
-    from tether.worker.dataplane import DataConnection
+    from tether.worker.data_channel import DataConnection
     port, name = int(sys.argv[1]), sys.argv[2]
     try:
         DataConnection("127.0.0.1", port, None, 60.0, True, "\\0" + name)
@@ -374,7 +374,7 @@ def test_an_unreachable_unix_socket_falls_back_to_tcp_and_says_so_once(cluster: 
         plane = client.channels[0].data
         plane.set_port(plane.port, "\0no-such-tether-socket-" + os.urandom(4).hex())
         ids = torch.arange(20000)
-        with caplog.at_level(logging.INFO, logger="tether.worker.dataplane"):
+        with caplog.at_level(logging.INFO, logger="tether.worker.data_channel"):
             handles = [client.pull({"emb": ids}) for _ in range(3)]  # three connections at once
             for h in handles:
                 h.result(10)

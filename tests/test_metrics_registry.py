@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tether.protos import metrics_http
+from tether.common import metrics_http
 from tether.server import metrics as shard_metrics
 from tether.server.metrics import REJECT_REASONS, UPDATE_KINDS, ShardMetrics
 from tether.worker import metrics as worker_metrics
@@ -209,7 +209,7 @@ def test_serve_metrics_is_shared_from_protos() -> None:
 
 def test_worker_metrics_do_not_import_the_server() -> None:
     code = (
-        "import sys, tether.worker.metrics, tether.protos.metrics_http\n"
+        "import sys, tether.worker.metrics, tether.common.metrics_http\n"
         "bad = sorted(m for m in sys.modules if m.startswith('tether.server'))\n"
         "assert not bad, bad\n"
     )

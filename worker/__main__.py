@@ -7,12 +7,12 @@ import os
 import sys
 from collections.abc import Sequence
 
-from tether.protos.allocator import tune_malloc
+from tether.common.allocator import tune_malloc
 from tether.protos.codec import quiet_readonly_warning
 from tether.protos.errors import TetherError, UsageError, report_usage_error
 from tether.worker.config import WorkerConfig
 from tether.worker.flags import load_config
-from tether.worker.trainer import train
+from tether.worker.ctr_job import train
 
 __all__ = ["main", "run"]
 
@@ -25,7 +25,7 @@ def run(config: WorkerConfig) -> int:
     Raises:
         UsageError: the metrics port is taken, sync mode outside torchrun, a bad data file.
     """
-    # Steps free and allocate tensors of MiBs: keep them in the heap (tether.protos.allocator).
+    # Steps free and allocate tensors of MiBs: keep them in the heap (tether.common.allocator).
     tune_malloc()
     quiet_readonly_warning()
     metrics = None

@@ -20,12 +20,12 @@ from typing import Any
 
 import grpc
 
-from tether.protos import dataplane as dp
+from tether.protos import framing as dp
 from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.errors import Unavailable, error_from_status, retryable
 from tether.worker.config import ClientConfig
-from tether.worker.dataplane import DataConnection, DataPlane, DataPlaneStatus
+from tether.worker.data_channel import DataConnection, DataPlane, DataPlaneStatus
 from tether.worker.metrics import WorkerRecorder
 
 __all__ = ["Answer", "Call", "DataCall", "ShardChannel", "channel_options", "time_left"]

@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from tether.protos import dataplane as dp
+from tether.protos import framing as dp
 from tether.protos import tether_pb2 as pb
-from tether.protos.security import ClientSecurity
+from tether.common.security import ClientSecurity
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.channel import Call, DataCall, ShardChannel, time_left
 from tether.worker.config import ClientConfig

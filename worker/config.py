@@ -1,6 +1,6 @@
 """Configuration of one worker process: the training job's, the built-in model's and the client's
 (frozen dataclasses, validated in ``__post_init__``). Each field a user can set declares its flag,
-``TETHER_*`` variable, help and default once, here (``tether.protos.fields``): the flags of
+``TETHER_*`` variable, help and default once, here (``tether.common.settings``): the flags of
 ``tether worker`` and the launchers (``tether.worker.flags``), ``from_env`` and what a launcher
 hands a worker (``tether.deploy.worker_args``) are made from those declarations."""
 
@@ -15,12 +15,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from tether.protos import fields
+from tether.common import settings as fields
 from tether.protos.codec import WIRE_DTYPES
-from tether.protos.dataplane import TRANSPORTS
-from tether.protos.fields import default_of, derived, optional_int, optional_str, override, setting
+from tether.protos.framing import TRANSPORTS
+from tether.common.settings import default_of, derived, optional_int, optional_str, override, setting
 from tether.protos.optimizers import OptimizerConfig
-from tether.protos.security import TOKEN_ENV, ClientSecurity, resolve_token
+from tether.common.security import TOKEN_ENV, ClientSecurity, resolve_token
 from tether.protos.specs import OPTIMIZERS, TableConfig
 from tether.worker.stragglers import StragglerSpec, parse_straggler
 
@@ -200,7 +200,7 @@ class TrainingConfig:
     """One worker of a training job, whatever the model: where the shards are, which worker
     this is, the consistency mode, the schedule and the connection. ``Trainer`` takes it;
     ``WorkerConfig`` adds the built-in CTR model and its data. Each field that can be set from
-    outside declares its flag, ``TETHER_*`` variable and help here (``tether.protos.fields``)."""
+    outside declares its flag, ``TETHER_*`` variable and help here (``tether.common.settings``)."""
 
     # Where this worker stands: ``tether worker`` and ``from_env`` only (a launcher sets them per worker).
     shards: tuple[str, ...] = setting((), flag="--shards", group=PLACE, help="comma-separated host:port of every shard, in shard order")
@@ -218,7 +218,7 @@ class TrainingConfig:
     slowdown: float = setting(1.0, flag="--slowdown", group=PLACE, help="make compute this many times slower (straggler experiments)")
     slow_worker: int | None = setting(None, flag="--slow-worker", parse=optional_int, group=PLACE,
                                       help="only the worker with this index is slowed (default: this worker)")
-    # Transport security (see tether.protos.security): TLS files, and the bearer token with
+    # Transport security (see tether.common.security): TLS files, and the bearer token with
     # the file it came from (None: from $TETHER_AUTH_TOKEN, which child processes inherit).
     tls_ca: str | None = setting(None, flag="--tls-ca", parse=optional_str, group=PLACE,
                                  help="connect with TLS; the shards' certificates are signed by this PEM CA")

@@ -11,7 +11,7 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
-from tether.protos.allocator import tune_malloc
+from tether.common.allocator import tune_malloc
 from tether.protos.codec import quiet_readonly_warning
 from tether.protos.errors import UsageError, report_usage_error
 
@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         return report_usage_error("tether worker", UsageError("usage: python -m tether.worker.entry module:function [args...]"))
-    # Steps free and allocate tensors of MiBs: keep them in the heap (tether.protos.allocator).
+    # Steps free and allocate tensors of MiBs: keep them in the heap (tether.common.allocator).
     tune_malloc()
     quiet_readonly_warning()
     try:

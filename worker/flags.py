@@ -1,5 +1,5 @@
 """Flags of ``tether worker`` and of training jobs, made from the worker's config declarations
-(``tether.worker.config``, ``tether.protos.fields``): each with a ``TETHER_*`` environment
+(``tether.worker.config``, ``tether.common.settings``): each with a ``TETHER_*`` environment
 fallback, parsed into a ``WorkerConfig``."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from tether.protos import fields
-from tether.protos.flags import HelpFormatter, env
+from tether.common import settings as fields
+from tether.common.cli_args import HelpFormatter, env
 from tether.worker.config import JOB, MODEL, MODEL_PRESETS, PLACE, PROCESS, WorkerConfig
 
 __all__ = ["add_training_flags", "build_parser", "config_from_args", "load_config"]

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tether.protos.metrics_http import register_process_metrics, serve_metrics
+from tether.common.metrics_http import register_process_metrics, serve_metrics
 
 __all__ = ["PHASES", "PHASE_BUCKETS", "STEP_BUCKETS", "NullWorkerMetrics", "WorkerMetrics", "WorkerRecorder", "serve_metrics"]
 

@@ -18,7 +18,7 @@ from tether.worker.client import PSClient
 from tether.worker.config import TrainingConfig
 from tether.worker.embedding import flat_grads, split_flat
 
-__all__ = ["Policy", "SSPPolicy", "SyncPolicy", "TrainerView", "init_sync", "policy_for", "sync_device"]
+__all__ = ["AsyncPolicy", "SSPPolicy", "SyncPolicy", "TrainerView", "init_sync", "policy_for", "sync_device"]
 
 
 class TrainerView(Protocol):
@@ -34,7 +34,7 @@ class TrainerView(Protocol):
     def name(self) -> str: ...
 
 
-class Policy:
+class AsyncPolicy:
     """Asynchronous (ASP): never wait; one push_pull per step once the loop is under way."""
 
     prefetch = True  # the next batch's rows may be pulled before this step's push lands
@@ -78,7 +78,7 @@ class Policy:
         trainer.client.clock(clock, leave=True)
 
 
-class SSPPolicy(Policy):
+class SSPPolicy(AsyncPolicy):
     """Stale synchronous parallel: wait while more than ``bound`` steps ahead of the slowest
     live worker; pull only once the wait is over; a step's push lands before the next step."""
 
@@ -98,7 +98,7 @@ class SSPPolicy(Policy):
             )
 
 
-class SyncPolicy(Policy):
+class SyncPolicy(AsyncPolicy):
     """Synchronous: dense gradients averaged by all-reduce and stepped on every rank; row
     gradients pushed in lock step (averaged over the ranks), a barrier after each step."""
 
@@ -294,7 +294,7 @@ def sync_device(device: torch.device, local_rank: int, local_world: int, gpus: i
     return device if device.index is not None else torch.device("cuda", local_rank)
 
 
-def policy_for(config: TrainingConfig, device: torch.device) -> tuple[TrainingConfig, torch.device, Policy]:
+def policy_for(config: TrainingConfig, device: torch.device) -> tuple[TrainingConfig, torch.device, AsyncPolicy]:
     """The policy of ``config``'s consistency mode; in sync mode, after joining the process group
     (the config then takes its rank and world size, a CUDA device its local rank)."""
     kind, bound = config.consistency
@@ -309,4 +309,4 @@ def policy_for(config: TrainingConfig, device: torch.device) -> tuple[TrainingCo
         return config, device, SyncPolicy(config.num_workers, config.worker_index, device)
     if kind == "ssp":
         return config, device, SSPPolicy(int(bound or 0))
-    return config, device, Policy()
+    return config, device, AsyncPolicy()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tether.protos import dataplane as dp
+from tether.protos import framing as dp
 from tether.protos import tether_pb2 as pb
 from tether.protos.codec import decode_tensor, encode_ids, encode_tensor, int64_ids, wire_dtype
 from tether.protos.errors import InvalidArgument

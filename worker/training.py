@@ -41,7 +41,7 @@ from tether.worker.data import in_background
 from tether.worker.embedding import Prefetch, PSModel
 from tether.worker.local import LocalClient
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
-from tether.worker.policies import Policy, SyncPolicy, policy_for
+from tether.worker.policies import AsyncPolicy, SyncPolicy, policy_for
 from tether.worker.stragglers import delay_factor
 from tether.worker.tensorboard_writer import RECORD_KEYS, TensorBoardRecorder
 
@@ -291,7 +291,7 @@ class Trainer(Generic[B]):
         loss_value = math.nan
         on_host = self.device.type == "cpu"
         # Sync's combiner of the ranks' row gradients (which wants them in float32), else none.
-        combine = policy.row_gradients if type(policy).row_gradients is not Policy.row_gradients else None
+        combine = policy.row_gradients if type(policy).row_gradients is not AsyncPolicy.row_gradients else None
         straggler, delay_seed = cfg.straggler_spec, cfg.seed
         t_start = time.perf_counter()
         start_time = time.time()

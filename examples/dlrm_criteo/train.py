@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tether.protos.allocator import tune_malloc
+from tether.common.allocator import tune_malloc
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.criteo import CRITEO_DENSE, CRITEO_SPARSE, CriteoStream, criteo_eval_set, write_criteo_sample
 from tether.worker.data import Batch
@@ -37,7 +37,7 @@ from tether.worker.embedding import ShardedEmbeddingBag
 from tether.worker.evaluation import constant_baseline_loss, evaluate
 from tether.worker.model import CTRModel
 from tether.worker.training import Trainer, TrainingConfig
-from tether.worker.trainer import ctr_loss, ctr_sparse
+from tether.worker.ctr_job import ctr_loss, ctr_sparse
 
 if TYPE_CHECKING:
     from tether.worker.parquet import ParquetStream

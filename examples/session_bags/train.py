@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tether.protos.allocator import tune_malloc
+from tether.common.allocator import tune_malloc
 from tether.worker.embedding import ShardedEmbeddingBag
 from tether.worker.evaluation import auc, constant_baseline_loss, log_loss
 from tether.worker.training import Trainer, TrainingConfig

@@ -1,4 +1,4 @@
-"""The shard's data plane: Push, Pull and PushPull over framed TCP (see ``tether.protos.dataplane``).
+"""The shard's data plane: Push, Pull and PushPull over framed TCP (see ``tether.protos.framing``).
 
 One thread per connection reads a frame into a buffer it reuses, hands the request to the same
 ``RequestHandler`` the gRPC server uses (so validation, errors, deduplication and metrics are
@@ -38,7 +38,7 @@ import grpc
 import msgpack
 from google.protobuf.message import DecodeError
 
-from tether.protos import dataplane as dp
+from tether.protos import framing as dp
 from tether.protos import tether_pb2 as pb
 from tether.protos.errors import OVERLOADED
 from tether.server.connection import Connection, Refuse, close_all, drain, peer, readable

@@ -24,10 +24,10 @@ payload: the bearer token if the shard wants one and ``shm_size`` when the regio
 rides with it) and then carries one call at a time.
 
 A shard that serves TLS serves it on the data port too (the same certificates and client CA as
-its gRPC port; ``tether.protos.security``): frames then travel inside TLS, sent with one
+its gRPC port; ``tether.common.security``): frames then travel inside TLS, sent with one
 ``sendall`` per large buffer (small ones joined) since an SSL socket has no scatter-gather
 ``sendmsg``, and received with ``recv_into`` as before. The abstract unix socket never carries
-TLS: its bytes never leave the machine (see ``tether.server.dataplane`` for when it is offered).
+TLS: its bytes never leave the machine (see ``tether.server.data_port`` for when it is offered).
 """
 
 from __future__ import annotations

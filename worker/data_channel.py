@@ -1,4 +1,4 @@
-"""Client side of the data plane (``tether.protos.dataplane``): connections to one shard's data port.
+"""Client side of the data plane (``tether.protos.framing``): connections to one shard's data port.
 
 ``DataPlane`` keeps a small pool of connections per shard (one call at a time on each, so
 concurrent pushes and prefetched pulls get their own) and knows when the shard offers no data
@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 import msgpack
 
-from tether.protos import dataplane as dp
+from tether.protos import framing as dp
 
 __all__ = ["SHM_MIN_BYTES", "DataConnection", "DataPlane", "DataPlaneStatus"]
 
