@@ -35,7 +35,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., payload_offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
-    __slots__ = ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "initial_accumulator")
+    __slots__ = ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "initial_accumulator", "beta", "l1", "l2", "lr_power")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     BETA1_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,10 @@ class OptimizerSpec(_message.Message):
     EPS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     INITIAL_ACCUMULATOR_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    L1_FIELD_NUMBER: _ClassVar[int]
+    L2_FIELD_NUMBER: _ClassVar[int]
+    LR_POWER_FIELD_NUMBER: _ClassVar[int]
     name: str
     lr: float
     beta1: float
@@ -50,7 +54,11 @@ class OptimizerSpec(_message.Message):
     eps: float
     weight_decay: float
     initial_accumulator: float
-    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., initial_accumulator: _Optional[float] = ...) -> None: ...
+    beta: float
+    l1: float
+    l2: float
+    lr_power: float
+    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., initial_accumulator: _Optional[float] = ..., beta: _Optional[float] = ..., l1: _Optional[float] = ..., l2: _Optional[float] = ..., lr_power: _Optional[float] = ...) -> None: ...
 
 class TableSpec(_message.Message):
     __slots__ = ("name", "dim", "optimizer", "init_scale", "seed", "capacity", "min_count")
