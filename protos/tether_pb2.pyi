@@ -35,7 +35,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., payload_offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
-    __slots__ = ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "initial_accumulator", "beta", "l1", "l2", "lr_power")
+    __slots__ = ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "initial_accumulator", "beta", "l1", "l2", "lr_power", "schedule")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     BETA1_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class OptimizerSpec(_message.Message):
     L1_FIELD_NUMBER: _ClassVar[int]
     L2_FIELD_NUMBER: _ClassVar[int]
     LR_POWER_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     name: str
     lr: float
     beta1: float
@@ -58,7 +59,24 @@ class OptimizerSpec(_message.Message):
     l1: float
     l2: float
     lr_power: float
-    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., initial_accumulator: _Optional[float] = ..., beta: _Optional[float] = ..., l1: _Optional[float] = ..., l2: _Optional[float] = ..., lr_power: _Optional[float] = ...) -> None: ...
+    schedule: LRSchedule
+    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., initial_accumulator: _Optional[float] = ..., beta: _Optional[float] = ..., l1: _Optional[float] = ..., l2: _Optional[float] = ..., lr_power: _Optional[float] = ..., schedule: _Optional[_Union[LRSchedule, _Mapping]] = ...) -> None: ...
+
+class LRSchedule(_message.Message):
+    __slots__ = ("warmup_steps", "warmup_factor", "decay", "decay_steps", "gamma", "min_lr")
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    DECAY_FIELD_NUMBER: _ClassVar[int]
+    DECAY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    MIN_LR_FIELD_NUMBER: _ClassVar[int]
+    warmup_steps: int
+    warmup_factor: float
+    decay: str
+    decay_steps: int
+    gamma: float
+    min_lr: float
+    def __init__(self, warmup_steps: _Optional[int] = ..., warmup_factor: _Optional[float] = ..., decay: _Optional[str] = ..., decay_steps: _Optional[int] = ..., gamma: _Optional[float] = ..., min_lr: _Optional[float] = ...) -> None: ...
 
 class TableSpec(_message.Message):
     __slots__ = ("name", "dim", "optimizer", "init_scale", "seed", "capacity", "min_count")
@@ -111,28 +129,32 @@ class DeclareResponse(_message.Message):
     def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ...) -> None: ...
 
 class SparseBlock(_message.Message):
-    __slots__ = ("table", "ids", "values", "read_version")
+    __slots__ = ("table", "ids", "values", "read_version", "read_values")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     READ_VERSION_FIELD_NUMBER: _ClassVar[int]
+    READ_VALUES_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: bytes
     values: Tensor
     read_version: int
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., read_version: _Optional[int] = ...) -> None: ...
+    read_values: Tensor
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., read_version: _Optional[int] = ..., read_values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class DenseBlock(_message.Message):
-    __slots__ = ("name", "index", "value", "read_version")
+    __slots__ = ("name", "index", "value", "read_version", "read_value")
     NAME_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     READ_VERSION_FIELD_NUMBER: _ClassVar[int]
+    READ_VALUE_FIELD_NUMBER: _ClassVar[int]
     name: str
     index: int
     value: Tensor
     read_version: int
-    def __init__(self, name: _Optional[str] = ..., index: _Optional[int] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ..., read_version: _Optional[int] = ...) -> None: ...
+    read_value: Tensor
+    def __init__(self, name: _Optional[str] = ..., index: _Optional[int] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ..., read_version: _Optional[int] = ..., read_value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "sparse", "dense", "wire_dtype")
@@ -155,7 +177,7 @@ class PullResponse(_message.Message):
     def __init__(self, sparse: _Optional[_Iterable[_Union[SparseBlock, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseBlock, _Mapping]]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("worker_id", "seq", "clock", "sparse", "dense", "staleness_aware", "incarnation")
+    __slots__ = ("worker_id", "seq", "clock", "sparse", "dense", "staleness_aware", "incarnation", "delay_compensation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +185,7 @@ class PushRequest(_message.Message):
     DENSE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_AWARE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DELAY_COMPENSATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     seq: int
     clock: int
@@ -170,7 +193,8 @@ class PushRequest(_message.Message):
     dense: _containers.RepeatedCompositeFieldContainer[DenseBlock]
     staleness_aware: bool
     incarnation: int
-    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., clock: _Optional[int] = ..., sparse: _Optional[_Iterable[_Union[SparseBlock, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseBlock, _Mapping]]] = ..., staleness_aware: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    delay_compensation: float
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., clock: _Optional[int] = ..., sparse: _Optional[_Iterable[_Union[SparseBlock, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseBlock, _Mapping]]] = ..., staleness_aware: _Optional[bool] = ..., incarnation: _Optional[int] = ..., delay_compensation: _Optional[float] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("applied", "max_staleness", "clock_staleness")
