@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from tether.protos import tether_pb2 as pb
+from tether.protos.schedules import Schedule
 
 __all__ = ["OPTIMIZERS", "Adagrad", "Adam", "OptimizerConfig", "RuleOptimizer", "SGD", "UpdateRule", "rule"]
 
@@ -315,9 +316,13 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     # Adagrad's starting sum of squares (torch's initial_accumulator_value).
     initial_accumulator: float = 0.0
+    # The rate over time, by the pushing worker's clock (tether.protos.schedules; default constant).
+    schedule: Schedule = Schedule()
 
     def __post_init__(self) -> None:
         rule(self.name)  # ValueError naming the rules there are
+        # A checkpoint's JSON gives the schedule as a mapping (an old one gives none).
+        object.__setattr__(self, "schedule", Schedule.coerce(self.schedule))
         if not (self.lr > 0 and self.lr < float("inf")):
             raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
         if not 0 <= self.beta1 < 1 or not 0 <= self.beta2 < 1:
@@ -334,6 +339,7 @@ class OptimizerConfig:
         return pb.OptimizerSpec(
             name=self.name, lr=self.lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
             weight_decay=self.weight_decay, initial_accumulator=self.initial_accumulator,
+            schedule=self.schedule.to_proto(),
         )
 
     @classmethod
@@ -347,4 +353,5 @@ class OptimizerConfig:
         return cls(
             name=spec.name or d.name, lr=spec.lr or d.lr, beta1=spec.beta1 or d.beta1, beta2=spec.beta2 or d.beta2,
             eps=spec.eps or d.eps, weight_decay=spec.weight_decay, initial_accumulator=spec.initial_accumulator,
+            schedule=Schedule.from_proto(spec.schedule),
         )
