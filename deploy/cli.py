@@ -12,7 +12,9 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from tether.protos.errors import TetherError, UsageError, report_usage_error
+from tether.common.exits import DONE, USAGE, run_command, usage_checks
+from tether.deploy.errors import ClusterError
+from tether.protos.errors import TetherError, report_usage_error
 from tether.common.cli_args import DeprecatedAlias, HelpFormatter
 from tether.worker.flags import add_training_flags, config_from_args
 from tether.worker.tensorboard_writer import require_tensorboard, tensorboard_available
@@ -43,36 +45,30 @@ def _launch(argv: Sequence[str]) -> int:
     p.add_argument("--script-args", default="", help="arguments for --script or --entry, as one shell-quoted string")
     add_training_flags(p)
     a = p.parse_args(argv)
-    from tether.deploy.job import run_job
-    from tether.deploy.launch import ClusterError, Interrupted, Program
 
-    # Every flag is checked here, before any process starts (the data file included).
-    try:
-        _check_job_flags(a)
-        template = config_from_args(a, shards=("pending:0",), num_workers=a.num_workers, worker_index=0)
-        if a.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be >= 0, got {a.max_restarts}")
-        if a.max_restarts and template.consistency[0] == "sync":
-            raise ValueError(f"--max-restarts {a.max_restarts}: sync ranks are not restarted (a rank that dies ends the job, naming it); "
-                             "use --mode async or ssp:S")
-        args = shlex.split(a.script_args)
-        program = Program.script(a.script, args) if a.script else Program.entry(a.entry, args) if a.entry else None
-    except ValueError as exc:
-        return report_usage_error("tether launch", exc)
-    try:
+    def body() -> int:
+        from tether.deploy.job import run_job
+        from tether.deploy.launch import Program
+
+        # Every flag is checked here, before any process starts (the data file included).
+        with usage_checks():
+            _check_job_flags(a)
+            template = config_from_args(a, shards=("pending:0",), num_workers=a.num_workers, worker_index=0)
+            if a.max_restarts < 0:
+                raise ValueError(f"--max-restarts must be >= 0, got {a.max_restarts}")
+            if a.max_restarts and template.consistency[0] == "sync":
+                raise ValueError(f"--max-restarts {a.max_restarts}: sync ranks are not restarted (a rank that dies ends the job, "
+                                 "naming it); use --mode async or ssp:S")
+            args = shlex.split(a.script_args)
+            program = Program.script(a.script, args) if a.script else Program.entry(a.entry, args) if a.entry else None
+        # A UsageError from here on is a worker's own one line (a malformed data line found mid-run).
         summary = run_job(template, a.num_shards, out=a.out, timeout_s=a.job_timeout, metrics=a.metrics,
                           checkpoint_every=a.checkpoint_every,
                           program=program, max_restarts=a.max_restarts)
-    except UsageError as exc:  # a worker's own one line (a malformed data line found mid-run)
-        return report_usage_error("tether launch", exc)
-    except ClusterError as exc:
-        print(f"tether launch: {exc}", file=sys.stderr)
-        return 1
-    except Interrupted as exc:
-        print(f"tether launch: {exc}", file=sys.stderr)
-        return 130
-    print(_result_lines(summary, a.out, program is not None))
-    return 0
+        print(_result_lines(summary, a.out, program is not None))
+        return DONE
+
+    return run_command("tether launch", body, failures=(ClusterError,), say_interrupted=True)
 
 
 def _result_lines(summary: dict[str, Any], out: str | None, own_program: bool) -> str:
@@ -180,12 +176,16 @@ def _comparison(command: str, argv: Sequence[str]) -> int:
                    + "; --mode is for launch and worker")
     add_training_flags(p, mode=False)
     a = p.parse_args(argv)
+    return run_command(f"tether {command}", lambda: _run_comparison(a, sweep), failures=(ClusterError,), say_interrupted=True)
+
+
+def _run_comparison(a: argparse.Namespace, sweep: bool) -> int:
+    """``tether compare`` or ``sweep`` with its parsed flags; the exit code."""
     from tether.deploy.compare import check_arguments, compare, format_table
     from tether.deploy.compare import sweep as run_sweep
-    from tether.deploy.launch import ClusterError, Interrupted
 
     # Every flag is checked here, before any process starts (modes, bounds, the data file).
-    try:
+    with usage_checks():
         _check_job_flags(a)
         template = config_from_args(a, shards=("pending:0",), num_workers=a.num_workers, worker_index=0)
         # TensorBoard curves of every mode under one root: --tensorboard DIR, else OUT/tensorboard
@@ -198,27 +198,17 @@ def _comparison(command: str, argv: Sequence[str]) -> int:
         else:
             modes = [m.strip() for m in a.modes.split(",") if m.strip()]
         check_arguments(modes, straggler=a.straggler, tolerance=a.tolerance if sweep else 0.0, repeats=a.repeats)
-    except ValueError as exc:
-        return report_usage_error(f"tether {command}", exc)
     common = dict(straggler=a.straggler, target_loss=a.target_loss, timeout_s=a.job_timeout, echo=a.verbose, repeats=a.repeats)
-    try:
-        if sweep:
-            summary = run_sweep(template, bounds, a.num_shards, a.out, tolerance=a.tolerance, **common)
-        else:
-            summary = compare(template, modes, a.num_shards, a.out, **common)
-    except UsageError as exc:  # a worker's one line, or no bound reached the target
-        return report_usage_error(f"tether {command}", exc)
-    except ClusterError as exc:
-        print(f"tether {command}: {exc}", file=sys.stderr)
-        return 1
-    except Interrupted as exc:
-        print(f"tether {command}: {exc}", file=sys.stderr)
-        return 130
+    # A UsageError from here on is a worker's one line, or no bound reached the target.
+    if sweep:
+        summary = run_sweep(template, bounds, a.num_shards, a.out, tolerance=a.tolerance, **common)
+    else:
+        summary = compare(template, modes, a.num_shards, a.out, **common)
     print(format_table(summary))
     print(f"wrote {a.out}/summary.json, curves.csv and curves.png")
     if template.tensorboard:
         print(f"TensorBoard curves of every mode: tensorboard --logdir {template.tensorboard}")
-    return 0
+    return DONE
 
 
 def _bound(text: str) -> int:
@@ -271,7 +261,7 @@ def _export(argv: Sequence[str]) -> int:
     tables = ", ".join(f"{n} ({t['rows']:,} x {t['dim']})" for n, t in manifest["tables"].items())
     dense = sum(manifest["dense"].values())
     print(f"exported checkpoint {manifest['checkpoint']} to {a.out}: tables {tables or 'none'}; dense {dense:,} values")
-    return 0
+    return DONE
 
 
 def _convert(argv: Sequence[str]) -> int:
@@ -304,7 +294,7 @@ def _convert(argv: Sequence[str]) -> int:
     size = Path(a.out).stat().st_size / 2**20
     took = time.perf_counter() - start
     print(f"wrote {a.out}: {rows:,} rows, {-(-rows // a.row_group_rows)} row group(s), {size:.1f} MiB in {took:.1f}s")
-    return 0
+    return DONE
 
 
 def _version() -> str:
@@ -329,13 +319,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if argv and argv[0] in ("-V", "--version"):
         print(f"tether {_version()}")
-        return 0
+        return DONE
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: tether {" + ",".join(commands) + "} [flags]\n       tether --version\n")
         for name, text in commands.items():
             print(f"  {name:8s} {text}")
         print("\n'tether COMMAND --help' lists a command's flags and their defaults.")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        return DONE if argv and argv[0] in ("-h", "--help") else USAGE
     command, rest = argv[0], argv[1:]
     if command == "server":
         from tether.server.__main__ import main as server_main
@@ -349,13 +339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _export(rest)
     if command == "convert":
         return _convert(rest)
-    try:
-        if command in ("compare", "sweep"):
-            return _comparison(command, rest)
-        return _launch(rest)
-    except KeyboardInterrupt:  # Ctrl-C before any process started
-        print(f"tether {command}: interrupted", file=sys.stderr)
-        return 130
+    if command in ("compare", "sweep"):
+        return _comparison(command, rest)
+    return _launch(rest)
 
 
 if __name__ == "__main__":

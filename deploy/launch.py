@@ -29,7 +29,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
-from tether.protos.errors import USAGE_EXIT_CODE, UsageError
+from tether.common.exits import USAGE, interrupted
+from tether.protos.errors import UsageError
+from tether.deploy.errors import ClusterError, Interrupted
 from tether.deploy.worker_args import job_env, worker_argv
 from tether.worker.config import WorkerConfig
 
@@ -79,19 +81,7 @@ class Program:
         return cls(("-m", "tether.worker.entry", target, *args))
 
 
-class ClusterError(RuntimeError):
-    """A local cluster process failed to start or exited with an error."""
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C (or SIGINT) stopped a job; ``stopped`` processes were stopped with it."""
-
-    def __init__(self, stopped: int) -> None:
-        super().__init__(f"interrupted; stopped {stopped} process{'' if stopped == 1 else 'es'}")
-        self.stopped = stopped
-
-
-# The one line a worker prints before exiting with USAGE_EXIT_CODE (tether.protos.errors.report_usage_error).
+# The one line a worker prints before exiting with USAGE (tether.protos.errors.report_usage_error).
 _WORKER_USAGE_PREFIX = "tether worker: error: "
 
 
@@ -409,8 +399,8 @@ class LocalCluster:
         or ends the wait at once (checked every 50 ms), so the others are not waited for.
 
         Raises:
-            UsageError: a worker exited with ``USAGE_EXIT_CODE``; the message is its one line.
-            KeyboardInterrupt: a worker was interrupted (exit 130 or SIGINT).
+            UsageError: a worker exited with ``USAGE``; the message is its one line.
+            KeyboardInterrupt: a worker was interrupted (``tether.common.exits.interrupted``).
             ClusterError: a worker failed otherwise (and had no restart left), or the job ran
                 past ``timeout_s``.
         """
@@ -443,7 +433,7 @@ class LocalCluster:
             ClusterError: it would be, but a worker of the job has finished already: a restarted
                 worker waits for all of them to join (``AsyncPolicy.start``), so it would wait in vain.
         """
-        if child.name == "torchrun" or code in (USAGE_EXIT_CODE, 130, -signal.SIGINT):
+        if child.name == "torchrun" or code == USAGE or interrupted(code):
             return False
         if self.worker_restarts.get(child.name, 0) >= self.max_worker_restarts:
             return False
@@ -550,14 +540,14 @@ def _worker_failed(child: _Child, code: int, restarts: int = 0, limit: int = 0) 
     """Raise what a worker's non-zero exit ``code`` means (see ``LocalCluster.wait_workers``).
     For torchrun, what the rank that failed first said: torchrun's own summary names it, and
     its stderr file holds its error."""
-    if code in (130, -signal.SIGINT):
+    if interrupted(code):
         raise KeyboardInterrupt
     name, log_path = child.name, child.log_path
     if child.name == "torchrun":
         found = _root_cause(log_path)
         if found is not None:
             name, code, log_path = found
-    if code == USAGE_EXIT_CODE:
+    if code == USAGE:
         _raise_usage_line(name, log_path)
     if name != child.name:
         raise ClusterError(
@@ -584,7 +574,7 @@ def _steps_reported(log_path: Path, offset: int) -> int:
 
 
 def _raise_usage_line(name: str, log_path: Path) -> None:
-    """Raise the one line a worker printed before exiting with ``USAGE_EXIT_CODE``, if it did."""
+    """Raise the one line a worker printed before exiting with ``USAGE``, if it did."""
     try:
         lines = log_path.read_text(errors="replace").splitlines()
     except OSError:

@@ -10,7 +10,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from tether.protos.errors import TetherError, UsageError, report_usage_error
+from tether.common.exits import DONE, FAILED, run_command, usage_checks
+from tether.protos.errors import TetherError, UsageError
 from tether.server import kernels
 from tether.server.config import ShardConfig, load_config
 from tether.common.allocator import tune_malloc
@@ -43,7 +44,7 @@ def _warm_up_kernels() -> None:
 
 
 def run(config: ShardConfig) -> int:
-    """Serve until SIGTERM/SIGINT, then drain and exit 0.
+    """Serve until SIGTERM/SIGINT, then drain; the exit code (``tether.common.exits``).
 
     Raises:
         UsageError: the metrics port is taken.
@@ -71,7 +72,7 @@ def run(config: ShardConfig) -> int:
         running = start_shard(config, metrics=metrics)
     except (RuntimeError, ValueError) as exc:
         log.error("shard %d cannot start: %s", config.shard_index, exc)
-        return 1
+        return FAILED
     metrics.set_serving(True)
     log.info(
         "shard %d/%d serving on %s:%d (%s%s), data plane %s", config.shard_index, config.num_shards, config.host, running.port,
@@ -95,27 +96,24 @@ def run(config: ShardConfig) -> int:
         final = running.shutdown(config.grace_seconds)
     except TetherError as exc:
         log.error("shard %d stopped, but its final checkpoint failed: %s", config.shard_index, exc)
-        return 1
+        return FAILED
     if final is not None:
         log.info("final checkpoint %s written (%d bytes in %.2fs)", final.id, final.bytes, final.seconds)
     log.info("shard %d stopped", config.shard_index)
-    return 0
+    return DONE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``tether server``."""
+    """Entry point of ``tether server``. Ctrl-C before the signal handlers are installed exits
+    ``INTERRUPTED`` (after, it drains and exits 0)."""
     logging.basicConfig(level=os.environ.get("TETHER_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        config = load_config(argv)
-    except ValueError as exc:  # every flag is validated here
-        return report_usage_error("tether server", exc)
-    try:
+
+    def body() -> int:
+        with usage_checks():  # every flag is validated here
+            config = load_config(argv)
         return run(config)
-    except UsageError as exc:
-        return report_usage_error("tether server", exc)
-    except KeyboardInterrupt:
-        # Ctrl-C before the signal handlers are installed (they drain and exit 0 after).
-        return 130
+
+    return run_command("tether server", body)
 
 
 if __name__ == "__main__":

@@ -16,17 +16,16 @@ from tether.protos.codec import decode_ids, decode_tensor, encode_tensor, torch_
 from tether.protos.framing import PayloadWriter
 from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherError, reject_reason, status_of
 from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.protos.ssp import MAX_CLOCK_HOLD_S
 from tether.server.checkpoint import Checkpointer
 from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.shard import DenseDecl, DenseUpdate, PushResult, Shard, SparseUpdate
 from tether.server.tables import EmbeddingTable
 
-__all__ = ["MAX_CLOCK_WAIT_S", "RequestHandler", "Unparsable"]
+__all__ = ["RequestHandler", "Unparsable"]
 
 log = logging.getLogger(__name__)
 
-# Longest a Clock call waits on the shard before answering ready=false; clients loop.
-MAX_CLOCK_WAIT_S = 5.0
 # Calls whose refusal is a push not applied (counted by reason).
 _PUSHES = ("Push", "PushPull")
 # Calls that answer with values (counted as bytes sent).
@@ -157,15 +156,22 @@ class RequestHandler:
 
     def _push(self, request: pb.PushRequest, payload: memoryview | None = None) -> PushResult:
         sparse = [
-            SparseUpdate(b.table, decode_ids(b.ids), decode_tensor(b.values, torch.float32, payload), b.read_version)
+            SparseUpdate(
+                b.table, decode_ids(b.ids), decode_tensor(b.values, torch.float32, payload), b.read_version,
+                decode_tensor(b.read_values, torch.float32, payload) if b.HasField("read_values") else None,
+            )
             for b in request.sparse
         ]
         dense = [
-            DenseUpdate(b.name, b.index, decode_tensor(b.value, torch.float32, payload), b.read_version) for b in request.dense
+            DenseUpdate(
+                b.name, b.index, decode_tensor(b.value, torch.float32, payload), b.read_version,
+                decode_tensor(b.read_value, torch.float32, payload) if b.HasField("read_value") else None,
+            )
+            for b in request.dense
         ]
         result = self.shard.push(
             request.worker_id, request.seq, sparse, dense, clock=request.clock, staleness_aware=request.staleness_aware,
-            incarnation=request.incarnation,
+            incarnation=request.incarnation, delay_compensation=request.delay_compensation,
         )
         if not result.applied:
             self.metrics.reject("duplicate")
@@ -218,7 +224,7 @@ class RequestHandler:
         clocks.update(request.worker_id, request.clock, leave=request.leave, join=request.clock == 0 and request.wait_bound < 0)
         if request.wait_bound >= 0 and not request.leave:
             self.metrics.set_staleness_bound(int(request.wait_bound))
-            timeout = min(request.wait_timeout_ms / 1000.0, MAX_CLOCK_WAIT_S)
+            timeout = min(request.wait_timeout_ms / 1000.0, MAX_CLOCK_HOLD_S)
             ready, state = clocks.wait(request.clock, request.wait_bound, timeout)
         else:
             ready, state = True, clocks.state()

@@ -22,12 +22,14 @@ import torch
 
 from tether.protos.errors import FailedPrecondition, InvalidArgument, NotFound, TooStale
 from tether.protos.partition import dense_shard, shard_of_ids
-from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.protos.specs import OptimizerConfig, TableConfig, optimizer_conflict, table_conflict
+from tether.protos.ssp import COORDINATOR_SHARD
 from tether.server.clocks import WorkerClocks
 from tether.server.dedup import AppliedPushes
 from tether.server.dense import DenseChunk
 from tether.server.gate import Gate
 from tether.server.metrics import NullShardMetrics, ShardRecorder
+from tether.server.push_hooks import adjusted, check_compensation, check_read
 from tether.server.tables import EmbeddingTable, Pulled
 
 __all__ = ["DenseDecl", "DenseState", "DenseUpdate", "PushResult", "Shard", "ShardState", "SparseUpdate", "TableState", "staleness_scale"]
@@ -54,6 +56,8 @@ class SparseUpdate:
     ids: np.ndarray
     grads: torch.Tensor
     read_version: int = 0
+    # The rows as the worker read them (DC-ASGD's w_read; None: not sent).
+    read_values: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,8 @@ class DenseUpdate:
     index: int
     grad: torch.Tensor
     read_version: int = 0
+    # The chunk as the worker read it (DC-ASGD's w_read; None: not sent).
+    read_value: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -198,7 +204,7 @@ class Shard:
             for cfg in tables:
                 have = self.tables.get(cfg.name)
                 if have is not None and have.config != cfg:
-                    raise FailedPrecondition(f"table {cfg.name!r} exists with another spec: {have.config} != {cfg}")
+                    raise FailedPrecondition(table_conflict(have.config, cfg))
             for d in dense:
                 owner = dense_shard(d.name, d.index, self.num_shards)
                 if owner != self.shard_index:
@@ -208,8 +214,12 @@ class Shard:
                 if not torch.isfinite(d.init).all():
                     raise InvalidArgument(f"dense chunk {d.name}[{d.index}] init has NaN or Inf values")
                 have_chunk = self.dense.get((d.name, d.index))
-                if have_chunk is not None and (have_chunk.numel != d.init.numel() or have_chunk.optimizer != d.optimizer):
-                    raise FailedPrecondition(f"dense chunk {d.name}[{d.index}] exists with another size or optimizer")
+                if have_chunk is not None and have_chunk.optimizer != d.optimizer:
+                    raise FailedPrecondition(optimizer_conflict(f"dense chunk {d.name}[{d.index}]", have_chunk.optimizer, d.optimizer))
+                if have_chunk is not None and have_chunk.numel != d.init.numel():
+                    raise FailedPrecondition(
+                        f"dense chunk {d.name}[{d.index}] exists with {have_chunk.numel} elements, not {d.init.numel()}"
+                    )
             for cfg in tables:
                 if cfg.name not in self.tables:
                     self.tables[cfg.name] = self._new_table(cfg)
@@ -309,6 +319,7 @@ class Shard:
             raise InvalidArgument(f"table {u.table!r}: gradients must be floating point, got {u.grads.dtype}")
         if not _finite(u.grads):
             raise InvalidArgument(f"table {u.table!r}: gradients contain NaN or Inf")
+        check_read(f"table {u.table!r}", u.read_values, u.grads)
         return table, pulled
 
     def _check_dense(self, u: DenseUpdate) -> DenseChunk:
@@ -319,6 +330,7 @@ class Shard:
             raise InvalidArgument(f"dense chunk {u.name}[{u.index}]: gradient must be floating point, got {u.grad.dtype}")
         if not _finite(u.grad):
             raise InvalidArgument(f"dense chunk {u.name}[{u.index}]: gradient contains NaN or Inf")
+        check_read(f"dense chunk {u.name}[{u.index}]", u.read_value, u.grad)
         return chunk
 
     # -- pull / push -------------------------------------------------------------------------
@@ -354,6 +366,7 @@ class Shard:
         staleness_aware: bool = False,
         *,
         incarnation: int,
+        delay_compensation: float = 0.0,
     ) -> PushResult:
         """Validate every block, check staleness, then apply them all.
 
@@ -364,6 +377,8 @@ class Shard:
             sparse, dense: the gradients.
             clock: the pushing worker's clock after this step (0: not tracked).
             staleness_aware: damp the step of rows and chunks staler than usual (staleness_scale).
+            delay_compensation: DC-ASGD's lambda for blocks that carry their read values (0: off);
+                each table's or chunk's schedule is followed by ``clock`` (push_hooks.adjusted).
 
         Raises:
             NotFound, InvalidArgument, FailedPrecondition: malformed; nothing was applied.
@@ -374,6 +389,7 @@ class Shard:
                 raise InvalidArgument("worker_id must be set on a push")
             if not 0 < incarnation < 1 << 64:
                 raise InvalidArgument(f"push from {worker_id!r}: incarnation must be a non-zero 64-bit id, got {incarnation!r}")
+            check_compensation(worker_id, delay_compensation)
             checked = [self._check_sparse(u) for u in sparse]
             chunks = [self._check_dense(u) for u in dense]
         except Exception:
@@ -405,14 +421,15 @@ class Shard:
             if not fresh:
                 self.duplicate_pushes += 1
                 return PushResult(applied=False, max_staleness=0)
-            # Clock staleness is measured on shard 0, the coordinator ssp waits on, where clocks
-            # move only once a step is applied on every shard.
-            clock_lag = self.clocks.lag(clock) if clock and self.shard_index == 0 else 0
+            # Clock staleness is measured on the coordinator ssp waits on, where clocks move only
+            # once a step is applied on every shard.
+            clock_lag = self.clocks.lag(clock) if clock and self.shard_index == COORDINATOR_SHARD else 0
             # (table or chunk, ids or None, gradient, what a recent pull found of the ids)
             blocks: list[tuple[Any, np.ndarray | None, torch.Tensor, Pulled | None]] = [
                 (t, u.ids, u.grads, p) for (t, p), u in zip(checked, sparse)
             ] + [(c, None, u.grad, None) for c, u in zip(chunks, dense)]
-            for (target, ids, grad, pulled), s, n in zip(blocks, stale, intervals):
+            reads = [u.read_values for u in sparse] + [u.read_value for u in dense]
+            for (target, ids, grad, pulled), s, n, read in zip(blocks, stale, intervals, reads):
                 # The typical staleness of this table or chunk: a running mean of its updates
                 # between a push's read and its apply, over every push (a racy update loses at
                 # most one sample).
@@ -422,6 +439,8 @@ class Shard:
                 scale: float | np.ndarray = 1.0
                 if staleness_aware:
                     scale = staleness_scale(s, typical)
+                opt = target.config.optimizer if ids is not None else target.optimizer
+                grad, scale = adjusted(target, opt, ids, grad, read, scale, clock, delay_compensation)
                 if ids is None:
                     target.push(grad, scale)
                 else:

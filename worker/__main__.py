@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 from tether.common.allocator import tune_malloc
 from tether.protos.codec import quiet_readonly_warning
-from tether.protos.errors import TetherError, UsageError, report_usage_error
+from tether.common.exits import DONE, FAILED, run_command, usage_checks
+from tether.protos.errors import TetherError, UsageError
 from tether.worker.config import WorkerConfig
 from tether.worker.flags import load_config
 from tether.worker.ctr_job import train
@@ -20,7 +21,7 @@ log = logging.getLogger("tether.worker")
 
 
 def run(config: WorkerConfig) -> int:
-    """Train with optional metrics; exit code 0 on success, 1 when a shard call failed.
+    """Train with optional metrics; exit code ``DONE``, or ``FAILED`` when a shard call failed.
 
     Raises:
         UsageError: the metrics port is taken, sync mode outside torchrun, a bad data file.
@@ -49,24 +50,22 @@ def run(config: WorkerConfig) -> int:
         train(config, metrics=metrics, printer=lambda line: print(line, flush=True))
     except TetherError as exc:
         print(f"tether worker {config.worker_index}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+        return FAILED
+    return DONE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tether worker``."""
     logging.basicConfig(level=os.environ.get("TETHER_LOG_LEVEL", "WARNING"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        config = load_config(argv)
-    except ValueError as exc:  # every flag is validated here
-        return report_usage_error("tether worker", exc)
-    try:
+
+    def body() -> int:
+        with usage_checks():  # every flag is validated here
+            config = load_config(argv)
+        # A UsageError from here on is found running (a port in use, a malformed data line).
         return run(config)
-    except UsageError as exc:  # found once running (a port in use, a malformed data line)
-        return report_usage_error("tether worker", exc)
-    except KeyboardInterrupt:
-        # Ctrl-C (the launcher's too): stop quietly, with the shell's code for SIGINT.
-        return 130
+
+    # Ctrl-C (the launcher's too): stop quietly, with the shell's code for SIGINT.
+    return run_command("tether worker", body)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from tether.protos import framing as dp
 from tether.protos import tether_pb2 as pb
 from tether.common.security import ClientSecurity
 from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.protos.ssp import COORDINATOR_SHARD, MAX_CLOCK_HOLD_S
 from tether.worker.channel import Call, DataCall, ShardChannel, time_left
 from tether.worker.config import ClientConfig
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
@@ -34,9 +35,6 @@ __all__ = ["CheckpointResult", "ClientConfig", "ClientSecurity", "ClockReply", "
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# Longest a Clock call asks the coordinator to hold it (shards cap it at 5 s themselves): a
-# longer hold would only delay noticing a coordinator that stopped answering.
-_CLOCK_HOLD_S = 5.0
 
 
 class PSClient:
@@ -222,7 +220,7 @@ class PSClient:
 
     def clock(self, clock: int, wait_bound: int = -1, timeout_s: float = 60.0, leave: bool = False) -> ClockReply:
         """Report this worker's clock to every shard and, with ``wait_bound`` >= 0, wait on
-        shard 0 (the coordinator) until the slowest live worker is at most ``wait_bound``
+        the coordinator (``COORDINATOR_SHARD``) until the slowest live worker is at most ``wait_bound``
         ticks behind ``clock``.
 
         Call it only once the pushes of the steps it reports are acknowledged.
@@ -231,7 +229,7 @@ class PSClient:
         that each ask the coordinator to hold them for a few seconds at most, and each such
         call, like every report, ends within ``call_deadline_s`` plus the time it asked to be
         held. A coordinator that stops answering is so given up on after at most
-        ``call_deadline_s`` + 5 s, not after the whole SSP wait.
+        ``call_deadline_s`` + ``MAX_CLOCK_HOLD_S``, not after the whole SSP wait.
 
         Returns:
             The clocks; ``ready`` is False if ``timeout_s`` passed first.
@@ -240,7 +238,7 @@ class PSClient:
             Unavailable: a shard did not answer within the retries or the call's deadline.
         """
         report = pb.ClockRequest(worker_id=self.config.worker_id, clock=clock, leave=leave, wait_bound=-1)
-        others = self._fan_out({s: Call("Clock", report) for s in range(1, self.num_shards)}, lambda _: None)
+        others = self._fan_out({s: Call("Clock", report) for s in range(self.num_shards) if s != COORDINATOR_SHARD}, lambda _: None)
         try:
             return self._clock_wait(clock, wait_bound, timeout_s, leave)
         finally:
@@ -251,14 +249,14 @@ class PSClient:
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
-            wait_ms = int(min(max(remaining, 0), cfg.timeout_s, _CLOCK_HOLD_S) * 1000) if wait_bound >= 0 else 0
+            wait_ms = int(min(max(remaining, 0), cfg.timeout_s, MAX_CLOCK_HOLD_S) * 1000) if wait_bound >= 0 else 0
             request = pb.ClockRequest(
                 worker_id=cfg.worker_id, clock=clock, leave=leave, wait_bound=wait_bound, wait_timeout_ms=wait_ms
             )
-            # The shard may hold the call that long (it caps it at a few seconds): the time it
-            # is held is the SSP wait's, not lost to a slow or dead shard.
+            # The coordinator may hold the call that long (it caps it at MAX_CLOCK_HOLD_S): the
+            # time it is held is the SSP wait's, not lost to a slow or dead shard.
             held = wait_ms / 1000.0
-            reply = self.channels[0].call(
+            reply = self.channels[COORDINATOR_SHARD].call(
                 Call("Clock", request), timeout=cfg.timeout_s + held, deadline=time.monotonic() + cfg.call_deadline_s + held
             )
             if reply.ready or remaining <= 0:

@@ -23,6 +23,7 @@ from tether.protos.optimizers import OptimizerConfig
 from tether.common.security import TOKEN_ENV, ClientSecurity, resolve_token
 from tether.protos.specs import OPTIMIZERS, TableConfig
 from tether.worker.stragglers import StragglerSpec, parse_straggler
+from tether.worker.table_rules import TableRules, parse_entries
 
 T = TypeVar("T", bound="TrainingConfig")
 
@@ -122,6 +123,8 @@ class ClientConfig:
     wire_dtype: torch.dtype = torch.float32
     threads: int = 8
     staleness_aware: bool = False
+    # DC-ASGD's lambda (0: off): pushes carry the values they were computed on.
+    delay_compensation: float = 0.0
     security: ClientSecurity = field(default_factory=ClientSecurity)
     # HTTP/2 keepalive: a connection that stops answering pings this long plus a bit is
     # given up, so a partition or a dead shard is noticed without waiting for TCP.
@@ -149,6 +152,7 @@ class ClientConfig:
             # (those after the previous step's barrier): none is stale, though the shard sees
             # the other ranks' pushes of that step land first. So sync never asks for it.
             staleness_aware=config.staleness_aware and config.consistency[0] != "sync",
+            delay_compensation=config.delay_compensation,
             security=config.security,
         )
 
@@ -263,6 +267,19 @@ class TrainingConfig:
     )
     staleness_aware: bool = setting(_client("staleness_aware"), flag="--staleness-aware", group=JOB,
                                     help="divide each update's learning rate by its staleness (Zhang et al. 2016)")
+    # Per-table rules (tether.worker.table_rules): NAME=RULE[:key=value,...] entries, and a file of them.
+    table_optimizers: tuple[str, ...] = setting(
+        (), flag="--table-optimizer", parse=parse_entries, show=";".join, metavar="NAME=RULE[:KEY=VALUE,...]", group=JOB,
+        help="update rule, lr, weight decay and schedule of one table (NAME: a table, dense for the dense parameters, * for "
+        "every other), e.g. user=rowwise_adagrad:lr=0.1,weight_decay=1e-5,warmup_steps=100,decay=cosine,decay_steps=2000; "
+        "repeatable (the variable: entries separated by ;); wins over --optimizer-config, which wins over --optimizer/--lr",
+    )
+    optimizer_config: str | None = setting(None, flag="--optimizer-config", parse=optional_str, metavar="FILE", group=JOB,
+                                           help="JSON or TOML (.toml) file of per-table rules: {NAME: {rule: RULE, KEY: VALUE}} "
+                                           "(keys as --table-optimizer's)")
+    delay_compensation: float = setting(0.0, flag="--delay-compensation", metavar="LAMBDA", group=JOB,
+                                        help="DC-ASGD (Zheng et al. 2017): the shard steps with g + LAMBDA * g * g * (w_now - w_read); "
+                                        "async and ssp only; pushes carry the values read (0: off)")
     # Straggler experiments (tether.worker.stragglers); empty: ``slowdown`` / ``slow_worker`` decide.
     straggler: str = setting("", flag="--straggler", group=JOB,
                              help="straggler experiments: persistent:K[:WORKER] (the last worker, or WORKER, K times slower), "
@@ -382,6 +399,19 @@ class TrainingConfig:
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype must be {_names(WIRE_DTYPES)}, got {self.wire_dtype!r}")
         self.security  # noqa: B018 - validates the TLS and token fields together
+        self.table_rules  # noqa: B018 - parses (and keeps) the per-table rules, reading the file
+        if not 0 <= self.delay_compensation < math.inf:
+            raise ValueError(f"delay_compensation must be a finite number >= 0, got {self.delay_compensation!r}")
+        if self.delay_compensation and (self.local or self.consistency[0] == "sync"):
+            raise ValueError(
+                f"--delay-compensation is for async and ssp:S: {'local mode' if self.local else 'sync'} has no stale gradient to "
+                "compensate (leave it at 0)"
+            )
+
+    @functools.cached_property
+    def table_rules(self) -> TableRules:
+        """The per-table rules (``table_optimizers``, ``optimizer_config``, ``optimizer``, ``lr``)."""
+        return TableRules.of(self.table_optimizers, self.optimizer_config, self.optimizer, self.lr)
 
 
 @dataclass(frozen=True)

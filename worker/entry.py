@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from tether.common.allocator import tune_malloc
 from tether.protos.codec import quiet_readonly_warning
+from tether.common.exits import DONE, run_command
 from tether.protos.errors import UsageError, report_usage_error
 
 __all__ = ["main", "resolve"]
@@ -46,15 +47,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Steps free and allocate tensors of MiBs: keep them in the heap (tether.common.allocator).
     tune_malloc()
     quiet_readonly_warning()
-    try:
+
+    def body() -> int:
         fn = resolve(argv[0])
         sys.argv = [argv[0], *argv[1:]]
         result = fn()
-    except UsageError as exc:
-        return report_usage_error("tether worker", exc)
-    except KeyboardInterrupt:
-        return 130
-    return int(result) if isinstance(result, int) else 0
+        return int(result) if isinstance(result, int) else DONE
+
+    return run_command("tether worker", body)
 
 
 if __name__ == "__main__":

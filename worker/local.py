@@ -36,7 +36,7 @@ from tether.protos.codec import int64_ids
 from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherError, UsageError
 from tether.protos.initial import init_rows
 from tether.protos.optimizers import OptimizerConfig, rule
-from tether.protos.specs import TableConfig
+from tether.protos.specs import TableConfig, table_conflict
 from tether.worker.client import PSClient
 from tether.worker.config import ClientConfig, TrainingConfig
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
@@ -218,13 +218,15 @@ class LocalTable:
             hits += np.isin(newer, updated)
         return int(hits.max())
 
-    def push(self, ids: np.ndarray, grads: torch.Tensor) -> int:
-        """Apply one gradient per id (unique ids) with the table's rule; returns the new version."""
+    def push(self, ids: np.ndarray, grads: torch.Tensor, clock: int = 0) -> int:
+        """Apply one gradient per id (unique ids) with the table's rule, at its schedule's rate
+        for ``clock`` as a shard does; returns the new version."""
         slots = self.slots(ids)
         index = torch.from_numpy(slots)
         w = self._weights.index_select(0, index)
         state = {k: t.index_select(0, index) for k, t in self._state.items()}
-        self._rule.apply(self.config.optimizer, w, grads, state)
+        opt = self.config.optimizer
+        self._rule.apply(opt, w, grads, state, opt.schedule.factor(opt.lr, clock))
         self._weights.index_copy_(0, index, w)
         for k, t in self._state.items():
             t.index_copy_(0, index, state[k])
@@ -246,8 +248,9 @@ class _Dense:
         self.state = {k: torch.full(s, initial.get(k, 0.0)) for k, s in r.state_shapes(self.value.numel()).items()}
         self.version = 0
 
-    def push(self, grad: torch.Tensor) -> None:
-        rule(self.optimizer.name).apply(self.optimizer, self.value, grad, self.state)
+    def push(self, grad: torch.Tensor, clock: int = 0) -> None:
+        opt = self.optimizer
+        rule(opt.name).apply(opt, self.value, grad, self.state, opt.schedule.factor(opt.lr, clock))
         self.version += 1
 
 
@@ -342,7 +345,7 @@ class LocalClient(PSClient):
             for t in tables:
                 have = self.tables.get(t.name)
                 if have is not None and have.config != t:
-                    raise FailedPrecondition(f"table {t.name!r} exists with another spec: {have.config} != {t}")
+                    raise FailedPrecondition(table_conflict(have.config, t))
             for name, init in dense.items():
                 if init.numel() == 0 or not init.is_floating_point() or not bool(torch.isfinite(init).all()):
                     raise InvalidArgument(f"dense {name!r}: the initial value must be a non-empty finite float tensor")
@@ -435,9 +438,9 @@ class LocalClient(PSClient):
             staleness = max(staleness, d.version - read)
         for table, ids, grads in rows:
             if len(ids):
-                table.push(ids, grads)
+                table.push(ids, grads, clock)
         for _, d, grad in params:
-            d.push(grad)
+            d.push(grad, clock)
         if clock:
             self._clock, self._live = max(self._clock, clock), True
         # The only worker is never behind itself.

@@ -243,20 +243,29 @@ class Router:
             if tuple(grads.shape) != (arr.size, self.dims[table]):
                 raise InvalidArgument(f"table {table!r}: gradient shape {tuple(grads.shape)} != ({arr.size}, {self.dims[table]})")
             grads = grads.detach().to("cpu")
+            # DC-ASGD: the rows as read go along (the pull's, in the order of these ids).
+            read = versions.rows.get(table) if versions and self.config.delay_compensation else None
+            read = read.detach().to("cpu") if read is not None and tuple(read.shape) == tuple(grads.shape) else None
             for s, (pos, part) in enumerate(self._split(table, arr)):
                 if part.size:
                     rv = versions.table_versions.get((s, table), 0) if versions else 0
                     b = req(s).sparse.add(table=table, ids=encode_ids(part), read_version=rv)
                     payloads[s].add(grads, b.values, wire, rows=None if part.size == arr.size else torch.from_numpy(pos))
+                    if read is not None:
+                        payloads[s].add(read, b.read_values, wire, rows=None if part.size == arr.size else torch.from_numpy(pos))
         for name, grad in dense.items():
             layout = self.dense_layout(name)
             if tuple(grad.shape) != layout.shape:
                 raise InvalidArgument(f"dense {name!r}: gradient shape {tuple(grad.shape)} != {layout.shape}")
             flat = grad.detach().reshape(-1).to("cpu")
+            seen = versions.dense.get(name) if versions and self.config.delay_compensation else None
+            seen = seen.detach().reshape(-1).to("cpu") if seen is not None and seen.numel() == flat.numel() else None
             for (index, a, b), s in zip(layout.chunks, layout.owners):
                 rv = versions.dense_versions.get((name, index), 0) if versions else 0
                 d = req(s).dense.add(name=name, index=index, read_version=rv)
                 payloads[s].add(flat[a:b], d.value, wire)
+                if seen is not None:
+                    payloads[s].add(seen[a:b], d.read_value, wire)
         if clock:
             # Every shard tracks every worker's clock, so each gets the push, empty or not.
             for s in range(self.num_shards):
@@ -264,6 +273,7 @@ class Router:
         for s, r in requests.items():
             r.seq = self.next_seq(s)
             r.staleness_aware = self.config.staleness_aware
+            r.delay_compensation = self.config.delay_compensation
         return requests, payloads
 
 

@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from tether.protos.errors import FailedPrecondition, TooStale, UsageError
-from tether.protos.optimizers import OptimizerConfig, rule
 from tether.protos.specs import TableConfig
 from tether.worker.client import ClientConfig, Handle, PSClient, PullResult
 from tether.worker.batches import count_samples, pick_device, to_device
@@ -40,6 +39,7 @@ from tether.worker.config import TrainingConfig
 from tether.worker.data import in_background
 from tether.worker.embedding import Prefetch, PSModel
 from tether.worker.local import LocalClient
+from tether.worker.table_rules import apply_rules, dense_torch_optimizer
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
 from tether.worker.policies import AsyncPolicy, SyncPolicy, policy_for
 from tether.worker.stragglers import delay_factor
@@ -116,17 +116,16 @@ class Trainer(Generic[B]):
         )
         try:
             self.ps = PSModel(model.to(device), self.client, device, dense_on_shards=policy.dense_on_shards)
-            opt = OptimizerConfig(name=config.optimizer, lr=config.lr)
-            if tables is None:
-                tables = [
-                    TableConfig(name=t, dim=bags[0].dim, optimizer=opt, init_scale=config.init_scale, seed=config.seed)
-                    for t, bags in self.ps.bags.items()
-                ]
+            # Each table's rule and the dense one: --table-optimizer/--optimizer-config, else the code's
+            # specs, else --optimizer/--lr (tether.worker.table_rules).
+            tables, opt = apply_rules(
+                config.table_rules, tables, {t: bags[0].dim for t, bags in self.ps.bags.items()}, config.init_scale, config.seed
+            )
             self.client.declare(list(tables), self.ps.dense_tensors() if policy.dense_on_shards and self.ps.dense else None, opt)
             if isinstance(policy, SyncPolicy):
                 params = list(self.ps.parameters())
                 # The torch optimizer that takes the shards' steps: every rank steps its own copy.
-                policy.bind(params, rule(opt.name).torch_optimizer(opt, params) if params else None,
+                policy.bind(params, dense_torch_optimizer(opt, params) if params else None,
                             {t: bags[0].dim for t, bags in self.ps.bags.items()})
         except BaseException:
             self.client.close()
