@@ -492,8 +492,10 @@ def test_shards_statefulset() -> None:
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"grpc": 50051, "data": 50061, "metrics": 9100}
     assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": 50051, "data": 50061, "metrics": 9100}
+    # The probes ask the plaintext health-only port, which keeps working once TLS is on.
+    assert flags["--health-port"] == "50071" and "50071" not in {str(p) for p in ports.values()}
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-        assert c[probe]["grpc"]["port"] == 50051, probe
+        assert c[probe]["grpc"]["port"] == 50071, probe
     assert c["resources"]["requests"] and c["resources"]["limits"]
     (claim,) = sts["spec"]["volumeClaimTemplates"]
     (mount,) = [m for m in c["volumeMounts"] if m["name"] == claim["metadata"]["name"]]
