@@ -15,7 +15,10 @@ A rule is the one home of everything about its optimizer:
 - its ``torch_optimizer``: the ``torch.optim`` optimizer that takes the same steps, with which a
   sync worker steps its own dense parameters.
 
-Adding a rule is one subclass here and its entry in the registry (plus, for a constant no rule
+The rules live in ``tether.protos.update_rules`` (the base class and the three with a
+``torch.optim`` twin) and ``tether.protos.ctr_rules`` (row-wise Adagrad and FTRL-Proximal);
+this module is the registry and the hyper-parameters, and every name is importable from here.
+Adding a rule is one subclass and its entry in the registry (plus, for a constant no rule
 took before, a field of ``OptimizerConfig`` and of its wire form); ``tests/test_optimizers.py``
 checks every registered rule's kernel against its torch form, and its torch form against its
 torch optimizer. Nothing else names a rule.
@@ -36,6 +39,18 @@ push's factor (1, or less for an unusually stale push under ``--staleness-aware`
   ``m`` and ``v`` start at 0. An embedding row keeps its own ``t``: the number of pushes that
   named it, not the table's, so a rare row's first steps get the full bias correction. A dense
   chunk has one ``t``.
+- ``rowwise_adagrad``: one accumulator per embedding row, ``sum += mean(g * g)`` over the row,
+  then ``w -= lr * g / (sqrt(sum) + eps)`` (FBGEMM's ``EXACT_ROWWISE_ADAGRAD``; ``eps`` 1e-8,
+  ``sum`` from ``initial_accumulator``, default 0): 1 float of state per row. A push names each
+  id once and a worker sums the gradients of an id's lookups before pushing it, as FBGEMM sums
+  duplicates before it applies the rule once. Dense values (no rows) are stepped with Adagrad,
+  its per-element form (``UpdateRule.dense_rule``).
+- ``ftrl``: FTRL-Proximal (McMahan et al. 2013, Algorithm 1) per element with ``alpha`` =
+  ``lr``, ``beta`` (default 1), ``l1`` and ``l2`` (default 0) and ``lr_power`` (default -0.5, the
+  paper's square root; TensorFlow's ``learning_rate_power``); state ``z`` and ``n`` per element,
+  ``n`` from ``initial_accumulator`` (default 0, as in the paper; TensorFlow starts at 0.1).
+  ``w = 0`` where ``|z| <= l1``. The formulas, and how to take TensorFlow's steps, are in
+  ``tether.protos.ctr_rules``.
 
 The row kernels compute in float32 as the torch form does, but the compiler may fuse a
 multiply-add or divide by a reciprocal, so the two forms agree within float rounding (rows six
@@ -45,246 +60,20 @@ on within 1e-5 in ``tests/test_local_mode.py``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
-import torch
-from torch import nn
 
 from tether.protos import tether_pb2 as pb
+from tether.protos.ctr_rules import Ftrl, RowwiseAdagrad
 from tether.protos.schedules import Schedule
+from tether.protos.update_rules import SGD, Adagrad, Adam, RuleOptimizer, UpdateRule
 
-__all__ = ["OPTIMIZERS", "Adagrad", "Adam", "OptimizerConfig", "RuleOptimizer", "SGD", "UpdateRule", "rule"]
-
-
-class UpdateRule:
-    """One optimizer as the shards apply it; a subclass fills in its state, its step in torch,
-    its row kernel and the constants that kernel takes, and its torch optimizer."""
-
-    name: str = ""
-
-    def state_shapes(self, dim: int) -> dict[str, tuple[int, ...]]:
-        """State tensors the rule keeps per row (or for a flat chunk of ``dim`` elements), as
-        name -> trailing shape, in the order the row kernel takes them."""
-        return {}
-
-    def initial_state(self, cfg: OptimizerConfig) -> dict[str, float]:
-        """What each state tensor of a new row starts at (0 where not named)."""
-        return {}
-
-    def step(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, state: Mapping[str, torch.Tensor], lr: float) -> None:
-        """Update ``w`` (rows x dim, or a flat chunk) in place from its gradient ``g`` (weight
-        decay already added) with learning rate ``lr``; ``state`` is updated in place."""
-        raise NotImplementedError
-
-    def kernel_constants(self, cfg: OptimizerConfig) -> tuple[Any, ...]:
-        """The constants ``rows`` takes after the state arrays, as numpy scalars (their types
-        are part of the compiled signature: float32 unless the maths needs float64)."""
-        return (np.float32(cfg.weight_decay),)
-
-    @staticmethod
-    def rows(*args: Any, **kwargs: Any) -> None:
-        """The row kernel, in the Python subset numba compiles (never called uncompiled):
-        ``rows(w, slots, g, lr, scratch, *state, *constants)`` updates rows ``slots[i]`` of ``w``
-        (float32, rows x dim) and of each state array (in ``state_shapes`` order, the rows
-        first) in place from ``g[i]`` with learning rate ``lr[i]`` (float32 per row), the
-        weight decay included; ``slots`` are unique; ``scratch`` holds ``dim`` float32s to
-        spare; ``constants`` are ``kernel_constants(cfg)``.
-
-        Each row's arithmetic runs as separate simple loops over its ``dim`` elements, so that
-        LLVM can vectorise them (one loop that writes the weights and the state together is not
-        vectorised: it cannot tell that they do not overlap).
-        """
-        raise NotImplementedError
-
-    def torch_optimizer(self, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
-        """The torch optimizer that matches the shard's rule: a ``torch.optim`` optimizer over
-        ``params`` built with every constant of ``cfg`` (``eps`` included, which is not torch's
-        default for Adagrad), whose steps equal ``apply``'s within float rounding. Sync mode
-        steps its dense parameters with it. A rule that ``torch.optim`` lacks keeps this
-        default: ``RuleOptimizer``, which steps each parameter with ``apply``."""
-        return RuleOptimizer(self, cfg, params)
-
-    def apply(
-        self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, state: Mapping[str, torch.Tensor], lr_scale: float = 1.0
-    ) -> None:
-        """Apply one update in place: the rule's torch form.
-
-        Args:
-            cfg: the hyper-parameters.
-            w: parameters, updated in place (rows x dim, or a flat chunk).
-            g: gradient, same shape as ``w``.
-            state: the rule's state for these parameters, updated in place; Adam's ``t`` holds
-                one step count per row (a scalar for a dense chunk).
-            lr_scale: multiplier on the learning rate (staleness-aware learning rates).
-        """
-        if cfg.weight_decay:
-            g = g + cfg.weight_decay * w
-        self.step(cfg, w, g, state, cfg.lr * lr_scale)
+__all__ = [
+    "OPTIMIZERS", "Adagrad", "Adam", "Ftrl", "OptimizerConfig", "RowwiseAdagrad", "RuleOptimizer", "SGD", "UpdateRule", "rule",
+]
 
 
-class SGD(UpdateRule):
-    """Plain SGD: ``w -= lr * g``; no state (``torch.optim.SGD`` without momentum)."""
-
-    name = "sgd"
-
-    def step(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, state: Mapping[str, torch.Tensor], lr: float) -> None:
-        w.add_(g, alpha=-lr)
-
-    @staticmethod
-    def rows(w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, scratch: np.ndarray, weight_decay: np.float32) -> None:
-        n, d = g.shape
-        for i in range(n):
-            row, grad, step = w[slots[i]], g[i], lr[i]
-            if weight_decay != 0:
-                for j in range(d):
-                    row[j] -= step * (grad[j] + weight_decay * row[j])
-            else:
-                for j in range(d):
-                    row[j] -= step * grad[j]
-
-    def torch_optimizer(self, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
-class Adagrad(UpdateRule):
-    """Adagrad: a running sum of squared gradients per element, starting at
-    ``initial_accumulator``; ``w -= lr * g / (sqrt(sum) + eps)`` (``eps`` outside the sqrt, like
-    ``torch.optim.Adagrad``, default 1e-8 where torch's is 1e-10)."""
-
-    name = "adagrad"
-
-    def state_shapes(self, dim: int) -> dict[str, tuple[int, ...]]:
-        return {"sum": (dim,)}
-
-    def initial_state(self, cfg: OptimizerConfig) -> dict[str, float]:
-        return {"sum": cfg.initial_accumulator}
-
-    def step(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, state: Mapping[str, torch.Tensor], lr: float) -> None:
-        acc = state["sum"]
-        acc.addcmul_(g, g)
-        w.addcdiv_(g, acc.sqrt().add_(cfg.eps), value=-lr)
-
-    def kernel_constants(self, cfg: OptimizerConfig) -> tuple[Any, ...]:
-        return (np.float32(cfg.weight_decay), np.float32(cfg.eps))
-
-    @staticmethod
-    def rows(
-        w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, scratch: np.ndarray, acc: np.ndarray,
-        weight_decay: np.float32, eps: np.float32,
-    ) -> None:
-        n, d = g.shape
-        for i in range(n):
-            s = slots[i]
-            row, state, step = w[s], acc[s], lr[i]
-            for j in range(d):
-                scratch[j] = g[i, j] + weight_decay * row[j]
-            for j in range(d):
-                state[j] += scratch[j] * scratch[j]
-            for j in range(d):
-                row[j] -= step * scratch[j] / (np.sqrt(state[j]) + eps)
-
-    def torch_optimizer(self, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.Adagrad(
-            params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay, initial_accumulator_value=cfg.initial_accumulator
-        )
-
-
-class Adam(UpdateRule):
-    """Adam: first and second moments per element (from 0), and a step count per row (one scalar
-    for a dense chunk); bias-corrected, ``eps`` (1e-8) added to the corrected ``sqrt(v)``, betas
-    (0.9, 0.999) by default: ``torch.optim.Adam``'s constants."""
-
-    name = "adam"
-
-    def state_shapes(self, dim: int) -> dict[str, tuple[int, ...]]:
-        return {"m": (dim,), "v": (dim,), "t": ()}
-
-    def step(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, state: Mapping[str, torch.Tensor], lr: float) -> None:
-        m, v, t = state["m"], state["v"], state["t"]
-        t.add_(1)
-        m.mul_(cfg.beta1).add_(g, alpha=1 - cfg.beta1)
-        v.mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
-        tt = (t.unsqueeze(-1) if w.dim() > 1 else t).double()
-        # The bias corrections in float64, as torch.optim.Adam takes them (Python floats): in
-        # float32, 1 - 0.999**t loses digits to cancellation (1.3e-5 relative at t = 1) while the
-        # moments' 1 - beta2 does not, and v / bc2 is then off by that much.
-        bc1 = (1 - torch.pow(cfg.beta1, tt)).float()
-        bc2 = (1 - torch.pow(cfg.beta2, tt)).float()
-        denom = (v / bc2).sqrt_().add_(cfg.eps)
-        w.addcdiv_(m / bc1, denom, value=-lr)
-
-    def kernel_constants(self, cfg: OptimizerConfig) -> tuple[Any, ...]:
-        # The betas in float64: the bias corrections are taken in float64 as in ``step``.
-        return (np.float32(cfg.weight_decay), np.float64(cfg.beta1), np.float64(cfg.beta2), np.float32(cfg.eps))
-
-    @staticmethod
-    def rows(
-        w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, scratch: np.ndarray, m: np.ndarray, v: np.ndarray,
-        t: np.ndarray, weight_decay: np.float32, beta1: np.float64, beta2: np.float64, eps: np.float32,
-    ) -> None:
-        # The moments' factors in float32, each taken from the float64 constant as torch takes
-        # a Python float. The bias corrections 1 - beta**t in float64 as -expm1(t * log(beta)):
-        # as fast as float32 pow (float64 pow cost a quarter more per push), and rounded to
-        # float32 they equal 1 - beta**t for every t up to 1e9 tried, for betas from 0 to 0.9999.
-        b1, c1, log1 = np.float32(beta1), np.float32(1.0 - beta1), np.log(beta1)
-        b2, c2, log2 = np.float32(beta2), np.float32(1.0 - beta2), np.log(beta2)
-        n, d = g.shape
-        for i in range(n):
-            s = slots[i]
-            row, mr, vr, step = w[s], m[s], v[s], lr[i]
-            t[s] += 1
-            bc1 = np.float32(-np.expm1(np.float64(t[s]) * log1))
-            bc2 = np.float32(-np.expm1(np.float64(t[s]) * log2))
-            for j in range(d):
-                scratch[j] = g[i, j] + weight_decay * row[j]
-            for j in range(d):
-                mr[j] = b1 * mr[j] + c1 * scratch[j]
-            for j in range(d):
-                vr[j] = b2 * vr[j] + c2 * scratch[j] * scratch[j]
-            for j in range(d):
-                row[j] -= step * (mr[j] / bc1) / (np.sqrt(vr[j] / bc2) + eps)
-
-    def torch_optimizer(self, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
-
-
-class RuleOptimizer(torch.optim.Optimizer):
-    """A ``torch.optim`` optimizer that steps each parameter, flattened, with a rule's torch form
-    (``apply``) as a shard steps a dense chunk; its state per parameter is the rule's, on the
-    parameter's device. A group's ``lr`` scales the step by ``lr / cfg.lr``, so learning-rate
-    schedulers work on it."""
-
-    def __init__(self, update_rule: UpdateRule, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> None:
-        super().__init__(params, {"lr": cfg.lr})
-        self.update_rule, self.cfg = update_rule, cfg
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # torch.optim's signature
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    initial = self.update_rule.initial_state(self.cfg)
-                    for k, shape in self.update_rule.state_shapes(p.numel()).items():
-                        state[k] = torch.full(shape, initial.get(k, 0.0), dtype=p.dtype, device=p.device)
-                contiguous = p.is_contiguous()
-                flat = p.view(-1) if contiguous else p.reshape(-1).clone()
-                self.update_rule.apply(self.cfg, flat, p.grad.reshape(-1), state, group["lr"] / self.cfg.lr)
-                if not contiguous:
-                    p.copy_(flat.view(p.shape))
-        return loss
-
-
-_RULES: dict[str, UpdateRule] = {r.name: r for r in (SGD(), Adagrad(), Adam())}
+_RULES: dict[str, UpdateRule] = {r.name: r for r in (SGD(), Adagrad(), Adam(), RowwiseAdagrad(), Ftrl())}
 # The names ``OptimizerConfig.name`` (and ``--optimizer``) may take.
 OPTIMIZERS: tuple[str, ...] = tuple(_RULES)
 
@@ -314,8 +103,16 @@ class OptimizerConfig:
     eps: float = 1e-8
     # L2 penalty, added to the gradient before the rule (as torch.optim does).
     weight_decay: float = 0.0
-    # Adagrad's starting sum of squares (torch's initial_accumulator_value).
+    # Adagrad's and row-wise Adagrad's starting sum of squares (torch's initial_accumulator_value),
+    # FTRL's starting n (the paper's 0; TensorFlow's Ftrl starts at 0.1).
     initial_accumulator: float = 0.0
+    # FTRL-Proximal (tether.protos.ctr_rules): the paper's beta, L1 and L2 (its lambda_1, lambda_2;
+    # TensorFlow's l2_regularization_strength is half of l2), and the accumulator's power in the
+    # per-coordinate rate (TensorFlow's learning_rate_power; -0.5 is the paper's square root).
+    beta: float = 1.0
+    l1: float = 0.0
+    l2: float = 0.0
+    lr_power: float = -0.5
     # The rate over time, by the pushing worker's clock (tether.protos.schedules; default constant).
     schedule: Schedule = Schedule()
 
@@ -333,13 +130,26 @@ class OptimizerConfig:
             raise ValueError(
                 f"weight_decay and initial_accumulator must be >= 0, got {self.weight_decay!r}, {self.initial_accumulator!r}"
             )
+        self._check_ftrl()
+
+    def _check_ftrl(self) -> None:
+        for key in ("beta", "l1", "l2"):
+            value = getattr(self, key)
+            if not (0 <= value < math.inf):
+                raise ValueError(f"{key} must be a finite number >= 0, got {value!r}")
+        if not (-math.inf < self.lr_power <= 0):
+            raise ValueError(f"lr_power must be a finite number <= 0 (TensorFlow's learning_rate_power), got {self.lr_power!r}")
+        if self.name == "ftrl" and self.lr_power != 0 and not (self.beta > 0 or self.l2 > 0 or self.initial_accumulator > 0):
+            # Else a coordinate whose squared gradients are all 0 in float32 but whose z is not
+            # would divide by zero.
+            raise ValueError("ftrl needs beta > 0, l2 > 0 or initial_accumulator > 0 (all three are 0)")
 
     def to_proto(self) -> pb.OptimizerSpec:
         """Wire form."""
         return pb.OptimizerSpec(
             name=self.name, lr=self.lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
             weight_decay=self.weight_decay, initial_accumulator=self.initial_accumulator,
-            schedule=self.schedule.to_proto(),
+            schedule=self.schedule.to_proto(), beta=self.beta, l1=self.l1, l2=self.l2, lr_power=self.lr_power,
         )
 
     @classmethod
@@ -354,4 +164,7 @@ class OptimizerConfig:
             name=spec.name or d.name, lr=spec.lr or d.lr, beta1=spec.beta1 or d.beta1, beta2=spec.beta2 or d.beta2,
             eps=spec.eps or d.eps, weight_decay=spec.weight_decay, initial_accumulator=spec.initial_accumulator,
             schedule=Schedule.from_proto(spec.schedule),
+            # beta and lr_power are optional on the wire: 0 is a value, unset is the default.
+            beta=spec.beta if spec.HasField("beta") else d.beta, l1=spec.l1, l2=spec.l2,
+            lr_power=spec.lr_power if spec.HasField("lr_power") else d.lr_power,
         )

@@ -25,8 +25,10 @@ class DenseChunk:
         self.value = init.to(torch.float32).clone()
         self.version = 0
         self._lock = threading.Lock()
-        # Per-element state (a rule's per-row scalar, Adam's step count, is one for the chunk).
-        self._rule = rule(optimizer.name)
+        # Per-element state (a rule's per-row scalar, Adam's step count, is one for the chunk). A
+        # rule defined on embedding rows only steps a chunk with its dense form (rowwise_adagrad:
+        # adagrad, each element a row of one); the chunk keeps the optimizer it was declared with.
+        self._rule = rule(optimizer.name).dense_rule()
         start = self._rule.initial_state(optimizer)
         self._state = {k: torch.full(s, start.get(k, 0.0)) for k, s in self._rule.state_shapes(init.numel()).items()}
 

@@ -76,6 +76,12 @@ def _token_file(tmp_path: Path) -> str:
     return str(path)
 
 
+def _optimizer_file(tmp_path: Path) -> str:
+    path = tmp_path / "optimizers.json"
+    path.write_text('{"u": {"rule": "adagrad", "lr": 0.2}}')
+    return str(path)
+
+
 def _worker_config(tmp_path: Path) -> WorkerConfig:
     """Every field away from its default: a Parquet table (row groups for 4 workers) and a
     folder of positions, since only a Parquet stream resumes."""
@@ -94,6 +100,8 @@ def _worker_config(tmp_path: Path) -> WorkerConfig:
         "data": f"parquet:{tmp_path / 'day.parquet'}",
         "resume_data": str(tmp_path / "positions"),
         "auth_token_file": _token_file(tmp_path),
+        "table_optimizers": ("t=sgd:lr=0.1,warmup_steps=5,decay=cosine,decay_steps=20", "dense=adam:weight_decay=0.001"),
+        "optimizer_config": _optimizer_file(tmp_path),
     }
     # Local mode and a shard list exclude each other: local gets its own round trip.
     return WorkerConfig(**non_default(WorkerConfig, special, keep=("local",)), auth_token="s3cret-token")

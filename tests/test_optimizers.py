@@ -9,6 +9,9 @@ from tether.protos.optimizers import OPTIMIZERS, SGD, OptimizerConfig, RuleOptim
 from tether.server import kernels
 from tether.server.tables import EmbeddingTable, TableConfig
 
+# Rules whose dense form is the rule itself (row-wise Adagrad steps dense values as Adagrad).
+_SAME_ON_DENSE = tuple(n for n in OPTIMIZERS if rule(n).dense_rule() is rule(n))
+
 
 def _torch_reference(name: str, w0: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
     p = torch.nn.Parameter(w0.clone())
@@ -74,11 +77,12 @@ def test_each_rule_names_the_torch_optimizer_that_takes_its_steps(name: str) -> 
     p = torch.nn.Parameter(w0.clone())
     opt = rule(name).torch_optimizer(cfg, [p])
     w = w0.clone()
-    state = {k: torch.zeros(s) for k, s in rule(name).state_shapes(20).items()}
+    dense = rule(name).dense_rule()
+    state = {k: torch.full(s, dense.initial_state(cfg).get(k, 0.0)) for k, s in dense.state_shapes(20).items()}
     for g in grads:
         p.grad = g.clone()
         opt.step()
-        rule(name).apply(cfg, w, g, state)
+        dense.apply(cfg, w, g, state)
     assert torch.allclose(w, p.detach(), atol=1e-5)
 
 
@@ -97,7 +101,7 @@ def test_one_step_of_a_rule_is_one_step_of_its_torch_optimizer(name: str, consta
     w0 = torch.randn(4096, generator=g) * 1e-3
     grad = torch.randn(4096, generator=g) * torch.logspace(-6, 0, 4096)
     cfg = OptimizerConfig(name=name, lr=0.1, **constants)
-    r = rule(name)
+    r = rule(name).dense_rule()
     w = w0.clone()
     state = {k: torch.full(s, r.initial_state(cfg).get(k, 0.0)) for k, s in r.state_shapes(4096).items()}
     r.apply(cfg, w, grad, state)
@@ -128,7 +132,7 @@ def test_an_unknown_rule_is_named() -> None:
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", _SAME_ON_DENSE)
 def test_a_tables_compiled_row_update_is_its_torch_optimizer_row_by_row(name: str, weight_decay: float) -> None:
     """The shard's compiled row kernels (server/kernels.py) take the steps torch.optim takes on
     each row, each row with its own learning-rate factor (staleness-aware pushes)."""
@@ -198,8 +202,8 @@ _KERNEL_CONSTANTS = {"eps": 1e-3, "initial_accumulator": 0.1, "beta1": 0.8, "bet
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_each_rules_compiled_row_kernel_takes_the_steps_of_its_torch_form(name: str, weight_decay: float) -> None:
     """For every rule in the registry, its row kernel (compiled as the shard compiles it) and its
-    torch form (``apply``, the reference) agree row by row to 1e-6: weights absolutely, each state
-    tensor relative to its largest value. Unique ids in any order, rows that sit out a push,
+    torch form (``apply``, the reference) agree row by row to 1e-6: weights absolutely (relative to
+    the largest where that is over 1), each state tensor relative to its largest value. Unique ids in any order, rows that sit out a push,
     each row with its own learning-rate factor, gradients from 1e-6 to 1, weight decay."""
     r = rule(name)
     cfg = OptimizerConfig(name, lr=0.05, weight_decay=weight_decay, **_KERNEL_CONSTANTS)
@@ -218,7 +222,8 @@ def test_each_rules_compiled_row_kernel_takes_the_steps_of_its_torch_form(name: 
                (cfg.lr * scales).astype(np.float32))
         for i, s in enumerate(slots):
             r.apply(cfg, w_torch[s:s + 1], grads[i:i + 1], {k: t[s:s + 1] for k, t in state_torch.items()}, float(scales[i]))
-        assert (w_kernel - w_torch).abs().max() <= 1e-6
+        # FTRL's weights leave [-1, 1] with these random rates: float rounding is relative to them.
+        assert (w_kernel - w_torch).abs().max() <= 1e-6 * max(1.0, float(w_torch.abs().max()))
         for k, t in state_torch.items():
             assert (state_kernel[k] - t).abs().max() <= 1e-6 * t.abs().max(), k
     assert not torch.equal(w_kernel, w0)

@@ -1,0 +1,234 @@
+"""Row-wise Adagrad and FTRL-Proximal, row by row against references written from their
+definitions (NumPy, float64): row-wise Adagrad from FBGEMM's EXACT_ROWWISE_ADAGRAD (duplicate ids
+summed, then one step), FTRL from Algorithm 1 of McMahan et al. 2013 transcribed per coordinate.
+Both forms are checked: the shard's compiled row kernel (a table's push) and the torch form (what
+local mode applies), over several random sparse pushes, to 1e-6."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tether.protos.errors import InvalidArgument
+from tether.protos.optimizers import OptimizerConfig, rule
+from tether.protos.specs import TableConfig
+from tether.server.dense import DenseChunk
+from tether.server.shard import Shard, SparseUpdate
+from tether.server.tables import EmbeddingTable
+
+DIM, POOL, STEPS = 8, 60, 8
+
+
+def rowwise_reference(w: np.ndarray, acc: np.ndarray, ids: np.ndarray, grads: np.ndarray, cfg: OptimizerConfig) -> None:
+    """FBGEMM's EXACT_ROWWISE_ADAGRAD on rows ``ids`` of ``w`` (float64, in place): the gradients of
+    an id named more than once are summed first, then each id is stepped once."""
+    unique, where = np.unique(ids, return_inverse=True)
+    summed = np.zeros((len(unique), w.shape[1]))
+    np.add.at(summed, where, grads)
+    for k, i in enumerate(unique):
+        g = summed[k] + cfg.weight_decay * w[i]
+        acc[i] += np.mean(g * g)
+        w[i] -= cfg.lr * g / (math.sqrt(acc[i]) + cfg.eps)
+
+
+class FtrlReference:
+    """Algorithm 1 of the paper per coordinate, float64: ``w`` is computed from ``z`` and ``n``
+    when a coordinate is used (the rows start at w = 0: z = 0), then ``sigma``, ``z`` and ``n``
+    take the gradient. ``lr_power`` other than -0.5 is TensorFlow's generalisation."""
+
+    def __init__(self, rows: int, dim: int, cfg: OptimizerConfig) -> None:
+        self.cfg = cfg
+        self.z = np.zeros((rows, dim))
+        self.n = np.full((rows, dim), cfg.initial_accumulator)
+
+    def weight(self, i: int, j: int) -> float:
+        c, z, n = self.cfg, self.z[i, j], self.n[i, j]
+        if abs(z) <= c.l1:
+            return 0.0
+        return -(z - math.copysign(c.l1, z)) / ((c.beta + n ** -c.lr_power) / c.lr + c.l2)
+
+    def push(self, ids: np.ndarray, grads: np.ndarray) -> None:
+        c = self.cfg
+        for k, i in enumerate(ids):
+            for j in range(grads.shape[1]):
+                w = self.weight(i, j)
+                g = grads[k, j] + c.weight_decay * w
+                sigma = ((self.n[i, j] + g * g) ** -c.lr_power - self.n[i, j] ** -c.lr_power) / c.lr
+                self.z[i, j] += g - sigma * w
+                self.n[i, j] += g * g
+
+    def weights(self) -> np.ndarray:
+        return np.array([[self.weight(i, j) for j in range(self.z.shape[1])] for i in range(self.z.shape[0])])
+
+
+def _pushes(seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Random sparse pushes: unique ids drawn from the pool, gradients from 1e-3 to 1."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(STEPS):
+        ids = np.sort(rng.choice(POOL, size=int(rng.integers(5, POOL)), replace=False)).astype(np.int64)
+        grads = rng.standard_normal((len(ids), DIM)) * 10.0 ** rng.uniform(-3, 0, (len(ids), 1))
+        out.append((ids, grads.astype(np.float32)))
+    return out
+
+
+def _torch_form(cfg: OptimizerConfig, w0: torch.Tensor, pushes: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, dict]:
+    """The rule's torch form on gathered rows, as local mode applies it."""
+    r = rule(cfg.name)
+    w = w0.clone()
+    state = {k: torch.full((len(w0), *s), r.initial_state(cfg).get(k, 0.0)) for k, s in r.state_shapes(DIM).items()}
+    for ids, grads in pushes:
+        idx = torch.from_numpy(ids)
+        rows, st = w[idx], {k: t[idx] for k, t in state.items()}
+        r.apply(cfg, rows, torch.from_numpy(grads), st)
+        w[idx] = rows
+        for k, t in state.items():
+            t[idx] = st[k]
+    return w, state
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("initial_accumulator", [0.0, 0.1])
+def test_rowwise_adagrad_is_its_definition_row_by_row(weight_decay: float, initial_accumulator: float) -> None:
+    cfg = OptimizerConfig("rowwise_adagrad", lr=0.1, weight_decay=weight_decay, initial_accumulator=initial_accumulator)
+    table = EmbeddingTable(TableConfig("t", DIM, cfg, init_scale=0.5, seed=3))
+    ids_all = np.arange(POOL, dtype=np.int64)
+    w0 = table.pull(ids_all)[0].clone()
+    w_ref, acc_ref = w0.double().numpy().copy(), np.full(POOL, initial_accumulator)
+    pushes = _pushes(1)
+    for ids, grads in pushes:
+        table.push(ids, torch.from_numpy(grads))
+        rowwise_reference(w_ref, acc_ref, ids, grads.astype(np.float64), cfg)
+    snap = table.snapshot()
+    # One float of state per row: the accumulator.
+    assert set(snap["state"]) == {"sum"} and tuple(snap["state"]["sum"].shape) == (POOL,)
+    assert np.abs(snap["weights"].numpy() - w_ref).max() <= 1e-6
+    assert np.abs(snap["state"]["sum"].numpy() - acc_ref).max() <= 1e-6 * acc_ref.max()
+    w_torch, state_torch = _torch_form(cfg, w0, pushes)
+    assert np.abs(w_torch.numpy() - w_ref).max() <= 1e-6
+    assert np.abs(state_torch["sum"].numpy() - acc_ref).max() <= 1e-6 * acc_ref.max()
+    assert np.abs(w_ref - w0.numpy()).max() > 0.05  # the rows moved
+
+
+def test_rowwise_adagrad_sums_duplicate_ids_before_one_step() -> None:
+    """FBGEMM's semantics for an id named twice: one step with the summed gradient, which is not
+    two steps (the accumulator grows by mean((g1 + g2)**2), the row moves once). A shard refuses a
+    push that names an id twice and changes nothing; the worker's path sums them first (see
+    test_a_worker_sums_an_ids_lookups_into_one_rowwise_step)."""
+    cfg = OptimizerConfig("rowwise_adagrad", lr=0.1)
+    g = np.array([[1.0, -2.0, 0.5, 0.0], [0.5, 1.0, -1.0, 2.0]])
+    w_once, acc_once = np.zeros((1, 4)), np.zeros(1)
+    rowwise_reference(w_once, acc_once, np.array([0, 0]), g, cfg)
+    assert acc_once[0] == pytest.approx(np.mean((g[0] + g[1]) ** 2))
+    w_twice, acc_twice = np.zeros((1, 4)), np.zeros(1)
+    for k in range(2):
+        rowwise_reference(w_twice, acc_twice, np.array([0]), g[k:k + 1], cfg)
+    assert np.abs(w_once - w_twice).max() > 0.01
+    # The shard's table stepped once with the sum equals the reference.
+    table = EmbeddingTable(TableConfig("t", 4, cfg, init_scale=0.0))
+    table.push(np.array([7]), torch.from_numpy(g.sum(0, keepdims=True).astype(np.float32)))
+    assert np.abs(table.pull(np.array([7]))[0].numpy() - w_once).max() <= 1e-6
+
+    shard = Shard()
+    shard.declare([TableConfig("t", 4, cfg, init_scale=0.0)], [])
+    before = shard.tables["t"].snapshot()
+    with pytest.raises(InvalidArgument, match="ids in one push must be unique"):
+        shard.push("w", 1, [SparseUpdate("t", np.array([3, 3]), torch.ones(2, 4))], [], incarnation=1)
+    after = shard.tables["t"].snapshot()
+    assert after["version"] == before["version"] and np.array_equal(after["ids"], before["ids"])
+
+
+_FTRL = [
+    {"beta": 1.0, "l1": 0.5, "l2": 0.2},  # the paper's n0 = 0, with L1 zeroing weights
+    {"beta": 0.0, "l1": 0.05, "l2": 0.0, "initial_accumulator": 0.1},  # TensorFlow's defaults
+    {"beta": 0.5, "l1": 0.0, "l2": 1.0, "lr_power": -0.25, "weight_decay": 0.01},  # TF's lr_power
+]
+
+
+@pytest.mark.parametrize("constants", _FTRL, ids=["paper-l1", "tf-defaults", "lr-power"])
+def test_ftrl_is_the_papers_algorithm_1_row_by_row(constants: dict) -> None:
+    cfg = OptimizerConfig("ftrl", lr=0.1, **constants)
+    # Rows start at the paper's w = 0 (init_scale 0).
+    table = EmbeddingTable(TableConfig("t", DIM, cfg, init_scale=0.0))
+    ids_all = np.arange(POOL, dtype=np.int64)
+    w0 = table.pull(ids_all)[0].clone()
+    ref = FtrlReference(POOL, DIM, cfg)
+    pushes = _pushes(2)
+    for ids, grads in pushes:
+        table.push(ids, torch.from_numpy(grads))
+        ref.push(ids, grads.astype(np.float64))
+    w_ref = ref.weights()
+    snap = table.snapshot()
+    assert np.abs(snap["weights"].numpy() - w_ref).max() <= 1e-6
+    for k, want in (("z", ref.z), ("n", ref.n)):
+        assert np.abs(snap["state"][k].numpy() - want).max() <= 1e-6 * max(1.0, np.abs(want).max()), k
+    w_torch, state_torch = _torch_form(cfg, w0, pushes)
+    assert np.abs(w_torch.numpy() - w_ref).max() <= 1e-6
+    assert np.abs(state_torch["z"].numpy() - ref.z).max() <= 1e-6 * max(1.0, np.abs(ref.z).max())
+    # L1 keeps weights at exactly 0 where |z| <= l1; the others moved.
+    moved = np.abs(w_ref) > 1e-3
+    assert moved.any()
+    if cfg.l1:
+        zeroed = np.abs(ref.z) <= cfg.l1
+        assert zeroed.any() and (snap["weights"].numpy()[zeroed] == 0).all()
+
+
+def test_ftrl_starts_a_row_from_its_initial_value_as_a_tensorflow_variable() -> None:
+    """With init_scale > 0 the first step reads the row's initial weight (z += g - sigma * w0),
+    as TensorFlow's Ftrl does for a variable with an initial value; after it the weight is the
+    function of z and n."""
+    cfg = OptimizerConfig("ftrl", lr=0.1, initial_accumulator=0.1, beta=0.0)
+    table = EmbeddingTable(TableConfig("t", 3, cfg, init_scale=0.5, seed=1))
+    w0 = table.pull(np.array([4]))[0][0].double().numpy()
+    g = np.array([0.3, -0.2, 0.0])
+    table.push(np.array([4]), torch.from_numpy(g[None].astype(np.float32)))
+    n1 = 0.1 + g * g
+    z1 = g - (np.sqrt(n1) - np.sqrt(0.1)) / 0.1 * w0
+    assert np.abs(table.pull(np.array([4]))[0][0].numpy() - (-z1 / (np.sqrt(n1) / 0.1))).max() <= 1e-6
+
+
+def test_rowwise_adagrad_steps_dense_values_as_adagrad_and_refuses_flat_rows() -> None:
+    """A dense chunk has no rows: it is stepped with Adagrad (each element a row of one), so the
+    dense parameters get the same steps whatever the chunking; the row form refuses a flat value."""
+    cfg = OptimizerConfig("rowwise_adagrad", lr=0.1, initial_accumulator=0.1)
+    w0, grad = torch.linspace(-1, 1, 6), torch.linspace(0.3, -0.2, 6)
+    chunk = DenseChunk("w", 0, w0, cfg)
+    chunk.push(grad)
+    p = torch.nn.Parameter(w0.clone())
+    p.grad = grad.clone()
+    torch.optim.Adagrad([p], lr=0.1, eps=cfg.eps, initial_accumulator_value=0.1).step()
+    assert torch.allclose(chunk.value, p.detach(), atol=1e-7)
+    assert tuple(chunk.snapshot()["state"]["sum"].shape) == (6,)
+    assert chunk.optimizer.name == "rowwise_adagrad"  # declared as it was declared
+    with pytest.raises(ValueError, match="dense_rule"):
+        rule("rowwise_adagrad").apply(cfg, torch.zeros(6), grad, {"sum": torch.zeros(())})
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"l1": -1.0}, "l1 must be a finite number >= 0"),
+        ({"l2": float("inf")}, "l2 must be a finite number >= 0"),
+        ({"beta": float("nan")}, "beta must be"),
+        ({"lr_power": 0.5}, "lr_power must be a finite number <= 0"),
+        ({"name": "ftrl", "beta": 0.0}, "ftrl needs beta > 0, l2 > 0 or initial_accumulator > 0"),
+    ],
+)
+def test_ftrl_constants_are_checked(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        OptimizerConfig(**kwargs)
+
+
+def test_ftrl_constants_travel_on_the_wire_with_zero_as_a_value() -> None:
+    cfg = OptimizerConfig("ftrl", lr=0.25, beta=0.0, l1=0.5, l2=2.0, lr_power=0.0)
+    back = OptimizerConfig.from_proto(cfg.to_proto())
+    assert (back.name, back.beta, back.l1, back.l2, back.lr_power) == ("ftrl", 0.0, 0.5, 2.0, 0.0)
+    # A spec without them (a client from before they existed) takes the defaults.
+    old = cfg.to_proto()
+    for f in ("beta", "l1", "l2", "lr_power"):
+        old.ClearField(f)
+    back = OptimizerConfig.from_proto(old)
+    assert (back.beta, back.l1, back.l2, back.lr_power) == (1.0, 0.0, 0.0, -0.5)
