@@ -31,7 +31,11 @@ __all__ = [
 # plane says the same: load, not a bad request, so clients retry it with backoff (a message over
 # the size limit, also RESOURCE_EXHAUSTED, is not retried).
 OVERLOADED = "Concurrent RPC limit exceeded"
-_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Retried until the call's deadline: the shard is down, restarting or unreachable, or went away
+# mid-call. A client never cancels its own calls, so a CANCELLED it receives was the shard's (a
+# shard draining at SIGTERM cancels the calls it still holds, an SSP Clock wait among them) or the
+# connection's; every call is safe to repeat (pushes are deduplicated by sequence number).
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 # What a command exits with when the user asked for something it cannot do (argparse's code).
 USAGE_EXIT_CODE = 2
@@ -121,7 +125,10 @@ def error_from_status(code: grpc.StatusCode, details: str) -> TetherError:
 
 
 def retryable(code: grpc.StatusCode, details: str) -> bool:
-    """Whether a call that failed with ``code`` and ``details`` is worth another try."""
+    """Whether a call that failed with ``code`` and ``details`` is worth another try (until its
+    deadline): a shard that is away or draining, or one shedding load. Any other status, a
+    RESOURCE_EXHAUSTED that names a size limit among them, is the shard's answer: the call fails
+    with it at once."""
     return code in _TRANSIENT or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and OVERLOADED in details)
 
 

@@ -1,11 +1,14 @@
 """One shard as the client sees it: its gRPC stub, its data-plane connections, and the retries of
 every call to it (the one place a ``grpc.RpcError`` becomes a ``TetherError``).
 
-Every RPC has a deadline; UNAVAILABLE and DEADLINE_EXCEEDED (and a shard shedding load past its
-concurrent-call limit) are retried with exponential backoff, and a retried push keeps its
-sequence number so the shard applies it once. A call as a whole, retries and data-plane fallback
+Every RPC has a deadline; what ``tether.protos.errors.retryable`` calls transient (UNAVAILABLE,
+DEADLINE_EXCEEDED, a CANCELLED the shard sent while draining, a shard shedding load past its
+concurrent-call limit, a data-plane connection that failed) is retried with exponential backoff,
+capped at ``max_backoff_s``, until the call's deadline, and a retried push keeps its sequence
+number so the shard applies it once. A call as a whole, retries and data-plane fallback
 included, ends within ``ClientConfig.call_deadline_s``: each attempt's deadline is what is left
-of it, at most ``timeout_s``, and once it is spent the call raises ``Unavailable``.
+of it, at most ``timeout_s``, and once it is spent the call raises ``Unavailable``. Only a
+``ClientConfig.retries`` set explicitly ends it sooner, after that many retries.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ _RESPONSES = {"Push": pb.PushResponse, "Pull": pb.PullResponse, "PushPull": pb.P
 # ``answer(response, payload)`` turns a response into the call's result while its payload is
 # valid (a data-plane payload lives in a buffer the next call reuses).
 Answer = Callable[[Any, "memoryview | None"], Any]
+# Codes that say the shard was not reached (or went away mid-call): given up on, they are Unavailable.
+_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
 class _Failed(Exception):
@@ -62,6 +67,11 @@ class Call:
     # ``direct(meta, payload_len)``: where blocks of a data-plane answer can be received in
     # place, as (payload offset, buffer) pairs (``DataConnection.receive``'s ``place``).
     direct: Callable[[bytes, int], list[tuple[int, memoryview]]] | None = None
+
+
+def _one_line(details: str) -> str:
+    """A status's details on one line (gRPC's may carry a newline)."""
+    return " ".join(details.split())
 
 
 def time_left(deadline: float, limit: float) -> float:
@@ -147,14 +157,20 @@ class ShardChannel:
                 ``call_deadline_s``); each attempt gets at most what is left of it.
 
         Raises:
-            Unavailable: the shard did not answer within the retries or the call's deadline.
+            Unavailable: the shard did not answer within the call's deadline (or the retries
+                ``ClientConfig.retries`` allows, when it sets a number).
+            TetherError: the shard refused the call (a status that is not transient).
         """
         cfg = self.config
         method = call.method
         if deadline is None:
             deadline = time.monotonic() + cfg.call_deadline_s
         backoff = cfg.backoff_s
-        for attempt in range(cfg.retries + 1):
+        # No count of retries unless the config sets one: a shard restarting on a loaded machine
+        # may take longer than any fixed count of backoffs, and the deadline bounds the call.
+        cap = cfg.retries
+        attempt = 0
+        while True:
             if failed is None:
                 left = deadline - time.monotonic()
                 try:
@@ -172,22 +188,26 @@ class ShardChannel:
             pause = backoff * (0.5 + random.random())
             # No retry that could not start before the deadline: give up now, not after the pause.
             spent = time.monotonic() + pause >= deadline
-            if not retryable(code, details) or attempt == cfg.retries or spent:
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            capped = cap is not None and attempt >= cap
+            transient = retryable(code, details)
+            if not transient or capped or spent:
+                if code in _GONE:
                     # A refused TLS handshake looks like a shard that is down: say so.
                     hint = " (if the shard is up, check the TLS CA and client certificate)" if cfg.security.tls else ""
-                    why = " and the call's deadline is spent" if spent and attempt < cfg.retries else ""
+                    why = "" if capped else ", the call's deadline spent"
                     raise Unavailable(
                         f"shard {self.index} ({self.address}) {method} failed after {attempt + 1} tries{why}: "
-                        f"{code.name}: {details}{hint}"
+                        f"{code.name}: {_one_line(details)}{hint}"
                     ) from failed.__cause__
-                raise error_from_status(code, f"shard {self.index} {method}: {details}") from failed.__cause__
+                raise error_from_status(code, f"shard {self.index} {method}: {_one_line(details)}") from failed.__cause__
+            attempt += 1
             self.metrics.retried(method)
-            log.warning("shard %d %s: %s, retry %d in %.2fs", self.index, method, code.name, attempt + 1, pause)
+            # Retries go on until the deadline: the first, then every tenth, is worth a warning.
+            log.log(logging.WARNING if attempt % 10 == 1 else logging.DEBUG,
+                    "shard %d %s: %s, retry %d in %.2fs", self.index, method, code.name, attempt, pause)
             time.sleep(pause)
             backoff = min(backoff * 2, cfg.max_backoff_s)
             failed = None
-        raise AssertionError("unreachable")
 
     def _note_resend(self, request: object) -> None:
         """Remember that a push may reach the shard twice (its first try failed somewhere)."""

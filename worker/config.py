@@ -115,7 +115,9 @@ class ClientConfig:
     worker_id: str
     # Deadline of one attempt (one RPC or data-plane round trip).
     timeout_s: float = 30.0
-    retries: int = 8
+    # Retries of a transient failure: None retries until ``call_deadline_s``; a number stops after
+    # that many retries (or at the deadline, if sooner).
+    retries: int | None = None
     backoff_s: float = 0.05
     max_backoff_s: float = 2.0
     max_message_bytes: int = 256 * 1024 * 1024
@@ -166,8 +168,8 @@ class ClientConfig:
             raise ValueError("worker_id must not be empty")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
-        if self.retries < 0:
-            raise ValueError(f"retries must be >= 0, got {self.retries!r}")
+        if self.retries is not None and self.retries < 0:
+            raise ValueError(f"retries must be >= 0 or None (until the call's deadline), got {self.retries!r}")
         if self.chunk_elems < 1:
             raise ValueError(f"chunk_elems must be >= 1, got {self.chunk_elems!r}")
         if self.wire_dtype not in WIRE_DTYPES.values():
