@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 
 from tether.protos import tether_pb2 as pb
 from tether.protos.optimizers import OPTIMIZERS, OptimizerConfig
 
 # A table's spec names its update rule: the contract's page shows the rules' config and names too
 # (they live in tether.protos.optimizers).
-__all__ = ["MAX_MIN_COUNT", "OPTIMIZERS", "OptimizerConfig", "TableConfig"]
+__all__ = ["MAX_MIN_COUNT", "OPTIMIZERS", "OptimizerConfig", "TableConfig", "optimizer_conflict", "table_conflict"]
 
 # Admission counts live in 16-bit saturating counters.
 MAX_MIN_COUNT = 65535
@@ -61,3 +61,35 @@ class TableConfig:
             name=spec.name, dim=spec.dim, optimizer=OptimizerConfig.from_proto(spec.optimizer),
             init_scale=spec.init_scale, seed=spec.seed, capacity=spec.capacity, min_count=spec.min_count or 1,
         )
+
+
+def _differences(have: object, want: object, prefix: str = "") -> list[str]:
+    """``field: old != new`` for each field of two dataclasses that differs (nested ones by field)."""
+    out = []
+    for f in fields(have):  # type: ignore[arg-type]
+        a, b = getattr(have, f.name), getattr(want, f.name)
+        if a == b:
+            continue
+        if is_dataclass(a) and is_dataclass(b):
+            out += _differences(a, b, f"{prefix}{f.name}.")
+        else:
+            out.append(f"{prefix}{f.name} {a!r} != {b!r}")
+    return out
+
+
+def optimizer_conflict(what: str, have: OptimizerConfig, want: OptimizerConfig) -> str:
+    """One line saying why ``want`` cannot replace ``have``'s rule for ``what`` (a table or a
+    dense chunk): both rules named when they differ, else the hyper-parameters that do."""
+    if have.name != want.name:
+        return (f"{what} exists with rule {have.name}; this declaration asks for {want.name}: one table or chunk keeps one rule "
+                "(declare it with the same rule, or under another name)")
+    return f"{what} exists with rule {have.name} and other hyper-parameters: {', '.join(_differences(have, want))}"
+
+
+def table_conflict(have: TableConfig, want: TableConfig) -> str:
+    """One line saying how ``want`` differs from the declared ``have`` (``optimizer_conflict``
+    when the rule is what differs)."""
+    what = f"table {have.name!r}"
+    if have.optimizer != want.optimizer:
+        return optimizer_conflict(what, have.optimizer, want.optimizer)
+    return f"{what} exists with another spec: {', '.join(_differences(have, want))}"

@@ -210,7 +210,7 @@ def test_a_launched_worker_gets_every_setting_through_flags_and_environment(
     for f in dataclasses.fields(TrainingConfig):
         assert getattr(from_env, f.name) == getattr(cfg, f.name), f.name
     # Local mode (which takes no shards) the same way.
-    local = dataclasses.replace(cfg, shards=(), local=True)
+    local = dataclasses.replace(cfg, shards=(), local=True, delay_compensation=0.0)  # DC needs shards
     assert worker_flags.config_from_args(worker_flags.build_parser().parse_args(worker_argv(local))) == local
 
 

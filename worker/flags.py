@@ -5,11 +5,13 @@ fallback, parsed into a ``WorkerConfig``."""
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 
 from tether.common import settings as fields
 from tether.common.cli_args import HelpFormatter, env
 from tether.worker.config import JOB, MODEL, MODEL_PRESETS, PLACE, PROCESS, WorkerConfig
+from tether.worker.table_rules import parse_entries
 
 __all__ = ["add_training_flags", "build_parser", "config_from_args", "load_config"]
 
@@ -18,12 +20,47 @@ def add_training_flags(p: argparse.ArgumentParser, mode: bool = True) -> None:
     """Flags that describe a job of the built-in model (shared by ``tether worker``, ``launch``,
     ``compare`` and ``sweep``; ``mode=False`` leaves ``--mode`` out). ``--steps`` comes first:
     the launching commands' help says their own flags are those before it."""
-    fields.add_flags(p, WorkerConfig, groups=(JOB,), exclude=() if mode else ("mode",))
+    fields.add_flags(p, WorkerConfig, groups=(JOB,), exclude=("table_optimizers",) if mode else ("mode", "table_optimizers"))
+    _add_table_optimizer(p)
     p.add_argument("--preset", choices=tuple(MODEL_PRESETS), default=env("TETHER_PRESET", "default"),
                    help="model and batch size: default (batch 256, 8 fields, 16-wide rows: CPU-sized) or gpu (batch 8,192, "
                    "26 fields as in Criteo, 128-wide rows: a CUDA step not bound by kernel launches); --batch-size, "
                    "--num-sparse and --embedding-dim override it (env TETHER_PRESET)")
     fields.add_flags(p, WorkerConfig, groups=(MODEL,))
+
+
+# Set on the parsed namespace once a --table-optimizer flag was read.
+_GIVEN = "table_optimizer_given"
+
+
+class _Entries(argparse.Action):
+    """``--table-optimizer``: repeatable; the flags given replace the variable's entries, each
+    adding its own (a flag's text may hold several, separated by ``;``)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object, option_string: str | None = None
+    ) -> None:
+        given = getattr(namespace, _GIVEN, False)
+        before = getattr(namespace, self.dest) if given else ()
+        setattr(namespace, self.dest, (*before, *values))  # type: ignore[misc]
+        setattr(namespace, _GIVEN, True)
+
+
+def _add_table_optimizer(p: argparse.ArgumentParser) -> None:
+    """``TrainingConfig.table_optimizers``'s flag, made repeatable (its help, variable and text
+    form are the field's declaration)."""
+    f, decl = next((f, d) for f, d in fields.declared(WorkerConfig) if f.name == "table_optimizers")
+    text = decl.text_from(os.environ)
+    p.add_argument(decl.flag, dest=decl.dest, action=_Entries, type=_entries, metavar=decl.metavar,
+                   default=text if text is not None else decl.show(f.default),
+                   help=f"{decl.help} {decl.env_note()}".replace("%", "%%"))
+
+
+def _entries(text: str) -> tuple[str, ...]:
+    try:
+        return parse_entries(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
