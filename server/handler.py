@@ -85,15 +85,13 @@ class RequestHandler:
             if isinstance(request, Unparsable):
                 raise InvalidArgument(f"request is not a valid {request.message}: {request.error}")
             response = call()
-        except TetherError as exc:
+        except TetherError as exc:  # raised on purpose: a bad request, an unknown table, a push too stale
             code, message = status_of(exc), str(exc)
             self._count_rejected(rpc, code)
-        except ValueError as exc:  # a config dataclass refused a declared spec
-            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-            self._count_rejected(rpc, code)
-        except Exception:
+        except Exception:  # a bug (a ValueError included): not the client's fault
             code, message = grpc.StatusCode.INTERNAL, f"internal error in {rpc}; see the shard's log"
-            log.exception("%s failed", rpc)
+            log.exception("%s failed with an unexpected error", rpc)
+            self.metrics.internal_error(rpc)
         finally:
             self.metrics.request(rpc, code.name, time.perf_counter() - start, request.ByteSize() + extra_bytes)
         return response, code, message
@@ -123,10 +121,14 @@ class RequestHandler:
             self.metrics.reject(reject_reason(code))
 
     def _declare(self, request: pb.DeclareRequest) -> pb.DeclareResponse:
-        tables = [TableConfig.from_proto(t) for t in request.tables]
+        try:  # the specs' own checks: a spec out of range is the request's fault
+            tables = [TableConfig.from_proto(t) for t in request.tables]
+            optimizers = [OptimizerConfig.from_proto(d.optimizer) for d in request.dense]
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
         dense = [
-            DenseDecl(name=d.name, index=d.index, init=decode_tensor(d.init), optimizer=OptimizerConfig.from_proto(d.optimizer))
-            for d in request.dense
+            DenseDecl(name=d.name, index=d.index, init=decode_tensor(d.init), optimizer=optimizer)
+            for d, optimizer in zip(request.dense, optimizers)
         ]
         self.shard.declare(tables, dense)
         self._watch_new_tables()

@@ -49,6 +49,9 @@ class ShardRecorder(Protocol):
     def refused(self, rpc: str, code: str) -> None:
         """One call refused before it was handled (a missing or wrong token)."""
 
+    def internal_error(self, rpc: str) -> None:
+        """One call that failed with an unexpected error (a bug: answered INTERNAL, logged)."""
+
     def sent(self, rpc: str, nbytes: int) -> None:
         """Response bytes sent for one call."""
 
@@ -97,6 +100,9 @@ class NullShardMetrics:
         pass
 
     def refused(self, rpc: str, code: str) -> None:
+        pass
+
+    def internal_error(self, rpc: str) -> None:
         pass
 
     def sent(self, rpc: str, nbytes: int) -> None:
@@ -162,6 +168,10 @@ class ShardMetrics:
             ["rpc"], registry=r)
         self.sent_bytes = Counter(
             "tether_shard_sent_bytes_total", "Serialized response bytes sent, by method.",
+            ["rpc"], registry=r)
+        self.internal_errors = Counter(
+            "tether_shard_internal_errors_total",
+            "Calls that failed with an unexpected error (a bug, answered INTERNAL and logged with its traceback), by method.",
             ["rpc"], registry=r)
 
         self.rows_pulled = Counter(
@@ -279,6 +289,9 @@ class ShardMetrics:
 
     def refused(self, rpc: str, code: str) -> None:
         self.series(self.requests, rpc, code).inc()
+
+    def internal_error(self, rpc: str) -> None:
+        self.series(self.internal_errors, rpc).inc()
 
     def sent(self, rpc: str, nbytes: int) -> None:
         self.series(self.sent_bytes, rpc).inc(nbytes)

@@ -22,6 +22,7 @@ SHARD_SPEC: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "request_seconds": ("tether_shard_request_duration_seconds", "histogram", ("rpc",)),
     "received_bytes": ("tether_shard_received_bytes_total", "counter", ("rpc",)),
     "sent_bytes": ("tether_shard_sent_bytes_total", "counter", ("rpc",)),
+    "internal_errors": ("tether_shard_internal_errors_total", "counter", ("rpc",)),
     "rows_pulled": ("tether_shard_rows_pulled_total", "counter", ("table",)),
     "rows_pushed": ("tether_shard_rows_pushed_total", "counter", ("table",)),
     "table_rows": ("tether_shard_table_rows", "gauge", ("table",)),
