@@ -22,6 +22,8 @@ from tether.common.settings import default_of, derived, optional_int, optional_s
 from tether.protos.optimizers import OptimizerConfig
 from tether.common.security import TOKEN_ENV, ClientSecurity, resolve_token
 from tether.protos.specs import OPTIMIZERS, TableConfig
+from tether.worker.row_cache import POLICIES as CACHE_POLICIES
+from tether.worker.row_cache import RowCacheConfig
 from tether.worker.stragglers import StragglerSpec, parse_straggler
 from tether.worker.table_rules import TableRules, parse_entries
 
@@ -139,6 +141,8 @@ class ClientConfig:
     # it raises Unavailable. Each attempt gets min(timeout_s, what is left). Checkpoint calls
     # and SSP waits have their own limits (see ``checkpoint`` and ``clock``).
     call_deadline_s: float = 60.0
+    # The worker's row cache (tether.worker.row_cache): off by default.
+    cache: RowCacheConfig = field(default_factory=RowCacheConfig)
 
     @classmethod
     def for_training(cls, config: TrainingConfig) -> ClientConfig:
@@ -156,6 +160,8 @@ class ClientConfig:
             staleness_aware=config.staleness_aware and config.consistency[0] != "sync",
             delay_compensation=config.delay_compensation,
             security=config.security,
+            # Sync is exact: its ranks read every row fresh each step, so it never caches.
+            cache=config.row_cache if config.consistency[0] != "sync" else RowCacheConfig(),
         )
 
     def __post_init__(self) -> None:
@@ -300,6 +306,18 @@ class TrainingConfig:
                                       "per logged step to DIR/worker-<index>; "
                                       "needs the tensorboard package: pip install 'tether[tensorboard]'")
 
+    # The row cache (docs/choosing-a-consistency-mode.md, "Worker row cache"); off in sync.
+    cache_rows: int = setting(0, flag="--cache-rows", group=JOB,
+                              help="cache up to N embedding rows per table on the worker (0: no cache; not in sync)")
+    cache_bound: int = setting(0, flag="--cache-bound", group=JOB,
+                               help="read bound: a cached row read at most N of this worker's clocks ago is used without a pull "
+                               "(0: every row pulled every step, exactly as without a cache)")
+    cache_write_bound: int | None = setting(None, flag="--cache-write-bound", parse=optional_int, group=JOB,
+                                            help="write bound: a cached row's gradients are summed and pushed once the oldest is N "
+                                            "clocks old, or the row is evicted (default: --cache-bound)")
+    cache_policy: str = setting("lru", flag="--cache-policy", choices=CACHE_POLICIES, group=JOB,
+                                help="which cached row goes when a table's cache is full: lru or lfu")
+
     @classmethod
     def from_env(cls: type[T], **overrides: object) -> T:
         """The config the ``TETHER_*`` environment describes (what ``tether launch`` and the
@@ -325,6 +343,11 @@ class TrainingConfig:
     def security(self) -> ClientSecurity:
         """How this worker's client authenticates to the shards."""
         return ClientSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key, token=self.auth_token)
+
+    @property
+    def row_cache(self) -> RowCacheConfig:
+        """The row cache the cache_* fields describe."""
+        return RowCacheConfig(rows=self.cache_rows, bound=self.cache_bound, write_bound=self.cache_write_bound, policy=self.cache_policy)
 
     @property
     def worker_name(self) -> str:
@@ -401,6 +424,7 @@ class TrainingConfig:
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype must be {_names(WIRE_DTYPES)}, got {self.wire_dtype!r}")
         self.security  # noqa: B018 - validates the TLS and token fields together
+        self.row_cache  # noqa: B018 - validates the cache_* fields together
         self.table_rules  # noqa: B018 - parses (and keeps) the per-table rules, reading the file
         if not 0 <= self.delay_compensation < math.inf:
             raise ValueError(f"delay_compensation must be a finite number >= 0, got {self.delay_compensation!r}")

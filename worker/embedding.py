@@ -17,6 +17,7 @@ runs on the calling thread as it always did.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,9 +31,14 @@ from torch import nn
 from tether.protos.codec import int64_ids, is_id_dtype
 from tether.protos.errors import InvalidArgument, UsageError
 from tether.worker.client import Handle, PSClient, PullResult, PushAck
+from tether.worker.metrics import NullWorkerMetrics
 from tether.worker.router import Router
+from tether.worker.row_cache import CachedClient, RowCacheConfig
+from tether.worker.traffic import TrafficMeter
 
 __all__ = ["PSModel", "Prefetch", "ShardedEmbeddingBag", "flat_grads", "split_flat", "unique_columns"]
+
+log = logging.getLogger(__name__)
 
 
 class ShardedEmbeddingBag(nn.Module):
@@ -228,6 +234,7 @@ class Prefetch:
     ids: dict[str, torch.Tensor]
     handle: Handle
     pushed: bool = False
+    fresh: bool = False  # read from the shards past the row cache (made with the model in eval mode)
     ack: PushAck | None = None
     columns: torch.Tensor | None = None
     inverse: torch.Tensor | None = None
@@ -367,6 +374,14 @@ class PSModel:
                 router.pin_memory = True
         for bag in self._all_bags():
             bag.set_fetcher(self._fetch)
+        # Training pulls and pushes go through the row cache (tether.worker.row_cache; with none,
+        # straight to the client), which counts rows and bytes moved per table.
+        metrics = getattr(client, "metrics", None)
+        dims = {t: bags[0].dim for t, bags in self.bags.items()}
+        wire = getattr(client.config, "wire_dtype", torch.float32)
+        self.meter = TrafficMeter(dims, wire.itemsize, metrics, reuse=metrics is not None and not isinstance(metrics, NullWorkerMetrics))
+        self.rows = CachedClient(client, getattr(client.config, "cache", None) or RowCacheConfig(), dims, self.meter)
+        self._eval_warned = False
         if hasattr(model, "fused_lookup"):
             setattr(model, "fused_lookup", self.lookup)  # noqa: B010 - an attribute torch's Module typing does not know
 
@@ -437,11 +452,17 @@ class PSModel:
         transfer thread then receives them and copies them to the device)."""
         unique, columns, inverse = self._unique(sparse)
         names = [self.FLAT] if with_dense and self.dense_on_shards and self.dense else []
+        # A model in eval mode (Trainer.evaluate) reads the shards' rows as they are now: the
+        # cache's held gradients are pushed first, and the cache neither answers nor counts it.
+        fresh = not self.model.training
+        if fresh:
+            self.flush()
+        client: Any = self.client if fresh else self.rows
         if not self._cuda:
-            return Prefetch(unique, self.client.pull(unique, names), columns=columns, inverse=inverse)
-        prefetch = Prefetch(unique, Handle([], _first), columns=columns, inverse=inverse)
+            return Prefetch(unique, client.pull(unique, names), columns=columns, inverse=inverse, fresh=fresh)
+        prefetch = Prefetch(unique, Handle([], _first), columns=columns, inverse=inverse, fresh=fresh)
         # Sent from the transfer thread too, so it leaves after the pushes handed to it before.
-        prefetch.staged = self._transfers().submit(lambda: self._stage(prefetch, self.client.pull(unique, names)))
+        prefetch.staged = self._transfers().submit(lambda: self._stage(prefetch, client.pull(unique, names)))
         prefetch.handle = Handle([prefetch.staged], _pulled)
         return prefetch
 
@@ -487,6 +508,10 @@ class PSModel:
         forward may look up only the rows pulled here (those get their gradients pushed).
         """
         self._collected = self._copying = None
+        if train and prefetch.fresh and self.rows.cache is not None and not self._eval_warned:
+            self._eval_warned = True
+            log.warning("a training step's rows were pulled with the model in eval mode: the row cache is not used for them "
+                        "(call model.train() before training)")
         if self._cuda:
             return self._install_staged(prefetch, train, timeout)
         pulled = prefetch.handle.result(timeout)
@@ -564,6 +589,18 @@ class PSModel:
             # Whatever it still has (nothing, after fit) ends on its own; a later pull starts another.
             self._executor.shutdown(wait=False)
             self._executor = None
+        # The gradients the cache still holds reach the shards (clock 0: the worker may have left).
+        try:
+            self.flush(clock=0)
+        except Exception as exc:  # noqa: BLE001 - said, with what was lost, not raised over the error that ended training
+            log.warning("the row cache could not push the gradients it held at the end of training: %s", exc)
+
+    def flush(self, clock: int | None = None) -> None:
+        """Push the gradients the row cache holds and wait for them (evaluation, the end of
+        training); nothing without a cache or held gradients."""
+        handle = self.rows.flush(clock)
+        if handle is not None:
+            handle.result(self.client.config.call_deadline_s + self.client.config.timeout_s)
 
     def lookup(self, sparse: torch.Tensor) -> torch.Tensor | None:
         """Rows [B, T, dim] of every table for ids [B, T] (column t: table t of the bound
@@ -711,10 +748,10 @@ class PSModel:
         dense = dense if self.dense_on_shards else {}
         if self._cuda:
             handle: Handle = Handle(
-                [_Chained(self._transfers().submit(self.client.push, sparse, dense, clock=clock, versions=versions))], _first
+                [_Chained(self._transfers().submit(self.rows.push, sparse, dense, clock=clock, versions=versions))], _first
             )
         else:
-            handle = self.client.push(sparse, dense, clock=clock, versions=versions)
+            handle = self.rows.push(sparse, dense, clock=clock, versions=versions)
         self._clear()
         return handle
 
@@ -737,7 +774,7 @@ class PSModel:
         names = [self.FLAT] if self.dense_on_shards and self.dense else []
         if not self._cuda:
             unique, columns, inverse = self._unique(sparse)
-            handle = self.client.push_pull(grads, dense, unique, names, clock=clock, versions=versions)
+            handle = self.rows.push_pull(grads, dense, unique, names, clock=clock, versions=versions)
             self._clear()
             return Prefetch(unique, handle, pushed=True, columns=columns, inverse=inverse)
         joined = self._joined(sparse)  # a bad batch fails here, as on the CPU
@@ -745,7 +782,7 @@ class PSModel:
 
         def send() -> _Staged:
             prefetch.ids, prefetch.columns, prefetch.inverse = self._unique_of(joined)
-            started = self.client.push_pull(grads, dense, prefetch.ids, names, clock=clock, versions=versions)
+            started = self.rows.push_pull(grads, dense, prefetch.ids, names, clock=clock, versions=versions)
             return self._stage(prefetch, started)
 
         prefetch.staged = self._transfers().submit(send)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -307,7 +307,9 @@ class LocalClient(PSClient):
             )
         if config.num_workers != 1:
             raise UsageError(f"local mode (TETHER_LOCAL, --local) trains one worker in this process, got num_workers={config.num_workers}")
-        return cls(config.worker_name, metrics, timeout_s=config.timeout_s, call_deadline_s=config.call_deadline_s)
+        client = cls(config.worker_name, metrics, timeout_s=config.timeout_s, call_deadline_s=config.call_deadline_s)
+        client.config = replace(client.config, cache=config.row_cache)  # the row cache (PSModel) works in process too
+        return client
 
     @property
     def config(self) -> ClientConfig:

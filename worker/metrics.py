@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -38,6 +39,17 @@ class WorkerRecorder(Protocol):
     def record_step(self, phases: dict[str, float], seconds: float, samples: int, loss: float, clock: int) -> None:
         """One finished training step: its phases, duration, samples, loss and clock."""
 
+    def rows_moved(self, table: str, direction: str, rows: int, nbytes: int) -> None:
+        """``rows`` rows (``nbytes`` of ids and values) of ``table`` pulled or pushed (``direction``)."""
+
+    def rows_wanted(self, table: str, rows: int, recent: Mapping[int, int]) -> None:
+        """A training step looked up ``rows`` rows of ``table``; ``recent[S]`` of them were
+        wanted in one of the last S steps too."""
+
+    def cache_state(self, table: str, counts: Mapping[str, int], rows: int, nbytes: int, pending: int) -> None:
+        """The row cache's growth since the last call (``counts``: hits, refreshed, evicted,
+        invalidated), and the rows, bytes and held gradients (all tables) it holds now."""
+
 
 class NullWorkerMetrics:
     """A ``WorkerRecorder`` that records nothing (a worker without a metrics port)."""
@@ -52,6 +64,15 @@ class NullWorkerMetrics:
         pass
 
     def record_step(self, phases: dict[str, float], seconds: float, samples: int, loss: float, clock: int) -> None:
+        pass
+
+    def rows_moved(self, table: str, direction: str, rows: int, nbytes: int) -> None:
+        pass
+
+    def rows_wanted(self, table: str, rows: int, recent: Mapping[int, int]) -> None:
+        pass
+
+    def cache_state(self, table: str, counts: Mapping[str, int], rows: int, nbytes: int, pending: int) -> None:
         pass
 
 
@@ -92,6 +113,31 @@ class WorkerMetrics:
         self.last_step_timestamp = Gauge(
             "tether_worker_last_step_timestamp_seconds", "Unix time the last step finished.", registry=r)
 
+        # What the steps move (tether.worker.traffic): per table (a model's tables: few labels).
+        self.rows_moved_total = Counter(
+            "tether_worker_rows_moved_total", "Embedding rows pulled from or pushed to the shards, by table and direction.",
+            ["table", "direction"], registry=r)
+        self.bytes_moved_total = Counter(
+            "tether_worker_row_bytes_moved_total",
+            "Bytes of those rows (int64 id + dim values of the wire dtype each), by table and direction.",
+            ["table", "direction"], registry=r)
+        self.rows_wanted_total = Counter(
+            "tether_worker_rows_wanted_total", "Unique rows training steps looked up (pulled or answered by the cache), by table.",
+            ["table"], registry=r)
+        self.rows_recent_total = Counter(
+            "tether_worker_rows_recent_total",
+            "Of those, rows already wanted within the last `within` steps (1, 5, 20, 100): what a cache could answer.",
+            ["table", "within"], registry=r)
+        self.cache_rows_total = Counter(
+            "tether_worker_cache_rows_total",
+            "Row cache outcomes by table: hits (answered by the cache), refreshed (cached but past the bound: pulled), "
+            "evicted, invalidated (a shard's table version went back).", ["table", "outcome"], registry=r)
+        self.cache_held_rows = Gauge("tether_worker_cache_held_rows", "Rows the cache holds, by table.", ["table"], registry=r)
+        self.cache_bytes = Gauge("tether_worker_cache_bytes", "Bytes the cache holds (rows, pending gradients, bookkeeping), by table.",
+                                 ["table"], registry=r)
+        self.cache_pending_rows = Gauge(
+            "tether_worker_cache_pending_rows", "Rows whose gradients the cache holds, not yet pushed (write bound).", registry=r)
+
         # One series per phase, exported at 0 from the start and looked up once.
         self._phases = {phase: self.phase_seconds.labels(phase=phase) for phase in PHASES}
         # Memory (RSS), CPU and fds of the process (once per registry: a shard may share it).
@@ -127,3 +173,21 @@ class WorkerMetrics:
         series.observe(seconds)
         if phase == "staleness_wait":
             self.staleness_wait_seconds.inc(seconds)
+
+    def rows_moved(self, table: str, direction: str, rows: int, nbytes: int) -> None:
+        if direction not in ("pull", "push"):
+            raise ValueError(f"direction must be pull or push, got {direction!r}")
+        self.rows_moved_total.labels(table=table, direction=direction).inc(rows)
+        self.bytes_moved_total.labels(table=table, direction=direction).inc(nbytes)
+
+    def rows_wanted(self, table: str, rows: int, recent: Mapping[int, int]) -> None:
+        self.rows_wanted_total.labels(table=table).inc(rows)
+        for within, n in recent.items():
+            self.rows_recent_total.labels(table=table, within=str(within)).inc(n)
+
+    def cache_state(self, table: str, counts: Mapping[str, int], rows: int, nbytes: int, pending: int) -> None:
+        for outcome, n in counts.items():
+            self.cache_rows_total.labels(table=table, outcome=outcome).inc(n)
+        self.cache_held_rows.labels(table=table).set(rows)
+        self.cache_bytes.labels(table=table).set(nbytes)
+        self.cache_pending_rows.set(pending)

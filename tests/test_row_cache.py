@@ -1,0 +1,182 @@
+"""The worker's row cache (tether.worker.row_cache): bound 0 is exactly no cache; a combined push
+is one update on the sum of the held gradients (checked against the update rule applied once);
+read and write bounds, LRU and LFU eviction, a shard's table going back, and the flags."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tether.protos.optimizers import OptimizerConfig
+from tether.protos.specs import TableConfig
+from tether.worker.config import ClientConfig, TrainingConfig
+from tether.worker.embedding import ShardedEmbeddingBag
+from tether.worker.local import LocalClient
+from tether.worker.results import PullResult
+from tether.worker.row_cache import CachedClient, RowCache, RowCacheConfig
+from tether.worker.traffic import TrafficMeter
+from tether.worker.training import Trainer
+
+USERS, ITEMS = 40, 300
+
+
+class TwoTower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.user = ShardedEmbeddingBag("users", 8)
+        self.item = ShardedEmbeddingBag("items", 8)
+        self.bias = nn.Linear(1, 1)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        dot = (self.user(batch["user"]) * self.item(batch["item"])).sum(1, keepdim=True)
+        return self.bias(dot).squeeze(1)
+
+
+def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(model(batch), batch["rating"])
+
+
+def _batches(n: int, size: int = 32) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    # Skewed item ids (many repeats from step to step), a few users.
+    weights = 1.0 / torch.arange(1, ITEMS + 1, dtype=torch.float64) ** 1.1
+    return [{"user": torch.randint(0, USERS, (size,), generator=g) * 31 + 7,
+             "item": torch.multinomial(weights, size, replacement=True, generator=g) + 2**40,
+             "rating": torch.rand(size, generator=g) * 4 + 1} for _ in range(n)]
+
+
+def _train(optimizer: str, batches: list[dict[str, torch.Tensor]], **cache: object) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    config = TrainingConfig(local=True, optimizer=optimizer, lr=0.05, log_every=1000, **cache)  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    model = TwoTower()
+    ids = {"users": torch.unique(torch.cat([b["user"] for b in batches])),
+           "items": torch.unique(torch.cat([b["item"] for b in batches]))}
+    with Trainer(model, config, loss=_loss, sparse=lambda b: {"users": b["user"], "items": b["item"]},
+                 batch_size=lambda b: len(b["rating"]), printer=lambda line: None) as trainer:
+        record = trainer.fit(batches, background=False)
+        final = trainer.client.pull(ids, ["dense"]).result(30)
+        traffic = trainer.ps.meter.totals()
+    return {**final.rows, "dense": final.dense["dense"]}, record, traffic
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_bound_zero_is_exactly_no_cache(optimizer: str) -> None:
+    batches = _batches(30)
+    plain, _, moved = _train(optimizer, batches)
+    cached, _, moved_cached = _train(optimizer, batches, cache_rows=1000, cache_bound=0)
+    for name in plain:
+        assert torch.equal(plain[name], cached[name]), name
+    assert moved == moved_cached  # every row pulled and pushed, as without a cache
+
+
+def test_a_bound_moves_fewer_rows_and_still_trains() -> None:
+    batches = _batches(40)
+    _, plain, moved = _train("adagrad", batches)
+    _, cached, moved_cached = _train("adagrad", batches, cache_rows=1000, cache_bound=4)
+    for t in ("users", "items"):
+        assert moved_cached[t]["wanted_rows"] == moved[t]["wanted_rows"]
+        assert moved_cached[t]["pulled_rows"] < 0.6 * moved[t]["pulled_rows"]
+        assert moved_cached[t]["pushed_rows"] < 0.6 * moved[t]["pushed_rows"]
+    # Trained alike: the last window's loss within 15% of no cache's.
+    assert abs(cached["history"][-1]["train_loss"] / plain["history"][-1]["train_loss"] - 1) < 0.15
+
+
+def _client(rows: int, bound: int, write_bound: int | None = None, policy: str = "lru", optimizer: str = "adagrad",
+            ) -> tuple[CachedClient, LocalClient]:
+    local = LocalClient()
+    local.declare([TableConfig(name="t", dim=4, optimizer=OptimizerConfig(name=optimizer, lr=0.1), seed=3)])
+    meter = TrafficMeter({"t": 4}, 4)
+    return CachedClient(local, RowCacheConfig(rows, bound, write_bound, policy), {"t": 4}, meter), local
+
+
+def _ids(*values: int) -> torch.Tensor:
+    return torch.tensor(sorted(values), dtype=torch.int64)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_combined_push_is_one_update_on_the_summed_gradients(optimizer: str) -> None:
+    cached, local = _client(rows=10, bound=3, optimizer=optimizer)
+    ids = _ids(5, 9)
+    start = local.pull({"t": ids}).result().rows["t"].clone()
+    g = [torch.randn(2, 4, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    pulled = cached.pull({"t": ids}).result()
+    for clock, grad in enumerate(g, start=1):
+        cached.push({"t": (ids, grad)}, clock=clock, versions=pulled).result()
+        # Held: the write bound is 3 clocks, and the shard still has the starting rows.
+        assert torch.equal(local.pull({"t": ids}).result().rows["t"], start)
+    assert cached.cache is not None and cached.cache.pending_rows() == 2
+    cached.push({}, clock=4, versions=pulled).result()  # the oldest gradient (clock 1) is now 3 clocks old
+    assert cached.cache.pending_rows() == 0
+    # Reference: the same table, given the sum of the three gradients as one push.
+    _, reference = _client(rows=0, bound=0, optimizer=optimizer)
+    reference.push({"t": (ids, g[0] + g[1] + g[2])}).result()
+    expected = reference.pull({"t": ids}).result().rows["t"]
+    assert torch.equal(local.pull({"t": ids}).result().rows["t"], expected)
+    # ... which is not three separate steps, except for SGD.
+    _, separate = _client(rows=0, bound=0, optimizer=optimizer)
+    for grad in g:
+        separate.push({"t": (ids, grad)}).result()
+    assert torch.allclose(separate.pull({"t": ids}).result().rows["t"], expected, atol=1e-6) == (optimizer == "sgd")
+
+
+def test_read_bound_serves_cached_rows_then_refreshes() -> None:
+    cached, local = _client(rows=10, bound=2)
+    ids = _ids(1, 2, 3)
+    first = cached.pull({"t": ids}).result().rows["t"]
+    assert cached.meter.pulled_rows["t"] == 3
+    # Another writer changes the shard's rows; the cache keeps answering within the bound.
+    local.push({"t": (ids, torch.ones(3, 4))}).result()
+    changed = local.pull({"t": ids}).result().rows["t"]
+    for clock in (1, 2):
+        cached.push({}, clock=clock).result()
+        assert torch.equal(cached.pull({"t": ids}).result().rows["t"], first)
+    assert cached.meter.pulled_rows["t"] == 3
+    cached.push({}, clock=3).result()  # read at clock 0: 3 clocks old, past the bound
+    assert torch.equal(cached.pull({"t": ids}).result().rows["t"], changed)
+    assert cached.meter.pulled_rows["t"] == 6 and cached.cache is not None and cached.cache.refreshed["t"] == 3
+
+
+def test_lru_and_lfu_evict_different_rows_and_evicted_gradients_are_pushed() -> None:
+    for policy, kept in (("lru", {3, 4}), ("lfu", {1, 4})):
+        cached, local = _client(rows=2, bound=10, write_bound=10, policy=policy)
+        before = local.pull({"t": _ids(1)}).result().rows["t"].clone()
+        p = cached.pull({"t": _ids(1)}).result()
+        cached.push({"t": (_ids(1), torch.ones(1, 4))}, clock=1, versions=p).result()
+        cached.pull({"t": _ids(1)}).result()  # id 1 used twice
+        cached.push({}, clock=2).result()
+        cached.pull({"t": _ids(3)}).result()  # id 3 once, more recently
+        cached.push({}, clock=3).result()
+        cached.pull({"t": _ids(4)}).result()  # full: lru drops 1, lfu drops 3
+        assert cached.cache is not None
+        assert set(cached.cache.tables["t"].slot) == kept, policy
+        cached.push({}, clock=4).result()
+        after = local.pull({"t": _ids(1)}).result().rows["t"]
+        assert torch.equal(after, before) == (policy == "lfu")  # lru evicted 1: its held gradient went out
+
+
+def test_a_table_version_going_back_refreshes_that_shards_rows() -> None:
+    cache = RowCache(RowCacheConfig(rows=10, bound=5), {"t": 2}, num_shards=1)
+    ids = _ids(1, 2)
+    plan = cache.plan({"t": ids}, now=0)
+    cache.merge(plan, PullResult({"t": torch.zeros(2, 2)}, {}, {(0, "t"): 7}, {}))
+    assert cache.plan({"t": ids}, now=1).miss["t"].numel() == 0
+    # A pull of another id reports version 3 < 7: the shard came back from an older checkpoint.
+    plan = cache.plan({"t": _ids(9)}, now=1)
+    cache.merge(plan, PullResult({"t": torch.ones(1, 2)}, {}, {(0, "t"): 3}, {}))
+    assert torch.equal(cache.plan({"t": ids}, now=1).miss["t"], ids)
+    assert cache.invalidated["t"] == 2
+
+
+def test_flags_and_bad_values() -> None:
+    config = TrainingConfig(local=True, cache_rows=100, cache_bound=3, cache_policy="lfu")
+    assert config.row_cache == RowCacheConfig(100, 3, None, "lfu")
+    assert ClientConfig.for_training(TrainingConfig(shards=("h:1",), mode="sync", cache_rows=5, cache_bound=2)).cache.rows == 0
+    with pytest.raises(ValueError, match="--cache-rows"):
+        TrainingConfig(local=True, cache_rows=-1)
+    with pytest.raises(ValueError, match="--cache-policy"):
+        TrainingConfig(local=True, cache_policy="fifo")
+    with pytest.raises(ValueError, match="--cache-write-bound"):
+        TrainingConfig(local=True, cache_write_bound=-2)
+    assert np.isfinite(RowCache(config.row_cache, {"t": 4}, 2).memory_bytes()["t"])

@@ -1,0 +1,80 @@
+"""What a worker moves (tether.worker.traffic): the reuse measure, and the Prometheus counters a
+training run leaves (rows and bytes pulled and pushed per table, rows wanted, recent rows, the
+cache's outcomes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from tether.worker.metrics import WorkerMetrics
+from tether.worker.traffic import ReuseTracker, TrafficMeter
+from tether.worker.training import Trainer, TrainingConfig
+
+from test_row_cache import TwoTower, _batches, _loss
+
+
+def _ids(*v: int) -> torch.Tensor:
+    return torch.tensor(sorted(v), dtype=torch.int64)
+
+
+def test_reuse_counts_ids_seen_within_each_window() -> None:
+    tracker = ReuseTracker(windows=(1, 2, 3))
+    assert tracker.observe({"t": _ids(1, 2, 3)}) == {"t": {1: 0, 2: 0, 3: 0}}
+    assert tracker.observe({"t": _ids(2, 3, 4)}) == {"t": {1: 2, 2: 2, 3: 2}}
+    assert tracker.observe({"t": _ids(9)}) == {"t": {1: 0, 2: 0, 3: 0}}
+    # 1 was last seen 3 steps ago, 4 two steps ago, 9 one step ago.
+    assert tracker.observe({"t": _ids(1, 4, 9, 10)}) == {"t": {1: 1, 2: 2, 3: 3}}
+    for _ in range(3):
+        tracker.observe({"t": _ids(20)})
+    # Forgotten past the largest window (kept: only what a window can still count).
+    assert tracker.observe({"t": _ids(1, 4, 9, 20)}) == {"t": {1: 1, 2: 1, 3: 1}}
+    with pytest.raises(ValueError, match="windows"):
+        ReuseTracker(windows=(0, 5))
+
+
+def test_meter_bytes_are_ids_and_wire_values() -> None:
+    meter = TrafficMeter({"a": 16, "b": 4}, wire_itemsize=2, reuse=False)
+    meter.wanted({"a": _ids(1, 2, 3)})
+    meter.pulled({"a": _ids(1, 2, 3)})
+    meter.pushed({"a": (_ids(1, 2), torch.zeros(2, 16)), "b": (_ids(7), torch.zeros(1, 4))})
+    totals = meter.totals()
+    assert totals["a"]["pulled_bytes"] == 3 * (8 + 16 * 2) and totals["a"]["pushed_bytes"] == 2 * (8 + 16 * 2)
+    assert totals["b"]["pushed_rows"] == 1 and totals["b"]["pulled_rows"] == 0 and totals["a"]["wanted_rows"] == 3
+
+
+def _sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+@pytest.mark.parametrize("cache", [{}, {"cache_rows": 500, "cache_bound": 3}])
+def test_a_run_exports_its_traffic(cache: dict) -> None:
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry)
+    config = TrainingConfig(local=True, optimizer="adagrad", lr=0.05, log_every=1000, **cache)
+    torch.manual_seed(0)
+    batches = _batches(25)
+    with Trainer(TwoTower(), config, loss=_loss, sparse=lambda b: {"users": b["user"], "items": b["item"]},
+                 batch_size=lambda b: len(b["rating"]), metrics=metrics, printer=lambda line: None) as trainer:
+        trainer.fit(batches, background=False)
+        totals = trainer.ps.meter.totals()
+    for table in ("users", "items"):
+        t = totals[table]
+        pulled = _sample(registry, "tether_worker_rows_moved_total", table=table, direction="pull")
+        pushed = _sample(registry, "tether_worker_rows_moved_total", table=table, direction="push")
+        assert pulled == t["pulled_rows"] > 0 and pushed == t["pushed_rows"] > 0
+        assert _sample(registry, "tether_worker_row_bytes_moved_total", table=table, direction="pull") == pulled * (8 + 8 * 4)
+        wanted = _sample(registry, "tether_worker_rows_wanted_total", table=table)
+        assert wanted == t["wanted_rows"] == sum(len(torch.unique(b["user" if table == "users" else "item"])) for b in batches)
+        recent = [_sample(registry, "tether_worker_rows_recent_total", table=table, within=w) for w in ("1", "5", "20", "100")]
+        assert 0 < recent[0] <= recent[1] <= recent[2] <= recent[3] <= wanted
+        hits = _sample(registry, "tether_worker_cache_rows_total", table=table, outcome="hits")
+        if cache:
+            assert hits > 0 and pulled < wanted
+            assert _sample(registry, "tether_worker_cache_held_rows", table=table) > 0
+            assert _sample(registry, "tether_worker_cache_bytes", table=table) > 0
+        else:
+            assert hits == 0 and pulled == wanted == pushed
+    assert _sample(registry, "tether_worker_cache_pending_rows") >= 0

@@ -1,0 +1,134 @@
+"""What a worker moves: rows and bytes pulled and pushed per table, and how many of a step's
+rows it already wanted within the last S steps (the ceiling of what a row cache can save).
+
+``TrafficMeter`` keeps the totals in process (``totals()``, what ``bench/traffic.py`` prints)
+and hands each count to the worker's recorder (Prometheus: ``tether_worker_rows_pulled_total``
+and the others, docs/metrics.md). Bytes are the payload a row costs on the wire: its int64 id
+and ``dim`` values of the wire dtype (the same for a pull's answer and a push's gradient);
+framing is left out. These figures depend on the data and the model, not on the machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["REUSE_WINDOWS", "ReuseTracker", "TrafficMeter", "TrafficRecorder"]
+
+# Steps back that the reuse measure looks (``tether_worker_rows_recent_total{within}``).
+REUSE_WINDOWS: tuple[int, ...] = (1, 5, 20, 100)
+ID_BYTES = 8
+
+
+class TrafficRecorder(Protocol):
+    """Where a ``TrafficMeter`` reports (``WorkerMetrics``; ``NullWorkerMetrics`` drops it)."""
+
+    def rows_moved(self, table: str, direction: str, rows: int, nbytes: int) -> None: ...
+
+    def rows_wanted(self, table: str, rows: int, recent: Mapping[int, int]) -> None: ...
+
+    def cache_state(self, table: str, counts: Mapping[str, int], rows: int, nbytes: int, pending: int) -> None: ...
+
+
+class ReuseTracker:
+    """For each step's sorted unique ids per table, how many were already wanted in one of the
+    last S steps, for each S of ``windows``. Remembers only ids seen within the largest window."""
+
+    def __init__(self, windows: Sequence[int] = REUSE_WINDOWS) -> None:
+        if not windows or any(w < 1 for w in windows):
+            raise ValueError(f"windows must be ints >= 1, got {list(windows)!r}")
+        self.windows = tuple(sorted(windows))
+        self.step = 0
+        self._last: dict[str, dict[int, int]] = {}
+
+    def observe(self, sparse: Mapping[str, torch.Tensor]) -> dict[str, dict[int, int]]:
+        """Count one step's ids (table -> unique ids); returns table -> {S: rows seen within S}."""
+        self.step += 1
+        now = self.step
+        out: dict[str, dict[int, int]] = {}
+        for t, ids in sparse.items():
+            last = self._last.setdefault(t, {})
+            get = last.get
+            ages = [now - get(i, -10**9) for i in ids.tolist()]
+            counts = torch.bincount(torch.tensor([a for a in ages if a <= self.windows[-1]], dtype=torch.int64),
+                                    minlength=self.windows[-1] + 1).cumsum(0)
+            out[t] = {w: int(counts[w]) for w in self.windows}
+            last.update(dict.fromkeys(ids.tolist(), now))
+        if now % self.windows[-1] == 0:
+            horizon = now - self.windows[-1]
+            for t, last in self._last.items():
+                self._last[t] = {i: s for i, s in last.items() if s >= horizon}
+        return out
+
+
+class TrafficMeter:
+    """Counts what a worker's steps want, pull and push per table (see the module docstring)."""
+
+    def __init__(self, dims: Mapping[str, int], wire_itemsize: int, recorder: Any = None, reuse: bool = True) -> None:
+        self.dims = dict(dims)
+        self.itemsize = wire_itemsize
+        self.recorder = recorder if recorder is not None and hasattr(recorder, "rows_moved") else None
+        self.reuse = ReuseTracker() if reuse else None
+        self.steps = 0
+        zero = dict.fromkeys(self.dims, 0)
+        self.wanted_rows, self.recent = dict(zero), {t: dict.fromkeys(REUSE_WINDOWS, 0) for t in self.dims}
+        self.pulled_rows, self.pushed_rows = dict(zero), dict(zero)
+        self._cache_seen: dict[str, dict[str, int]] = {}
+
+    def row_bytes(self, table: str) -> int:
+        return ID_BYTES + self.dims[table] * self.itemsize
+
+    def wanted(self, sparse: Mapping[str, torch.Tensor], clock: int = 0) -> None:
+        """One step's rows (table -> unique ids), whether pulled or answered by a cache."""
+        self.steps += 1
+        recent = self.reuse.observe(sparse) if self.reuse is not None else {}
+        for t, ids in sparse.items():
+            self.wanted_rows[t] += len(ids)
+            for w, n in recent.get(t, {}).items():
+                self.recent[t][w] += n
+            if self.recorder is not None:
+                self.recorder.rows_wanted(t, len(ids), recent.get(t, {}))
+
+    def pulled(self, sparse: Mapping[str, torch.Tensor]) -> None:
+        for t, ids in sparse.items():
+            self._moved(t, "pull", len(ids))
+
+    def pushed(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for t, (ids, _) in grads.items():
+            self._moved(t, "push", len(ids))
+
+    def _moved(self, table: str, direction: str, rows: int) -> None:
+        if not rows:
+            return
+        (self.pulled_rows if direction == "pull" else self.pushed_rows)[table] += rows
+        if self.recorder is not None:
+            self.recorder.rows_moved(table, direction, rows, rows * self.row_bytes(table))
+
+    def cache(self, cache: Any) -> None:
+        """Hand the cache's counters (their growth since the last call) and sizes to the recorder."""
+        if self.recorder is None:
+            return
+        memory = cache.memory_bytes()
+        pending = cache.pending_rows()
+        for t, tab in cache.tables.items():
+            now = {"hits": cache.hits[t], "refreshed": cache.refreshed[t], "evicted": cache.evictions[t],
+                   "invalidated": cache.invalidated[t]}
+            seen = self._cache_seen.get(t, dict.fromkeys(now, 0))
+            self._cache_seen[t] = now
+            self.recorder.cache_state(t, {k: v - seen[k] for k, v in now.items()}, tab.held, memory[t], pending)
+
+    def totals(self) -> dict[str, dict[str, Any]]:
+        """Per table: rows wanted, pulled and pushed, their bytes, and the reuse counts."""
+        return {
+            t: {
+                "wanted_rows": self.wanted_rows[t],
+                "pulled_rows": self.pulled_rows[t],
+                "pushed_rows": self.pushed_rows[t],
+                "pulled_bytes": self.pulled_rows[t] * self.row_bytes(t),
+                "pushed_bytes": self.pushed_rows[t] * self.row_bytes(t),
+                "recent": dict(self.recent[t]),
+            }
+            for t in self.dims
+        }
