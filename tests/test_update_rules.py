@@ -232,3 +232,125 @@ def test_ftrl_constants_travel_on_the_wire_with_zero_as_a_value() -> None:
         old.ClearField(f)
     back = OptimizerConfig.from_proto(old)
     assert (back.beta, back.l1, back.l2, back.lr_power) == (1.0, 0.0, 0.0, -0.5)
+
+
+# -- through real shards: declare, push, pull; checkpoint, restore onto another shard count, export --
+
+_LR = 0.125  # exact in float32, as the wire carries it
+_E2E = {
+    "rw": OptimizerConfig("rowwise_adagrad", lr=_LR),
+    "ft": OptimizerConfig("ftrl", lr=_LR, l1=0.015625, l2=0.5),
+}
+
+
+def _e2e_steps(seed: int, steps: int) -> list[tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        sparse = {}
+        for t in _E2E:
+            ids = torch.unique(torch.randint(0, 400, (120,), generator=gen)) * 7919
+            sparse[t] = (ids, torch.randn(len(ids), DIM, generator=gen) * 0.3)
+        out.append((sparse, {"w": torch.randn(10, generator=gen)}))
+    return out
+
+
+def _run(client, steps) -> None:
+    for sparse, dense in steps:
+        client.push(sparse, dense).result(30)
+
+
+def _read(client, ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    pulled = client.pull(ids, ["w"]).result(30)
+    return {**pulled.rows, **pulled.dense}
+
+
+def test_both_rules_through_shards_checkpoint_restore_onto_three_shards_and_export(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from conftest import make_client
+    from tether.deploy.export import export_checkpoint
+    from tether.server.config import ShardConfig
+    from tether.server.serve import start_shard
+
+    def start(n: int) -> list:
+        return [start_shard(ShardConfig(port=0, shard_index=i, num_shards=n, checkpoint_dir=str(tmp_path / "ck"))) for i in range(n)]
+
+    def declare(client) -> None:
+        tables = [TableConfig("rw", DIM, _E2E["rw"], init_scale=0.1), TableConfig("ft", DIM, _E2E["ft"], init_scale=0.0)]
+        client.declare(tables, {"w": torch.linspace(-1, 1, 10)}, OptimizerConfig("rowwise_adagrad", lr=_LR))
+
+    first, then = _e2e_steps(0, 3), _e2e_steps(1, 2)
+    ids = {t: torch.unique(torch.cat([s[0][t][0] for s in first + then])) for t in _E2E}
+    shards = start(2)
+    try:
+        client = make_client([f"127.0.0.1:{s.port}" for s in shards], "rules")
+        declare(client)
+        start_rows = _read(client, ids)
+        _run(client, first)
+        got = _read(client, ids)
+        # The references, from the rows the shards started with.
+        index = {t: {int(v): k for k, v in enumerate(ids[t])} for t in _E2E}
+        w_rw, acc = start_rows["rw"].double().numpy().copy(), np.zeros(len(ids["rw"]))
+        ftrl = FtrlReference(len(ids["ft"]), DIM, _E2E["ft"])
+        dense = torch.nn.Parameter(torch.linspace(-1, 1, 10))
+        adagrad = torch.optim.Adagrad([dense], lr=_LR, eps=1e-8)
+        for sparse, d in first:
+            rows = np.array([index["rw"][int(i)] for i in sparse["rw"][0]])
+            rowwise_reference(w_rw, acc, rows, sparse["rw"][1].double().numpy(), _E2E["rw"])
+            ftrl.push(np.array([index["ft"][int(i)] for i in sparse["ft"][0]]), sparse["ft"][1].double().numpy())
+            dense.grad = d["w"].clone()
+            adagrad.step()
+        assert np.abs(got["rw"].numpy() - w_rw).max() <= 1e-6
+        assert np.abs(got["ft"].numpy() - ftrl.weights()).max() <= 1e-6
+        # Dense values under rowwise_adagrad take Adagrad's steps (its dense form).
+        assert torch.allclose(got["w"], dense.detach(), atol=1e-6)
+        assert (got["ft"] == 0).any() and (got["ft"] != 0).any()
+        client.checkpoint("c1")
+        _run(client, then)
+        expected = _read(client, ids)
+        client.close()
+    finally:
+        for s in shards:
+            s.stop(0)
+
+    shards = start(3)  # restored onto another shard count: rows re-partitioned with their state
+    try:
+        client = make_client([f"127.0.0.1:{s.port}" for s in shards], "rules-2")
+        assert {i.restored_checkpoint for i in client.info()} == {"c1"}
+        declare(client)  # a no-op on restored tables
+        restored = _read(client, ids)
+        for name in got:
+            assert torch.equal(restored[name], got[name]), name
+        _run(client, then)  # the state came back: the same steps give the same parameters
+        after = _read(client, ids)
+        for name in expected:
+            assert torch.allclose(after[name], expected[name], atol=1e-6), name
+        client.close()
+    finally:
+        for s in shards:
+            s.stop(0)
+
+    # The export carries the parameters (FTRL's stored weights, L1's zeros included); optimizer
+    # state is left out of an export by its contract (deploy/export.py).
+    manifest = export_checkpoint(tmp_path / "ck", tmp_path / "out", "c1")
+    assert manifest["tables"]["ft"]["optimizer"] == "ftrl" and manifest["tables"]["rw"]["optimizer"] == "rowwise_adagrad"
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for t in _E2E:
+        assert torch.equal(exported[f"{t}.ids"], ids[t]) and torch.equal(exported[f"{t}.rows"], got[t]), t
+
+
+def test_a_checkpoints_optimizer_record_from_before_these_rules_restores() -> None:
+    """A checkpoint written before FTRL's constants existed records no beta, l1, l2 or lr_power:
+    its tables and dense chunks read back with the defaults (the rest of the format is unchanged,
+    and tests/test_checkpoint.py restores SGD, Adagrad and Adam checkpoints as before)."""
+    from dataclasses import asdict
+
+    from tether.server.checkpoint_files import _optimizer, _table_config
+
+    cfg = TableConfig("t", 4, OptimizerConfig("adagrad", lr=0.1, initial_accumulator=0.1))
+    old = asdict(cfg)
+    for key in ("beta", "l1", "l2", "lr_power"):
+        del old["optimizer"][key]
+    assert _table_config(old) == cfg
+    assert _optimizer(dict(old["optimizer"])) == cfg.optimizer
