@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -266,10 +266,13 @@ def _derive(cls: type, values: dict[str, Any], given: Mapping[str, Any], environ
             values[f.name] = f.metadata[_DERIVED](view, environ)
 
 
-def values_from_args(cls: type, namespace: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+def values_from_args(
+    cls: type, namespace: argparse.Namespace, environ: Mapping[str, str] | None = None, exclude: Collection[str] = ()
+) -> dict[str, Any]:
     """``cls``'s fields from flags ``add_flags`` made and argparse parsed: those the parser has
     (a field it lacks keeps its default; an ``unset`` flag left at None is left out for the
-    caller), the variable-only fields, and the derived ones.
+    caller), the variable-only fields, and the derived ones; fields named in ``exclude`` are
+    left out (those ``add_flags`` left out, when the parser has a flag of the same name of its own).
 
     Raises:
         ValueError: a variable-only field's variable does not parse, named.
@@ -277,6 +280,8 @@ def values_from_args(cls: type, namespace: argparse.Namespace, environ: Mapping[
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for f, decl in declared(cls):
+        if f.name in exclude:
+            continue
         if decl.flag is None:
             values.update(_from_variable(f.name, decl, environ))
             continue
@@ -330,14 +335,14 @@ def from_env(cls: type[C], overrides: Mapping[str, Any] | None = None, *, enviro
     return cls(**env_values(cls, overrides, environ=environ))
 
 
-def _texts(cfg: Any) -> Iterator[tuple[str, str, str | None]]:
-    """``(flag, variable, text)`` of each flagged field of ``cfg`` a child must be told: text
-    None for a switch that is on; a switch that is off and a None that is the default too are
-    left out (so what a child inherits can still set them, as ever). Derived fields (a token
-    read from a file) are never written: the child derives them again."""
+def _texts(cfg: Any, exclude: Collection[str] = ()) -> Iterator[tuple[str, str, str | None]]:
+    """``(flag, variable, text)`` of each flagged field of ``cfg`` a child must be told (but
+    those named in ``exclude``): text None for a switch that is on; a switch that is off and a
+    None that is the default too are left out (so what a child inherits can still set them, as
+    ever). Derived fields (a token read from a file) are never written: the child derives them again."""
     cls = type(cfg)
     for f, decl in declared(cls):
-        if decl.flag is None:
+        if decl.flag is None or f.name in exclude:
             continue
         value = getattr(cfg, f.name)
         if decl.switch:
@@ -347,10 +352,11 @@ def _texts(cfg: Any) -> Iterator[tuple[str, str, str | None]]:
             yield decl.flag, decl.env, decl.show(value)
 
 
-def to_argv(cfg: Any) -> list[str]:
-    """The flags that give a process parsing ``type(cfg)``'s flags this very config."""
+def to_argv(cfg: Any, exclude: Collection[str] = ()) -> list[str]:
+    """The flags that give a process parsing ``type(cfg)``'s flags this very config (but the
+    fields named in ``exclude``: those the caller gives each process itself)."""
     argv: list[str] = []
-    for flag, _, text in _texts(cfg):
+    for flag, _, text in _texts(cfg, exclude):
         argv += [flag] if text is None else [flag, text]
     return argv
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from tether.common.exits import DONE, USAGE, run_command, usage_checks
 from tether.deploy.errors import ClusterError
+from tether.deploy.shard_args import add_shard_flags, shard_argv
 from tether.protos.errors import TetherError, report_usage_error
 from tether.common.cli_args import DeprecatedAlias, HelpFormatter
 from tether.worker.flags import add_training_flags, config_from_args
@@ -25,7 +26,8 @@ __all__ = ["main"]
 def _launch(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(
         prog="tether launch",
-        description="Run shards and workers as local processes and report the result. " + _PER_INVOCATION,
+        description="Run shards and workers as local processes and report the result. " + _PER_INVOCATION
+        + " The shard flags (their own section) are given to every shard, as in 'tether server'.",
         formatter_class=HelpFormatter,
     )
     _add_counts(p, shards=2, workers=2, per="")
@@ -44,6 +46,7 @@ def _launch(argv: Sequence[str]) -> int:
     own.add_argument("--entry", default=None, metavar="MODULE:FUNCTION", help="like --script, for a function of an importable module")
     p.add_argument("--script-args", default="", help="arguments for --script or --entry, as one shell-quoted string")
     add_training_flags(p)
+    add_shard_flags(p)
     a = p.parse_args(argv)
 
     def body() -> int:
@@ -61,9 +64,10 @@ def _launch(argv: Sequence[str]) -> int:
                                  "naming it); use --mode async or ssp:S")
             args = shlex.split(a.script_args)
             program = Program.script(a.script, args) if a.script else Program.entry(a.entry, args) if a.entry else None
+            shard_args = shard_argv(a)
         # A UsageError from here on is a worker's own one line (a malformed data line found mid-run).
         summary = run_job(template, a.num_shards, out=a.out, timeout_s=a.job_timeout, metrics=a.metrics,
-                          checkpoint_every=a.checkpoint_every,
+                          checkpoint_every=a.checkpoint_every, shard_args=shard_args,
                           program=program, max_restarts=a.max_restarts)
         print(_result_lines(summary, a.out, program is not None))
         return DONE
