@@ -4,6 +4,7 @@ which one: ``tether.server.restore``)."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import pickle
 import threading
@@ -16,6 +17,7 @@ from tether.server.checkpoint_files import (
     CheckpointInfo,
     ChecksumMismatch,
     RestorePlan,
+    failure_reason,
     load_state,
     part_name,
     validate_id,
@@ -25,12 +27,31 @@ from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.restore import list_manifests, restore_candidates
 from tether.server.shard import Shard
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "RestoreError"]
 
 log = logging.getLogger(__name__)
 
 # Longest a checkpoint call waits for the one before it to finish.
 _LOCK_WAIT_S = 600.0
+
+
+class RestoreError(RuntimeError):
+    """A checkpoint that is there and sound could not be restored (the shard has no memory to
+    read it into): the shard does not start, rather than come back older or empty."""
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says there was no memory (or space) to read a checkpoint into."""
+    if isinstance(exc, MemoryError):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOMEM, errno.ENOSPC)
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "cannot allocate memory" in text)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 class Checkpointer:
@@ -60,6 +81,13 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._mutations_saved = 0
         self._crash_before_manifest = crash_before_manifest
+        # Why checkpoints are failing (None: they are not) and how many attempts failed so: a
+        # failure is logged when it starts or its reason changes, and again when one succeeds.
+        self._failure: str | None = None
+        self._failed_attempts = 0
+        # Whether the directory was there once: if it then vanishes, it is created again (only
+        # the last folder: a parent that vanished too is a failure, missing_dir).
+        self._root_seen = False
 
     # -- restore ---------------------------------------------------------------------------------
 
@@ -82,7 +110,16 @@ class Checkpointer:
                     plan.id, exc.path, exc.actual, exc.expected,
                 )
                 continue
-            except (OSError, ValueError, RuntimeError, pickle.UnpicklingError, TetherError) as exc:
+            except (OSError, ValueError, RuntimeError, MemoryError, pickle.UnpicklingError, TetherError) as exc:
+                if _out_of_memory(exc):
+                    # The checkpoint is sound; an older one would bring the shard back without
+                    # the updates since (and most likely not fit either).
+                    size = sum(p.data_bytes for p in plan.parts)
+                    raise RestoreError(
+                        f"cannot restore checkpoint {plan.id} ({size} bytes in {len(plan.parts)} part(s) under {self.root}): "
+                        f"no memory to read it into ({_one_line(exc)}); not falling back to an older checkpoint: "
+                        "give the shard more memory"
+                    ) from exc
                 log.error("cannot restore checkpoint %s (%s); trying an older one", plan.id, exc)
                 continue
             s.restored_checkpoint = plan.id
@@ -101,6 +138,7 @@ class Checkpointer:
     def _clean_temporaries(self) -> None:
         if not self.root.is_dir():
             return
+        self._root_seen = True
         mine = f".{part_name(self.shard.shard_index, self.shard.num_shards)}."
         for tmp in self.root.glob(f"*/{mine}*.tmp-*"):
             tmp.unlink(missing_ok=True)
@@ -124,18 +162,52 @@ class Checkpointer:
             mutations = s.mutations
             state = s.export_state()
             try:
+                self._ensure_root()
                 written = write_checkpoint(state, self.root, ckpt_id, s.shard_index, s.num_shards, self._crash_before_manifest)
             except OSError as exc:
-                raise FailedPrecondition(f"checkpoint {ckpt_id}: cannot write under {self.root}: {exc}") from exc
+                raise self._failed(ckpt_id, exc) from exc
             info = CheckpointInfo(written.id, written.path, written.bytes, time.perf_counter() - start, written.created)
             self._mutations_saved = mutations
             s.last_checkpoint = ckpt_id
             self.metrics.checkpointed(info.created, info.seconds)
             log.info("checkpoint %s: %d bytes in %.2fs (%s)", ckpt_id, info.bytes, info.seconds, info.path)
+            if self._failure is not None:
+                log.info("checkpoints work again (after %d failed attempt(s), the last %s)", self._failed_attempts, self._failure)
+                self._failure, self._failed_attempts = None, 0
             self._prune()
             return info
         finally:
             self._lock.release()
+
+    def _ensure_root(self) -> None:
+        """Create the checkpoint directory: at first with its parents, later (it vanished) only
+        itself, and say so once."""
+        if self.root.is_dir():
+            self._root_seen = True
+            return
+        if self._root_seen:
+            log.warning("checkpoint directory %s is gone (deleted or unmounted?); creating it again: the checkpoints in it are lost",
+                        self.root)
+        self.root.mkdir(parents=not self._root_seen, exist_ok=True)
+        self._root_seen = True
+
+    def _failed(self, ckpt_id: str, exc: OSError) -> FailedPrecondition:
+        """Count a failed write, log it if its reason is new, and make the caller's error."""
+        reason = failure_reason(exc)
+        self.metrics.checkpoint_failed(reason)
+        self._failed_attempts += 1
+        last = self.shard.last_checkpoint or self.shard.restored_checkpoint
+        message = (
+            f"checkpoint {ckpt_id}: cannot write under {self.root} ({reason}): {_one_line(exc)}; "
+            + (f"the last good checkpoint, {last}, is intact" if last else "no checkpoint was written yet")
+        )
+        if reason != self._failure:
+            retry = f"; retrying every {self.every_s:g}s" if self.every_s is not None else ""
+            log.error("%s%s (said once, until the reason changes or a checkpoint succeeds)", message, retry)
+            self._failure = reason
+        else:
+            log.debug("%s (failed attempt %d)", message, self._failed_attempts)
+        return FailedPrecondition(message)
 
     @property
     def dirty(self) -> bool:
@@ -199,8 +271,13 @@ class Checkpointer:
                 continue
             try:
                 self.checkpoint(f"auto-{int(round(boundary * 1000))}")
+            except FailedPrecondition:
+                pass  # a disk fault: logged by checkpoint() when it starts or changes; the shard is
+                # still dirty, so the next interval tries again
             except TetherError as exc:
                 log.error("periodic checkpoint failed: %s", exc)
+            except Exception:  # noqa: BLE001 - the loop outlives any one checkpoint
+                log.exception("periodic checkpoint failed; trying again at the next interval")
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Stop periodic checkpoints, waiting up to ``timeout_s`` for one being written."""

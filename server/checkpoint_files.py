@@ -19,6 +19,7 @@ plain containers and tensors, never arbitrary pickled objects.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -42,10 +43,12 @@ __all__ = [
     "CHECKSUM",
     "FORMAT",
     "ID_PATTERN",
+    "FAILURE_REASONS",
     "CheckpointInfo",
     "ChecksumMismatch",
     "Manifest",
     "RestorePlan",
+    "failure_reason",
     "file_checksum",
     "load_state",
     "manifest_checksum",
@@ -63,6 +66,35 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 # lets a later format change the algorithm. 1 GB/s with SHA-NI; files are hashed in chunks.
 CHECKSUM = "sha256"
 _CHUNK = 8 << 20
+
+
+# Why a checkpoint could not be written, in a word (the label of
+# tether_shard_checkpoint_failures_total{reason}): the errno of the OSError.
+_REASONS = {
+    errno.ENOSPC: "no_space",
+    errno.EDQUOT: "no_space",
+    errno.EFBIG: "no_space",
+    errno.EROFS: "read_only",
+    errno.ENOENT: "missing_dir",
+    errno.ENOTDIR: "missing_dir",
+    errno.ESTALE: "missing_dir",
+    errno.EACCES: "permission",
+    errno.EPERM: "permission",
+}
+FAILURE_REASONS: tuple[str, ...] = (*dict.fromkeys(_REASONS.values()), "io_error")
+
+
+def failure_reason(exc: OSError) -> str:
+    """The word for why writing a checkpoint failed with ``exc`` (``io_error``: any other errno)."""
+    return _REASONS.get(exc.errno or 0, "io_error")
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc`` (torch.save reports its writer's as a RuntimeError)."""
+    seen: BaseException | None = exc
+    while seen is not None and not isinstance(seen, OSError):
+        seen = seen.__cause__ or seen.__context__
+    return seen
 
 
 class ChecksumMismatch(ValueError):
@@ -181,20 +213,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> int:
-    """Write through ``write(file)`` to a temporary name, fsync, rename; returns the bytes."""
+def _write_temporary(path: Path, write: Callable[[IO[bytes]], object]) -> tuple[Path, int]:
+    """Write through ``write(file)`` to a temporary name beside ``path`` and fsync it; returns
+    the temporary path and its size (the caller renames it into place, or removes it)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        size = tmp.stat().st_size
-        os.replace(tmp, path)
+        return tmp, tmp.stat().st_size
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return size
 
 
 def _table_record(t: TableState) -> dict[str, Any]:
@@ -221,26 +252,74 @@ def _dense_record(d: DenseState) -> dict[str, Any]:
 def write_checkpoint(
     state: ShardState, root: Path, ckpt_id: str, shard_index: int, num_shards: int, crash_before_manifest: bool = False
 ) -> CheckpointInfo:
-    """Write one shard's part of checkpoint ``ckpt_id`` under ``root``: data file, then manifest.
+    """Write one shard's part of checkpoint ``ckpt_id`` under ``root`` (which must exist): data
+    file, then manifest.
 
-    Writing an id this shard wrote before replaces its part (the old manifest goes first, so
-    a crash midway leaves no manifest pointing at a half-written part). ``crash_before_manifest``
-    (a test hook) ends the process between the two.
+    Both files are written to temporary names first; only once both are on disk is the part put
+    in place (renames, which need no space): a disk that fills up, turns read-only or vanishes
+    midway leaves every checkpoint as it was, an older part of the same id included, and no
+    file of this attempt behind. Writing an id this shard wrote before replaces its part (its
+    old manifest goes first, so no manifest ever points at a half-replaced part).
+    ``crash_before_manifest`` (a test hook) ends the process between the data file and the
+    manifest.
 
     Raises:
         InvalidArgument: an unsafe ``ckpt_id``.
-        OSError: the files could not be written.
+        OSError: the files could not be written (``failure_reason`` says why in a word).
     """
     validate_id(ckpt_id)
     start = time.perf_counter()
     folder = Path(root) / ckpt_id
-    folder.mkdir(parents=True, exist_ok=True)
+    created_folder = not folder.is_dir()
+    folder.mkdir(exist_ok=True)
     name = part_name(shard_index, num_shards)
     manifest_path = folder / f"{name}.manifest.json"
     data_path = folder / f"{name}.pt"
-    if manifest_path.exists():
-        manifest_path.unlink()
+    temporaries: list[Path] = []
+    try:
+        data_tmp, data_bytes, checksum = _write_data(state, data_path, ckpt_id, shard_index, num_shards)
+        temporaries.append(data_tmp)
+        created = time.time()
+        manifest = {
+            "format": FORMAT,
+            "id": ckpt_id,
+            "shard_index": shard_index,
+            "num_shards": num_shards,
+            "created": created,
+            "data": {"file": data_path.name, "bytes": data_bytes, "checksum": checksum},
+            "tables": {t.config.name: int(len(t.ids)) for t in state.tables},
+            "dense_chunks": len(state.dense),
+            "seconds": time.perf_counter() - start,
+        }
+        # The manifest's own checksum: a damaged manifest that still parses (a digit of its time
+        # or size changed) is not taken for the commit marker of a good part.
+        manifest["checksum"] = manifest_checksum(manifest)
+        manifest_tmp, _ = _write_temporary(manifest_path, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+        temporaries.append(manifest_tmp)
+        if manifest_path.exists():
+            manifest_path.unlink()
+            _fsync_dir(folder)
+        os.replace(data_tmp, data_path)
         _fsync_dir(folder)
+        if crash_before_manifest:
+            log.error("crash_before_manifest: exiting between the data file and the manifest of checkpoint %s", ckpt_id)
+            os._exit(1)
+        os.replace(manifest_tmp, manifest_path)
+        _fsync_dir(folder)
+    except BaseException:
+        for tmp in temporaries:
+            tmp.unlink(missing_ok=True)
+        if created_folder:
+            try:
+                folder.rmdir()  # only if this attempt left it empty
+            except OSError:
+                pass
+        raise
+    return CheckpointInfo(ckpt_id, str(manifest_path), data_bytes, time.perf_counter() - start, created)
+
+
+def _write_data(state: ShardState, data_path: Path, ckpt_id: str, shard_index: int, num_shards: int) -> tuple[Path, int, str]:
+    """The part's data file, written to a temporary name: (its path, its size, its checksum)."""
     payload = {
         "format": FORMAT,
         "id": ckpt_id,
@@ -257,31 +336,17 @@ def write_checkpoint(
     def write_data(f: IO[bytes]) -> None:
         writers.append(_HashingWriter(f))
         # torch.save needs only write and flush of a file object: the wrapper has both.
-        torch.save(payload, cast(IO[bytes], writers[-1]))
+        try:
+            torch.save(payload, cast(IO[bytes], writers[-1]))
+        except RuntimeError as exc:
+            # "unexpected pos ..." says nothing: the disk's own error does (no space, read-only).
+            cause = _os_error(exc)
+            if cause is None:
+                raise
+            raise cause from exc
 
-    data_bytes = _atomic_write(data_path, write_data)
-    _fsync_dir(folder)
-    if crash_before_manifest:
-        log.error("crash_before_manifest: exiting between the data file and the manifest of checkpoint %s", ckpt_id)
-        os._exit(1)
-    created = time.time()
-    manifest = {
-        "format": FORMAT,
-        "id": ckpt_id,
-        "shard_index": shard_index,
-        "num_shards": num_shards,
-        "created": created,
-        "data": {"file": data_path.name, "bytes": data_bytes, "checksum": writers[-1].checksum},
-        "tables": {t.config.name: int(len(t.ids)) for t in state.tables},
-        "dense_chunks": len(state.dense),
-        "seconds": time.perf_counter() - start,
-    }
-    # The manifest's own checksum: a damaged manifest that still parses (a digit of its time
-    # or size changed) is not taken for the commit marker of a good part.
-    manifest["checksum"] = manifest_checksum(manifest)
-    _atomic_write(manifest_path, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
-    _fsync_dir(folder)
-    return CheckpointInfo(ckpt_id, str(manifest_path), data_bytes, time.perf_counter() - start, created)
+    tmp, size = _write_temporary(data_path, write_data)
+    return tmp, size, writers[-1].checksum
 
 
 # -- loading ------------------------------------------------------------------------------------

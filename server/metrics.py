@@ -86,6 +86,9 @@ class ShardRecorder(Protocol):
     def restored(self, created: float) -> None:
         """The shard restored a checkpoint written at unix time ``created``."""
 
+    def checkpoint_failed(self, reason: str) -> None:
+        """A checkpoint could not be written, for ``reason`` (no_space, read_only, ...)."""
+
     def connections(self, mode: str, delta: int) -> None:
         """Data-plane connections opened (+) or closed (-), by mode (shm, tcp, tcp+tls)."""
 
@@ -136,6 +139,9 @@ class NullShardMetrics:
         pass
 
     def restored(self, created: float) -> None:
+        pass
+
+    def checkpoint_failed(self, reason: str) -> None:
         pass
 
     def connections(self, mode: str, delta: int) -> None:
@@ -225,6 +231,11 @@ class ShardMetrics:
         self.checkpoint_seconds = Histogram(
             "tether_shard_checkpoint_duration_seconds", "Time to write one checkpoint.",
             buckets=CHECKPOINT_BUCKETS, registry=r)
+        self.checkpoint_failures = Counter(
+            "tether_shard_checkpoint_failures_total",
+            "Checkpoints that could not be written (the last good one stays), by reason: "
+            "no_space, read_only, missing_dir, permission, io_error.",
+            ["reason"], registry=r)
 
         self.serving = Gauge("tether_shard_up", "1 while the shard is serving, else 0.", registry=r)
         self.data_connections = Gauge(
@@ -240,6 +251,10 @@ class ShardMetrics:
             self.updates_rejected.labels(reason=reason)
         for mode in ("shm", "tcp", "tcp+tls"):
             self.data_connections.labels(mode=mode)
+        from tether.server.checkpoint_files import FAILURE_REASONS  # torch with it: only where a shard runs
+
+        for why in FAILURE_REASONS:
+            self.checkpoint_failures.labels(reason=why)
         self.staleness_bound.set(-1)
         # Memory (RSS), CPU and fds of the process: what the dashboard's process panels read.
         register_process_metrics(r)
@@ -326,6 +341,9 @@ class ShardMetrics:
 
     def restored(self, created: float) -> None:
         self.last_checkpoint_timestamp.set(created)
+
+    def checkpoint_failed(self, reason: str) -> None:
+        self.series(self.checkpoint_failures, reason).inc()
 
     def connections(self, mode: str, delta: int) -> None:
         self.series(self.data_connections, mode).inc(delta)

@@ -39,6 +39,7 @@ SHARD_SPEC: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "worker_clock_max": ("tether_shard_worker_clock_max", "gauge", ()),
     "last_checkpoint_timestamp": ("tether_shard_last_checkpoint_timestamp_seconds", "gauge", ()),
     "checkpoint_seconds": ("tether_shard_checkpoint_duration_seconds", "histogram", ()),
+    "checkpoint_failures": ("tether_shard_checkpoint_failures_total", "counter", ("reason",)),
     "serving": ("tether_shard_up", "gauge", ()),
     "data_connections": ("tether_shard_data_connections", "gauge", ("mode",)),
 }
