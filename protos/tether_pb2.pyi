@@ -197,14 +197,14 @@ class PushRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., clock: _Optional[int] = ..., sparse: _Optional[_Iterable[_Union[SparseBlock, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseBlock, _Mapping]]] = ..., staleness_aware: _Optional[bool] = ..., incarnation: _Optional[int] = ..., delay_compensation: _Optional[float] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("applied", "max_staleness", "clock_staleness")
+    __slots__ = ("applied", "staleness", "clock_staleness")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
-    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
     CLOCK_STALENESS_FIELD_NUMBER: _ClassVar[int]
     applied: bool
-    max_staleness: int
+    staleness: int
     clock_staleness: int
-    def __init__(self, applied: _Optional[bool] = ..., max_staleness: _Optional[int] = ..., clock_staleness: _Optional[int] = ...) -> None: ...
+    def __init__(self, applied: _Optional[bool] = ..., staleness: _Optional[int] = ..., clock_staleness: _Optional[int] = ...) -> None: ...
 
 class ClockRequest(_message.Message):
     __slots__ = ("worker_id", "clock", "leave", "wait_bound", "wait_timeout_ms")

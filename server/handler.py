@@ -179,7 +179,7 @@ class RequestHandler:
             self.metrics.reject("duplicate")
         else:
             self.metrics.pushed(
-                [(u.table, u.ids.size) for u in sparse], len(dense), result.max_staleness,
+                [(u.table, u.ids.size) for u in sparse], len(dense), result.staleness,
                 result.clock_staleness if request.clock else None,
             )
         if request.clock:
@@ -188,7 +188,7 @@ class RequestHandler:
 
     @staticmethod
     def _push_response(result: PushResult) -> pb.PushResponse:
-        return pb.PushResponse(applied=result.applied, max_staleness=result.max_staleness, clock_staleness=result.clock_staleness)
+        return pb.PushResponse(applied=result.applied, staleness=result.staleness, clock_staleness=result.clock_staleness)
 
     def _push_pull(
         self, request: pb.PushPullRequest, payload: memoryview | None = None, out: PayloadWriter | None = None

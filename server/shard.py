@@ -77,7 +77,8 @@ class PushResult:
     """Outcome of a push."""
 
     applied: bool
-    max_staleness: int
+    # The largest staleness in updates among its blocks (what --max-staleness limits).
+    staleness: int
     clock_staleness: int = 0
 
 
@@ -412,7 +413,7 @@ class Shard:
                 rows = stale[i] = t.staleness(u.ids, u.read_version, p)
                 staleness = max(staleness, int(rows.max()) if rows is not None else 0)
             elif intervals[i] > staleness:
-                staleness = max(staleness, t.max_staleness(u.ids, u.read_version, p))
+                staleness = max(staleness, t.largest_staleness(u.ids, u.read_version, p))
         if self.max_staleness is not None and staleness > self.max_staleness:
             self.rejected_pushes += 1
             raise TooStale(f"push from {worker_id!r} is {staleness} updates stale; this shard's limit is {self.max_staleness}")
@@ -420,7 +421,7 @@ class Shard:
             fresh = self._applied.add(worker_id, incarnation, seq)
             if not fresh:
                 self.duplicate_pushes += 1
-                return PushResult(applied=False, max_staleness=0)
+                return PushResult(applied=False, staleness=0)
             # Clock staleness is measured on the coordinator ssp waits on, where clocks move only
             # once a step is applied on every shard.
             clock_lag = self.clocks.lag(clock) if clock and self.shard_index == COORDINATOR_SHARD else 0
@@ -449,4 +450,4 @@ class Shard:
                 self.clocks.update(worker_id, clock, from_push=True)
             self.applied_pushes += 1
             self.mutations += 1
-        return PushResult(applied=True, max_staleness=staleness, clock_staleness=clock_lag)
+        return PushResult(applied=True, staleness=staleness, clock_staleness=clock_lag)

@@ -49,6 +49,14 @@ _LOG_UPDATES = 256
 _LOG_SLOTS = 1 << 21
 
 
+def _zeros(rows: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Zeroed float32 storage for ``rows`` rows of a state tensor, from the kernel's zero pages
+    (``calloc``): the room beyond the rows costs no memory until rows are written there, as for
+    the weights (``torch.empty``). ``torch.zeros`` writes every byte, so a table that had just
+    grown by half held half its state again in memory that no row used."""
+    return torch.from_numpy(np.zeros((rows, *shape), np.float32))
+
+
 class EmbeddingTable:
     """Rows of one table owned by this shard, created on first touch (or after admission)."""
 
@@ -82,7 +90,7 @@ class EmbeddingTable:
             cap = min(cap, self.capacity)
         self._index = IdIndex(cap)
         self._weights = torch.empty(cap, config.dim)
-        self._state = {k: torch.zeros(cap, *s) for k, s in self._state_shapes.items()}
+        self._state = {k: _zeros(cap, s) for k, s in self._state_shapes.items()}
         # Bounded tables reuse slots, so a lock-free reader could read a slot after it was
         # given to another id: they read under the lock, and track last touches for LRU.
         self._locked_reads = self.capacity > 0
@@ -106,8 +114,10 @@ class EmbeddingTable:
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes held by rows, optimizer state, the id index and the LRU/admission bookkeeping."""
-        total = self._weights.nbytes + self._index.nbytes + self._free.nbytes
+        """Bytes allocated for rows, optimizer state, the id index and the per-row bookkeeping
+        (row versions; LRU ticks and the admission sketch where used). Storage beyond the rows
+        (room to grow) is counted here but is not resident until rows are written there."""
+        total = self._weights.nbytes + self._index.nbytes + self._free.nbytes + self._row_version.nbytes
         if self._touched is not None:
             total += self._touched.nbytes
         if self._sketch is not None:
@@ -126,7 +136,7 @@ class EmbeddingTable:
         w[:n] = self._weights[:n]
         state = {}
         for k, s in self._state_shapes.items():
-            t = torch.zeros(new_cap, *s)
+            t = _zeros(new_cap, s)
             t[:n] = self._state[k][:n]
             state[k] = t
         if self._touched is not None:
@@ -321,7 +331,7 @@ class EmbeddingTable:
         """
         return self._staleness(ids, read_version, pulled, per_row=True)  # type: ignore[return-value]
 
-    def max_staleness(self, ids: np.ndarray, read_version: int, pulled: Pulled | None = None) -> int:
+    def largest_staleness(self, ids: np.ndarray, read_version: int, pulled: Pulled | None = None) -> int:
         """The largest of ``staleness(ids, read_version)``, without an array per id (0: none)."""
         return self._staleness(ids, read_version, pulled, per_row=False)  # type: ignore[return-value]
 
@@ -448,7 +458,7 @@ class EmbeddingTable:
             cap = max(n, 1)
             self._weights = weights.to(torch.float32).clone().reshape(n, self.dim) if n else torch.empty(cap, self.dim)
             self._state = {
-                k: (state[k].to(torch.float32).clone() if n else torch.zeros(cap, *s)) for k, s in self._state_shapes.items()
+                k: (state[k].to(torch.float32).clone() if n else _zeros(cap, s)) for k, s in self._state_shapes.items()
             }
             self._used = n
             self._free = np.empty(0, np.int64)

@@ -39,7 +39,7 @@ def _run(staleness_aware: bool, straggler: bool = True) -> tuple[torch.Tensor, i
         nonlocal seq, max_seen
         seq += 1
         update = DenseUpdate("w", 0, grad, read_version)
-        max_seen = max(max_seen, shard.push(worker, seq, [], [update], staleness_aware=staleness_aware, incarnation=1).max_staleness)
+        max_seen = max(max_seen, shard.push(worker, seq, [], [update], staleness_aware=staleness_aware, incarnation=1).staleness)
 
     for step in range(STEPS):
         w, version = chunk.pull()
@@ -136,7 +136,7 @@ def _read(shard: Shard, ids: list[int]) -> tuple[np.ndarray, int]:
 
 def _push(shard: Shard, worker: str, seq: int, ids: list[int], version: int, aware: bool) -> int:
     update = SparseUpdate("t", np.array(ids, np.int64), torch.ones(len(ids), 2), version)
-    return shard.push(worker, seq, [update], [], staleness_aware=aware, incarnation=1).max_staleness
+    return shard.push(worker, seq, [update], [], staleness_aware=aware, incarnation=1).staleness
 
 
 def test_staleness_counts_only_the_updates_of_the_pushed_rows() -> None:
@@ -218,7 +218,7 @@ def test_a_push_reports_its_largest_staleness_without_counting_rows_one_by_one(m
     def push(worker: str, seq: int, ids: list[int], version: int, chunk_version: int | None = None) -> int:
         sparse = [SparseUpdate("t", np.array(ids, np.int64), torch.ones(len(ids), 2), version)]
         dense = [] if chunk_version is None else [DenseUpdate("d", 0, torch.ones(2), chunk_version)]
-        return shard.push(worker, seq, sparse, dense, incarnation=1).max_staleness
+        return shard.push(worker, seq, sparse, dense, incarnation=1).staleness
 
     def per_row(*args: object) -> None:
         raise AssertionError("per-row staleness computed for a push that needs only its largest")
@@ -233,4 +233,4 @@ def test_a_push_reports_its_largest_staleness_without_counting_rows_one_by_one(m
     # Without a chunk, the table's count (4 since the read) is only a bound: rows are counted.
     assert push("a", 2, [2, 9], read) == 0  # rows nobody updated since the read
     assert push("a", 3, [1, 3], read) == 3  # row 3: B's two pushes and a's first
-    assert shard.tables["t"].max_staleness(np.array([3, 9], np.int64), read) == 4
+    assert shard.tables["t"].largest_staleness(np.array([3, 9], np.int64), read) == 4

@@ -151,7 +151,7 @@ class PSClient:
                 )
                 self.metrics.unexpected_duplicate()
         return PushAck(
-            staleness=max((a.max_staleness for a in values), default=0),
+            staleness=max((a.staleness for a in values), default=0),
             clock_staleness=max((a.clock_staleness for a in values), default=0),
             duplicates=sum(not a.applied for a in values),
         )
