@@ -182,9 +182,9 @@ def compare(
     runs: list[dict[str, Any]] = []
     for repeat in range(repeats):
         for mode in modes:
-            cfg = replace(template, mode=mode, data_seed=template.data_seed + repeat)
-            if mode == "sync" and cfg.delay_compensation:  # the baseline: nothing in sync is stale (DC-ASGD refuses it)
-                cfg = replace(cfg, delay_compensation=0.0)
+            # The sync baseline runs without DC-ASGD: nothing in sync is stale (the option refuses it).
+            plain = {"delay_compensation": 0.0} if mode == "sync" else {}
+            cfg = replace(template, mode=mode, data_seed=template.data_seed + repeat, **plain)
             if template.tensorboard:  # one run per mode under one root, so TensorBoard overlays them
                 board = Path(template.tensorboard) / _mode_dir(mode)
                 cfg = replace(cfg, tensorboard=str(board / f"repeat-{repeat}" if repeats > 1 else board))
