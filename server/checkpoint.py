@@ -24,7 +24,7 @@ from tether.server.checkpoint_files import (
     write_checkpoint,
 )
 from tether.server.metrics import NullShardMetrics, ShardRecorder
-from tether.server.restore import list_manifests, restore_candidates
+from tether.server.restore import layout_drift, list_manifests, restore_candidates
 from tether.server.shard import Shard
 
 __all__ = ["Checkpointer", "RestoreError"]
@@ -36,8 +36,9 @@ _LOCK_WAIT_S = 600.0
 
 
 class RestoreError(RuntimeError):
-    """A checkpoint that is there and sound could not be restored (the shard has no memory to
-    read it into): the shard does not start, rather than come back older or empty."""
+    """The newest checkpoint is there and sound but cannot be restored: written by another shard
+    count without a complete set of parts, or no memory to read it into. The shard does not
+    start, rather than come back older or empty and serve that."""
 
 
 def _out_of_memory(exc: BaseException) -> bool:
@@ -96,10 +97,21 @@ class Checkpointer:
 
         A checkpoint that fails to load, or one of whose files does not match its checksum, is
         logged and the next older one is tried.
+
+        Raises:
+            RestoreError: the newest checkpoint was written by another shard count and cannot be
+                restored onto this one (``layout_drift``), or there is no memory to read it into.
         """
         s = self.shard
         self._clean_temporaries()
-        for plan in restore_candidates(list_manifests(self.root), s.shard_index, s.num_shards):
+        manifests = list_manifests(self.root)
+        plans = restore_candidates(manifests, s.shard_index, s.num_shards)
+        drift, refuse = layout_drift(manifests, plans, self.root, s.shard_index, s.num_shards)
+        if refuse:
+            raise RestoreError(drift)
+        if drift:
+            log.warning("%s", drift)
+        for plan in plans:
             start = time.perf_counter()
             try:
                 state = load_state(plan, s.shard_index, s.num_shards)
@@ -124,12 +136,14 @@ class Checkpointer:
                 continue
             s.restored_checkpoint = plan.id
             self._mutations_saved = s.mutations
+            layout = plan.parts[0].num_shards
             # The state served now is that checkpoint's: it is the last one that holds it.
             self.metrics.restored(plan.created)
             rows = sum(len(t.ids) for t in state.tables)
             log.info(
-                "restored checkpoint %s (%s, %d part(s)): %d rows in %d table(s), %d dense chunk(s) in %.2fs",
-                plan.id, "complete" if plan.complete else "this shard's part", len(plan.parts), rows,
+                "restored checkpoint %s (%s, %d part(s)%s): %d rows in %d table(s), %d dense chunk(s) in %.2fs",
+                plan.id, "complete" if plan.complete else "this shard's part", len(plan.parts),
+                f" of {layout} shards, onto {s.num_shards}" if layout != s.num_shards else "", rows,
                 len(state.tables), len(state.dense), time.perf_counter() - start,
             )
             return plan

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tether.server.checkpoint_files import CHECKSUM, FORMAT, ID_PATTERN, Manifest, RestorePlan, manifest_checksum
 
-__all__ = ["choose_restore", "complete_checkpoints", "list_manifests", "restore_candidates"]
+__all__ = ["choose_restore", "complete_checkpoints", "layout_drift", "list_manifests", "restore_candidates"]
 
 log = logging.getLogger(__name__)
 
@@ -116,3 +116,36 @@ def choose_restore(root: Path, shard_index: int, num_shards: int) -> RestorePlan
     """The checkpoint shard ``shard_index`` of ``num_shards`` restores (see the module doc)."""
     plans = restore_candidates(list_manifests(root), shard_index, num_shards)
     return plans[0] if plans else None
+
+
+def layout_drift(manifests: list[Manifest], plans: list[RestorePlan], root: Path, shard_index: int, num_shards: int) -> tuple[str, bool]:
+    """What a shard restarted with another shard count than its newest checkpoint's would miss:
+    ``(one line, refuse)``; ``("", False)`` when nothing.
+
+    Parts written by an ``n``-shard job (``n`` != ``num_shards``) that are newer than the
+    checkpoint this shard would restore, and that it cannot use (no complete set of them), hold
+    state the shard would come back without. With no checkpoint to restore, or only an older one
+    of its own shard count, that is config drift and the shard refuses (``refuse`` True): it
+    would otherwise start empty, or older, and serve that. Restoring a complete checkpoint of
+    another shard count onto this one is the way to change the shard count; newer parts it
+    leaves out are only reported.
+    """
+    best = plans[0] if plans else None
+    newer = [m for m in manifests if m.num_shards != num_shards and (best is None or m.created > best.created)]
+    if not newer:
+        return "", False
+    newest = max(newer, key=lambda m: (m.created, m.id))
+    have = sorted(m.shard_index for m in newer if (m.id, m.num_shards) == (newest.id, newest.num_shards))
+    if best is None or best.parts[0].num_shards == num_shards:
+        older = f"; its own newest, {best.id}, is older" if best is not None else ""
+        return (
+            f"shard {shard_index} of {num_shards}: the newest checkpoint under {root}, {newest.id}, was written by "
+            f"{newest.num_shards} shards, not {num_shards}, and only part(s) {have} of its {newest.num_shards} are here{older}: "
+            f"start the shard with --num-shards {newest.num_shards}, or, to restore it onto {num_shards} shards, put every part "
+            f"of one checkpoint of that job in {root}"
+        ), True
+    left_out = ", ".join(sorted({f"{m.id} (shard {m.shard_index} of {m.num_shards})" for m in newer}))
+    return (
+        f"restoring {best.id}, written by {best.parts[0].num_shards} shards, onto {num_shards}: newer parts under {root} that "
+        f"are not a complete checkpoint are left out, and the updates in them with them: {left_out}"
+    ), False
