@@ -9,7 +9,9 @@ tests of it. It keeps what makes the result a shard's:
   (``tether.protos.initial.init_rows``: from the table's seed, its name and the id alone);
 - rows and dense parameters are updated with the shards' rules (``tether.protos.optimizers``):
   the table's own optimizer and its constants, the rule's per-row state (Adagrad's sum starting
-  at ``initial_accumulator``, Adam's moments and a step count per row), weight decay;
+  at ``initial_accumulator``, Adam's moments and a step count per row), weight decay, and the
+  learning-rate schedule at each push's clock (``tether.protos.schedules``; DC-ASGD is refused:
+  nothing here is stale);
 - a step reads what the previous pushes wrote, as a 1-shard 1-worker job does (with prefetching
   on, the next batch's rows are read before this step's push, as there too).
 
