@@ -1,0 +1,118 @@
+"""The launcher's child processes: how one is started (``spawn``: a ``python`` that dies with the
+launcher, its output pumped to its log and, echoed, to stdout), the record kept of it
+(``Child``), and the free ports and devices children get."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+__all__ = ["Child", "child_command", "free_port", "gpu_count", "spawn", "tail", "worker_device"]
+
+
+def _pump(stream: IO[str], prefix: str, sink: IO[str] | None, echo: bool) -> None:
+    for line in stream:
+        if sink is not None:
+            sink.write(line)
+            sink.flush()
+        if echo:
+            sys.stdout.write(f"{prefix}{line}")
+            sys.stdout.flush()
+
+
+@dataclass
+class Child:
+    """One process the launcher started (one incarnation of it) and what a restart needs to
+    start it again."""
+
+    name: str
+    proc: subprocess.Popen
+    pump: threading.Thread
+    log_path: Path
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None
+    port_file: Path | None = None
+    # Where this incarnation's output starts in its (appended) log.
+    log_offset: int = 0
+    # Workers: the job's steps per worker (None: until the data ends), and the steps earlier
+    # incarnations reported done.
+    steps: int | None = None
+    steps_done: int = 0
+
+
+def spawn(log_dir: Path, name: str, argv: list[str], echo: bool, env: dict[str, str] | None = None, append: bool = False) -> Child:
+    """Start ``python argv...`` as child ``name``: its output goes to ``log_dir/<name>.log``
+    (appended to, for a restart), and to stdout with a ``[name]`` prefix when ``echo``."""
+    log_path = log_dir / f"{name}.log"
+    offset = log_path.stat().st_size if append and log_path.exists() else 0
+    proc = subprocess.Popen(
+        child_command(argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # One intra-op thread per process unless the user says otherwise: several processes
+        # share the cores, and OpenMP spin-waiting under oversubscription halves throughput.
+        env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    sink = log_path.open("a" if append else "w")
+    pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{name}] ", sink, echo), daemon=True)
+    pump.start()
+    return Child(name, proc, pump, log_path, list(argv), env, log_offset=offset)
+
+
+# A child of the launcher asks Linux to SIGTERM it when the launcher dies (so a killed launcher
+# never leaves shards running), then becomes the program: a few lines of Python run first in the
+# child, which then execs. Not a ``preexec_fn``: with one, Python forks instead of vforking, gRPC's
+# fork handlers restart its poller in the child, and closing the inherited descriptors before exec
+# then aborts the child ("epoll_wait error: Bad file descriptor", grpc/grpc#43055) whenever the
+# launcher has gRPC calls in flight: 22 of 300 children so started died that way here.
+_ORPHAN_GUARD = (
+    "import ctypes, os, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('tether: the launcher exited before this process started')\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
+)
+
+
+def child_command(argv: Sequence[str]) -> list[str]:
+    """The command line that runs ``python argv...`` as a child that dies with this process."""
+    return [sys.executable, "-c", _ORPHAN_GUARD, str(os.getpid()), *argv]
+
+
+def gpu_count() -> int:
+    """CUDA devices torch sees on this host (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def worker_device(device: str, index: int, gpus: int) -> str:
+    """The device of async/ssp worker ``index`` on a host with ``gpus`` GPUs: ``cuda:(index mod
+    gpus)`` for ``auto`` or ``cuda`` when there are GPUs (one worker per GPU, round robin), else
+    ``device`` as given (``cpu``, an explicit ``cuda:N``, or ``auto`` without a GPU)."""
+    if device in ("auto", "cuda") and gpus > 0:
+        return f"cuda:{index % gpus}"
+    return device
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
