@@ -183,8 +183,8 @@ def compare(
     for repeat in range(repeats):
         for mode in modes:
             # The sync baseline runs without DC-ASGD: nothing in sync is stale (the option refuses it).
-            plain = {"delay_compensation": 0.0} if mode == "sync" else {}
-            cfg = replace(template, mode=mode, data_seed=template.data_seed + repeat, **plain)
+            dc = 0.0 if mode == "sync" else template.delay_compensation
+            cfg = replace(template, mode=mode, data_seed=template.data_seed + repeat, delay_compensation=dc)
             if template.tensorboard:  # one run per mode under one root, so TensorBoard overlays them
                 board = Path(template.tensorboard) / _mode_dir(mode)
                 cfg = replace(cfg, tensorboard=str(board / f"repeat-{repeat}" if repeats > 1 else board))

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tether.protos.errors import FailedPrecondition, InvalidArgument, NotFound, TooStale
+from tether.protos.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, TooStale
 from tether.protos.partition import dense_shard, shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig, optimizer_conflict, table_conflict
 from tether.protos.ssp import COORDINATOR_SHARD
@@ -306,6 +306,12 @@ class Shard:
 
     def _check_sparse(self, u: SparseUpdate) -> tuple[EmbeddingTable, Pulled | None]:
         table = self._table(u.table)
+        if table.capacity and u.ids.size > table.capacity:
+            # Evicting every other row would not make room: refused whole, not trained in part.
+            raise ResourceExhausted(
+                f"table {u.table!r}: a push of {u.ids.size} rows, more than the table's capacity of {table.capacity} rows "
+                "per shard; raise its capacity or push fewer rows at once"
+            )
         # Ids a recent pull named were checked then; only their uniqueness is left to check.
         pulled = table.pulled(u.ids) if u.ids.size else None
         if pulled is None:
