@@ -50,7 +50,7 @@ def _add_table_optimizer(p: argparse.ArgumentParser) -> None:
     form are the field's declaration)."""
     f, decl = next((f, d) for f, d in fields.declared(WorkerConfig) if f.name == "table_optimizers")
     text = decl.text_from(os.environ)
-    p.add_argument(decl.flag, dest=decl.dest, action=_Entries, type=_entries, metavar=decl.metavar,
+    p.add_argument(str(decl.flag), dest=decl.dest, action=_Entries, type=_entries, metavar=decl.metavar,
                    default=text if text is not None else decl.show(f.default),
                    help=f"{decl.help} {decl.env_note()}".replace("%", "%%"))
 

@@ -25,8 +25,8 @@ accepted here with no change.
 
 from __future__ import annotations
 
+import importlib
 import json
-import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -155,6 +155,21 @@ def parse_entries(text: str) -> tuple[str, ...]:
     return entries
 
 
+def _toml(text: str) -> Any:
+    """TOML, with Python 3.11's tomllib or, on 3.10, the tomli package.
+
+    Raises:
+        ValueError: malformed, or no TOML reader (a JSON file needs none).
+    """
+    for name in ("tomllib", "tomli"):
+        try:
+            reader = importlib.import_module(name)
+        except ImportError:
+            continue
+        return reader.loads(text)
+    raise ValueError("reading TOML needs Python 3.11 or the tomli package (pip install tomli); a .json file needs neither")
+
+
 def load_file(path: str) -> list[RuleEntry]:
     """The entries of a JSON or TOML (``.toml``) config file.
 
@@ -163,7 +178,7 @@ def load_file(path: str) -> list[RuleEntry]:
     """
     try:
         text = Path(path).read_text()
-        data = tomllib.loads(text) if path.endswith(".toml") else json.loads(text)
+        data = _toml(text) if path.endswith(".toml") else json.loads(text)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--optimizer-config {path}: {exc}") from None
     if not isinstance(data, dict):
