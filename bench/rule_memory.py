@@ -1,0 +1,124 @@
+"""Shard memory per embedding row for every update rule (issue 28 item 5).
+
+Each rule runs in its own process: a shard table (``EmbeddingTable``) of ``--dim`` floats gets
+``--rows`` rows (random int64 ids, created by pulls as a job creates them), then one push to
+every row (so each row's optimizer state is written). Per row it prints what the table holds:
+
+- ``values``: the rows' floats (``dim * 4`` bytes: the raw bytes the ratios divide by);
+- ``state``: the rule's optimizer state (``tether.protos.optimizers``);
+- ``index``: the id index's cells (``tether.server.index``: (key, slot) int64 pairs, load
+  factor at most 1/3, a power of two);
+- ``books``: the table's per-row bookkeeping (the version of each row's last update, for
+  per-row staleness; a bounded table's last-touch ticks);
+- ``allocated``: every array the table holds, by size (growth leaves room beyond the rows);
+- ``resident``: the process's resident memory after the table was filled minus before it was
+  created, each read after ``malloc_trim`` (pages never written, such as the room beyond the
+  rows, are not resident). This is what the table holds; the table's last pulls and updates,
+  kept for pushes and per-row staleness, are in it too.
+
+The ratios are to the raw bytes of the rows (``rows * dim * 4``). Run with no arguments for
+1M x 64, the issue's size (about 1 GB at most per process, Adam and FTRL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+_BATCH = 1 << 16
+
+
+def _rss() -> int:
+    """Resident bytes of this process, after glibc has given back the free memory it kept (the
+    pulls' copies freed in the fill would otherwise count)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def measure(name: str, rows: int, dim: int) -> dict[str, Any]:
+    """Fill one table with the rule ``name`` in this process; its bytes by part."""
+    import torch
+
+    from tether.protos.optimizers import OptimizerConfig
+    from tether.protos.specs import TableConfig
+    from tether.server.tables import EmbeddingTable
+
+    torch.set_num_threads(1)
+    ids = np.unique(np.random.default_rng(0).integers(-(2**62), 2**62, int(rows * 1.01), dtype=np.int64))[:rows]
+    np.random.default_rng(1).shuffle(ids)
+    grads = torch.full((_BATCH, dim), 1e-2)
+    # The kernels compiled (or loaded from the disk cache) and the code paths run once on a small
+    # table first: the memory of compiling is not the table's.
+    warm = EmbeddingTable(TableConfig("warm", dim, OptimizerConfig(name, lr=0.01)))
+    warm.pull(np.arange(64, dtype=np.int64))
+    warm.push(np.arange(64, dtype=np.int64), grads[:64])
+    del warm
+    before = _rss()
+    table = EmbeddingTable(TableConfig("t", dim, OptimizerConfig(name, lr=0.01)))
+    start = time.perf_counter()
+    for a in range(0, rows, _BATCH):
+        batch = np.sort(ids[a:a + _BATCH])
+        table.pull(batch)
+        table.push(batch, grads[: len(batch)])
+    seconds = time.perf_counter() - start
+    resident = _rss() - before
+    assert table.rows == rows
+    values = table._weights[: table.rows].nbytes  # noqa: SLF001 - a bench reads the table's parts
+    state = sum(t[: table.rows].nbytes for t in table._state.values())  # noqa: SLF001
+    books = table._row_version.nbytes + (table._touched.nbytes if table._touched is not None else 0)  # noqa: SLF001
+    return {
+        "rule": name, "rows": rows, "dim": dim, "values": values, "state": state, "index": table._index.nbytes,  # noqa: SLF001
+        "books": books, "allocated": table.memory_bytes, "resident": resident, "seconds": seconds,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--json", action="store_true", help="print one JSON object per rule")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process: measure one rule
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one, args.rows, args.dim)))
+        return 0
+    from tether.protos.optimizers import OPTIMIZERS
+
+    results = []
+    for name in OPTIMIZERS:
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", name, "--rows", str(args.rows), "--dim", str(args.dim)],
+            capture_output=True, text=True, check=True,
+        )
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    if args.json:
+        for r in results:
+            print(json.dumps(r))
+        return 0
+    raw = args.rows * args.dim * 4
+    print(f"{args.rows} rows x {args.dim} dims: raw bytes of the rows {raw / 2**20:.1f} MiB ({args.dim * 4} B/row)")
+    print(f"{'rule':<16}{'state B/row':>12}{'values+state':>14}{'index B/row':>12}{'books B/row':>12}"
+          f"{'allocated B/row':>17}{'resident B/row':>16}{'fill s':>8}")
+    for r in results:
+        n = r["rows"]
+        print(
+            f"{r['rule']:<16}{r['state'] / n:>12.1f}{(r['values'] + r['state']) / raw:>13.3f}x{r['index'] / n:>12.1f}"
+            f"{r['books'] / n:>12.1f}{r['allocated'] / n:>9.1f} {r['allocated'] / raw:>5.2f}x"
+            f"{r['resident'] / n:>8.1f} {r['resident'] / raw:>5.2f}x{r['seconds']:>8.1f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
