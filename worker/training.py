@@ -67,7 +67,9 @@ class Trainer(Generic[B]):
         sparse: ``sparse(batch)`` -> {table: ids} (a tensor of any shape, or a list of tensors
             for features sharing a table) for every table the batch looks up.
         tables: table specs to declare; by default one per table of the model, with the
-            config's optimizer, learning rate, ``init_scale`` and seed.
+            config's optimizer, learning rate, ``init_scale`` and seed. The config's per-table
+            entries (``table_optimizers``, ``optimizer_config``) win over these specs' optimizers,
+            which win over ``optimizer`` and ``lr`` (``tether.worker.table_rules``).
         metrics: where to record steps and calls (``WorkerMetrics`` for Prometheus), or None.
         printer: where progress lines go.
         batch_size: ``batch_size(batch)`` -> samples, for the counts and samples/s (default: the
