@@ -354,3 +354,53 @@ def test_a_checkpoints_optimizer_record_from_before_these_rules_restores() -> No
         del old["optimizer"][key]
     assert _table_config(old) == cfg
     assert _optimizer(dict(old["optimizer"])) == cfg.optimizer
+
+
+def test_a_worker_sums_an_ids_lookups_into_one_rowwise_step() -> None:
+    """Through the training API and a real shard: a batch that looks id 5 up twice pushes id 5's
+    row once with the sum of both lookups' gradients, and the shard steps it once (FBGEMM's
+    semantics), which is not the two steps one push per lookup would take."""
+    from torch import nn
+
+    from tether.server.config import ShardConfig
+    from tether.server.serve import start_shard
+    from tether.worker.embedding import ShardedEmbeddingBag
+    from tether.worker.training import Trainer, TrainingConfig
+
+    class Sum(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.user = ShardedEmbeddingBag("users", 4)
+
+        def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self.user(batch["user"]).sum(1)
+
+    def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.mse_loss(model(batch), batch["y"])
+
+    batch = {"user": torch.tensor([5, 5, 9]), "y": torch.tensor([1.0, -2.0, 0.5])}
+    cfg = OptimizerConfig("rowwise_adagrad", lr=_LR)
+    shard = start_shard(ShardConfig(port=0))
+    try:
+        config = TrainingConfig(
+            shards=(f"127.0.0.1:{shard.port}",), optimizer="rowwise_adagrad", lr=_LR, prefetch=False, log_every=100,
+            init_scale=0.3, device="cpu",
+        )
+        with Trainer(Sum(), config, loss=loss, sparse=lambda b: {"users": b["user"]}, printer=lambda line: None) as trainer:
+            ids = torch.tensor([5, 9])
+            start = trainer.client.pull({"users": ids}).result(30).rows["users"]
+            trainer.fit([batch])
+            after = trainer.client.pull({"users": ids}).result(30).rows["users"]
+    finally:
+        shard.stop(0)
+    # The gradient of each lookup, from the same rows in one process.
+    rows = nn.Parameter(start.clone())
+    lookups = rows[torch.tensor([0, 0, 1])]
+    per_lookup = torch.autograd.grad(nn.functional.mse_loss(lookups.sum(1), batch["y"]), lookups)[0].double().numpy()
+    w_ref, acc = start.double().numpy().copy(), np.zeros(2)
+    rowwise_reference(w_ref, acc, np.array([0, 0, 1]), per_lookup, cfg)
+    assert np.abs(after.numpy() - w_ref).max() <= 1e-6
+    w_twice, acc_twice = start.double().numpy().copy(), np.zeros(2)
+    for k, row in enumerate([0, 0, 1]):
+        rowwise_reference(w_twice, acc_twice, np.array([row]), per_lookup[k:k + 1], cfg)
+    assert np.abs(after.numpy() - w_twice).max() > 1e-3
