@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from tether.deploy.job import quantile, run_job
+from tether.deploy.job import run_job, staleness_summary
 from tether.deploy.plot import write_plot
 from tether.protos.errors import UsageError
 from tether.worker.config import WorkerConfig, parse_mode
+from tether.worker.run_record import RunRecord
 from tether.worker.stragglers import StragglerSpec, parse_straggler
 
 __all__ = ["check_arguments", "compare", "recommend", "time_to_target"]
@@ -53,7 +54,7 @@ def time_to_target(curve: Sequence[dict[str, Any]], target: float, x: str = "wal
     return None
 
 
-def _with_job_end(curve: list[dict[str, Any]], summary: dict[str, Any], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _with_job_end(curve: list[dict[str, Any]], summary: dict[str, Any], records: Sequence[RunRecord]) -> list[dict[str, Any]]:
     """The curve ending at the run's final loss: when the job's final evaluation (after every
     worker finished) differs from worker 0's last one, it is added as a last point at the job's
     training end (the slowest worker's training time) with every worker's samples. Without it,
@@ -66,7 +67,7 @@ def _with_job_end(curve: list[dict[str, Any]], summary: dict[str, Any], records:
     end = {
         "step": last["step"],
         "samples": last["samples"],
-        "total_samples": sum(int(r["samples"]) for r in records),
+        "total_samples": sum(r.samples for r in records),
         "wall_s": max(float(last["wall_s"]), float(summary["train_wall_s"])),
         "eval_loss": final,
         "job_end": True,
@@ -111,16 +112,16 @@ def _spread(values: Sequence[float]) -> float:
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def _with_total_samples(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _with_total_samples(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
     """Worker 0's curve with ``total_samples``: every worker's samples at the moment of each of
     its points, interpolated from each worker's own (time, samples) records."""
     tracks = []
     for r in records:
-        times = [float(r.get("start_time", 0.0))] + [float(p["time"]) for p in r["history"] if "time" in p and int(p["step"]) > 0]
-        samples = [0.0] + [float(p["samples"]) for p in r["history"] if "time" in p and int(p["step"]) > 0]
+        times = [r.start_time] + [float(p["time"]) for p in r.history if "time" in p and int(p["step"]) > 0]
+        samples = [0.0] + [float(p["samples"]) for p in r.history if "time" in p and int(p["step"]) > 0]
         tracks.append((np.asarray(times), np.asarray(samples)))
     curve = []
-    for point in records[0]["history"]:
+    for point in records[0].history:
         point = dict(point)
         if int(point["step"]) == 0 or "time" not in point:
             point["total_samples"] = int(point["samples"]) * len(records) if int(point["step"]) else 0
@@ -192,9 +193,9 @@ def compare(
             printer(f"tether compare: running {mode}" + (f" repeat {repeat + 1}/{repeats}" if repeats > 1 else "")
                     + f" ({cfg.num_workers} workers, {num_shards} shards, straggler {spec})")
             summary = run_job(cfg, num_shards, out=run_dir, timeout_s=timeout_s, echo=echo)
-            records = [json.loads((run_dir / f"worker-{w}.json").read_text()) for w in range(cfg.num_workers)]
+            records = [RunRecord.load(run_dir / f"worker-{w}.json") for w in range(cfg.num_workers)]
             curve = _with_job_end(_with_total_samples(records), summary, records)
-            updates = sorted(int(x) for r in records for x in r.get("update_staleness", []))
+            updates = sorted(x for r in records for x in r.update_staleness)
             run: dict[str, Any] = {
                 "mode": mode,
                 "repeat": repeat,
@@ -227,7 +228,7 @@ def compare(
     for run in runs:
         run["time_to_target_s"] = time_to_target(run["curve"], target_loss)
         for w, record in enumerate(run["records"]):
-            points = run["curve"] if w == 0 else record["history"]
+            points = run["curve"] if w == 0 else record.history
             for point in points:
                 rows.append({"mode": run["mode"], "repeat": run["repeat"], "worker": w, **{k: point.get(k, "") for k in CSV_FIELDS[3:]}})
     results = [_mode_result(mode, [r for r in runs if r["mode"] == mode]) for mode in modes]
@@ -262,7 +263,6 @@ def _mode_result(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     losses = [float(r["final_eval_loss"]) for r in runs]
     times = [r["time_to_target_s"] for r in runs]
     reached = [float(t) for t in times if t is not None]
-    lags = sorted(int(x) for r in runs for w in r["records"] for x in w["clock_staleness"])
     return {
         "mode": mode,
         "repeats": len(runs),
@@ -273,9 +273,7 @@ def _mode_result(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "final_eval_auc": statistics.fmean(float(r["final_eval_auc"]) for r in runs),
         "samples_per_sec": statistics.fmean(float(r["samples_per_sec"]) for r in runs),
         "train_wall_s": statistics.fmean(float(r["train_wall_s"]) for r in runs),
-        "staleness_p50": quantile(lags, 0.5),
-        "staleness_p99": quantile(lags, 0.99),
-        "staleness_max": lags[-1] if lags else 0,
+        **staleness_summary(w for r in runs for w in r["records"]),
         "update_staleness_p50": statistics.fmean(float(r["update_staleness_p50"]) for r in runs),
         "runs": [
             {

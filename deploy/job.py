@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -13,8 +13,9 @@ from typing import Any
 
 from tether.deploy.launch import ClusterError, Interrupted, LocalCluster, Program
 from tether.worker.config import WorkerConfig
+from tether.worker.run_record import RunRecord
 
-__all__ = ["quantile", "run_job"]
+__all__ = ["quantile", "run_job", "staleness_summary"]
 
 
 def quantile(sorted_values: Sequence[int], q: float) -> float:
@@ -22,6 +23,13 @@ def quantile(sorted_values: Sequence[int], q: float) -> float:
     if not sorted_values:
         return 0.0
     return float(sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))])
+
+
+def staleness_summary(records: Iterable[RunRecord]) -> dict[str, float]:
+    """``staleness_p50``, ``staleness_p99`` and ``staleness_max`` of every push of the records
+    (clock staleness; 0 for none)."""
+    lags = sorted(x for r in records for x in r.clock_staleness)
+    return {"staleness_p50": quantile(lags, 0.5), "staleness_p99": quantile(lags, 0.99), "staleness_max": lags[-1] if lags else 0}
 
 
 def run_job(
@@ -57,6 +65,7 @@ def run_job(
         Interrupted: Ctrl-C; every process was stopped.
     """
     from tether.worker.ctr_job import evaluate_job, open_dataset, reference_losses
+    from tether.worker.policies import policy_class
 
     out_dir = Path(out) if out else None
     if out_dir:
@@ -83,14 +92,14 @@ def run_job(
             restarts = cluster.restart_counts()
             steps_before = cluster.steps_before_restarts()
             records = [workdir / f"worker-{i}.json" for i in range(template.num_workers)]
-            workers = [json.loads(r.read_text()) for r in records if r.exists()]
+            workers = [RunRecord.load(r) for r in records if r.exists()]
             if program is not None:
                 if not workers:
                     raise ClusterError(f"the workers wrote no records to {workdir} (train with Trainer and TrainingConfig.from_env())")
-                evaluation = dict(workers[0].get("final_eval", {})) if workers[0].get("worker_index") == 0 else {}
-            elif template.consistency[0] == "sync":
-                # Dense parameters live on the ranks, so rank 0 evaluated the final model.
-                evaluation = {**workers[0]["final_eval"], **reference_losses(open_dataset(template))}
+                evaluation = dict(workers[0].final_eval or {}) if workers[0].worker_index == 0 else {}
+            elif not policy_class(template.consistency[0]).dense_on_shards:
+                # Dense parameters live on the ranks (sync), so rank 0 evaluated the final model.
+                evaluation = {**(workers[0].final_eval or {}), **reference_losses(open_dataset(template))}
             else:
                 evaluation = evaluate_job(replace(template, shards=tuple(addresses)))
     except KeyboardInterrupt:
@@ -100,10 +109,9 @@ def run_job(
     # done are added (at the batch size the built-in job and Trainer.fit use), and the
     # throughput is over the whole job's wall time, restarts included.
     before = {int(name.rpartition("-")[2]): n for name, n in steps_before.items()}
-    earlier = {w["worker_index"]: before.get(int(w["worker_index"]), 0) * template.batch_size for w in workers}
-    total = sum(int(w["samples"]) for w in workers) + sum(earlier.values())
-    train_wall = wall if steps_before else max(float(w["wall_s"]) for w in workers)
-    lags = sorted(int(x) for w in workers for x in w["clock_staleness"])
+    earlier = {w.worker_index: before.get(w.worker_index, 0) * template.batch_size for w in workers}
+    total = sum(w.samples for w in workers) + sum(earlier.values())
+    train_wall = wall if steps_before else max(w.wall_s for w in workers)
     summary: dict[str, Any] = {
         "mode": template.mode,
         **evaluation,
@@ -116,13 +124,11 @@ def run_job(
         "num_shards": num_shards,
         "num_workers": template.num_workers,
         "metrics_ports": metrics_ports,
-        "staleness_p50": quantile(lags, 0.5),
-        "staleness_p99": quantile(lags, 0.99),
-        "staleness_max": lags[-1] if lags else 0,
+        **staleness_summary(workers),
         "workers": [
-            {**{k: w[k] for k in ("worker_index", "samples", "wall_s", "samples_per_sec", "phase_seconds")},
-             "restarts": restarts.get(f"worker-{w['worker_index']}", 0),
-             "samples_before_restarts": earlier.get(w["worker_index"], 0)}
+            {"worker_index": w.worker_index, "samples": w.samples, "wall_s": w.wall_s, "samples_per_sec": w.samples_per_sec,
+             "phase_seconds": w.phase_seconds, "restarts": restarts.get(f"worker-{w.worker_index}", 0),
+             "samples_before_restarts": earlier.get(w.worker_index, 0)}
             for w in workers
         ],
         # Restarts of every process (shard-<i>, worker-<i>; torchrun in sync mode), and what a

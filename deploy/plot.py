@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from tether.worker.run_record import RunRecord
+
 __all__ = ["write_plot"]
 
 
@@ -87,12 +89,12 @@ def write_plot(
         ax.set_xlim(left=0)
     ax_t.legend(fontsize=7, loc="lower left")
     for mode, mode_runs in runs.items():
-        records = mode_runs[0]["records"]
-        t0 = min(float(r.get("start_time", 0.0)) for r in records)
+        records: Sequence[RunRecord] = mode_runs[0]["records"]
+        t0 = min(r.start_time for r in records)
         lags = sorted(
             (float(p["time"]) - t0, float(p["staleness_mean"]))
             for r in records
-            for p in r["history"]
+            for p in r.history
             if "staleness_mean" in p and "time" in p
         )
         if lags:

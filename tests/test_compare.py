@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from tether.deploy.compare import _with_job_end, format_table, recommend, time_t
 from tether.deploy.plot import write_plot
 from tether.protos.errors import UsageError
 from tether.worker.config import TrainingConfig
+from tether.worker.run_record import RunRecord
 from tether.worker.stragglers import StragglerSpec, delay_factor, parse_straggler
 
 
@@ -36,7 +38,7 @@ def test_the_curve_ends_at_the_jobs_final_loss() -> None:
     # (0.570) must be reached on the curve, at the job's end.
     curve = [{"step": 0, "samples": 0, "total_samples": 0, "wall_s": 0.0, "eval_loss": 0.73},
              {"step": 40, "samples": 5120, "total_samples": 8000, "wall_s": 1.2, "eval_loss": 0.574}]
-    records = [{"samples": 5120}, {"samples": 5120}]
+    records = [replace(_record(w, "async", []), samples=5120) for w in range(2)]
     ended = _with_job_end(curve, {"eval_loss": 0.567, "train_wall_s": 2.0}, records)
     assert ended[-1] == {"step": 40, "samples": 5120, "total_samples": 10240, "wall_s": 2.0, "eval_loss": 0.567, "job_end": True}
     assert time_to_target(curve, 0.570) is None and time_to_target(ended, 0.570) == pytest.approx(1.2 + 0.8 * 4 / 7)
@@ -92,13 +94,19 @@ def test_old_slowdown_flags_map_onto_a_persistent_spec() -> None:
         TrainingConfig(shards=("a:1",), straggler="transient:3")
 
 
+def _record(worker: int, mode: str, history: list[dict[str, float]]) -> RunRecord:
+    return RunRecord(worker_index=worker, mode=mode, device="cpu", steps=100, samples=10_000, wall_s=10.0, samples_per_sec=1000.0,
+                     phase_seconds={}, clock_staleness=[1] * 100, update_staleness=[1] * 100, start_time=100.0, rejected_too_stale=0,
+                     history=history, config={})
+
+
 def _run(mode: str, repeat: int, slope: float) -> dict[str, object]:
     history = [{"step": 0, "samples": 0, "wall_s": 0.0, "time": 100.0, "eval_loss": 0.69}]
     for i in range(1, 11):
         history.append({"step": 10 * i, "samples": 1000 * i, "wall_s": i * 1.0, "time": 100.0 + i, "eval_loss": 0.45 + 0.24 * slope ** i + 0.001 * repeat,
                         "total_samples": 2000 * i, "staleness_mean": 1.0})
     history[0]["total_samples"] = 0
-    records = [{"start_time": 100.0, "history": history}, {"start_time": 100.0, "history": history}]
+    records = [_record(w, mode, history) for w in range(2)]
     return {"mode": mode, "repeat": repeat, "curve": history, "records": records}
 
 

@@ -35,6 +35,7 @@ from tether.worker.local import LocalClient
 from tether.worker.model import CTRModel
 from tether.worker.policies import SyncPolicy
 from tether.worker.router import PullAnswer, Router
+from tether.worker.run_record import RunRecord
 from tether.worker.training import Trainer, TrainingConfig
 
 from conftest import make_client
@@ -379,10 +380,12 @@ def test_sync_digests_are_read_from_the_gpu_once_at_the_end() -> None:
                 layer.weight.mul_(0.5).add_(0.25)
             policy.after_push()
         assert fake.syncs[waits:] == []
-        record: dict[str, object] = {}
+        record = RunRecord(worker_index=0, mode="sync", device="cuda", steps=5, samples=0, wall_s=0.0, samples_per_sec=0.0,
+                           phase_seconds={}, clock_staleness=[], update_staleness=[], start_time=0.0, rejected_too_stale=0,
+                           history=[], config={})
         policy.finish(_View(), 5, record)  # type: ignore[arg-type]
         assert fake.syncs[waits:] == ["tolist"]
-        digests = record["dense_digests"]
+        digests = record.dense_digests
         assert isinstance(digests, list) and len(digests) == 5 and len(set(digests)) == 5
         assert all(len(d) == 16 and int(d, 16) >= 0 for d in digests)
         # Another rank holding the same parameters has the same digest; one element off, not.

@@ -84,7 +84,7 @@ def test_local_mode_ends_where_a_one_shard_job_does(cluster: LocalCluster, optim
     common = dict(optimizer=optimizer, lr=lr, prefetch=False, device="cpu", init_scale=0.2, seed=4, log_every=100)
     local_rows, local_dense, local_record = _train(TrainingConfig(shards=(), local=True, **common), batches)
     shard_rows, shard_dense, shard_record = _train(TrainingConfig(shards=tuple(cluster.start_shards(1)), **common), batches)
-    assert local_record["steps"] == shard_record["steps"] == 30
+    assert local_record.steps == shard_record.steps == 30
     for table in ("users", "items"):
         assert torch.allclose(local_rows[table], shard_rows[table], rtol=0, atol=1e-5), table
         # The comparison is between trained rows, not two untouched starts.
@@ -93,7 +93,7 @@ def test_local_mode_ends_where_a_one_shard_job_does(cluster: LocalCluster, optim
         assert (local_rows[table] - start).abs().max() > 1e-3
     assert torch.allclose(local_dense, shard_dense, rtol=0, atol=1e-5)
     # The losses along the way agree too (the same sequence of parameters).
-    assert [h["train_loss"] for h in local_record["history"]] == pytest.approx([h["train_loss"] for h in shard_record["history"]], abs=1e-5)
+    assert [h["train_loss"] for h in local_record.history] == pytest.approx([h["train_loss"] for h in shard_record.history], abs=1e-5)
 
 
 def test_local_mode_needs_no_network(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
@@ -118,8 +118,8 @@ def test_local_mode_needs_no_network(monkeypatch: pytest.MonkeyPatch, tmp_path) 
     with Trainer(model, config, loss=_loss, sparse=_sparse, batch_size=_size, printer=lambda line: None) as trainer:
         assert isinstance(trainer.client, LocalClient)
         record = trainer.fit(_batches(8), eval_data=_batches(1))
-    assert record["steps"] == 5 and record["samples"] == 5 * 16
-    assert "eval_loss" in record["history"][-1]
+    assert record.steps == 5 and record.samples == 5 * 16
+    assert "eval_loss" in record.history[-1]
     assert (tmp_path / "worker-0.json").exists()
 
 
@@ -129,7 +129,7 @@ def test_ssp_in_local_mode_never_waits(mode: str) -> None:
     config = TrainingConfig(shards=(), local=True, mode=mode, steps=6, device="cpu", ssp_timeout_s=1.0, log_every=100)
     with Trainer(WideDeep(), config, loss=_loss, sparse=_sparse, batch_size=_size, printer=lambda line: None) as trainer:
         record = trainer.fit(_batches(6))
-    assert record["steps"] == 6
+    assert record.steps == 6
 
 
 # One line that names both local mode and sync.

@@ -68,14 +68,14 @@ def test_a_real_run_writes_the_logged_scalars(cluster: LocalCluster, tmp_path: P
     torch.manual_seed(0)
     with Trainer(_Dot(), config, loss=_loss, sparse=_ids, printer=lambda line: None) as trainer:
         record = trainer.fit(_batches(20), eval_data=_batches(2, size=64))
-    history = [h for h in record["history"] if "train_loss" in h]  # (not the initial model's evaluation)
+    history = [h for h in record.history if "train_loss" in h]  # (not the initial model's evaluation)
     assert [h["step"] for h in history] == [4, 6, 8, 12]
     scalars = _scalars(board / "worker-0")
     loss = scalars["train/loss"]
     assert [step for step, _ in loss] == [4, 6, 8, 12]
     for (_, value), h in zip(loss, history):
         assert value == pytest.approx(h["train_loss"], rel=1e-5)
-    history = record["history"]
+    history = record.history
     assert scalars["eval/loss"] == [(h["step"], pytest.approx(h["eval_loss"], rel=1e-5)) for h in history if "eval_loss" in h]
     assert [step for step, _ in scalars["train/samples_per_sec"]] == [4, 6, 8, 12]
     assert all(value > 0 for _, value in scalars["train/samples_per_sec"])

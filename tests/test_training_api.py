@@ -3,6 +3,8 @@ model trained in one process with the matching torch optimizer."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -10,6 +12,7 @@ from torch import nn
 from tether.deploy.launch import LocalCluster
 from tether.worker.batches import batch_size_of, to_device
 from tether.worker.embedding import ShardedEmbeddingBag
+from tether.worker.run_record import RunRecord
 from tether.worker.training import Trainer, TrainingConfig
 
 DIM, USERS, ITEMS = 4, 30, 40
@@ -76,7 +79,7 @@ def test_one_worker_equals_torch_optimizer_in_process(cluster: LocalCluster, opt
         initial_dense = [p.detach().clone() for p in model.parameters()]
         record = trainer.fit(batches)
         final = trainer.client.pull({"users": user_ids, "items": item_ids}, ["dense"]).result(30)
-    assert record["steps"] == 25 and record["samples"] == 25 * 32
+    assert record.steps == 25 and record.samples == 25 * 32
 
     torch.manual_seed(0)
     ref = MF(lambda name, dim: _Local(user_ids, start.rows["users"]) if name == "users" else _Local(item_ids, start.rows["items"]))
@@ -105,11 +108,23 @@ def test_evaluate_and_records(cluster: LocalCluster, tmp_path) -> None:
     config = TrainingConfig(shards=tuple(addresses), steps=12, log_every=5, eval_every=6, out=str(tmp_path), device="cpu", lr=0.1)
     with Trainer(model, config, loss=_loss, sparse=_ids, printer=lines.append) as trainer:
         record = trainer.fit(_batches(40), eval_data=_batches(2, size=64))
-    assert record["steps"] == 12  # config.steps stops it before the data ends
-    evals = [h for h in record["history"] if "eval_loss" in h]
+    assert record.steps == 12  # config.steps stops it before the data ends
+    evals = [h for h in record.history if "eval_loss" in h]
     assert [h["step"] for h in evals] == [0, 6, 12]  # the initial model too (the curve's first point)
-    assert record["final_eval"]["eval_loss"] == evals[-1]["eval_loss"]
-    assert (tmp_path / "worker-0.json").exists()
+    assert record.final_eval["eval_loss"] == evals[-1]["eval_loss"]
+    # The file holds the record's JSON, under the keys it always had, and reads back whole.
+    written = json.loads((tmp_path / "worker-0.json").read_text())
+    assert list(written) == ["worker_index", "mode", "device", "steps", "samples", "wall_s", "samples_per_sec", "phase_seconds",
+                             "clock_staleness", "update_staleness", "start_time", "rejected_too_stale", "history", "config",
+                             "final_eval"]
+    assert written == record.to_json() and RunRecord.load(tmp_path / "worker-0.json") == record
+    assert [set(h) for h in record.history[1:]] == [
+        {"step", "samples", "wall_s", "time", "train_loss", "staleness_mean", "staleness_max"} | ({"eval_loss"} if h["step"] % 6 == 0 else set())
+        for h in record.history[1:]
+    ]
+    assert record["steps"] == 12 and "final_eval" in record and "data_position" not in record and record.get("backend", "-") == "-"
+    with pytest.raises(ValueError, match="not a worker record"):
+        RunRecord.from_json({**written, "stepz": 1})
     progress = [line for line in lines if " step " in line]
     assert progress and all("elapsed" in line for line in progress)
     assert "eta" in progress[0] and "eta" not in progress[-1]
@@ -160,10 +175,10 @@ def test_metric_names_are_kept_one_shot_eval_data_is_refused_and_jagged_batches_
             record = trainer.fit(jagged, eval_data=held_out, evaluate=metrics)
         with pytest.raises(UsageError, match=r"evaluate returned \['step'\]"):
             trainer.evaluate(held_out, lambda m, b: {"step": 1.0})
-    assert set(record["final_eval"]) == {"rmse", "mae"}
-    assert record["final_eval"]["rmse"] == pytest.approx(record["history"][-1]["rmse"])
+    assert set(record.final_eval) == {"rmse", "mae"}
+    assert record.final_eval["rmse"] == pytest.approx(record.history[-1]["rmse"])
     assert any("rmse" in line and "mae" in line for line in lines)
-    assert record["samples"] == 6 * 32
+    assert record.samples == 6 * 32
     notes = [r.message for r in caplog.records if "differ in length" in r.message]
     assert len(notes) == 1 and "batch['history'] 96" in notes[0] and "counting 32" in notes[0]
 

@@ -29,6 +29,7 @@ from tether.worker.embedding import ShardedEmbeddingBag
 from tether.worker.evaluation import constant_baseline_loss, evaluate
 from tether.worker.metrics import WorkerRecorder
 from tether.worker.model import CTRModel
+from tether.worker.run_record import RunRecord
 from tether.worker.training import Trainer
 
 __all__ = [
@@ -202,7 +203,7 @@ def ctr_trainer(
     return Trainer(model, cfg, loss=ctr_loss, sparse=ctr_sparse, tables=tables, metrics=metrics, printer=printer)
 
 
-def train(cfg: WorkerConfig, metrics: WorkerRecorder | None = None, printer: Callable[[str], None] = print) -> dict[str, Any]:
+def train(cfg: WorkerConfig, metrics: WorkerRecorder | None = None, printer: Callable[[str], None] = print) -> RunRecord:
     """Run one worker of the CTR job and return its record (also written to ``cfg.out``).
 
     Raises:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from typing import Protocol
@@ -14,11 +15,17 @@ import torch
 from torch import nn
 
 from tether.protos.errors import DeadlineExceeded, UsageError
+from tether.protos.optimizers import OptimizerConfig
 from tether.worker.client import PSClient
 from tether.worker.config import TrainingConfig
-from tether.worker.embedding import flat_grads, split_flat
+from tether.worker.embedding import PSModel, flat_grads, split_flat
+from tether.worker.run_record import RunRecord
+from tether.worker.table_rules import dense_torch_optimizer
 
-__all__ = ["AsyncPolicy", "SSPPolicy", "SyncPolicy", "TrainerView", "init_sync", "policy_for", "sync_device"]
+__all__ = ["AsyncPolicy", "RowCombiner", "SSPPolicy", "SyncPolicy", "TrainerView", "init_sync", "policy_class", "policy_for", "sync_device"]
+
+# A step's row gradients (table -> (ids, grads)) -> those this worker pushes.
+RowCombiner = Callable[[dict[str, tuple[torch.Tensor, torch.Tensor]]], dict[str, tuple[torch.Tensor, torch.Tensor]]]
 
 
 class TrainerView(Protocol):
@@ -40,6 +47,13 @@ class AsyncPolicy:
     prefetch = True  # the next batch's rows may be pulled before this step's push lands
     settle_every_step = False
     dense_on_shards = True
+    # The phases a progress line shows the share of (ssp's adds its staleness wait).
+    phases_shown: tuple[str, ...] = ("pull_wait", "compute", "push")
+
+    @classmethod
+    def for_config(cls, config: TrainingConfig, device: torch.device) -> tuple[TrainingConfig, torch.device, AsyncPolicy]:
+        """The policy of ``config``'s mode, with the config and device it trains with."""
+        return config, device, cls()
 
     def start(self, trainer: TrainerView) -> int:
         """Join, then wait (bounded) until every worker of the job has: the workers of a run
@@ -57,6 +71,10 @@ class AsyncPolicy:
                 raise DeadlineExceeded(f"only {reply.live_workers} of {cfg.num_workers} workers joined within {cfg.ssp_timeout_s:.0f}s")
             time.sleep(0.05)
 
+    def attach(self, ps: PSModel, optimizer: OptimizerConfig) -> None:
+        """Called once the model is bound to the shards (``ps``) and declared, the dense
+        parameters' rule ``optimizer``."""
+
     def before_step(self, trainer: TrainerView, clock: int) -> None:
         """Called before a step pulls its rows."""
 
@@ -65,17 +83,21 @@ class AsyncPolicy:
         False when the job's workers must stop after this step together (sync)."""
         return True
 
-    def row_gradients(self, sparse: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """The row gradients (table -> (ids, grads)) this worker pushes for its step's."""
-        return sparse
+    def row_combiner(self) -> RowCombiner | None:
+        """What turns a step's row gradients (table -> (ids, grads), in float32) into those this
+        worker pushes, or None: push them as they are (every mode but sync)."""
+        return None
 
     def after_push(self) -> None:
         """Called once a step's push landed (``settle_every_step`` policies)."""
 
-    def finish(self, trainer: TrainerView, clock: int, record: dict[str, object]) -> None:
+    def finish(self, trainer: TrainerView, clock: int, record: RunRecord) -> None:
         """Called after the last step: leave, so the others' staleness is not measured against
         a worker that is done."""
         trainer.client.clock(clock, leave=True)
+
+    def leave(self, failed: bool) -> None:
+        """Called when the trainer closes; ``failed``: it is closing on an error."""
 
 
 class SSPPolicy(AsyncPolicy):
@@ -84,9 +106,14 @@ class SSPPolicy(AsyncPolicy):
 
     prefetch = False
     settle_every_step = True
+    phases_shown = ("staleness_wait", "pull_wait", "compute", "push")
 
     def __init__(self, bound: int) -> None:
         self.bound = bound
+
+    @classmethod
+    def for_config(cls, config: TrainingConfig, device: torch.device) -> tuple[TrainingConfig, torch.device, AsyncPolicy]:
+        return config, device, cls(int(config.consistency[1] or 0))
 
     def before_step(self, trainer: TrainerView, clock: int) -> None:
         cfg = trainer.config
@@ -123,6 +150,30 @@ class SyncPolicy(AsyncPolicy):
         # same ranks instead, so no copy to the GPU and back (and no wait on it) is needed.
         self.host_group = dist.new_group(backend="gloo") if device.type == "cuda" and dist.is_initialized() else None
 
+    @classmethod
+    def for_config(cls, config: TrainingConfig, device: torch.device) -> tuple[TrainingConfig, torch.device, AsyncPolicy]:
+        """After joining the process group: the config takes its rank and world size, a CUDA
+        device its local rank.
+
+        Raises:
+            UsageError: local mode, or outside torchrun (see ``init_sync``, ``sync_device``).
+        """
+        if config.local:
+            raise UsageError("--mode sync runs ranks under torchrun against shards; local mode (no shards) trains one process: use async")
+        if device.type == "cuda":
+            device = sync_device(
+                device, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
+            )
+        config = init_sync(config, device)
+        return config, device, cls(config.num_workers, config.worker_index, device)
+
+    def attach(self, ps: PSModel, optimizer: OptimizerConfig) -> None:
+        """The model's dense parameters, stepped on every rank by the torch form of the shards'
+        rule (each rank its own copy), and its tables."""
+        params = list(ps.parameters())
+        self.bind(params, dense_torch_optimizer(optimizer, params) if params else None,
+                  {t: bags[0].dim for t, bags in ps.bags.items()})
+
     def bind(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, tables: dict[str, int]) -> None:
         """The dense parameters this rank all-reduces and steps, and the model's tables (name
         -> row width) whose row gradients the ranks combine."""
@@ -144,6 +195,10 @@ class SyncPolicy(AsyncPolicy):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return go_on
+
+    def row_combiner(self) -> RowCombiner:
+        """``row_gradients``: the ranks' row gradients combined."""
+        return self.row_gradients
 
     def row_gradients(self, sparse: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Every rank's row gradients of the step, summed per id in rank order and averaged over
@@ -216,10 +271,10 @@ class SyncPolicy(AsyncPolicy):
             self._prints = []
         return self.digests
 
-    def finish(self, trainer: TrainerView, clock: int, record: dict[str, object]) -> None:
+    def finish(self, trainer: TrainerView, clock: int, record: RunRecord) -> None:
         super().finish(trainer, clock, record)
-        record["dense_digests"] = self._read_digests()
-        record["backend"] = self.dist.get_backend()
+        record.dense_digests = self._read_digests()
+        record.backend = str(self.dist.get_backend())
 
     def leave(self, failed: bool) -> None:
         """Leave the process group: after a barrier when the job ends well; at once when this
@@ -294,19 +349,16 @@ def sync_device(device: torch.device, local_rank: int, local_world: int, gpus: i
     return device if device.index is not None else torch.device("cuda", local_rank)
 
 
+def policy_class(kind: str) -> type[AsyncPolicy]:
+    """The policy of a mode's kind (``async``, ``ssp`` or ``sync``: ``parse_mode(mode)[0]``); its
+    class attributes say what the mode does (``dense_on_shards``, ``prefetch``, ...)."""
+    return _POLICIES[kind]
+
+
+_POLICIES: dict[str, type[AsyncPolicy]] = {"async": AsyncPolicy, "ssp": SSPPolicy, "sync": SyncPolicy}
+
+
 def policy_for(config: TrainingConfig, device: torch.device) -> tuple[TrainingConfig, torch.device, AsyncPolicy]:
     """The policy of ``config``'s consistency mode; in sync mode, after joining the process group
     (the config then takes its rank and world size, a CUDA device its local rank)."""
-    kind, bound = config.consistency
-    if kind == "sync":
-        if config.local:
-            raise UsageError("--mode sync runs ranks under torchrun against shards; local mode (no shards) trains one process: use async")
-        if device.type == "cuda":
-            device = sync_device(
-                device, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
-            )
-        config = init_sync(config, device)
-        return config, device, SyncPolicy(config.num_workers, config.worker_index, device)
-    if kind == "ssp":
-        return config, device, SSPPolicy(int(bound or 0))
-    return config, device, AsyncPolicy()
+    return policy_class(config.consistency[0]).for_config(config, device)

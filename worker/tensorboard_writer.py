@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from tether.protos.errors import UsageError
+from tether.worker.run_record import POINT_KEYS
 
 __all__ = ["MISSING", "RECORD_KEYS", "TensorBoardRecorder", "require_tensorboard", "tensorboard_available"]
 
-# Keys of a ``Trainer.fit`` history record that are not held-out metrics (``evaluate``'s must not reuse them).
-RECORD_KEYS = frozenset({"step", "samples", "wall_s", "time", "train_loss", "staleness_mean", "staleness_max"})
+# Keys of a ``Trainer.fit`` history point that are not held-out metrics (``evaluate``'s must not reuse them): ``Point``'s fields.
+RECORD_KEYS = POINT_KEYS
 
 MISSING = "--tensorboard needs the tensorboard package: pip install 'tether[tensorboard]'"
 

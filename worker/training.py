@@ -31,19 +31,20 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
-from tether.protos.errors import FailedPrecondition, TooStale, UsageError
+from tether.protos.errors import FailedPrecondition, UsageError
 from tether.protos.specs import TableConfig
-from tether.worker.client import ClientConfig, Handle, PSClient, PullResult
+from tether.worker.client import ClientConfig, PSClient
 from tether.worker.batches import count_samples, pick_device, to_device
 from tether.worker.config import TrainingConfig
 from tether.worker.data import in_background
-from tether.worker.embedding import Prefetch, PSModel
+from tether.worker.embedding import PSModel
 from tether.worker.local import LocalClient
-from tether.worker.table_rules import apply_rules, dense_torch_optimizer
+from tether.worker.table_rules import apply_rules
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
-from tether.worker.policies import AsyncPolicy, SyncPolicy, policy_for
-from tether.worker.stragglers import delay_factor
-from tether.worker.tensorboard_writer import RECORD_KEYS, TensorBoardRecorder
+from tether.worker.policies import policy_for
+from tether.worker.step import PHASES, Step
+from tether.worker.run_record import POINT_KEYS, Point, RunRecord
+from tether.worker.tensorboard_writer import TensorBoardRecorder
 
 __all__ = ["Trainer", "TrainingConfig"]
 
@@ -124,11 +125,7 @@ class Trainer(Generic[B]):
                 config.table_rules, tables, {t: bags[0].dim for t, bags in self.ps.bags.items()}, config.init_scale, config.seed
             )
             self.client.declare(list(tables), self.ps.dense_tensors() if policy.dense_on_shards and self.ps.dense else None, opt)
-            if isinstance(policy, SyncPolicy):
-                params = list(self.ps.parameters())
-                # The torch optimizer that takes the shards' steps: every rank steps its own copy.
-                policy.bind(params, dense_torch_optimizer(opt, params) if params else None,
-                            {t: bags[0].dim for t, bags in self.ps.bags.items()})
+            policy.attach(self.ps, opt)
         except BaseException:
             self.client.close()
             if self.board is not None:
@@ -154,10 +151,10 @@ class Trainer(Generic[B]):
                 with torch.no_grad():
                     values = metric(self.model, on_device) if metric else {"eval_loss": float(self.loss_fn(self.model, on_device))}
                 k = self.batch_size_fn(batch)
-                reserved = sorted(set(values) & RECORD_KEYS)
+                reserved = sorted(set(values) & POINT_KEYS)
                 if reserved:
                     raise UsageError(
-                        f"evaluate returned {reserved}, which the record uses for itself ({', '.join(sorted(RECORD_KEYS))}): rename them"
+                        f"evaluate returned {reserved}, which the record uses for itself ({', '.join(sorted(POINT_KEYS))}): rename them"
                     )
                 for key, value in values.items():
                     totals[key] = totals.get(key, 0.0) + float(value) * k
@@ -182,9 +179,9 @@ class Trainer(Generic[B]):
         eval_data: Iterable[B] | None = None,
         evaluate: Callable[[nn.Module, B], Mapping[str, float]] | None = None,
         background: bool = True,
-    ) -> dict[str, Any]:
+    ) -> RunRecord:
         """Train on ``data`` until it ends or ``config.steps`` steps are done; returns this
-        worker's record (also written to ``config.out/worker-<i>.json``).
+        worker's record (``RunRecord``; also written to ``config.out/worker-<i>.json``).
 
         Worker 0 evaluates ``eval_data`` (re-iterated each time: pass a list or a re-iterable
         dataset) every ``config.eval_every`` steps and after the last step; the record's
@@ -219,220 +216,97 @@ class Trainer(Generic[B]):
 
     def _fit(
         self, stream: Iterator[B], eval_data: Iterable[B] | None, evaluate: Callable[[nn.Module, B], Mapping[str, float]] | None
-    ) -> dict[str, Any]:
-        cfg, policy, ps = self.config, self.policy, self.ps
+    ) -> RunRecord:
+        cfg, policy = self.config, self.policy
         evaluating = eval_data is not None and cfg.worker_index == 0
         held_out: Iterable[B] = eval_data if eval_data is not None else ()
-        prefetch = cfg.prefetch and policy.prefetch
-        # Without prefetching a step's push lands before the next step pulls (sequential SGD).
-        settle_every_step = policy.settle_every_step or not cfg.prefetch
-        history: list[dict[str, Any]] = []
-        staleness: list[int] = []
-        update_staleness: list[int] = []
-        too_stale = 0
-        wait_s = cfg.wait_s
-
-        def settle(handle: Handle) -> None:
-            """Wait for a push; one a shard rejected as too stale is dropped and counted."""
-            nonlocal too_stale
-            try:
-                ack = handle.result(wait_s)
-                staleness.append(ack.clock_staleness)
-                update_staleness.append(ack.staleness)
-            except TooStale as exc:
-                too_stale += 1
-                log.info("%s", exc)
-
-        def install(pending: Prefetch) -> PullResult:
-            """Wait for a pull; a push_pull whose push was rejected as too stale is counted and
-            its pull made again on its own."""
-            nonlocal too_stale
-            try:
-                pulled = ps.install(pending, train=True, timeout=wait_s)
-            except TooStale as exc:
-                too_stale += 1
-                log.info("%s", exc)
-                return ps.install(ps.prefetch(pending.ids), train=True, timeout=wait_s)
-            if pending.ack is not None:
-                staleness.append(pending.ack.clock_staleness)
-                update_staleness.append(pending.ack.staleness)
-            return pulled
-
-        steps = cfg.steps
-        total = f"/{steps}" if steps else ""
         where = "local (in-process tables)" if cfg.local else f"{len(cfg.shards)} shard(s)"
         self.printer(f"{self.name}: mode {cfg.mode}, {where}, device {self.device}"
-                     + (f", {steps} steps" if steps else ", until the data ends"))
+                     + (f", {cfg.steps} steps" if cfg.steps else ", until the data ends"))
+        history: list[dict[str, Any]] = []
         last_eval: dict[str, float] = {}
         if evaluating and cfg.eval_every > 0:
             # The curve's first point: the initial model, evaluated before the others may start.
             last_eval = self.evaluate(held_out, evaluate)
-            history.append({"step": 0, "samples": 0, "wall_s": 0.0, "time": time.time(), **last_eval})
+            history.append(Point(step=0, samples=0, wall_s=0.0, time=time.time()).to_json(last_eval))
             if self.board is not None:
                 self.board.write(history[-1])
         start_clock = policy.start(self)
-        batch = next(stream, None)
-        if batch is None:
-            raise UsageError("the training data holds no batch")
-        upcoming = next(stream, None) if steps is None or steps > 1 else None
-        # Prefetching the next batch during compute reads before this step's push lands: fine
-        # without a bound, but ssp and sync pull only once the bound (or the barrier) allows.
-        # An async step makes one round trip in steady state: its push carries the pull of the
-        # batch after next (push_pull, whose answer holds the push's ack), which then has a
-        # whole step of compute to come back in. The rows of a step miss one step's update
-        # either way (the previous step's), as with a plain prefetch issued before the push.
-        pending = None  # the pull of this step's batch, if already under way
-        ahead = None  # the push_pull carrying the next step's pull
-        push = None
-        phase = {"staleness_wait": 0.0, "pull_wait": 0.0, "compute": 0.0, "push": 0.0}
-        window_n, samples, eval_time = 0, 0, 0.0
-        # This window's summed loss, where the loss is (a GPU's: reading it there waits for the
-        # device, so it is read when a record is written, not every step); the last value read.
-        window_loss: torch.Tensor | None = None
-        loss_value = math.nan
-        on_host = self.device.type == "cpu"
-        # Sync's combiner of the ranks' row gradients (which wants them in float32), else none.
-        combine = policy.row_gradients if type(policy).row_gradients is not AsyncPolicy.row_gradients else None
-        straggler, delay_seed = cfg.straggler_spec, cfg.seed
-        t_start = time.perf_counter()
-        start_time = time.time()
-        window_start = 0
-        step = 0
+        steps = Step(self, stream, start_clock)
+        phase = dict.fromkeys(PHASES, 0.0)
+        samples, eval_time, step = 0, 0.0, 0
+        t_start, start_time = time.perf_counter(), time.time()
         for step in itertools.count():
-            clock = start_clock + step
-            t0 = time.perf_counter()
-            policy.before_step(self, clock)
-            tw = time.perf_counter()
-            if pending is None:
-                pending = ps.prefetch(self.sparse_fn(batch))
-            pulled = install(pending)
-            pending, ahead = ahead, None
-            t1 = time.perf_counter()
-            after = next(stream, None) if upcoming is not None and (steps is None or step + 2 < steps) else None
-            if prefetch and upcoming is not None and pending is None:
-                pending = ps.prefetch(self.sparse_fn(upcoming))
-            loss = self.loss_fn(self.model, to_device(batch, self.device))
-            loss.backward()
-            # The gradients' copies to the host, queued now: sync's wait in after_backward covers them.
-            ps.collect(exact=combine is not None, wait=False)
-            if not policy.after_backward(more=upcoming is not None) and upcoming is not None:
-                # sync: another rank's data ended, so every rank stops after this step.
-                self.printer(f"{self.name}: stopping at step {step + 1} with data left: another rank's data ended there "
-                             "(sync steps every rank together: give the ranks equal numbers of batches, or set steps)")
-                upcoming = after = None
-            held = loss.detach()
-            window_loss = held.double() if window_loss is None else window_loss + held
-            if on_host:
-                loss_value = float(held)  # free on the CPU: the loss gauge gets every step's
-            # The step's gradients on the host: on CUDA the host's one wait for the GPU this step.
-            ps.collect(exact=combine is not None)
-            # Straggler experiments: this step computes ``factor`` times slower (same schedule
-            # per worker and step in every mode: see tether.worker.stragglers).
-            factor = delay_factor(straggler, delay_seed, cfg.worker_index, start_clock + step, cfg.num_workers) if straggler.active else 1.0
-            if factor > 1.0:
-                time.sleep((factor - 1.0) * (time.perf_counter() - t1))
-            t2 = time.perf_counter()
-            if push is not None:
-                settle(push)
-                push = None
-            if prefetch and after is not None:
-                ahead = ps.push_pull(clock=clock + 1, versions=pulled, sparse=self.sparse_fn(after))
-            else:
-                push = ps.push(clock=clock + 1, versions=pulled, rows=combine)
-            if settle_every_step:
-                # The step's updates must land before this worker's clock (or the barrier) lets
-                # anyone read past them (such policies never prefetch: the push was just made).
-                if push is not None:
-                    settle(push)
-                push = None
-                policy.after_push()
-            t3 = time.perf_counter()
-            n = self.batch_size_fn(batch)
+            durations = steps.run(step)
+            clock = start_clock + step + 1  # this worker's clock once the step is done
+            n = self.batch_size_fn(steps.batch)
             samples += n
-            window_n += 1
-            durations = {"staleness_wait": tw - t0, "pull_wait": t1 - tw, "compute": t2 - t1, "push": t3 - t2}
             for key, value in durations.items():
                 phase[key] += value
-            self.metrics.record_step(durations, t3 - t0, n, loss_value, clock + 1)
-            last = upcoming is None
+            self.metrics.record_step(durations, sum(durations.values()), n, steps.loss_value, clock)
             # self.config: _checkpoint turns checkpoints off for the run when the shards cannot take them.
             if self.config.checkpoint_every_steps and (step + 1) % self.config.checkpoint_every_steps == 0:
                 if cfg.worker_index == 0:
-                    self._checkpoint(clock + 1)
-                self._save_position(clock + 1, step + 1)
-            evaluate_now = evaluating and ((cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0) or last)
-            if (step + 1) % cfg.log_every == 0 or last or evaluate_now:
+                    self._checkpoint(clock)
+                self._save_position(clock, step + 1)
+            evaluate_now = evaluating and ((cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0) or steps.last)
+            if (step + 1) % cfg.log_every == 0 or steps.last or evaluate_now:
                 wall = time.perf_counter() - t_start - eval_time
-                record: dict[str, Any] = {
-                    "step": step + 1,
-                    "samples": samples,
-                    "wall_s": round(wall, 4),
-                    "time": time.time(),
-                    "train_loss": round(float(window_loss) / max(window_n, 1), 6) if window_loss is not None else math.nan,
-                }
-                window = staleness[window_start:]
-                if window:
-                    # Clock staleness of this window's pushes (for the staleness-over-time plot).
-                    record["staleness_mean"] = round(sum(window) / len(window), 3)
-                    record["staleness_max"] = max(window)
-                window_start = len(staleness)
-                if evaluate_now:
-                    # Evaluation time is left out of the wall clock so curves compare training.
-                    te = time.perf_counter()
-                    last_eval = self.evaluate(held_out, evaluate)
-                    record.update(last_eval)
-                    eval_time += time.perf_counter() - te
-                history.append(record)
-                if self.board is not None:
-                    self.board.write(record, staleness[-1] if staleness else None)
-                self.printer(self._progress(record, last_eval if evaluate_now else {}, phase, wall, steps, total))
-                if not on_host:
-                    loss_value = record["train_loss"]  # the loss gauge's, until the next record
-                window_loss, window_n = None, 0
-            if upcoming is None:
+                evals = (lambda: self.evaluate(held_out, evaluate)) if evaluate_now else None
+                point, metrics, spent = self._log(steps, Point(step + 1, samples, round(wall, 4), time.time()), evals, phase, wall)
+                history.append(point)
+                last_eval = metrics if evaluate_now else last_eval
+                eval_time += spent  # evaluations are left out of the wall clock so curves compare training
+            if steps.last:
                 break
-            batch, upcoming = upcoming, after
-        if push is not None:
-            settle(push)
+            steps.advance()
+        steps.finish()
         wall = time.perf_counter() - t_start - eval_time
-        result: dict[str, Any] = {
-            "worker_index": cfg.worker_index,
-            "mode": cfg.mode,
-            "device": str(self.device),
-            "steps": step + 1,
-            "samples": samples,
-            "wall_s": wall,
-            "samples_per_sec": samples / wall if wall > 0 else math.nan,
-            "phase_seconds": phase,
-            "clock_staleness": staleness,
-            "update_staleness": update_staleness,
-            "start_time": start_time,
-            "rejected_too_stale": too_stale,
-            "history": history,
-            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k != "auth_token"},
-        }
-        if evaluating:
-            result["final_eval"] = last_eval
-        if self._position_of is not None:
-            result["data_position"] = self._position_of(step + 1)
-        policy.finish(self, start_clock + step + 1, result)
+        record = RunRecord(
+            worker_index=cfg.worker_index, mode=cfg.mode, device=str(self.device), steps=step + 1, samples=samples, wall_s=wall,
+            samples_per_sec=samples / wall if wall > 0 else math.nan, phase_seconds=phase,
+            clock_staleness=steps.acks.clock_staleness, update_staleness=steps.acks.update_staleness, start_time=start_time,
+            rejected_too_stale=steps.acks.too_stale, history=history,
+            config={k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k != "auth_token"},
+            final_eval=last_eval if evaluating else None,
+            data_position=self._position_of(step + 1) if self._position_of is not None else None,
+        )
+        policy.finish(self, start_clock + step + 1, record)
         if self.board is not None:
             self.board.flush()
         if cfg.out:
-            out = Path(cfg.out)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / f"worker-{cfg.worker_index}.json").write_text(json.dumps(result, indent=2))
-        return result
+            record.write(cfg.out)
+        return record
 
-    def _progress(
-        self, record: dict[str, Any], evals: Mapping[str, float], phase: dict[str, float], wall: float, steps: int | None, total: str
-    ) -> str:
+    def _log(
+        self, steps: Step[B], point: Point, evals: Callable[[], dict[str, float]] | None, phase: dict[str, float], wall: float
+    ) -> tuple[dict[str, Any], dict[str, float], float]:
+        """A logged step's history point: ``point`` with the loss and clock staleness since the
+        last one and, when ``evals`` is given, the held-out metrics it returns; written to
+        TensorBoard and printed as a progress line. Returns the point, the metrics and the
+        seconds spent evaluating."""
+        window = steps.acks.window()
+        point = replace(point, train_loss=steps.window_loss(), staleness_mean=round(sum(window) / len(window), 3) if window else None,
+                        staleness_max=max(window) if window else None)
+        metrics: dict[str, float] = {}
+        spent = 0.0
+        if evals is not None:
+            te = time.perf_counter()
+            metrics = evals()
+            spent = time.perf_counter() - te
+        record = point.to_json(metrics)
+        if self.board is not None:
+            self.board.write(record, steps.acks.clock_staleness[-1] if steps.acks.clock_staleness else None)
+        self.printer(self._progress(record, metrics, phase, wall))
+        return record, metrics, spent
+
+    def _progress(self, record: dict[str, Any], evals: Mapping[str, float], phase: dict[str, float], wall: float) -> str:
         """One progress line: step, loss, throughput, where the time went, elapsed and ETA, and
         the held-out metrics when this step evaluated."""
         busy = sum(phase.values()) or 1.0
-        kind = self.config.consistency[0]
-        split = " ".join(f"{k} {v / busy:.0%}" for k, v in phase.items() if k != "staleness_wait" or kind == "ssp")
-        done = int(record["step"])
+        split = " ".join(f"{k} {phase[k] / busy:.0%}" for k in self.policy.phases_shown)
+        done, steps = int(record["step"]), self.config.steps
+        total = f"/{steps}" if steps else ""
         eta = f" eta {_clock(wall / done * (steps - done))}" if steps and done < steps else ""
         extra = "".join(f" {k} {v:.4f}" for k, v in evals.items())
         return (f"{self.name} step {done}{total} loss {record['train_loss']:.4f} "
@@ -470,8 +344,7 @@ class Trainer(Generic[B]):
         """
         if self.board is not None:
             self.board.close()
-        if isinstance(self.policy, SyncPolicy):
-            self.policy.leave(failed)
+        self.policy.leave(failed)
         self.client.close()
 
     def __enter__(self) -> Trainer[B]:

@@ -135,10 +135,10 @@ def main() -> None:
     if stream is not None and position is not None:
         # fit read ahead of the steps it trained on: the position after those steps' batches.
         position.parent.mkdir(parents=True, exist_ok=True)
-        position.write_text(json.dumps(stream.state_dict(batches=record["steps"]), indent=1))
-        print(f"worker {config.worker_index}: data position after {record['steps']} steps written to {position}", flush=True)
-    if "final_eval" in record:
-        e = record["final_eval"]
+        position.write_text(json.dumps(stream.state_dict(batches=record.steps), indent=1))
+        print(f"worker {config.worker_index}: data position after {record.steps} steps written to {position}", flush=True)
+    e = record.final_eval
+    if e is not None:
         print(
             f"held-out log loss {e['eval_loss']:.4f}, AUC {e['eval_auc']:.4f} (constant click rate: {e['eval_baseline_loss']:.4f})",
             flush=True,

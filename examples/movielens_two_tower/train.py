@@ -77,8 +77,8 @@ def main() -> None:
     held = [{k: v[i:i + 4096] for k, v in held_out.items()} for i in range(0, len(held_out["rating"]), 4096)]
     with Trainer(model, config, loss=loss, sparse=sparse) as trainer:
         record = trainer.fit(rating_batches(train, a.batch_size, seed=config.seed + config.worker_index), eval_data=held, evaluate=metrics)
-    if "final_eval" in record:
-        e = record["final_eval"]
+    e = record.final_eval
+    if e is not None:
         print(f"held-out MSE {e['eval_mse']:.4f} (predicting the mean rating: {e['eval_baseline_mse']:.4f})", flush=True)
 
 

@@ -106,8 +106,8 @@ def main() -> None:
     ) as trainer:
         data = Sessions(seed=config.seed * 1000 + config.worker_index + 1).batches(a.batch_size)
         record = trainer.fit(data, eval_data=held_out, evaluate=metrics)
-    if "final_eval" in record:
-        e = record["final_eval"]
+    e = record.final_eval
+    if e is not None:
         print(
             f"held-out log loss {e['eval_loss']:.4f}, AUC {e['eval_auc']:.4f} (constant click rate: {e['eval_baseline_loss']:.4f})",
             flush=True,
