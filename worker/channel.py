@@ -40,6 +40,9 @@ _RESPONSES = {"Push": pb.PushResponse, "Pull": pb.PullResponse, "PushPull": pb.P
 # ``answer(response, payload)`` turns a response into the call's result while its payload is
 # valid (a data-plane payload lives in a buffer the next call reuses).
 Answer = Callable[[Any, "memoryview | None"], Any]
+# The least time a last try before the call's deadline is given (a refused connection takes
+# microseconds; a shard that comes back is reached within this).
+_LAST_TRY_S = 0.2
 # Codes that say the shard was not reached (or went away mid-call): given up on, they are Unavailable.
 _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
@@ -185,9 +188,11 @@ class ShardChannel:
             code, details = failed.code, failed.details
             self._note_resend(call.request)
             self.metrics.rpc_failed(method, code.name)
-            pause = backoff * (0.5 + random.random())
-            # No retry that could not start before the deadline: give up now, not after the pause.
-            spent = time.monotonic() + pause >= deadline
+            # The pause before the next try: shortened to leave that try _LAST_TRY_S before the
+            # deadline; with less than that left, the call gives up now, not after a pause.
+            left = deadline - time.monotonic()
+            pause = min(backoff * (0.5 + random.random()), left - _LAST_TRY_S)
+            spent = pause < 0
             capped = cap is not None and attempt >= cap
             transient = retryable(code, details)
             if not transient or capped or spent:
