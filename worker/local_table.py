@@ -173,12 +173,12 @@ class LocalDense:
         self.shape = tuple(init.shape)
         self.optimizer = optimizer
         self.value = init.detach().reshape(-1).to("cpu", torch.float32).clone()
-        r = rule(optimizer.name)
-        initial = r.initial_state(optimizer)
-        self.state = {k: torch.full(s, initial.get(k, 0.0)) for k, s in r.state_shapes(self.value.numel()).items()}
+        self._rule = rule(optimizer.name).dense_rule()  # as a shard's DenseChunk steps it
+        initial = self._rule.initial_state(optimizer)
+        self.state = {k: torch.full(s, initial.get(k, 0.0)) for k, s in self._rule.state_shapes(self.value.numel()).items()}
         self.version = 0
 
     def push(self, grad: torch.Tensor, clock: int = 0) -> None:
         opt = self.optimizer
-        rule(opt.name).apply(opt, self.value, grad, self.state, opt.schedule.factor(opt.lr, clock))
+        self._rule.apply(opt, self.value, grad, self.state, opt.schedule.factor(opt.lr, clock))
         self.version += 1
