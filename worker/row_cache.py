@@ -327,7 +327,7 @@ class RowCache:
                 s = slots[cached]
                 st = torch.from_numpy(s)
                 first = tab.pending_since[s] == _NONE
-                tab.pending.index_add_(0, st, g[torch.from_numpy(cached)].float())
+                tab.pending[st] += g[torch.from_numpy(cached)].float()  # the slots are distinct: the ids are
                 tab.pending_since[s[first]] = clock
                 tab.pending_version[s] = np.minimum(tab.pending_version[s], read[cached])
             for t, e_ids, e_grads, e_shards, e_read in self._evicted:
@@ -369,8 +369,10 @@ def _coalesce(due: dict[str, list[tuple[np.ndarray, torch.Tensor, np.ndarray, np
         if len(parts) == 1 and (len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1]))):
             uniq, summed = torch.from_numpy(ids), g
         else:
-            uniq, inverse = torch.unique(torch.from_numpy(ids), return_inverse=True)
-            summed = torch.zeros(len(uniq), g.shape[1]).index_add_(0, inverse, g)
+            uniq_np, inverse = np.unique(ids, return_inverse=True)
+            acc = np.zeros((len(uniq_np), g.shape[1]), np.float32)
+            np.add.at(acc, inverse.reshape(-1), g.numpy())
+            uniq, summed = torch.from_numpy(uniq_np), torch.from_numpy(acc)
         grads[t] = (uniq, summed)
         for s in np.unique(shards).tolist():
             versions[(s, t)] = int(read[shards == s].min())

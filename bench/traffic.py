@@ -1,0 +1,183 @@
+"""Rows and bytes a worker moves per sample, the share of a step's rows it wanted within the last
+S steps (the ceiling of a row cache), and what the row cache moves at each bound (issue 29).
+
+These figures depend on the data and the model's shapes, not on the machine: the id stream of
+worker 0 of 4 goes through the worker's own ``CachedClient`` (tether.worker.row_cache) in the
+order an async worker's steps make their calls (the first two batches pulled at clock 0, then
+one push_pull per step carrying its gradients and the pull of the batch after next), against a
+stand-in client that answers at once. No shard, no training: the rows moved are exactly what the
+worker would send; held-out loss and samples/s need real runs (bench/RESULTS.md).
+
+    python bench/traffic.py                      # default CTR job, MovieLens-format, Criteo-format
+    python bench/traffic.py --steps 200 --bounds 1,5,20 --source ctr
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tether.worker.criteo import CRITEO_SPARSE, CriteoStream, write_criteo_sample
+from tether.worker.data import SyntheticClickLog, SyntheticConfig
+from tether.worker.results import Handle, PullResult, PushAck
+from tether.worker.row_cache import CachedClient, RowCacheConfig
+from tether.worker.traffic import REUSE_WINDOWS, TrafficMeter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "movielens_two_tower"))
+from movielens import rating_batches, read_ratings, write_ratings  # noqa: E402
+
+WORKERS, RANK, BATCH, SHARDS = 4, 0, 256, 2
+
+
+class _Done:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.value
+
+
+class _Config:
+    call_deadline_s, timeout_s, wire_dtype = 60.0, 30.0, torch.float32
+
+
+class StandIn:
+    """A client that answers every call at once (rows of zeros, table versions 0)."""
+
+    num_shards = SHARDS
+    config = _Config()
+
+    def __init__(self, dims: Mapping[str, int]) -> None:
+        self.dims = dims
+
+    def _rows(self, sparse: Mapping[str, torch.Tensor] | None) -> PullResult:
+        sparse = sparse or {}
+        versions = {(s, t): 0 for t in sparse for s in range(SHARDS)}
+        return PullResult({t: torch.zeros(len(ids), self.dims[t]) for t, ids in sparse.items()}, {}, versions, {})
+
+    def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = ()) -> Handle[PullResult]:
+        return Handle([_Done(self._rows(sparse))], lambda a: a[0])
+
+    def push(self, sparse: Any = None, dense: Any = None, clock: int = 0, versions: Any = None) -> Handle[PushAck]:
+        return Handle([_Done(PushAck(0, 0, 0))], lambda a: a[0])
+
+    def push_pull(self, push_sparse: Any = None, push_dense: Any = None, pull_sparse: Mapping[str, torch.Tensor] | None = None,
+                  pull_dense: Sequence[str] = (), clock: int = 0, versions: Any = None) -> Handle[PullResult]:
+        return self.pull(pull_sparse)
+
+
+def run(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: RowCacheConfig) -> TrafficMeter:
+    """The async loop's calls for these steps (table -> unique ids each) through a CachedClient."""
+    meter = TrafficMeter(dims, 4, reuse=True)
+    client = CachedClient(StandIn(dims), cache, dims, meter)  # type: ignore[arg-type]
+    pending = [client.pull(steps[0]), client.pull(steps[1])] if len(steps) > 1 else [client.pull(steps[0])]
+    for t in range(len(steps)):
+        pulled = pending.pop(0).result()
+        grads = {table: (ids, torch.zeros(len(ids), dims[table])) for table, ids in steps[t].items()}
+        if t + 2 < len(steps):
+            pending.append(client.push_pull(grads, None, steps[t + 2], clock=t + 1, versions=pulled))
+        else:
+            client.push(grads, None, clock=t + 1, versions=pulled).result()
+    client.flush()
+    return meter
+
+
+def _unique(sparse: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {t: torch.unique(ids.reshape(-1)) for t, ids in sparse.items()}
+
+
+def ctr_steps(n: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, int], str]:
+    gen = SyntheticClickLog(SyntheticConfig())
+    out = [_unique({f"cat_{j}": b.sparse[:, j] for j in range(b.sparse.shape[1])}) for b in gen.batches(BATCH, n, RANK, WORKERS)]
+    return out, {f"cat_{j}": 16 for j in range(gen.config.num_sparse)}, "default CTR job (synthetic Zipf 1.1, 100k ids x 8 fields, dim 16)"
+
+
+def movielens_steps(n: int, folder: Path) -> tuple[list[dict[str, torch.Tensor]], dict[str, int], str]:
+    path = folder / "ratings.dat"
+    write_ratings(path, 100_000, num_users=943, num_movies=1682, seed=0)
+    train, _ = read_ratings(path, RANK, WORKERS)
+    batches: Iterator[dict[str, torch.Tensor]] = rating_batches(train, BATCH, seed=RANK)
+    out = []
+    for _ in range(n):
+        b = next(batches)
+        out.append(_unique({"user": b["user"], "movie": b["movie"], "user_bias": b["user"], "movie_bias": b["movie"]}))
+    dims = {"user": 16, "movie": 16, "user_bias": 1, "movie_bias": 1}
+    return out, dims, "MovieLens-format example (943 users, 1682 movies, 100k ratings, generated; dims 16/16/1/1)"
+
+
+def criteo_steps(n: int, folder: Path) -> tuple[list[dict[str, torch.Tensor]], dict[str, int], str]:
+    path = folder / "criteo.tsv"
+    write_criteo_sample(path, n * BATCH * WORKERS + BATCH * WORKERS, seed=0)
+    stream = CriteoStream(str(path), BATCH, rank=RANK, world_size=WORKERS, drop_last=True)
+    out = []
+    for b in stream:
+        out.append(_unique({f"cat_{j}": b.sparse[:, j] for j in range(b.sparse.shape[1])}))
+        if len(out) == n:
+            break
+    return out, {f"cat_{j}": 16 for j in range(CRITEO_SPARSE)}, "Criteo-format file (generated, 26 fields x 2000 ids, dim 16)"
+
+
+def report(name: str, steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], bounds: Sequence[int], rows: int,
+           policy: str) -> list[str]:
+    samples = len(steps) * BATCH
+    base = run(steps, dims, RowCacheConfig())
+    tot = base.totals()
+    lines = [f"## {name}", f"worker {RANK} of {WORKERS}, batch {BATCH}, {len(steps)} steps, float32 wire", "",
+             "| table | dim | rows pulled/sample | rows pushed/sample | bytes pulled/sample | bytes pushed/sample | "
+             + " | ".join(f"wanted within {w}" for w in REUSE_WINDOWS) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(REUSE_WINDOWS)]
+    for t, v in tot.items():
+        share = " | ".join(f"{v['recent'][w] / max(v['wanted_rows'], 1):.0%}" for w in REUSE_WINDOWS)
+        lines.append(f"| {t} | {dims[t]} | {v['pulled_rows'] / samples:.3f} | {v['pushed_rows'] / samples:.3f} | "
+                     f"{v['pulled_bytes'] / samples:.1f} | {v['pushed_bytes'] / samples:.1f} | {share} |")
+    wanted = sum(v["wanted_rows"] for v in tot.values())
+    ceiling = {w: sum(v["recent"][w] for v in tot.values()) / max(wanted, 1) for w in REUSE_WINDOWS}
+    moved0 = sum(v["pulled_rows"] + v["pushed_rows"] for v in tot.values())
+    bytes0 = sum(v["pulled_bytes"] + v["pushed_bytes"] for v in tot.values())
+    lines += ["", "all tables: ceiling (rows wanted within S steps) " + ", ".join(f"S={w} {c:.0%}" for w, c in ceiling.items()),
+              "", f"| bound (read = write) | rows moved/sample (pull + push) | saved | bytes/sample | saved | cache rows/table {rows}, {policy} |",
+              "|---|---|---|---|---|---|",
+              f"| no cache | {moved0 / samples:.3f} | - | {bytes0 / samples:.0f} | - | |"]
+    for b in bounds:
+        m = run(steps, dims, RowCacheConfig(rows=rows, bound=b, policy=policy)).totals()
+        moved = sum(v["pulled_rows"] + v["pushed_rows"] for v in m.values())
+        nbytes = sum(v["pulled_bytes"] + v["pushed_bytes"] for v in m.values())
+        lines.append(f"| {b} | {moved / samples:.3f} | {1 - moved / moved0:.0%} | {nbytes / samples:.0f} | {1 - nbytes / bytes0:.0%} | |")
+    return lines + [""]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300, help="steps of worker 0 (default 300)")
+    p.add_argument("--bounds", default="1,2,5,10,20", help="cache bounds to run (comma list)")
+    p.add_argument("--cache-rows", type=int, default=100_000, help="cache capacity per table (default 100000)")
+    p.add_argument("--cache-policy", default="lru", choices=("lru", "lfu"))
+    p.add_argument("--source", action="append", choices=("ctr", "movielens", "criteo"), help="repeatable; default all three")
+    a = p.parse_args(argv)
+    if a.steps < 3:
+        p.error("--steps must be >= 3")
+    try:
+        bounds = [int(b) for b in a.bounds.split(",") if b.strip()]
+    except ValueError:
+        p.error(f"--bounds must be a comma list of integers, got {a.bounds!r}")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        makers = {"ctr": lambda: ctr_steps(a.steps), "movielens": lambda: movielens_steps(a.steps, folder),
+                  "criteo": lambda: criteo_steps(a.steps, folder)}
+        for source in a.source or list(makers):
+            steps, dims, name = makers[source]()
+            print("\n".join(report(name, steps, dims, bounds, a.cache_rows, a.cache_policy)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
