@@ -247,6 +247,30 @@ def test_a_shard_config_round_trips_through_flags_and_environment(
     assert server_config.load_config([]) == cfg  # every flag falls back to its variable
 
 
+def test_the_round_trips_cover_every_field() -> None:
+    """Every field of the configs a launcher hands on is declared (so ``non_default`` moves it and
+    the round trips above check it) or derived and set by hand there: a plain dataclass field
+    added later fails here instead of going untested."""
+    for cls, by_hand in ((WorkerConfig, {"auth_token"}), (ShardConfig, {"auth_token"})):
+        declared = {f.name for f, _ in fields.declared(cls)}
+        assert {f.name for f in dataclasses.fields(cls)} == declared | by_hand, cls.__name__
+
+
+def test_launch_gives_every_shard_each_cluster_wide_setting(tmp_path: Path, clean_env: None) -> None:
+    """``tether launch``'s shard flags: every ShardConfig field but those the launcher sets per
+    shard, each away from its default, reaches the shard's own parser unchanged."""
+    from tether.deploy.shard_args import LAUNCHER_SET, add_shard_flags, shard_argv
+
+    cfg = _shard_config(tmp_path)
+    parser = argparse.ArgumentParser()
+    add_shard_flags(parser)
+    again = server_config.load_config(shard_argv(parser.parse_args(fields.to_argv(cfg, exclude=LAUNCHER_SET))))
+    passed = [f.name for f, d in fields.declared(ShardConfig) if d.flag is not None and f.name not in LAUNCHER_SET]
+    assert len(passed) >= 10
+    for name in passed:
+        assert getattr(again, name) == getattr(cfg, name) != fields.default_of(ShardConfig, name), name
+
+
 # -- the environment's mistakes are named -----------------------------------------------------------
 
 
