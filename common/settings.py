@@ -181,7 +181,12 @@ def override(cls: type, name: str, default: Any, **changes: Any) -> Any:
     return dataclasses.field(default=default, repr=found.repr, metadata={_SETTING: decl})
 
 
-def derived(compute: Callable[[Mapping[str, Any], Mapping[str, str]], Any], default: Any = None, *, repr: bool = True) -> Any:  # noqa: A002
+def derived(
+    compute: Callable[[Mapping[str, Any], Mapping[str, str]], Any],
+    default: Any = None,
+    *,
+    repr: bool = True,  # noqa: A002 - dataclasses' name
+) -> Any:
     """A field no flag sets: loading computes it as ``compute(values, environ)`` from the other
     values (its own override wins), as the bearer token is read from the token file's field."""
     return dataclasses.field(default=default, repr=repr, metadata={_DERIVED: compute})
