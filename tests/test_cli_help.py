@@ -15,6 +15,7 @@ from importlib.metadata import version
 
 import pytest
 
+from tether.common.cli_args import DeprecatedAlias
 from tether.deploy import cli
 
 COMMANDS = ("server", "worker", "launch", "compare", "sweep", "export", "convert")
@@ -81,9 +82,11 @@ def option_blocks(help_text: str) -> dict[str, str]:
 
 
 def _documented(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
-    """Each option the help lists (positionals, such as convert's, have no flag or default)."""
+    """Each option the help lists (positionals, such as convert's, have no flag or default), old
+    spellings left out (they store into their new flag's destination and have no default)."""
     for action in parser._actions:
-        if action.option_strings and action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction):
+        if (action.option_strings and action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction)
+                and not isinstance(action, DeprecatedAlias)):
             yield action
 
 
@@ -148,7 +151,8 @@ def test_real_worker_help_output(clean_env: None) -> None:
     assert proc.returncode == 0, proc.stderr
     blocks = option_blocks(proc.stdout)
     assert "default: 30.0; env TETHER_TIMEOUT" in blocks["--timeout"] and "seconds" in blocks["--timeout"]
-    assert "default: 300.0; env TETHER_SSP_TIMEOUT" in blocks["--ssp-timeout"] and "seconds" in blocks["--ssp-timeout"]
+    assert "default: 300.0; env TETHER_WAIT_TIMEOUT" in blocks["--wait-timeout"] and "seconds" in blocks["--wait-timeout"]
+    assert "deprecated" in blocks["--ssp-timeout"] and "--wait-timeout" in blocks["--ssp-timeout"]
     assert "env TETHER_TENSORBOARD" in blocks["--tensorboard"]
     assert all("env TETHER_" in text for flag, text in blocks.items() if flag not in ("-h", "--help")), proc.stdout
     server = option_blocks(_tether(["server", "--help"]).stdout)
@@ -190,6 +194,23 @@ def test_old_spelling_still_checked_under_the_new_name() -> None:
     ]
     proc = _tether(["compare", "--num-workers", "0", "--out", "x"])
     assert proc.returncode == 2 and proc.stderr.splitlines() == ["tether compare: error: --num-workers must be >= 1, got 0"]
+
+
+def test_the_join_timeout_keeps_its_old_spelling(capsys: pytest.CaptureFixture[str]) -> None:
+    from tether.common import settings as fields
+    from tether.worker.config import TrainingConfig
+    from tether.worker.flags import load_config
+
+    assert load_config(["--shards", "a:1", "--wait-timeout", "7"]).wait_timeout_s == 7.0
+    assert capsys.readouterr().err == ""
+    assert load_config(["--shards", "a:1", "--ssp-timeout", "8"]).wait_timeout_s == 8.0
+    assert capsys.readouterr().err.splitlines() == [
+        "tether worker: warning: --ssp-timeout is deprecated and will be removed in the next release; use --wait-timeout"
+    ]
+    # The old variable is read when the new one is unset.
+    old = {"TETHER_SHARDS": "a:1", "TETHER_SSP_TIMEOUT": "9"}
+    assert fields.from_env(TrainingConfig, environ=old).wait_timeout_s == 9.0
+    assert fields.from_env(TrainingConfig, environ={**old, "TETHER_WAIT_TIMEOUT": "4"}).wait_timeout_s == 4.0
 
 
 # -- compare and sweep run several modes: --mode is refused ----------------------------------------

@@ -103,7 +103,7 @@ def test_local_mode_needs_no_network(monkeypatch: pytest.MonkeyPatch, tmp_path) 
 
     monkeypatch.setenv("TETHER_LOCAL", "1")
     monkeypatch.delenv("TETHER_SHARDS", raising=False)
-    config = TrainingConfig.from_env(steps=5, device="cpu", log_every=100, out=str(tmp_path), ssp_timeout_s=5.0)
+    config = TrainingConfig.from_env(steps=5, device="cpu", log_every=100, out=str(tmp_path), wait_timeout_s=5.0)
     assert config.local and config.shards == ()
 
     def no_network(*args: object, **kwargs: object) -> None:
@@ -126,7 +126,7 @@ def test_local_mode_needs_no_network(monkeypatch: pytest.MonkeyPatch, tmp_path) 
 @pytest.mark.parametrize("mode", ["ssp:0", "ssp:3"])
 def test_ssp_in_local_mode_never_waits(mode: str) -> None:
     torch.manual_seed(0)
-    config = TrainingConfig(shards=(), local=True, mode=mode, steps=6, device="cpu", ssp_timeout_s=1.0, log_every=100)
+    config = TrainingConfig(shards=(), local=True, mode=mode, steps=6, device="cpu", wait_timeout_s=1.0, log_every=100)
     with Trainer(WideDeep(), config, loss=_loss, sparse=_sparse, batch_size=_size, printer=lambda line: None) as trainer:
         record = trainer.fit(_batches(6))
     assert record.steps == 6

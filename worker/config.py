@@ -271,7 +271,7 @@ class TrainingConfig:
         _client("call_deadline_s"), flag="--call-deadline", metavar="SECONDS", group=JOB,
         help="longest one push, pull or declare takes, every retry included: each attempt gets at most what is left of it, "
         "and when it is spent (a shard that is down or stopped) the worker fails with Unavailable; seconds. "
-        "SSP waits are bounded by --ssp-timeout instead",
+        "SSP waits and the start-up join are bounded by --wait-timeout instead",
     )
     staleness_aware: bool = setting(_client("staleness_aware"), flag="--staleness-aware", group=JOB,
                                     help="divide each update's learning rate by its staleness (Zhang et al. 2016)")
@@ -293,8 +293,9 @@ class TrainingConfig:
                              help="straggler experiments: persistent:K[:WORKER] (the last worker, or WORKER, K times slower), "
                              "transient:P:K (each step, each worker K times slower with probability P), "
                              "pareto:A[:CAP] (heavy-tailed factors) or none; seeded by --seed, so every mode sees the same delays")
-    ssp_timeout_s: float = setting(300.0, flag="--ssp-timeout", metavar="SECONDS", group=JOB,
-                                   help="longest wait on the staleness bound before failing, seconds")
+    wait_timeout_s: float = setting(300.0, flag="--wait-timeout", metavar="SECONDS", group=JOB, fallback_env=("TETHER_SSP_TIMEOUT",),
+                                    help="longest wait for the other workers before failing: the start-up join (every mode) and "
+                                    "the staleness bound (ssp), seconds")
     transport: str = setting(_client("transport"), flag="--transport", choices=TRANSPORTS, group=JOB,
                              help="push/pull over the shards' data plane (auto: shared memory on the same machine, else TCP; tcp: never "
                              "shared memory) or grpc only")
@@ -382,8 +383,8 @@ class TrainingConfig:
         if not self.slowdown >= 1.0:
             raise ValueError(f"slowdown must be >= 1 (1 = full speed), got {self.slowdown!r}")
         parse_straggler(self.straggler)
-        if not self.ssp_timeout_s > 0:
-            raise ValueError(f"ssp_timeout_s must be > 0, got {self.ssp_timeout_s!r}")
+        if not self.wait_timeout_s > 0:
+            raise ValueError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s!r}")
         if self.local and self.shards:
             raise ValueError(f"local mode trains in this process: give no shards (got {','.join(self.shards)})")
         if not self.shards and not self.local:

@@ -207,7 +207,7 @@ def train(cfg: WorkerConfig, metrics: WorkerRecorder | None = None, printer: Cal
     """Run one worker of the CTR job and return its record (also written to ``cfg.out``).
 
     Raises:
-        DeadlineExceeded: an ``ssp`` wait ran past ``cfg.ssp_timeout_s``.
+        DeadlineExceeded: an ``ssp`` wait ran past ``cfg.wait_timeout_s``.
         TetherError: a shard call failed after retries.
         UsageError: sync mode outside torchrun, or a bad data file.
     """

@@ -9,7 +9,7 @@ import os
 from collections.abc import Sequence
 
 from tether.common import settings as fields
-from tether.common.cli_args import HelpFormatter, env
+from tether.common.cli_args import DeprecatedAlias, HelpFormatter, env
 from tether.worker.config import JOB, MODEL, MODEL_PRESETS, PLACE, PROCESS, WorkerConfig
 
 __all__ = ["add_training_flags", "build_parser", "config_from_args", "load_config"]
@@ -20,6 +20,9 @@ def add_training_flags(p: argparse.ArgumentParser, mode: bool = True) -> None:
     ``compare`` and ``sweep``; ``mode=False`` leaves ``--mode`` out). ``--steps`` comes first:
     the launching commands' help says their own flags are those before it."""
     fields.add_flags(p, WorkerConfig, groups=(JOB,), exclude=("table_optimizers",) if mode else ("mode", "table_optimizers"))
+    p.add_argument("--ssp-timeout", dest="wait_timeout", type=float, action=DeprecatedAlias, new="--wait-timeout",
+                   default=argparse.SUPPRESS, metavar="SECONDS",
+                   help="deprecated spelling of --wait-timeout, removed in the next release (env TETHER_SSP_TIMEOUT)")
     _add_table_optimizer(p)
     p.add_argument("--preset", choices=tuple(MODEL_PRESETS), default=env("TETHER_PRESET", "default"),
                    help="model and batch size: default (batch 256, 8 fields, 16-wide rows: CPU-sized) or gpu (batch 8,192, "

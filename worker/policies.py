@@ -62,13 +62,13 @@ class AsyncPolicy:
         running job starts at the slowest other worker's clock rather than at 0. Returns the
         clock this worker starts from."""
         cfg = trainer.config
-        deadline = time.monotonic() + cfg.ssp_timeout_s
+        deadline = time.monotonic() + cfg.wait_timeout_s
         while True:
             reply = trainer.client.clock(0)
             if reply.live_workers >= cfg.num_workers:
                 return reply.min_other_clock
             if time.monotonic() > deadline:
-                raise DeadlineExceeded(f"only {reply.live_workers} of {cfg.num_workers} workers joined within {cfg.ssp_timeout_s:.0f}s")
+                raise DeadlineExceeded(f"only {reply.live_workers} of {cfg.num_workers} workers joined within {cfg.wait_timeout_s:.0f}s")
             time.sleep(0.05)
 
     def attach(self, ps: PSModel, optimizer: OptimizerConfig) -> None:
@@ -117,10 +117,10 @@ class SSPPolicy(AsyncPolicy):
 
     def before_step(self, trainer: TrainerView, clock: int) -> None:
         cfg = trainer.config
-        reply = trainer.client.clock(clock, wait_bound=self.bound, timeout_s=cfg.ssp_timeout_s)
+        reply = trainer.client.clock(clock, wait_bound=self.bound, timeout_s=cfg.wait_timeout_s)
         if not reply.ready:
             raise DeadlineExceeded(
-                f"{trainer.name} waited {cfg.ssp_timeout_s:.0f}s at clock {clock} for the slowest live worker "
+                f"{trainer.name} waited {cfg.wait_timeout_s:.0f}s at clock {clock} for the slowest live worker "
                 f"(clock {reply.min_clock}, bound {self.bound})"
             )
 

@@ -193,7 +193,7 @@ class Trainer(Generic[B]):
         Raises:
             UsageError: ``eval_data`` is a one-shot iterator (a generator): the first evaluation
                 would use it up and leave every later one empty.
-            DeadlineExceeded: an ``ssp`` wait ran past ``config.ssp_timeout_s``.
+            DeadlineExceeded: an ``ssp`` wait ran past ``config.wait_timeout_s``.
             TetherError: a shard call failed after retries.
         """
         if eval_data is not None and iter(eval_data) is eval_data:
