@@ -43,8 +43,11 @@ def _wire_name(dtype: torch.dtype) -> str:
     return next(name for name, d in WIRE_DTYPES.items() if d == dtype)
 
 
+@functools.lru_cache(maxsize=64)
 def parse_mode(mode: str) -> tuple[str, int | None]:
-    """Split a consistency mode into its kind and bound: ``async``, ``ssp:S`` or ``sync``.
+    """Split a consistency mode into its kind and bound: ``async``, ``ssp:S`` or ``sync``. A
+    process parses each mode text once: the configs it copies (``dataclasses.replace`` checks
+    each copy) and every reader of ``TrainingConfig.consistency`` get that one value.
 
     Raises:
         ValueError: anything else, or a negative S.
