@@ -314,6 +314,9 @@ METRIC_QUANTITY = {
     "tether_shard_rows_dropped": "rows", "tether_shard_table_rows": "rows",
     "tether_shard_requests": "requests", "tether_worker_rpc_errors": "requests", "tether_worker_retries": "requests",
     "tether_shard_last_checkpoint_timestamp_seconds": "timestamp",
+    "tether_worker_rows_moved": "rows", "tether_worker_row_bytes_moved": "bytes", "tether_worker_rows_wanted": "rows",
+    "tether_worker_rows_recent": "rows", "tether_worker_cache_rows": "rows", "tether_worker_cache_held_rows": "rows",
+    "tether_worker_cache_pending_rows": "rows",
 }
 # Grafana units each quantity may be drawn in; a quantity not listed is a plain number.
 QUANTITY_UNITS = {
