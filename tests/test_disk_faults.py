@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -308,3 +309,26 @@ def test_a_restore_with_no_memory_to_read_into_fails_with_one_line(tmp_path: Pat
     monkeypatch.setattr(checkpoint_module, "load_state", lambda plan, i, n: (_ for _ in ()).throw(ValueError("bad"))
                         if plan.id == "new" else real(plan, i, n))
     assert _restored_rows(tmp_path) == ("old", 50)
+
+
+_LIMITED_SHARD = """
+import resource, sys
+import numpy, torch  # noqa: F401 - loaded before the limit, as a started shard has them
+import tether.server.__main__ as server
+vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (32 << 20), vm + (32 << 20)))
+sys.exit(server.main(["--port", "0", "--checkpoint-dir", sys.argv[1]]))
+"""
+
+
+def test_a_shard_process_without_memory_for_its_checkpoint_exits_1_with_one_line(tmp_path: Path) -> None:
+    """Real: a 52 MB checkpoint, and a shard process allowed 32 MiB of address space more than
+    it has once started."""
+    shard = Shard()
+    shard.declare([TABLE], [])
+    _push(shard, 1, np.arange(100_000, dtype=np.int64))
+    Checkpointer(shard, tmp_path).checkpoint("big")
+    proc = subprocess.run([sys.executable, "-c", _LIMITED_SHARD, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if "cannot start" in line]
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert len(lines) == 1 and "cannot restore checkpoint big (" in lines[0] and "no memory to read it into" in lines[0], lines
