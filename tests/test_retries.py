@@ -25,7 +25,7 @@ from tether.worker.metrics import NullWorkerMetrics
 TABLE = TableConfig("emb", 4, OptimizerConfig("sgd", 1.0), init_scale=0.0)
 IDS = torch.arange(16, dtype=torch.int64)
 # Backoff scaled down: 8 retries (the old fixed count) last about 0.3 s here, so a shard away
-# for 2 s outlasts them many times over, cheaply.
+# for 1.2 s outlasts them several times over, cheaply.
 FAST = {"timeout_s": 1.0, "backoff_s": 0.01, "max_backoff_s": 0.05}
 
 
@@ -76,14 +76,14 @@ def test_a_shard_away_longer_than_the_old_retry_count_is_waited_for_until_the_de
     client.push({"emb": (IDS, torch.ones(16, 4))}).result(10)
     if transport == "auto":
         assert client.transports() != ["grpc"]  # the data plane is in use, and will break
-    thread = _restart_later(shard, 2.0)
+    thread = _restart_later(shard, 1.2)
     start = time.monotonic()
     client.push({"emb": (IDS, torch.ones(16, 4))}).result(30)
     elapsed = time.monotonic() - start
     thread.join(10)
     retries = metrics.by_rpc.get("Push", 0)
     print(f"{transport}: the push went through after {elapsed:.2f}s and {retries:.0f} retries")
-    assert elapsed >= 1.5, elapsed
+    assert elapsed >= 1.0, elapsed
     assert retries > 8  # more than the old fixed count, and the call still succeeded
     # Applied once: the rows took both pushes, no more.
     assert torch.equal(client.pull({"emb": IDS}).result(10).rows["emb"], torch.full((16, 4), -2.0))
