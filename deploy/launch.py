@@ -312,23 +312,11 @@ class LocalCluster(Supervision):
             time.sleep(0.05)
 
     def _may_restart(self, child: Child, code: int, finished: Sequence[str]) -> bool:
-        """Whether a worker that exited with ``code`` is started again.
-
-        Raises:
-            ClusterError: it would be, but a worker of the job has finished already: a restarted
-                worker waits for all of them to join (``AsyncPolicy.start``), so it would wait in vain.
-        """
+        """Whether a worker that exited with ``code`` is started again (also after others
+        ``finished``: a restarted worker only joins, it waits for none of them: ``AsyncPolicy.start``)."""
         if child.name == "torchrun" or code == USAGE or interrupted(code):
             return False
-        if self.worker_restarts.get(child.name, 0) >= self.max_worker_restarts:
-            return False
-        if finished:
-            raise ClusterError(
-                f"{child.name} exited with code {code} after {', '.join(finished)} finished; not restarted: a restarted worker "
-                f"waits for all {len(self.workers)} workers to join, and a finished one does not; "
-                f"see {child.log_path}:\n{tail(child.log_path)}"
-            )
-        return True
+        return self.worker_restarts.get(child.name, 0) < self.max_worker_restarts
 
     def signal_worker(self, index: int, signum: int = signal.SIGKILL) -> int:
         """Send ``signum`` to worker ``index`` (its current incarnation); returns the pid it went to."""

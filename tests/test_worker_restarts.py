@@ -1,6 +1,7 @@
 """Workers that come back: ``tether launch --max-restarts N`` restarts an async worker killed with
-SIGKILL mid-job as a new incarnation while the others train on; a worker that dies more often
-than N ends the job naming it; a sync rank that dies ends the job within 15 s naming the rank."""
+SIGKILL mid-job as a new incarnation while the others train on (or after they finished: it only
+joins, it waits for none of them); a worker that dies more often than N ends the job naming it;
+a sync rank that dies ends the job within 15 s naming the rank."""
 
 from __future__ import annotations
 
@@ -104,6 +105,36 @@ def test_an_async_worker_killed_mid_job_is_restarted_and_the_job_succeeds(tmp_pa
     # Both incarnations wrote to one log; the second one's pushes were its own (a new incarnation).
     text = log.read_text()
     assert text.count("worker 1/3: mode async") == 2, text[-2000:]
+
+
+def test_a_worker_killed_after_another_finished_is_restarted_and_the_job_succeeds(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    steps = 100
+    # Worker 1 computes 8 times slower: in async nobody waits for it, so worker 0 finishes first.
+    proc = _start(out, "--mode", "async", "--num-workers", "2", "--steps", str(steps), "--max-restarts", "1",
+                  "--straggler", "persistent:8:1")
+    try:
+        _worker_pid(out, 0, timeout_s=180)
+        deadline = time.monotonic() + 300  # a loaded machine starts a worker in tens of seconds
+        while _pids(out, "--worker-index\0" "0\0") and time.monotonic() < deadline:
+            assert proc.poll() is None, f"the launcher exited ({proc.returncode}) before worker 0 finished"
+            time.sleep(0.05)
+        assert not _pids(out, "--worker-index\0" "0\0"), "worker 0 did not finish"
+        assert (out / "worker-0.json").exists()
+        log = out / "logs" / "worker-1.log"
+        assert f"step {steps}/{steps}" not in log.read_text(), "worker 1 finished too: nothing left to kill"
+        os.kill(_worker_pid(out, 1), signal.SIGKILL)
+        code, stdout, stderr = _finish(proc, out, timeout_s=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # The restarted worker joined with worker 0 gone and trained its remaining steps.
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert "worker-1 exited with code -9; restart 1 of 1" in stderr, stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"]["worker-1"] == 1 and summary["restarts"]["worker-0"] == 0
+    assert summary["total_samples"] == 2 * steps * 128
+    assert log.read_text().count("worker 1/2: mode async") == 2
 
 
 def test_a_worker_that_dies_more_often_than_max_restarts_ends_the_job_naming_it(tmp_path: Path) -> None:

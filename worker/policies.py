@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
 from typing import Protocol
@@ -22,7 +22,10 @@ from tether.worker.embedding import PSModel, flat_grads, split_flat
 from tether.worker.run_record import RunRecord
 from tether.worker.table_rules import dense_torch_optimizer
 
-__all__ = ["AsyncPolicy", "RowCombiner", "SSPPolicy", "SyncPolicy", "TrainerView", "init_sync", "policy_class", "policy_for", "sync_device"]
+__all__ = [
+    "AsyncPolicy", "RowCombiner", "SSPPolicy", "SyncPolicy", "TrainerView", "init_sync", "policy_class", "policy_for", "restart_count",
+    "sync_device",
+]
 
 # A step's row gradients (table -> (ids, grads)) -> those this worker pushes.
 RowCombiner = Callable[[dict[str, tuple[torch.Tensor, torch.Tensor]]], dict[str, tuple[torch.Tensor, torch.Tensor]]]
@@ -42,7 +45,9 @@ class TrainerView(Protocol):
 
 
 class AsyncPolicy:
-    """Asynchronous (ASP): never wait; one push_pull per step once the loop is under way."""
+    """Asynchronous (ASP): no staleness bound. Once every worker has joined (``start``) a step
+    never waits for the others; one push_pull per step once the loop is under way. The other
+    policies build on this one."""
 
     prefetch = True  # the next batch's rows may be pulled before this step's push lands
     settle_every_step = False
@@ -56,16 +61,24 @@ class AsyncPolicy:
         return config, device, cls()
 
     def start(self, trainer: TrainerView) -> int:
-        """Join, then wait (bounded) until every worker of the job has: the workers of a run
-        start training together, in every mode, so that start-up is not counted as staleness
-        and no one runs ahead of a worker that has not started yet. A worker restarted into a
-        running job starts at the slowest other worker's clock rather than at 0. Returns the
-        clock this worker starts from."""
+        """Join, then wait (bounded by ``wait_timeout_s``) until every worker of the job has:
+        the workers of a run start training together, in every mode, so that start-up is not
+        counted as staleness and no one runs ahead of a worker that has not started yet. A
+        worker restarted into a running job (``TETHER_RESTART_COUNT`` > 0, set by ``tether
+        launch --max-restarts``) only joins and goes on: the others are under way, or done and
+        gone. It starts at the slowest other live worker's clock rather than at 0. Returns the
+        clock this worker starts from.
+
+        Raises:
+            DeadlineExceeded: not every worker joined within ``wait_timeout_s``.
+            UsageError: ``TETHER_RESTART_COUNT`` is not an integer.
+        """
         cfg = trainer.config
+        restarted = restart_count() > 0
         deadline = time.monotonic() + cfg.wait_timeout_s
         while True:
             reply = trainer.client.clock(0)
-            if reply.live_workers >= cfg.num_workers:
+            if restarted or reply.live_workers >= cfg.num_workers:
                 return reply.min_other_clock
             if time.monotonic() > deadline:
                 raise DeadlineExceeded(f"only {reply.live_workers} of {cfg.num_workers} workers joined within {cfg.wait_timeout_s:.0f}s")
@@ -286,6 +299,19 @@ class SyncPolicy(AsyncPolicy):
             return
         self.dist.barrier()
         self.dist.destroy_process_group()
+
+
+def restart_count(environ: Mapping[str, str] = os.environ) -> int:
+    """How many times this worker was restarted (``TETHER_RESTART_COUNT``, which ``tether launch
+    --max-restarts`` sets; 0 when unset).
+
+    Raises:
+        UsageError: the variable is not an integer >= 0.
+    """
+    text = environ.get("TETHER_RESTART_COUNT", "0").strip() or "0"
+    if not text.isdigit():
+        raise UsageError(f"TETHER_RESTART_COUNT={text!r}: expected an integer >= 0 (the launcher's count of this worker's restarts)")
+    return int(text)
 
 
 def _fingerprint(params: list[nn.Parameter]) -> torch.Tensor:
