@@ -188,7 +188,10 @@ class Checkpointer:
             if self._failure is not None:
                 log.info("checkpoints work again (after %d failed attempt(s), the last %s)", self._failed_attempts, self._failure)
                 self._failure, self._failed_attempts = None, 0
-            self._prune()
+            try:
+                self._prune()
+            except OSError as exc:  # the part is written; older ones stay until the next prune
+                log.warning("checkpoint %s written, but older parts could not be pruned: %s", ckpt_id, _one_line(exc))
             return info
         finally:
             self._lock.release()
