@@ -1,6 +1,6 @@
 """Learning-rate schedules the shards follow by the worker's clock, and DC-ASGD's delay
 compensation: the maths in one place, used by the shard (``tether.server.shard``), local mode
-(``tether.worker.local``) and sync's worker-side dense optimizer (``ScheduledOptimizer``).
+(``tether.worker.local``) and sync's worker-side dense optimizer (``follow_schedule``).
 
 A schedule is part of an update rule's hyper-parameters (``OptimizerConfig.schedule``): the
 rate of the push a worker sends after step ``k`` (0-based; the push carries clock ``k + 1``) is
@@ -23,7 +23,7 @@ without a clock (0: a client outside a training loop) takes step 0's rate.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -31,7 +31,7 @@ import torch
 
 from tether.protos import tether_pb2 as pb
 
-__all__ = ["DECAYS", "SCHEDULE_KEYS", "Schedule", "ScheduledOptimizer", "delay_compensated", "step_of_clock"]
+__all__ = ["DECAYS", "SCHEDULE_KEYS", "Schedule", "delay_compensated", "follow_schedule", "step_of_clock"]
 
 # The decays after the warm-up.
 DECAYS: tuple[str, ...] = ("constant", "step", "cosine")
@@ -143,35 +143,22 @@ class Schedule:
 SCHEDULE_KEYS: tuple[str, ...] = tuple(f.name for f in fields(Schedule))
 
 
-class ScheduledOptimizer(torch.optim.Optimizer):
-    """A torch optimizer whose groups' ``lr`` follow ``schedule`` step by step, as the shards'
-    rates do: sync mode steps its dense parameters on the workers with it. Step ``k`` (0-based,
-    counted by this object) runs at ``schedule.lr_at(lr, k)``."""
+def follow_schedule(optimizer: torch.optim.Optimizer, lr: float, schedule: Schedule) -> torch.optim.Optimizer:
+    """``optimizer`` (returned) with its groups' ``lr`` set to ``schedule.lr_at(lr, k)`` before
+    its ``k``-th step (0-based, counted from here), as the shards' rates follow the clock: sync
+    mode steps its dense parameters on the workers with it. A step pre-hook, so the optimizer
+    stays torch's own."""
+    steps = 0
 
-    def __init__(self, inner: torch.optim.Optimizer, lr: float, schedule: Schedule) -> None:
-        # Shares the inner optimizer's groups and state (not re-registered: its own defaults stand).
-        self.inner, self.base_lr, self.schedule, self.steps = inner, lr, schedule, 0
-        self.param_groups = inner.param_groups
-        self.state = inner.state
-        self.defaults = inner.defaults
+    def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        nonlocal steps
+        rate = schedule.lr_at(lr, steps)
+        steps += 1
+        for group in opt.param_groups:
+            group["lr"] = rate
 
-    def step(self, closure: Any = None) -> Any:  # torch.optim's signature
-        lr = self.schedule.lr_at(self.base_lr, self.steps)
-        for group in self.param_groups:
-            group["lr"] = lr
-        self.steps += 1
-        return self.inner.step(closure)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**self.inner.state_dict(), "schedule_steps": self.steps}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = dict(state_dict)
-        self.steps = int(state.pop("schedule_steps", 0))
-        self.inner.load_state_dict(state)
+    optimizer.register_step_pre_hook(before_step)
+    return optimizer
 
 
 def delay_compensated(g: torch.Tensor, w_now: torch.Tensor, w_read: torch.Tensor, lam: float) -> torch.Tensor:
@@ -179,8 +166,3 @@ def delay_compensated(g: torch.Tensor, w_now: torch.Tensor, w_read: torch.Tensor
     ``g + lam * g * g * (w_now - w_read)``, where ``w_read`` are the parameters the gradient
     was computed on and ``w_now`` the shard's current ones (a new tensor; float32)."""
     return torch.addcmul(g, g * g, w_now - w_read, value=lam)
-
-
-def names_of(items: Iterable[str]) -> str:
-    """``a, b, c``."""
-    return ", ".join(items)

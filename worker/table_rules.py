@@ -37,7 +37,7 @@ from torch import nn
 
 from tether.protos.errors import UsageError
 from tether.protos.optimizers import OPTIMIZERS, OptimizerConfig, rule
-from tether.protos.schedules import SCHEDULE_KEYS, Schedule, ScheduledOptimizer
+from tether.protos.schedules import SCHEDULE_KEYS, Schedule, follow_schedule
 from tether.protos.specs import TableConfig
 
 __all__ = ["ALL", "DENSE", "RuleEntry", "TableRules", "dense_torch_optimizer", "parse_entry", "parse_entries", "rule_keys"]
@@ -242,7 +242,7 @@ def dense_torch_optimizer(opt: OptimizerConfig, params: Sequence[nn.Parameter]) 
     """The torch optimizer with which sync's workers step their dense parameters as the shards
     would: the rule's own, following ``opt.schedule`` step by step."""
     inner = rule(opt.name).torch_optimizer(opt, params)
-    return inner if opt.schedule.constant else ScheduledOptimizer(inner, opt.lr, opt.schedule)
+    return inner if opt.schedule.constant else follow_schedule(inner, opt.lr, opt.schedule)
 
 
 def apply_rules(
