@@ -126,7 +126,7 @@ def criteo_steps(n: int, folder: Path) -> tuple[list[dict[str, torch.Tensor]], d
     return out, {f"cat_{j}": 16 for j in range(CRITEO_SPARSE)}, "Criteo-format file (generated, 26 fields x 2000 ids, dim 16)"
 
 
-def report(name: str, steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], bounds: Sequence[int], rows: int,
+def report(name: str, steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], bounds: Sequence[tuple[int, int]], rows: int,
            policy: str) -> list[str]:
     samples = len(steps) * BATCH
     base = run(steps, dims, RowCacheConfig())
@@ -144,21 +144,21 @@ def report(name: str, steps: list[dict[str, torch.Tensor]], dims: Mapping[str, i
     moved0 = sum(v["pulled_rows"] + v["pushed_rows"] for v in tot.values())
     bytes0 = sum(v["pulled_bytes"] + v["pushed_bytes"] for v in tot.values())
     lines += ["", "all tables: ceiling (rows wanted within S steps) " + ", ".join(f"S={w} {c:.0%}" for w, c in ceiling.items()),
-              "", f"| bound (read = write) | rows moved/sample (pull + push) | saved | bytes/sample | saved | cache rows/table {rows}, {policy} |",
+              "", f"| bound R/W (read/write) | rows moved/sample (pull + push) | saved | bytes/sample | saved | cache rows/table {rows}, {policy} |",
               "|---|---|---|---|---|---|",
               f"| no cache | {moved0 / samples:.3f} | - | {bytes0 / samples:.0f} | - | |"]
-    for b in bounds:
-        m = run(steps, dims, RowCacheConfig(rows=rows, bound=b, policy=policy)).totals()
+    for r, w in bounds:
+        m = run(steps, dims, RowCacheConfig(rows=rows, bound=r, write_bound=w, policy=policy)).totals()
         moved = sum(v["pulled_rows"] + v["pushed_rows"] for v in m.values())
         nbytes = sum(v["pulled_bytes"] + v["pushed_bytes"] for v in m.values())
-        lines.append(f"| {b} | {moved / samples:.3f} | {1 - moved / moved0:.0%} | {nbytes / samples:.0f} | {1 - nbytes / bytes0:.0%} | |")
+        lines.append(f"| {r}/{w} | {moved / samples:.3f} | {1 - moved / moved0:.0%} | {nbytes / samples:.0f} | {1 - nbytes / bytes0:.0%} | |")
     return lines + [""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300, help="steps of worker 0 (default 300)")
-    p.add_argument("--bounds", default="1,2,5,10,20", help="cache bounds to run (comma list)")
+    p.add_argument("--bounds", default="1,2,5,10,20,20/2,20/5", help="cache bounds to run: R (read = write bound) or R/W, comma list")
     p.add_argument("--cache-rows", type=int, default=100_000, help="cache capacity per table (default 100000)")
     p.add_argument("--cache-policy", default="lru", choices=("lru", "lfu"))
     p.add_argument("--source", action="append", choices=("ctr", "movielens", "criteo"), help="repeatable; default all three")
@@ -166,9 +166,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.steps < 3:
         p.error("--steps must be >= 3")
     try:
-        bounds = [int(b) for b in a.bounds.split(",") if b.strip()]
+        parsed = [[int(x) for x in b.split("/")] for b in a.bounds.split(",") if b.strip()]
     except ValueError:
-        p.error(f"--bounds must be a comma list of integers, got {a.bounds!r}")
+        p.error(f"--bounds must be a comma list of R or R/W integers, got {a.bounds!r}")
+    if any(len(b) > 2 or min(b) < 0 for b in parsed):
+        p.error(f"--bounds must be a comma list of R or R/W integers >= 0, got {a.bounds!r}")
+    bounds = [(b[0], b[-1]) for b in parsed]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         makers = {"ctr": lambda: ctr_steps(a.steps), "movielens": lambda: movielens_steps(a.steps, folder),

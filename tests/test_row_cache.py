@@ -150,7 +150,7 @@ def test_lru_and_lfu_evict_different_rows_and_evicted_gradients_are_pushed() -> 
         cached.push({}, clock=3).result()
         cached.pull({"t": _ids(4)}).result()  # full: lru drops 1, lfu drops 3
         assert cached.cache is not None
-        assert set(cached.cache.tables["t"].slot) == kept, policy
+        assert cached.cache.tables["t"].cached_ids() == kept, policy
         cached.push({}, clock=4).result()
         after = local.pull({"t": _ids(1)}).result().rows["t"]
         assert torch.equal(after, before) == (policy == "lfu")  # lru evicted 1: its held gradient went out

@@ -90,8 +90,12 @@ class _Table:
 
     def __init__(self, dim: int, capacity: int) -> None:
         self.dim, self.capacity, self.size = dim, capacity, 0
-        self.slot: dict[int, int] = {}
         self.free: list[int] = []
+        # Id -> slot: sorted ids and their slots, and a small sorted array of recent inserts
+        # merged into it (rebuilt from the live slots) once it outgrows a sixteenth of it. An
+        # evicted row's entry may linger in the large one: a slot counts only while it holds that id.
+        self._keys, self._kslots = np.zeros(0, np.int64), np.zeros(0, np.int64)
+        self._new_keys, self._new_slots = np.zeros(0, np.int64), np.zeros(0, np.int64)
         self.max_version: dict[int, int] = {}  # per shard: the largest table version seen
         empty = np.zeros(0, np.int64)
         self.ids, self.shard, self.read_clock, self.read_version = empty, empty, empty, empty
@@ -111,13 +115,47 @@ class _Table:
         self.free.extend(range(n - 1, self.size - 1, -1))
         self.size = n
 
+    def _find(self, keys: np.ndarray, slots: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+        if not len(keys) or not len(ids):
+            return
+        pos = np.searchsorted(keys, ids).clip(max=len(keys) - 1)
+        found = keys[pos] == ids
+        s = slots[pos[found]]
+        live = self.used[s] & (self.ids[s] == ids[found])
+        out[np.flatnonzero(found)[live]] = s[live]
+
     def slots_of(self, ids: np.ndarray) -> np.ndarray:
-        get = self.slot.get
-        return np.fromiter((get(i, -1) for i in ids.tolist()), np.int64, len(ids))
+        """The slot of each id, -1 where it is not cached."""
+        out = np.full(len(ids), -1, np.int64)
+        self._find(self._keys, self._kslots, ids, out)
+        self._find(self._new_keys, self._new_slots, ids, out)
+        return out
+
+    def insert(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Index new ids (not cached) at their slots."""
+        order = np.argsort(ids, kind="stable")
+        ids, slots = ids[order], slots[order]
+        at = np.searchsorted(self._new_keys, ids)
+        self._new_keys, self._new_slots = np.insert(self._new_keys, at, ids), np.insert(self._new_slots, at, slots)
+        if len(self._new_keys) > max(4096, len(self._keys) >> 4):
+            live = np.flatnonzero(self.used)
+            order = np.argsort(self.ids[live], kind="stable")
+            self._keys, self._kslots = self.ids[live][order], live[order]
+            self._new_keys, self._new_slots = self._new_keys[:0], self._new_slots[:0]
+
+    def remove(self, slots: np.ndarray) -> None:
+        """Forget the rows of ``slots`` (their entries in the small array go; the large one's stay, dead)."""
+        self.used[slots] = False
+        if len(self._new_keys):
+            keep = ~np.isin(self._new_slots, slots)
+            self._new_keys, self._new_slots = self._new_keys[keep], self._new_slots[keep]
+
+    def cached_ids(self) -> set[int]:
+        return set(self.ids[self.used].tolist())
 
     @property
     def held(self) -> int:
-        return len(self.slot)
+        return int(self.used.sum())
 
 
 @dataclass
@@ -145,8 +183,8 @@ class RowCache:
         self.tables = {t: _Table(d, config.rows) for t, d in dims.items()}
         self._lock = threading.Lock()
         self._evicted: list[tuple[str, np.ndarray, torch.Tensor, np.ndarray, np.ndarray]] = []
-        # Per table: ids a pull in flight refreshes, and the clock it was planned at.
-        self._inflight: dict[str, dict[int, int]] = {t: {} for t in dims}
+        # Per table: the pulls in flight (their plans' ids, clocks and the ids they refresh).
+        self._inflight: dict[str, list[tuple[int, int, np.ndarray]]] = {t: [] for t in dims}
         self.hits = dict.fromkeys(dims, 0)
         self.refreshed = dict.fromkeys(dims, 0)
         self.evictions = dict.fromkeys(dims, 0)
@@ -166,15 +204,15 @@ class RowCache:
                 tab.last_used[s] = now
                 tab.uses[s] += 1
                 hit = np.zeros(len(arr), bool)
+                later = np.zeros(len(arr), bool)
                 if bound > 0:
                     hit[found] = now - tab.read_clock[s] <= bound
-                    coming = inflight.get
-                    later = np.fromiter((not h and now - coming(i, _STALE) <= bound for i, h in zip(arr.tolist(), hit.tolist())),
-                                        bool, len(arr))
-                else:
-                    later = np.zeros(len(arr), bool)
+                    inflight[:] = [e for e in inflight if now - e[1] <= bound]
+                    if inflight:
+                        later = ~hit & np.isin(arr, np.concatenate([e[2] for e in inflight]))
                 miss = ~(hit | later)
-                inflight.update(dict.fromkeys(arr[miss].tolist(), now))
+                if bound > 0:
+                    inflight.append((id(plan), now, arr[miss]))
                 hs = slots[hit]
                 plan.hit[t] = torch.from_numpy(hit)
                 plan.values[t] = tab.values.index_select(0, torch.from_numpy(hs))
@@ -204,10 +242,7 @@ class RowCache:
                     assert got is not None
                     out[~(hit | later)] = got
                     self._store(t, tab, miss.numpy(), got, pulled, plan)
-                    inflight = self._inflight[t]
-                    for i in miss.tolist():
-                        if inflight.get(i) == plan.now:
-                            del inflight[i]
+                    self._inflight[t][:] = [e for e in self._inflight[t] if e[0] != id(plan)]
                 read = plan.versions[t]
                 if bool(later.any()):
                     wanted = ids.numpy()[later.numpy()]
@@ -249,7 +284,7 @@ class RowCache:
             if v < tab.max_version.get(s, v):
                 # The shard's table went back (restarted from a checkpoint, or reset): whatever
                 # was read from it before is refreshed on its next pull.
-                stale = [i for i in tab.slot.values() if tab.shard[i] == s]
+                stale = np.flatnonzero(tab.used & (tab.shard == s))
                 tab.read_clock[stale] = _STALE
                 self.invalidated[t] += len(stale)
                 tab.max_version[s] = v
@@ -257,15 +292,21 @@ class RowCache:
         slots = tab.slots_of(ids)
         new = np.flatnonzero(slots < 0)
         if len(new):
-            slots[new] = self._place(t, tab, ids[new], set(plan.ids[t].tolist()), plan.now)
+            slots[new] = self._place(t, tab, ids[new], plan.ids[t].numpy(), plan.now)
         keep = slots >= 0
         s = slots[keep]
         tab.values[torch.from_numpy(s)] = got[torch.from_numpy(keep)].float()
         tab.read_clock[s] = plan.now
         tab.shard[s] = shards[keep]
-        tab.read_version[s] = [pulled.table_versions.get((int(sh), t), 0) for sh in shards[keep].tolist()]
+        tab.read_version[s] = self._versions(pulled, t)[shards[keep]]
 
-    def _place(self, t: str, tab: _Table, ids: np.ndarray, protected: set[int], now: int) -> np.ndarray:
+    def _versions(self, pulled: PullResult | None, t: str) -> np.ndarray:
+        """The read version of ``t`` per shard (0 where none)."""
+        if pulled is None:
+            return np.zeros(self.num_shards, np.int64)
+        return np.array([pulled.table_versions.get((s, t), 0) for s in range(self.num_shards)], np.int64)
+
+    def _place(self, t: str, tab: _Table, ids: np.ndarray, protected: np.ndarray, now: int) -> np.ndarray:
         """Slots for new ids (-1 where none is left: that row is not cached), evicting
         rows the current pull does not want when the table is full."""
         want = len(ids)
@@ -274,19 +315,20 @@ class RowCache:
         short = want - len(tab.free)
         if short > 0:
             self._evict(t, tab, short, protected)
+        k = min(want, len(tab.free))
         out = np.full(want, -1, np.int64)
-        for k in range(min(want, len(tab.free))):
-            slot = tab.free.pop()
-            out[k] = slot
-            i = int(ids[k])
-            tab.slot[i] = slot
-            tab.ids[slot], tab.used[slot], tab.uses[slot], tab.last_used[slot] = i, True, 1, now
-            tab.pending_since[slot] = tab.pending_version[slot] = _NONE
+        if k:
+            slots = np.array(tab.free[-k:][::-1], np.int64)
+            del tab.free[-k:]
+            out[:k] = slots
+            tab.ids[slots], tab.used[slots], tab.uses[slots], tab.last_used[slots] = ids[:k], True, 1, now
+            tab.pending_since[slots] = tab.pending_version[slots] = _NONE
+            tab.insert(ids[:k], slots)
         return out
 
-    def _evict(self, t: str, tab: _Table, n: int, protected: set[int]) -> None:
+    def _evict(self, t: str, tab: _Table, n: int, protected: np.ndarray) -> None:
         cand = np.flatnonzero(tab.used)
-        cand = cand[[int(tab.ids[c]) not in protected for c in cand.tolist()]] if protected else cand
+        cand = cand[~np.isin(tab.ids[cand], protected)]
         if not len(cand):
             return
         if self.config.policy == "lru":
@@ -298,13 +340,11 @@ class RowCache:
         if len(held):
             self._evicted.append((t, tab.ids[held].copy(), tab.pending[torch.from_numpy(held)].clone(),
                                   tab.shard[held].copy(), tab.pending_version[held].copy()))
-        for v in victims.tolist():
-            del tab.slot[int(tab.ids[v])]
-            tab.used[v] = False
-            tab.pending_since[v] = tab.pending_version[v] = _NONE
-            tab.read_clock[v] = _STALE
-            tab.pending[v].zero_()
-            tab.free.append(v)
+        tab.remove(victims)
+        tab.pending_since[victims] = tab.pending_version[victims] = _NONE
+        tab.read_clock[victims] = _STALE
+        tab.pending[torch.from_numpy(victims)] = 0.0
+        tab.free.extend(victims.tolist())
         self.evictions[t] += len(victims)
 
     def accumulate(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]], clock: int,
@@ -318,7 +358,7 @@ class RowCache:
                 tab = self.tables[t]
                 arr = step_ids.numpy()
                 shards = shard_of_ids(arr, self.num_shards)
-                read = np.array([versions.table_versions.get((int(s), t), 0) if versions else 0 for s in shards.tolist()], np.int64)
+                read = self._versions(versions, t)[shards]
                 slots = tab.slots_of(arr)
                 cached = slots >= 0
                 if not cached.all():  # not cached (the table was full): pushed at once
@@ -334,7 +374,7 @@ class RowCache:
                 due.setdefault(t, []).append((e_ids, e_grads, e_shards, e_read))
             self._evicted.clear()
             for t, tab in self.tables.items():
-                held = np.flatnonzero(tab.used & (tab.pending_since != _NONE))
+                held = np.flatnonzero(tab.pending_since != _NONE)  # (a free slot's is _NONE)
                 if not len(held):
                     continue
                 ready = held if flush else held[clock - tab.pending_since[held] >= w]
@@ -362,10 +402,11 @@ def _coalesce(due: dict[str, list[tuple[np.ndarray, torch.Tensor, np.ndarray, np
     grads: Grads = {}
     versions: dict[tuple[int, str], int] = {}
     for t, parts in due.items():
-        ids = np.concatenate([p[0] for p in parts])
-        g = torch.cat([p[1] for p in parts])
-        shards = np.concatenate([p[2] for p in parts])
-        read = np.concatenate([p[3] for p in parts])
+        if len(parts) == 1:
+            ids, g, shards, read = parts[0]
+        else:
+            ids, g = np.concatenate([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            shards, read = np.concatenate([p[2] for p in parts]), np.concatenate([p[3] for p in parts])
         if len(parts) == 1 and (len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1]))):
             uniq, summed = torch.from_numpy(ids), g
         else:
