@@ -6,13 +6,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tether.worker.run_record import RunRecord
 
-__all__ = ["write_plot"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["DPI", "SIZE", "write_plot"]
+
+# The figure's size (inches) and resolution: a PNG of 1760 x 506 pixels.
+SIZE = (16.0, 4.6)
+DPI = 110
 
 
 def _evals(curve: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -38,16 +45,17 @@ def write_plot(
     baseline: float,
     best_possible: float | None = None,
     title: str = "",
-) -> None:
+) -> Figure:
     """Eval loss against wall time and against all workers' samples (one line per mode, the
     mean of its runs, with a band from the lowest to the highest run), each with a zoomed inset
-    of the second half; and clock staleness over time."""
+    of the second half; and clock staleness over time. Written to ``path`` (PNG); returns the
+    figure (closed: its axes and lines say what was drawn)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_s, ax_z) = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, (ax_t, ax_s, ax_z) = plt.subplots(1, 3, figsize=SIZE)
     colors = {mode: f"C{i}" for i, mode in enumerate(runs)}
     for ax, x, xlabel in (
         (ax_t, "wall_s", "worker 0's training time (s), evaluations left out"),
@@ -105,5 +113,6 @@ def write_plot(
     ax_z.legend(fontsize=7)
     fig.suptitle("tether: eval loss by consistency mode" + (f" ({title})" if title else ""))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
+    return fig

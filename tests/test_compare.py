@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import matplotlib.image
 import pytest
 
 from tether.deploy.compare import _with_job_end, format_table, recommend, time_to_target
-from tether.deploy.plot import write_plot
+from tether.deploy.plot import DPI, SIZE, write_plot
 from tether.protos.errors import UsageError
 from tether.worker.config import TrainingConfig
 from tether.worker.run_record import RunRecord
@@ -113,8 +114,40 @@ def _run(mode: str, repeat: int, slope: float) -> dict[str, object]:
 def test_plot_has_bands_insets_and_a_staleness_panel(tmp_path: Path) -> None:
     runs = {"sync": [_run("sync", r, 0.6) for r in range(3)], "async": [_run("async", r, 0.5) for r in range(3)]}
     path = tmp_path / "curves.png"
-    write_plot(runs, path, target=0.47, baseline=0.69, best_possible=0.44, title="test")
+    fig = write_plot(runs, path, target=0.47, baseline=0.69, best_possible=0.44, title="test")
+    # The file is a PNG of the figure's size.
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(path)
+    assert image.shape[:2] == (round(SIZE[1] * DPI), round(SIZE[0] * DPI)) and image.std() > 0.05  # not blank
+    ax_t, ax_s, ax_z = fig.axes
+    assert fig._suptitle.get_text() == "tether: eval loss by consistency mode (test)"
+    assert ax_t.get_xlabel().startswith("worker 0's training time") and ax_s.get_xlabel() == "samples, all workers"
+    assert ax_t.get_ylabel() == ax_s.get_ylabel() == "held-out log loss"
+    assert ax_z.get_ylabel().startswith("clock staleness")
+    for ax, end in ((ax_t, 10.0), (ax_s, 20_000.0)):
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        # One mean line per mode, over its three runs (eval loss 0.69, then 0.45 + 0.24 slope^i + 0.001 repeat).
+        for mode, slope in (("sync", 0.6), ("async", 0.5)):
+            x, y = lines[mode].get_xdata(), lines[mode].get_ydata()
+            assert x[0] == 0.0 and x[-1] == pytest.approx(end) and len(x) == 80
+            assert y[0] == pytest.approx(0.69) and y[-1] == pytest.approx(0.45 + 0.24 * slope ** 10 + 0.001)
+        # The reference lines, at their losses.
+        assert lines["target"].get_ydata()[0] == 0.47 and lines["best possible"].get_ydata()[0] == 0.44
+        assert lines["constant predictor"].get_ydata()[0] == 0.69
+        assert ax.get_legend() is not None or ax is ax_s
+        # Each mode's band spans its runs' spread: 0.002 between repeat 0 and repeat 2.
+        bands = [c for c in ax.collections if len(c.get_paths())]
+        assert len(bands) == 2
+        for band, slope in zip(bands, (0.6, 0.5)):
+            at_end = sorted({round(float(vy), 9) for vx, vy in band.get_paths()[0].vertices if abs(vx - end) < 1e-9})
+            assert at_end == pytest.approx([0.45 + 0.24 * slope ** 10, 0.45 + 0.24 * slope ** 10 + 0.002])
+        inset = ax.child_axes[0]
+        assert inset.get_title() == "second half, zoomed" and inset.get_xlim() == pytest.approx((end / 2, end))
+    # The staleness panel: each mode's staleness_mean against the time since the first start.
+    lines = {line.get_label(): line for line in ax_z.get_lines()}
+    assert set(lines) == {"sync", "async"}
+    assert list(lines["sync"].get_xdata()) == [float(i) for i in range(1, 11) for _ in range(2)]  # two workers
+    assert set(lines["async"].get_ydata()) == {1.0}
 
 
 def test_table_shows_mean_and_spread() -> None:

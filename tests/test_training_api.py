@@ -193,6 +193,17 @@ def test_endless_data_without_a_step_limit_is_said_once(cluster: LocalCluster) -
     assert sum("no step limit" in line for line in lines) == 1
 
 
+def test_making_a_trainer_tunes_malloc(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tether.common import allocator
+    from tether.worker import training
+
+    calls: list[bool] = []
+    monkeypatch.setattr(training, "tune_malloc", lambda: calls.append(allocator.tune_malloc()) or calls[-1])
+    Trainer(MF(lambda name, dim: ShardedEmbeddingBag(name, dim)), TrainingConfig(shards=(), local=True, device="cpu"),
+            loss=_loss, sparse=_ids).close()
+    assert len(calls) == 1 and allocator._applied is not None  # applied (or found not to apply) for this process
+
+
 def test_from_env_knows_the_rank_under_torchrun_and_names_a_missing_shard_list(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TETHER_SHARDS", "127.0.0.1:5000")
     monkeypatch.setenv("TETHER_MODE", "sync")

@@ -207,7 +207,8 @@ def train(cfg: WorkerConfig, metrics: WorkerRecorder | None = None, printer: Cal
     """Run one worker of the CTR job and return its record (also written to ``cfg.out``).
 
     Raises:
-        DeadlineExceeded: an ``ssp`` wait ran past ``cfg.wait_timeout_s``.
+        DeadlineExceeded: not every worker joined within ``cfg.wait_timeout_s`` (the start-up
+            join, every mode), or an ``ssp`` wait on the bound ran past it.
         TetherError: a shard call failed after retries.
         UsageError: sync mode outside torchrun, or a bad data file.
     """

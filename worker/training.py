@@ -31,6 +31,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
+from tether.common.allocator import tune_malloc
 from tether.protos.errors import FailedPrecondition, UsageError
 from tether.protos.specs import TableConfig
 from tether.worker.client import ClientConfig, PSClient
@@ -57,7 +58,8 @@ B = TypeVar("B")
 
 
 class Trainer(Generic[B]):
-    """One worker of a job: binds ``model`` to the shards and trains it on batches.
+    """One worker of a job: binds ``model`` to the shards and trains it on batches. Making one
+    tunes this process's malloc (``tether.common.allocator.tune_malloc``, once per process).
 
     Args:
         model: any module; its ``ShardedEmbeddingBag`` modules' rows and (outside ``sync``) its
@@ -94,6 +96,9 @@ class Trainer(Generic[B]):
         printer: Callable[[str], None] = print,
         batch_size: Callable[[B], int] | None = None,
     ) -> None:
+        # A worker process: each step's MiB-sized tensors reuse freed heap rather than fresh pages
+        # (once per process; TETHER_MALLOC=default keeps glibc's settings).
+        tune_malloc()
         config, device, policy = policy_for(config, pick_device(config.device))
         if device.type == "cuda" and device.index is not None:
             # Streams, events and device="cuda" allocations (the user's too) land on this worker's GPU, not cuda:0.
@@ -193,7 +198,8 @@ class Trainer(Generic[B]):
         Raises:
             UsageError: ``eval_data`` is a one-shot iterator (a generator): the first evaluation
                 would use it up and leave every later one empty.
-            DeadlineExceeded: an ``ssp`` wait ran past ``config.wait_timeout_s``.
+            DeadlineExceeded: not every worker joined within ``config.wait_timeout_s`` (the
+                start-up join, every mode), or an ``ssp`` wait on the bound ran past it.
             TetherError: a shard call failed after retries.
         """
         if eval_data is not None and iter(eval_data) is eval_data:

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tether.common.allocator import tune_malloc
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.criteo import CRITEO_DENSE, CRITEO_SPARSE, CriteoStream, criteo_eval_set, write_criteo_sample
 from tether.worker.data import Batch
@@ -109,7 +108,6 @@ def main() -> None:
         return
     if a.position and not a.parquet:
         p.error("--position needs --parquet (the TSV reader has no position to resume from)")
-    tune_malloc()  # a worker process: keep each step's MiB-sized tensors in the heap
     config = TrainingConfig.from_env()
     position: Path | None = None
     stream: ParquetStream | None = None

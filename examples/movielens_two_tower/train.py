@@ -23,7 +23,6 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from movielens import rating_batches, read_ratings, write_ratings  # noqa: E402
 
-from tether.common.allocator import tune_malloc  # noqa: E402
 from tether.worker.embedding import ShardedEmbeddingBag  # noqa: E402
 from tether.worker.training import Trainer, TrainingConfig  # noqa: E402
 
@@ -58,7 +57,6 @@ def main() -> None:
     if a.generate:
         write_ratings(a.data, a.generate)
         return
-    tune_malloc()  # a worker process: keep each step's MiB-sized tensors in the heap
     config = TrainingConfig.from_env()
     train, held_out = read_ratings(a.data, config.worker_index, config.num_workers)
     mean = float(train["rating"].mean())

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from tether.common.allocator import tune_malloc
 from tether.worker.embedding import ShardedEmbeddingBag
 from tether.worker.evaluation import auc, constant_baseline_loss, log_loss
 from tether.worker.training import Trainer, TrainingConfig
@@ -85,7 +84,6 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=int(os.environ.get("TETHER_BATCH_SIZE", 256)))
     p.add_argument("--dim", type=int, default=int(os.environ.get("TETHER_EMBEDDING_DIM", 16)))
     a = p.parse_args()
-    tune_malloc()  # a worker process: keep each step's MiB-sized tensors in the heap
     config = TrainingConfig.from_env()
     torch.manual_seed(config.seed)
     model = SessionModel(a.dim)
