@@ -150,6 +150,9 @@ class _Table:
             keep = ~np.isin(self._new_slots, slots)
             self._new_keys, self._new_slots = self._new_keys[keep], self._new_slots[keep]
 
+    def index_entries(self) -> int:
+        return len(self._keys) + len(self._new_keys)
+
     def cached_ids(self) -> set[int]:
         return set(self.ids[self.used].tolist())
 
@@ -393,7 +396,7 @@ class RowCache:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes each table's cache holds (values and pending sums, allocated)."""
-        return {t: tab.size * tab.dim * 4 * 2 + tab.size * 8 * 9 for t, tab in self.tables.items()}
+        return {t: tab.size * tab.dim * 4 * 2 + tab.size * 8 * 9 + tab.index_entries() * 16 for t, tab in self.tables.items()}
 
 
 def _coalesce(due: dict[str, list[tuple[np.ndarray, torch.Tensor, np.ndarray, np.ndarray]]]) -> tuple[Grads, dict[tuple[int, str], int]]:
