@@ -48,7 +48,9 @@ does (``init_scale=0`` gives the paper's ``w = 0``); from its first step on, ``w
 function of ``z`` and ``n`` above. With ``lr_power`` -0.5, ``sqrt(n_new) - sqrt(n)`` is taken as
 ``g * g / (sqrt(n_new) + sqrt(n))``: the same number without float32's cancellation. The
 learning rate of the push (a staleness factor or a schedule) is used in both ``sigma`` and the
-denominator, as TensorFlow uses its current rate. ``dense_rule()`` is the rule itself.
+denominator, as TensorFlow uses its current rate; a push at rate 0 (a cosine schedule's default
+floor) takes no step: weights, ``z`` and ``n`` stay as they are (both divide by the rate).
+``dense_rule()`` is the rule itself.
 """
 
 from __future__ import annotations
@@ -136,6 +138,8 @@ class Ftrl(UpdateRule):
         return {"n": cfg.initial_accumulator}
 
     def step(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, state: Mapping[str, torch.Tensor], lr: float) -> None:
+        if not lr > 0:
+            return  # a rate of 0 (a schedule's floor) takes no step: sigma and the denominator divide by it
         z, n = state["z"], state["n"]
         g2 = g * g
         n_new = n + g2
@@ -165,6 +169,8 @@ class Ftrl(UpdateRule):
         for i in range(rows):
             s = slots[i]
             row, zr, nr, step = w[s], z[s], n[s], lr[i]
+            if not step > 0:
+                continue  # a rate of 0 takes no step (as in the torch form)
             for j in range(d):
                 scratch[j] = g[i, j] + weight_decay * row[j]
             # z and n, and n's new power left in scratch for the weights' denominators.

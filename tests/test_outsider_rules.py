@@ -1,0 +1,90 @@
+"""Today's per-table rules, schedules and DC-ASGD as an outsider meets them: a model of their own
+(tests/scripts/outsider_rules.py: two tables of different widths, negative 64-bit ids, a
+two-head dense tower, dataclass batches) through ``TrainingConfig`` and ``tether launch
+--script``, and the rules' edge cases that surfaced there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tether.protos.optimizers import OptimizerConfig, rule
+from tether.protos.schedules import Schedule
+from tether.protos.specs import TableConfig
+from tether.server.tables import EmbeddingTable
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "outsider_rules.py"
+
+
+def _run_script(tmp_path: Path, env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out"), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **env}, cwd=ROOT)
+
+
+def _launch(tmp_path: Path, *flags: str, script_args: str = "", timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tether.deploy.cli", "launch", "--script", str(SCRIPT),
+         "--script-args", f"--out {tmp_path / 'out'} {script_args}", "--out", str(tmp_path / "job"), *flags],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    )
+
+
+def _records(tmp_path: Path) -> list[dict]:
+    return [json.loads(f.read_text()) for f in sorted((tmp_path / "out").glob("worker-*.json"))]
+
+
+# -- FTRL at a zero rate ------------------------------------------------------------------------------
+
+
+def test_ftrl_at_a_zero_rate_leaves_rows_and_state_unchanged_in_both_forms() -> None:
+    """A cosine schedule's default floor is a rate of 0; FTRL's step divides by the rate
+    (sigma = rise / lr, the denominator (beta + sqrt(n)) / lr), so a push at rate 0 used to turn
+    the rows into NaN on the shard (stored silently; the next push failed with 'gradients
+    contain NaN or Inf'). At rate 0 nothing moves, as for every other rule."""
+    cfg = OptimizerConfig("ftrl", lr=0.3)
+    table = EmbeddingTable(TableConfig("t", 4, cfg, init_scale=0.1, seed=3))
+    ids = np.arange(5, dtype=np.int64)
+    g = torch.linspace(-1, 1, 20).reshape(5, 4)
+    table.push(ids, g)  # one real step: z, n and the weights move
+    before = {"weights": table.snapshot()["weights"].clone(), "state": {k: v.clone() for k, v in table.snapshot()["state"].items()}}
+    table.push(ids, g, lr_scale=0.0)
+    table.push(ids, g, lr_scale=np.zeros(5))
+    after = table.snapshot()
+    assert torch.isfinite(after["weights"]).all()
+    assert torch.equal(after["weights"], before["weights"])
+    for k in ("z", "n"):
+        assert torch.equal(after["state"][k], before["state"][k]), k
+    # The torch form (local mode, dense chunks, sync's dense optimizer) does the same.
+    r = rule("ftrl")
+    w = torch.full((3, 4), 0.2)
+    state = {"z": torch.zeros(3, 4), "n": torch.zeros(3, 4)}
+    r.apply(cfg, w, torch.ones(3, 4), state)
+    w1, z1, n1 = w.clone(), state["z"].clone(), state["n"].clone()
+    r.apply(cfg, w, torch.ones(3, 4), state, lr_scale=0.0)
+    assert torch.equal(w, w1) and torch.equal(state["z"], z1) and torch.equal(state["n"], n1)
+
+
+def test_ftrl_under_a_cosine_schedule_to_zero_trains_in_local_mode(tmp_path: Path) -> None:
+    """The outsider's run that failed: items=ftrl with decay=cosine (min_lr 0 by default) past
+    its decay_steps, and dense=ftrl too; local mode, 8 steps."""
+    proc = _run_script(tmp_path, {
+        "TETHER_LOCAL": "1", "TETHER_STEPS": "8",
+        "TETHER_TABLE_OPTIMIZER": "items=ftrl:lr=0.3,decay=cosine,decay_steps=3;dense=ftrl:lr=0.1,decay=cosine,decay_steps=3",
+    })
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (record,) = _records(tmp_path)
+    assert record["steps"] == 8
+    assert np.isfinite(np.array(record["rows"]["items"])).all()
+
+
+def test_the_schedule_floor_is_a_step_function_of_the_clock() -> None:
+    """cosine over 3 steps: steps 0, 1, 2 move (1, 3/4, 1/4 of lr), step 3 on does not."""
+    s = Schedule(decay="cosine", decay_steps=3)
+    assert [round(s.lr_at(0.4, k), 6) for k in range(5)] == [0.4, 0.3, 0.1, 0.0, 0.0]
