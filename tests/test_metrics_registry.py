@@ -55,6 +55,14 @@ WORKER_SPEC: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "rpc_errors": ("tether_worker_rpc_errors_total", "counter", ("rpc", "code")),
     "unexpected_duplicates": ("tether_worker_unexpected_duplicate_pushes_total", "counter", ()),
     "last_step_timestamp": ("tether_worker_last_step_timestamp_seconds", "gauge", ()),
+    "rows_moved_total": ("tether_worker_rows_moved_total", "counter", ("table", "direction")),
+    "bytes_moved_total": ("tether_worker_row_bytes_moved_total", "counter", ("table", "direction")),
+    "rows_wanted_total": ("tether_worker_rows_wanted_total", "counter", ("table",)),
+    "rows_recent_total": ("tether_worker_rows_recent_total", "counter", ("table", "within")),
+    "cache_rows_total": ("tether_worker_cache_rows_total", "counter", ("table", "outcome")),
+    "cache_held_rows": ("tether_worker_cache_held_rows", "gauge", ("table",)),
+    "cache_bytes": ("tether_worker_cache_bytes", "gauge", ("table",)),
+    "cache_pending_rows": ("tether_worker_cache_pending_rows", "gauge", ()),
 }
 # prometheus_client's process and platform collectors (Linux: read from /proc), in every registry.
 PROCESS_FAMILIES: dict[str, str] = {
