@@ -429,6 +429,13 @@ class TrainingConfig:
             raise ValueError(f"wire_dtype must be {_names(WIRE_DTYPES)}, got {self.wire_dtype!r}")
         self.security  # noqa: B018 - validates the TLS and token fields together
         self.row_cache  # noqa: B018 - validates the cache_* fields together
+        # Code may pass one text of entries ("a=adam;b=sgd", the variable's form), a list, or a Path: the
+        # fields hold what the flags give (a tuple of entries, a str), so argv, env and hashing see one form.
+        if not isinstance(self.table_optimizers, tuple):
+            given = self.table_optimizers
+            object.__setattr__(self, "table_optimizers", parse_entries(given) if isinstance(given, str) else tuple(given))
+        if self.optimizer_config is not None and not isinstance(self.optimizer_config, str):
+            object.__setattr__(self, "optimizer_config", os.fspath(self.optimizer_config))
         self.table_rules  # noqa: B018 - parses (and keeps) the per-table rules, reading the file
         if not 0 <= self.delay_compensation < math.inf:
             raise ValueError(f"delay_compensation must be a finite number >= 0, got {self.delay_compensation!r}")

@@ -5,7 +5,8 @@ public API: ``TrainingConfig.from_env()``, ``Trainer``, ``ShardedEmbeddingBag``.
 
 Each worker writes ``worker-<i>.json`` under ``--out``: its steps, its first and last losses,
 what every shard's ``Info`` says each table and dense chunk is stepped with, the rows of a few
-probe ids of both tables after training, and the dense parameters. ``--code-rules`` sets the
+probe ids of both tables after training, and the dense parameters (as ``fit`` left them in the
+model, and the shards' current ones, installed by ``trainer.evaluate``). ``--code-rules`` sets the
 per-table rules in code (``TrainingConfig(table_optimizers=...)``) instead of flags or files.
 """
 
@@ -82,7 +83,10 @@ def loss(model: nn.Module, b: Batch) -> torch.Tensor:
 
 with Trainer(TwoTask(), config, loss=loss, sparse=lambda b: {"items": b.items, "ctx": b.ctx},
              batch_size=lambda b: len(b.y)) as trainer:
-    record = trainer.fit(data(config.worker_index, config.num_workers))
+    batches = data(config.worker_index, config.num_workers)
+    record = trainer.fit(batches)
+    after_fit = {k: v.tolist() for k, v in trainer.model.state_dict().items() if k.startswith(("tower", "heads"))}
+    trainer.evaluate(batches[:1])  # installs the shards' current parameters in the model
     info = [{"tables": {t.name: t.optimizer for t in s.tables}, "dense": sorted({d.optimizer for d in s.dense})}
             for s in trainer.client.info()]
     rows = trainer.client.wait(trainer.client.pull({"items": ITEMS, "ctx": CTX})).rows
@@ -97,4 +101,5 @@ k = max(1, len(losses) // 5)
     "info": info,
     "rows": {t: r.tolist() for t, r in rows.items()},
     "dense": dense,
+    "dense_after_fit": after_fit,
 }))
