@@ -131,6 +131,41 @@ def _with_total_samples(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
     return curve
 
 
+def _run_one(
+    template: WorkerConfig, mode: str, repeat: int, repeats: int, num_shards: int, out_dir: Path, spec: str, timeout_s: float,
+    echo: bool, printer: Callable[[str], None],
+) -> dict[str, Any]:
+    """One run of ``compare``: ``template`` under ``mode`` with repeat ``repeat``'s data order, in
+    its own folder; its summary, records, curve and figures."""
+    # The sync baseline runs without DC-ASGD: nothing in sync is stale (the option refuses it).
+    dc = 0.0 if mode == "sync" else template.delay_compensation
+    cfg = replace(template, mode=mode, data_seed=template.data_seed + repeat, delay_compensation=dc)
+    if template.tensorboard:  # one run per mode under one root, so TensorBoard overlays them
+        board = Path(template.tensorboard) / _mode_dir(mode)
+        cfg = replace(cfg, tensorboard=str(board / f"repeat-{repeat}" if repeats > 1 else board))
+    run_dir = out_dir / _mode_dir(mode) / f"repeat-{repeat}" if repeats > 1 else out_dir / _mode_dir(mode)
+    printer(f"tether compare: running {mode}" + (f" repeat {repeat + 1}/{repeats}" if repeats > 1 else "")
+            + f" ({cfg.num_workers} workers, {num_shards} shards, straggler {spec})")
+    summary = run_job(cfg, num_shards, out=run_dir, timeout_s=timeout_s, echo=echo)
+    records = [RunRecord.load(run_dir / f"worker-{w}.json") for w in range(cfg.num_workers)]
+    curve = _with_job_end(_with_total_samples(records), summary, records)
+    updates = sorted(x for r in records for x in r.update_staleness)
+    run: dict[str, Any] = {
+        "mode": mode,
+        "repeat": repeat,
+        "data_seed": cfg.data_seed,
+        "summary": summary,
+        "records": records,
+        "curve": curve,
+        "final_eval_loss": float(summary["eval_loss"]),
+        "final_eval_auc": float(summary["eval_auc"]),
+        "samples_per_sec": float(summary["samples_per_sec"]),
+        "train_wall_s": float(summary["train_wall_s"]),
+        "update_staleness_p50": float(np.median(updates)) if updates else 0.0,
+    }
+    return run
+
+
 def compare(
     template: WorkerConfig,
     modes: Sequence[str],
@@ -183,32 +218,9 @@ def compare(
     runs: list[dict[str, Any]] = []
     for repeat in range(repeats):
         for mode in modes:
-            # The sync baseline runs without DC-ASGD: nothing in sync is stale (the option refuses it).
-            dc = 0.0 if mode == "sync" else template.delay_compensation
-            cfg = replace(template, mode=mode, data_seed=template.data_seed + repeat, delay_compensation=dc)
-            if template.tensorboard:  # one run per mode under one root, so TensorBoard overlays them
-                board = Path(template.tensorboard) / _mode_dir(mode)
-                cfg = replace(cfg, tensorboard=str(board / f"repeat-{repeat}" if repeats > 1 else board))
-            run_dir = out_dir / _mode_dir(mode) / f"repeat-{repeat}" if repeats > 1 else out_dir / _mode_dir(mode)
-            printer(f"tether compare: running {mode}" + (f" repeat {repeat + 1}/{repeats}" if repeats > 1 else "")
-                    + f" ({cfg.num_workers} workers, {num_shards} shards, straggler {spec})")
-            summary = run_job(cfg, num_shards, out=run_dir, timeout_s=timeout_s, echo=echo)
-            records = [RunRecord.load(run_dir / f"worker-{w}.json") for w in range(cfg.num_workers)]
-            curve = _with_job_end(_with_total_samples(records), summary, records)
-            updates = sorted(x for r in records for x in r.update_staleness)
-            run: dict[str, Any] = {
-                "mode": mode,
-                "repeat": repeat,
-                "data_seed": cfg.data_seed,
-                "summary": summary,
-                "records": records,
-                "curve": curve,
-                "final_eval_loss": float(summary["eval_loss"]),
-                "final_eval_auc": float(summary["eval_auc"]),
-                "samples_per_sec": float(summary["samples_per_sec"]),
-                "train_wall_s": float(summary["train_wall_s"]),
-                "update_staleness_p50": float(np.median(updates)) if updates else 0.0,
-            }
+            run = _run_one(template, mode, repeat, repeats, num_shards, out_dir, str(spec), timeout_s, echo, printer)
+            summary = run["summary"]
+            curve = run["curve"]
             runs.append(run)
             worst = max(float(r["final_eval_loss"]) for r in runs)
             base = float(summary["baseline_loss"])
@@ -224,18 +236,10 @@ def compare(
         # From the runs themselves (the worst final loss), so every run reaches it.
         worst = max(float(r["final_eval_loss"]) for r in runs)
         target_loss = baseline - target_fraction * (baseline - worst)
-    rows: list[dict[str, Any]] = []
     for run in runs:
         run["time_to_target_s"] = time_to_target(run["curve"], target_loss)
-        for w, record in enumerate(run["records"]):
-            points = run["curve"] if w == 0 else record.history
-            for point in points:
-                rows.append({"mode": run["mode"], "repeat": run["repeat"], "worker": w, **{k: point.get(k, "") for k in CSV_FIELDS[3:]}})
     results = [_mode_result(mode, [r for r in runs if r["mode"] == mode]) for mode in modes]
-    with (out_dir / "curves.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+    _write_curves(out_dir / "curves.csv", runs)
     best_possible = float(first["bayes_loss"]) if "bayes_loss" in first else None
     write_plot({m: [r for r in runs if r["mode"] == m] for m in modes}, out_dir / "curves.png", target_loss, baseline, best_possible,
                title=f"{template.num_workers} workers, {num_shards} shards, straggler {spec}"
@@ -256,6 +260,20 @@ def compare(
         summary["bayes_loss"] = best_possible
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _write_curves(path: Path, runs: Sequence[dict[str, Any]]) -> None:
+    """``curves.csv``: every run's points, worker 0's from its curve (with all workers' samples), the others' from their records."""
+    rows: list[dict[str, Any]] = []
+    for run in runs:
+        for w, record in enumerate(run["records"]):
+            points = run["curve"] if w == 0 else record.history
+            for point in points:
+                rows.append({"mode": run["mode"], "repeat": run["repeat"], "worker": w, **{k: point.get(k, "") for k in CSV_FIELDS[3:]}})
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def _mode_result(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:

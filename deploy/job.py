@@ -105,6 +105,17 @@ def run_job(
     except KeyboardInterrupt:
         # Leaving the with block stopped every process.
         raise Interrupted(cluster.stopped) from None
+    summary = _summary(template, num_shards, workers, evaluation, wall, metrics_ports, restarts, steps_before, max_restarts)
+    if out_dir:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _summary(
+    template: WorkerConfig, num_shards: int, workers: Sequence[RunRecord], evaluation: dict[str, float], wall: float,
+    metrics_ports: dict[str, int], restarts: dict[str, int], steps_before: dict[str, int], max_restarts: int,
+) -> dict[str, Any]:
+    """The job's ``summary.json``: its evaluation, throughput, staleness and each worker's figures."""
     # A restarted worker's record is its last incarnation's: the steps the earlier ones reported
     # done are added (at the batch size the built-in job and Trainer.fit use), and the
     # throughput is over the whole job's wall time, restarts included.
@@ -143,6 +154,4 @@ def run_job(
             "it re-read batches its first incarnation trained on, and did not read those after them; "
             "samples_per_sec is over job_wall_s"
         )
-    if out_dir:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
