@@ -131,6 +131,18 @@ class _Table:
         self._find(self._new_keys, self._new_slots, ids, out)
         return out
 
+    def verify(self, ids: np.ndarray, guess: np.ndarray) -> np.ndarray:
+        """``slots_of(ids)``, given slots found earlier: those still holding their id are kept,
+        the others looked up again."""
+        ok = guess >= 0
+        g = guess[ok]
+        ok[ok] = self.used[g] & (self.ids[g] == ids[ok])
+        out = np.where(ok, guess, -1)
+        if not ok.all():
+            rest = np.flatnonzero(~ok)
+            out[rest] = self.slots_of(ids[rest])
+        return out
+
     def insert(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Index new ids (not cached) at their slots."""
         order = np.argsort(ids, kind="stable")
@@ -172,6 +184,8 @@ class _Plan:
     hit: dict[str, torch.Tensor] = field(default_factory=dict)
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     versions: dict[str, np.ndarray] = field(default_factory=dict)  # read versions of the hits
+    shards: dict[str, np.ndarray] = field(default_factory=dict)  # the hits' shards
+    slots: dict[str, np.ndarray] = field(default_factory=dict)  # every id's slot at plan time (-1: none)
     later: dict[str, torch.Tensor] = field(default_factory=dict)
     miss: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -186,6 +200,9 @@ class RowCache:
         self.tables = {t: _Table(d, config.rows) for t, d in dims.items()}
         self._lock = threading.Lock()
         self._evicted: list[tuple[str, np.ndarray, torch.Tensor, np.ndarray, np.ndarray]] = []
+        # Per table: the slots of the last merged pull's ids (its ids' data pointer and count),
+        # where that step's gradients most likely go.
+        self._memo: dict[str, tuple[int, int, np.ndarray]] = {}
         # Per table: the pulls in flight (their plans' ids, clocks and the ids they refresh).
         self._inflight: dict[str, list[tuple[int, int, np.ndarray]]] = {t: [] for t in dims}
         self.hits = dict.fromkeys(dims, 0)
@@ -220,6 +237,8 @@ class RowCache:
                 plan.hit[t] = torch.from_numpy(hit)
                 plan.values[t] = tab.values.index_select(0, torch.from_numpy(hs))
                 plan.versions[t] = tab.read_version[hs].copy()
+                plan.shards[t] = tab.shard[hs].copy()
+                plan.slots[t] = slots
                 plan.later[t] = torch.from_numpy(later)
                 plan.miss[t] = ids[torch.from_numpy(miss)]
                 self.hits[t] += len(hs)
@@ -246,7 +265,7 @@ class RowCache:
                     out[~(hit | later)] = got
                     self._store(t, tab, miss.numpy(), got, pulled, plan)
                     self._inflight[t][:] = [e for e in self._inflight[t] if e[0] != id(plan)]
-                read = plan.versions[t]
+                read, read_shards = plan.versions[t], plan.shards[t]
                 if bool(later.any()):
                     wanted = ids.numpy()[later.numpy()]
                     slots = tab.slots_of(wanted)
@@ -257,15 +276,15 @@ class RowCache:
                         lacking[t] = torch.from_numpy(wanted[~ok])
                     hit = hit | later
                     read = np.concatenate([read, tab.read_version[slots[ok]]])
-                    order = np.concatenate([np.flatnonzero(plan.hit[t].numpy()), where.numpy()[ok]])
-                else:
-                    order = np.flatnonzero(hit.numpy())
+                    read_shards = np.concatenate([read_shards, tab.shard[slots[ok]]])
                 rows[t] = out
                 if len(read):
-                    shards = shard_of_ids(ids.numpy()[order], self.num_shards)
-                    for s in np.unique(shards).tolist():
-                        oldest = int(read[shards == s].min())
-                        versions[(s, t)] = min(oldest, versions.get((s, t), oldest))
+                    oldest = np.full(self.num_shards, _NONE, np.int64)
+                    np.minimum.at(oldest, read_shards, read)
+                    for sh in np.flatnonzero(oldest != _NONE).tolist():
+                        v = int(oldest[sh])
+                        versions[(sh, t)] = min(v, versions.get((sh, t), v))
+                self._memo[t] = (ids.data_ptr(), len(ids), tab.verify(ids.numpy(), plan.slots[t]))
         return PullResult(rows, pulled.dense, versions, pulled.dense_versions, pulled.ack), lacking
 
     @staticmethod
@@ -292,7 +311,7 @@ class RowCache:
                 self.invalidated[t] += len(stale)
                 tab.max_version[s] = v
             tab.max_version[s] = max(v, tab.max_version.get(s, v))
-        slots = tab.slots_of(ids)
+        slots = tab.verify(ids, plan.slots[t][~(plan.hit[t] | plan.later[t]).numpy()])
         new = np.flatnonzero(slots < 0)
         if len(new):
             slots[new] = self._place(t, tab, ids[new], plan.ids[t].numpy(), plan.now)
@@ -360,10 +379,16 @@ class RowCache:
             for t, (step_ids, g) in grads.items():
                 tab = self.tables[t]
                 arr = step_ids.numpy()
-                shards = shard_of_ids(arr, self.num_shards)
-                read = self._versions(versions, t)[shards]
-                slots = tab.slots_of(arr)
+                memo = self._memo.get(t)
+                if memo is not None and memo[0] == step_ids.data_ptr() and memo[1] == len(arr):
+                    slots = tab.verify(arr, memo[2])
+                else:
+                    slots = tab.slots_of(arr)
                 cached = slots >= 0
+                shards = tab.shard[np.maximum(slots, 0)]
+                if not cached.all():
+                    shards[~cached] = shard_of_ids(arr[~cached], self.num_shards)
+                read = self._versions(versions, t)[shards]
                 if not cached.all():  # not cached (the table was full): pushed at once
                     miss = torch.from_numpy(~cached)
                     due.setdefault(t, []).append((arr[~cached], g[miss].float(), shards[~cached], read[~cached]))
