@@ -156,3 +156,66 @@ def test_sync_launch_applies_per_table_rules_from_flags_and_a_file(tmp_path: Pat
         assert r["info"] == [{"tables": {"ctx": "rowwise_adagrad", "items": "ftrl"}, "dense": []}] * 2
         assert r["last_loss"] < 0.5 * r["first_loss"], r
     assert records[0]["dense_after_fit"] == records[1]["dense_after_fit"]
+
+
+# -- the rest of the modes (slow: a launch each) ------------------------------------------------------
+
+
+def _lingering(tmp_path: Path) -> list[str]:
+    """Processes still running whose command line names this test's directory."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if str(tmp_path) in line and "ps -eo" not in line]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["async", "ssp:2"])
+def test_async_and_ssp_apply_per_table_rules_with_delay_compensation(tmp_path: Path, mode: str) -> None:
+    proc = _launch(tmp_path, "--mode", mode, "--num-workers", "2", "--num-shards", "2", "--delay-compensation", "0.5",
+                   "--table-optimizer", "items=rowwise_adagrad:lr=0.2", "--table-optimizer", "ctx=ftrl:lr=0.5",
+                   "--table-optimizer", "dense=adam:lr=0.01,warmup_steps=5")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for r in _records(tmp_path):
+        assert r["steps"] == 40
+        assert [s["tables"] for s in r["info"]] == [{"ctx": "ftrl", "items": "rowwise_adagrad"}] * 2
+        assert sorted(d for s in r["info"] for d in s["dense"]) == ["adam"]  # one chunk, on one shard
+        assert r["last_loss"] < 0.2 * r["first_loss"], r
+
+
+@pytest.mark.slow
+def test_sync_schedule_floor_holds_rows_and_the_ranks_dense_optimizer(tmp_path: Path) -> None:
+    rules = ("--table-optimizer", "ctx=sgd:lr=0.5,warmup_steps=2,decay=cosine,decay_steps=3",
+             "--table-optimizer", "dense=adam:lr=0.01,decay=cosine,decay_steps=3")
+    ends = {}
+    for steps in (1, 6, 12):
+        proc = _launch(tmp_path / str(steps), "--mode", "sync", "--num-workers", "2", "--num-shards", "2", "--steps", str(steps), *rules)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        ends[steps] = _records(tmp_path / str(steps))[0]
+    assert ends[1]["rows"]["ctx"] != ends[6]["rows"]["ctx"] and ends[6]["rows"]["ctx"] == ends[12]["rows"]["ctx"]
+    assert ends[6]["rows"]["items"] != ends[12]["rows"]["items"]  # the job's default rule, no schedule
+    assert ends[1]["dense"] != ends[6]["dense"] and ends[6]["dense"] == ends[12]["dense"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, code, line", [
+    (["--mode", "sync", "--delay-compensation", "0.5"], 2, "--delay-compensation is for async and ssp:S: sync has no stale"),
+    (["--table-optimizer", "items=adamw"], 2, "optimizer of 'items': unknown rule 'adamw'"),
+    (["--table-optimizer", "items=adam:lrr=0.1"], 2, "optimizer of 'items': unknown key 'lrr'"),
+    (["--table-optimizer", "items=ftrl:beta=0,l2=0,initial_accumulator=0"], 2, "ftrl needs beta > 0, l2 > 0 or initial_accumulator > 0"),
+    (["--mode", "sync", "--table-optimizer", "ctx=sgd:decay=cosine"], 2, "decay=cosine needs decay_steps >= 1"),
+    (["--table-optimizer", "users=adam"], 1, "name table 'users', which the model does not have (its tables: ctx, items"),
+])
+def test_bad_entries_end_the_launch_with_their_line_and_leave_nothing(tmp_path: Path, flags: list[str], code: int, line: str) -> None:
+    proc = _launch(tmp_path, "--num-workers", "2", "--num-shards", "1", *flags, timeout=120)
+    assert proc.returncode == code, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert line in proc.stderr.strip().splitlines()[-1]
+    if code == 2:  # refused before anything started: one line
+        assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    assert not _lingering(tmp_path)
+
+
+@pytest.mark.slow
+def test_delay_compensation_is_refused_in_local_mode(tmp_path: Path) -> None:
+    """A script's TrainingConfig.from_env() raises the line (its documented ValueError)."""
+    local = _run_script(tmp_path, {"TETHER_LOCAL": "1", "TETHER_DELAY_COMPENSATION": "0.5"})
+    assert local.returncode == 1 and "local mode has no stale gradient" in local.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
