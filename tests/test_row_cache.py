@@ -180,3 +180,33 @@ def test_flags_and_bad_values() -> None:
     with pytest.raises(ValueError, match="--cache-write-bound"):
         TrainingConfig(local=True, cache_write_bound=-2)
     assert np.isfinite(RowCache(config.row_cache, {"t": 4}, 2).memory_bytes()["t"])
+
+
+def test_the_cache_on_a_gpu_worker_trains_as_on_the_cpu() -> None:
+    """The fake cuda:0 of tests/fake_cuda.py: pulls and pushes go through the transfer thread
+    (plans and merges there), and the parameters end as the CPU's with the same cache."""
+    from fake_cuda import FakeCuda, on_fake_cuda
+
+    batches = _batches(12)
+
+    def train(fake: FakeCuda | None) -> dict[str, torch.Tensor]:
+        config = TrainingConfig(local=True, optimizer="adagrad", lr=0.05, log_every=1000, device="cuda" if fake else "cpu",
+                                cache_rows=1000, cache_bound=3)
+        torch.manual_seed(0)
+        model = TwoTower()
+        if fake is not None:
+            on_fake_cuda(model)
+        ids = {"users": torch.unique(torch.cat([b["user"] for b in batches])),
+               "items": torch.unique(torch.cat([b["item"] for b in batches]))}
+        with Trainer(model, config, loss=_loss, sparse=lambda b: {"users": b["user"], "items": b["item"]},
+                     batch_size=lambda b: len(b["rating"]), printer=lambda line: None) as trainer:
+            trainer.fit(batches, background=False)
+            assert trainer.ps.rows.cache is not None and sum(trainer.ps.rows.cache.hits.values()) > 0
+            final = trainer.client.pull(ids, ["dense"]).result(30)
+        return {**final.rows, "dense": final.dense["dense"]}
+
+    cpu = train(None)
+    with FakeCuda(available=True) as fake:
+        gpu = train(fake)
+    for name in cpu:
+        assert torch.allclose(cpu[name], gpu[name], atol=1e-6), name
