@@ -83,6 +83,8 @@ def test_ftrl_under_a_cosine_schedule_to_zero_trains_in_local_mode(tmp_path: Pat
     (record,) = _records(tmp_path)
     assert record["steps"] == 8
     assert np.isfinite(np.array(record["rows"]["items"])).all()
+    # Local mode's Info answers as one shard would (it used to answer []): the rules are checkable.
+    assert record["info"] == [{"tables": {"ctx": "adagrad", "items": "ftrl"}, "dense": ["ftrl"]}]
 
 
 def test_the_schedule_floor_is_a_step_function_of_the_clock() -> None:

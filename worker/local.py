@@ -352,5 +352,12 @@ class LocalClient(PSClient):
         )
 
     def info(self) -> list[pb.InfoResponse]:
-        """Every shard's ``Info``: there is none, so ``[]``."""
-        return []
+        """One ``Info``, as from shard 0 of 1: each table's dim, rows, version and rule, and each
+        dense parameter's size, version and rule (what a script checks on the shards, here too)."""
+        response = pb.InfoResponse(shard_index=0, num_shards=1)
+        with self._lock:
+            for name, t in sorted(self.tables.items()):
+                response.tables.add(name=name, dim=t.dim, rows=t.rows, version=t.version, optimizer=t.config.optimizer.name)
+            for name, d in sorted(self.dense.items()):
+                response.dense.add(name=name, index=0, numel=d.value.numel(), version=d.version, optimizer=d.optimizer.name)
+        return [response]
