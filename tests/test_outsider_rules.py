@@ -221,3 +221,29 @@ def test_delay_compensation_is_refused_in_local_mode(tmp_path: Path) -> None:
     local = _run_script(tmp_path, {"TETHER_LOCAL": "1", "TETHER_DELAY_COMPENSATION": "0.5"})
     assert local.returncode == 1 and "local mode has no stale gradient" in local.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_table_spec_in_code_with_another_dim_than_the_module_is_one_line() -> None:
+    """Trainer(tables=[TableConfig("items", 5, ...)]) for a ShardedEmbeddingBag("items", 6) used to
+    declare dim 5 and fail in the user's forward pass ('mat1 and mat2 shapes cannot be multiplied')."""
+    from torch import nn
+
+    from tether.protos.errors import UsageError
+    from tether.worker.embedding import ShardedEmbeddingBag
+    from tether.worker.training import Trainer, TrainingConfig
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.items, self.ctx = ShardedEmbeddingBag("items", 6), ShardedEmbeddingBag("ctx", 2)
+
+        def forward(self, b: torch.Tensor) -> torch.Tensor:
+            return torch.cat([self.items(b), self.ctx(b)], 1).sum(1)
+
+    tables = [TableConfig("items", 5, OptimizerConfig("adam", lr=0.01)), TableConfig("ctx", 2)]
+    with pytest.raises(UsageError, match=r"declares table 'items' with dim 5, but the model's ShardedEmbeddingBag\('items', \.\.\.\) has dim 6"):
+        Trainer(Model(), TrainingConfig(local=True), loss=lambda m, b: m(b).sum(), sparse=lambda b: {"items": b, "ctx": b}, tables=tables)
+    fine = [TableConfig("items", 6, OptimizerConfig("adam", lr=0.01)), TableConfig("ctx", 2)]
+    with Trainer(Model(), TrainingConfig(local=True, table_optimizers=("ctx=ftrl",)), loss=lambda m, b: m(b).sum(),
+                 sparse=lambda b: {"items": b, "ctx": b}, tables=fine) as trainer:
+        assert {t.name: t.optimizer for t in trainer.client.info()[0].tables} == {"items": "adam", "ctx": "ftrl"}  # the code's spec; the entry wins

@@ -252,10 +252,15 @@ def apply_rules(
     (the code's) or one per table of the model, each with the optimizer the rules give.
 
     Raises:
-        UsageError: an entry naming a table the model does not have.
+        UsageError: an entry naming a table the model does not have, or a spec of ``tables`` whose
+            dim is not its ``ShardedEmbeddingBag``'s.
     """
     rules.check_names(model_tables)
     if tables is None:
         tables = [TableConfig(name=t, dim=dim, optimizer=rules.default, init_scale=init_scale, seed=seed)
                   for t, dim in model_tables.items()]
+    for t in tables:
+        if model_tables.get(t.name, t.dim) != t.dim:
+            raise UsageError(f"Trainer(tables=...) declares table {t.name!r} with dim {t.dim}, but the model's "
+                             f"ShardedEmbeddingBag({t.name!r}, ...) has dim {model_tables[t.name]}: give the spec the module's dim")
     return rules.tables(tables), rules.optimizer(DENSE)
