@@ -7,7 +7,8 @@ Each worker writes ``worker-<i>.json`` under ``--out``: its steps, its first and
 what every shard's ``Info`` says each table and dense chunk is stepped with, the rows of a few
 probe ids of both tables after training, and the dense parameters (as ``fit`` left them in the
 model, and the shards' current ones, installed by ``trainer.evaluate``). ``--code-rules`` sets the
-per-table rules in code (``TrainingConfig(table_optimizers=...)``) instead of flags or files.
+per-table rules in code (``TrainingConfig(table_optimizers=...)``) instead of flags or files;
+``--items-capacity N`` declares the tables in code (``Trainer(tables=...)``) with items bounded.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tether.protos.optimizers import OptimizerConfig
+from tether.protos.specs import TableConfig
 from tether.worker.embedding import ShardedEmbeddingBag
 from tether.worker.training import Trainer, TrainingConfig
 
@@ -29,6 +32,7 @@ p.add_argument("--out", required=True)
 p.add_argument("--batches", type=int, default=40, help="batches per worker")
 p.add_argument("--batch", type=int, default=16)
 p.add_argument("--code-rules", default="", help="per-table entries set in code, separated by ';'")
+p.add_argument("--items-capacity", type=int, default=0, help="Trainer(tables=...): items' rows per shard (0: unbounded)")
 a = p.parse_args()
 
 config = TrainingConfig.from_env()
@@ -81,7 +85,11 @@ def loss(model: nn.Module, b: Batch) -> torch.Tensor:
     return value
 
 
-with Trainer(TwoTask(), config, loss=loss, sparse=lambda b: {"items": b.items, "ctx": b.ctx},
+tables = None
+if a.items_capacity:
+    tables = [TableConfig("items", 6, OptimizerConfig(config.optimizer, lr=config.lr), capacity=a.items_capacity, seed=config.seed),
+              TableConfig("ctx", 2, OptimizerConfig(config.optimizer, lr=config.lr), seed=config.seed)]
+with Trainer(TwoTask(), config, loss=loss, sparse=lambda b: {"items": b.items, "ctx": b.ctx}, tables=tables,
              batch_size=lambda b: len(b.y)) as trainer:
     batches = data(config.worker_index, config.num_workers)
     record = trainer.fit(batches)
