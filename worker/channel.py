@@ -27,7 +27,7 @@ from tether.protos import framing as dp
 from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.errors import Unavailable, error_from_status, retryable
-from tether.worker.config import ClientConfig
+from tether.worker.client_config import ClientConfig
 from tether.worker.data_channel import DataConnection, DataPlane, DataPlaneStatus
 from tether.worker.metrics import WorkerRecorder
 

@@ -25,7 +25,7 @@ from tether.common.security import ClientSecurity
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.protos.ssp import COORDINATOR_SHARD, MAX_CLOCK_HOLD_S
 from tether.worker.channel import Call, DataCall, ShardChannel, time_left
-from tether.worker.config import ClientConfig
+from tether.worker.client_config import ClientConfig
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
 from tether.worker.results import CheckpointResult, ClockReply, Handle, Pending, PullResult, PushAck
 from tether.worker.router import PullAnswer, Router

@@ -9,8 +9,8 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -22,6 +22,8 @@ from tether.common.settings import default_of, derived, optional_int, optional_s
 from tether.protos.optimizers import OptimizerConfig
 from tether.common.security import TOKEN_ENV, ClientSecurity, resolve_token
 from tether.protos.specs import OPTIMIZERS, TableConfig
+from tether.worker.client_config import ClientConfig
+from tether.worker.client_config import or_names as _names
 from tether.worker.row_cache import POLICIES as CACHE_POLICIES
 from tether.worker.row_cache import RowCacheConfig
 from tether.worker.stragglers import StragglerSpec, parse_straggler
@@ -30,12 +32,6 @@ from tether.worker.table_rules import TableRules, parse_entries
 T = TypeVar("T", bound="TrainingConfig")
 
 __all__ = ["JOB", "MODEL", "MODEL_PRESETS", "PLACE", "PROCESS", "ClientConfig", "TrainingConfig", "WorkerConfig", "parse_mode"]
-
-
-def _names(names: Iterable[str]) -> str:
-    """``a, b or c``."""
-    *first, last = list(names)
-    return f"{', '.join(first)} or {last}"
 
 
 def _wire_name(dtype: torch.dtype) -> str:
@@ -109,90 +105,6 @@ def _check_parquet_data(data: str, num_workers: int) -> None:
         check_parquet(path, world_size=num_workers)
     except ValueError as exc:
         raise ValueError(f"--data {data}: {exc}") from None
-
-
-@dataclass(frozen=True)
-class ClientConfig:
-    """Where the shards are and how to call them (``PSClient``'s config; a ``Trainer`` makes it
-    with ``ClientConfig.for_training``)."""
-
-    addresses: tuple[str, ...]
-    worker_id: str
-    # Deadline of one attempt (one RPC or data-plane round trip).
-    timeout_s: float = 30.0
-    # Retries of a transient failure: None retries until ``call_deadline_s``; a number stops after
-    # that many retries (or at the deadline, if sooner).
-    retries: int | None = None
-    backoff_s: float = 0.05
-    max_backoff_s: float = 2.0
-    max_message_bytes: int = 256 * 1024 * 1024
-    chunk_elems: int = 1 << 20
-    wire_dtype: torch.dtype = torch.float32
-    threads: int = 8
-    staleness_aware: bool = False
-    # DC-ASGD's lambda (0: off): pushes carry the values they were computed on.
-    delay_compensation: float = 0.0
-    security: ClientSecurity = field(default_factory=ClientSecurity)
-    # HTTP/2 keepalive: a connection that stops answering pings this long plus a bit is
-    # given up, so a partition or a dead shard is noticed without waiting for TCP.
-    keepalive_s: float = 10.0
-    # How Push/Pull/PushPull travel: "auto" uses the shard's data plane, with shared memory
-    # when the shard is on this machine; "tcp" the data plane without shared memory; "grpc"
-    # everything over gRPC. With TLS the data plane's TCP connections run inside TLS too.
-    transport: str = "auto"
-    # The longest one call takes, every attempt, backoff and data-plane fallback included; then
-    # it raises Unavailable. Each attempt gets min(timeout_s, what is left). Checkpoint calls
-    # and SSP waits have their own limits (see ``checkpoint`` and ``clock``).
-    call_deadline_s: float = 60.0
-    # The worker's row cache (tether.worker.row_cache): off by default.
-    cache: RowCacheConfig = field(default_factory=RowCacheConfig)
-
-    @classmethod
-    def for_training(cls, config: TrainingConfig) -> ClientConfig:
-        """The client of one worker of a training job (the rest at the client's defaults)."""
-        return cls(
-            addresses=config.shards,
-            worker_id=config.worker_name,
-            timeout_s=config.timeout_s,
-            call_deadline_s=config.call_deadline_s,
-            wire_dtype=WIRE_DTYPES[config.wire_dtype],
-            transport=config.transport,
-            # In sync every rank's gradients of a step were computed on the same parameters
-            # (those after the previous step's barrier): none is stale, though the shard sees
-            # the other ranks' pushes of that step land first. So sync never asks for it.
-            staleness_aware=config.staleness_aware and config.consistency[0] != "sync",
-            delay_compensation=config.delay_compensation,
-            security=config.security,
-            # Sync is exact: its ranks read every row fresh each step, so it never caches.
-            cache=config.row_cache if config.consistency[0] != "sync" else RowCacheConfig(),
-        )
-
-    def __post_init__(self) -> None:
-        if not self.addresses:
-            raise ValueError("at least one shard address is needed")
-        for a in self.addresses:
-            if ":" not in a:
-                raise ValueError(f"shard address must be host:port, got {a!r}")
-        if not self.worker_id:
-            raise ValueError("worker_id must not be empty")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
-        if self.retries is not None and self.retries < 0:
-            raise ValueError(f"retries must be >= 0 or None (until the call's deadline), got {self.retries!r}")
-        if self.chunk_elems < 1:
-            raise ValueError(f"chunk_elems must be >= 1, got {self.chunk_elems!r}")
-        if self.wire_dtype not in WIRE_DTYPES.values():
-            raise ValueError(f"wire_dtype must be {_names(WIRE_DTYPES)}, got {self.wire_dtype}")
-        if not isinstance(self.security, ClientSecurity):
-            raise ValueError(f"security must be a ClientSecurity, got {type(self.security).__name__}")
-        if not self.keepalive_s > 0:
-            raise ValueError(f"keepalive_s must be > 0, got {self.keepalive_s!r}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
-        if not 0 < self.backoff_s <= self.max_backoff_s:
-            raise ValueError(f"need 0 < backoff_s <= max_backoff_s, got {self.backoff_s!r}, {self.max_backoff_s!r}")
-        if not (isinstance(self.call_deadline_s, (int, float)) and 0 < self.call_deadline_s < math.inf):
-            raise ValueError(f"call_deadline_s must be a finite number of seconds > 0, got {self.call_deadline_s!r}")
 
 
 # The groups of flags (``fields.add_flags(groups=...)``): where one worker stands in its job

@@ -17,7 +17,7 @@ from tether.protos.codec import decode_tensor, encode_ids, encode_tensor, int64_
 from tether.protos.errors import InvalidArgument
 from tether.protos.partition import dense_shard, split_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.worker.config import ClientConfig
+from tether.worker.client_config import ClientConfig
 from tether.worker.results import PullResult
 
 __all__ = ["DenseLayout", "PullAnswer", "PullPlan", "Router"]
