@@ -233,3 +233,19 @@ def test_gpus_are_dealt_one_per_worker_and_one_per_sync_rank() -> None:
         sync_device(torch.device("cuda"), 0, 3, 2)
     with pytest.raises(UsageError, match="--device cuda:0: in sync every rank"):
         sync_device(torch.device("cuda", 0), 0, 2, 2)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_the_model_after_fit_holds_the_shards_last_dense_values(prefetch: bool) -> None:
+    """After ``fit`` the user's model holds the dense values the shards hold once every push
+    landed (the last steps computed on values pulled before their pushes were applied)."""
+    torch.manual_seed(0)
+    model = MF(lambda name, dim: ShardedEmbeddingBag(name, dim))
+    config = TrainingConfig(shards=(), local=True, prefetch=prefetch, log_every=100, device="cpu", lr=0.2)
+    with Trainer(model, config, loss=_loss, sparse=_ids, printer=lambda line: None) as trainer:
+        before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        trainer.fit(_batches(8))
+        held = trainer.client.pull({}, ["dense"]).result(30).dense["dense"]
+        after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert (held - before).abs().max() > 1e-3  # training moved them
+    assert torch.equal(after, held)

@@ -267,6 +267,7 @@ class Trainer(Generic[B]):
                 break
             steps.advance()
         steps.finish()
+        self._load_final_dense()
         wall = time.perf_counter() - t_start - eval_time
         record = RunRecord(
             worker_index=cfg.worker_index, mode=cfg.mode, device=str(self.device), steps=step + 1, samples=samples, wall_s=wall,
@@ -283,6 +284,20 @@ class Trainer(Generic[B]):
         if cfg.out:
             record.write(cfg.out)
         return record
+
+    def _load_final_dense(self) -> None:
+        """Load the shards' dense values into the model once the last push has landed: the last
+        steps computed on values pulled before the pushes in flight were applied, so without this
+        a model saved after ``fit`` would miss its last updates. (In sync the dense parameters
+        live on the ranks and are current already.)"""
+        if not (self.ps.dense_on_shards and self.ps.dense):
+            return
+        was_training = self.model.training
+        self.model.train(False)  # a fresh read: the row cache pushes what it holds first
+        try:
+            self.ps.install(self.ps.prefetch({}), train=False, timeout=self.config.wait_s)
+        finally:
+            self.model.train(was_training)
 
     def _log(
         self, steps: Step[B], point: Point, evals: Callable[[], dict[str, float]] | None, phase: dict[str, float], wall: float
