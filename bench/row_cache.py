@@ -30,11 +30,11 @@ from movielens import write_ratings  # noqa: E402
 WORKERS, SHARDS = 4, 2
 
 
-def _job(kind: str, template: WorkerConfig, folder: Path, ratings: Path) -> tuple[float, float]:
+def _job(kind: str, template: WorkerConfig, folder: Path, ratings: Path, shards: int = SHARDS) -> tuple[float, float]:
     """(held-out loss, samples/s) of one job."""
     program = Program.script(str(ROOT / "examples" / "movielens_two_tower" / "train.py"), ["--data", str(ratings)]) \
         if kind == "movielens" else None
-    summary: dict[str, Any] = run_job(template, SHARDS, out=folder, timeout_s=1800, echo=False, program=program)
+    summary: dict[str, Any] = run_job(template, shards, out=folder, timeout_s=1800, echo=False, program=program)
     loss = summary["final_eval"]["eval_mse"] if kind == "movielens" else summary["eval_loss"]
     return float(loss), float(summary["samples_per_sec"])
 
@@ -47,18 +47,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-rows", type=int, default=100_000, help="rows per table, default 100000")
     p.add_argument("--steps", type=int, default=300, help="steps per worker, default 300")
     p.add_argument("--rounds", type=int, default=1, help="rounds of both configurations, default 1")
+    p.add_argument("--workers", type=int, default=WORKERS, help=f"workers, default {WORKERS}")
+    p.add_argument("--shards", type=int, default=SHARDS, help=f"shards, default {SHARDS}")
     a = p.parse_args(argv)
     try:
         bounds = [tuple(int(x) for x in b.split("/")) for b in a.bounds.split(",") if b.strip()]
     except ValueError:
         p.error(f"--bounds: R or R/W integers, comma list; got {a.bounds!r}")
-    if any(len(b) > 2 or min(b) < 0 for b in bounds) or a.steps < 2 or a.rounds < 1:
-        p.error("--bounds R or R/W >= 0, --steps >= 2 and --rounds >= 1")
+    if any(len(b) > 2 or min(b) < 0 for b in bounds) or a.steps < 2 or a.rounds < 1 or min(a.workers, a.shards) < 1:
+        p.error("--bounds R or R/W >= 0, --steps >= 2, --rounds, --workers and --shards >= 1")
     with tempfile.TemporaryDirectory() as tmp:
         ratings = Path(tmp) / "ratings.dat"
         write_ratings(ratings, 100_000, num_users=943, num_movies=1682, seed=0)
         for kind in a.job or ["ctr", "movielens"]:
-            base = WorkerConfig(shards=("127.0.0.1:1",), num_workers=WORKERS, mode="async", steps=a.steps, log_every=10**6,
+            base = WorkerConfig(shards=("127.0.0.1:1",), num_workers=a.workers, mode="async", steps=a.steps, log_every=10**6,
                                 eval_every=0, seed=0)
             configs = {"no cache": base}
             for b in bounds:
@@ -68,13 +70,13 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(a.rounds):
                 names = list(configs) if r % 2 == 0 else list(reversed(list(configs)))
                 for name in names:
-                    results[name].append(_job(kind, configs[name], Path(tmp) / f"{kind}-{r}-{name.replace(' ', '-').replace('/', '-')}", ratings))
+                    results[name].append(_job(kind, configs[name], Path(tmp) / f"{kind}-{r}-{name.replace(' ', '-').replace('/', '-')}", ratings, a.shards))
                     loss, sps = results[name][-1]
                     print(f"{kind} round {r + 1} {name}: held-out loss {loss:.5f}, {sps:,.0f} samples/s", flush=True)
             l0, s0 = (statistics.median(x for x, _ in results["no cache"]), statistics.median(y for _, y in results["no cache"]))
             for name, v in results.items():
                 l1, s1 = statistics.median(x for x, _ in v), statistics.median(y for _, y in v)
-                print(f"{kind} ({WORKERS} workers x {SHARDS} shards, async, {a.steps} steps, median of {a.rounds}) {name}: "
+                print(f"{kind} ({a.workers} workers x {a.shards} shards, async, {a.steps} steps, median of {a.rounds}) {name}: "
                       f"loss {l1:.5f} ({(l1 / l0 - 1):+.2%} vs no cache), {s1:,.0f} samples/s ({s1 / s0:.2f}x)", flush=True)
     return 0
 

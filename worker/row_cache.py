@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from tether.protos.partition import shard_of_ids
 from tether.worker.results import Handle, PullResult, PushAck
+from tether.worker.row_slots import NONE, STALE, Due, Grads, Table, coalesce
 from tether.worker.traffic import TrafficMeter
 
 if TYPE_CHECKING:
@@ -46,10 +47,6 @@ __all__ = ["POLICIES", "CachedClient", "RowCache", "RowCacheConfig"]
 log = logging.getLogger(__name__)
 
 POLICIES = ("lru", "lfu")
-_STALE = np.iinfo(np.int64).min // 2  # a read clock no bound reaches: refreshed on the next pull
-_NONE = np.iinfo(np.int64).max  # no pending gradient / no read version yet
-
-Grads = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -82,97 +79,6 @@ class RowCacheConfig:
         return self.bound if self.write_bound is None else self.write_bound
 
 
-class _Table:
-    """One table's cached rows: slots in arrays that grow (doubling) up to the capacity."""
-
-    _COLUMNS: dict[str, int] = {"ids": 0, "shard": 0, "read_clock": int(_STALE), "read_version": int(_NONE), "last_used": 0,
-                                "uses": 0, "pending_since": int(_NONE), "pending_version": int(_NONE)}
-
-    def __init__(self, dim: int, capacity: int) -> None:
-        self.dim, self.capacity, self.size = dim, capacity, 0
-        self.free: list[int] = []
-        # Id -> slot: sorted ids and their slots, and a small sorted array of recent inserts
-        # merged into it (rebuilt from the live slots) once it outgrows a sixteenth of it. An
-        # evicted row's entry may linger in the large one: a slot counts only while it holds that id.
-        self._keys, self._kslots = np.zeros(0, np.int64), np.zeros(0, np.int64)
-        self._new_keys, self._new_slots = np.zeros(0, np.int64), np.zeros(0, np.int64)
-        self.max_version: dict[int, int] = {}  # per shard: the largest table version seen
-        empty = np.zeros(0, np.int64)
-        self.ids, self.shard, self.read_clock, self.read_version = empty, empty, empty, empty
-        self.last_used, self.uses, self.pending_since, self.pending_version = empty, empty, empty, empty
-        self.used = np.zeros(0, bool)
-        self.values = torch.zeros(0, dim)  # the rows as read
-        self.pending = torch.zeros(0, dim)  # the sums of the gradients held
-        self.alloc(min(capacity, 1024))
-
-    def alloc(self, n: int) -> None:
-        grow = n - self.size
-        for name, fill in self._COLUMNS.items():
-            setattr(self, name, np.concatenate([getattr(self, name), np.full(grow, fill, np.int64)]))
-        self.used = np.concatenate([self.used, np.zeros(grow, bool)])
-        self.values = torch.cat([self.values, torch.zeros(grow, self.dim)])
-        self.pending = torch.cat([self.pending, torch.zeros(grow, self.dim)])
-        self.free.extend(range(n - 1, self.size - 1, -1))
-        self.size = n
-
-    def _find(self, keys: np.ndarray, slots: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
-        if not len(keys) or not len(ids):
-            return
-        pos = np.searchsorted(keys, ids).clip(max=len(keys) - 1)
-        found = keys[pos] == ids
-        s = slots[pos[found]]
-        live = self.used[s] & (self.ids[s] == ids[found])
-        out[np.flatnonzero(found)[live]] = s[live]
-
-    def slots_of(self, ids: np.ndarray) -> np.ndarray:
-        """The slot of each id, -1 where it is not cached."""
-        out = np.full(len(ids), -1, np.int64)
-        self._find(self._keys, self._kslots, ids, out)
-        self._find(self._new_keys, self._new_slots, ids, out)
-        return out
-
-    def verify(self, ids: np.ndarray, guess: np.ndarray) -> np.ndarray:
-        """``slots_of(ids)``, given slots found earlier: those still holding their id are kept,
-        the others looked up again."""
-        ok = guess >= 0
-        g = guess[ok]
-        ok[ok] = self.used[g] & (self.ids[g] == ids[ok])
-        out = np.where(ok, guess, -1)
-        if not ok.all():
-            rest = np.flatnonzero(~ok)
-            out[rest] = self.slots_of(ids[rest])
-        return out
-
-    def insert(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        """Index new ids (not cached) at their slots."""
-        order = np.argsort(ids, kind="stable")
-        ids, slots = ids[order], slots[order]
-        at = np.searchsorted(self._new_keys, ids)
-        self._new_keys, self._new_slots = np.insert(self._new_keys, at, ids), np.insert(self._new_slots, at, slots)
-        if len(self._new_keys) > max(4096, len(self._keys) >> 4):
-            live = np.flatnonzero(self.used)
-            order = np.argsort(self.ids[live], kind="stable")
-            self._keys, self._kslots = self.ids[live][order], live[order]
-            self._new_keys, self._new_slots = self._new_keys[:0], self._new_slots[:0]
-
-    def remove(self, slots: np.ndarray) -> None:
-        """Forget the rows of ``slots`` (their entries in the small array go; the large one's stay, dead)."""
-        self.used[slots] = False
-        if len(self._new_keys):
-            keep = ~np.isin(self._new_slots, slots)
-            self._new_keys, self._new_slots = self._new_keys[keep], self._new_slots[keep]
-
-    def index_entries(self) -> int:
-        return len(self._keys) + len(self._new_keys)
-
-    def cached_ids(self) -> set[int]:
-        return set(self.ids[self.used].tolist())
-
-    @property
-    def held(self) -> int:
-        return int(self.used.sum())
-
-
 @dataclass
 class _Plan:
     """A pull's split per table: which of its ids the cache answers (``hit``, with ``values``
@@ -185,7 +91,6 @@ class _Plan:
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     versions: dict[str, np.ndarray] = field(default_factory=dict)  # read versions of the hits
     shards: dict[str, np.ndarray] = field(default_factory=dict)  # the hits' shards
-    slots: dict[str, np.ndarray] = field(default_factory=dict)  # every id's slot at plan time (-1: none)
     later: dict[str, torch.Tensor] = field(default_factory=dict)
     miss: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -197,12 +102,9 @@ class RowCache:
     def __init__(self, config: RowCacheConfig, dims: Mapping[str, int], num_shards: int) -> None:
         self.config = config
         self.num_shards = max(num_shards, 1)
-        self.tables = {t: _Table(d, config.rows) for t, d in dims.items()}
+        self.tables = {t: Table(d, config.rows) for t, d in dims.items()}
         self._lock = threading.Lock()
         self._evicted: list[tuple[str, np.ndarray, torch.Tensor, np.ndarray, np.ndarray]] = []
-        # Per table: the slots of the last merged pull's ids (its ids' data pointer and count),
-        # where that step's gradients most likely go.
-        self._memo: dict[str, tuple[int, int, np.ndarray]] = {}
         # Per table: the pulls in flight (their plans' ids, clocks and the ids they refresh).
         self._inflight: dict[str, list[tuple[int, int, np.ndarray]]] = {t: [] for t in dims}
         self.hits = dict.fromkeys(dims, 0)
@@ -236,9 +138,8 @@ class RowCache:
                 hs = slots[hit]
                 plan.hit[t] = torch.from_numpy(hit)
                 plan.values[t] = tab.values.index_select(0, torch.from_numpy(hs))
-                plan.versions[t] = tab.read_version[hs].copy()
-                plan.shards[t] = tab.shard[hs].copy()
-                plan.slots[t] = slots
+                plan.versions[t] = tab.read_version[hs]
+                plan.shards[t] = tab.shard[hs]
                 plan.later[t] = torch.from_numpy(later)
                 plan.miss[t] = ids[torch.from_numpy(miss)]
                 self.hits[t] += len(hs)
@@ -263,7 +164,7 @@ class RowCache:
                 if len(miss):
                     assert got is not None
                     out[~(hit | later)] = got
-                    self._store(t, tab, miss.numpy(), got, pulled, plan)
+                    self._store(t, tab, miss.numpy(), got, pulled, plan.now, ids.numpy())
                     self._inflight[t][:] = [e for e in self._inflight[t] if e[0] != id(plan)]
                 read, read_shards = plan.versions[t], plan.shards[t]
                 if bool(later.any()):
@@ -274,17 +175,15 @@ class RowCache:
                     out[where[torch.from_numpy(ok)]] = tab.values[torch.from_numpy(slots[ok])].to(out.dtype)
                     if not ok.all():
                         lacking[t] = torch.from_numpy(wanted[~ok])
-                    hit = hit | later
                     read = np.concatenate([read, tab.read_version[slots[ok]]])
                     read_shards = np.concatenate([read_shards, tab.shard[slots[ok]]])
                 rows[t] = out
                 if len(read):
-                    oldest = np.full(self.num_shards, _NONE, np.int64)
+                    oldest = np.full(self.num_shards, NONE, np.int64)
                     np.minimum.at(oldest, read_shards, read)
-                    for sh in np.flatnonzero(oldest != _NONE).tolist():
+                    for sh in np.flatnonzero(oldest != NONE).tolist():
                         v = int(oldest[sh])
                         versions[(sh, t)] = min(v, versions.get((sh, t), v))
-                self._memo[t] = (ids.data_ptr(), len(ids), tab.verify(ids.numpy(), plan.slots[t]))
         return PullResult(rows, pulled.dense, versions, pulled.dense_versions, pulled.ack), lacking
 
     @staticmethod
@@ -297,8 +196,10 @@ class RowCache:
                 if key[1] == t:
                     result.table_versions[key] = min(v, result.table_versions.get(key, v))
 
-    def _store(self, t: str, tab: _Table, ids: np.ndarray, got: torch.Tensor, pulled: PullResult, plan: _Plan) -> None:
+    def _store(self, t: str, tab: Table, ids: np.ndarray, got: torch.Tensor, pulled: PullResult, now: int,
+               protected: np.ndarray) -> None:
         shards = shard_of_ids(ids, self.num_shards)
+        table_versions = self._versions(pulled, t)
         for s in np.unique(shards).tolist():
             v = pulled.table_versions.get((s, t))
             if v is None:
@@ -306,21 +207,24 @@ class RowCache:
             if v < tab.max_version.get(s, v):
                 # The shard's table went back (restarted from a checkpoint, or reset): whatever
                 # was read from it before is refreshed on its next pull.
-                stale = np.flatnonzero(tab.used & (tab.shard == s))
-                tab.read_clock[stale] = _STALE
+                stale = np.flatnonzero(tab.used[: tab.top] & (tab.shard[: tab.top] == s))
+                tab.read_clock[stale] = STALE
                 self.invalidated[t] += len(stale)
                 tab.max_version[s] = v
             tab.max_version[s] = max(v, tab.max_version.get(s, v))
-        slots = tab.verify(ids, plan.slots[t][~(plan.hit[t] | plan.later[t]).numpy()])
+        slots = tab.slots_of(ids)
         new = np.flatnonzero(slots < 0)
         if len(new):
-            slots[new] = self._place(t, tab, ids[new], plan.ids[t].numpy(), plan.now)
+            slots[new] = self._place(t, tab, ids[new], protected, now)
         keep = slots >= 0
         s = slots[keep]
-        tab.values[torch.from_numpy(s)] = got[torch.from_numpy(keep)].float()
-        tab.read_clock[s] = plan.now
+        if keep.all():
+            tab.values[torch.from_numpy(s)] = got.float()
+        else:
+            tab.values[torch.from_numpy(s)] = got[torch.from_numpy(keep)].float()
+        tab.read_clock[s] = now
         tab.shard[s] = shards[keep]
-        tab.read_version[s] = self._versions(pulled, t)[shards[keep]]
+        tab.read_version[s] = table_versions[shards[keep]]
 
     def _versions(self, pulled: PullResult | None, t: str) -> np.ndarray:
         """The read version of ``t`` per shard (0 where none)."""
@@ -328,124 +232,98 @@ class RowCache:
             return np.zeros(self.num_shards, np.int64)
         return np.array([pulled.table_versions.get((s, t), 0) for s in range(self.num_shards)], np.int64)
 
-    def _place(self, t: str, tab: _Table, ids: np.ndarray, protected: np.ndarray, now: int) -> np.ndarray:
+    def _place(self, t: str, tab: Table, ids: np.ndarray, protected: np.ndarray, now: int) -> np.ndarray:
         """Slots for new ids (-1 where none is left: that row is not cached), evicting
         rows the current pull does not want when the table is full."""
         want = len(ids)
-        if len(tab.free) < want and tab.size < tab.capacity:
-            tab.alloc(min(tab.capacity, max(tab.size * 2, tab.size + want)))
-        short = want - len(tab.free)
+        short = want - tab.available()
         if short > 0:
             self._evict(t, tab, short, protected)
-        k = min(want, len(tab.free))
+        slots = tab.take(want)
         out = np.full(want, -1, np.int64)
+        k = len(slots)
         if k:
-            slots = np.array(tab.free[-k:][::-1], np.int64)
-            del tab.free[-k:]
             out[:k] = slots
-            tab.ids[slots], tab.used[slots], tab.uses[slots], tab.last_used[slots] = ids[:k], True, 1, now
-            tab.pending_since[slots] = tab.pending_version[slots] = _NONE
-            tab.insert(ids[:k], slots)
+            tab.place(ids[:k], slots, now)
         return out
 
-    def _evict(self, t: str, tab: _Table, n: int, protected: np.ndarray) -> None:
-        cand = np.flatnonzero(tab.used)
-        cand = cand[~np.isin(tab.ids[cand], protected)]
+    def _evict(self, t: str, tab: Table, n: int, protected: np.ndarray) -> None:
+        mask = tab.used[: tab.top].copy()
+        prot = tab.slots_of(protected)
+        mask[prot[prot >= 0]] = False
+        cand = np.flatnonzero(mask)
         if not len(cand):
             return
         if self.config.policy == "lru":
             key = tab.last_used[cand]
         else:  # lfu, ties broken by recency
             key = tab.uses[cand] * (1 << 32) + (tab.last_used[cand] & 0xFFFFFFFF)
-        victims = cand[np.argsort(key, kind="stable")[:n]]
-        held = victims[tab.pending_since[victims] != _NONE]
+        if n < len(cand):  # the n smallest keys, ties to the lowest slot (as a stable sort of all)
+            kth = np.partition(key, n - 1)[n - 1]
+            less = np.flatnonzero(key < kth)
+            pick = np.concatenate([less, np.flatnonzero(key == kth)[: n - len(less)]])
+            pick.sort()
+            victims = cand[pick[np.argsort(key[pick], kind="stable")]]
+        else:
+            victims = cand[np.argsort(key, kind="stable")]
+        held = victims[tab.pending_since[victims] != NONE]
         if len(held):
             self._evicted.append((t, tab.ids[held].copy(), tab.pending[torch.from_numpy(held)].clone(),
                                   tab.shard[held].copy(), tab.pending_version[held].copy()))
         tab.remove(victims)
-        tab.pending_since[victims] = tab.pending_version[victims] = _NONE
-        tab.read_clock[victims] = _STALE
-        tab.pending[torch.from_numpy(victims)] = 0.0
-        tab.free.extend(victims.tolist())
         self.evictions[t] += len(victims)
 
     def accumulate(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]], clock: int,
                    versions: PullResult | None, flush: bool = False) -> tuple[Grads, dict[tuple[int, str], int]]:
         """Add a step's row gradients (pushed at ``clock``) to the pending sums and return what
         is due now (``flush``: everything held), with the read version per shard and table."""
-        w = self.config.writes
-        due: dict[str, list[tuple[np.ndarray, torch.Tensor, np.ndarray, np.ndarray]]] = {}
+        due: Due = {}
         with self._lock:
             for t, (step_ids, g) in grads.items():
-                tab = self.tables[t]
-                arr = step_ids.numpy()
-                memo = self._memo.get(t)
-                if memo is not None and memo[0] == step_ids.data_ptr() and memo[1] == len(arr):
-                    slots = tab.verify(arr, memo[2])
-                else:
-                    slots = tab.slots_of(arr)
-                cached = slots >= 0
-                shards = tab.shard[np.maximum(slots, 0)]
-                if not cached.all():
-                    shards[~cached] = shard_of_ids(arr[~cached], self.num_shards)
-                read = self._versions(versions, t)[shards]
-                if not cached.all():  # not cached (the table was full): pushed at once
-                    miss = torch.from_numpy(~cached)
-                    due.setdefault(t, []).append((arr[~cached], g[miss].float(), shards[~cached], read[~cached]))
-                s = slots[cached]
-                st = torch.from_numpy(s)
-                first = tab.pending_since[s] == _NONE
-                tab.pending[st] += g[torch.from_numpy(cached)].float()  # the slots are distinct: the ids are
-                tab.pending_since[s[first]] = clock
-                tab.pending_version[s] = np.minimum(tab.pending_version[s], read[cached])
+                self._hold(t, step_ids.numpy(), g, clock, versions, due)
             for t, e_ids, e_grads, e_shards, e_read in self._evicted:
                 due.setdefault(t, []).append((e_ids, e_grads, e_shards, e_read))
             self._evicted.clear()
             for t, tab in self.tables.items():
-                held = np.flatnonzero(tab.pending_since != _NONE)  # (a free slot's is _NONE)
-                if not len(held):
-                    continue
-                ready = held if flush else held[clock - tab.pending_since[held] >= w]
+                ready = tab.due(clock, self.config.writes, flush)
                 if len(ready):
                     rt = torch.from_numpy(ready)
-                    due.setdefault(t, []).append((tab.ids[ready].copy(), tab.pending[rt].clone(), tab.shard[ready].copy(),
-                                                  tab.pending_version[ready].copy()))
+                    due.setdefault(t, []).append((tab.ids[ready], tab.pending[rt].clone(), tab.shard[ready],
+                                                  tab.pending_version[ready]))
                     tab.pending[rt] = 0.0
-                    tab.pending_since[ready] = tab.pending_version[ready] = _NONE
-        return _coalesce(due)
+                    tab.pending_since[ready] = tab.pending_version[ready] = NONE
+        return coalesce(due)
+
+    def _hold(self, t: str, arr: np.ndarray, g: torch.Tensor, clock: int, versions: PullResult | None, due: Due) -> None:
+        """Add one table's step gradients to its rows' pending sums (rows not cached: due at once)."""
+        tab = self.tables[t]
+        slots = tab.slots_of(arr)
+        cached = slots >= 0
+        shards = tab.shard[np.maximum(slots, 0)]
+        every = bool(cached.all())
+        if not every:
+            shards[~cached] = shard_of_ids(arr[~cached], self.num_shards)
+        read = self._versions(versions, t)[shards]
+        if not every:  # not cached (the table was full): pushed at once
+            miss = torch.from_numpy(~cached)
+            due.setdefault(t, []).append((arr[~cached], g[miss].float(), shards[~cached], read[~cached]))
+        s = slots if every else slots[cached]
+        st = torch.from_numpy(s)
+        first = tab.pending_since[s] == NONE
+        # The slots are distinct: the ids are.
+        tab.pending[st] += (g if every else g[torch.from_numpy(cached)]).float()
+        tab.hold(s[first], clock)
+        tab.pending_version[s] = np.minimum(tab.pending_version[s], read if every else read[cached])
 
     def pending_rows(self) -> int:
         with self._lock:
-            return sum(int((tab.pending_since[tab.used] != _NONE).sum()) for tab in self.tables.values()) + sum(
+            return sum(int((tab.pending_since[: tab.top][tab.used[: tab.top]] != NONE).sum()) for tab in self.tables.values()) + sum(
                 len(e[1]) for e in self._evicted)
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes each table's cache holds (values and pending sums, allocated)."""
+        """Bytes each table's cache holds (values and pending sums of the slots used, their
+        columns, the id index)."""
         return {t: tab.size * tab.dim * 4 * 2 + tab.size * 8 * 9 + tab.index_entries() * 16 for t, tab in self.tables.items()}
-
-
-def _coalesce(due: dict[str, list[tuple[np.ndarray, torch.Tensor, np.ndarray, np.ndarray]]]) -> tuple[Grads, dict[tuple[int, str], int]]:
-    """One push's sparse part: per table sorted unique ids with their gradients summed, and
-    the oldest read version per (shard, table)."""
-    grads: Grads = {}
-    versions: dict[tuple[int, str], int] = {}
-    for t, parts in due.items():
-        if len(parts) == 1:
-            ids, g, shards, read = parts[0]
-        else:
-            ids, g = np.concatenate([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-            shards, read = np.concatenate([p[2] for p in parts]), np.concatenate([p[3] for p in parts])
-        if len(parts) == 1 and (len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1]))):
-            uniq, summed = torch.from_numpy(ids), g
-        else:
-            uniq_np, inverse = np.unique(ids, return_inverse=True)
-            acc = np.zeros((len(uniq_np), g.shape[1]), np.float32)
-            np.add.at(acc, inverse.reshape(-1), g.numpy())
-            uniq, summed = torch.from_numpy(uniq_np), torch.from_numpy(acc)
-        grads[t] = (uniq, summed)
-        for s in np.unique(shards).tolist():
-            versions[(s, t)] = int(read[shards == s].min())
-    return grads, versions
 
 
 class CachedClient:

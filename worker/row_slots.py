@@ -1,0 +1,168 @@
+"""One table's rows in the worker's row cache (``tether.worker.row_cache``): slots in arrays
+and an id -> slot hash index, each step's bookkeeping a few array calls.
+
+The index is the shard's own compiled open-addressing table (``tether.server.kernels``:
+``index_lookup``/``index_place``/``index_cells``, linear probing over [n, 2] int64 (id, slot)
+cells, n a power of two kept at least twice the cells in use): a lookup of a step's ids is one
+compiled loop, an eviction marks its cells removed (tombstones), and the index is rebuilt from
+the live slots when live rows and tombstones fill half of it.
+
+The slot arrays are allocated for the whole capacity at once but uninitialised (``np.empty``,
+``torch.empty``: pages the cache never uses are never touched) and each slot's columns are set
+when a row is placed in it, so growing the cache copies nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tether.server.kernels import EMPTY_SLOT, REMOVED_SLOT, index_cells, index_lookup, index_place
+
+__all__ = ["NONE", "STALE", "Table", "coalesce", "Due", "Grads"]
+
+STALE = np.iinfo(np.int64).min // 2  # a read clock no bound reaches: refreshed on the next pull
+NONE = np.iinfo(np.int64).max  # no pending gradient / no read version yet
+
+Grads = dict[str, tuple[torch.Tensor, torch.Tensor]]
+Due = dict[str, list[tuple[np.ndarray, torch.Tensor, np.ndarray, np.ndarray]]]
+
+
+def _cells_for(entries: int) -> np.ndarray:
+    n = 1024
+    while n < 4 * entries:
+        n <<= 1
+    return np.full((n, 2), EMPTY_SLOT, np.int64)
+
+
+class Table:
+    """One table's cached rows: ``capacity`` slots, the id index, and per slot the row's id,
+    shard, read clock and version, last use, use count, and its pending gradient sum with the
+    clock and read version of its oldest part. ``queue`` lists (clock, slots) of rows whose
+    first held gradient came at that clock, so what is due is found without a scan."""
+
+    def __init__(self, dim: int, capacity: int) -> None:
+        self.dim, self.capacity = dim, capacity
+        self.top = 0  # slots [top, capacity) were never used
+        self.free: list[int] = []  # evicted slots, reused first
+        self.max_version: dict[int, int] = {}  # per shard: the largest table version seen
+        n = max(capacity, 1)
+        self.ids, self.shard = np.empty(n, np.int64), np.empty(n, np.int64)
+        self.read_clock, self.read_version = np.empty(n, np.int64), np.empty(n, np.int64)
+        self.last_used, self.uses = np.empty(n, np.int64), np.empty(n, np.int64)
+        self.pending_since, self.pending_version = np.empty(n, np.int64), np.empty(n, np.int64)
+        self.used = np.zeros(n, bool)
+        self.values = torch.empty(n, dim)  # the rows as read
+        self.pending = torch.empty(n, dim)  # the sums of the gradients held (zeroed when placed)
+        self.queue: list[tuple[int, np.ndarray]] = []
+        self.cells = _cells_for(min(capacity, 1024))
+        self.filled = 0  # cells holding a row or a tombstone
+
+    @property
+    def size(self) -> int:
+        """Slots ever used (the arrays' resident part)."""
+        return self.top
+
+    def slots_of(self, ids: np.ndarray) -> np.ndarray:
+        """The slot of each id, -1 where it is not cached."""
+        if not len(ids):
+            return np.zeros(0, np.int64)
+        return index_lookup(self.cells, np.ascontiguousarray(ids, np.int64))
+
+    def take(self, want: int) -> np.ndarray:
+        """Up to ``want`` free slots (evicted ones first)."""
+        k = min(want, len(self.free))
+        slots = np.array(self.free[len(self.free) - k:][::-1], np.int64)
+        del self.free[len(self.free) - k:]
+        fresh = min(want - k, self.capacity - self.top)
+        if fresh > 0:
+            slots = np.concatenate([slots, np.arange(self.top, self.top + fresh, dtype=np.int64)])
+            self.top += fresh
+        return slots
+
+    def available(self) -> int:
+        return len(self.free) + self.capacity - self.top
+
+    def place(self, ids: np.ndarray, slots: np.ndarray, now: int) -> None:
+        """Put new ids (not cached, unique) in free ``slots``: every column of those slots set."""
+        if 2 * (self.filled + len(ids)) > len(self.cells):
+            self._rebuild(extra=len(ids))
+        self.ids[slots], self.used[slots], self.uses[slots], self.last_used[slots] = ids, True, 1, now
+        self.pending_since[slots] = self.pending_version[slots] = NONE
+        self.read_clock[slots], self.read_version[slots] = STALE, NONE
+        self.pending[torch.from_numpy(slots)] = 0.0
+        index_place(self.cells, np.ascontiguousarray(ids, np.int64), slots)
+        self.filled += len(ids)
+
+    def _rebuild(self, extra: int) -> None:
+        live = np.flatnonzero(self.used[: self.top])
+        self.cells = _cells_for(len(live) + extra)
+        index_place(self.cells, self.ids[live], live)
+        self.filled = len(live)
+
+    def remove(self, slots: np.ndarray) -> None:
+        """Forget the rows of ``slots``: their index cells become tombstones."""
+        cells = index_cells(self.cells, self.ids[slots])
+        self.cells[cells[cells >= 0], 1] = REMOVED_SLOT
+        self.used[slots] = False
+        self.pending_since[slots] = self.pending_version[slots] = NONE
+        self.read_clock[slots] = STALE
+        self.free.extend(slots.tolist())
+
+    def hold(self, slots: np.ndarray, clock: int) -> None:
+        """Note that ``slots`` (not held before) hold gradients from ``clock`` on."""
+        if len(slots):
+            self.pending_since[slots] = clock
+            self.queue.append((clock, slots))
+
+    def due(self, clock: int, writes: int, flush: bool) -> np.ndarray:
+        """Slots whose held gradients are due at ``clock`` (``flush``: every held one), taken
+        off the queue. A queue entry's slot counts only while it is held since that clock."""
+        ready, keep = [], []
+        for since, slots in self.queue:
+            if flush or clock - since >= writes:
+                ready.append(slots[self.pending_since[slots] == since])
+            else:
+                keep.append((since, slots))
+        self.queue = keep
+        if not ready:
+            return np.zeros(0, np.int64)
+        out = np.concatenate(ready)
+        return np.unique(out) if len(ready) > 1 else out
+
+    def index_entries(self) -> int:
+        return len(self.cells)
+
+    def cached_ids(self) -> set[int]:
+        return set(self.ids[: self.top][self.used[: self.top]].tolist())
+
+    @property
+    def held(self) -> int:
+        return int(self.used[: self.top].sum())
+
+
+def coalesce(due: Due) -> tuple[Grads, dict[tuple[int, str], int]]:
+    """One push's sparse part: per table sorted unique ids with their gradients summed, and
+    the oldest read version per (shard, table)."""
+    grads: Grads = {}
+    versions: dict[tuple[int, str], int] = {}
+    for t, parts in due.items():
+        if len(parts) == 1:
+            ids, g, shards, read = parts[0]
+        else:
+            ids, g = np.concatenate([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            shards, read = np.concatenate([p[2] for p in parts]), np.concatenate([p[3] for p in parts])
+        if len(parts) == 1 and (len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1]))):
+            uniq, summed = torch.from_numpy(ids), g
+        else:
+            uniq_np, inverse = np.unique(ids, return_inverse=True)
+            acc = np.zeros((len(uniq_np), g.shape[1]), np.float32)
+            np.add.at(acc, inverse.reshape(-1), g.numpy())
+            uniq, summed = torch.from_numpy(uniq_np), torch.from_numpy(acc)
+        grads[t] = (uniq, summed)
+        if len(shards):
+            oldest = np.full(int(shards.max()) + 1, NONE, np.int64)
+            np.minimum.at(oldest, shards, read)
+            for s in np.flatnonzero(oldest != NONE).tolist():
+                versions[(s, t)] = int(oldest[s])
+    return grads, versions
