@@ -130,8 +130,11 @@ class RowCache:
                 if bound > 0:
                     hit[found] = now - tab.read_clock[s] <= bound
                     inflight[:] = [e for e in inflight if now - e[1] <= bound]
-                    if inflight:
-                        later = ~hit & np.isin(arr, np.concatenate([e[2] for e in inflight]))
+                    for e in inflight:  # each pull's refreshed ids are sorted (a subset of sorted ids)
+                        if len(e[2]):
+                            pos = np.searchsorted(e[2], arr).clip(max=len(e[2]) - 1)
+                            later |= e[2][pos] == arr
+                    later &= ~hit
                 miss = ~(hit | later)
                 if bound > 0:
                     inflight.append((id(plan), now, arr[miss]))
