@@ -162,6 +162,9 @@ def _run_one(
         "samples_per_sec": float(summary["samples_per_sec"]),
         "train_wall_s": float(summary["train_wall_s"]),
         "update_staleness_p50": float(np.median(updates)) if updates else 0.0,
+        # Embedding rows' bytes pulled and pushed per sample, all workers (the row cache's saving)
+        "bytes_per_sample": sum(sum(v["pulled_bytes"] + v["pushed_bytes"] for v in (r.traffic or {}).values()) for r in records)
+        / max(sum(r.samples for r in records), 1),
     }
     return run
 
@@ -229,7 +232,7 @@ def compare(
             printer(f"tether compare: {mode}" + (f" repeat {repeat + 1}/{repeats}" if repeats > 1 else "")
                     + f": final loss {run['final_eval_loss']:.4f}, to {'target' if target_loss is not None else 'target so far'} "
                     + f"{so_far:.4f}: {'never' if ttt is None else f'{ttt:.1f}s'}, training wall {run['train_wall_s']:.1f}s, "
-                    + f"{run['samples_per_sec']:,.0f} samples/s")
+                    + f"{run['samples_per_sec']:,.0f} samples/s, {run['bytes_per_sample']:,.0f} B/sample moved")
     first = runs[0]["summary"]
     baseline = float(first["baseline_loss"])
     if target_loss is None:
@@ -291,12 +294,14 @@ def _mode_result(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "final_eval_auc": statistics.fmean(float(r["final_eval_auc"]) for r in runs),
         "samples_per_sec": statistics.fmean(float(r["samples_per_sec"]) for r in runs),
         "train_wall_s": statistics.fmean(float(r["train_wall_s"]) for r in runs),
+        "bytes_per_sample": statistics.fmean(float(r["bytes_per_sample"]) for r in runs),
         **staleness_summary(w for r in runs for w in r["records"]),
         "update_staleness_p50": statistics.fmean(float(r["update_staleness_p50"]) for r in runs),
         "runs": [
             {
                 k: r[k]
-                for k in ("repeat", "data_seed", "final_eval_loss", "final_eval_auc", "time_to_target_s", "samples_per_sec", "train_wall_s")
+                for k in ("repeat", "data_seed", "final_eval_loss", "final_eval_auc", "time_to_target_s", "samples_per_sec", "train_wall_s",
+                          "bytes_per_sample")
             }
             for r in runs
         ],

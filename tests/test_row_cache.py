@@ -4,6 +4,8 @@ read and write bounds, LRU and LFU eviction, a shard's table going back, and the
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,7 @@ from tether.worker.embedding import ShardedEmbeddingBag
 from tether.worker.local import LocalClient
 from tether.worker.results import PullResult
 from tether.worker.row_cache import CachedClient, RowCache, RowCacheConfig
+from tether.worker.run_record import RunRecord
 from tether.worker.traffic import TrafficMeter
 from tether.worker.training import Trainer
 
@@ -81,6 +84,13 @@ def test_a_bound_moves_fewer_rows_and_still_trains() -> None:
         assert moved_cached[t]["pushed_rows"] < 0.6 * moved[t]["pushed_rows"]
     # Trained alike: the last window's loss within 15% of no cache's.
     assert abs(cached["history"][-1]["train_loss"] / plain["history"][-1]["train_loss"] - 1) < 0.15
+    # The run record carries the traffic (worker-<i>.json), so compare/sweep show bytes per sample.
+    for record, meter in ((plain, moved), (cached, moved_cached)):
+        assert record.traffic is not None
+        assert {t: v["pulled_rows"] for t, v in record.traffic.items()} == {t: v["pulled_rows"] for t, v in meter.items()}
+        assert RunRecord.from_json(json.loads(json.dumps(record.to_json()))).traffic == record.traffic
+    assert plain.bytes_per_sample() == sum(v["pulled_bytes"] + v["pushed_bytes"] for v in moved.values()) / plain.samples
+    assert cached.bytes_per_sample() < 0.6 * plain.bytes_per_sample()
 
 
 def _client(rows: int, bound: int, write_bound: int | None = None, policy: str = "lru", optimizer: str = "adagrad",

@@ -64,6 +64,15 @@ class RunRecord:
     data_position: dict[str, Any] | None = None  # the stream's position after the run, when the data can say
     dense_digests: list[str] | None = None  # sync: a digest of the dense parameters after each step
     backend: str | None = None  # sync: the process group's backend
+    # Per table: rows wanted, and rows and bytes pulled and pushed (wanted_rows, pulled_rows,
+    # pushed_rows, pulled_bytes, pushed_bytes; after the row cache, when one is on)
+    traffic: dict[str, dict[str, int]] | None = None
+
+    def bytes_per_sample(self) -> float | None:
+        """Bytes of embedding rows pulled and pushed per sample of this run (None: not counted)."""
+        if self.traffic is None or not self.samples:
+            return None
+        return sum(v["pulled_bytes"] + v["pushed_bytes"] for v in self.traffic.values()) / self.samples
 
     def to_json(self) -> dict[str, Any]:
         """The record as ``worker-<i>.json`` holds it (unset optional fields left out)."""

@@ -119,6 +119,10 @@ class TrafficMeter:
             self._cache_seen[t] = now
             self.recorder.cache_state(t, {k: v - seen[k] for k, v in now.items()}, tab.held, memory[t], pending)
 
+    def moved(self) -> dict[str, dict[str, int]]:
+        """Per table: rows wanted, rows and bytes pulled and pushed so far (the run record's ``traffic``)."""
+        return {t: {k: v for k, v in tot.items() if k != "recent"} for t, tot in self.totals().items()}
+
     def totals(self) -> dict[str, dict[str, Any]]:
         """Per table: rows wanted, pulled and pushed, their bytes, and the reuse counts."""
         return {

@@ -277,6 +277,7 @@ class Trainer(Generic[B]):
             config={k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k != "auth_token"},
             final_eval=last_eval if evaluating else None,
             data_position=self._position_of(step + 1) if self._position_of is not None else None,
+            traffic=self.ps.meter.moved(),
         )
         policy.finish(self, start_clock + step + 1, record)
         if self.board is not None:
