@@ -20,6 +20,7 @@ cached row of that shard and table stale: they are refreshed by the next pull th
 
 ``CachedClient`` puts the cache in front of a ``PSClient`` (pull, push, push_pull, flush) and
 counts the traffic (``tether.worker.traffic``); with no cache it passes calls through unchanged.
+Each table's slots and id index (a compiled hash table) are ``tether.worker.row_slots.Table``.
 """
 
 from __future__ import annotations
