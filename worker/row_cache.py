@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from tether.protos.partition import shard_of_ids
 from tether.worker.results import Handle, PullResult, PushAck
-from tether.worker.row_slots import NONE, STALE, Due, Grads, Table, coalesce
+from tether.worker.row_slots import NONE, STALE, Due, Grads, Table, coalesce, warm_up
 from tether.worker.traffic import TrafficMeter
 
 if TYPE_CHECKING:
@@ -104,6 +104,7 @@ class RowCache:
         self.config = config
         self.num_shards = max(num_shards, 1)
         self.tables = {t: Table(d, config.rows) for t, d in dims.items()}
+        warm_up()  # the compiled index loaded before the first step, not in it
         self._lock = threading.Lock()
         self._evicted: list[tuple[str, np.ndarray, torch.Tensor, np.ndarray, np.ndarray]] = []
         # Per table: the pulls in flight (their plans' ids, clocks and the ids they refresh).

@@ -19,13 +19,23 @@ import torch
 
 from tether.server.kernels import EMPTY_SLOT, REMOVED_SLOT, index_cells, index_lookup, index_place
 
-__all__ = ["NONE", "STALE", "Table", "coalesce", "Due", "Grads"]
+__all__ = ["NONE", "STALE", "Due", "Grads", "Table", "coalesce", "warm_up"]
 
 STALE = np.iinfo(np.int64).min // 2  # a read clock no bound reaches: refreshed on the next pull
 NONE = np.iinfo(np.int64).max  # no pending gradient / no read version yet
 
 Grads = dict[str, tuple[torch.Tensor, torch.Tensor]]
 Due = dict[str, list[tuple[np.ndarray, torch.Tensor, np.ndarray, np.ndarray]]]
+
+
+def warm_up() -> None:
+    """Load (or compile, the first time) the index kernels now, so that no step pays for it
+    (about a second on a loaded machine: the row cache calls this when it is made)."""
+    cells = _cells_for(1)
+    ids = np.arange(2, dtype=np.int64)
+    index_place(cells, ids, ids.copy())
+    index_cells(cells, ids)
+    index_lookup(cells, ids)
 
 
 def _cells_for(entries: int) -> np.ndarray:
