@@ -116,7 +116,7 @@ def test_evaluate_and_records(cluster: LocalCluster, tmp_path) -> None:
     written = json.loads((tmp_path / "worker-0.json").read_text())
     assert list(written) == ["worker_index", "mode", "device", "steps", "samples", "wall_s", "samples_per_sec", "phase_seconds",
                              "clock_staleness", "update_staleness", "start_time", "rejected_too_stale", "history", "config",
-                             "final_eval"]
+                             "final_eval", "traffic"]
     assert written == record.to_json() and RunRecord.load(tmp_path / "worker-0.json") == record
     assert [set(h) for h in record.history[1:]] == [
         {"step", "samples", "wall_s", "time", "train_loss", "staleness_mean", "staleness_max"} | ({"eval_loss"} if h["step"] % 6 == 0 else set())
