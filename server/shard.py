@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,7 +21,7 @@ import torch
 
 from tether.protos.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, TooStale
 from tether.protos.partition import dense_shard, shard_of_ids
-from tether.protos.specs import OptimizerConfig, TableConfig, optimizer_conflict, table_conflict
+from tether.protos.specs import TableConfig, optimizer_conflict, table_conflict
 from tether.protos.ssp import COORDINATOR_SHARD
 from tether.server.clocks import WorkerClocks
 from tether.server.dedup import AppliedPushes
@@ -30,91 +29,12 @@ from tether.server.dense import DenseChunk
 from tether.server.gate import Gate
 from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.push_hooks import adjusted, check_compensation, check_read
+from tether.server.shard_records import DenseDecl, DenseState, DenseUpdate, PushResult, ShardState, SparseUpdate, TableState
 from tether.server.tables import EmbeddingTable, Pulled
 
 __all__ = ["DenseDecl", "DenseState", "DenseUpdate", "PushResult", "Shard", "ShardState", "SparseUpdate", "TableState", "staleness_scale"]
 
 log = logging.getLogger(__name__)
-
-
-
-@dataclass(frozen=True)
-class DenseDecl:
-    """A dense chunk to create, with its initial value."""
-
-    name: str
-    index: int
-    init: torch.Tensor
-    optimizer: OptimizerConfig
-
-
-@dataclass(frozen=True)
-class SparseUpdate:
-    """Gradients for rows of one table."""
-
-    table: str
-    ids: np.ndarray
-    grads: torch.Tensor
-    read_version: int = 0
-    # The rows as the worker read them (DC-ASGD's w_read; None: not sent).
-    read_values: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class DenseUpdate:
-    """Gradient for one dense chunk."""
-
-    name: str
-    index: int
-    grad: torch.Tensor
-    read_version: int = 0
-    # The chunk as the worker read it (DC-ASGD's w_read; None: not sent).
-    read_value: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class PushResult:
-    """Outcome of a push."""
-
-    applied: bool
-    # The largest staleness in updates among its blocks (what --max-staleness limits).
-    staleness: int
-    clock_staleness: int = 0
-
-
-@dataclass(frozen=True)
-class TableState:
-    """A table's spec and its rows as ``EmbeddingTable.snapshot`` gives them."""
-
-    config: TableConfig
-    ids: np.ndarray
-    weights: torch.Tensor
-    state: dict[str, torch.Tensor]
-    version: int
-
-
-@dataclass(frozen=True)
-class DenseState:
-    """A dense chunk's update rule, value, optimizer state and version."""
-
-    name: str
-    index: int
-    optimizer: OptimizerConfig
-    value: torch.Tensor
-    state: dict[str, torch.Tensor]
-    version: int
-
-
-@dataclass(frozen=True)
-class ShardState:
-    """Everything a checkpoint holds of one shard, copied at one point between pushes."""
-
-    tables: list[TableState]
-    dense: list[DenseState]
-    # Applied push sequence numbers per client incarnation (``dedup_key``), oldest first (uint64).
-    seqs: dict[str, np.ndarray]
-    applied_pushes: int = 0
-
 
 # Weight of each push in the running mean of a table's or chunk's staleness (staleness_scale).
 _TYPICAL_WEIGHT = 0.1

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +31,7 @@ from tether.server import kernels
 from tether.server.index import IdIndex
 from tether.protos.initial import init_rows
 from tether.server.recent import Pulled, RecentPulls
+from tether.server.update_log import UpdateLog
 
 __all__ = ["EmbeddingTable", "Pulled", "TableConfig"]
 
@@ -101,11 +101,9 @@ class EmbeddingTable:
         # changes once it exists (no capacity, no admission).
         self._recent = RecentPulls() if not self.capacity and self._sketch is None else None
         # Per-row staleness: the table version of each row's last update, and the slots of the
-        # last updates (version, slots), oldest first; ``_hits`` is scratch for counting them.
+        # last updates.
         self._row_version = np.zeros(cap, np.int64)
-        self._log: deque[tuple[int, np.ndarray]] = deque()
-        self._log_slots = 0
-        self._hits = np.zeros(0, np.int32)
+        self._updates = UpdateLog(_LOG_UPDATES, _LOG_SLOTS)
 
     @property
     def rows(self) -> int:
@@ -351,29 +349,7 @@ class EmbeddingTable:
                 newer &= present
             if not newer.any():
                 return None if per_row else 0
-            log = self._log
-            if not log or log[0][0] > read_version + 1:
-                if not per_row:
-                    return self.version - read_version
-                return np.where(newer, self.version - read_version, 0).astype(np.int64)
-            if len(self._hits) < self._weights.shape[0]:
-                self._hits = np.zeros(self._weights.shape[0], np.int32)
-            hits = self._hits
-            since = []
-            for version, updated in reversed(log):
-                if version <= read_version:
-                    break
-                since.append(updated)
-            for updated in since:
-                hits[updated] += 1
-            counted = hits[slots[newer]]
-            for updated in since:
-                hits[updated] = 0
-            if not per_row:
-                return int(counted.max())
-            out = np.zeros(len(slots), np.int64)
-            out[newer] = counted
-            return out
+            return self._updates.count(slots, newer, self.version, read_version, self._weights.shape[0], per_row)
 
     def push(
         self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float | np.ndarray = 1.0, pulled: Pulled | None = None
@@ -410,10 +386,7 @@ class EmbeddingTable:
             self._update_rows(self._weights.numpy(), state, np.ascontiguousarray(slots, np.int64), grads_np, lr)
             self.version += 1
             self._row_version[slots] = self.version
-            self._log.append((self.version, slots))
-            self._log_slots += len(slots)
-            while len(self._log) > _LOG_UPDATES or self._log_slots > _LOG_SLOTS:
-                self._log_slots -= len(self._log.popleft()[1])
+            self._updates.record(self.version, slots)
             return self.version
 
     def snapshot(self) -> dict[str, Any]:
@@ -470,6 +443,5 @@ class EmbeddingTable:
             if self._recent is not None:
                 self._recent.clear()
             self._row_version = np.zeros(max(n, 1), np.int64)
-            self._log.clear()
-            self._log_slots = 0
+            self._updates.clear()
             self.version = int(version)
