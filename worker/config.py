@@ -233,6 +233,10 @@ class TrainingConfig:
                                             "clocks old, or the row is evicted (default: --cache-bound)")
     cache_policy: str = setting("lru", flag="--cache-policy", choices=CACHE_POLICIES, group=JOB,
                                 help="which cached row goes when a table's cache is full: lru or lfu")
+    # Pushes in flight per worker (PERSIA's embedding_staleness; tether.worker.step): async only.
+    push_window: int = setting(1, flag="--push-window", metavar="K", group=JOB,
+                               help="async: up to K of this worker's pushes in flight, so a step's rows may miss its last K "
+                               "updates (1: one, the default; not with ssp, sync or --no-prefetch)")
 
     @classmethod
     def from_env(cls: type[T], **overrides: object) -> T:
