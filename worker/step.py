@@ -8,6 +8,14 @@ makes one round trip in steady state: its push carries the pull of the batch aft
 (push_pull, whose answer holds the push's ack), which then has a whole step of compute to come
 back in. The rows of a step miss one step's update either way (the previous step's), as with a
 plain prefetch issued before the push.
+
+The push window K (``--push-window``, PERSIA's ``embedding_staleness``; async only) deepens this
+pipeline: a step's push carries the pull of the batch K + 1 steps on, so up to K of this worker's
+pushes are in flight while a step computes and its rows may miss this worker's last K updates
+(K = 1: the above). A push is settled (its ack or error read) when the pull it carries is
+installed; one that carries none, once K pushes are unsettled at the next push. Before worker 0
+evaluates and at the end every push is settled: an error a shard answered surfaces then at the
+latest, never lost.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -26,11 +35,12 @@ from tether.worker.client import Handle, PullResult
 from tether.worker.results import PushAck
 from tether.worker.embedding import Prefetch
 from tether.worker.stragglers import delay_factor
+from tether.worker.transfer import first
 
 if TYPE_CHECKING:
     from tether.worker.training import Trainer
 
-__all__ = ["PHASES", "Acks", "Step"]
+__all__ = ["PHASES", "Acks", "Step", "check_window"]
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +76,38 @@ class Acks:
         return window
 
 
+def check_window(window: object, prefetch: bool, mode: str) -> int:
+    """``push_window`` as a count of pushes in flight, refused (one line) where it means nothing.
+
+    Raises:
+        UsageError: not an int >= 1; or > 1 where every push lands before the next pull (ssp,
+            sync, --no-prefetch).
+    """
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UsageError(f"push_window (--push-window) must be an int >= 1 (1: one push in flight, the default), got {window!r}")
+    if window == 1 or prefetch:
+        return window
+    kind = mode.split(":")[0]
+    why = {
+        "sync": "sync pushes in lock step, each landing before the barrier",
+        "ssp": f"{mode} lands every push before the next step reads, which is what holds every read to the bound; K pushes in "
+               "flight would let a worker's reads miss K more of each worker's steps (the shards would see clock staleness "
+               "up to S + K); use async with --push-window, or a larger S",
+    }.get(kind, "--no-prefetch lands every push before the next pull: drop one of the two")
+    raise UsageError(f"--push-window {window}: pushes in flight are for async with prefetching; {why}")
+
+
 class Step(Generic[B]):
     """The steps of one ``fit``: which batch is next, the pulls and pushes under way, the
     pushes' acks and the loss since the last record.
 
     ``run(i)`` takes step ``i`` on ``batch``; ``last`` says whether it was the last; ``advance()``
-    moves on to the next batch; ``finish()`` settles the last push.
+    moves on to the next batch; ``finish()`` settles every push still in flight.
+    ``in_flight`` is the number of pushes not settled yet; ``peak_in_flight`` the most there
+    were while a step computed (at most the push window).
 
     Raises:
-        UsageError: the stream holds no batch.
+        UsageError: the stream holds no batch; a push window that means nothing here.
     """
 
     def __init__(self, trainer: Trainer[B], stream: Iterator[B], start_clock: int) -> None:
@@ -85,21 +118,28 @@ class Step(Generic[B]):
         self.steps = cfg.steps
         self.wait_s = cfg.wait_s
         self.prefetch = cfg.prefetch and trainer.policy.prefetch
+        self.window = check_window(getattr(cfg, "push_window", 1), self.prefetch, cfg.mode)
         # Without prefetching a step's push lands before the next step pulls (sequential SGD).
         self.settle_every_step = trainer.policy.settle_every_step or not cfg.prefetch
         # Sync's combiner of the ranks' row gradients (which wants them in float32), else none.
         self.combine = trainer.policy.row_combiner()
         self.straggler = cfg.straggler_spec
+        # Worker 0 evaluates after these steps (and the last): every push settled first.
+        self.eval_every = cfg.eval_every if cfg.worker_index == 0 else 0
+        self.evaluates = cfg.worker_index == 0
         self.acks = Acks()
         batch = next(stream, None)
         if batch is None:
             raise UsageError("the training data holds no batch")
         self.batch: B = batch
-        self.upcoming: B | None = next(stream, None) if self.steps is None or self.steps > 1 else None
-        self.after: B | None = None  # the batch after ``upcoming``, read during a step
-        self.pending: Prefetch | None = None  # the pull of this step's batch, if already under way
-        self.ahead: Prefetch | None = None  # the push_pull carrying the next step's pull
-        self.push: Handle | None = None  # a push not settled yet
+        # The batches after ``batch`` read so far (up to window + 1 of them: the last is the one
+        # the step's push_pull pulls for); ``ended``: the stream (or ``steps``) has no more.
+        self.queue: deque[B] = deque()
+        self.ended = False
+        self._read(0, 1)
+        self.pulls: dict[int, Prefetch] = {}  # step -> the pull of its batch, under way
+        self.unsettled: deque[Prefetch | Handle] = deque()  # pushes not settled, oldest first
+        self.peak_in_flight = 0
         # This window's summed loss, where the loss is (a GPU's: reading it there waits for the
         # device, so it is read when a record is written, not every step); the last value read.
         self._loss_sum: torch.Tensor | None = None
@@ -110,7 +150,17 @@ class Step(Generic[B]):
     @property
     def last(self) -> bool:
         """Whether the step just run was the last (the data, ``steps`` or another sync rank ended)."""
-        return self.upcoming is None
+        return not self.queue
+
+    @property
+    def upcoming(self) -> B | None:
+        """The next step's batch, or None after the last step."""
+        return self.queue[0] if self.queue else None
+
+    @property
+    def in_flight(self) -> int:
+        """This worker's pushes not settled yet."""
+        return len(self.unsettled)
 
     def run(self, step: int) -> dict[str, float]:
         """Step ``step`` (counted from 0 in this ``fit``) on ``batch``: wait for the bound, pull,
@@ -119,23 +169,24 @@ class Step(Generic[B]):
         t0 = time.perf_counter()
         self.trainer.policy.before_step(self.trainer, clock)
         tw = time.perf_counter()
-        pulled = self._pull()
+        pulled = self._pull(step)
         t1 = time.perf_counter()
         self._compute(step, t1)
         t2 = time.perf_counter()
-        self._push(clock, pulled)
+        self._push(step, clock, pulled)
+        if self.evaluates and (self.last or (self.eval_every > 0 and (step + 1) % self.eval_every == 0)):
+            self.finish()  # worker 0 evaluates next: with every push of its own landed
         t3 = time.perf_counter()
         return dict(zip(PHASES, (tw - t0, t1 - tw, t2 - t1, t3 - t2)))
 
     def advance(self) -> None:
         """Move on to the next batch."""
-        self.batch, self.upcoming = self.upcoming, self.after  # type: ignore[assignment]
+        self.batch = self.queue.popleft()
 
     def finish(self) -> None:
-        """Settle the last push."""
-        if self.push is not None:
-            self.settle(self.push)
-            self.push = None
+        """Settle every push in flight, oldest first (raises the first error a shard answered)."""
+        while self.unsettled:
+            self._settle_oldest()
 
     def window_loss(self) -> float:
         """The mean loss of the steps since the last call (reads the device's loss: called when
@@ -155,28 +206,73 @@ class Step(Generic[B]):
         except TooStale as exc:
             self.acks.rejected(exc)
 
-    def _pull(self) -> PullResult:
+    def _settle_oldest(self) -> None:
+        """Settle the oldest push in flight: a plain push's ack, or a push_pull's answer (kept for
+        the ``install`` of its batch; one rejected as too stale is counted and its rows pulled again)."""
+        entry = self.unsettled.popleft()
+        if isinstance(entry, Handle):
+            self.settle(entry)
+            return
+        try:
+            pulled = _wait(entry, self.wait_s)
+        except TooStale as exc:
+            self.acks.rejected(exc)
+            step = next(s for s, p in self.pulls.items() if p is entry)
+            self.pulls[step] = self.trainer.ps.prefetch(entry.ids)
+            return
+        if pulled.ack is not None:
+            self.acks.note(pulled.ack)
+
+    def _unsettled(self, entry: Prefetch) -> bool:
+        """Whether ``entry`` was in flight (and now is not)."""
+        for i, e in enumerate(self.unsettled):
+            if e is entry:
+                del self.unsettled[i]
+                return True
+        return False
+
+    def _read(self, step: int, ahead: int) -> None:
+        """Read batches until ``ahead`` follow this step's (fewer where the data or ``steps`` ends)."""
+        while not self.ended and len(self.queue) < ahead:
+            if self.steps is not None and step + len(self.queue) + 1 >= self.steps:
+                self.ended = True
+                break
+            batch = next(self.stream, None)
+            if batch is None:
+                self.ended = True
+                break
+            self.queue.append(batch)
+
+    def _pull(self, step: int) -> PullResult:
         """This step's rows: the pull already under way, or one made now. A push_pull whose push
         was rejected as too stale is counted and its pull made again on its own."""
         ps, wait_s = self.trainer.ps, self.wait_s
-        pending = self.pending if self.pending is not None else ps.prefetch(self.trainer.sparse_fn(self.batch))
-        self.pending, self.ahead = self.ahead, None
+        pending = self.pulls.pop(step, None)
+        if pending is None:
+            pending = ps.prefetch(self.trainer.sparse_fn(self.batch))
+        unsettled = pending.pushed and self._unsettled(pending)
         try:
             pulled = ps.install(pending, train=True, timeout=wait_s)
         except TooStale as exc:
             self.acks.rejected(exc)
-            return ps.install(ps.prefetch(pending.ids), train=True, timeout=wait_s)
-        if pending.ack is not None:
-            self.acks.note(pending.ack)
+            pulled = ps.install(ps.prefetch(pending.ids), train=True, timeout=wait_s)
+        else:
+            if unsettled and pending.ack is not None:
+                self.acks.note(pending.ack)
+        while len(self.unsettled) > self.window:
+            self._settle_oldest()
+        self.peak_in_flight = max(self.peak_in_flight, len(self.unsettled))
         return pulled
 
     def _compute(self, step: int, t1: float) -> None:
-        """Read the batch after next, start the next batch's pull (prefetch), forward and
-        backward, the gradients to the host, the policy's step (sync's all-reduce)."""
-        trainer, ps, upcoming = self.trainer, self.trainer.ps, self.upcoming
-        self.after = next(self.stream, None) if upcoming is not None and (self.steps is None or step + 2 < self.steps) else None
-        if self.prefetch and upcoming is not None and self.pending is None:
-            self.pending = ps.prefetch(trainer.sparse_fn(upcoming))
+        """Read ahead, start the next batch's pull (prefetch), forward and backward, the
+        gradients to the host, the policy's step (sync's all-reduce)."""
+        trainer, ps = self.trainer, self.trainer.ps
+        if self.queue:
+            self._read(step, self.window + 1)
+        upcoming = self.upcoming
+        if self.prefetch and upcoming is not None and step + 1 not in self.pulls:
+            self.pulls[step + 1] = ps.prefetch(trainer.sparse_fn(upcoming))
         loss = trainer.loss_fn(trainer.model, to_device(self.batch, trainer.device))
         loss.backward()
         exact = self.combine is not None
@@ -186,7 +282,8 @@ class Step(Generic[B]):
             # sync: another rank's data ended, so every rank stops after this step.
             trainer.printer(f"{trainer.name}: stopping at step {step + 1} with data left: another rank's data ended there "
                             "(sync steps every rank together: give the ranks equal numbers of batches, or set steps)")
-            self.upcoming = self.after = None
+            self.queue.clear()
+            self.ended = True
         held = loss.detach()
         self._loss_sum = held.double() if self._loss_sum is None else self._loss_sum + held
         self._loss_n += 1
@@ -202,19 +299,47 @@ class Step(Generic[B]):
         if factor > 1.0:
             time.sleep((factor - 1.0) * (time.perf_counter() - t1))
 
-    def _push(self, clock: int, pulled: PullResult) -> None:
-        """Settle the previous push, push this step's gradients (with the pull of the batch
-        after next, when prefetching), and settle it at once where the policy says so."""
+    def _push(self, step: int, clock: int, pulled: PullResult) -> None:
+        """Push this step's gradients: with the pull of the batch ``window + 1`` steps on when
+        prefetching and there is one (settled when that batch is installed), else on their own,
+        after settling the pushes that carry no pull while ``window`` are in flight; settle it at
+        once where the policy says so."""
         ps = self.trainer.ps
-        if self.push is not None:
-            self.settle(self.push)
-            self.push = None
-        if self.prefetch and self.after is not None:
-            self.ahead = ps.push_pull(clock=clock + 1, versions=pulled, sparse=self.trainer.sparse_fn(self.after))
+        while len(self.unsettled) >= self.window and any(isinstance(e, Handle) for e in self.unsettled):
+            plain = next(e for e in self.unsettled if isinstance(e, Handle))
+            self.unsettled.remove(plain)
+            self.settle(plain)
+        if self.prefetch and len(self.queue) > self.window:
+            target = step + self.window + 1
+            self.pulls[target] = ps.push_pull(clock=clock + 1, versions=pulled, sparse=self.trainer.sparse_fn(self.queue[self.window]))
+            self.unsettled.append(self.pulls[target])
         else:
-            self.push = ps.push(clock=clock + 1, versions=pulled, rows=self.combine)
+            self.unsettled.append(ps.push(clock=clock + 1, versions=pulled, rows=self.combine))
         if self.settle_every_step:
             # The step's updates must land before this worker's clock (or the barrier) lets
             # anyone read past them (such policies never prefetch: the push was just made).
             self.finish()
             self.trainer.policy.after_push()
+
+
+class _Done:
+    """A ``Pending`` already answered (a push_pull waited for before its batch is installed)."""
+
+    def __init__(self, value: PullResult) -> None:
+        self.value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> PullResult:
+        return self.value
+
+
+def _wait(prefetch: Prefetch, timeout: float) -> PullResult:
+    """Wait for a pull's answer once; ``install`` later takes the same answer without waiting
+    (on CUDA the transfer thread's future keeps it; on the CPU the handle is replaced)."""
+    if prefetch.staged is not None:
+        return prefetch.staged.result(timeout).pulled
+    pulled = prefetch.handle.result(timeout)
+    prefetch.handle = Handle([_Done(pulled)], first)
+    return pulled
