@@ -4,7 +4,8 @@ variable, the help text and the text form live on that one line, and everything 
 from it here: the parser's flags and their environment fallbacks (``add_flags``), the config's
 values from parsed flags (``values_from_args``) or from the environment (``env_values``,
 ``from_env``), and the argv or environment that gives a child process the same config
-(``to_argv``, ``to_env``).
+(``to_argv``, ``to_env``), or the JSON file of its typed values (``to_json``) that a child's
+parser starts from (``namespace_from_json``).
 
 Shard and worker both use it (``protos`` is the one package both import)."""
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ __all__ = [
     "derived",
     "env_values",
     "from_env",
+    "namespace_from_json",
     "optional_float",
     "optional_int",
     "optional_str",
@@ -33,6 +36,7 @@ __all__ = [
     "setting",
     "to_argv",
     "to_env",
+    "to_json",
     "values_from_args",
 ]
 
@@ -369,3 +373,62 @@ def to_argv(cfg: Any, exclude: Collection[str] = ()) -> list[str]:
 def to_env(cfg: Any) -> dict[str, str]:
     """The ``TETHER_*`` variables that describe ``cfg`` (``1`` for a switch that is on)."""
     return {name: "1" if text is None else text for _, name, text in _texts(cfg)}
+
+
+def to_json(cfg: Any) -> str:
+    """``cfg``'s flagged fields as one JSON object of their typed values (numbers, switches,
+    lists, null; a parsed value that is a ``str``, as a mode, as its text): what a launcher hands
+    a child in a file, read back by ``namespace_from_json`` with no text form in between.
+    Derived fields (a token read from a file) are never written: the child derives them again."""
+    return json.dumps({f.name: getattr(cfg, f.name) for f, decl in declared(type(cfg)) if decl.flag is not None}, indent=1) + "\n"
+
+
+# What an optional field's value is when it is not None.
+_OPTIONAL: dict[Callable[[str], Any], type] = {optional_int: int, optional_float: float, optional_str: str}
+
+
+def _json_value(cls: type, name: str, decl: Setting, value: Any) -> Any:
+    """A field's value read from JSON, checked against the field's type (lists as tuples).
+
+    Raises:
+        ValueError: a value of another type, named.
+    """
+    if isinstance(value, list):
+        value = tuple(value)
+    default = default_of(cls, name)
+    if value is None and (default is None or decl.parse in _OPTIONAL):
+        return None
+    kind = _OPTIONAL.get(decl.parse) or type(default)
+    fits = isinstance(value, (int, float) if kind is float else kind) and isinstance(value, bool) == (kind is bool)
+    if kind is tuple and fits:
+        fits = all(isinstance(v, str) for v in value)
+    if not fits:
+        raise ValueError(f"{name}: expected {'a list of texts' if kind is tuple else kind.__name__}, got {value!r}")
+    return float(value) if kind is float else value
+
+
+def namespace_from_json(cls: type, text: str) -> argparse.Namespace:
+    """The parsed flags ``to_json``'s text describes: each field it holds under its flag's
+    attribute, as ``add_flags``'s flags store it. ``parser.parse_args(argv, namespace=...)`` starts
+    from it, so the text's values stand in for the flags' defaults and variables and a flag given
+    in ``argv`` wins; ``values_from_args`` then makes the config (deriving what is derived).
+
+    Raises:
+        ValueError: not a JSON object, a field ``cls`` has no flag for, or a value of the wrong type, named.
+    """
+    try:
+        given = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"expected a JSON object of field values, got {type(given).__name__}")
+    flagged = {f.name: decl for f, decl in declared(cls) if decl.flag is not None}
+    unknown = sorted(set(given) - set(flagged))
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field {', '.join(unknown)}")
+    namespace = argparse.Namespace()
+    for name, value in given.items():
+        decl = flagged[name]
+        value = _json_value(cls, name, decl, value)
+        setattr(namespace, decl.dest, value != decl.negated if decl.switch else value)
+    return namespace

@@ -26,10 +26,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tether.common.exits import USAGE, interrupted
+from tether.common.settings import to_env, to_json
 from tether.deploy.children import Child, child_command, free_port, gpu_count, spawn, tail, worker_device
 from tether.deploy.errors import ClusterError, Interrupted
 from tether.deploy.supervision import Supervision
-from tether.deploy.worker_args import job_env, worker_argv
 from tether.deploy.worker_exits import RANK_LOGS, raise_worker_failure
 from tether.worker.config import WorkerConfig
 
@@ -240,7 +240,9 @@ class LocalCluster(Supervision):
         program: Program | None = None,
     ) -> None:
         """Start ``template.num_workers`` worker processes against the running shards:
-        ``tether worker``, or the user's ``program`` configured through the environment.
+        ``tether worker --config FILE`` (each worker's config as a JSON file in the log folder,
+        ``<name>.config.json``: read as it is, no flags rendered and parsed again), or the user's
+        ``program`` configured through the ``TETHER_*`` environment (``TrainingConfig.from_env``).
 
         In sync mode the workers are the ranks of one ``torchrun``.
         """
@@ -253,9 +255,11 @@ class LocalCluster(Supervision):
                     "--master-addr", self.host, "--master-port", str(free_port(self.host)),
                     "--log-dir", str(self.log_dir / RANK_LOGS), "--tee", "2"]
             if program is not None:
-                self.workers.append(spawn(self.log_dir, "torchrun", [*argv, *program.argv], echo=echo, env=job_env(cfg)))
+                self.workers.append(spawn(self.log_dir, "torchrun", [*argv, *program.argv], echo=echo, env=to_env(cfg)))
                 return
-            argv += ["-m", "tether.worker", *worker_argv(cfg), *extra_args]
+            config = self.log_dir / "torchrun.config.json"
+            config.write_text(to_json(cfg))
+            argv += ["-m", "tether.worker", "--config", str(config), *extra_args]
             if metrics:
                 # Each rank serves on the base port plus its local rank.
                 base = free_port(self.host)
@@ -267,9 +271,12 @@ class LocalCluster(Supervision):
         for i in range(template.num_workers):
             cfg = replace(template, shards=tuple(self.addresses), worker_index=i, device=worker_device(template.device, i, gpus))
             if program is not None:
-                child = spawn(self.log_dir, f"worker-{i}", list(program.argv), echo=echo, env=job_env(cfg))
+                child = spawn(self.log_dir, f"worker-{i}", list(program.argv), echo=echo, env=to_env(cfg))
             else:
-                argv = ["-m", "tether.worker", *worker_argv(cfg), *extra_args]
+                # A restart reads the same file, with --steps beside it for the steps left (Supervision).
+                config = self.log_dir / f"worker-{i}.config.json"
+                config.write_text(to_json(cfg))
+                argv = ["-m", "tether.worker", "--config", str(config), *extra_args]
                 if metrics:
                     port = free_port(self.host)
                     self.metrics_ports[f"worker-{i}"] = port

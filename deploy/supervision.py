@@ -113,6 +113,8 @@ class Supervision:
                 argv[argv.index("--steps") + 1] = str(remaining)
             elif "TETHER_STEPS" in env:
                 env["TETHER_STEPS"] = str(remaining)
+            elif "--config" in argv:  # a flag beside the worker's config file wins over the file
+                argv += ["--steps", str(remaining)]
         count = self.worker_restarts.get(child.name, 0) + 1
         env["TETHER_RESTART_COUNT"] = str(count)
         log.warning("%s exited with code %s; restart %d of %d%s", child.name, code, count, self.max_worker_restarts,

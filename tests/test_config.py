@@ -1,7 +1,8 @@
 """Configs declared once (``tether.common.settings``): every flag of ``tether worker`` and ``tether
 server`` is made from a field's declaration and defaults to it, a concept two configs share has
-one default, and what a launcher hands a child (flags or ``TETHER_*`` variables) reproduces the
-config field for field, every field set to a value that is not its default."""
+one default, and what a launcher hands a child (its config file, flags or ``TETHER_*`` variables)
+reproduces the config field for field, every field set to a value that is not its default; a
+process parses its consistency mode once."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from tether.deploy.worker_args import job_env, worker_argv
+from tether.common.settings import to_argv as worker_argv, to_env as job_env
 from tether.common import settings as fields
 from tether.common.cli_args import DeprecatedAlias
 from tether.protos.codec import WIRE_DTYPES
@@ -26,8 +28,9 @@ from tether.worker import flags as worker_flags
 from tether.worker.config import ClientConfig, TrainingConfig, WorkerConfig
 from tether.worker.local import LocalClient
 
-# Flags a parser has that are no config field: help, and the preset that fills three fields.
-NOT_FIELDS = {"help", "preset"}
+# Flags a parser has that are no config field: help, the preset that fills three fields, and the
+# file of field values a launcher hands a worker.
+NOT_FIELDS = {"help", "preset", "config"}
 
 
 @pytest.fixture
@@ -305,3 +308,110 @@ def test_a_declaration_needs_what_cannot_be_guessed() -> None:
         fields.setting(None, flag="--x", help="x")
     with pytest.raises(ValueError, match="needs env="):
         fields.setting(0, flag=None, help="x")
+
+
+# -- tether launch hands each worker one file: every field as it is, the mode parsed once per process ----
+
+
+class _Spawned:
+    """What ``LocalCluster.start_workers`` started, recorded instead of started."""
+
+    def __init__(self) -> None:
+        self.argv: dict[str, list[str]] = {}
+
+    def __call__(self, log_dir: Path, name: str, argv: list[str], echo: bool, env: dict[str, str] | None = None) -> Any:
+        self.argv[name] = list(argv)
+        return SimpleNamespace(name=name, argv=argv, env=env, steps=None)
+
+
+def _start_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cfg: WorkerConfig, addresses: tuple[str, ...]) -> dict[str, list[str]]:
+    """The ``tether worker`` argv of each worker ``start_workers`` starts for ``cfg`` against ``addresses``."""
+    from tether.deploy import launch
+
+    spawned = _Spawned()
+    monkeypatch.setattr(launch, "spawn", spawned)
+    cluster = launch.LocalCluster(log_dir=tmp_path / "logs")
+    cluster.addresses = list(addresses)
+    cluster.start_workers(cfg, echo=False)
+    return {name: argv[argv.index("tether.worker") + 1:] for name, argv in spawned.argv.items()}
+
+
+def test_a_launched_worker_reads_every_field_from_its_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_env: None
+) -> None:
+    """``tether launch`` gives each worker ``--config FILE``: the job's config as typed JSON, read
+    back into the very config, every field away from its default (the token is never written: the
+    worker reads it from its file again). A flag given beside the file wins."""
+    cfg = _worker_config(tmp_path)
+    addresses = ("127.0.0.1:7001", "127.0.0.1:7002")
+    argvs = _start_workers(tmp_path, monkeypatch, cfg, addresses)
+    assert sorted(argvs) == [f"worker-{i}" for i in range(cfg.num_workers)]
+    for i in range(cfg.num_workers):
+        argv = argvs[f"worker-{i}"]
+        assert argv[0] == "--config" and len(argv) == 2, argv  # one file, no flags rendered
+        assert "s3cret-token" not in Path(argv[1]).read_text()
+        assert '"mode": "ssp:3"' in Path(argv[1]).read_text()
+        got = worker_flags.load_config(argv)
+        expected = dataclasses.replace(cfg, shards=addresses, worker_index=i)
+        for f in dataclasses.fields(WorkerConfig):
+            assert getattr(got, f.name) == getattr(expected, f.name), f.name
+            assert type(getattr(got, f.name)) is type(getattr(expected, f.name)), f.name
+        assert got == expected
+    # A restart's --steps (or any flag) beside the file wins; the rest is the file's.
+    again = worker_flags.load_config([*argvs["worker-1"], "--steps", "9", "--no-prefetch"])
+    assert (again.steps, again.prefetch, again.worker_index, again.lr) == (9, False, 1, cfg.lr)
+    # Sync: one file for torchrun's ranks (each takes its rank from torchrun).
+    sync = _start_workers(tmp_path, monkeypatch, dataclasses.replace(cfg, mode="sync", delay_compensation=0.0), addresses)
+    assert worker_flags.load_config(sync["torchrun"]).consistency == ("sync", None)
+
+
+def test_a_bad_config_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], clean_env: None) -> None:
+    from tether.worker.__main__ import main
+
+    bad = {"missing.json": None, "list.json": "[1]", "unknown.json": '{"speed": 3}', "typed.json": '{"lr": "fast"}',
+           "mode.json": '{"mode": "ssp:x", "local": true}'}
+    lines = {}
+    for name, text in bad.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        assert main(["--config", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("tether worker: error: "), err
+        # What the file holds is checked as a flag's value is (the mode names itself); the rest names the file.
+        assert name == "mode.json" or f"--config {tmp_path / name}: " in err, err
+        lines[name] = err
+    assert "No such file" in lines["missing.json"] and "expected a JSON object" in lines["list.json"]
+    assert "has no field speed" in lines["unknown.json"] and "lr: expected float, got 'fast'" in lines["typed.json"]
+    assert "mode must be 'async', 'ssp:S'" in lines["mode.json"]
+
+
+def test_the_mode_is_parsed_once_per_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_env: None) -> None:
+    """``tether launch --mode ssp:2`` parses the mode once (the config keeps the parsed ``Mode``,
+    and every copy and reader shares it); a worker started from the file parses it once and
+    trains (local mode, so no shard is needed) without parsing it again."""
+    from tether.deploy import cli, job
+    from tether.worker import config as worker_config
+    from tether.worker.ctr_job import train
+
+    calls: list[object] = []
+    parse = worker_config.parse_mode
+    monkeypatch.setattr(worker_config, "parse_mode", lambda text: calls.append(text) or parse(text))
+    argvs: dict[str, list[str]] = {}
+
+    def run_job(template: WorkerConfig, num_shards: int, out: str | None = None, **_: Any) -> dict[str, Any]:
+        # run_job's own copy, then start_workers' per worker, with their processes recorded.
+        argvs.update(_start_workers(tmp_path, monkeypatch, dataclasses.replace(template, out=out), ("127.0.0.1:7001",)))
+        return {"eval_loss": 0.5, "baseline_loss": 0.6, "eval_auc": 0.7, "total_samples": 1, "train_wall_s": 1.0,
+                "samples_per_sec": 1.0, "num_workers": template.num_workers, "num_shards": num_shards}
+
+    monkeypatch.setattr(job, "run_job", run_job)
+    assert cli.main(["launch", "--mode", "ssp:2", "--num-workers", "2", "--steps", "2", "--out", str(tmp_path / "out")]) == 0
+    assert calls == ["ssp:2"] and sorted(argvs) == ["worker-0", "worker-1"]
+    calls.clear()
+    local = ["--shards", "", "--local", "--num-workers", "1", "--worker-index", "0", "--vocab-size", "500", "--eval-samples", "64",
+             "--batch-size", "16", "--log-every", "1"]
+    config = worker_flags.load_config([*argvs["worker-1"], *local])
+    assert (config.consistency, config.local, config.steps) == (("ssp", 2), True, 2)
+    record = train(config, printer=lambda line: None)
+    assert calls == ["ssp:2"], calls  # the worker's one parse, when its config was made
+    assert (record.mode, record.steps) == ("ssp:2", 2)

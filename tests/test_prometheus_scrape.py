@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tether.deploy.worker_args import worker_argv
+from tether.common.settings import to_argv as worker_argv
 from tether.worker.config import WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from tether.deploy.launch import LocalCluster
-from tether.deploy.worker_args import worker_argv
+from tether.common.settings import to_argv as worker_argv
 from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.errors import ResourceExhausted, Unauthenticated, Unavailable

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tether.deploy.worker_args import job_env, worker_argv
+from tether.common.settings import to_argv as worker_argv, to_env as job_env
 from tether.protos.errors import FailedPrecondition, UsageError
 from tether.protos.optimizers import OPTIMIZERS, OptimizerConfig
 from tether.protos.schedules import Schedule

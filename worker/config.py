@@ -2,7 +2,8 @@
 (frozen dataclasses, validated in ``__post_init__``). Each field a user can set declares its flag,
 ``TETHER_*`` variable, help and default once, here (``tether.common.settings``): the flags of
 ``tether worker`` and the launchers (``tether.worker.flags``), ``from_env`` and what a launcher
-hands a worker (``tether.deploy.worker_args``) are made from those declarations."""
+hands a worker (a JSON file of the values, or ``TETHER_*`` variables for a user's program) are made
+from those declarations."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -31,7 +32,7 @@ from tether.worker.table_rules import TableRules, parse_entries
 
 T = TypeVar("T", bound="TrainingConfig")
 
-__all__ = ["JOB", "MODEL", "MODEL_PRESETS", "PLACE", "PROCESS", "ClientConfig", "TrainingConfig", "WorkerConfig", "parse_mode"]
+__all__ = ["JOB", "MODEL", "MODEL_PRESETS", "PLACE", "PROCESS", "ClientConfig", "Mode", "TrainingConfig", "WorkerConfig", "parse_mode"]
 
 
 def _wire_name(dtype: torch.dtype) -> str:
@@ -39,21 +40,48 @@ def _wire_name(dtype: torch.dtype) -> str:
     return next(name for name, d in WIRE_DTYPES.items() if d == dtype)
 
 
-@functools.lru_cache(maxsize=64)
 def parse_mode(mode: str) -> tuple[str, int | None]:
-    """Split a consistency mode into its kind and bound: ``async``, ``ssp:S`` or ``sync``. A
-    process parses each mode text once: the configs it copies (``dataclasses.replace`` checks
-    each copy) and every reader of ``TrainingConfig.consistency`` get that one value.
+    """Split a consistency mode into its kind and bound: ``async``, ``ssp:S`` or ``sync``.
+    ``TrainingConfig`` calls it once per config made from text (through ``Mode``); its copies
+    keep the parsed ``Mode``, so a process parses its mode once.
 
     Raises:
         ValueError: anything else, or a negative S.
     """
-    if mode in ("async", "sync"):
-        return mode, None
-    kind, _, bound = mode.partition(":")
-    if kind == "ssp" and bound.isdigit():
-        return "ssp", int(bound)
+    if isinstance(mode, str):
+        if mode in ("async", "sync"):
+            return mode, None
+        kind, _, bound = mode.partition(":")
+        if kind == "ssp" and bound.isdigit():
+            return "ssp", int(bound)
     raise ValueError(f"mode must be 'async', 'ssp:S' (S >= 0) or 'sync', got {mode!r}")
+
+
+class Mode(str):
+    """A consistency mode, parsed: the text (``async``, ``ssp:S`` or ``sync``; a ``str``, so it
+    compares, prints and is written to JSON as the text) with its ``kind`` and ``bound``.
+    ``TrainingConfig.mode`` holds one: the configs copied from it (``dataclasses.replace``) and
+    every reader share the one parse.
+
+    Raises:
+        ValueError: not a mode (``parse_mode``).
+    """
+
+    kind: str
+    bound: int | None
+
+    def __new__(cls, text: str) -> Mode:
+        kind, bound = parse_mode(text)
+        mode = super().__new__(cls, text)
+        mode.kind, mode.bound = kind, bound
+        return mode
+
+    # Immutable, as the text is: a copy (``dataclasses.asdict`` deep-copies) is the mode itself, not parsed again.
+    def __copy__(self) -> Mode:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Mode:
+        return self
 
 
 def _check_address(address: str) -> None:
@@ -292,13 +320,16 @@ class TrainingConfig:
         this only bounds the wait should it not."""
         return self.call_deadline_s + self.timeout_s
 
-    @functools.cached_property
+    @property
     def consistency(self) -> tuple[str, int | None]:
-        """``(kind, bound)`` of ``mode``, parsed once per config."""
-        return parse_mode(self.mode)
+        """``(kind, bound)`` of ``mode`` (parsed once, when the config was made from its text)."""
+        mode = cast(Mode, self.mode)
+        return mode.kind, mode.bound
 
     def __post_init__(self) -> None:
-        self.consistency  # noqa: B018 - parses (and keeps) the mode
+        if not isinstance(self.mode, Mode):
+            # Parsed here, once: a copy (dataclasses.replace) hands the Mode on as it is.
+            object.__setattr__(self, "mode", Mode(self.mode))
         if not self.slowdown >= 1.0:
             raise ValueError(f"slowdown must be >= 1 (1 = full speed), got {self.slowdown!r}")
         parse_straggler(self.straggler)

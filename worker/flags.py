@@ -1,12 +1,14 @@
 """Flags of ``tether worker`` and of training jobs, made from the worker's config declarations
 (``tether.worker.config``, ``tether.common.settings``): each with a ``TETHER_*`` environment
-fallback, parsed into a ``WorkerConfig``."""
+fallback, parsed into a ``WorkerConfig``; or a JSON file of the config's values (``--config``:
+what ``tether launch`` hands each worker), with the flags given beside it winning."""
 
 from __future__ import annotations
 
 import argparse
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from tether.common import settings as fields
 from tether.common.cli_args import DeprecatedAlias, HelpFormatter, env
@@ -73,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fields.add_flags(p, WorkerConfig, groups=(PLACE, PROCESS))
     add_training_flags(p)
+    p.add_argument("--config", metavar="FILE", default=env("TETHER_CONFIG", None),
+                   help="the job as a JSON object of field values, as tether launch writes each worker's "
+                   "(OUT/logs/worker-<i>.config.json): they replace the flags' defaults and TETHER_* variables; "
+                   "a flag given beside it wins (env TETHER_CONFIG)")
     return p
 
 
@@ -92,5 +98,29 @@ def config_from_args(a: argparse.Namespace, **overrides: object) -> WorkerConfig
 
 
 def load_config(argv: Sequence[str] | None = None) -> WorkerConfig:
-    """Parse ``tether worker`` flags into a validated ``WorkerConfig``."""
-    return config_from_args(build_parser().parse_args(argv))
+    """Parse ``tether worker`` flags into a validated ``WorkerConfig``. With ``--config FILE`` the
+    file's values (typed JSON, read as they are) replace the defaults and the ``TETHER_*``
+    variables, and a flag given beside it wins (a launcher's ``--metrics-port``, a restart's ``--steps``).
+
+    Raises:
+        ValueError: a bad value, or a file that cannot be read or holds no config, named.
+    """
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.config is not None:
+        a = parser.parse_args(argv, namespace=_config_file(a.config))
+    return config_from_args(a)
+
+
+def _config_file(path: str) -> argparse.Namespace:
+    """The parsed flags ``--config FILE`` holds.
+
+    Raises:
+        ValueError: the file cannot be read, or holds no ``WorkerConfig``, naming it.
+    """
+    try:
+        return fields.namespace_from_json(WorkerConfig, Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"--config {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"--config {path}: {exc}") from None
