@@ -55,7 +55,7 @@ sys.path.insert(0, str(_HERE))
 
 from _common import MIB, free_port, markdown_table  # noqa: E402
 
-__all__ = ["LINKS", "Place", "TARGETS", "main", "measure_link", "netns_link", "parse_link"]
+__all__ = ["LINKS", "Place", "TARGETS", "main", "measure_link", "netns_link", "parse_link", "start_shards"]
 
 LINKS = ["loopback", "veth", "10gbit:100us", "25gbit:50us"]
 # DESIGN.md / issue 17 targets: tether / peer-on-TCP (medians), and dense as a share of a shaped link.
@@ -232,26 +232,36 @@ def _result(proc: subprocess.Popen[str], timeout: float, what: str, log: Path) -
     raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{log.read_text()[-3000:]}")
 
 
+def start_shards(place: Place, num_shards: int, tmp: str, log: Path, procs: list[subprocess.Popen[str]]) -> list[str]:
+    """``num_shards`` shard processes on the server side (appended to ``procs``, which the caller
+    stops with ``_stop``); their addresses once each serves.
+
+    Raises:
+        RuntimeError: a shard exited or did not report its port in time.
+    """
+    files = []
+    for i in range(num_shards):
+        pf = Path(tmp) / f"shard-{i}.port"
+        files.append(pf)
+        argv = [*place.server_prefix, sys.executable, "-m", "tether.server", "--host", place.server_ip, "--port", "0",
+                "--port-file", str(pf), "--shard-index", str(i), "--num-shards", str(num_shards), "--grace-seconds", "1"]
+        procs.append(subprocess.Popen(argv, stdout=log.open("a"), stderr=subprocess.STDOUT, env=_env(place.server_if),
+                                      start_new_session=True))
+    deadline = time.monotonic() + _STARTUP_S
+    for pf, p in zip(files, procs[-num_shards:], strict=True):
+        while not (pf.exists() and pf.read_text().strip()):
+            if p.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"a shard did not start (exit {p.poll()}); see {log}")
+            time.sleep(0.05)
+    return [f"{place.server_ip}:{int(pf.read_text())}" for pf in files]
+
+
 def run_tether(place: Place, job: str, kwargs: dict[str, Any], num_shards: int, timeout: float, log: Path) -> Any:
     """Shard processes on the server side, one client on the client side running ``tether_ps.<job>``."""
     procs: list[subprocess.Popen[str]] = []
     with tempfile.TemporaryDirectory(prefix="tether-xhost-") as tmp:
         try:
-            files = []
-            for i in range(num_shards):
-                pf = Path(tmp) / f"shard-{i}.port"
-                files.append(pf)
-                argv = [*place.server_prefix, sys.executable, "-m", "tether.server", "--host", place.server_ip, "--port", "0",
-                        "--port-file", str(pf), "--shard-index", str(i), "--num-shards", str(num_shards), "--grace-seconds", "1"]
-                procs.append(subprocess.Popen(argv, stdout=log.open("a"), stderr=subprocess.STDOUT, env=_env(place.server_if),
-                                              start_new_session=True))
-            deadline = time.monotonic() + _STARTUP_S
-            for pf, p in zip(files, procs, strict=True):
-                while not (pf.exists() and pf.read_text().strip()):
-                    if p.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"a shard did not start (exit {p.poll()}); see {log}")
-                    time.sleep(0.05)
-            addresses = [f"{place.server_ip}:{int(pf.read_text())}" for pf in files]
+            addresses = start_shards(place, num_shards, tmp, log, procs)
             client = _child(place.client_prefix, place.client_if, "tether", {"job": job, "addresses": addresses, "kwargs": kwargs}, log)
             procs.append(client)
             return _result(client, timeout, f"tether {job}", log)
