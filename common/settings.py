@@ -349,16 +349,19 @@ def _texts(cfg: Any, exclude: Collection[str] = ()) -> Iterator[tuple[str, str, 
     those named in ``exclude``): text None for a switch that is on; a switch that is off and a
     None that is the default too are left out (so what a child inherits can still set them, as
     ever). Derived fields (a token read from a file) are never written: the child derives them again."""
+    for f, decl in _told(cfg, exclude):
+        yield str(decl.flag), decl.env, None if decl.switch else decl.show(getattr(cfg, f.name))
+
+
+def _told(cfg: Any, exclude: Collection[str] = ()) -> Iterator[tuple[dataclasses.Field[Any], Setting]]:
+    """The flagged fields of ``cfg`` a child must be told (``_texts``' rule)."""
     cls = type(cfg)
     for f, decl in declared(cls):
         if decl.flag is None or f.name in exclude:
             continue
         value = getattr(cfg, f.name)
-        if decl.switch:
-            if bool(value) != decl.negated:
-                yield decl.flag, decl.env, None
-        elif value is not None or default_of(cls, f.name) is not None:
-            yield decl.flag, decl.env, decl.show(value)
+        if (bool(value) != decl.negated) if decl.switch else (value is not None or default_of(cls, f.name) is not None):
+            yield f, decl
 
 
 def to_argv(cfg: Any, exclude: Collection[str] = ()) -> list[str]:
@@ -378,9 +381,11 @@ def to_env(cfg: Any) -> dict[str, str]:
 def to_json(cfg: Any) -> str:
     """``cfg``'s flagged fields as one JSON object of their typed values (numbers, switches,
     lists, null; a parsed value that is a ``str``, as a mode, as its text): what a launcher hands
-    a child in a file, read back by ``namespace_from_json`` with no text form in between.
-    Derived fields (a token read from a file) are never written: the child derives them again."""
-    return json.dumps({f.name: getattr(cfg, f.name) for f, decl in declared(type(cfg)) if decl.flag is not None}, indent=1) + "\n"
+    a child in a file, read back by ``namespace_from_json`` with no text form in between. The
+    fields are those ``to_argv`` tells (a switch that is off and a None that is the default are
+    left out, so what the child inherits can still set them, as ever); derived fields (a token
+    read from a file) are never written: the child derives them again."""
+    return json.dumps({f.name: getattr(cfg, f.name) for f, _ in _told(cfg)}, indent=1) + "\n"
 
 
 # What an optional field's value is when it is not None.

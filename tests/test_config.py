@@ -360,6 +360,12 @@ def test_a_launched_worker_reads_every_field_from_its_config_file(
     # A restart's --steps (or any flag) beside the file wins; the rest is the file's.
     again = worker_flags.load_config([*argvs["worker-1"], "--steps", "9", "--no-prefetch"])
     assert (again.steps, again.prefetch, again.worker_index, again.lr) == (9, False, 1, cfg.lr)
+    # A None the default is too is not written (a switch that is off neither): what the worker inherits
+    # still sets it, as with flags (a TLS file or a worker name given to tether launch's environment).
+    unnamed = _start_workers(tmp_path, monkeypatch, dataclasses.replace(cfg, worker_id=None), addresses)["worker-0"]
+    assert "worker_id" not in Path(unnamed[1]).read_text() and worker_flags.load_config(unnamed).worker_id is None
+    monkeypatch.setenv("TETHER_WORKER_ID", "inherited")
+    assert worker_flags.load_config(unnamed).worker_id == "inherited"
     # Sync: one file for torchrun's ranks (each takes its rank from torchrun).
     sync = _start_workers(tmp_path, monkeypatch, dataclasses.replace(cfg, mode="sync", delay_compensation=0.0), addresses)
     assert worker_flags.load_config(sync["torchrun"]).consistency == ("sync", None)
