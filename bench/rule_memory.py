@@ -6,15 +6,17 @@ every row (so each row's optimizer state is written). Per row it prints what the
 
 - ``values``: the rows' floats (``dim * 4`` bytes: the raw bytes the ratios divide by);
 - ``state``: the rule's optimizer state (``tether.protos.optimizers``);
-- ``index``: the id index's cells (``tether.server.index``: (key, slot) int64 pairs, load
-  factor at most 1/3, a power of two);
-- ``books``: the table's per-row bookkeeping (the version of each row's last update, for
-  per-row staleness; a bounded table's last-touch ticks);
+- ``index``: the id index (``tether.server.index``): the ids by slot (int64, 8 bytes a row)
+  and the hash's int32 cells at a load factor of 0.6-0.8 (``cells``: 5-6.7 bytes a row);
+- ``books``: the table's per-row bookkeeping (the version of each row's last update, int32,
+  for per-row staleness; a bounded table's last-touch ticks);
 - ``allocated``: every array the table holds, by size (growth leaves room beyond the rows);
 - ``resident``: the process's resident memory after the table was filled minus before it was
   created, each read after ``malloc_trim`` (pages never written, such as the room beyond the
-  rows, are not resident). This is what the table holds; the table's last pulls and updates,
-  kept for pushes and per-row staleness, are in it too.
+  rows, are not resident). This is what the table holds; the update log (the last updates'
+  slots, for per-row staleness: at most 1 MiB) is in it too.
+
+Each push goes the way a shard's does (``pulled``, ``staleness``, ``push``).
 
 The ratios are to the raw bytes of the rows (``rows * dim * 4``). Run with no arguments for
 1M x 64, the issue's size (about 1 GB at most per process, Adam and FTRL).
@@ -52,25 +54,32 @@ def measure(name: str, rows: int, dim: int) -> dict[str, Any]:
 
     from tether.protos.optimizers import OptimizerConfig
     from tether.protos.specs import TableConfig
+    from tether.server import kernels
     from tether.server.tables import EmbeddingTable
 
     torch.set_num_threads(1)
     ids = np.unique(np.random.default_rng(0).integers(-(2**62), 2**62, int(rows * 1.01), dtype=np.int64))[:rows]
     np.random.default_rng(1).shuffle(ids)
     grads = torch.full((_BATCH, dim), 1e-2)
-    # The kernels compiled (or loaded from the disk cache) and the code paths run once on a small
-    # table first: the memory of compiling is not the table's.
+    # The kernels compiled (or loaded from the disk cache), as a shard does when it starts, and
+    # the code paths run once on a small table first: the memory of compiling is not the table's.
+    kernels.warm_up()
     warm = EmbeddingTable(TableConfig("warm", dim, OptimizerConfig(name, lr=0.01)))
-    warm.pull(np.arange(64, dtype=np.int64))
-    warm.push(np.arange(64, dtype=np.int64), grads[:64])
+    small = np.arange(64, dtype=np.int64)
+    warm.pull(small)
+    warm.staleness(small, 0, warm.pulled(small))
+    warm.push(small, grads[:64], 1.0, warm.pulled(small))
+    warm.staleness(small, 0, warm.pulled(small))
     del warm
     before = _rss()
     table = EmbeddingTable(TableConfig("t", dim, OptimizerConfig(name, lr=0.01)))
     start = time.perf_counter()
     for a in range(0, rows, _BATCH):
         batch = np.sort(ids[a:a + _BATCH])
-        table.pull(batch)
-        table.push(batch, grads[: len(batch)])
+        _, read = table.pull(batch)
+        pulled = table.pulled(batch)
+        table.staleness(batch, max(read - 1, 0), pulled)
+        table.push(batch, grads[: len(batch)], 1.0, pulled)
     seconds = time.perf_counter() - start
     resident = _rss() - before
     assert table.rows == rows
@@ -79,7 +88,8 @@ def measure(name: str, rows: int, dim: int) -> dict[str, Any]:
     books = table._row_version.nbytes + (table._touched.nbytes if table._touched is not None else 0)  # noqa: SLF001
     return {
         "rule": name, "rows": rows, "dim": dim, "values": values, "state": state, "index": table._index.nbytes,  # noqa: SLF001
-        "books": books, "allocated": table.memory_bytes, "resident": resident, "seconds": seconds,
+        "cells": 4 * table._index.cells, "keys": 8 * rows, "books": books,  # noqa: SLF001
+        "allocated": table.memory_bytes, "resident": resident, "seconds": seconds,
     }
 
 
@@ -108,12 +118,12 @@ def main() -> int:
         return 0
     raw = args.rows * args.dim * 4
     print(f"{args.rows} rows x {args.dim} dims: raw bytes of the rows {raw / 2**20:.1f} MiB ({args.dim * 4} B/row)")
-    print(f"{'rule':<16}{'state B/row':>12}{'values+state':>14}{'index B/row':>12}{'books B/row':>12}"
+    print(f"{'rule':<16}{'state B/row':>12}{'values+state':>14}{'index B/row':>12}{'cells B/row':>12}{'books B/row':>12}"
           f"{'allocated B/row':>17}{'resident B/row':>16}{'fill s':>8}")
     for r in results:
         n = r["rows"]
         print(
-            f"{r['rule']:<16}{r['state'] / n:>12.1f}{(r['values'] + r['state']) / raw:>13.3f}x{r['index'] / n:>12.1f}"
+            f"{r['rule']:<16}{r['state'] / n:>12.1f}{(r['values'] + r['state']) / raw:>13.3f}x{r['index'] / n:>12.1f}{r['cells'] / n:>12.1f}"
             f"{r['books'] / n:>12.1f}{r['allocated'] / n:>9.1f} {r['allocated'] / raw:>5.2f}x"
             f"{r['resident'] / n:>8.1f} {r['resident'] / raw:>5.2f}x{r['seconds']:>8.1f}"
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,23 +31,37 @@ from tether.server.admission import CountMinSketch, sketch_width
 from tether.server import kernels
 from tether.server.index import IdIndex
 from tether.protos.initial import init_rows
-from tether.server.recent import Pulled, RecentPulls
 from tether.server.update_log import UpdateLog
 
 __all__ = ["EmbeddingTable", "Pulled", "TableConfig"]
 
 log = logging.getLogger(__name__)
 
+
+@dataclass(frozen=True)
+class Pulled:
+    """What ``EmbeddingTable.pulled`` found of a push's ids: every one a row, at ``slots`` of
+    ``index``, and whether they are unique."""
+
+    index: IdIndex
+    slots: np.ndarray
+    unique: bool
+
 _GROWTH = 1.5
 # An empty table starts with at most this many bytes of rows, whatever its dim.
 _INITIAL_BYTES = 4 << 20
 # Evict at least this fraction of the capacity at once, so the O(rows) selection runs rarely.
 _EVICT_BATCH = 1 / 16
-# The last updates' row slots, kept to count how many updates each row of a push missed since
-# its read (per-row staleness): at most this many updates and this many slots in all. A read
-# older than the log counts each row updated since as stale by the whole table's updates.
+# The last updates' row slots (int32), kept to count how many updates each row of a push missed
+# since its read (per-row staleness): at most this many updates and this many slots in all
+# (1 MiB). A read older than the log counts each row updated since as stale by the whole
+# table's updates.
 _LOG_UPDATES = 256
-_LOG_SLOTS = 1 << 21
+_LOG_SLOTS = 1 << 18
+# Row versions are int32 offsets from a base version: when the table's version runs this far
+# past the base, the base moves up by half of it (one pass over the rows, once per 2**30
+# pushes). See ``_rebase``.
+_VERSION_SPAN = 2**31 - 1
 
 
 def _zeros(rows: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -97,12 +112,15 @@ class EmbeddingTable:
         self._tick = 0
         self._touched = np.zeros(cap, np.int64) if self.capacity else None
         self._sketch = CountMinSketch(sketch_width(self.capacity), seed=config.seed) if config.min_count > 1 else None
-        # The last pulls, for the pushes that follow them: only where a row's slot never
-        # changes once it exists (no capacity, no admission).
-        self._recent = RecentPulls() if not self.capacity and self._sketch is None else None
-        # Per-row staleness: the table version of each row's last update, and the slots of the
-        # last updates.
-        self._row_version = np.zeros(cap, np.int64)
+        # Where a row's slot never changes once it exists (no capacity, no admission), a pull
+        # hands out the table's storage and a push's slots, once found, stay right.
+        self._fixed_slots = not self.capacity and self._sketch is None
+        # Per-row staleness: the table version of each row's last update (``_row_version``,
+        # int32, minus ``_version_base``; 0: not updated since the base), and the slots of the
+        # last updates. A read older than ``_version_floor`` counts every row as updated since.
+        self._row_version = np.zeros(cap, np.int32)
+        self._version_base = 0
+        self._version_floor = 0
         self._updates = UpdateLog(_LOG_UPDATES, _LOG_SLOTS)
 
     @property
@@ -113,7 +131,8 @@ class EmbeddingTable:
     @property
     def memory_bytes(self) -> int:
         """Bytes allocated for rows, optimizer state, the id index and the per-row bookkeeping
-        (row versions; LRU ticks and the admission sketch where used). Storage beyond the rows
+        (row versions; LRU ticks and the admission sketch where used; not the update log's
+        slots, at most 1 MiB, the size of the last pushes). Storage beyond the rows
         (room to grow) is counted here but is not resident until rows are written there."""
         total = self._weights.nbytes + self._index.nbytes + self._free.nbytes + self._row_version.nbytes
         if self._touched is not None:
@@ -141,7 +160,7 @@ class EmbeddingTable:
             touched = np.zeros(new_cap, np.int64)
             touched[:n] = self._touched[:n]
             self._touched = touched
-        row_version = np.zeros(new_cap, np.int64)
+        row_version = np.zeros(new_cap, np.int32)
         row_version[:n] = self._row_version[:n]
         self._row_version = row_version
         self._weights, self._state = w, state
@@ -296,29 +315,33 @@ class EmbeddingTable:
                 unchanged = index is self._index and index.size == size
                 absent = np.full(int(missing.sum()), -1, np.int64) if unchanged else None
                 slots[missing] = self._resolve(ids[missing], absent)
-        if self._recent is None:
+        if not self._fixed_slots:
             # Admission may have left ids out: they get their initial rows.
             return self._gather(ids, slots), None, version
-        # Every id of a table that keeps recent pulls is a row by now (no admission, no capacity).
-        self._recent.remember(index, ids, slots)
+        # Every id of a table with fixed slots is a row by now (no admission, no capacity).
         return self._weights, torch.from_numpy(slots), version
 
-    def _recent_slots(self, ids: np.ndarray) -> np.ndarray | None:
-        """Slots of ``ids`` if a recent pull named exactly these ids (a push's ids are usually
-        those of its step's pull). Only tables that never move or drop rows keep this. The
-        array is shared with the cache: callers only read it."""
-        return None if self._recent is None else self._recent.slots(self._index, ids)
-
     def pulled(self, ids: np.ndarray) -> Pulled | None:
-        """If a recent pull named exactly ``ids``: their slots, and whether they are unique.
+        """If every id of ``ids`` is a row already (a push's ids usually are: its step's pull
+        created them): their slots, and whether they are unique. Only tables whose rows never
+        move or go (no capacity, no admission) answer; None otherwise, or if an id is not a row.
 
-        Such ids passed a pull's checks (owned by this shard), so a push of them
-        needs only the uniqueness check, which on slots is two vectorised passes, not a sort.
+        A row exists only for an id that passed a pull's or push's checks (owned by this
+        shard; restored rows were filtered by owner), so a push of such ids needs only the
+        uniqueness check: one vectorised pass where the ids are sorted, as a client sends
+        them, else a sort of the slots. Read without the lock: a row's slot never changes.
         """
-        if self._recent is None:
+        if not self._fixed_slots or not len(ids):
             return None
-        with self._lock:
-            return self._recent.pulled(self._index, ids, self._weights.shape[0])
+        index = self._index
+        slots = index.lookup(ids)
+        if bool((slots < 0).any()):
+            return None
+        unique = len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
+        if not unique:
+            ordered = np.sort(slots)
+            unique = not bool((ordered[1:] == ordered[:-1]).any())
+        return Pulled(index, slots, unique)
 
     def staleness(self, ids: np.ndarray, read_version: int, pulled: Pulled | None = None) -> np.ndarray | None:
         """How many updates each row of ``ids`` received since a read at table version
@@ -335,7 +358,7 @@ class EmbeddingTable:
 
     def _staleness(self, ids: np.ndarray, read_version: int, pulled: Pulled | None, per_row: bool) -> np.ndarray | int | None:
         with self._lock:
-            slots = pulled.slots if pulled is not None and pulled.index is self._index else self._recent_slots(ids)
+            slots = pulled.slots if pulled is not None and pulled.index is self._index else None
             present = None
             if slots is None:
                 slots = self._index.lookup(ids)
@@ -344,12 +367,15 @@ class EmbeddingTable:
                     present = None
                 else:  # rows not there yet were never updated
                     slots = np.where(present, slots, 0)
-            newer = self._row_version[slots] > read_version
+            if read_version < self._version_floor:  # older than the row versions know: every row
+                newer = np.ones(len(slots), bool)
+            else:
+                newer = self._row_version[slots] > min(max(read_version - self._version_base, 0), _VERSION_SPAN)
             if present is not None:
                 newer &= present
             if not newer.any():
                 return None if per_row else 0
-            return self._updates.count(slots, newer, self.version, read_version, self._weights.shape[0], per_row)
+            return self._updates.count(slots, newer, self.version, read_version, per_row)
 
     def push(
         self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float | np.ndarray = 1.0, pulled: Pulled | None = None
@@ -362,9 +388,7 @@ class EmbeddingTable:
         """
         opt = self.config.optimizer
         with self._lock:
-            slots = pulled.slots if pulled is not None and pulled.index is self._index else self._recent_slots(ids)
-            if slots is None:
-                slots = self._resolve(ids)
+            slots = pulled.slots if pulled is not None and pulled.index is self._index else self._resolve(ids)
             keep = slots >= 0
             if not keep.all():
                 dropped = int((~keep).sum())
@@ -385,9 +409,24 @@ class EmbeddingTable:
             grads_np = np.ascontiguousarray(grads.detach().numpy(), np.float32)
             self._update_rows(self._weights.numpy(), state, np.ascontiguousarray(slots, np.int64), grads_np, lr)
             self.version += 1
-            self._row_version[slots] = self.version
+            if self.version - self._version_base > _VERSION_SPAN:
+                self._rebase()
+            self._row_version[slots] = self.version - self._version_base
             self._updates.record(self.version, slots)
             return self.version
+
+    def _rebase(self) -> None:
+        """Move the row versions' base up by half their span, so the table's version fits in
+        them again (int32). Rows last updated before the new base read as "not updated since
+        the base" (0), so a read older than it (2**30 pushes ago) counts every row as updated
+        since it (``_version_floor``): a staleness count never falls short, it can only count
+        rows that were not updated. Caller holds the lock."""
+        base = self.version - (_VERSION_SPAN + 1) // 2
+        shift = base - self._version_base
+        rows = self._row_version[: self._used]
+        np.subtract(rows, min(shift, 2**31 - 1), out=rows, casting="unsafe")
+        np.maximum(rows, 0, out=rows)
+        self._version_base = self._version_floor = base
 
     def snapshot(self) -> dict[str, Any]:
         """Ids, rows, optimizer state and version, sorted by id (for checkpoints and tests)."""
@@ -437,11 +476,11 @@ class EmbeddingTable:
             self._free = np.empty(0, np.int64)
             if self._touched is not None:
                 self._touched = np.zeros(max(n, 1), np.int64)
-            index = IdIndex(max(2 * n, 16))
+            index = IdIndex(max(n, 16))
             index.insert(np.ascontiguousarray(ids, dtype=np.int64), np.arange(n, dtype=np.int64))
             self._index = index
-            if self._recent is not None:
-                self._recent.clear()
-            self._row_version = np.zeros(max(n, 1), np.int64)
+            self._row_version = np.zeros(max(n, 1), np.int32)
             self._updates.clear()
             self.version = int(version)
+            # Restored rows were not updated since the restore, for any read.
+            self._version_base, self._version_floor = self.version, 0

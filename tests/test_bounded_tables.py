@@ -149,14 +149,17 @@ def test_index_removal_leaves_tombstones_that_probes_pass_and_rebuilds_drop() ->
     keys, slots = index.items()
     assert keys.tolist() == [1, 3, 4, 5, 6] and slots.tolist() == [10, 30, 40, 50, 60]
     # Churn: insert and remove forever; tombstones trigger rebuilds instead of filling the table.
+    # A slot holds one id at a time (the index keeps the ids by slot): removed ids' slots are reused.
     rng = np.random.default_rng(0)
-    live = np.empty(0, np.int64)
+    live, free = np.empty(0, np.int64), np.arange(100, 300)
     for _ in range(200):
         new = rng.choice(2**62, 100, replace=False).astype(np.int64)
         new = new[index.lookup(new) < 0]
-        index.insert(new, np.arange(len(new)))
+        index.insert(new, free[: len(new)])
+        free = free[len(new):]
         live = np.concatenate([live, new])
         gone, live = live[:-100], live[-100:]
+        free = np.concatenate([free, index.lookup(gone)])
         assert index.remove(gone) == len(gone)
     assert index.size == 5 + len(live) == 105
     assert (index.lookup(live) >= 0).all() and (index.lookup(gone) == -1).all()

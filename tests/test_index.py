@@ -3,6 +3,7 @@ import threading
 import numpy as np
 
 from tether.protos.partition import mix64
+from tether.server import kernels
 from tether.server.index import IdIndex
 
 
@@ -20,7 +21,9 @@ def test_insert_lookup_and_growth() -> None:
     keys, slots = index.items()
     assert np.all(np.diff(keys) > 0) and np.array_equal(ids[slots], keys)
     assert index.lookup(np.array([0, 1, 2**62 + 5], dtype=np.int64)).tolist() == [-1, -1, -1]
-    assert index.nbytes <= 16 * 6 * len(ids)  # load factor in (1/6, 1/3]
+    # int32 cells at a load factor of at most 0.8, and the ids by slot (room to grow by 1.5x).
+    assert 0.3 <= index.size / index.cells <= 0.8
+    assert index.nbytes <= (4 / 0.3 + 8 * 1.5) * len(ids)
 
 
 def test_colliding_ids_in_one_batch() -> None:
@@ -31,25 +34,59 @@ def test_colliding_ids_in_one_batch() -> None:
 
 
 def test_long_probe_chains() -> None:
-    # 60 ids that all hash to the same home cell (splitmix64, as the index hashes): one chain
-    # of 60 cells that inserts, lookups and misses walk to its end.
+    # 60 ids that all hash to the same home cell (splitmix64's high half scaled to the cells, as
+    # the index hashes): one chain of 60 cells that inserts, lookups and misses walk to its end.
     index = IdIndex(capacity=4096)
-    mask = 4096 - 1
+    n = np.uint64(index.cells)
     rng = np.random.default_rng(2)
     pool = rng.choice(2**62, 400_000, replace=False).astype(np.int64)
-    homes = (mix64(pool.view(np.uint64)) & np.uint64(mask)).astype(np.int64)
+    homes = (((mix64(pool.view(np.uint64)) >> np.uint64(32)) * n) >> np.uint64(32)).astype(np.int64)
     home = np.bincount(homes).argmax()
     chain = pool[homes == home]
     assert len(chain) >= 80
     present, absent = chain[:60], chain[60:80]
     others = pool[homes != home][:300]
     index.insert(np.concatenate([others, present]), np.arange(360))
-    assert index.size == 360
+    assert index.size == 360 and index.cells == int(n)  # no rebuild moved the chain
     query = np.concatenate([present[::-1], absent, others[:50]])
     want = [*range(359, 299, -1), *[-1] * 20, *range(50)]
     assert index.lookup(query).tolist() == want
     keys, slots = index.items()
     assert len(keys) == 360 and np.array_equal(np.sort(keys), np.sort(np.concatenate([others, present])))
+
+
+def test_a_fingerprint_that_matches_another_id_goes_on_probing() -> None:
+    # With 31 slot bits no fingerprint is left: every live cell passed is a candidate whose key
+    # must be compared, and a lookup goes on past each wrong one.
+    ids = np.array([11, 22, 33, 44, 55], np.int64)
+    keys = np.full(8, 99, np.int64)
+    cells = np.full(16, kernels.EMPTY_SLOT, np.int32)
+    slots = np.array([7, 0, 3, 5, 1], np.int64)
+    keys[slots] = ids
+    kernels.slot_place(cells, 31, ids, slots)
+    assert kernels.slot_lookup(cells, keys, 31, ids).tolist() == slots.tolist()
+    assert kernels.slot_lookup(cells, keys, 31, np.array([99, 0, 12], np.int64)).tolist() == [-1, -1, -1]
+    where = kernels.slot_cells(cells, keys, 31, ids)
+    assert sorted(cells[where].tolist()) == sorted(slots.tolist())
+    # The same ids, many at once (the lookup's prefetching passes) and with a removed cell.
+    many = np.tile(ids, 50)
+    assert kernels.slot_lookup(cells, keys, 31, many).tolist() == np.tile(slots, 50).tolist()
+    cells[where[2]] = kernels.REMOVED_SLOT
+    assert kernels.slot_lookup(cells, keys, 31, ids).tolist() == [7, 0, -1, 5, 1]
+
+
+def test_lookups_in_big_batches_match_one_at_a_time() -> None:
+    rng = np.random.default_rng(5)
+    ids = rng.choice(2**62, 20_000, replace=False).astype(np.int64)
+    index = IdIndex(capacity=16)
+    perm = rng.permutation(15_000)
+    index.insert(ids[:15_000], perm)
+    slot_of = dict(zip(ids[:15_000].tolist(), perm.tolist()))
+    query = np.concatenate([ids, ids[::-3]])  # present and absent, some twice
+    rng.shuffle(query)
+    batch = index.lookup(query)
+    assert batch.tolist() == [slot_of.get(i, -1) for i in query.tolist()]
+    assert batch.tolist()[::97] == [int(index.lookup(query[i : i + 1])[0]) for i in range(0, len(query), 97)]
 
 
 def test_lock_free_readers_never_see_a_wrong_slot() -> None:
@@ -129,7 +166,11 @@ def test_slots_below_zero_are_refused() -> None:
     index = IdIndex(capacity=16)
     with pytest.raises(ValueError, match="slots must be >= 0, got -1"):
         index.insert(np.array([5], dtype=np.int64), np.array([-1], dtype=np.int64))
-    assert index.size == 0
+    with pytest.raises(ValueError, match=r"slots must be below 2\*\*31 \(rows per table on one shard\), got 2147483648"):
+        index.insert(np.array([5], dtype=np.int64), np.array([2**31], dtype=np.int64))
+    with pytest.raises(ValueError, match="1 ids but 2 slots"):
+        index.insert(np.array([5], dtype=np.int64), np.array([1, 2], dtype=np.int64))
+    assert index.size == 0 and index.lookup(np.array([5], np.int64)).tolist() == [-1]
 
 
 def test_lock_free_readers_never_see_a_wrong_slot_for_negative_ids() -> None:

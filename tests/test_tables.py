@@ -126,7 +126,7 @@ def test_a_push_of_pulled_ids_checks_uniqueness_on_slots() -> None:
     assert table.pulled(once).unique
     shard.push("w", 2, [SparseUpdate("t", once, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))], [], incarnation=1)
     assert table.pull(np.array([4, 9]))[0].tolist() == [[-3.0, -4.0], [-1.0, -2.0]]
-    # Ids no pull named go through the full checks (here: the sort-based duplicate check).
+    # Ids that are not rows yet go through the full checks (here: the sort-based duplicate check).
     assert table.pulled(np.array([7, 7], dtype=np.int64)) is None
     with pytest.raises(InvalidArgument, match="must be unique"):
         shard.push("w", 3, [SparseUpdate("t", np.array([7, 7], dtype=np.int64), torch.ones(2, 2))], [], incarnation=1)
