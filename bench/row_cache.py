@@ -50,15 +50,25 @@ def _program(kind: str, ratings: Path) -> Program | None:
         if kind == "movielens" else None
 
 
-def _job(kind: str, template: WorkerConfig, folder: Path, ratings: Path, shards: int = SHARDS) -> tuple[float, float]:
-    """(held-out loss, samples/s) of one job, every process on this machine."""
+Result = tuple[float, float, dict[str, float]]  # held-out loss, samples/s, each phase's share of the workers' step time
+
+
+def _shares(phases: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's share of the step time summed over the workers."""
+    total = {k: sum(p.get(k, 0.0) for p in phases) for k in phases[0]} if phases else {}
+    whole = sum(total.values()) or 1.0
+    return {k: round(v / whole, 4) for k, v in total.items()}
+
+
+def _job(kind: str, template: WorkerConfig, folder: Path, ratings: Path, shards: int = SHARDS) -> Result:
+    """(held-out loss, samples/s, phase shares) of one job, every process on this machine."""
     summary: dict[str, Any] = run_job(template, shards, out=folder, timeout_s=_TIMEOUT_S, echo=False, program=_program(kind, ratings))
     loss = summary["final_eval"]["eval_mse"] if kind == "movielens" else summary["eval_loss"]
-    return float(loss), float(summary["samples_per_sec"])
+    return float(loss), float(summary["samples_per_sec"]), _shares([w["phase_seconds"] for w in summary["workers"]])
 
 
-def _job_over(place: Any, kind: str, kw: dict[str, Any], folder: Path, ratings: Path, shards: int) -> tuple[float, float]:
-    """(held-out loss, samples/s) of one job: shards on the link's server side, the workers (one
+def _job_over(place: Any, kind: str, kw: dict[str, Any], folder: Path, ratings: Path, shards: int) -> Result:
+    """(held-out loss, samples/s, phase shares) of one job: shards on the link's server side, the workers (one
     child of this script running them) on its client side, over TCP."""
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / "link.log"
@@ -75,7 +85,7 @@ def _job_over(place: Any, kind: str, kw: dict[str, Any], folder: Path, ratings: 
             got = _result(child, _TIMEOUT_S, f"{kind} workers", log)
         finally:
             _stop(procs)
-    return float(got["loss"]), float(got["samples_per_sec"])
+    return float(got["loss"]), float(got["samples_per_sec"]), dict(got["phases"])
 
 
 def _workers_main(text: str) -> int:
@@ -95,7 +105,8 @@ def _workers_main(text: str) -> int:
         loss = (records[0].final_eval or {})["eval_mse"]
     else:
         loss = evaluate_job(cfg)["eval_loss"]
-    print("RESULT " + json.dumps({"loss": loss, "samples_per_sec": sps}), flush=True)
+    print("RESULT " + json.dumps({"loss": loss, "samples_per_sec": sps, "phases": _shares([r.phase_seconds for r in records])}),
+          flush=True)
     return 0
 
 
@@ -119,7 +130,7 @@ def _run_link(link: str, a: argparse.Namespace, configs: dict[str, dict[str, Any
 
     def rounds(place: Any) -> None:
         for kind in a.job or ["ctr", "movielens"]:
-            results: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
+            results: dict[str, list[Result]] = {name: [] for name in configs}
             for r in range(a.rounds):
                 names = list(configs) if r % 2 == 0 else list(reversed(list(configs)))
                 for name in names:
@@ -127,8 +138,9 @@ def _run_link(link: str, a: argparse.Namespace, configs: dict[str, dict[str, Any
                     kw = configs[name]
                     results[name].append(_job(kind, WorkerConfig(shards=("127.0.0.1:1",), **kw), folder, ratings, a.shards)
                                          if place is None else _job_over(place, kind, kw, folder, ratings, a.shards))
-                    loss, sps = results[name][-1]
-                    print(f"{link} {kind} round {r + 1} {name}: held-out loss {loss:.5f}, {sps:,.0f} samples/s", flush=True)
+                    loss, sps, shares = results[name][-1]
+                    where = " ".join(f"{k} {v:.0%}" for k, v in shares.items() if v)
+                    print(f"{link} {kind} round {r + 1} {name}: held-out loss {loss:.5f}, {sps:,.0f} samples/s ({where})", flush=True)
             out[kind] = results
             _report(link, kind, a, results)
 
@@ -142,12 +154,12 @@ def _run_link(link: str, a: argparse.Namespace, configs: dict[str, dict[str, Any
     return out
 
 
-def _report(link: str, kind: str, a: argparse.Namespace, results: dict[str, list[tuple[float, float]]]) -> None:
-    l0, s0 = (statistics.median(x for x, _ in results["no cache"]), statistics.median(y for _, y in results["no cache"]))
+def _report(link: str, kind: str, a: argparse.Namespace, results: dict[str, list[Result]]) -> None:
+    l0, s0 = (statistics.median(x[0] for x in results["no cache"]), statistics.median(x[1] for x in results["no cache"]))
     for name, v in results.items():
-        l1, s1 = statistics.median(x for x, _ in v), statistics.median(y for _, y in v)
+        l1, s1 = statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)
         same = name.split(" K=")[0]  # the configuration at K = 1
-        vs_k1 = f", {s1 / statistics.median(y for _, y in results[same]):.2f}x its K=1" if " K=" in name else ""
+        vs_k1 = f", {s1 / statistics.median(x[1] for x in results[same]):.2f}x its K=1" if " K=" in name else ""
         print(f"{link} {kind} ({a.workers} workers x {a.shards} shards, async, {a.steps} steps, median of {a.rounds}) {name}: "
               f"loss {l1:.5f} ({(l1 / l0 - 1):+.2%} vs no cache), {s1:,.0f} samples/s ({s1 / s0:.2f}x{vs_k1})", flush=True)
 
