@@ -16,7 +16,9 @@ every row (so each row's optimizer state is written). Per row it prints what the
   rows, are not resident). This is what the table holds; the update log (the last updates'
   slots, for per-row staleness: at most 1 MiB) is in it too.
 
-Each push goes the way a shard's does (``pulled``, ``staleness``, ``push``).
+Each call goes the way a shard's does: a pull is ``locate`` (where the rows are: the shard copies
+them into its reply, memory of the call's size, not the table's), a push ``pulled``,
+``staleness``, ``push``.
 
 The ratios are to the raw bytes of the rows (``rows * dim * 4``). Run with no arguments for
 1M x 64, the issue's size (about 1 GB at most per process, Adam and FTRL).
@@ -66,7 +68,7 @@ def measure(name: str, rows: int, dim: int) -> dict[str, Any]:
     kernels.warm_up()
     warm = EmbeddingTable(TableConfig("warm", dim, OptimizerConfig(name, lr=0.01)))
     small = np.arange(64, dtype=np.int64)
-    warm.pull(small)
+    warm.locate(small)
     warm.staleness(small, 0, warm.pulled(small))
     warm.push(small, grads[:64], 1.0, warm.pulled(small))
     warm.staleness(small, 0, warm.pulled(small))
@@ -76,7 +78,7 @@ def measure(name: str, rows: int, dim: int) -> dict[str, Any]:
     start = time.perf_counter()
     for a in range(0, rows, _BATCH):
         batch = np.sort(ids[a:a + _BATCH])
-        _, read = table.pull(batch)
+        _, _, read = table.locate(batch)  # as Shard.pull: the reply copies the rows out
         pulled = table.pulled(batch)
         table.staleness(batch, max(read - 1, 0), pulled)
         table.push(batch, grads[: len(batch)], 1.0, pulled)

@@ -40,6 +40,7 @@ import math
 import numpy as np
 
 from tether.server import kernels
+from tether.server.zeroed import zeros
 
 __all__ = ["IdIndex"]
 
@@ -58,7 +59,11 @@ def _bits(nkeys: int) -> int:
 
 
 def _cells(n: int) -> np.ndarray:
-    return np.full(n, kernels.EMPTY_SLOT, np.int32)
+    # Every cell is written, but from a mapping of its own where large (``zeroed``), so that a
+    # rebuild's old cells go back to the kernel instead of leaving holes in the heap.
+    cells = zeros(n, np.int32)
+    cells.fill(kernels.EMPTY_SLOT)
+    return cells
 
 
 class IdIndex:
@@ -66,7 +71,7 @@ class IdIndex:
 
     def __init__(self, capacity: int = 1024) -> None:
         capacity = max(1, capacity)
-        keys = np.empty(capacity, np.int64)
+        keys = zeros(capacity, np.int64)  # pages of room for keys are resident once written
         # (cells, keys, slot bits): one snapshot, read once by a lookup.
         self._snap = (_cells(max(_MIN_CELLS, math.ceil(capacity / _TARGET_LOAD))), keys, _bits(capacity))
         self._end = 0  # one past the largest slot ever inserted: the part of ``keys`` written
@@ -124,8 +129,8 @@ class IdIndex:
         nkeys = len(old_keys)
         if end > nkeys:
             nkeys = min(max(end, int(nkeys * _KEYS_GROWTH) + 1), _SLOT_LIMIT)
-            keys = np.empty(nkeys, np.int64)
-            keys[: self._end] = old_keys[: self._end]  # only the written part: the rest stays unmapped
+            keys = zeros(nkeys, np.int64)
+            keys[: self._end] = old_keys[: self._end]  # only the written part: the rest stays unbacked
         else:
             # No old cell names the new slots (a removed id's reused slot is read under the lock)
             keys = old_keys

@@ -32,6 +32,7 @@ from tether.server import kernels
 from tether.server.index import IdIndex
 from tether.protos.initial import init_rows
 from tether.server.update_log import UpdateLog
+from tether.server.zeroed import zeros
 
 __all__ = ["EmbeddingTable", "Pulled", "TableConfig"]
 
@@ -65,11 +66,12 @@ _VERSION_SPAN = 2**31 - 1
 
 
 def _zeros(rows: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """Zeroed float32 storage for ``rows`` rows of a state tensor, from the kernel's zero pages
-    (``calloc``): the room beyond the rows costs no memory until rows are written there, as for
-    the weights (``torch.empty``). ``torch.zeros`` writes every byte, so a table that had just
-    grown by half held half its state again in memory that no row used."""
-    return torch.from_numpy(np.zeros((rows, *shape), np.float32))
+    """Zeroed float32 storage for ``rows`` rows of the weights or a state tensor
+    (``tether.server.zeroed``): the room beyond the rows costs no memory until rows are written
+    there. ``torch.zeros`` writes every byte, so a table that had just grown by half held half
+    its state again in memory that no row used; a block from a shard's heap may be resident
+    whole before anything is written."""
+    return torch.from_numpy(zeros((rows, *shape), np.float32))
 
 
 class EmbeddingTable:
@@ -104,13 +106,13 @@ class EmbeddingTable:
         if self.capacity:
             cap = min(cap, self.capacity)
         self._index = IdIndex(cap)
-        self._weights = torch.empty(cap, config.dim)
+        self._weights = _zeros(cap, (config.dim,))
         self._state = {k: _zeros(cap, s) for k, s in self._state_shapes.items()}
         # Bounded tables reuse slots, so a lock-free reader could read a slot after it was
         # given to another id: they read under the lock, and track last touches for LRU.
         self._locked_reads = self.capacity > 0
         self._tick = 0
-        self._touched = np.zeros(cap, np.int64) if self.capacity else None
+        self._touched = zeros(cap, np.int64) if self.capacity else None
         self._sketch = CountMinSketch(sketch_width(self.capacity), seed=config.seed) if config.min_count > 1 else None
         # Where a row's slot never changes once it exists (no capacity, no admission), a pull
         # hands out the table's storage and a push's slots, once found, stay right.
@@ -118,7 +120,7 @@ class EmbeddingTable:
         # Per-row staleness: the table version of each row's last update (``_row_version``,
         # int32, minus ``_version_base``; 0: not updated since the base), and the slots of the
         # last updates. A read older than ``_version_floor`` counts every row as updated since.
-        self._row_version = np.zeros(cap, np.int32)
+        self._row_version = zeros(cap, np.int32)
         self._version_base = 0
         self._version_floor = 0
         self._updates = UpdateLog(_LOG_UPDATES, _LOG_SLOTS)
@@ -149,7 +151,7 @@ class EmbeddingTable:
         if self.capacity:
             new_cap = max(need, min(new_cap, self.capacity))
         n = self._used
-        w = torch.empty(new_cap, self.dim)
+        w = _zeros(new_cap, (self.dim,))
         w[:n] = self._weights[:n]
         state = {}
         for k, s in self._state_shapes.items():
@@ -157,10 +159,10 @@ class EmbeddingTable:
             t[:n] = self._state[k][:n]
             state[k] = t
         if self._touched is not None:
-            touched = np.zeros(new_cap, np.int64)
+            touched = zeros(new_cap, np.int64)
             touched[:n] = self._touched[:n]
             self._touched = touched
-        row_version = np.zeros(new_cap, np.int32)
+        row_version = zeros(new_cap, np.int32)
         row_version[:n] = self._row_version[:n]
         self._row_version = row_version
         self._weights, self._state = w, state
@@ -468,7 +470,7 @@ class EmbeddingTable:
                 n = self.capacity
                 ids, weights, state = ids[:n], weights[:n], {k: t[:n] for k, t in state.items()}
             cap = max(n, 1)
-            self._weights = weights.to(torch.float32).clone().reshape(n, self.dim) if n else torch.empty(cap, self.dim)
+            self._weights = weights.to(torch.float32).clone().reshape(n, self.dim) if n else _zeros(cap, (self.dim,))
             self._state = {
                 k: (state[k].to(torch.float32).clone() if n else _zeros(cap, s)) for k, s in self._state_shapes.items()
             }
