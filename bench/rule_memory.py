@@ -87,7 +87,7 @@ def measure(name: str, rows: int, dim: int) -> dict[str, Any]:
     assert table.rows == rows
     values = table._weights[: table.rows].nbytes  # noqa: SLF001 - a bench reads the table's parts
     state = sum(t[: table.rows].nbytes for t in table._state.values())  # noqa: SLF001
-    books = table._row_version.nbytes + (table._touched.nbytes if table._touched is not None else 0)  # noqa: SLF001
+    books = table._versions.nbytes + (table._touched.nbytes if table._touched is not None else 0)  # noqa: SLF001
     return {
         "rule": name, "rows": rows, "dim": dim, "values": values, "state": state, "index": table._index.nbytes,  # noqa: SLF001
         "cells": 4 * table._index.cells, "keys": 8 * rows, "books": books,  # noqa: SLF001

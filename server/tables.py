@@ -31,8 +31,8 @@ from tether.server.admission import CountMinSketch, sketch_width
 from tether.server import kernels
 from tether.server.index import IdIndex
 from tether.protos.initial import init_rows
-from tether.server.update_log import UpdateLog
-from tether.server.zeroed import zeros
+from tether.server.update_log import RowVersions, UpdateLog
+from tether.server.zeroed import float_rows, zeros
 
 __all__ = ["EmbeddingTable", "Pulled", "TableConfig"]
 
@@ -59,19 +59,9 @@ _EVICT_BATCH = 1 / 16
 # table's updates.
 _LOG_UPDATES = 256
 _LOG_SLOTS = 1 << 18
-# Row versions are int32 offsets from a base version: when the table's version runs this far
-# past the base, the base moves up by half of it (one pass over the rows, once per 2**30
-# pushes). See ``_rebase``.
+# Row versions are int32 offsets from a base version that moves up by half this span when the
+# table's version runs this far past it (``RowVersions``).
 _VERSION_SPAN = 2**31 - 1
-
-
-def _zeros(rows: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """Zeroed float32 storage for ``rows`` rows of the weights or a state tensor
-    (``tether.server.zeroed``): the room beyond the rows costs no memory until rows are written
-    there. ``torch.zeros`` writes every byte, so a table that had just grown by half held half
-    its state again in memory that no row used; a block from a shard's heap may be resident
-    whole before anything is written."""
-    return torch.from_numpy(zeros((rows, *shape), np.float32))
 
 
 class EmbeddingTable:
@@ -106,8 +96,8 @@ class EmbeddingTable:
         if self.capacity:
             cap = min(cap, self.capacity)
         self._index = IdIndex(cap)
-        self._weights = _zeros(cap, (config.dim,))
-        self._state = {k: _zeros(cap, s) for k, s in self._state_shapes.items()}
+        self._weights = float_rows(cap, (config.dim,))
+        self._state = {k: float_rows(cap, s) for k, s in self._state_shapes.items()}
         # Bounded tables reuse slots, so a lock-free reader could read a slot after it was
         # given to another id: they read under the lock, and track last touches for LRU.
         self._locked_reads = self.capacity > 0
@@ -117,12 +107,9 @@ class EmbeddingTable:
         # Where a row's slot never changes once it exists (no capacity, no admission), a pull
         # hands out the table's storage and a push's slots, once found, stay right.
         self._fixed_slots = not self.capacity and self._sketch is None
-        # Per-row staleness: the table version of each row's last update (``_row_version``,
-        # int32, minus ``_version_base``; 0: not updated since the base), and the slots of the
-        # last updates. A read older than ``_version_floor`` counts every row as updated since.
-        self._row_version = zeros(cap, np.int32)
-        self._version_base = 0
-        self._version_floor = 0
+        # Per-row staleness: the table version of each row's last update, and the slots of the
+        # last updates.
+        self._versions = RowVersions(cap, _VERSION_SPAN)
         self._updates = UpdateLog(_LOG_UPDATES, _LOG_SLOTS)
 
     @property
@@ -136,7 +123,7 @@ class EmbeddingTable:
         (row versions; LRU ticks and the admission sketch where used; not the update log's
         slots, at most 1 MiB, the size of the last pushes). Storage beyond the rows
         (room to grow) is counted here but is not resident until rows are written there."""
-        total = self._weights.nbytes + self._index.nbytes + self._free.nbytes + self._row_version.nbytes
+        total = self._weights.nbytes + self._index.nbytes + self._free.nbytes + self._versions.nbytes
         if self._touched is not None:
             total += self._touched.nbytes
         if self._sketch is not None:
@@ -151,20 +138,18 @@ class EmbeddingTable:
         if self.capacity:
             new_cap = max(need, min(new_cap, self.capacity))
         n = self._used
-        w = _zeros(new_cap, (self.dim,))
+        w = float_rows(new_cap, (self.dim,))
         w[:n] = self._weights[:n]
         state = {}
         for k, s in self._state_shapes.items():
-            t = _zeros(new_cap, s)
+            t = float_rows(new_cap, s)
             t[:n] = self._state[k][:n]
             state[k] = t
         if self._touched is not None:
             touched = zeros(new_cap, np.int64)
             touched[:n] = self._touched[:n]
             self._touched = touched
-        row_version = zeros(new_cap, np.int32)
-        row_version[:n] = self._row_version[:n]
-        self._row_version = row_version
+        self._versions.grow(new_cap, n)
         self._weights, self._state = w, state
 
     def _alloc(self, k: int) -> np.ndarray:
@@ -199,7 +184,7 @@ class EmbeddingTable:
         if self._touched is not None:
             self._touched[slots] = self._tick
         # A reused slot's updates were the evicted row's: the new row was never updated.
-        self._row_version[slots] = 0
+        self._versions.array[slots] = 0
         self._index.insert(new_ids, slots)
         return slots
 
@@ -369,10 +354,7 @@ class EmbeddingTable:
                     present = None
                 else:  # rows not there yet were never updated
                     slots = np.where(present, slots, 0)
-            if read_version < self._version_floor:  # older than the row versions know: every row
-                newer = np.ones(len(slots), bool)
-            else:
-                newer = self._row_version[slots] > min(max(read_version - self._version_base, 0), _VERSION_SPAN)
+            newer = self._versions.newer(slots, read_version)
             if present is not None:
                 newer &= present
             if not newer.any():
@@ -411,24 +393,9 @@ class EmbeddingTable:
             grads_np = np.ascontiguousarray(grads.detach().numpy(), np.float32)
             self._update_rows(self._weights.numpy(), state, np.ascontiguousarray(slots, np.int64), grads_np, lr)
             self.version += 1
-            if self.version - self._version_base > _VERSION_SPAN:
-                self._rebase()
-            self._row_version[slots] = self.version - self._version_base
+            self._versions.updated(slots, self.version, self._used)
             self._updates.record(self.version, slots)
             return self.version
-
-    def _rebase(self) -> None:
-        """Move the row versions' base up by half their span, so the table's version fits in
-        them again (int32). Rows last updated before the new base read as "not updated since
-        the base" (0), so a read older than it (2**30 pushes ago) counts every row as updated
-        since it (``_version_floor``): a staleness count never falls short, it can only count
-        rows that were not updated. Caller holds the lock."""
-        base = self.version - (_VERSION_SPAN + 1) // 2
-        shift = base - self._version_base
-        rows = self._row_version[: self._used]
-        np.subtract(rows, min(shift, 2**31 - 1), out=rows, casting="unsafe")
-        np.maximum(rows, 0, out=rows)
-        self._version_base = self._version_floor = base
 
     def snapshot(self) -> dict[str, Any]:
         """Ids, rows, optimizer state and version, sorted by id (for checkpoints and tests)."""
@@ -470,9 +437,9 @@ class EmbeddingTable:
                 n = self.capacity
                 ids, weights, state = ids[:n], weights[:n], {k: t[:n] for k, t in state.items()}
             cap = max(n, 1)
-            self._weights = weights.to(torch.float32).clone().reshape(n, self.dim) if n else _zeros(cap, (self.dim,))
+            self._weights = weights.to(torch.float32).clone().reshape(n, self.dim) if n else float_rows(cap, (self.dim,))
             self._state = {
-                k: (state[k].to(torch.float32).clone() if n else _zeros(cap, s)) for k, s in self._state_shapes.items()
+                k: (state[k].to(torch.float32).clone() if n else float_rows(cap, s)) for k, s in self._state_shapes.items()
             }
             self._used = n
             self._free = np.empty(0, np.int64)
@@ -481,8 +448,7 @@ class EmbeddingTable:
             index = IdIndex(max(n, 16))
             index.insert(np.ascontiguousarray(ids, dtype=np.int64), np.arange(n, dtype=np.int64))
             self._index = index
-            self._row_version = np.zeros(max(n, 1), np.int32)
+            # Restored rows were not updated since the restore, for any read.
+            self._versions.reset(n, int(version))
             self._updates.clear()
             self.version = int(version)
-            # Restored rows were not updated since the restore, for any read.
-            self._version_base, self._version_floor = self.version, 0

@@ -1,6 +1,7 @@
-"""The last updates of one table, to count how many updates each row of a push missed since
-its read (per-row staleness): each update's table version and the slots it wrote (int32),
-oldest first, at most ``max_updates`` updates and ``max_slots`` slots in all."""
+"""What a table keeps to count how many updates each row of a push missed since its read
+(per-row staleness): its last updates (each one's table version and the slots it wrote, int32,
+oldest first, at most ``max_updates`` updates and ``max_slots`` slots in all), and the version
+of each row's last update (``RowVersions``)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from collections import deque
 import numpy as np
 
 from tether.server import kernels
+from tether.server.zeroed import zeros
 
-__all__ = ["UpdateLog"]
+__all__ = ["RowVersions", "UpdateLog"]
 
 
 class UpdateLog:
@@ -60,3 +62,52 @@ class UpdateLog:
         out = np.zeros(len(slots), np.int64)
         out[newer] = counted
         return out
+
+
+class RowVersions:
+    """The table version of each row's last update, by slot, for per-row staleness: int32
+    offsets from a base version (4 bytes a row), 0 for a row not updated since the base.
+
+    When the table's version runs ``span`` past the base, the base moves up by half the span
+    (one pass over the rows, once per 2**30 pushes with the int32 span). Rows last updated
+    before the new base then read 0, "any time up to the base", so a read older than the base
+    (``floor``: 2**30 pushes ago) counts every row as updated since it: a staleness count never
+    falls short of the truth, it can only count rows that were not updated. The table's lock
+    guards it."""
+
+    def __init__(self, rows: int, span: int = 2**31 - 1) -> None:
+        self.array = zeros(rows, np.int32)
+        self.span = span
+        self.base = 0  # the version offsets count from
+        self.floor = 0  # reads older than this count every row as updated since
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+    def grow(self, rows: int, used: int) -> None:
+        """Room for ``rows`` slots, keeping the first ``used``."""
+        array = zeros(rows, np.int32)
+        array[:used] = self.array[:used]
+        self.array = array
+
+    def reset(self, rows: int, version: int) -> None:
+        """``rows`` slots, none updated since the table's ``version`` (restored rows)."""
+        self.array = zeros(max(rows, 1), np.int32)
+        self.base, self.floor = version, 0
+
+    def updated(self, slots: np.ndarray, version: int, used: int) -> None:
+        """The update that made the table ``version`` wrote ``slots`` (of ``used`` slots in use)."""
+        if version - self.base > self.span:
+            base = version - (self.span + 1) // 2
+            rows = self.array[:used]
+            np.subtract(rows, min(base - self.base, 2**31 - 1), out=rows, casting="unsafe")
+            np.maximum(rows, 0, out=rows)
+            self.base = self.floor = base
+        self.array[slots] = version - self.base
+
+    def newer(self, slots: np.ndarray, read_version: int) -> np.ndarray:
+        """Whether each of ``slots`` was updated after a read at ``read_version``."""
+        if read_version < self.floor:  # older than the versions know: every row
+            return np.ones(len(slots), bool)
+        return self.array[slots] > min(max(read_version - self.base, 0), self.span)

@@ -15,8 +15,9 @@ import math
 import mmap
 
 import numpy as np
+import torch
 
-__all__ = ["MAPPED_BYTES", "zeros"]
+__all__ = ["MAPPED_BYTES", "float_rows", "zeros"]
 
 # Smaller arrays come from malloc (a mapping per array would cost more than it saves).
 MAPPED_BYTES = 1 << 20
@@ -32,3 +33,11 @@ def zeros(shape: int | tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
         return np.zeros(shape, dt)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return np.frombuffer(pages, dt).reshape(shape)
+
+
+def float_rows(rows: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Zeroed float32 storage for ``rows`` rows of a table's weights or of a state tensor: the
+    room beyond the rows costs no memory until rows are written there (``torch.zeros`` would
+    write every byte: a table that had just grown by half held half its state again in memory
+    that no row used)."""
+    return torch.from_numpy(zeros((rows, *shape), np.float32))

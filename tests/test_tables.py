@@ -140,3 +140,92 @@ def test_locate_hands_out_storage_only_where_reads_take_no_lock() -> None:
     bounded = EmbeddingTable(TableConfig("t", 4, init_scale=0.1, capacity=8))
     rows, index, _ = bounded.locate(ids)
     assert index is None and torch.equal(rows, init_rows(ids, 4, 0, "t", 0.1))
+
+
+# -- memory per row (issue 28 item 5) --------------------------------------------------------------
+
+
+def test_row_versions_past_their_int32_span_keep_staleness_exact_for_recent_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tether.server import tables
+
+    monkeypatch.setattr(tables, "_VERSION_SPAN", 15)  # int32 offsets from a base: rebased every 8 pushes here
+    monkeypatch.setattr(tables, "_LOG_UPDATES", 4)  # and the last 4 updates logged
+    table = EmbeddingTable(TableConfig("t", 2, OptimizerConfig("sgd", 0.1)))
+    quiet, busy = np.array([1], np.int64), np.array([2], np.int64)
+    table.push(quiet, torch.ones(1, 2))  # version 1, then never again
+    oldest = table.version
+    for _ in range(40):  # five rebases
+        read = table.version
+        table.push(busy, torch.ones(1, 2))
+        # The busy row missed exactly the one update since each read; the quiet row none.
+        assert table.staleness(np.array([1, 2], np.int64), read).tolist() == [0, 1]
+    assert table._versions.base > oldest and table._versions.array.max() <= 15  # noqa: SLF001
+    assert table.staleness(np.array([1, 2], np.int64), table.version - 3).tolist() == [0, 3]
+    # A read older than the base (and the log): rows last updated before the base read as "any
+    # time since", so every row counts as updated by every update since the read: the quiet
+    # row's true count is 0 after its one update, never more than counted.
+    assert table.staleness(quiet, oldest).tolist() == [table.version - oldest]
+    assert table.largest_staleness(quiet, oldest) == table.version - oldest
+    # Restoring keeps the table's version; restored rows are not stale for any read.
+    snap = table.snapshot()
+    table.load(snap["ids"], snap["weights"], snap["state"], snap["version"])
+    assert table.staleness(np.array([1, 2], np.int64), 0) is None
+    table.push(busy, torch.ones(1, 2))
+    assert table.staleness(np.array([1, 2], np.int64), snap["version"]).tolist() == [0, 1]
+
+
+def test_update_log_counts_without_a_scratch_per_row() -> None:
+    from tether.server import kernels
+    from tether.server.update_log import UpdateLog
+
+    rng = np.random.default_rng(0)
+    values = rng.choice(1 << 20, 500, replace=False).astype(np.int64)
+    seen = rng.choice(np.concatenate([values, rng.integers(0, 1 << 20, 5000)]), 20_000).astype(np.int32)
+    want = [(seen == v).sum() for v in values]
+    assert kernels.count_in(values, seen).tolist() == want
+    assert kernels.count_in(np.array([3, 3, 4], np.int64), np.array([3, 4, 4], np.int32)).tolist() == [1, 1, 2]
+    log = UpdateLog(max_updates=4, max_slots=10)
+    for version, slots in enumerate(([1, 2], [2, 3], [2], [5, 6, 7, 8], [2, 9]), start=1):
+        log.record(version, np.array(slots, np.int64))
+    # Version 1 went (11 slots held, more than 10); 2..5 remain, 4 bytes a slot.
+    assert log.nbytes == 4 * 9
+    slots = np.array([2, 3, 9, 4], np.int64)
+    newer = np.array([True, True, True, False])
+    assert log.count(slots, newer, 5, 2, per_row=True).tolist() == [2, 0, 1, 0]
+    assert log.count(slots, newer, 5, 2, per_row=False) == 2
+    # A read older than the log: every newer row stale by every update since the read.
+    assert log.count(slots, newer, 5, 0, per_row=True).tolist() == [5, 5, 5, 0]
+
+
+def test_storage_from_mappings_is_zeroed_writable_and_unbacked_until_written() -> None:
+    from tether.server.zeroed import MAPPED_BYTES, zeros
+
+    small, big = zeros(10, np.int32), zeros((MAPPED_BYTES // 256, 64), np.float32)
+    assert small.tolist() == [0] * 10 and big.shape == (MAPPED_BYTES // 256, 64) and not big.any()
+    assert big.flags.writeable and big.flags.c_contiguous and big.ctypes.data % 4096 == 0
+    big[3] = 1.5
+    assert torch.from_numpy(big)[3].tolist() == [1.5] * 64
+
+    def resident() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    before = resident()
+    room = zeros(256 << 20, np.uint8)  # 256 MiB of room, one page written
+    room[0] = 1
+    assert resident() - before < 64 << 20
+    del room
+
+
+def test_a_table_holds_about_20_bytes_a_row_beyond_its_rows_and_state() -> None:
+    # Row-wise Adagrad, dim 16: 64 B of values and 4 of state a row; the ids by slot (8), the
+    # hash cells (5-6.7) and the row versions (4) are the rest.
+    table = EmbeddingTable(TableConfig("t", 16, OptimizerConfig("rowwise_adagrad", 0.1)))
+    ids = np.random.default_rng(1).choice(2**62, 50_000, replace=False).astype(np.int64)
+    for a in range(0, len(ids), 5000):
+        part = np.sort(ids[a : a + 5000])
+        table.push(part, torch.ones(len(part), 16), 1.0, table.pulled(part))
+    index = table._index  # noqa: SLF001
+    assert index.size == 50_000 and 0.59 <= index.size / index.cells <= 0.8
+    assert 4 * index.cells + 8 * index.size + 4 * table.rows <= 20.7 * table.rows
+    assert table.pull(ids[:3])[0].shape == (3, 16) and table.snapshot()["ids"].tolist() == np.sort(ids).tolist()
