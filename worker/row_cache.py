@@ -35,8 +35,9 @@ import torch
 
 from typing import TYPE_CHECKING, Any
 
-from tether.protos.partition import shard_of_ids
+from tether.protos.specs import TableConfig
 from tether.worker.results import Handle, PullResult, PushAck
+from tether.worker.cache_kernels import assemble, hold_rows, oldest_per_shard, plan_rows, store_rows, take_rows
 from tether.worker.row_slots import NONE, STALE, Due, Grads, Table, coalesce, warm_up
 from tether.worker.traffic import TrafficMeter
 
@@ -82,18 +83,24 @@ class RowCacheConfig:
 
 @dataclass
 class _Plan:
-    """A pull's split per table: which of its ids the cache answers (``hit``, with ``values``
-    copied at plan time), which an earlier pull still in flight is refreshing (``later``: read
-    from the cache once that pull is stored) and which go to the shards (``miss``)."""
+    """A pull's split per table, as positions in its sorted ids: which the cache answers
+    (``hit``, with ``values`` copied at plan time), which an earlier pull still in flight is
+    refreshing (``later``: read from the cache once that pull is stored) and which go to the
+    shards (``miss_pos``; their ids ``miss``)."""
 
     now: int
     ids: dict[str, torch.Tensor]
-    hit: dict[str, torch.Tensor] = field(default_factory=dict)
-    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    hit: dict[str, np.ndarray] = field(default_factory=dict)
+    values: dict[str, np.ndarray] = field(default_factory=dict)
     versions: dict[str, np.ndarray] = field(default_factory=dict)  # read versions of the hits
     shards: dict[str, np.ndarray] = field(default_factory=dict)  # the hits' shards
-    later: dict[str, torch.Tensor] = field(default_factory=dict)
+    later: dict[str, np.ndarray] = field(default_factory=dict)
+    miss_pos: dict[str, np.ndarray] = field(default_factory=dict)
     miss: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+_NO_IDS = np.zeros(0, np.int64)
+_NO_FLIGHTS = np.zeros(1, np.int64)
 
 
 class RowCache:
@@ -104,7 +111,7 @@ class RowCache:
         self.config = config
         self.num_shards = max(num_shards, 1)
         self.tables = {t: Table(d, config.rows) for t, d in dims.items()}
-        warm_up()  # the compiled index loaded before the first step, not in it
+        warm_up()  # the compiled index and passes loaded before the first step, not in it
         self._lock = threading.Lock()
         self._evicted: list[tuple[str, np.ndarray, torch.Tensor, np.ndarray, np.ndarray]] = []
         # Per table: the pulls in flight (their plans' ids, clocks and the ids they refresh).
@@ -114,6 +121,14 @@ class RowCache:
         self.evictions = dict.fromkeys(dims, 0)
         self.invalidated = dict.fromkeys(dims, 0)
 
+    def use_tables(self, tables: Sequence[TableConfig]) -> None:
+        """The rules the shards apply to the tables (the specs the worker declared): from now on
+        the worker's own gradients are applied to its cached rows (read-your-own-writes)."""
+        with self._lock:
+            for spec in tables:
+                if spec.name in self.tables:
+                    self.tables[spec.name].local_rule(spec.optimizer)
+
     def plan(self, sparse: Mapping[str, torch.Tensor], now: int) -> _Plan:
         """Split a pull of ``sparse`` (table -> sorted unique ids) at clock ``now``."""
         plan = _Plan(now, dict(sparse))
@@ -121,34 +136,23 @@ class RowCache:
         with self._lock:
             for t, ids in sparse.items():
                 tab, inflight = self.tables[t], self._inflight[t]
-                arr = ids.numpy()
-                slots = tab.slots_of(arr)
-                found = slots >= 0
-                s = slots[found]
-                tab.last_used[s] = now
-                tab.uses[s] += 1
-                hit = np.zeros(len(arr), bool)
-                later = np.zeros(len(arr), bool)
+                arr = np.ascontiguousarray(ids.numpy(), np.int64)
+                flights, offsets = _NO_IDS, _NO_FLIGHTS
                 if bound > 0:
-                    hit[found] = now - tab.read_clock[s] <= bound
                     inflight[:] = [e for e in inflight if now - e[1] <= bound]
-                    for e in inflight:  # each pull's refreshed ids are sorted (a subset of sorted ids)
-                        if len(e[2]):
-                            pos = np.searchsorted(e[2], arr).clip(max=len(e[2]) - 1)
-                            later |= e[2][pos] == arr
-                    later &= ~hit
-                miss = ~(hit | later)
+                    if inflight:  # each pull's refreshed ids are sorted (a subset of sorted ids)
+                        flights = inflight[0][2] if len(inflight) == 1 else np.concatenate([e[2] for e in inflight])
+                        offsets = np.cumsum([0] + [len(e[2]) for e in inflight], dtype=np.int64)
+                hit, values, versions, shards, later, miss, refreshed = plan_rows(
+                    tab.cells, arr, now, bound, tab.read_clock, tab.last_used, tab.uses, tab.read_version, tab.shard, tab.vals,
+                    flights, offsets, tab.mine, tab.fresh)
+                miss_ids = arr[miss]
                 if bound > 0:
-                    inflight.append((id(plan), now, arr[miss]))
-                hs = slots[hit]
-                plan.hit[t] = torch.from_numpy(hit)
-                plan.values[t] = tab.values.index_select(0, torch.from_numpy(hs))
-                plan.versions[t] = tab.read_version[hs]
-                plan.shards[t] = tab.shard[hs]
-                plan.later[t] = torch.from_numpy(later)
-                plan.miss[t] = ids[torch.from_numpy(miss)]
-                self.hits[t] += len(hs)
-                self.refreshed[t] += int((found & miss).sum())
+                    inflight.append((id(plan), now, miss_ids))
+                plan.hit[t], plan.values[t], plan.versions[t], plan.shards[t] = hit, values, versions, shards
+                plan.later[t], plan.miss_pos[t], plan.miss[t] = later, miss, torch.from_numpy(miss_ids)
+                self.hits[t] += len(hit)
+                self.refreshed[t] += int(refreshed)
         return plan
 
     def merge(self, plan: _Plan, pulled: PullResult) -> tuple[PullResult, dict[str, torch.Tensor]]:
@@ -162,34 +166,43 @@ class RowCache:
         with self._lock:
             for t, ids in plan.ids.items():
                 tab = self.tables[t]
-                hit, miss, later = plan.hit[t], plan.miss[t], plan.later[t]
+                hit, miss, later = plan.hit[t], plan.miss_pos[t], plan.later[t]
                 got = pulled.rows.get(t)
                 out = torch.empty(len(ids), tab.dim, dtype=got.dtype if got is not None else torch.float32)
-                out[hit] = plan.values[t].to(out.dtype)
+                got_np = None if got is None else np.ascontiguousarray(got.float().numpy())
+                if out.dtype == torch.float32:
+                    assemble(out.numpy(), hit, plan.values[t], miss, got_np if got_np is not None else np.empty((0, tab.dim), np.float32))
+                else:
+                    out[torch.from_numpy(hit)] = torch.from_numpy(plan.values[t]).to(out.dtype)
+                    if got is not None and len(miss):
+                        out[torch.from_numpy(miss)] = got
                 if len(miss):
-                    assert got is not None
-                    out[~(hit | later)] = got
-                    self._store(t, tab, miss.numpy(), got, pulled, plan.now, ids.numpy())
+                    assert got_np is not None
+                    self._store(t, tab, plan.miss[t].numpy(), got_np, pulled, plan.now, ids.numpy())
                     self._inflight[t][:] = [e for e in self._inflight[t] if e[0] != id(plan)]
                 read, read_shards = plan.versions[t], plan.shards[t]
-                if bool(later.any()):
-                    wanted = ids.numpy()[later.numpy()]
-                    slots = tab.slots_of(wanted)
-                    ok = (slots >= 0) & (tab.read_clock[np.maximum(slots, 0)] >= plan.now - self.config.bound)
-                    where = torch.nonzero(later).flatten()
-                    out[where[torch.from_numpy(ok)]] = tab.values[torch.from_numpy(slots[ok])].to(out.dtype)
-                    if not ok.all():
-                        lacking[t] = torch.from_numpy(wanted[~ok])
-                    read = np.concatenate([read, tab.read_version[slots[ok]]])
-                    read_shards = np.concatenate([read_shards, tab.shard[slots[ok]]])
+                if len(later):
+                    read, read_shards = self._later(t, tab, plan, out, lacking, read, read_shards)
                 rows[t] = out
                 if len(read):
-                    oldest = np.full(self.num_shards, NONE, np.int64)
-                    np.minimum.at(oldest, read_shards, read)
+                    oldest = oldest_per_shard(read_shards, read, self.num_shards)
                     for sh in np.flatnonzero(oldest != NONE).tolist():
                         v = int(oldest[sh])
                         versions[(sh, t)] = min(v, versions.get((sh, t), v))
         return PullResult(rows, pulled.dense, versions, pulled.dense_versions, pulled.ack), lacking
+
+    def _later(self, t: str, tab: Table, plan: _Plan, out: torch.Tensor, lacking: dict[str, torch.Tensor], read: np.ndarray,
+               read_shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of ``out`` that an earlier pull was refreshing, from the cache where it has them
+        (the others go to ``lacking``); the read versions and shards with theirs added."""
+        where = plan.later[t]
+        wanted = plan.ids[t].numpy()[where]
+        slots = tab.slots_of(wanted)
+        ok = (slots >= 0) & (tab.read_clock[np.maximum(slots, 0)] >= plan.now - self.config.bound)
+        out[torch.from_numpy(where[ok])] = tab.values[torch.from_numpy(slots[ok])].to(out.dtype)
+        if not ok.all():
+            lacking[t] = torch.from_numpy(wanted[~ok])
+        return np.concatenate([read, tab.read_version[slots[ok]]]), np.concatenate([read_shards, tab.shard[slots[ok]]])
 
     @staticmethod
     def fill(result: PullResult, plan: _Plan, lacking: Mapping[str, torch.Tensor], pulled: PullResult) -> None:
@@ -201,13 +214,12 @@ class RowCache:
                 if key[1] == t:
                     result.table_versions[key] = min(v, result.table_versions.get(key, v))
 
-    def _store(self, t: str, tab: Table, ids: np.ndarray, got: torch.Tensor, pulled: PullResult, now: int,
+    def _store(self, t: str, tab: Table, ids: np.ndarray, got: np.ndarray, pulled: PullResult, now: int,
                protected: np.ndarray) -> None:
-        shards = shard_of_ids(ids, self.num_shards)
-        table_versions = self._versions(pulled, t)
-        for s in np.unique(shards).tolist():
-            v = pulled.table_versions.get((s, t))
-            if v is None:
+        """Pulled rows ``got`` (float32) of ``ids`` into the cache: refreshed where cached,
+        placed (evicting if the table is full) where not."""
+        for (s, table), v in pulled.table_versions.items():
+            if table != t:
                 continue
             if v < tab.max_version.get(s, v):
                 # The shard's table went back (restarted from a checkpoint, or reset): whatever
@@ -217,19 +229,13 @@ class RowCache:
                 self.invalidated[t] += len(stale)
                 tab.max_version[s] = v
             tab.max_version[s] = max(v, tab.max_version.get(s, v))
-        slots = tab.slots_of(ids)
-        new = np.flatnonzero(slots < 0)
+        table_versions = self._versions(pulled, t)
+        args = (tab.vals, tab.read_clock, tab.shard, tab.read_version, table_versions, now, self.num_shards, tab.fresh)
+        new = store_rows(tab.cells, ids, got, *args)
         if len(new):
-            slots[new] = self._place(t, tab, ids[new], protected, now)
-        keep = slots >= 0
-        s = slots[keep]
-        if keep.all():
-            tab.values[torch.from_numpy(s)] = got.float()
-        else:
-            tab.values[torch.from_numpy(s)] = got[torch.from_numpy(keep)].float()
-        tab.read_clock[s] = now
-        tab.shard[s] = shards[keep]
-        tab.read_version[s] = table_versions[shards[keep]]
+            placed = new[self._place(t, tab, ids[new], protected, now) >= 0]
+            if len(placed):
+                store_rows(tab.cells, ids[placed], got[placed], *args)
 
     def _versions(self, pulled: PullResult | None, t: str) -> np.ndarray:
         """The read version of ``t`` per shard (0 where none)."""
@@ -275,6 +281,7 @@ class RowCache:
         if len(held):
             self._evicted.append((t, tab.ids[held].copy(), tab.pending[torch.from_numpy(held)].clone(),
                                   tab.shard[held].copy(), tab.pending_version[held].copy()))
+            tab.holding -= len(held)
         tab.remove(victims)
         self.evictions[t] += len(victims)
 
@@ -285,45 +292,36 @@ class RowCache:
         due: Due = {}
         with self._lock:
             for t, (step_ids, g) in grads.items():
-                self._hold(t, step_ids.numpy(), g, clock, versions, due)
+                self._hold(t, np.ascontiguousarray(step_ids.numpy(), np.int64), g, clock, versions, due)
             for t, e_ids, e_grads, e_shards, e_read in self._evicted:
                 due.setdefault(t, []).append((e_ids, e_grads, e_shards, e_read))
             self._evicted.clear()
             for t, tab in self.tables.items():
                 ready = tab.due(clock, self.config.writes, flush)
                 if len(ready):
-                    rt = torch.from_numpy(ready)
-                    due.setdefault(t, []).append((tab.ids[ready], tab.pending[rt].clone(), tab.shard[ready],
-                                                  tab.pending_version[ready]))
-                    tab.pending[rt] = 0.0
-                    tab.pending_since[ready] = tab.pending_version[ready] = NONE
+                    ids, summed, shards, read = take_rows(ready, tab.ids, tab.pend, tab.shard, tab.pending_since, tab.pending_version,
+                                                          tab.mine)
+                    tab.holding -= len(ready)
+                    due.setdefault(t, []).append((ids, torch.from_numpy(summed), shards, read))
         return coalesce(due)
 
     def _hold(self, t: str, arr: np.ndarray, g: torch.Tensor, clock: int, versions: PullResult | None, due: Due) -> None:
-        """Add one table's step gradients to its rows' pending sums (rows not cached: due at once)."""
+        """Add one table's step gradients to its rows' pending sums and apply them to the cached
+        rows by the table's rule (rows not cached: due at once)."""
         tab = self.tables[t]
-        slots = tab.slots_of(arr)
-        cached = slots >= 0
-        shards = tab.shard[np.maximum(slots, 0)]
-        every = bool(cached.all())
-        if not every:
-            shards[~cached] = shard_of_ids(arr[~cached], self.num_shards)
-        read = self._versions(versions, t)[shards]
-        if not every:  # not cached (the table was full): pushed at once
-            miss = torch.from_numpy(~cached)
-            due.setdefault(t, []).append((arr[~cached], g[miss].float(), shards[~cached], read[~cached]))
-        s = slots if every else slots[cached]
-        st = torch.from_numpy(s)
-        first = tab.pending_since[s] == NONE
-        # The slots are distinct: the ids are.
-        tab.pending[st] += (g if every else g[torch.from_numpy(cached)]).float()
-        tab.hold(s[first], clock)
-        tab.pending_version[s] = np.minimum(tab.pending_version[s], read if every else read[cached])
+        read = self._versions(versions, t)
+        grads = np.ascontiguousarray(g.detach().float().numpy())
+        slots, pos, first, missing, missing_shards = hold_rows(tab.cells, arr, grads, tab.pend, tab.pending_since, tab.pending_version,
+                                                               tab.shard, read, clock, self.num_shards)
+        if len(missing):  # not cached (the table was full): pushed at once
+            due.setdefault(t, []).append((arr[missing], torch.from_numpy(grads[missing]), missing_shards, read[missing_shards]))
+        tab.hold(first, clock)
+        tab.step(slots, grads if len(slots) == len(arr) else grads[pos], clock)
 
     def pending_rows(self) -> int:
+        """Rows whose gradients are held (counted as they are held and pushed: no scan)."""
         with self._lock:
-            return sum(int((tab.pending_since[: tab.top][tab.used[: tab.top]] != NONE).sum()) for tab in self.tables.values()) + sum(
-                len(e[1]) for e in self._evicted)
+            return sum(tab.holding for tab in self.tables.values()) + sum(len(e[1]) for e in self._evicted)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes each table's cache holds (values and pending sums of the slots used, their
@@ -340,6 +338,11 @@ class CachedClient:
         self.cache = RowCache(config, dims, inner.num_shards) if config.active else None
         self.meter = meter
         self.clock = 0  # the last clock pushed: the "now" of the next pull
+
+    def use_tables(self, tables: Sequence[TableConfig]) -> None:
+        """The specs the worker declared: the cache applies their rules to its rows (``RowCache.use_tables``)."""
+        if self.cache is not None:
+            self.cache.use_tables(tables)
 
     @property
     def config(self) -> Any:

@@ -17,7 +17,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tether.server.kernels import EMPTY_SLOT, REMOVED_SLOT, index_cells, index_lookup, index_place
+from tether.protos.optimizers import OptimizerConfig, rule
+from tether.worker.cache_kernels import add_deltas, gather_rows, oldest_per_shard
+from tether.worker.cache_kernels import warm_up as warm_up_cache
+from tether.server.kernels import EMPTY_SLOT, REMOVED_SLOT, RowUpdate, index_cells, index_lookup, index_place, row_update
 
 __all__ = ["NONE", "STALE", "Due", "Grads", "Table", "coalesce", "warm_up"]
 
@@ -36,6 +39,7 @@ def warm_up() -> None:
     index_place(cells, ids, ids.copy())
     index_cells(cells, ids)
     index_lookup(cells, ids)
+    warm_up_cache()
 
 
 def _cells_for(entries: int) -> np.ndarray:
@@ -62,11 +66,51 @@ class Table:
         self.last_used, self.uses = np.empty(n, np.int64), np.empty(n, np.int64)
         self.pending_since, self.pending_version = np.empty(n, np.int64), np.empty(n, np.int64)
         self.used = np.zeros(n, bool)
-        self.values = torch.empty(n, dim)  # the rows as read
+        self.values = torch.empty(n, dim)  # the rows as read, with the worker's own changes
         self.pending = torch.empty(n, dim)  # the sums of the gradients held (zeroed when placed)
+        self.vals, self.pend = self.values.numpy(), self.pending.numpy()  # the same memory
+        # The local rule's changes to each row (read-your-own-writes; zeroed when placed): ``mine``,
+        # those of the gradients held (not pushed yet); ``fresh``, those the answer of the row's
+        # refresh in flight lacks (the held ones when it was planned, and every one since).
+        self.mine = np.empty((n, dim), np.float32)
+        self.fresh = np.empty((n, dim), np.float32)
         self.queue: list[tuple[int, np.ndarray]] = []
+        self.holding = 0  # slots whose gradients are held
         self.cells = _cells_for(min(capacity, 1024))
         self.filled = 0  # cells holding a row or a tombstone
+        # Local updates (``local_rule``): the table's rule, its constants and its state per slot.
+        self.update: RowUpdate | None = None
+        self.optimizer: OptimizerConfig | None = None
+        self.state: dict[str, np.ndarray] = {}
+        self.initial: dict[str, float] = {}
+
+    def local_rule(self, optimizer: OptimizerConfig) -> None:
+        """Apply ``optimizer``'s rule to the cached rows as the worker's gradients are held
+        (``step``), with a state of its own per slot (allocated for the capacity, unset)."""
+        r = rule(optimizer.name)
+        n = max(self.capacity, 1)
+        self.update, self.optimizer = row_update(r, optimizer, self.dim), optimizer
+        self.state = {k: np.empty((n, *shape), np.float32) for k, shape in r.state_shapes(self.dim).items()}
+        self.initial = r.initial_state(optimizer)
+        if self.top:
+            self.reset_state(np.arange(self.top, dtype=np.int64))
+
+    def reset_state(self, slots: np.ndarray) -> None:
+        """The local rule's state of ``slots`` back to the rule's start."""
+        for k, a in self.state.items():
+            a[slots] = self.initial.get(k, 0.0)
+
+    def step(self, slots: np.ndarray, grads: np.ndarray, clock: int) -> None:
+        """One local step of the rule on rows ``slots`` (unique) from ``grads`` (float32, one row
+        each) at the rate of the push carrying ``clock`` (the table's schedule); each row's change
+        is added to its ``mine`` and ``fresh`` changes."""
+        if self.update is None or self.optimizer is None or not len(slots):
+            return
+        opt = self.optimizer
+        lr = np.full(len(slots), opt.lr * opt.schedule.factor(opt.lr, clock), np.float32)
+        before = gather_rows(self.vals, slots)
+        self.update(self.vals, self.state, slots, np.ascontiguousarray(grads, np.float32), lr)
+        add_deltas(self.vals, before, slots, self.mine, self.fresh)
 
     @property
     def size(self) -> int:
@@ -100,7 +144,8 @@ class Table:
         self.ids[slots], self.used[slots], self.uses[slots], self.last_used[slots] = ids, True, 1, now
         self.pending_since[slots] = self.pending_version[slots] = NONE
         self.read_clock[slots], self.read_version[slots] = STALE, NONE
-        self.pending[torch.from_numpy(slots)] = 0.0
+        self.pend[slots] = self.mine[slots] = self.fresh[slots] = 0.0
+        self.reset_state(slots)
         index_place(self.cells, np.ascontiguousarray(ids, np.int64), slots)
         self.filled += len(ids)
 
@@ -120,9 +165,10 @@ class Table:
         self.free.extend(slots.tolist())
 
     def hold(self, slots: np.ndarray, clock: int) -> None:
-        """Note that ``slots`` (not held before) hold gradients from ``clock`` on."""
+        """Note that ``slots`` (not held before; ``hold_rows`` set their clock) hold gradients
+        from ``clock`` on."""
         if len(slots):
-            self.pending_since[slots] = clock
+            self.holding += len(slots)
             self.queue.append((clock, slots))
 
     def due(self, clock: int, writes: int, flush: bool) -> np.ndarray:
@@ -171,8 +217,7 @@ def coalesce(due: Due) -> tuple[Grads, dict[tuple[int, str], int]]:
             uniq, summed = torch.from_numpy(uniq_np), torch.from_numpy(acc)
         grads[t] = (uniq, summed)
         if len(shards):
-            oldest = np.full(int(shards.max()) + 1, NONE, np.int64)
-            np.minimum.at(oldest, shards, read)
+            oldest = oldest_per_shard(shards, read, int(shards.max()) + 1)
             for s in np.flatnonzero(oldest != NONE).tolist():
                 versions[(s, t)] = int(oldest[s])
     return grads, versions

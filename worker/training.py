@@ -130,6 +130,7 @@ class Trainer(Generic[B]):
                 config.table_rules, tables, {t: bags[0].dim for t, bags in self.ps.bags.items()}, config.init_scale, config.seed
             )
             self.client.declare(list(tables), self.ps.dense_tensors() if policy.dense_on_shards and self.ps.dense else None, opt)
+            self.ps.rows.use_tables(tables)  # the row cache applies the worker's own updates by these rules
             policy.attach(self.ps, opt)
         except BaseException:
             self.client.close()
