@@ -59,7 +59,7 @@ def _pids(out: Path, marker: str, rank: int | None = None) -> list[int]:
 def _worker_pid(out: Path, index: int, not_pid: int | None = None, timeout_s: float = 120.0) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        pids = [p for p in _pids(out, f"--worker-index\0{index}\0") if p != not_pid]
+        pids = [p for p in _pids(out, f"worker-{index}.config.json") if p != not_pid]
         if pids:
             return pids[0]
         time.sleep(0.1)
@@ -116,10 +116,10 @@ def test_a_worker_killed_after_another_finished_is_restarted_and_the_job_succeed
     try:
         _worker_pid(out, 0, timeout_s=180)
         deadline = time.monotonic() + 300  # a loaded machine starts a worker in tens of seconds
-        while _pids(out, "--worker-index\0" "0\0") and time.monotonic() < deadline:
+        while _pids(out, "worker-0.config.json") and time.monotonic() < deadline:
             assert proc.poll() is None, f"the launcher exited ({proc.returncode}) before worker 0 finished"
             time.sleep(0.05)
-        assert not _pids(out, "--worker-index\0" "0\0"), "worker 0 did not finish"
+        assert not _pids(out, "worker-0.config.json"), "worker 0 did not finish"
         assert (out / "worker-0.json").exists()
         log = out / "logs" / "worker-1.log"
         assert f"step {steps}/{steps}" not in log.read_text(), "worker 1 finished too: nothing left to kill"
