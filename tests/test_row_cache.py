@@ -11,13 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from tether.protos.optimizers import OptimizerConfig
+from tether.protos.optimizers import OptimizerConfig, rule
 from tether.protos.specs import TableConfig
 from tether.worker.config import ClientConfig, TrainingConfig
 from tether.worker.embedding import ShardedEmbeddingBag
 from tether.worker.local import LocalClient
 from tether.worker.results import PullResult
 from tether.worker.row_cache import CachedClient, RowCache, RowCacheConfig
+from tether.worker.row_slots import NONE
 from tether.worker.run_record import RunRecord
 from tether.worker.traffic import TrafficMeter
 from tether.worker.training import Trainer
@@ -225,3 +226,60 @@ def test_the_cache_on_a_gpu_worker_trains_as_on_the_cpu(monkeypatch: pytest.Monk
         gpu = train(fake)
     for name in cpu:
         assert torch.allclose(cpu[name], gpu[name], atol=1e-6), name
+
+
+def _held_by_scan(cache: RowCache) -> int:
+    return sum(int((tab.pending_since[: tab.top][tab.used[: tab.top]] != NONE).sum()) for tab in cache.tables.values())
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"])
+def test_the_worker_reads_its_own_updates_by_the_tables_rule(optimizer: str) -> None:
+    """Read-your-own-writes: held gradients are applied to the cached rows by the table's rule
+    (a state of the worker's own, from the rule's start), while the shard still has the rows as
+    they were; the reference is the rule's torch form applied step by step."""
+    cached, local = _client(rows=10, bound=5, write_bound=5, optimizer=optimizer)
+    spec = TableConfig(name="t", dim=4, optimizer=OptimizerConfig(name=optimizer, lr=0.1, weight_decay=0.01), seed=3)
+    cached.use_tables([spec])
+    ids = _ids(5, 9)
+    start = cached.pull({"t": ids}).result().rows["t"].clone()
+    r = rule(optimizer)
+    w = start.clone()
+    state = {k: torch.full((2, *s), r.initial_state(spec.optimizer).get(k, 0.0)) for k, s in r.state_shapes(4).items()}
+    for clock in (1, 2, 3):
+        g = torch.randn(2, 4, generator=torch.Generator().manual_seed(clock))
+        pulled = cached.push_pull({"t": (ids, g)}, None, {"t": ids}, clock=clock).result()
+        r.apply(spec.optimizer, w, g, state)
+        assert torch.allclose(pulled.rows["t"], w, atol=1e-6), clock
+    assert torch.equal(local.pull({"t": ids}).result().rows["t"], start)  # nothing pushed yet
+    assert cached.meter.pulled_rows["t"] == 2  # every later read came from the cache
+
+
+def test_a_refresh_is_the_shards_value_plus_the_workers_own_held_changes() -> None:
+    cached, local = _client(rows=10, bound=2, write_bound=10, optimizer="sgd")
+    cached.use_tables([TableConfig(name="t", dim=4, optimizer=OptimizerConfig(name="sgd", lr=0.1), seed=3)])
+    ids = _ids(1, 2, 3)
+    start = cached.pull({"t": ids}).result().rows["t"].clone()
+    mine, other = torch.full((3, 4), 2.0), torch.ones(3, 4)
+    cached.push({"t": (ids, mine)}, clock=1).result()  # held (write bound 10), applied to the cached copy
+    local.push({"t": (ids, other)}).result()  # another worker's update reaches the shard
+    assert torch.allclose(cached.pull({"t": ids}).result().rows["t"], start - 0.1 * mine)  # within the read bound
+    cached.push({}, clock=3).result()  # read at clock 0: refreshed by the next pull
+    refreshed = cached.pull({"t": ids}).result().rows["t"]
+    assert cached.meter.pulled_rows["t"] == 6
+    assert torch.allclose(refreshed, start - 0.1 * (mine + other), atol=1e-6)  # the shard's value and the held update
+    assert torch.equal(local.pull({"t": ids}).result().rows["t"], start - 0.1 * other)
+    cached.flush()
+    assert torch.allclose(local.pull({"t": ids}).result().rows["t"], refreshed, atol=1e-6)
+    assert cached.cache is not None and cached.cache.pending_rows() == 0 == _held_by_scan(cached.cache)
+
+
+def test_held_rows_are_counted_without_a_scan() -> None:
+    cached, _ = _client(rows=3, bound=4, write_bound=2)
+    assert cached.cache is not None
+    for clock in range(1, 12):
+        ids = _ids(*{clock % 5, (clock * 3) % 7 + 10})
+        p = cached.pull({"t": ids}).result()
+        cached.push({"t": (ids, torch.ones(len(ids), 4))}, clock=clock, versions=p).result()
+        cache = cached.cache
+        assert cache.pending_rows() == _held_by_scan(cache) + sum(len(e[1]) for e in cache._evicted), clock
+    assert sum(cached.cache.evictions.values()) > 0

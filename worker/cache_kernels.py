@@ -8,7 +8,7 @@ instead of a dozen numpy calls each (``tether.worker.row_cache`` and ``row_slots
 - ``hold_rows``: add a step's gradients to the held sums, noting each row's first held clock and
   oldest read version, answering which ids are not cached;
 - ``take_rows``: gather the held sums that are due and clear them;
-- ``assemble``: a pull's answer from the hits and the pulled rows;
+- ``assemble``: the hits' rows of a pull's answer (``store_rows`` writes the pulled ones);
 - ``oldest_per_shard``: the oldest read version per shard.
 
 The id index they probe is the shard's (``tether.server.kernels``); these kernels only read it.
@@ -152,10 +152,13 @@ def plan_rows(cells: np.ndarray, ids: np.ndarray, now: np.int64, bound: np.int64
 
 @_jit
 def store_rows(cells: np.ndarray, ids: np.ndarray, got: np.ndarray, values: np.ndarray, read_clock: np.ndarray, shard: np.ndarray,
-               read_version: np.ndarray, versions: np.ndarray, now: np.int64, num_shards: np.int64, fresh: np.ndarray) -> np.ndarray:
+               read_version: np.ndarray, versions: np.ndarray, now: np.int64, num_shards: np.int64, fresh: np.ndarray,
+               out: np.ndarray, pos: np.ndarray) -> np.ndarray:
     """Write pulled rows ``got`` (one per id) into the slots of their cached ``ids``: values (plus
     the row's ``fresh`` local changes, which the shard's answer lacks), read clock ``now``, shard
-    and that shard's table version (``versions``). Returns the positions of the ids with no slot."""
+    and that shard's table version (``versions``); row ``pos[i]`` of the pull's answer ``out`` is
+    id ``i``'s row as stored (as pulled where it has no slot). Returns the positions of the ids
+    with no slot."""
     n = len(ids)
     missing = np.empty(n, np.int64)
     k = 0
@@ -163,11 +166,13 @@ def store_rows(cells: np.ndarray, ids: np.ndarray, got: np.ndarray, values: np.n
     for i in range(n):
         s = _slot(cells, ids[i])
         if s < 0:
+            out[pos[i], :] = got[i, :]
             missing[k] = i
             k += 1
             continue
         for j in range(dim):
             values[s, j] = got[i, j] + fresh[s, j]
+            out[pos[i], j] = values[s, j]
         read_clock[s] = now
         sh = _shard(ids[i], num_shards)
         shard[s] = sh
@@ -239,12 +244,10 @@ def take_rows(slots: np.ndarray, ids: np.ndarray, pending: np.ndarray, shard: np
 
 
 @_jit
-def assemble(out: np.ndarray, hit_pos: np.ndarray, hit_values: np.ndarray, miss_pos: np.ndarray, got: np.ndarray) -> None:
-    """Rows ``hit_pos`` of ``out`` from ``hit_values``, rows ``miss_pos`` from ``got``."""
+def assemble(out: np.ndarray, hit_pos: np.ndarray, hit_values: np.ndarray) -> None:
+    """Rows ``hit_pos`` of ``out`` from ``hit_values``."""
     for i in range(len(hit_pos)):
         out[hit_pos[i], :] = hit_values[i, :]
-    for i in range(len(miss_pos)):
-        out[miss_pos[i], :] = got[i, :]
 
 
 @_jit
@@ -264,12 +267,12 @@ def warm_up() -> None:
     i64, f32 = np.zeros(1, np.int64), np.zeros((1, 1), np.float32)
     zero = np.int64(0)
     plan_rows(cells, ids, zero, zero, i64, i64, i64, i64, i64, f32, ids, np.zeros(1, np.int64), f32, f32)
-    store_rows(cells, ids, f32[:0], f32, i64, i64, i64, i64, zero, np.int64(1), f32)
+    store_rows(cells, ids, f32[:0], f32, i64, i64, i64, i64, zero, np.int64(1), f32, f32, ids)
     hold_rows(cells, ids, f32[:0], f32, i64, i64, i64, i64, zero, np.int64(1))
     take_rows(ids, i64, f32, i64, i64, i64, f32)
     add_deltas(f32, f32[:0], ids, f32, f32)
     gather_rows(f32, ids)
-    assemble(f32, ids, f32[:0], ids, f32[:0])
+    assemble(f32, ids, f32[:0])
     oldest_per_shard(ids, ids, np.int64(1))
 
 

@@ -123,7 +123,10 @@ class RowCache:
 
     def use_tables(self, tables: Sequence[TableConfig]) -> None:
         """The rules the shards apply to the tables (the specs the worker declared): from now on
-        the worker's own gradients are applied to its cached rows (read-your-own-writes)."""
+        the worker's own gradients are applied to its cached rows (read-your-own-writes). Not
+        with read bound 0, whose every pull answers with the shards' rows as they are."""
+        if self.config.bound == 0:
+            return
         with self._lock:
             for spec in tables:
                 if spec.name in self.tables:
@@ -168,22 +171,17 @@ class RowCache:
                 tab = self.tables[t]
                 hit, miss, later = plan.hit[t], plan.miss_pos[t], plan.later[t]
                 got = pulled.rows.get(t)
-                out = torch.empty(len(ids), tab.dim, dtype=got.dtype if got is not None else torch.float32)
-                got_np = None if got is None else np.ascontiguousarray(got.float().numpy())
-                if out.dtype == torch.float32:
-                    assemble(out.numpy(), hit, plan.values[t], miss, got_np if got_np is not None else np.empty((0, tab.dim), np.float32))
-                else:
-                    out[torch.from_numpy(hit)] = torch.from_numpy(plan.values[t]).to(out.dtype)
-                    if got is not None and len(miss):
-                        out[torch.from_numpy(miss)] = got
+                out = torch.empty(len(ids), tab.dim)
+                assemble(out.numpy(), hit, plan.values[t])
                 if len(miss):
-                    assert got_np is not None
-                    self._store(t, tab, plan.miss[t].numpy(), got_np, pulled, plan.now, ids.numpy())
+                    assert got is not None
+                    self._store(t, tab, plan.miss[t].numpy(), np.ascontiguousarray(got.float().numpy()), pulled, plan.now,
+                                ids.numpy(), out.numpy(), miss)
                     self._inflight[t][:] = [e for e in self._inflight[t] if e[0] != id(plan)]
                 read, read_shards = plan.versions[t], plan.shards[t]
                 if len(later):
                     read, read_shards = self._later(t, tab, plan, out, lacking, read, read_shards)
-                rows[t] = out
+                rows[t] = out if got is None or got.dtype == torch.float32 else out.to(got.dtype)
                 if len(read):
                     oldest = oldest_per_shard(read_shards, read, self.num_shards)
                     for sh in np.flatnonzero(oldest != NONE).tolist():
@@ -215,9 +213,10 @@ class RowCache:
                     result.table_versions[key] = min(v, result.table_versions.get(key, v))
 
     def _store(self, t: str, tab: Table, ids: np.ndarray, got: np.ndarray, pulled: PullResult, now: int,
-               protected: np.ndarray) -> None:
+               protected: np.ndarray, out: np.ndarray, pos: np.ndarray) -> None:
         """Pulled rows ``got`` (float32) of ``ids`` into the cache: refreshed where cached,
-        placed (evicting if the table is full) where not."""
+        placed (evicting if the table is full) where not; rows ``pos`` of the answer ``out`` are
+        them as stored (with the worker's own changes the shard's answer lacks)."""
         for (s, table), v in pulled.table_versions.items():
             if table != t:
                 continue
@@ -230,12 +229,12 @@ class RowCache:
                 tab.max_version[s] = v
             tab.max_version[s] = max(v, tab.max_version.get(s, v))
         table_versions = self._versions(pulled, t)
-        args = (tab.vals, tab.read_clock, tab.shard, tab.read_version, table_versions, now, self.num_shards, tab.fresh)
-        new = store_rows(tab.cells, ids, got, *args)
+        args = (tab.vals, tab.read_clock, tab.shard, tab.read_version, table_versions, now, self.num_shards, tab.fresh, out)
+        new = store_rows(tab.cells, ids, got, *args, pos)
         if len(new):
             placed = new[self._place(t, tab, ids[new], protected, now) >= 0]
             if len(placed):
-                store_rows(tab.cells, ids[placed], got[placed], *args)
+                store_rows(tab.cells, ids[placed], got[placed], *args, pos[placed])
 
     def _versions(self, pulled: PullResult | None, t: str) -> np.ndarray:
         """The read version of ``t`` per shard (0 where none)."""
