@@ -41,9 +41,7 @@ def _wire_name(dtype: torch.dtype) -> str:
 
 
 def parse_mode(mode: str) -> tuple[str, int | None]:
-    """Split a consistency mode into its kind and bound: ``async``, ``ssp:S`` or ``sync``.
-    ``TrainingConfig`` calls it once per config made from text (through ``Mode``); its copies
-    keep the parsed ``Mode``, so a process parses its mode once.
+    """Split a consistency mode into its kind and bound: ``async``, ``ssp:S`` or ``sync`` (``Mode`` keeps the result).
 
     Raises:
         ValueError: anything else, or a negative S.
@@ -58,14 +56,9 @@ def parse_mode(mode: str) -> tuple[str, int | None]:
 
 
 class Mode(str):
-    """A consistency mode, parsed: the text (``async``, ``ssp:S`` or ``sync``; a ``str``, so it
-    compares, prints and is written to JSON as the text) with its ``kind`` and ``bound``.
-    ``TrainingConfig.mode`` holds one: the configs copied from it (``dataclasses.replace``) and
-    every reader share the one parse.
-
-    Raises:
-        ValueError: not a mode (``parse_mode``).
-    """
+    """A consistency mode, parsed: the text (a ``str``, so it compares, prints and is written to
+    JSON as the text) with its ``kind`` and ``bound``. ``TrainingConfig.mode`` holds one, which
+    its copies (``dataclasses.replace``) share: a process parses its mode once."""
 
     kind: str
     bound: int | None
@@ -76,12 +69,8 @@ class Mode(str):
         mode.kind, mode.bound = kind, bound
         return mode
 
-    # Immutable, as the text is: a copy (``dataclasses.asdict`` deep-copies) is the mode itself, not parsed again.
-    def __copy__(self) -> Mode:
-        return self
-
     def __deepcopy__(self, memo: dict[int, object]) -> Mode:
-        return self
+        return self  # immutable, as the text is: ``dataclasses.asdict``'s copy is not parsed again
 
 
 def _check_address(address: str) -> None:
