@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tether.protos.specs import TableConfig
 from tether.worker.criteo import CRITEO_SPARSE, CriteoStream, write_criteo_sample
 from tether.worker.data import SyntheticClickLog, SyntheticConfig
 from tether.worker.results import Handle, PullResult, PushAck
@@ -83,6 +84,7 @@ def run(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: Ro
     """The async loop's calls for these steps (table -> unique ids each) through a CachedClient."""
     meter = TrafficMeter(dims, 4, reuse=True)
     client = CachedClient(StandIn(dims), cache, dims, meter)  # type: ignore[arg-type]
+    client.use_tables([TableConfig(name=t, dim=d) for t, d in dims.items()])  # the cache's local updates (default rule: adagrad)
     pending = [client.pull(steps[0]), client.pull(steps[1])] if len(steps) > 1 else [client.pull(steps[0])]
     for t in range(len(steps)):
         pulled = pending.pop(0).result()

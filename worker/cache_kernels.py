@@ -26,7 +26,8 @@ import numpy as np
 
 from tether.server.kernels import EMPTY_SLOT
 
-__all__ = ["add_deltas", "assemble", "gather_rows", "hold_rows", "oldest_per_shard", "plan_rows", "store_rows", "take_rows", "warm_up"]
+__all__ = ["add_deltas", "assemble", "gather_rows", "hold_rows", "later_rows", "oldest_per_shard", "place_rows", "plan_rows",
+           "store_rows", "take_rows", "warm_up"]
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +273,8 @@ def warm_up() -> None:
     take_rows(ids, i64, f32, i64, i64, i64, f32)
     add_deltas(f32, f32[:0], ids, f32, f32)
     gather_rows(f32, ids)
+    later_rows(cells, ids, ids, zero, f32, i64, i64, i64, f32)
+    place_rows(ids, ids, zero, i64, np.zeros(1, np.bool_), i64, i64, i64, i64, i64, i64, f32, f32, f32, zero)
     assemble(f32, ids, f32[:0])
     oldest_per_shard(ids, ids, np.int64(1))
 
@@ -287,6 +290,53 @@ def add_deltas(values: np.ndarray, before: np.ndarray, slots: np.ndarray, held: 
             d = values[s, j] - before[i, j]
             held[s, j] += d
             fresh[s, j] += d
+
+
+@_jit
+def later_rows(cells: np.ndarray, ids: np.ndarray, pos: np.ndarray, min_clock: np.int64, values: np.ndarray, read_clock: np.ndarray,
+               read_version: np.ndarray, shard: np.ndarray, out: np.ndarray) -> tuple[Any, ...]:
+    """Rows ``pos`` of ``out`` for ``ids`` that another pull was refreshing: from the cache where
+    it holds them read at ``min_clock`` or later. Returns (the positions in ``ids`` of the others,
+    the read versions and shards of those answered)."""
+    n = len(ids)
+    lacking = np.empty(n, np.int64)
+    versions = np.empty(n, np.int64)
+    shards = np.empty(n, np.int64)
+    k = a = 0
+    for i in range(n):
+        s = _slot(cells, ids[i])
+        if s >= 0 and read_clock[s] >= min_clock:
+            out[pos[i], :] = values[s, :]
+            versions[a] = read_version[s]
+            shards[a] = shard[s]
+            a += 1
+        else:
+            lacking[k] = i
+            k += 1
+    return lacking[:k], versions[:a], shards[:a]
+
+
+@_jit
+def place_rows(slots: np.ndarray, ids: np.ndarray, now: np.int64, ids_col: np.ndarray, used: np.ndarray, uses: np.ndarray,
+               last_used: np.ndarray, pending_since: np.ndarray, pending_version: np.ndarray, read_clock: np.ndarray,
+               read_version: np.ndarray, pend: np.ndarray, mine: np.ndarray, fresh: np.ndarray, stale: np.int64) -> None:
+    """Every column of new rows ``ids`` in ``slots``: used once at ``now``, nothing held, never
+    read (``stale``), no local changes."""
+    dim = pend.shape[1]
+    for i in range(len(slots)):
+        s = slots[i]
+        ids_col[s] = ids[i]
+        used[s] = True
+        uses[s] = 1
+        last_used[s] = now
+        pending_since[s] = _NONE
+        pending_version[s] = _NONE
+        read_clock[s] = stale
+        read_version[s] = _NONE
+        for j in range(dim):
+            pend[s, j] = 0.0
+            mine[s, j] = 0.0
+            fresh[s, j] = 0.0
 
 
 @_jit

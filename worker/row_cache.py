@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from tether.protos.specs import TableConfig
 from tether.worker.results import Handle, PullResult, PushAck
-from tether.worker.cache_kernels import assemble, hold_rows, oldest_per_shard, plan_rows, store_rows, take_rows
+from tether.worker.cache_kernels import assemble, hold_rows, later_rows, oldest_per_shard, plan_rows, store_rows, take_rows
 from tether.worker.row_slots import NONE, STALE, Due, Grads, Table, coalesce, warm_up
 from tether.worker.traffic import TrafficMeter
 
@@ -195,12 +195,11 @@ class RowCache:
         (the others go to ``lacking``); the read versions and shards with theirs added."""
         where = plan.later[t]
         wanted = plan.ids[t].numpy()[where]
-        slots = tab.slots_of(wanted)
-        ok = (slots >= 0) & (tab.read_clock[np.maximum(slots, 0)] >= plan.now - self.config.bound)
-        out[torch.from_numpy(where[ok])] = tab.values[torch.from_numpy(slots[ok])].to(out.dtype)
-        if not ok.all():
-            lacking[t] = torch.from_numpy(wanted[~ok])
-        return np.concatenate([read, tab.read_version[slots[ok]]]), np.concatenate([read_shards, tab.shard[slots[ok]]])
+        missing, versions, shards = later_rows(tab.cells, wanted, where, plan.now - self.config.bound, tab.vals, tab.read_clock,
+                                               tab.read_version, tab.shard, out.numpy())
+        if len(missing):
+            lacking[t] = torch.from_numpy(wanted[missing])
+        return np.concatenate([read, versions]), np.concatenate([read_shards, shards])
 
     @staticmethod
     def fill(result: PullResult, plan: _Plan, lacking: Mapping[str, torch.Tensor], pulled: PullResult) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tether.protos.optimizers import OptimizerConfig, rule
-from tether.worker.cache_kernels import add_deltas, gather_rows, oldest_per_shard
+from tether.worker.cache_kernels import add_deltas, gather_rows, oldest_per_shard, place_rows
 from tether.worker.cache_kernels import warm_up as warm_up_cache
 from tether.server.kernels import EMPTY_SLOT, REMOVED_SLOT, RowUpdate, index_cells, index_lookup, index_place, row_update
 
@@ -141,11 +141,10 @@ class Table:
         """Put new ids (not cached, unique) in free ``slots``: every column of those slots set."""
         if 2 * (self.filled + len(ids)) > len(self.cells):
             self._rebuild(extra=len(ids))
-        self.ids[slots], self.used[slots], self.uses[slots], self.last_used[slots] = ids, True, 1, now
-        self.pending_since[slots] = self.pending_version[slots] = NONE
-        self.read_clock[slots], self.read_version[slots] = STALE, NONE
-        self.pend[slots] = self.mine[slots] = self.fresh[slots] = 0.0
-        self.reset_state(slots)
+        place_rows(slots, ids, now, self.ids, self.used, self.uses, self.last_used, self.pending_since, self.pending_version,
+                   self.read_clock, self.read_version, self.pend, self.mine, self.fresh, STALE)
+        if self.state:
+            self.reset_state(slots)
         index_place(self.cells, np.ascontiguousarray(ids, np.int64), slots)
         self.filled += len(ids)
 
