@@ -18,8 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_a_job_under_chaos_recovers_loses_nothing_it_should_not_and_leaks_nothing(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
+    # 300 steps a worker outlast the schedule's first faults (a shard and a worker killed 3-6 s in;
+    # worker faults end at 80% of the steps) and train well past the loss bar (0.45 vs 0.63 when run).
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "chaos.py"), "--modes", "ssp:2", "--seconds", "30", "--mean-gap", "3", "--steps", "500",
+        [sys.executable, str(ROOT / "bench" / "chaos.py"), "--modes", "ssp:2", "--seconds", "30", "--mean-gap", "3", "--steps", "300",
          "--vocab-size", "5000", "--eval-samples", "4000", "--no-baseline", "--seed", "3", "--out", str(tmp_path / "run"), "--json", str(out)],
         capture_output=True, text=True, timeout=280, check=False,
     )
