@@ -7,7 +7,7 @@ every row (so each row's optimizer state is written). Per row it prints what the
 - ``values``: the rows' floats (``dim * 4`` bytes: the raw bytes the ratios divide by);
 - ``state``: the rule's optimizer state (``tether.protos.optimizers``);
 - ``index``: the id index (``tether.server.index``): the ids by slot (int64, 8 bytes a row)
-  and the hash's int32 cells at a load factor of 0.6-0.8 (``cells``: 5-6.7 bytes a row);
+  and the hash's int32 cells at a load factor of 0.6-0.7 (``cells``: 5.7-6.7 bytes a row);
 - ``books``: the table's per-row bookkeeping (the version of each row's last update, int32,
   for per-row staleness; a bounded table's last-touch ticks);
 - ``allocated``: every array the table holds, by size (growth leaves room beyond the rows);

@@ -2,8 +2,8 @@
 
 The ids live in one array by slot (``keys[slot]`` is the id of that row: 8 bytes a row, the
 only copy of the ids a table keeps) and the hash is an array of int32 cells, each naming a slot
-or marking the cell empty or removed: 4 bytes a cell, at a load factor between 0.6 and 0.8, so
-5-6.7 bytes a row. Lookups and inserts are compiled loops (``tether.server.kernels``:
+or marking the cell empty or removed: 4 bytes a cell, at a load factor between 0.6 and 0.7, so
+5.7-6.7 bytes a row. Lookups and inserts are compiled loops (``tether.server.kernels``:
 ``slot_lookup``, ``slot_place``) over the batch: linear probing from each id's splitmix64 home
 cell. They cost O(batch) however many rows the table holds.
 
@@ -45,7 +45,7 @@ from tether.server.zeroed import zeros
 __all__ = ["IdIndex"]
 
 # Rebuild when live cells and tombstones pass _MAX_LOAD of the cells, to _TARGET_LOAD.
-_MAX_LOAD = 0.8
+_MAX_LOAD = 0.7
 _TARGET_LOAD = 0.6
 # The keys grow by this factor (at least to the largest slot inserted).
 _KEYS_GROWTH = 1.5
