@@ -4,9 +4,10 @@ would paste it, so the pages stay true to the code.
 Each page's ```bash blocks run in order in one scratch folder (the repository's ``examples``,
 ``deploy`` and ``bench`` linked into it, so relative paths work), as ``bash -e`` scripts. To keep
 the suite CI-sized a command is shrunk before it runs, never otherwise changed: ``--steps``,
-``--num-workers``, ``--eval-samples`` and generated data sizes are capped, ``--repeats`` is 1,
-mode and bound lists keep their first two entries, and every fixed port moves by one offset to
-free ones; a command that gives no ``--steps`` gets ``TETHER_STEPS=20`` from the environment.
+``--num-workers``, a job's ``--num-shards``, ``--eval-samples``, ``--call-deadline`` and generated data
+sizes are capped, ``--repeats`` is 1, mode and bound lists keep their first two entries, and
+every fixed port moves by one offset to free ones; a command that gives no ``--steps`` or
+``--eval-samples`` gets ``TETHER_STEPS=20`` and ``TETHER_EVAL_SAMPLES=1000`` from the environment.
 An install step before ``&&`` is dropped (the suite runs installed). A command is skipped only
 for a reason named in ``SKIP``: it needs Docker, Kubernetes or a GPU, is a long-running server
 another test covers, or stands for the reader's own code.
@@ -71,7 +72,13 @@ def _shrink(block: str, port_offset: int) -> str:
     block = re.sub(r"python -m pip install [^&\n]*&& ", "", block)
     block = _cap(r"--steps (\d+)", 20, block)
     block = _cap(r"--num-workers (\d+)", 2, block)
+    # A job's shards are processes (interpreter, torch, compiled kernels): much of a short run's
+    # cost. Only a whole job's count: ``tether server --num-shards`` must match its shard indexes.
+    block = "\n".join(_cap(r"--num-shards (\d+)", 1, line) if re.search(r"tether (launch|compare|sweep)\b", line) else line
+                       for line in block.split("\n"))
     block = _cap(r"--eval-samples (\d+)", 1000, block)
+    # A command the page shows failing fails at its deadline: the reader's 5 s, 1 s here.
+    block = _cap(r"--call-deadline (\d+)", 1, block)
     block = _cap(r"--generate (\d+)", 20000, block)
     block = _cap(r"write_criteo_sample\('[^']+', (\d+)\)", 20000, block)
     block = re.sub(r"--repeats \d+", "--repeats 1", block)
@@ -107,7 +114,8 @@ def _scratch(tmp_path: Path) -> dict[str, str]:
     tether = bin_dir / "tether"
     tether.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m tether.deploy.cli "$@"\n')
     tether.chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1", "TETHER_STEPS": "20"}
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1", "TETHER_STEPS": "20",
+            "TETHER_EVAL_SAMPLES": "1000"}
 
 
 def _pages_with_commands() -> list[Path]:
