@@ -5,11 +5,12 @@ the index it replaced (issue 28 item 5), side by side in one process.
   most 1/3 (``kernels.index_place`` / ``index_lookup``, which the worker's row cache still uses):
   64 MiB for a million rows;
 - new: ``IdIndex``: the ids by slot (int64) and int32 cells holding a slot and a fingerprint, at a
-  load factor of 0.6-0.7 (lowered from 0.8: at 0.74 hits ran at 0.85x the old index).
+  load factor of 0.6-0.7.
 
 Both hold the same ``--rows`` random int64 ids (slots in insertion order). A round looks up
 ``--batch`` ids drawn at random from them (each one present) with each index, alternating which
-goes first; then the same with ids that are absent (a pull of new rows). Prints the median
+goes first, each after reading 64 MiB of something else (``--warm``: not); then the same with
+ids that are absent (a pull of new rows). Prints the median
 lookups/s of each side over ``--rounds`` rounds and the ratio new / old.
 
 Run: ``python bench/index_lookup.py [--rows 1000000] [--batch 65536] [--rounds 30]``.
@@ -51,7 +52,11 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--batch", type=int, default=65_536)
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--warm", action="store_true",
+                        help="leave the caches as the last lookup left them (by default each lookup starts after 64 MiB of "
+                             "other reads, as in a shard, where the rows it serves push the index out of the caches)")
     args = parser.parse_args()
+    flush = None if args.warm else np.ones(8 << 20, np.int64)
     rng = np.random.default_rng(0)
     ids = np.unique(rng.integers(-(2**62), 2**62, int(args.rows * 1.01), dtype=np.int64))[: args.rows]
     rng.shuffle(ids)
@@ -77,6 +82,8 @@ def main() -> int:
                 rng.integers(2**62, 2**63 - 1, args.batch, dtype=np.int64)
             sides = [(olds, old), (news, index.lookup)]
             for out, fn in (sides if r % 2 == 0 else sides[::-1]):
+                if flush is not None:
+                    flush.sum()
                 out.append(rate(fn, q))
         o, n = statistics.median(olds), statistics.median(news)
         print(f"{what:>8} ids, batches of {args.batch}: old {o / 1e6:.1f} M lookups/s, new {n / 1e6:.1f} M lookups/s, "
