@@ -3,6 +3,7 @@ exactly what the cluster's model predicts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -259,3 +260,25 @@ def test_the_export_command_names_dense_parameters_with_model(tmp_path: Path, wi
     bad = subprocess.run([sys.executable, "-m", "tether.deploy.cli", "export", "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "b"),
                           "--model", "no_such_module_here:build"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "no_such_module_here" in bad.stderr
+
+
+def test_a_tables_only_export_loads_with_dense_false_and_keeps_the_models_dense(tmp_path: Path, wide_export: Wide) -> None:
+    ckpt, inputs, expected = wide_export
+    export_checkpoint(ckpt, tmp_path / "flat")
+    full = load_export(tmp_path / "flat")
+    tables_only = dataclasses.replace(full, dense={})  # what a sync job's export holds
+    with pytest.raises(ValueError, match=r"the export none .*load_into\(model, dense=False\)"):
+        tables_only.load_into(WideDeep())
+    trained = WideDeep()
+    full.load_into(trained)  # the dense values a sync rank would have saved itself
+    model = WideDeep()
+    saved = dict(trained.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(saved[name])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    served = tables_only.load_into(model, dense=False)
+    assert isinstance(served.user, RowLookupBag) and isinstance(served.items, RowLookupBag)
+    assert all(torch.equal(p, before[n]) for n, p in served.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(served(*inputs), expected)

@@ -161,20 +161,24 @@ class Export:
         ids, rows = self.tables[table]
         return RowLookupBag(ids, rows.to(device or "cpu"), mode, padding_id)
 
-    def load_into(self, model: nn.Module) -> nn.Module:
+    def load_into(self, model: nn.Module, dense: bool = True) -> nn.Module:
         """Give ``model`` (the class that was trained, built the same way) the exported values.
 
         Every dense parameter gets its value (by name and shape, or from the flat vector in
         ``named_parameters`` order); every ``ShardedEmbeddingBag`` is replaced by a
-        ``RowLookupBag`` of its table, on the device the model is on.
+        ``RowLookupBag`` of its table, on the device the model is on. ``dense=False`` loads the
+        tables only and leaves the model's dense parameters as they are: a sync job keeps its
+        dense parameters on the workers, so load those from what a rank saved
+        (``model.load_state_dict``) and the tables from the export.
 
         Raises:
             ValueError: the model's parameters or tables do not match the export.
         """
-        values = self._dense_values(model)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(values[name].to(p.device))
+        if dense:
+            values = self._dense_values(model)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(values[name].to(p.device))
         device = _device_of(model)
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
@@ -196,7 +200,8 @@ class Export:
             if flat is None:
                 raise ValueError(
                     f"the model has {len(params)} dense parameters, the export none "
-                    "(a sync job keeps its dense parameters on the workers, not on the shards)"
+                    "(a sync job keeps its dense parameters on the workers, not on the shards: "
+                    "load_into(model, dense=False) loads the tables only)"
                 )
             return split_dense(flat, model)
         missing = [n for n in params if n not in self.dense]
