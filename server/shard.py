@@ -232,7 +232,7 @@ class Shard:
                 f"table {u.table!r}: a push of {u.ids.size} rows, more than the table's capacity of {table.capacity} rows "
                 "per shard; raise its capacity or push fewer rows at once"
             )
-        # Ids a recent pull named were checked then; only their uniqueness is left to check.
+        # Ids that are rows already were checked when they were created; only their uniqueness is left to check.
         pulled = table.pulled(u.ids) if u.ids.size else None
         if pulled is None:
             self._check_ids(u.table, u.ids)
@@ -351,7 +351,7 @@ class Shard:
             # Clock staleness is measured on the coordinator ssp waits on, where clocks move only
             # once a step is applied on every shard.
             clock_lag = self.clocks.lag(clock) if clock and self.shard_index == COORDINATOR_SHARD else 0
-            # (table or chunk, ids or None, gradient, what a recent pull found of the ids)
+            # (table or chunk, ids or None, gradient, the slots found of ids that are all rows)
             blocks: list[tuple[Any, np.ndarray | None, torch.Tensor, Pulled | None]] = [
                 (t, u.ids, u.grads, p) for (t, p), u in zip(checked, sparse)
             ] + [(c, None, u.grad, None) for c, u in zip(chunks, dense)]
