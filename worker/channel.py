@@ -18,6 +18,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from tether.protos.errors import Unavailable, error_from_status, retryable
 from tether.worker.client_config import ClientConfig
 from tether.worker.data_channel import DataConnection, DataPlane, DataPlaneStatus
 from tether.worker.metrics import WorkerRecorder
+from tether.worker.results import Pending
 
 __all__ = ["Answer", "Call", "DataCall", "ShardChannel", "channel_options", "time_left"]
 
@@ -127,6 +129,9 @@ class ShardChannel:
         # Sequence numbers of pushes that may have reached the shard more than once (retried).
         self._resent: set[int] = set()
         self._resent_lock = threading.Lock()
+        # The last push (or push_pull) started to this shard: the next is sent once it is over.
+        self._last_push: Pending | None = None
+        self._push_lock = threading.Lock()
 
     def close(self) -> None:
         """Close the data-plane connections and the gRPC channel."""
@@ -149,6 +154,32 @@ class ShardChannel:
             resent = seq in self._resent
             self._resent.discard(seq)
             return resent
+
+    def push_in_order(self, start: Callable[[], Pending], call: Call, deadline: float, pool: Executor) -> Pending:
+        """Start push ``call`` only once the previous push to this shard is over, so that the
+        shard applies this client's pushes in the order they were started, on every transport.
+
+        Over a pool of connections (or gRPC's threads) two pushes in flight at once may be
+        applied in either order. So a push goes out only after the previous one was answered,
+        retries included (which also keeps a retried push from overtaking the next): at once
+        through ``start`` when the previous is over (or its answer has arrived: it is read
+        here), else from a ``pool`` thread that waits for it. The caller never blocks on it.
+        """
+        with self._push_lock:
+            prev = self._last_push
+            if prev is None or prev.done():
+                if prev is not None:
+                    _settle(prev)
+                pending = start()
+            else:
+                pending = pool.submit(self._push_after, prev, call, deadline)
+            self._last_push = pending
+            return pending
+
+    def _push_after(self, prev: Pending, call: Call, deadline: float) -> Any:
+        """Make push ``call`` once ``prev`` is over (a pool thread's part of ``push_in_order``)."""
+        _settle(prev)
+        return self.call(call, deadline=deadline)
 
     def call(self, call: Call, timeout: float | None = None, failed: _Failed | None = None, deadline: float | None = None) -> Any:
         """Make ``call`` with retries.
@@ -282,6 +313,14 @@ class ShardChannel:
         """The shard's data port and unix socket, asked over gRPC (one try: a failure means gRPC for a while)."""
         info = self._stub.Info(pb.InfoRequest(), timeout=timeout or self.config.timeout_s, metadata=self._metadata)
         return info.data_port, info.data_socket
+
+
+def _settle(pending: Pending) -> None:
+    """Wait until ``pending`` is over; its outcome, a failure included, is its owner's to read."""
+    try:
+        pending.result()
+    except Exception:  # noqa: BLE001 - kept in ``pending`` and raised to whoever waits for it
+        pass
 
 
 class DataCall:

@@ -35,6 +35,7 @@ __all__ = ["CheckpointResult", "ClientConfig", "ClientSecurity", "ClockReply", "
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_PUSHES = ("Push", "PushPull")
 
 
 class PSClient:
@@ -89,13 +90,18 @@ class PSClient:
         pending: list[Pending] = []
         deadline = time.monotonic() + self.config.call_deadline_s
         for s in shards:
-            channel = self.channels[s]
-            conn = channel.data_connection(calls[s], time_left(deadline, self.config.timeout_s))
-            if conn is None:
-                pending.append(self._pool.submit(channel.call, calls[s], deadline=deadline))
-            else:
-                pending.append(DataCall(channel, conn, calls[s], deadline))
+            channel, call = self.channels[s], calls[s]
+            start = functools.partial(self._start, channel, call, deadline)
+            # A shard applies one client's pushes in the order they were started (ShardChannel.push_in_order).
+            pending.append(channel.push_in_order(start, call, deadline, self._pool) if call.method in _PUSHES else start())
         return Handle(pending, lambda answers: combine(dict(zip(shards, answers))))
+
+    def _start(self, channel: ShardChannel, call: Call, deadline: float) -> Pending:
+        """Start ``call``: sent on a data connection from this thread, else made by a pool thread over gRPC."""
+        conn = channel.data_connection(call, time_left(deadline, self.config.timeout_s))
+        if conn is None:
+            return self._pool.submit(channel.call, call, deadline=deadline)
+        return DataCall(channel, conn, call, deadline)
 
     def declare(
         self,
