@@ -8,19 +8,32 @@ pushed once its oldest gradient is W (the write bound) clocks old, when the row 
 at a flush (evaluation, the end of training). R = W = 0 sends exactly what no cache sends (every
 row pulled, every gradient pushed in the step it was made).
 
-The cached copy is the shard's value as read: the worker's own pending gradients are not applied
-to it (with Adagrad or Adam that would need the shard's optimizer state, which is never pulled).
+Read-your-own-writes (once ``use_tables`` names the tables' rules, as ``Trainer`` does after it
+declares them; read bound > 0): each step's gradients are applied to the cached rows as they are
+held, by the table's rule with its learning rate, schedule and weight decay, and with a rule state
+of the worker's own per cached row (Adagrad's sum, Adam's moments and count, FTRL's z and n),
+started at the rule's initial state when the row is cached and kept while it stays (the shard's
+state is never pulled). For SGD that is the shard's step exactly; for the others an estimate
+from this worker's gradients alone. A refresh stores the shard's answer plus the worker's own
+changes that answer lacks: those of the gradients still held when the refresh was planned and
+of every step since (so with SGD a refreshed row is the shard's value once the held gradients
+land).
+
 A combined push is the **sum** of the row's pending gradients, sent as one gradient: the shard
 applies its rule once to that sum (for SGD the same as the separate steps; for Adagrad/Adam one
-step on the sum, not k steps). Its read version is the oldest read version of the rows it
-combines, so shards count its staleness from the oldest read (conservative).
+step on the sum, not k steps: the accumulator grows by the sum's square). The sum is what the
+shard's state stays authoritative on; the local copy's own steps are never pushed. Its read
+version is the oldest read version of the rows it combines, so shards count its staleness from
+the oldest read (conservative).
 
 A pull whose table version for a shard went back (a restarted shard, a reset table) marks every
 cached row of that shard and table stale: they are refreshed by the next pull that wants them.
 
 ``CachedClient`` puts the cache in front of a ``PSClient`` (pull, push, push_pull, flush) and
 counts the traffic (``tether.worker.traffic``); with no cache it passes calls through unchanged.
-Each table's slots and id index (a compiled hash table) are ``tether.worker.row_slots.Table``.
+Each table's slots and id index (a compiled hash table) are ``tether.worker.row_slots.Table``;
+each step's passes over a table (plan, store, hold, take) are compiled loops,
+``tether.worker.cache_kernels``.
 """
 
 from __future__ import annotations
