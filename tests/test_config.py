@@ -367,7 +367,8 @@ def test_a_launched_worker_reads_every_field_from_its_config_file(
     monkeypatch.setenv("TETHER_WORKER_ID", "inherited")
     assert worker_flags.load_config(unnamed).worker_id == "inherited"
     # Sync: one file for torchrun's ranks (each takes its rank from torchrun).
-    sync = _start_workers(tmp_path, monkeypatch, dataclasses.replace(cfg, mode="sync", delay_compensation=0.0), addresses)
+    sync = _start_workers(tmp_path, monkeypatch, dataclasses.replace(cfg, mode="sync", delay_compensation=0.0, cache_rows=0, cache_bound=0,
+                                                                 cache_write_bound=None, cache_policy="lru"), addresses)
     assert worker_flags.load_config(sync["torchrun"]).consistency == ("sync", None)
 
 

@@ -183,7 +183,9 @@ def test_a_table_version_going_back_refreshes_that_shards_rows() -> None:
 def test_flags_and_bad_values() -> None:
     config = TrainingConfig(local=True, cache_rows=100, cache_bound=3, cache_policy="lfu")
     assert config.row_cache == RowCacheConfig(100, 3, None, "lfu")
-    assert ClientConfig.for_training(TrainingConfig(shards=("h:1",), mode="sync", cache_rows=5, cache_bound=2)).cache.rows == 0
+    assert ClientConfig.for_training(TrainingConfig(shards=("h:1",), mode="async", cache_rows=5, cache_bound=2)).cache.rows == 5
+    with pytest.raises(ValueError, match="sync"):
+        TrainingConfig(shards=("h:1",), mode="sync", cache_rows=5, cache_bound=2)
     with pytest.raises(ValueError, match="--cache-rows"):
         TrainingConfig(local=True, cache_rows=-1)
     with pytest.raises(ValueError, match="--cache-policy"):

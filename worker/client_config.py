@@ -79,8 +79,8 @@ class ClientConfig:
             staleness_aware=config.staleness_aware and config.consistency[0] != "sync",
             delay_compensation=config.delay_compensation,
             security=config.security,
-            # Sync is exact: its ranks read every row fresh each step, so it never caches.
-            cache=config.row_cache if config.consistency[0] != "sync" else RowCacheConfig(),
+            # Sync is exact: its ranks read every row fresh each step (TrainingConfig refuses a cache there).
+            cache=config.row_cache,
         )
 
     def __post_init__(self) -> None:

@@ -365,6 +365,7 @@ class TrainingConfig:
             raise ValueError(f"wire_dtype must be {_names(WIRE_DTYPES)}, got {self.wire_dtype!r}")
         self.security  # noqa: B018 - validates the TLS and token fields together
         self.row_cache  # noqa: B018 - validates the cache_* fields together
+        self._check_cache_flags()
         # Code may pass one text of entries ("a=adam;b=sgd", the variable's form), a list, or a Path: the
         # fields hold what the flags give (a tuple of entries, a str), so argv, env and hashing see one form.
         if not isinstance(self.table_optimizers, tuple):
@@ -380,6 +381,18 @@ class TrainingConfig:
                 f"--delay-compensation is for async and ssp:S: {'local mode' if self.local else 'sync'} has no stale gradient to "
                 "compensate (leave it at 0)"
             )
+
+    def _check_cache_flags(self) -> None:
+        """The cache bounds and policy mean something only with a cache, and a cache only outside sync."""
+        given = [flag for flag, value, default in (("--cache-bound", self.cache_bound, 0),
+                                                   ("--cache-write-bound", self.cache_write_bound, None),
+                                                   ("--cache-policy", self.cache_policy, "lru")) if value != default]
+        if given and not self.cache_rows:
+            raise ValueError(f"{', '.join(given)} without --cache-rows (cache_rows=0: no row cache) would do nothing: "
+                             "give --cache-rows N, or leave them out")
+        if self.cache_rows and not self.local and self.consistency[0] == "sync":
+            raise ValueError("--cache-rows is for async and ssp:S: sync reads every row fresh each step, so it has no "
+                             "row cache (leave it at 0)")
 
     @functools.cached_property
     def table_rules(self) -> TableRules:

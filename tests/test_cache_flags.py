@@ -1,0 +1,63 @@
+"""The row cache's flags where they would do nothing (outsider trial 2): the bounds and policy
+without --cache-rows, and a cache in sync, are refused with one line; compare runs its sync
+baseline without the cache and says so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tether.deploy import compare as compare_module
+from tether.worker.config import WorkerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--cache-bound", "3"], "--cache-bound without --cache-rows"),
+        (["--cache-write-bound", "2", "--cache-policy", "lfu"], "--cache-write-bound, --cache-policy without --cache-rows"),
+        (["--mode", "sync", "--cache-rows", "100"], "--cache-rows is for async and ssp:S"),
+    ],
+)
+def test_launch_refuses_cache_flags_that_would_do_nothing(tmp_path: Path, args: list[str], says: str) -> None:
+    out = tmp_path / "job"
+    proc = subprocess.run([sys.executable, "-m", "tether.deploy.cli", "launch", "--steps", "2", "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and says in proc.stderr, proc.stderr
+    assert not out.exists()  # refused before anything started
+
+
+def test_the_defaults_and_a_cache_with_its_flags_are_accepted() -> None:
+    assert not WorkerConfig(shards=("h:1",)).row_cache.active
+    config = WorkerConfig(shards=("h:1",), mode="ssp:2", cache_rows=10, cache_bound=2, cache_write_bound=1, cache_policy="lfu")
+    assert (config.row_cache.rows, config.row_cache.bound, config.row_cache.writes) == (10, 2, 1)
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_compare_runs_sync_without_the_cache_and_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    ran: list[WorkerConfig] = []
+
+    def fake_run_job(cfg: WorkerConfig, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        ran.append(cfg)
+        raise _Stop
+
+    monkeypatch.setattr(compare_module, "run_job", fake_run_job)
+    template = WorkerConfig(shards=("pending:0",), steps=10, cache_rows=100, cache_bound=3, cache_policy="lfu")
+    lines: list[str] = []
+    for mode in ("sync", "async"):
+        with pytest.raises(_Stop):
+            compare_module.compare(template, [mode], 1, tmp_path / mode, printer=lines.append)
+    sync, async_ = ran
+    assert (sync.mode.kind, sync.cache_rows, sync.cache_bound, sync.cache_policy) == ("sync", 0, 0, "lru")
+    assert (async_.mode.kind, async_.cache_rows, async_.cache_bound, async_.cache_policy) == ("async", 100, 3, "lfu")
+    assert "no row cache" in lines[0] and "no row cache" not in lines[1], lines
