@@ -79,8 +79,12 @@ def run_job(
             workdir = out_dir or cluster.log_dir
             template = replace(template, out=str(workdir))
             extra = list(shard_args)
+            # The shards checkpoint to OUT/checkpoints when asked to: every checkpoint_every seconds,
+            # and at every worker's --checkpoint-every-steps (which asks the shards for step-<n>).
+            if checkpoint_every is not None or template.checkpoint_every_steps > 0:
+                extra += ["--checkpoint-dir", str(Path(workdir, "checkpoints").resolve())]
             if checkpoint_every is not None:
-                extra += ["--checkpoint-dir", str(Path(workdir, "checkpoints").resolve()), "--checkpoint-every", repr(checkpoint_every)]
+                extra += ["--checkpoint-every", repr(checkpoint_every)]
             addresses = cluster.start_shards(num_shards, extra_args=extra, metrics=metrics)
             print(f"tether: {num_shards} shard(s) at {', '.join(addresses)}; starting {template.num_workers} worker(s)", flush=True)
             t0 = time.perf_counter()

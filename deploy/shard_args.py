@@ -14,7 +14,7 @@ __all__ = ["LAUNCHER_SET", "add_shard_flags", "shard_argv"]
 
 # ShardConfig fields that are not launch flags: each shard's own address, ports and files, its
 # index and the count (the launcher gives them), its metrics port (--metrics), checkpoints (under
-# --out, with the launcher's --checkpoint-every), and TLS and tokens (the workers would need
+# --out, with the launcher's --checkpoint-every or the workers' --checkpoint-every-steps), and TLS and tokens (the workers would need
 # their side of them too).
 LAUNCHER_SET = (
     "host", "port", "shard_index", "num_shards", "metrics_port", "port_file", "health_port", "data_port",

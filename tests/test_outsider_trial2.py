@@ -70,9 +70,6 @@ def test_one_clients_pushes_are_applied_in_the_order_sent(inproc_shard: RunningS
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="launch gives its shards a checkpoint dir only with --checkpoint-every: "
-                   "--checkpoint-every-steps alone writes nothing, exits 0, and its one warning says "
-                   "'start it with --checkpoint-dir', a flag launch does not have")
 def test_launch_checkpoint_every_steps_alone_writes_checkpoints_or_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "job"
     proc = subprocess.run(
