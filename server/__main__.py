@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Sequence
 
-from tether.common.exits import DONE, FAILED, run_command, usage_checks
+from tether.common.exits import DONE, FAILED, exit_process, run_command, usage_checks
 from tether.protos.errors import TetherError, UsageError
 from tether.server import kernels
 from tether.server.config import ShardConfig, load_config
@@ -117,4 +116,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # A shard started as a process (as tether launch starts them) ends without the interpreter's
+    # teardown: its final checkpoint is written and its ports closed by then.
+    exit_process(main())
