@@ -335,9 +335,10 @@ class RowCache:
             return sum(tab.holding for tab in self.tables.values()) + sum(len(e[1]) for e in self._evicted)
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes each table's cache holds (values and pending sums of the slots used, their
-        columns, the id index)."""
-        return {t: tab.size * tab.dim * 4 * 2 + tab.size * 8 * 9 + tab.index_entries() * 16 for t, tab in self.tables.items()}
+        """Bytes each table's cache holds (the slots used: values, pending sums, the local
+        changes held and in flight, the local rule's state, their columns; the id index)."""
+        return {t: tab.size * (tab.dim * 4 * 4 + sum(a[0].nbytes for a in tab.state.values()) + 8 * 9) + tab.index_entries() * 16
+                for t, tab in self.tables.items()}
 
 
 class CachedClient:
