@@ -1,5 +1,6 @@
 """One table's rows in the worker's row cache (``tether.worker.row_cache``): slots in arrays
-and an id -> slot hash index, each step's bookkeeping a few array calls.
+and an id -> slot hash index (each step's passes over them: ``tether.worker.cache_kernels``), and
+the local rule that applies the worker's own gradients to its cached rows (``local_rule``, ``step``).
 
 The index is the shard's own compiled open-addressing table (``tether.server.kernels``:
 ``index_lookup``/``index_place``/``index_cells``, linear probing over [n, 2] int64 (id, slot)
