@@ -81,8 +81,10 @@ def run_job(
             extra = list(shard_args)
             # The shards checkpoint to OUT/checkpoints when asked to: every checkpoint_every seconds,
             # and at every worker's --checkpoint-every-steps (which asks the shards for step-<n>).
-            if checkpoint_every is not None or template.checkpoint_every_steps > 0:
-                extra += ["--checkpoint-dir", str(Path(workdir, "checkpoints").resolve())]
+            asked = checkpoint_every is not None or template.checkpoint_every_steps > 0
+            checkpoints = Path(workdir, "checkpoints").resolve() if asked else None
+            if checkpoints:
+                extra += ["--checkpoint-dir", str(checkpoints)]
             if checkpoint_every is not None:
                 extra += ["--checkpoint-every", repr(checkpoint_every)]
             addresses = cluster.start_shards(num_shards, extra_args=extra, metrics=metrics)
@@ -106,6 +108,8 @@ def run_job(
                 evaluation = {**(workers[0].final_eval or {}), **reference_losses(open_dataset(template))}
             else:
                 evaluation = evaluate_job(replace(template, shards=tuple(addresses)))
+            if checkpoints:
+                _final_checkpoint(template, addresses, checkpoints)
     except KeyboardInterrupt:
         # Leaving the with block stopped every process.
         raise Interrupted(cluster.stopped) from None
@@ -113,6 +117,28 @@ def run_job(
     if out_dir:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _final_checkpoint(template: WorkerConfig, addresses: Sequence[str], root: Path) -> None:
+    """Every shard writes its part of one checkpoint ``final-<unix ms>`` before the launcher stops
+    them. Each shard's own shutdown checkpoint would get an id of its own, so their parts would be
+    no complete checkpoint, and a relaunch onto another shard count would refuse them; with one
+    id they are one, restored onto any count. The shutdown then writes none: nothing changed since.
+    A shard that cannot write it is one line; each shard's own shutdown checkpoint then follows."""
+    from tether.protos.errors import TetherError
+    from tether.worker.client import ClientConfig, PSClient
+
+    ckpt_id = f"final-{int(time.time() * 1000)}"
+    config = replace(ClientConfig.for_training(replace(template, shards=tuple(addresses))), worker_id="launcher")
+    client = PSClient(config)
+    try:
+        client.checkpoint(ckpt_id, timeout_s=120.0)
+    except TetherError as exc:
+        print(f"tether: the final checkpoint {ckpt_id} failed ({exc}); each shard writes its own as it stops", flush=True)
+        return
+    finally:
+        client.close()
+    print(f"tether: final checkpoint {ckpt_id} of all {len(addresses)} shard(s) in {root}", flush=True)
 
 
 def _summary(
