@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from tether.common.allocator import tune_malloc
 from tether.protos.codec import quiet_readonly_warning
-from tether.common.exits import DONE, FAILED, run_command, usage_checks
+from tether.common.exits import DONE, FAILED, exit_process, run_command, usage_checks
 from tether.protos.errors import TetherError, UsageError
 from tether.worker.config import WorkerConfig
 from tether.worker.flags import load_config
@@ -69,4 +69,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # A worker process ends without the interpreter's teardown (about a second of CPU collecting
+    # the torch heap): its record, TensorBoard events and connections are closed by then.
+    exit_process(main())
