@@ -193,6 +193,17 @@ def test_windows_that_mean_nothing_are_refused() -> None:
     assert TrainingConfig.from_env(local=True, push_window=3).push_window == 3
 
 
+@pytest.mark.parametrize("flags, says", [
+    (dict(mode="ssp:2"), "ssp:2 lands every push"),
+    (dict(mode="sync"), "sync pushes in lock step"),
+    (dict(mode="async", prefetch=False), "--no-prefetch"),
+])
+def test_a_window_that_means_nothing_is_refused_by_the_config_before_any_worker_starts(flags: dict[str, Any], says: str) -> None:
+    with pytest.raises(UsageError, match=f"--push-window 3: .*{says}"):
+        TrainingConfig(shards=("127.0.0.1:1",), push_window=3, **flags)
+    assert TrainingConfig(shards=("127.0.0.1:1",), push_window=3, mode="async").push_window == 3
+
+
 # -- against a real shard ---------------------------------------------------------------------------
 
 

@@ -381,6 +381,10 @@ class TrainingConfig:
                 f"--delay-compensation is for async and ssp:S: {'local mode' if self.local else 'sync'} has no stale gradient to "
                 "compensate (leave it at 0)"
             )
+        if self.push_window != 1:  # refused here, at launch, not when the workers have joined
+            from tether.worker.step import check_window
+
+            check_window(self.push_window, self.prefetch and self.consistency[0] == "async", self.mode)
 
     def _check_cache_flags(self) -> None:
         """The cache bounds and policy mean something only with a cache, and a cache only outside sync."""
