@@ -107,8 +107,9 @@ def _worker_config(tmp_path: Path) -> WorkerConfig:
         "table_optimizers": ("t=sgd:lr=0.1,warmup_steps=5,decay=cosine,decay_steps=20", "dense=adam:weight_decay=0.001"),
         "optimizer_config": _optimizer_file(tmp_path),
     }
-    # Local mode and a shard list exclude each other: local gets its own round trip.
-    return WorkerConfig(**non_default(WorkerConfig, special, keep=("local",)), auth_token="s3cret-token")
+    # Local mode and a shard list exclude each other: local gets its own round trip. Pushes in
+    # flight (push_window > 1) need async with prefetching: test_a_push_window_travels_in_the_config_file.
+    return WorkerConfig(**non_default(WorkerConfig, special, keep=("local", "push_window")), auth_token="s3cret-token")
 
 
 def _shard_config(tmp_path: Path) -> ShardConfig:
@@ -334,6 +335,12 @@ def _start_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cfg: WorkerC
     cluster.addresses = list(addresses)
     cluster.start_workers(cfg, echo=False)
     return {name: argv[argv.index("tether.worker") + 1:] for name, argv in spawned.argv.items()}
+
+
+def test_a_push_window_travels_in_the_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_env: None) -> None:
+    cfg = dataclasses.replace(_worker_config(tmp_path), mode="async", prefetch=True, push_window=4)
+    argv = _start_workers(tmp_path, monkeypatch, cfg, ("127.0.0.1:7001", "127.0.0.1:7002"))["worker-0"]
+    assert worker_flags.load_config(argv).push_window == 4
 
 
 def test_a_launched_worker_reads_every_field_from_its_config_file(
