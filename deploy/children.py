@@ -17,13 +17,20 @@ __all__ = ["Child", "child_command", "free_port", "gpu_count", "spawn", "tail", 
 
 
 def _pump(stream: IO[str], prefix: str, sink: IO[str] | None, echo: bool) -> None:
-    for line in stream:
+    """Copy a child's output to its log (and the launcher's stdout) until the child closes it,
+    then close the log and the pipe."""
+    try:
+        for line in stream:
+            if sink is not None:
+                sink.write(line)
+                sink.flush()
+            if echo:
+                sys.stdout.write(f"{prefix}{line}")
+                sys.stdout.flush()
+    finally:
+        stream.close()
         if sink is not None:
-            sink.write(line)
-            sink.flush()
-        if echo:
-            sys.stdout.write(f"{prefix}{line}")
-            sys.stdout.flush()
+            sink.close()
 
 
 @dataclass
