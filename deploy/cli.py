@@ -40,18 +40,13 @@ def _launch(argv: Sequence[str]) -> int:
                    help="restart an async or ssp worker that dies (any exit but a usage error or Ctrl-C) up to N times, as a new "
                    "incarnation, for the steps it had not reported done; the others train on meanwhile (0: the first failure ends "
                    "the job). Not for --mode sync, where a rank that dies ends the job naming it")
-    own = p.add_mutually_exclusive_group()
-    own.add_argument("--script", default=None, help="run this Python training script as the workers (it reads its place in the job with "
-                     "TrainingConfig.from_env(); under --mode sync torchrun runs it) instead of the built-in CTR model")
-    own.add_argument("--entry", default=None, metavar="MODULE:FUNCTION", help="like --script, for a function of an importable module")
-    p.add_argument("--script-args", default="", help="arguments for --script or --entry, as one shell-quoted string")
+    _add_program_flags(p, "the workers")
     add_training_flags(p)
     add_shard_flags(p)
-    a = p.parse_args(argv)
+    a = p.parse_args(_joined_script_args(argv))
 
     def body() -> int:
         from tether.deploy.job import run_job
-        from tether.deploy.launch import Program
 
         # Every flag is checked here, before any process starts (the data file included).
         with usage_checks():
@@ -62,8 +57,7 @@ def _launch(argv: Sequence[str]) -> int:
             if a.max_restarts and template.consistency[0] == "sync":
                 raise ValueError(f"--max-restarts {a.max_restarts}: sync ranks are not restarted (a rank that dies ends the job, "
                                  "naming it); use --mode async or ssp:S")
-            args = shlex.split(a.script_args)
-            program = Program.script(a.script, args) if a.script else Program.entry(a.entry, args) if a.entry else None
+            program = _program(a)
             shard_args = shard_argv(a)
         # A UsageError from here on is a worker's own one line (a malformed data line found mid-run).
         summary = run_job(template, a.num_shards, out=a.out, timeout_s=a.job_timeout, metrics=a.metrics,
@@ -73,6 +67,45 @@ def _launch(argv: Sequence[str]) -> int:
         return DONE
 
     return run_command("tether launch", body, failures=(ClusterError,), say_interrupted=True)
+
+
+def _add_program_flags(p: argparse.ArgumentParser, who: str) -> None:
+    """``--script``/``--entry`` and ``--script-args``: the user's own training program."""
+    own = p.add_mutually_exclusive_group()
+    own.add_argument("--script", default=None, help=f"run this Python training script as {who} (it reads its place in the job with "
+                     "TrainingConfig.from_env(); under --mode sync torchrun runs it) instead of the built-in CTR model")
+    own.add_argument("--entry", default=None, metavar="MODULE:FUNCTION", help="like --script, for a function of an importable module")
+    p.add_argument("--script-args", default="", metavar="ARGS",
+                   help="arguments for --script or --entry, as one shell-quoted string (one that starts with a dash is taken "
+                   "as is: --script-args --eval-first, or --script-args '--data x.dat --eval-first')")
+
+
+def _joined_script_args(argv: Sequence[str]) -> list[str]:
+    """``--script-args VALUE`` as ``--script-args=VALUE``, so a value that starts with a dash
+    (``--eval-first``) is the flag's value, not taken by argparse for an option of its own."""
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--script-args":
+            out[i : i + 2] = [f"--script-args={out[i + 1]}"]
+            break
+    return out
+
+
+def _program(a: argparse.Namespace) -> Any:
+    """The user's program of ``--script``/``--entry`` (None: the built-in CTR model).
+
+    Raises:
+        ValueError: no such script or module, or unbalanced quotes in --script-args, named.
+    """
+    from tether.deploy.launch import Program
+
+    if a.script_args and not (a.script or a.entry):
+        raise ValueError("--script-args is for --script or --entry; give one of them")
+    try:
+        args = shlex.split(a.script_args)
+    except ValueError as exc:
+        raise ValueError(f"--script-args {a.script_args!r}: {exc}") from None
+    return Program.script(a.script, args) if a.script else Program.entry(a.entry, args) if a.entry else None
 
 
 def _result_lines(summary: dict[str, Any], out: str | None, own_program: bool) -> str:
@@ -178,8 +211,9 @@ def _comparison(command: str, argv: Sequence[str]) -> int:
     p.add_argument("--mode", action=_Refused, help=argparse.SUPPRESS, default=argparse.SUPPRESS,
                    why=f"tether {command} runs " + ("ssp:S for every S of --bounds" if sweep else "every mode of --modes")
                    + "; --mode is for launch and worker")
+    _add_program_flags(p, "the workers of every run")
     add_training_flags(p, mode=False)
-    a = p.parse_args(argv)
+    a = p.parse_args(_joined_script_args(argv))
     return run_command(f"tether {command}", lambda: _run_comparison(a, sweep), failures=(ClusterError,), say_interrupted=True)
 
 
@@ -202,14 +236,16 @@ def _run_comparison(a: argparse.Namespace, sweep: bool) -> int:
         else:
             modes = [m.strip() for m in a.modes.split(",") if m.strip()]
         check_arguments(modes, straggler=a.straggler, tolerance=a.tolerance if sweep else 0.0, repeats=a.repeats)
-    common = dict(straggler=a.straggler, target_loss=a.target_loss, timeout_s=a.job_timeout, echo=a.verbose, repeats=a.repeats)
+        program = _program(a)
+    common = dict(straggler=a.straggler, target_loss=a.target_loss, timeout_s=a.job_timeout, echo=a.verbose, repeats=a.repeats,
+                  program=program)
     # A UsageError from here on is a worker's one line, or no bound reached the target.
     if sweep:
         summary = run_sweep(template, bounds, a.num_shards, a.out, tolerance=a.tolerance, **common)
     else:
         summary = compare(template, modes, a.num_shards, a.out, **common)
     print(format_table(summary))
-    print(f"wrote {a.out}/summary.json, curves.csv and curves.png")
+    print(f"wrote {a.out}/summary.json, curves.csv" + (" and curves.png" if summary.get("plotted", True) else ""))
     if template.tensorboard:
         print(f"TensorBoard curves of every mode: tensorboard --logdir {template.tensorboard}")
     return DONE

@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from tether.deploy.compare_program import NO_EVAL_LOSS, format_program_table, program_mode_figures, program_run_figures
 from tether.deploy.job import run_job, staleness_summary
+from tether.deploy.launch import Program
 from tether.deploy.plot import write_plot
 from tether.protos.errors import UsageError
 from tether.worker.config import WorkerConfig, parse_mode
@@ -133,10 +135,10 @@ def _with_total_samples(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
 
 def _run_one(
     template: WorkerConfig, mode: str, repeat: int, repeats: int, num_shards: int, out_dir: Path, spec: str, timeout_s: float,
-    echo: bool, printer: Callable[[str], None],
+    echo: bool, printer: Callable[[str], None], program: Program | None = None,
 ) -> dict[str, Any]:
-    """One run of ``compare``: ``template`` under ``mode`` with repeat ``repeat``'s data order, in
-    its own folder; its summary, records, curve and figures."""
+    """One run of ``compare``: ``template`` (as ``program``'s workers, if given) under ``mode``
+    with repeat ``repeat``'s data order, in its own folder; its summary, records, curve and figures."""
     # The sync baseline runs without DC-ASGD: nothing in sync is stale (the option refuses it).
     dc = 0.0 if mode == "sync" else template.delay_compensation
     # Nor with the row cache: sync reads every row fresh (the option refuses it); the run's line says so.
@@ -150,9 +152,9 @@ def _run_one(
     printer(f"tether compare: running {mode}" + (f" repeat {repeat + 1}/{repeats}" if repeats > 1 else "")
             + f" ({cfg.num_workers} workers, {num_shards} shards, straggler {spec}"
             + ("; no row cache: sync reads every row fresh)" if no_cache else ")"))
-    summary = run_job(cfg, num_shards, out=run_dir, timeout_s=timeout_s, echo=echo)
+    summary = run_job(cfg, num_shards, out=run_dir, timeout_s=timeout_s, echo=echo, program=program)
     records = [RunRecord.load(run_dir / f"worker-{w}.json") for w in range(cfg.num_workers)]
-    curve = _with_job_end(_with_total_samples(records), summary, records)
+    curve = _with_total_samples(records)
     updates = sorted(x for r in records for x in r.update_staleness)
     run: dict[str, Any] = {
         "mode": mode,
@@ -160,9 +162,6 @@ def _run_one(
         "data_seed": cfg.data_seed,
         "summary": summary,
         "records": records,
-        "curve": curve,
-        "final_eval_loss": float(summary["eval_loss"]),
-        "final_eval_auc": float(summary["eval_auc"]),
         "samples_per_sec": float(summary["samples_per_sec"]),
         "train_wall_s": float(summary["train_wall_s"]),
         "update_staleness_p50": float(np.median(updates)) if updates else 0.0,
@@ -170,6 +169,12 @@ def _run_one(
         "bytes_per_sample": sum(sum(v["pulled_bytes"] + v["pushed_bytes"] for v in (r.traffic or {}).values()) for r in records)
         / max(sum(r.samples for r in records), 1),
     }
+    if program is not None:
+        # A script's final eval is worker 0's last evaluation, already on its curve.
+        run.update(program_run_figures(summary, records, curve))
+    else:
+        run.update(curve=_with_job_end(curve, summary, records), final_eval_loss=float(summary["eval_loss"]),
+                   final_eval_auc=float(summary["eval_auc"]))
     return run
 
 
@@ -185,6 +190,7 @@ def compare(
     echo: bool = False,
     repeats: int = 1,
     printer: Callable[[str], None] = print,
+    program: Program | None = None,
 ) -> dict[str, Any]:
     """Run ``template`` under each mode, ``repeats`` times, and write the comparison to ``out``.
 
@@ -205,6 +211,9 @@ def compare(
         timeout_s: limit per run.
         repeats: runs per mode, each with its own data order.
         printer: where the line per finished run goes.
+        program: a user's training program run as every run's workers (``tether launch
+            --script``'s); its runs are compared on what its workers' records report
+            (``tether.deploy.compare_program``).
 
     Raises:
         UsageError: see ``check_arguments``; or a worker's own one line (a malformed data line).
@@ -225,33 +234,27 @@ def compare(
     runs: list[dict[str, Any]] = []
     for repeat in range(repeats):
         for mode in modes:
-            run = _run_one(template, mode, repeat, repeats, num_shards, out_dir, str(spec), timeout_s, echo, printer)
-            summary = run["summary"]
-            curve = run["curve"]
-            runs.append(run)
-            worst = max(float(r["final_eval_loss"]) for r in runs)
-            base = float(summary["baseline_loss"])
-            so_far = target_loss if target_loss is not None else base - target_fraction * (base - worst)
-            ttt = time_to_target(curve, so_far)
-            printer(f"tether compare: {mode}" + (f" repeat {repeat + 1}/{repeats}" if repeats > 1 else "")
-                    + f": final loss {run['final_eval_loss']:.4f}, to {'target' if target_loss is not None else 'target so far'} "
-                    + f"{so_far:.4f}: {'never' if ttt is None else f'{ttt:.1f}s'}, training wall {run['train_wall_s']:.1f}s, "
-                    + f"{run['samples_per_sec']:,.0f} samples/s, {run['bytes_per_sample']:,.0f} B/sample moved")
-    first = runs[0]["summary"]
-    baseline = float(first["baseline_loss"])
-    if target_loss is None:
+            runs.append(_run_one(template, mode, repeat, repeats, num_shards, out_dir, str(spec), timeout_s, echo, printer, program))
+            printer(_progress_line(runs, repeats, target_loss, target_fraction))
+    baseline = _baseline(runs)
+    if target_loss is None and baseline is not None and all(r["final_eval_loss"] is not None for r in runs):
         # From the runs themselves (the worst final loss), so every run reaches it.
         worst = max(float(r["final_eval_loss"]) for r in runs)
         target_loss = baseline - target_fraction * (baseline - worst)
     for run in runs:
-        run["time_to_target_s"] = time_to_target(run["curve"], target_loss)
+        run["time_to_target_s"] = time_to_target(run["curve"], target_loss) if target_loss is not None else None
     results = [_mode_result(mode, [r for r in runs if r["mode"] == mode]) for mode in modes]
     _write_curves(out_dir / "curves.csv", runs)
+    first = runs[0]["summary"]
     best_possible = float(first["bayes_loss"]) if "bayes_loss" in first else None
-    write_plot({m: [r for r in runs if r["mode"] == m] for m in modes}, out_dir / "curves.png", target_loss, baseline, best_possible,
-               title=f"{template.num_workers} workers, {num_shards} shards, straggler {spec}"
-               + (f", {repeats} repeats" if repeats > 1 else ""))
-    summary = {
+    plotted = target_loss is not None and baseline is not None
+    if plotted:
+        assert target_loss is not None and baseline is not None
+        write_plot({m: [r for r in runs if r["mode"] == m] for m in modes}, out_dir / "curves.png", target_loss, baseline, best_possible,
+                   title=f"{template.num_workers} workers, {num_shards} shards, straggler {spec}"
+                   + (f", {repeats} repeats" if repeats > 1 else ""),
+                   **({"baseline_label": "initial model", "loss_label": "held-out eval_loss"} if program else {}))
+    summary: dict[str, Any] = {
         "target_loss": target_loss,
         "baseline_loss": baseline,
         "straggler": str(spec),
@@ -261,12 +264,44 @@ def compare(
         "repeats": repeats,
         "samples_per_mode": template.num_workers * template.steps * template.batch_size,
         "wall_time": "worker 0's training time, its evaluations left out; time to target interpolated between evaluations",
+        "plotted": plotted,
         "modes": results,
     }
+    if program is not None:
+        summary["program"] = " ".join(program.argv)
+        summary["baseline"] = "the initial model's eval loss (worker 0 at step 0)"
+        summary.pop("samples_per_mode")  # the script decides its batches
+        if target_loss is None:
+            summary["no_eval_loss"] = NO_EVAL_LOSS
     if best_possible is not None:
         summary["bayes_loss"] = best_possible
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _baseline(runs: Sequence[dict[str, Any]]) -> float | None:
+    """The loss a target is measured from: the constant predictor's (the built-in job), or a
+    script's initial model's eval loss (None: its worker 0 reported none)."""
+    if "initial_eval_loss" in runs[0]:
+        return runs[0]["initial_eval_loss"]
+    return float(runs[0]["summary"]["baseline_loss"])
+
+
+def _progress_line(runs: Sequence[dict[str, Any]], repeats: int, target_loss: float | None, target_fraction: float) -> str:
+    """The line printed as the newest run of ``runs`` finishes."""
+    run = runs[-1]
+    head = f"tether compare: {run['mode']}" + (f" repeat {run['repeat'] + 1}/{repeats}" if repeats > 1 else "")
+    tail = (f"training wall {run['train_wall_s']:.1f}s, {run['samples_per_sec']:,.0f} samples/s, "
+            f"{run['bytes_per_sample']:,.0f} B/sample moved")
+    if "initial_eval_loss" in run and run["final_eval_loss"] is None:
+        train = run["final_train_loss"]
+        return f"{head}: final train loss {'-' if train is None else f'{train:.4f}'} (no eval loss reported), {tail}"
+    base = _baseline(runs)
+    losses = [r["final_eval_loss"] for r in runs if r["final_eval_loss"] is not None]
+    so_far = target_loss if target_loss is not None or base is None else base - target_fraction * (base - max(losses))
+    ttt = time_to_target(run["curve"], so_far) if so_far is not None else None
+    return (f"{head}: final loss {run['final_eval_loss']:.4f}, to {'target' if target_loss is not None else 'target so far'} "
+            + (f"{so_far:.4f}: {'never' if ttt is None else f'{ttt:.1f}s'}" if so_far is not None else "unknown") + f", {tail}")
 
 
 def _write_curves(path: Path, runs: Sequence[dict[str, Any]]) -> None:
@@ -285,7 +320,8 @@ def _write_curves(path: Path, runs: Sequence[dict[str, Any]]) -> None:
 
 def _mode_result(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One mode's figures over its runs: means, spreads (sample standard deviation) and each run."""
-    losses = [float(r["final_eval_loss"]) for r in runs]
+    losses = [float(r["final_eval_loss"]) for r in runs if r["final_eval_loss"] is not None]
+    aucs = [float(r["final_eval_auc"]) for r in runs if r["final_eval_auc"] is not None]
     times = [r["time_to_target_s"] for r in runs]
     reached = [float(t) for t in times if t is not None]
     return {
@@ -293,9 +329,10 @@ def _mode_result(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "repeats": len(runs),
         "time_to_target_s": statistics.fmean(reached) if len(reached) == len(runs) else None,
         "time_to_target_s_std": _spread(reached) if len(reached) == len(runs) else None,
-        "final_eval_loss": statistics.fmean(losses),
-        "final_eval_loss_std": _spread(losses),
-        "final_eval_auc": statistics.fmean(float(r["final_eval_auc"]) for r in runs),
+        # None when a script's runs report no eval loss (or AUC)
+        "final_eval_loss": statistics.fmean(losses) if len(losses) == len(runs) else None,
+        "final_eval_loss_std": _spread(losses) if len(losses) == len(runs) else None,
+        "final_eval_auc": statistics.fmean(aucs) if len(aucs) == len(runs) else None,
         "samples_per_sec": statistics.fmean(float(r["samples_per_sec"]) for r in runs),
         "train_wall_s": statistics.fmean(float(r["train_wall_s"]) for r in runs),
         "bytes_per_sample": statistics.fmean(float(r["bytes_per_sample"]) for r in runs),
@@ -309,6 +346,7 @@ def _mode_result(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
             }
             for r in runs
         ],
+        **(program_mode_figures(runs) if "initial_eval_loss" in runs[0] else {}),
     }
 
 
@@ -356,6 +394,8 @@ def recommend(results: Sequence[dict[str, Any]], tolerance: float = 0.01) -> dic
 
 def format_table(summary: dict[str, Any]) -> str:
     """The per-mode results as an aligned text table (mean +- standard deviation over repeats)."""
+    if "program" in summary:
+        return format_program_table(summary)
     repeats = int(summary.get("repeats", 1))
     pm = repeats > 1
 
@@ -402,6 +442,11 @@ def sweep(
         raise UsageError(f"--bounds must be a non-empty list of integers >= 0, got {list(bounds)!r}")
     check_arguments([f"ssp:{b}" for b in bounds], tolerance=tolerance)
     summary = compare(template, [f"ssp:{b}" for b in bounds], num_shards, out, **kwargs)
+    if summary["target_loss"] is None:  # a script whose runs report no eval loss
+        summary.update(recommended_staleness=None, recommendation="no staleness bound recommended (it needs an eval loss)",
+                       tied_bounds=[], tolerance=tolerance)
+        Path(out, "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
     verdict = recommend(summary["modes"], tolerance)
     chosen = verdict["recommended"]
     summary["recommended_staleness"] = None if chosen is None else parse_mode(str(chosen["mode"]))[1]

@@ -45,11 +45,14 @@ def write_plot(
     baseline: float,
     best_possible: float | None = None,
     title: str = "",
+    baseline_label: str = "constant predictor",
+    loss_label: str = "held-out log loss",
 ) -> Figure:
     """Eval loss against wall time and against all workers' samples (one line per mode, the
     mean of its runs, with a band from the lowest to the highest run), each with a zoomed inset
     of the second half; and clock staleness over time. Written to ``path`` (PNG); returns the
-    figure (closed: its axes and lines say what was drawn)."""
+    figure (closed: its axes and lines say what was drawn). ``baseline_label`` names the
+    horizontal line at ``baseline`` (a user's script: its initial model's eval loss)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,7 +82,7 @@ def write_plot(
             if best_possible is not None:
                 target_ax.axhline(best_possible, color="green", ls="-.", lw=1, label="best possible" if target_ax is ax else None)
             target_ax.grid(alpha=0.3)
-        ax.axhline(baseline, color="black", ls=":", lw=1, label="constant predictor")
+        ax.axhline(baseline, color="black", ls=":", lw=1, label=baseline_label)
         lows = [best_possible] if best_possible is not None else []
         everything = [float(p["eval_loss"]) for mode_runs in runs.values() for r in mode_runs for p in _evals(r["curve"])]
         bottom, top = min(everything + lows), max(everything + [baseline])
@@ -93,7 +96,7 @@ def write_plot(
             inset.tick_params(labelsize=7)
             inset.set_title("second half, zoomed", fontsize=7)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("held-out log loss")
+        ax.set_ylabel(loss_label)
         ax.set_xlim(left=0)
     ax_t.legend(fontsize=7, loc="lower left")
     for mode, mode_runs in runs.items():

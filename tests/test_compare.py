@@ -1,7 +1,12 @@
-"""compare/sweep helpers without processes: time to target, recommendations, stragglers, the plot."""
+"""compare/sweep helpers without processes (time to target, recommendations, stragglers, the plot), and
+compare/sweep --script running a user's script as real processes."""
 
 from __future__ import annotations
 
+import json
+import math
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -159,3 +164,56 @@ def test_table_shows_mean_and_spread() -> None:
     text = format_table(summary)
     assert "12.0 +-0.5" in text and "0.4650 +-0.0020" in text and "best possible 0.4400" in text
     assert text.splitlines()[-1] == "recommended staleness bound: 2"
+
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "compare_script.py"
+TINY = ["--num-workers", "2", "--num-shards", "1", "--steps", "12", "--eval-every", "4", "--job-timeout", "120"]
+
+
+def _tether(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tether.deploy.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_compare_runs_a_users_script_in_every_mode_and_compares_its_records(tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    proc = _tether("compare", "--script", str(SCRIPT), "--modes", "async,sync", "--out", str(out), *TINY)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["program"].endswith("compare_script.py") and [m["mode"] for m in summary["modes"]] == ["async", "sync"]
+    for result in summary["modes"]:
+        run_dir = out / result["mode"]
+        records = [RunRecord.load(run_dir / f"worker-{w}.json") for w in range(2)]
+        # The figures are the script's own records': worker 0's last evaluation, each worker's last train loss.
+        assert result["final_eval_loss"] == pytest.approx(records[0].final_eval["eval_loss"])
+        assert math.isfinite(result["final_eval_loss"]) and 0 <= result["final_eval"]["within_half"] <= 1
+        last_train = [[p["train_loss"] for p in r.history if "train_loss" in p][-1] for r in records]
+        assert result["final_train_loss"] == pytest.approx(sum(last_train) / 2) and result["steps_per_worker"] == [[12, 12]]
+        # Each worker (each sync rank) trained its own slice: disjoint, together every sample.
+        seen = [set(json.loads((run_dir / f"seen-{w}.json").read_text())) for w in range(2)]
+        assert len(seen[0]) == len(seen[1]) == 192 and not seen[0] & seen[1] and seen[0] | seen[1] == set(range(384))
+    # Both modes start from the same initial model: its eval loss is the baseline, above the final losses.
+    first = RunRecord.load(out / "async" / "worker-0.json").history[0]
+    assert first["step"] == 0 and summary["baseline_loss"] == pytest.approx(first["eval_loss"])
+    assert all(m["final_eval_loss"] < summary["baseline_loss"] for m in summary["modes"])
+    assert summary["target_loss"] is not None and (out / "curves.png").stat().st_size > 0
+    assert "within_half" in proc.stdout and "initial model" in proc.stdout and "no eval loss" not in proc.stdout
+
+
+def test_sweep_of_a_script_without_eval_loss_says_so_in_one_line(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    # A --script-args value that is one token starting with a dash is the script's, not argparse's.
+    proc = _tether("sweep", "--script", str(SCRIPT), "--script-args", "--no-eval", "--bounds", "1", "--out", str(out), *TINY)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["target_loss"] is None and summary["recommended_staleness"] is None and not summary["plotted"]
+    assert math.isfinite(summary["modes"][0]["final_train_loss"]) and summary["modes"][0]["final_eval_loss"] is None
+    assert proc.stdout.count("report no eval loss") == 1 and "no staleness bound recommended" in proc.stdout
+    assert "to target (s)" not in proc.stdout and not (out / "curves.png").exists()
+
+
+def test_script_flags_are_checked_before_any_process_starts(tmp_path: Path) -> None:
+    missing = _tether("compare", "--script", str(tmp_path / "nope.py"), "--out", str(tmp_path / "o"))
+    assert missing.returncode == 2 and missing.stderr.strip() == f"tether compare: error: --script {tmp_path / 'nope.py'}: no such file"
+    alone = _tether("sweep", "--script-args", "--no-eval", "--out", str(tmp_path / "o"))
+    assert alone.returncode == 2 and "--script-args is for --script or --entry" in alone.stderr and len(alone.stderr.splitlines()) == 1
+    assert not (tmp_path / "o").exists()
