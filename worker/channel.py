@@ -9,6 +9,9 @@ number so the shard applies it once. A call as a whole, retries and data-plane f
 included, ends within ``ClientConfig.call_deadline_s``: each attempt's deadline is what is left
 of it, at most ``timeout_s``, and once it is spent the call raises ``Unavailable``. Only a
 ``ClientConfig.retries`` set explicitly ends it sooner, after that many retries.
+
+A shard applies one client's pushes in the order they were started (``push_in_order``): the
+next push to a shard is sent once the previous one is over, retries included.
 """
 
 from __future__ import annotations

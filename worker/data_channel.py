@@ -1,7 +1,8 @@
 """Client side of the data plane (``tether.protos.framing``): connections to one shard's data port.
 
 ``DataPlane`` keeps a small pool of connections per shard (one call at a time on each, so
-concurrent pushes and prefetched pulls get their own) and knows when the shard offers no data
+prefetched pulls and a push in flight get their own; the shard serves connections in parallel,
+so ``ShardChannel.push_in_order`` sends a client's next push only once its last is answered) and knows when the shard offers no data
 plane, or when the data plane just failed and calls should go over gRPC for a while. With
 shared memory allowed, a connection first tries the shard's abstract unix socket (which only a
 process on the same machine and network namespace reaches) and sends it a sealed memfd region

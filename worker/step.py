@@ -12,7 +12,8 @@ plain prefetch issued before the push.
 The push window K (``--push-window``, PERSIA's ``embedding_staleness``; async only) deepens this
 pipeline: a step's push carries the pull of the batch K + 1 steps on, so up to K of this worker's
 pushes are in flight while a step computes and its rows may miss this worker's last K updates
-(K = 1: the above). A push is settled (its ack or error read) when the pull it carries is
+(K = 1: the above). Each shard gets them one at a time, applied in the order sent
+(``ShardChannel.push_in_order``); the step does not wait for that. A push is settled (its ack or error read) when the pull it carries is
 installed; one that carries none, once K pushes are unsettled at the next push. Before worker 0
 evaluates and at the end every push is settled: an error a shard answered surfaces then at the
 latest, never lost.
