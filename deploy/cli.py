@@ -212,6 +212,9 @@ def _comparison(command: str, argv: Sequence[str]) -> int:
                    why=f"tether {command} runs " + ("ssp:S for every S of --bounds" if sweep else "every mode of --modes")
                    + "; --mode is for launch and worker")
     _add_program_flags(p, "the workers of every run")
+    p.add_argument("--metric", default=None, metavar="NAME",
+                   help="with --script or --entry: the held-out metric of worker 0's evaluation to compare on, lower is better "
+                   "(default: eval_loss, what Trainer.fit reports given eval_data and no evaluate)")
     add_training_flags(p, mode=False)
     a = p.parse_args(_joined_script_args(argv))
     return run_command(f"tether {command}", lambda: _run_comparison(a, sweep), failures=(ClusterError,), say_interrupted=True)
@@ -237,8 +240,10 @@ def _run_comparison(a: argparse.Namespace, sweep: bool) -> int:
             modes = [m.strip() for m in a.modes.split(",") if m.strip()]
         check_arguments(modes, straggler=a.straggler, tolerance=a.tolerance if sweep else 0.0, repeats=a.repeats)
         program = _program(a)
+        if a.metric is not None and program is None:
+            raise ValueError(f"--metric {a.metric}: is for --script or --entry (the built-in job compares its log loss)")
     common = dict(straggler=a.straggler, target_loss=a.target_loss, timeout_s=a.job_timeout, echo=a.verbose, repeats=a.repeats,
-                  program=program)
+                  program=program, metric=a.metric or "eval_loss")
     # A UsageError from here on is a worker's one line, or no bound reached the target.
     if sweep:
         summary = run_sweep(template, bounds, a.num_shards, a.out, tolerance=a.tolerance, **common)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from tether.deploy.compare_program import NO_EVAL_LOSS, format_program_table, program_mode_figures, program_run_figures
+from tether.deploy.compare_program import format_program_table, no_eval_loss, program_mode_figures, program_run_figures
 from tether.deploy.job import run_job, staleness_summary
 from tether.deploy.launch import Program
 from tether.deploy.plot import write_plot
@@ -135,7 +135,7 @@ def _with_total_samples(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
 
 def _run_one(
     template: WorkerConfig, mode: str, repeat: int, repeats: int, num_shards: int, out_dir: Path, spec: str, timeout_s: float,
-    echo: bool, printer: Callable[[str], None], program: Program | None = None,
+    echo: bool, printer: Callable[[str], None], program: Program | None = None, metric: str = "eval_loss",
 ) -> dict[str, Any]:
     """One run of ``compare``: ``template`` (as ``program``'s workers, if given) under ``mode``
     with repeat ``repeat``'s data order, in its own folder; its summary, records, curve and figures."""
@@ -171,7 +171,7 @@ def _run_one(
     }
     if program is not None:
         # A script's final eval is worker 0's last evaluation, already on its curve.
-        run.update(program_run_figures(summary, records, curve))
+        run.update(program_run_figures(summary, records, curve, metric))
     else:
         run.update(curve=_with_job_end(curve, summary, records), final_eval_loss=float(summary["eval_loss"]),
                    final_eval_auc=float(summary["eval_auc"]))
@@ -191,6 +191,7 @@ def compare(
     repeats: int = 1,
     printer: Callable[[str], None] = print,
     program: Program | None = None,
+    metric: str = "eval_loss",
 ) -> dict[str, Any]:
     """Run ``template`` under each mode, ``repeats`` times, and write the comparison to ``out``.
 
@@ -213,7 +214,7 @@ def compare(
         printer: where the line per finished run goes.
         program: a user's training program run as every run's workers (``tether launch
             --script``'s); its runs are compared on what its workers' records report
-            (``tether.deploy.compare_program``).
+            (``tether.deploy.compare_program``), ``metric`` (lower is better) as the eval loss.
 
     Raises:
         UsageError: see ``check_arguments``; or a worker's own one line (a malformed data line).
@@ -234,7 +235,8 @@ def compare(
     runs: list[dict[str, Any]] = []
     for repeat in range(repeats):
         for mode in modes:
-            runs.append(_run_one(template, mode, repeat, repeats, num_shards, out_dir, str(spec), timeout_s, echo, printer, program))
+            runs.append(_run_one(template, mode, repeat, repeats, num_shards, out_dir, str(spec), timeout_s, echo, printer,
+                                 program, metric))
             printer(_progress_line(runs, repeats, target_loss, target_fraction))
     baseline = _baseline(runs)
     if target_loss is None and baseline is not None and all(r["final_eval_loss"] is not None for r in runs):
@@ -269,10 +271,11 @@ def compare(
     }
     if program is not None:
         summary["program"] = " ".join(program.argv)
+        summary["metric"] = metric
         summary["baseline"] = "the initial model's eval loss (worker 0 at step 0)"
         summary.pop("samples_per_mode")  # the script decides its batches
         if target_loss is None:
-            summary["no_eval_loss"] = NO_EVAL_LOSS
+            summary["no_eval_loss"] = no_eval_loss(metric)
     if best_possible is not None:
         summary["bayes_loss"] = best_possible
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -176,7 +176,8 @@ def _tether(*args: str) -> subprocess.CompletedProcess:
 
 def test_compare_runs_a_users_script_in_every_mode_and_compares_its_records(tmp_path: Path) -> None:
     out = tmp_path / "cmp"
-    proc = _tether("compare", "--script", str(SCRIPT), "--modes", "async,sync", "--out", str(out), *TINY)
+    # Compared on the script's own metric name (lower is better).
+    proc = _tether("compare", "--script", str(SCRIPT), "--modes", "async,sync", "--metric", "mae", "--out", str(out), *TINY)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["program"].endswith("compare_script.py") and [m["mode"] for m in summary["modes"]] == ["async", "sync"]
@@ -184,7 +185,8 @@ def test_compare_runs_a_users_script_in_every_mode_and_compares_its_records(tmp_
         run_dir = out / result["mode"]
         records = [RunRecord.load(run_dir / f"worker-{w}.json") for w in range(2)]
         # The figures are the script's own records': worker 0's last evaluation, each worker's last train loss.
-        assert result["final_eval_loss"] == pytest.approx(records[0].final_eval["eval_loss"])
+        assert result["final_eval_loss"] == pytest.approx(records[0].final_eval["mae"])
+        assert result["final_eval"] == pytest.approx({k: v for k, v in records[0].final_eval.items() if k != "mae"})
         assert math.isfinite(result["final_eval_loss"]) and 0 <= result["final_eval"]["within_half"] <= 1
         last_train = [[p["train_loss"] for p in r.history if "train_loss" in p][-1] for r in records]
         assert result["final_train_loss"] == pytest.approx(sum(last_train) / 2) and result["steps_per_worker"] == [[12, 12]]
@@ -193,10 +195,11 @@ def test_compare_runs_a_users_script_in_every_mode_and_compares_its_records(tmp_
         assert len(seen[0]) == len(seen[1]) == 192 and not seen[0] & seen[1] and seen[0] | seen[1] == set(range(384))
     # Both modes start from the same initial model: its eval loss is the baseline, above the final losses.
     first = RunRecord.load(out / "async" / "worker-0.json").history[0]
-    assert first["step"] == 0 and summary["baseline_loss"] == pytest.approx(first["eval_loss"])
+    assert first["step"] == 0 and summary["baseline_loss"] == pytest.approx(first["mae"]) and summary["metric"] == "mae"
     assert all(m["final_eval_loss"] < summary["baseline_loss"] for m in summary["modes"])
     assert summary["target_loss"] is not None and (out / "curves.png").stat().st_size > 0
-    assert "within_half" in proc.stdout and "initial model" in proc.stdout and "no eval loss" not in proc.stdout
+    assert "within_half" in proc.stdout and "target mae" in proc.stdout and "initial model" in proc.stdout
+    assert "no eval loss" not in proc.stdout
 
 
 def test_sweep_of_a_script_without_eval_loss_says_so_in_one_line(tmp_path: Path) -> None:
@@ -216,4 +219,6 @@ def test_script_flags_are_checked_before_any_process_starts(tmp_path: Path) -> N
     assert missing.returncode == 2 and missing.stderr.strip() == f"tether compare: error: --script {tmp_path / 'nope.py'}: no such file"
     alone = _tether("sweep", "--script-args", "--no-eval", "--out", str(tmp_path / "o"))
     assert alone.returncode == 2 and "--script-args is for --script or --entry" in alone.stderr and len(alone.stderr.splitlines()) == 1
+    builtin = _tether("compare", "--metric", "mae", "--out", str(tmp_path / "o"))
+    assert builtin.returncode == 2 and "--metric mae: is for --script or --entry" in builtin.stderr
     assert not (tmp_path / "o").exists()

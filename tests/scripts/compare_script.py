@@ -3,8 +3,8 @@ regression through the public API only. Each worker trains its slice of the samp
 (``TrainingConfig.from_env()`` names it) and writes the ids it trained to
 ``<TETHER_OUT>/seen-<i>.json`` (each run of a comparison has its own TETHER_OUT).
 
-Worker 0 evaluates held-out samples as ``eval_loss`` and ``within_half`` (the fraction
-predicted within 0.5); ``--no-eval`` gives ``fit`` no held-out data, so the records carry no
+Worker 0 evaluates held-out samples as ``eval_loss``, ``mae`` and ``within_half`` (the
+fraction predicted within 0.5); ``--no-eval`` gives ``fit`` no held-out data, so the records carry no
 eval loss.
 """
 
@@ -58,7 +58,8 @@ def loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def evaluate(model: nn.Module, b: dict[str, torch.Tensor]) -> dict[str, float]:
     y = model(b)
-    return {"eval_loss": float(nn.functional.mse_loss(y, b["target"])), "within_half": float(((y - b["target"]).abs() < 0.5).float().mean())}
+    err = (y - b["target"]).abs()
+    return {"eval_loss": float(nn.functional.mse_loss(y, b["target"])), "mae": float(err.mean()), "within_half": float((err < 0.5).float().mean())}
 
 
 with Trainer(Regressor(), config, loss=loss, sparse=lambda b: {"items": b["item"]}, batch_size=lambda b: len(b["sid"])) as trainer:
