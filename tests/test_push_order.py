@@ -1,0 +1,42 @@
+"""``ShardChannel.push_in_order``: a push goes out only once the previous push to that shard is
+over (answered or failed, retries included), without blocking the caller."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from tether.protos import tether_pb2 as pb
+from tether.worker.channel import Call, ShardChannel
+from tether.worker.client_config import ClientConfig
+from tether.worker.metrics import NullWorkerMetrics
+
+
+def test_a_push_waits_for_the_previous_one_to_be_over_not_the_caller() -> None:
+    channel = ShardChannel(0, ClientConfig(addresses=("127.0.0.1:1",), worker_id="w", transport="grpc"), NullWorkerMetrics())
+    sent: list[int] = []
+    second_sent = threading.Event()
+
+    def fake_call(call: Call, **_: Any) -> int:
+        sent.append(call.request.seq)
+        second_sent.set()
+        return call.request.seq
+
+    channel.call = fake_call  # type: ignore[method-assign]
+    pool = ThreadPoolExecutor(2)
+    try:
+        first: Future[int] = Future()
+        started = channel.push_in_order(lambda: first, Call("Push", pb.PushRequest(seq=1)), 1e9, pool)
+        assert started is first  # nothing before it: started at once
+        second = channel.push_in_order(lambda: pool.submit(fake_call, Call("Push", pb.PushRequest(seq=9))),
+                                       Call("Push", pb.PushRequest(seq=2)), 1e9, pool)
+        assert not second_sent.wait(0.3) and sent == []  # returned at once, not sent while the first is out
+        first.set_exception(ConnectionError("the first push failed for good"))  # over: failed, retries spent
+        assert second.result(5.0) == 2 and sent == [2]
+        # The previous one over: the next starts at once, from the caller.
+        third = channel.push_in_order(lambda: pool.submit(lambda: 3), Call("Push", pb.PushRequest(seq=3)), 1e9, pool)
+        assert third.result(5.0) == 3 and sent == [2]
+    finally:
+        pool.shutdown()
+        channel.close()
