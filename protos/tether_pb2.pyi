@@ -221,18 +221,20 @@ class ClockRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., clock: _Optional[int] = ..., leave: _Optional[bool] = ..., wait_bound: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class ClockResponse(_message.Message):
-    __slots__ = ("min_clock", "max_clock", "live_workers", "ready", "min_other_clock")
+    __slots__ = ("min_clock", "max_clock", "live_workers", "ready", "min_other_clock", "finished_workers")
     MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
     MAX_CLOCK_FIELD_NUMBER: _ClassVar[int]
     LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     MIN_OTHER_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     min_clock: int
     max_clock: int
     live_workers: int
     ready: bool
     min_other_clock: int
-    def __init__(self, min_clock: _Optional[int] = ..., max_clock: _Optional[int] = ..., live_workers: _Optional[int] = ..., ready: _Optional[bool] = ..., min_other_clock: _Optional[int] = ...) -> None: ...
+    finished_workers: int
+    def __init__(self, min_clock: _Optional[int] = ..., max_clock: _Optional[int] = ..., live_workers: _Optional[int] = ..., ready: _Optional[bool] = ..., min_other_clock: _Optional[int] = ..., finished_workers: _Optional[int] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
     __slots__ = ("push", "pull")

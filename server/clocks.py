@@ -38,12 +38,17 @@ class WorkerClocks:
         # Workers that report clocks with Clock calls (ssp): only those calls move their
         # clocks, made once a step's push is applied on every shard. Pushes still renew leases.
         self._explicit: set[str] = set()
+        # When each live worker joined, and when workers left (done): finished_since counts
+        # those that left after a worker joined, for the start-up barrier.
+        self._joined_at: dict[str, float] = {}
+        self._left_at: dict[str, float] = {}
 
     def _expire(self) -> None:
         cutoff = self._now() - self.lease_s
         for worker in [w for w, t in self._seen.items() if t < cutoff]:
             del self._seen[worker], self._clock[worker]
             self._explicit.discard(worker)
+            self._joined_at.pop(worker, None)
 
     def update(self, worker_id: str, clock: int, leave: bool = False, from_push: bool = False, join: bool = False) -> None:
         """Record that ``worker_id`` completed ``clock`` steps (clocks never go back).
@@ -59,12 +64,17 @@ class WorkerClocks:
         """
         with self._cond:
             if leave:
-                self._clock.pop(worker_id, None)
+                if self._clock.pop(worker_id, None) is not None:
+                    self._left_at[worker_id] = self._now()
                 self._seen.pop(worker_id, None)
                 self._explicit.discard(worker_id)
+                self._joined_at.pop(worker_id, None)
             elif from_push and worker_id in self._explicit and worker_id in self._clock:
                 self._seen[worker_id] = self._now()
             else:
+                if join and worker_id not in self._clock:
+                    self._joined_at[worker_id] = self._now()
+                    self._left_at.pop(worker_id, None)
                 if not from_push and not join:
                     self._explicit.add(worker_id)
                 self._clock[worker_id] = max(clock, self._clock.get(worker_id, 0))
@@ -82,6 +92,20 @@ class WorkerClocks:
             return ClockState(0, 0, 0)
         values = self._clock.values()
         return ClockState(min(values), max(values), len(self._clock))
+
+    def finished_since(self, worker_id: str) -> int:
+        """Workers other than ``worker_id`` that left (done) after ``worker_id`` joined: at
+        start-up every worker waits until the live ones and these make the whole job, since the
+        others may have trained and left between two of its polls. Workers of an earlier job on
+        the same shards left before it joined, so they do not count."""
+        with self._cond:
+            since = self._joined_at.get(worker_id)
+            if since is None:
+                return 0
+            oldest = min(self._joined_at.values())
+            for w in [w for w, t in self._left_at.items() if t < oldest]:  # nobody waiting can count them
+                del self._left_at[w]
+            return sum(1 for w, t in self._left_at.items() if w != worker_id and t >= since)
 
     def min_other(self, worker_id: str) -> int:
         """Smallest clock among live workers other than ``worker_id`` (0 when none)."""

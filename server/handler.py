@@ -237,6 +237,7 @@ class RequestHandler:
             live_workers=state.live_workers,
             ready=ready,
             min_other_clock=clocks.min_other(request.worker_id),
+            finished_workers=clocks.finished_since(request.worker_id),
         )
 
     def _checkpoint(self, request: pb.CheckpointRequest) -> pb.CheckpointResponse:

@@ -84,3 +84,41 @@ def test_pushes_do_not_move_clocks_of_workers_that_report_them() -> None:
     clocks.update("async", 5, from_push=True)  # async workers' clocks come with their pushes
     state = clocks.state()
     assert (state.min_clock, state.max_clock) == (3, 5)
+
+
+def test_workers_that_trained_and_left_while_one_waited_at_start_count_for_it() -> None:
+    """The start-up barrier's race (seen with 4 fast workers on 2 busy cores): two workers see the
+    job whole, train and leave between two polls of the others, who must not wait forever."""
+    now = FakeTime()
+    clocks = WorkerClocks(lease_s=10, now=now)
+    for i, w in enumerate("abcd"):
+        now.t = float(i)
+        clocks.update(w, 0, join=True)
+    assert clocks.state().live_workers == 4
+    now.t = 5
+    for w in "bc":
+        clocks.update(w, 12, from_push=True)
+        clocks.update(w, 12, leave=True)
+    assert clocks.state().live_workers == 2
+    assert clocks.finished_since("a") == 2 and clocks.finished_since("d") == 2
+    clocks.update("a", 0, join=True)  # a's next poll: joining again does not move when it joined
+    assert clocks.finished_since("a") == 2
+    # A worker of a later job on the same shards does not count those that left before it joined.
+    for w in "ad":
+        clocks.update(w, 12, leave=True)
+    now.t = 9
+    clocks.update("e", 0, join=True)
+    assert clocks.finished_since("e") == 0 and clocks.finished_since("gone") == 0
+
+
+def test_the_start_barrier_counts_finished_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from tether.worker.policies import AsyncPolicy
+    from tether.worker.results import ClockReply
+
+    replies = iter([ClockReply(0, 0, 3, True), ClockReply(0, 0, 2, True, 0, 2)])
+    trainer = SimpleNamespace(config=SimpleNamespace(num_workers=4, wait_timeout_s=5.0),
+                              client=SimpleNamespace(clock=lambda clock: next(replies)))
+    monkeypatch.delenv("TETHER_RESTART_COUNT", raising=False)
+    assert AsyncPolicy().start(trainer) == 0  # type: ignore[arg-type]

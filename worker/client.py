@@ -266,7 +266,8 @@ class PSClient:
                 Call("Clock", request), timeout=cfg.timeout_s + held, deadline=time.monotonic() + cfg.call_deadline_s + held
             )
             if reply.ready or remaining <= 0:
-                return ClockReply(reply.min_clock, reply.max_clock, reply.live_workers, reply.ready, reply.min_other_clock)
+                return ClockReply(reply.min_clock, reply.max_clock, reply.live_workers, reply.ready, reply.min_other_clock,
+                                  reply.finished_workers)
 
     @staticmethod
     def wait(handle: Handle[T], timeout: float | None = None) -> T:

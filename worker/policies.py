@@ -61,7 +61,9 @@ class AsyncPolicy:
         return config, device, cls()
 
     def start(self, trainer: TrainerView) -> int:
-        """Join, then wait (bounded by ``wait_timeout_s``) until every worker of the job has:
+        """Join, then wait (bounded by ``wait_timeout_s``) until every worker of the job has (the
+        live workers and those that left since this one joined: a fast worker may train and
+        leave between two of this one's polls):
         the workers of a run start training together, in every mode, so that start-up is not
         counted as staleness and no one runs ahead of a worker that has not started yet. A
         worker restarted into a running job (``TETHER_RESTART_COUNT`` > 0, set by ``tether
@@ -78,7 +80,8 @@ class AsyncPolicy:
         deadline = time.monotonic() + cfg.wait_timeout_s
         while True:
             reply = trainer.client.clock(0)
-            if restarted or reply.live_workers >= cfg.num_workers:
+            # Those that left since this worker joined count: they trained and finished between two polls.
+            if restarted or reply.live_workers + reply.finished_workers >= cfg.num_workers:
                 return reply.min_other_clock
             if time.monotonic() > deadline:
                 raise DeadlineExceeded(f"only {reply.live_workers} of {cfg.num_workers} workers joined within {cfg.wait_timeout_s:.0f}s")

@@ -56,6 +56,7 @@ class ClockReply:
     live_workers: int
     ready: bool
     min_other_clock: int = 0
+    finished_workers: int = 0  # left (done) since this worker joined: the start-up barrier counts them
 
 
 class Pending(Protocol):
