@@ -31,7 +31,7 @@ from numba.core import cgutils
 from tether.protos.optimizers import OPTIMIZERS, OptimizerConfig, UpdateRule, rule
 
 __all__ = [
-    "EMPTY_SLOT", "REMOVED_SLOT", "count_in", "index_cells", "index_lookup", "index_place", "row_kernel", "row_update",
+    "EMPTY_SLOT", "REMOVED_SLOT", "count_in", "index_cells", "index_lookup", "index_place", "mix64", "row_kernel", "row_update",
     "slot_cells", "slot_lookup", "slot_place", "slot_rebuild", "warm_up",
 ]
 
@@ -72,15 +72,22 @@ _jit_math = _compiled(error_model="numpy", fastmath={"contract", "arcp"})
 
 
 @_compiled(inline="always")
-def _home(key: np.int64, mask: np.uint64) -> np.int64:
-    # splitmix64's finaliser (``tether.protos.partition.mix64``), masked to the table size.
+def mix64(key: np.int64) -> np.uint64:
+    """splitmix64's finaliser (``tether.protos.partition.mix64``) of one id, compiled: the hash of
+    the id indexes (the shard's and the worker row cache's) and of the shard an id lives on."""
     z = np.uint64(key)
     z ^= z >> np.uint64(30)
     z *= _M1
     z ^= z >> np.uint64(27)
     z *= _M2
     z ^= z >> np.uint64(31)
-    return np.int64(z & mask)
+    return z
+
+
+@_compiled(inline="always")
+def _home(key: np.int64, mask: np.uint64) -> np.int64:
+    """An id's home cell: its hash masked to the table size."""
+    return np.int64(mix64(key) & mask)
 
 
 @_compiled(inline="always")
@@ -154,15 +161,6 @@ def index_place(cells: np.ndarray, ids: np.ndarray, new_slots: np.ndarray) -> No
 # only powers of two); the fingerprint is taken from its low bits.
 
 
-@_compiled(inline="always")
-def _mix(key: np.int64) -> np.uint64:
-    z = np.uint64(key)
-    z ^= z >> np.uint64(30)
-    z *= _M1
-    z ^= z >> np.uint64(27)
-    z *= _M2
-    z ^= z >> np.uint64(31)
-    return z
 
 
 @_compiled(inline="always")
@@ -176,7 +174,7 @@ def _probe(cells: np.ndarray, keys: np.ndarray, bits: np.int64, key: np.int64, p
     or one past a cell already passed). A cell is read before the key of its slot: a writer
     stores the key first, so a cell that names a slot comes with its key."""
     n = len(cells)
-    h = _mix(key)
+    h = mix64(key)
     fp = np.int64(h & np.uint64((1 << (31 - bits)) - 1))
     smask = (np.int64(1) << bits) - 1
     nkeys = len(keys)
@@ -231,12 +229,12 @@ def slot_lookup(cells: np.ndarray, keys: np.ndarray, bits: int, ids: np.ndarray)
     fmask = np.uint64((1 << (31 - bits)) - 1)
     smask = (np.int64(1) << bits) - 1
     for i in range(m):
-        where[i] = _start(_mix(ids[i]), np.uint64(n))
+        where[i] = _start(mix64(ids[i]), np.uint64(n))
     for i in range(m):
         if i + _AHEAD < m:
             _prefetch(cells, where[i + _AHEAD])
         p = where[i]
-        fp = np.int64(_mix(ids[i]) & fmask)
+        fp = np.int64(mix64(ids[i]) & fmask)
         while True:
             c = np.int64(cells[p])
             if c == _EMPTY:
@@ -267,14 +265,14 @@ def slot_cells(cells: np.ndarray, keys: np.ndarray, bits: int, ids: np.ndarray) 
     out = np.empty(len(ids), np.int64)
     n = np.uint64(len(cells))
     for i in range(len(ids)):
-        out[i] = _probe(cells, keys, bits, ids[i], _start(_mix(ids[i]), n))
+        out[i] = _probe(cells, keys, bits, ids[i], _start(mix64(ids[i]), n))
     return out
 
 
 @_compiled(inline="always")
 def _put(cells: np.ndarray, bits: np.int64, key: np.int64, slot: np.int64) -> None:
     n = len(cells)
-    h = _mix(key)
+    h = mix64(key)
     p = _start(h, np.uint64(n))
     fp = np.int64(h & np.uint64((1 << (31 - bits)) - 1))
     while cells[p] != _EMPTY:
@@ -314,7 +312,7 @@ def count_in(values: np.ndarray, seen: np.ndarray) -> np.ndarray:
     where = np.full(n, -1, np.int64)
     first = np.empty(len(values), np.int64)
     for i in range(len(values)):
-        p = np.int64(_mix(values[i]) & mask)
+        p = np.int64(mix64(values[i]) & mask)
         while where[p] >= 0 and values[where[p]] != values[i]:
             p = (p + 1) & np.int64(mask)
         if where[p] < 0:
@@ -323,7 +321,7 @@ def count_in(values: np.ndarray, seen: np.ndarray) -> np.ndarray:
     counts = np.zeros(len(values), np.int64)
     for j in range(len(seen)):
         v = np.int64(seen[j])
-        p = np.int64(_mix(v) & mask)
+        p = np.int64(mix64(v) & mask)
         while where[p] >= 0:
             if values[where[p]] == v:
                 counts[where[p]] += 1

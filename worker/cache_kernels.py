@@ -24,7 +24,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from tether.server.kernels import EMPTY_SLOT
+from tether.server.kernels import EMPTY_SLOT, mix64
 
 __all__ = ["add_deltas", "assemble", "gather_rows", "hold_rows", "later_rows", "oldest_per_shard", "place_rows", "plan_rows",
            "store_rows", "take_rows", "warm_up"]
@@ -48,21 +48,13 @@ def _compiled(**options: Any) -> Callable[[Callable[..., Any]], Any]:
 
 _jit = _compiled()
 _NONE = np.iinfo(np.int64).max
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
 
 
 @_compiled(inline="always")
 def _slot(cells: np.ndarray, key: np.int64) -> np.int64:
     """The slot of ``key`` in the index, -1 where absent (``server.kernels.index_lookup``'s probe)."""
     mask = np.uint64(len(cells) - 1)
-    z = np.uint64(key)
-    z ^= z >> np.uint64(30)
-    z *= _M1
-    z ^= z >> np.uint64(27)
-    z *= _M2
-    z ^= z >> np.uint64(31)
-    p = np.int64(z & mask)
+    p = np.int64(mix64(key) & mask)
     while True:
         s = cells[p, 1]
         if s == EMPTY_SLOT:
@@ -77,13 +69,7 @@ def _shard(key: np.int64, num_shards: np.int64) -> np.int64:
     """``protos.partition.shard_of_ids`` for one id: ``mix64(id) % num_shards``."""
     if num_shards == 1:
         return np.int64(0)
-    z = np.uint64(key)
-    z ^= z >> np.uint64(30)
-    z *= _M1
-    z ^= z >> np.uint64(27)
-    z *= _M2
-    z ^= z >> np.uint64(31)
-    return np.int64(z % np.uint64(num_shards))
+    return np.int64(mix64(key) % np.uint64(num_shards))
 
 
 @_jit
