@@ -18,6 +18,7 @@ from tether.deploy.shard_args import add_shard_flags, shard_argv
 from tether.protos.errors import TetherError, report_usage_error
 from tether.common.cli_args import DeprecatedAlias, HelpFormatter
 from tether.worker.flags import add_training_flags, config_from_args
+from tether.worker.mode import Mode
 from tether.worker.tensorboard_writer import require_tensorboard, tensorboard_available
 
 __all__ = ["main"]
@@ -235,10 +236,11 @@ def _run_comparison(a: argparse.Namespace, sweep: bool) -> int:
         template = replace(template, tensorboard=board)
         if sweep:
             bounds = [_bound(b) for b in a.bounds.split(",") if b.strip()]
-            modes = [f"ssp:{b}" for b in bounds]
+            texts: list[str] = [Mode.ssp(b) for b in bounds]
         else:
-            modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-        check_arguments(modes, straggler=a.straggler, tolerance=a.tolerance if sweep else 0.0, repeats=a.repeats)
+            texts = [m.strip() for m in a.modes.split(",") if m.strip()]
+        # Each mode parsed here, once: compare and sweep hand these on to every run's config.
+        modes = check_arguments(texts, straggler=a.straggler, tolerance=a.tolerance if sweep else 0.0, repeats=a.repeats)
         program = _program(a)
         if a.metric is not None and program is None:
             raise ValueError(f"--metric {a.metric}: is for --script or --entry (the built-in job compares its log loss)")

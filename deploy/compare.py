@@ -32,7 +32,8 @@ from tether.deploy.job import run_job, staleness_summary
 from tether.deploy.launch import Program
 from tether.deploy.plot import write_plot
 from tether.protos.errors import UsageError
-from tether.worker.config import WorkerConfig, parse_mode
+from tether.worker.config import WorkerConfig
+from tether.worker.mode import Mode
 from tether.worker.run_record import RunRecord
 from tether.worker.stragglers import StragglerSpec, parse_straggler
 
@@ -84,8 +85,9 @@ def _mode_dir(mode: str) -> str:
 
 def check_arguments(
     modes: Sequence[str], straggler: object = None, target_fraction: float = 0.9, tolerance: float = 0.0, repeats: int = 1
-) -> None:
-    """Check what ``compare`` and ``sweep`` are asked before any process starts.
+) -> list[Mode]:
+    """Check what ``compare`` and ``sweep`` are asked before any process starts; returns the modes
+    parsed (each text once: a ``Mode`` given is kept as it is, and every run's config shares it).
 
     Raises:
         UsageError: a bad mode, an empty mode list, a bad straggler spec, a target fraction
@@ -93,11 +95,10 @@ def check_arguments(
     """
     if not modes:
         raise UsageError("at least one mode is needed")
-    for m in modes:
-        try:
-            parse_mode(m)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
+    try:
+        parsed = [Mode.of(m) for m in modes]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if not 0 < target_fraction <= 1:
         raise UsageError(f"target_fraction must be in (0, 1], got {target_fraction!r}")
     try:
@@ -108,6 +109,7 @@ def check_arguments(
         raise UsageError(f"--tolerance must be >= 0, got {tolerance!r}")
     if not isinstance(repeats, int) or repeats < 1:
         raise UsageError(f"--repeats must be an integer >= 1, got {repeats!r}")
+    return parsed
 
 
 def _spread(values: Sequence[float]) -> float:
@@ -135,7 +137,7 @@ def _with_total_samples(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
 
 
 def _run_one(
-    template: WorkerConfig, mode: str, repeat: int, repeats: int, num_shards: int, out_dir: Path, spec: str, timeout_s: float,
+    template: WorkerConfig, mode: Mode, repeat: int, repeats: int, num_shards: int, out_dir: Path, spec: str, timeout_s: float,
     echo: bool, printer: Callable[[str], None], program: Program | None = None, metric: str = "eval_loss",
 ) -> dict[str, Any]:
     """One run of ``compare``: ``template`` (as ``program``'s workers, if given) under ``mode``
@@ -223,7 +225,7 @@ def compare(
         Interrupted: Ctrl-C; every process was stopped.
     """
     spec = parse_straggler(template.straggler if straggler is None else straggler)
-    check_arguments(modes, straggler=spec, target_fraction=target_fraction, repeats=repeats)
+    modes = check_arguments(modes, straggler=spec, target_fraction=target_fraction, repeats=repeats)
     if template.eval_every < 1:
         template = replace(template, eval_every=max(template.steps // 20, 1))
     # Every worker records (time, samples) as often as worker 0 evaluates: all workers'
@@ -364,10 +366,10 @@ def sweep(
 ) -> dict[str, Any]:
     """``compare`` over ``ssp:S`` for each bound, plus the recommendation (see ``recommend``):
     ``recommended_staleness`` is None when the runs show no significant difference."""
-    if not bounds or any(b < 0 for b in bounds):
+    if not bounds or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in bounds):
         raise UsageError(f"--bounds must be a non-empty list of integers >= 0, got {list(bounds)!r}")
-    check_arguments([f"ssp:{b}" for b in bounds], tolerance=tolerance)
-    summary = compare(template, [f"ssp:{b}" for b in bounds], num_shards, out, **kwargs)
+    modes = check_arguments([Mode.ssp(b) for b in bounds], tolerance=tolerance)
+    summary = compare(template, modes, num_shards, out, **kwargs)
     if summary["target_loss"] is None:  # a script whose runs report no eval loss
         summary.update(recommended_staleness=None, recommendation="no staleness bound recommended (it needs an eval loss)",
                        tied_bounds=[], tolerance=tolerance)
@@ -375,7 +377,7 @@ def sweep(
         return summary
     verdict = recommend(summary["modes"], tolerance)
     chosen = verdict["recommended"]
-    summary["recommended_staleness"] = None if chosen is None else parse_mode(str(chosen["mode"]))[1]
+    summary["recommended_staleness"] = None if chosen is None else Mode.of(chosen["mode"]).bound
     summary["recommendation"] = verdict["message"]
     summary["tied_bounds"] = verdict["tied"]
     summary["tolerance"] = tolerance

@@ -16,7 +16,6 @@ from tether.protos.codec import decode_ids, decode_tensor, encode_tensor, torch_
 from tether.protos.framing import PayloadWriter
 from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherError, reject_reason, status_of
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.protos.ssp import MAX_CLOCK_HOLD_S
 from tether.server.checkpoint import Checkpointer
 from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.shard import DenseDecl, DenseUpdate, PushResult, Shard, SparseUpdate
@@ -62,7 +61,7 @@ class RequestHandler:
         self._watch_new_tables()
         self._unary: dict[str, Callable[[Any], Any]] = {
             "Declare": self._declare, "Pull": self._pull, "Push": lambda r: self._push_response(self._push(r)),
-            "PushPull": self._push_pull, "Info": self._info, "Clock": self._clock, "Checkpoint": self._checkpoint,
+            "PushPull": self._push_pull, "Info": self._info, "Checkpoint": self._checkpoint,
         }
         # The data plane's calls: (request, payload, writer of pulled values) -> response.
         self._data: dict[str, Callable[[Any, memoryview | None, PayloadWriter], Any]] = {
@@ -217,28 +216,6 @@ class RequestHandler:
         for (name, index), c in sorted(s.dense.items()):
             response.dense.add(name=name, index=index, numel=c.numel, version=c.version, optimizer=c.optimizer.name)
         return response
-
-    def _clock(self, request: pb.ClockRequest) -> pb.ClockResponse:
-        if not request.worker_id:
-            raise InvalidArgument("worker_id must be set on a Clock call")
-        clocks = self.shard.clocks
-        # A report of clock 0 with no wait is a worker joining at start-up (Trainer's start barrier).
-        clocks.update(request.worker_id, request.clock, leave=request.leave, join=request.clock == 0 and request.wait_bound < 0)
-        if request.wait_bound >= 0 and not request.leave:
-            self.metrics.set_staleness_bound(int(request.wait_bound))
-            timeout = min(request.wait_timeout_ms / 1000.0, MAX_CLOCK_HOLD_S)
-            ready, state = clocks.wait(request.clock, request.wait_bound, timeout)
-        else:
-            ready, state = True, clocks.state()
-        self._update_clock_gauges()
-        return pb.ClockResponse(
-            min_clock=state.min_clock,
-            max_clock=state.max_clock,
-            live_workers=state.live_workers,
-            ready=ready,
-            min_other_clock=clocks.min_other(request.worker_id),
-            finished_workers=clocks.finished_since(request.worker_id),
-        )
 
     def _checkpoint(self, request: pb.CheckpointRequest) -> pb.CheckpointResponse:
         if self.checkpointer is None:

@@ -1,5 +1,7 @@
 """gRPC adapter of a shard: each ``tether.v1.ParameterServer`` method handed to the request
-handler, and its errors turned into the call's status."""
+handler, and its errors turned into the call's status. ``Clock`` (no tensors, never on the data
+plane) is answered here on the shard's clocks (``tether.server.clocks``), through the handler's
+``run`` for its metrics and errors."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ from google.protobuf.message import DecodeError
 
 from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
-from tether.server.handler import RequestHandler, Unparsable
+from tether.protos.errors import InvalidArgument
+from tether.protos.ssp import MAX_CLOCK_HOLD_S
+from tether.server.handler import Outcome, RequestHandler, Unparsable
 
 __all__ = ["SERVICE_NAME", "ShardServicer", "add_servicer"]
 
@@ -53,10 +57,7 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         self.handler = handler
 
     def _unary(self, rpc: str, request: Any, context: grpc.ServicerContext) -> Any:
-        response, code, message = self.handler.call(rpc, request)
-        if code != grpc.StatusCode.OK:
-            context.abort(code, message)
-        return response
+        return _answer(self.handler.call(rpc, request), context)
 
     def Declare(self, request: pb.DeclareRequest, context: grpc.ServicerContext) -> pb.DeclareResponse:
         return self._unary("Declare", request, context)
@@ -74,7 +75,36 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         return self._unary("Info", request, context)
 
     def Clock(self, request: pb.ClockRequest, context: grpc.ServicerContext) -> pb.ClockResponse:
-        return self._unary("Clock", request, context)
+        """Record the worker's clock (``clock`` 0 with no wait: it joins at start-up; ``leave``: it
+        is done) and, with ``wait_bound`` >= 0, hold the call until the slowest live worker is at
+        most ``wait_bound`` behind ``clock`` (at most ``wait_timeout_ms``, capped at ``MAX_CLOCK_HOLD_S``)."""
+        clocks, metrics = self.handler.shard.clocks, self.handler.metrics
+
+        def answer() -> pb.ClockResponse:
+            if not request.worker_id:
+                raise InvalidArgument("worker_id must be set on a Clock call")
+            clocks.update(request.worker_id, request.clock, leave=request.leave, join=request.clock == 0 and request.wait_bound < 0)
+            if request.wait_bound >= 0 and not request.leave:
+                metrics.set_staleness_bound(int(request.wait_bound))
+                ready, state = clocks.wait(request.clock, request.wait_bound, min(request.wait_timeout_ms / 1000.0, MAX_CLOCK_HOLD_S))
+            else:
+                ready, state = True, clocks.state()
+            now = clocks.state()
+            metrics.clocks(now.live_workers, now.min_clock, now.max_clock)
+            return pb.ClockResponse(
+                min_clock=state.min_clock, max_clock=state.max_clock, live_workers=state.live_workers, ready=ready,
+                min_other_clock=clocks.min_other(request.worker_id), finished_workers=clocks.finished_since(request.worker_id),
+            )
+
+        return _answer(self.handler.run("Clock", request, answer), context)
 
     def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.ServicerContext) -> pb.CheckpointResponse:
         return self._unary("Checkpoint", request, context)
+
+
+def _answer(outcome: Outcome, context: grpc.ServicerContext) -> Any:
+    """The response of a handled call, or the call aborted with the error's status."""
+    response, code, message = outcome
+    if code != grpc.StatusCode.OK:
+        context.abort(code, message)
+    return response

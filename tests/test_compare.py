@@ -222,3 +222,31 @@ def test_script_flags_are_checked_before_any_process_starts(tmp_path: Path) -> N
     builtin = _tether("compare", "--metric", "mae", "--out", str(tmp_path / "o"))
     assert builtin.returncode == 2 and "--metric mae: is for --script or --entry" in builtin.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("command", ["compare", "sweep"])
+def test_compare_and_sweep_parse_each_mode_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str) -> None:
+    """The launcher of ``compare`` parses each mode text once (``sweep`` makes ``ssp:S`` from its
+    bounds: none to parse), and a run's config shares that ``Mode`` (its copy is not parsed again)."""
+    from tether.deploy import cli
+    from tether.deploy import compare as compare_module
+    from tether.deploy.errors import ClusterError
+    from tether.worker import mode as worker_mode
+
+    calls: list[str] = []
+    parse = worker_mode.parse_mode
+    monkeypatch.setattr(worker_mode, "parse_mode", lambda text: calls.append(text) or parse(text))
+    ran: list[object] = []
+
+    def run_job(cfg: object, *args: object, **kwargs: object) -> None:
+        ran.append(cfg.mode)  # type: ignore[attr-defined]
+        raise ClusterError("stop after the first run's config")
+
+    monkeypatch.setattr(compare_module, "run_job", run_job)
+    chosen = ["--modes", "ssp:3,async,sync"] if command == "compare" else ["--bounds", "2,5"]
+    argv = [command, *chosen, "--steps", "4", "--num-workers", "2", "--out", str(tmp_path / "out"), "--tensorboard", str(tmp_path / "tb")]
+    assert cli.main(argv) == 1
+    # The template's own mode (the default: compare and sweep refuse --mode) first, then each of --modes once.
+    assert calls == (["async", "ssp:3", "async", "sync"] if command == "compare" else ["async"])
+    first = ran[0]
+    assert isinstance(first, worker_mode.Mode) and (first.kind, first.bound) == (("ssp", 3) if command == "compare" else ("ssp", 2))

@@ -404,12 +404,12 @@ def test_the_mode_is_parsed_once_per_process(tmp_path: Path, monkeypatch: pytest
     and every copy and reader shares it); a worker started from the file parses it once and
     trains (local mode, so no shard is needed) without parsing it again."""
     from tether.deploy import cli, job
-    from tether.worker import config as worker_config
+    from tether.worker import mode as worker_mode
     from tether.worker.ctr_job import train
 
     calls: list[object] = []
-    parse = worker_config.parse_mode
-    monkeypatch.setattr(worker_config, "parse_mode", lambda text: calls.append(text) or parse(text))
+    parse = worker_mode.parse_mode
+    monkeypatch.setattr(worker_mode, "parse_mode", lambda text: calls.append(text) or parse(text))
     argvs: dict[str, list[str]] = {}
 
     def run_job(template: WorkerConfig, num_shards: int, out: str | None = None, **_: Any) -> dict[str, Any]:

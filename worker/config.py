@@ -12,7 +12,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,6 +25,7 @@ from tether.common.security import TOKEN_ENV, ClientSecurity, resolve_token
 from tether.protos.specs import OPTIMIZERS, TableConfig
 from tether.worker.client_config import ClientConfig
 from tether.worker.client_config import or_names as _names
+from tether.worker.mode import Mode, parse_mode
 from tether.worker.row_cache import POLICIES as CACHE_POLICIES
 from tether.worker.row_cache import RowCacheConfig
 from tether.worker.stragglers import StragglerSpec, parse_straggler
@@ -38,39 +39,6 @@ __all__ = ["JOB", "MODEL", "MODEL_PRESETS", "PLACE", "PROCESS", "ClientConfig", 
 def _wire_name(dtype: torch.dtype) -> str:
     """``float32`` for ``torch.float32``: a wire element type's name."""
     return next(name for name, d in WIRE_DTYPES.items() if d == dtype)
-
-
-def parse_mode(mode: str) -> tuple[str, int | None]:
-    """Split a consistency mode into its kind and bound: ``async``, ``ssp:S`` or ``sync`` (``Mode`` keeps the result).
-
-    Raises:
-        ValueError: anything else, or a negative S.
-    """
-    if isinstance(mode, str):
-        if mode in ("async", "sync"):
-            return mode, None
-        kind, _, bound = mode.partition(":")
-        if kind == "ssp" and bound.isdigit():
-            return "ssp", int(bound)
-    raise ValueError(f"mode must be 'async', 'ssp:S' (S >= 0) or 'sync', got {mode!r}")
-
-
-class Mode(str):
-    """A consistency mode, parsed: the text (a ``str``, so it compares, prints and is written to
-    JSON as the text) with its ``kind`` and ``bound``. ``TrainingConfig.mode`` holds one, which
-    its copies (``dataclasses.replace``) share: a process parses its mode once."""
-
-    kind: str
-    bound: int | None
-
-    def __new__(cls, text: str) -> Mode:
-        kind, bound = parse_mode(text)
-        mode = super().__new__(cls, text)
-        mode.kind, mode.bound = kind, bound
-        return mode
-
-    def __deepcopy__(self, memo: dict[int, object]) -> Mode:
-        return self  # immutable, as the text is: ``dataclasses.asdict``'s copy is not parsed again
 
 
 def _check_address(address: str) -> None:
@@ -177,7 +145,7 @@ class TrainingConfig:
     # The job: every worker of it alike.
     steps: int | None = setting(None, flag="--steps", parse=optional_int, group=JOB,
                                 help="training steps per worker; empty: until the data ends")
-    mode: str = setting("async", flag="--mode", group=JOB, help="consistency: async, ssp:S (at most S steps ahead of the slowest live "
+    mode: Mode = setting("async", flag="--mode", group=JOB, help="consistency: async, ssp:S (at most S steps ahead of the slowest live "
                         "worker) or sync (all-reduce; start with torchrun)")
     # The shards' update rule for rows and (outside sync) dense parameters; sync steps dense
     # parameters with the matching torch optimizer.
@@ -312,13 +280,11 @@ class TrainingConfig:
     @property
     def consistency(self) -> tuple[str, int | None]:
         """``(kind, bound)`` of ``mode`` (parsed once, when the config was made from its text)."""
-        mode = cast(Mode, self.mode)
-        return mode.kind, mode.bound
+        return self.mode.kind, self.mode.bound
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mode, Mode):
-            # Parsed here, once: a copy (dataclasses.replace) hands the Mode on as it is.
-            object.__setattr__(self, "mode", Mode(self.mode))
+        # Parsed here, once: a copy (dataclasses.replace) hands the Mode on as it is.
+        object.__setattr__(self, "mode", Mode.of(self.mode))
         if not self.slowdown >= 1.0:
             raise ValueError(f"slowdown must be >= 1 (1 = full speed), got {self.slowdown!r}")
         parse_straggler(self.straggler)

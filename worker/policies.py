@@ -52,13 +52,11 @@ class AsyncPolicy:
     prefetch = True  # the next batch's rows may be pulled before this step's push lands
     settle_every_step = False
     dense_on_shards = True
+    # The staleness bound: before a step pulls, ``Step.run`` waits (the client's clock, asked
+    # with it) until the slowest live worker is at most this many clocks behind. None: no wait.
+    bound: int | None = None
     # The phases a progress line shows the share of (ssp's adds its staleness wait).
     phases_shown: tuple[str, ...] = ("pull_wait", "compute", "push")
-
-    @classmethod
-    def for_config(cls, config: TrainingConfig, device: torch.device) -> tuple[TrainingConfig, torch.device, AsyncPolicy]:
-        """The policy of ``config``'s mode, with the config and device it trains with."""
-        return config, device, cls()
 
     def start(self, trainer: TrainerView) -> int:
         """Join, then wait (bounded by ``wait_timeout_s``) until every worker of the job has (the
@@ -91,9 +89,6 @@ class AsyncPolicy:
         """Called once the model is bound to the shards (``ps``) and declared, the dense
         parameters' rule ``optimizer``."""
 
-    def before_step(self, trainer: TrainerView, clock: int) -> None:
-        """Called before a step pulls its rows."""
-
     def after_backward(self, more: bool) -> bool:
         """Called once the gradients are in; ``more``: this worker has another batch. Returns
         False when the job's workers must stop after this step together (sync)."""
@@ -117,28 +112,16 @@ class AsyncPolicy:
 
 
 class SSPPolicy(AsyncPolicy):
-    """Stale synchronous parallel: wait while more than ``bound`` steps ahead of the slowest
-    live worker; pull only once the wait is over; a step's push lands before the next step."""
+    """Stale synchronous parallel: a step waits while more than ``bound`` steps ahead of the
+    slowest live worker (``Step.run`` asks the client's clock with the bound) and pulls only once
+    the wait is over; its push lands before the next step."""
 
     prefetch = False
     settle_every_step = True
     phases_shown = ("staleness_wait", "pull_wait", "compute", "push")
 
     def __init__(self, bound: int) -> None:
-        self.bound = bound
-
-    @classmethod
-    def for_config(cls, config: TrainingConfig, device: torch.device) -> tuple[TrainingConfig, torch.device, AsyncPolicy]:
-        return config, device, cls(int(config.consistency[1] or 0))
-
-    def before_step(self, trainer: TrainerView, clock: int) -> None:
-        cfg = trainer.config
-        reply = trainer.client.clock(clock, wait_bound=self.bound, timeout_s=cfg.wait_timeout_s)
-        if not reply.ready:
-            raise DeadlineExceeded(
-                f"{trainer.name} waited {cfg.wait_timeout_s:.0f}s at clock {clock} for the slowest live worker "
-                f"(clock {reply.min_clock}, bound {self.bound})"
-            )
+        self.bound: int | None = bound
 
 
 class SyncPolicy(AsyncPolicy):
@@ -167,7 +150,7 @@ class SyncPolicy(AsyncPolicy):
         self.host_group = dist.new_group(backend="gloo") if device.type == "cuda" and dist.is_initialized() else None
 
     @classmethod
-    def for_config(cls, config: TrainingConfig, device: torch.device) -> tuple[TrainingConfig, torch.device, AsyncPolicy]:
+    def join(cls, config: TrainingConfig, device: torch.device) -> tuple[TrainingConfig, torch.device, SyncPolicy]:
         """After joining the process group: the config takes its rank and world size, a CUDA
         device its local rank.
 
@@ -379,8 +362,8 @@ def sync_device(device: torch.device, local_rank: int, local_world: int, gpus: i
 
 
 def policy_class(kind: str) -> type[AsyncPolicy]:
-    """The policy of a mode's kind (``async``, ``ssp`` or ``sync``: ``parse_mode(mode)[0]``); its
-    class attributes say what the mode does (``dense_on_shards``, ``prefetch``, ...)."""
+    """The policy of a mode's kind (``async``, ``ssp`` or ``sync``: ``Mode.kind``); its class
+    attributes say what the mode does (``dense_on_shards``, ``prefetch``, ...)."""
     return _POLICIES[kind]
 
 
@@ -388,6 +371,10 @@ _POLICIES: dict[str, type[AsyncPolicy]] = {"async": AsyncPolicy, "ssp": SSPPolic
 
 
 def policy_for(config: TrainingConfig, device: torch.device) -> tuple[TrainingConfig, torch.device, AsyncPolicy]:
-    """The policy of ``config``'s consistency mode; in sync mode, after joining the process group
-    (the config then takes its rank and world size, a CUDA device its local rank)."""
-    return policy_class(config.consistency[0]).for_config(config, device)
+    """The policy of ``config``'s mode, built from its parsed ``Mode``: ``SSPPolicy(bound)`` for
+    ``ssp:S``; in sync after joining the process group (the config then takes its rank and world
+    size, a CUDA device its local rank). Returns the config and device it trains with, and the policy."""
+    mode = config.mode
+    if mode.kind == "sync":
+        return SyncPolicy.join(config, device)
+    return config, device, AsyncPolicy() if mode.bound is None else SSPPolicy(mode.bound)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
-from tether.protos.errors import TooStale, UsageError
+from tether.protos.errors import DeadlineExceeded, TooStale, UsageError
 from tether.worker.batches import to_device
 from tether.worker.client import Handle, PullResult
 from tether.worker.results import PushAck
@@ -118,6 +118,9 @@ class Step(Generic[B]):
         self.start_clock = start_clock
         self.steps = cfg.steps
         self.wait_s = cfg.wait_s
+        # ssp:S: each step first waits until the slowest live worker is at most S clocks behind.
+        self.bound = trainer.policy.bound
+        self.wait_timeout_s = cfg.wait_timeout_s
         self.prefetch = cfg.prefetch and trainer.policy.prefetch
         self.window = check_window(getattr(cfg, "push_window", 1), self.prefetch, cfg.mode)
         # Without prefetching a step's push lands before the next step pulls (sequential SGD).
@@ -164,11 +167,19 @@ class Step(Generic[B]):
         return len(self.unsettled)
 
     def run(self, step: int) -> dict[str, float]:
-        """Step ``step`` (counted from 0 in this ``fit``) on ``batch``: wait for the bound, pull,
-        compute, push (and settle, where the policy says so). Returns each phase's seconds."""
+        """Step ``step`` (counted from 0 in this ``fit``) on ``batch``: wait for the bound (ssp),
+        pull, compute, push (and settle, where the policy says so). Returns each phase's seconds.
+
+        Raises:
+            DeadlineExceeded: the wait for the slowest live worker ran past ``wait_timeout_s``.
+        """
         clock = self.start_clock + step
         t0 = time.perf_counter()
-        self.trainer.policy.before_step(self.trainer, clock)
+        if self.bound is not None:
+            reply = self.trainer.client.clock(clock, wait_bound=self.bound, timeout_s=self.wait_timeout_s)
+            if not reply.ready:
+                raise DeadlineExceeded(f"{self.trainer.name} waited {self.wait_timeout_s:.0f}s at clock {clock} for the slowest "
+                                       f"live worker (clock {reply.min_clock}, bound {self.bound})")
         tw = time.perf_counter()
         pulled = self._pull(step)
         t1 = time.perf_counter()
