@@ -1,5 +1,6 @@
 """Command-line helpers shared by every ``tether`` command: help text that shows each flag's
-default next to its environment variable, and old flag spellings kept for one release."""
+default next to its environment variable, old flag spellings kept for one release, and the text
+parsers of optional values and lists (``tether.common.settings`` declares fields with them)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["DeprecatedAlias", "HelpFormatter", "env"]
+__all__ = ["DeprecatedAlias", "HelpFormatter", "comma_list", "env", "optional_float", "optional_int", "optional_str"]
 
 # The last "(env TETHER_X ...)" of a help text; the default goes inside it.
 _ENV = re.compile(r"\(env ([^()]*)\)")
@@ -69,3 +70,33 @@ class DeprecatedAlias(argparse.Action):
             file=sys.stderr, flush=True,
         )
         setattr(namespace, self.dest, values)
+
+
+def optional_int(text: str) -> int | None:
+    """An integer, or None for an empty text."""
+    if text.strip() == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer (or nothing), got {text!r}") from None
+
+
+def optional_float(text: str) -> float | None:
+    """A number, or None for an empty text."""
+    if text.strip() == "":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"expected a number (or nothing), got {text!r}") from None
+
+
+def optional_str(text: str) -> str | None:
+    """The text, or None for an empty one."""
+    return text or None
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    """``a,b,c`` as ``("a", "b", "c")``; blanks dropped."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())

@@ -4,8 +4,8 @@ variable, the help text and the text form live on that one line, and everything 
 from it here: the parser's flags and their environment fallbacks (``add_flags``), the config's
 values from parsed flags (``values_from_args``) or from the environment (``env_values``,
 ``from_env``), and the argv or environment that gives a child process the same config
-(``to_argv``, ``to_env``), or the JSON file of its typed values (``to_json``) that a child's
-parser starts from (``namespace_from_json``).
+(``to_argv``, ``to_env``; the JSON file of its typed values: ``tether.common.config_file``).
+A field's text parsers (``optional_int``, ...) are ``tether.common.cli_args``', re-exported.
 
 Shard and worker both use it (``protos`` is the one package both import)."""
 
@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from tether.common.cli_args import DeprecatedAlias, comma_list, optional_float, optional_int, optional_str
+
 __all__ = [
+    "Presets",
     "Setting",
     "add_flags",
     "comma_list",
@@ -28,7 +30,6 @@ __all__ = [
     "derived",
     "env_values",
     "from_env",
-    "namespace_from_json",
     "optional_float",
     "optional_int",
     "optional_str",
@@ -36,7 +37,7 @@ __all__ = [
     "setting",
     "to_argv",
     "to_env",
-    "to_json",
+    "told",
     "values_from_args",
 ]
 
@@ -45,36 +46,6 @@ C = TypeVar("C")
 # The keys under which a field's metadata holds its declaration.
 _SETTING = "tether.setting"
 _DERIVED = "tether.derived"
-
-
-def optional_int(text: str) -> int | None:
-    """An integer, or None for an empty text."""
-    if text.strip() == "":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"expected an integer (or nothing), got {text!r}") from None
-
-
-def optional_float(text: str) -> float | None:
-    """A number, or None for an empty text."""
-    if text.strip() == "":
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"expected a number (or nothing), got {text!r}") from None
-
-
-def optional_str(text: str) -> str | None:
-    """The text, or None for an empty one."""
-    return text or None
-
-
-def comma_list(text: str) -> tuple[str, ...]:
-    """``a,b,c`` as ``("a", "b", "c")``; blanks dropped."""
-    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def _show(value: Any) -> str:
@@ -115,6 +86,11 @@ class Setting:
     fallback_env: tuple[str, ...] = ()
     # The flag's default is None, not the field's: someone else fills the field (a preset).
     unset: bool = False
+    # An old spelling of the flag, kept for one release (it warns, and stores here).
+    old_flag: str | None = None
+    # A repeatable flag: each adds its entries (a text may hold several, separated by this), and
+    # the flags given replace the variable's.
+    separator: str | None = None
 
     @property
     def dest(self) -> str:
@@ -135,6 +111,32 @@ class Setting:
         return None
 
 
+@dataclass(frozen=True)
+class Presets:
+    """``--preset NAME``: a named set of values for a config's ``unset`` fields (a model's sizes),
+    a flag given for one of them winning. A config class declares one as its ``PRESETS``;
+    ``add_flags`` adds the flag first in its group, and ``values_from_args`` fills those fields."""
+
+    flag: str
+    help: str
+    group: str
+    values: Mapping[str, Mapping[str, Any]]
+    default: str = "default"
+
+    @property
+    def env(self) -> str:
+        return "TETHER_" + self.flag.lstrip("-").upper().replace("-", "_")
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+def _presets(cls: type) -> Presets | None:
+    found = getattr(cls, "PRESETS", None)
+    return found if isinstance(found, Presets) else None
+
+
 def setting(
     default: Any,
     *,
@@ -149,10 +151,13 @@ def setting(
     choices: Sequence[str] | None = None,
     fallback_env: Sequence[str] = (),
     unset: bool = False,
+    old_flag: str | None = None,
+    separator: str | None = None,
     repr: bool = True,  # noqa: A002 - dataclasses' name
 ) -> Any:
     """A dataclass field with its default, flag, variable (``TETHER_`` + the flag's name unless
     given), help and text form. ``parse`` defaults by the default's type (a bool makes a switch).
+    ``old_flag``: a deprecated spelling; ``separator``: the flag is repeatable, each adding entries.
 
     Raises:
         ValueError: no ``parse`` can be guessed (a None default), or no variable can be named.
@@ -173,6 +178,7 @@ def setting(
     decl = Setting(
         flag=flag, env=env, help=help, parse=parse, show=show, group=group, switch=isinstance(default, bool), negated=negated,
         metavar=metavar, choices=tuple(choices) if choices is not None else None, fallback_env=tuple(fallback_env), unset=unset,
+        old_flag=old_flag, separator=separator,
     )
     return dataclasses.field(default=default, repr=repr, metadata={_SETTING: decl})
 
@@ -246,25 +252,66 @@ def add_flags(
     environ: Mapping[str, str] | None = None,
 ) -> None:
     """Add a flag for each declared field of ``cls`` (those of ``groups``, in that order, else
-    all; fields named in ``exclude`` left out). A flag's default is its variable when set, else
-    the field's default in text form, so ``--help`` shows the default in force."""
+    all; fields named in ``exclude`` left out), each group's ``PRESETS`` flag first. A flag's
+    default is its variable when set, else the field's default in text form, so ``--help`` shows
+    the default in force."""
     environ = os.environ if environ is None else environ
     chosen = [(f, d, d.flag) for f, d in declared(cls) if d.flag is not None and f.name not in exclude]
     order = list(groups) if groups is not None else list(dict.fromkeys(d.group for _, d, _ in chosen))
+    presets = _presets(cls)
     for group in order:
+        if presets is not None and presets.group == group:
+            parser.add_argument(presets.flag, choices=tuple(presets.values), default=environ.get(presets.env, presets.default),
+                                help=f"{presets.help} (env {presets.env})".replace("%", "%%"))
         for f, decl, flag in chosen:
-            if decl.group != group:
-                continue
-            text = decl.text_from(environ)
-            help_text = f"{decl.help} {decl.env_note()}".replace("%", "%%")  # argparse formats help with %
-            default = default_of(cls, f.name)
-            if decl.switch:
-                on = _truthy(text) if text is not None else bool(default) != decl.negated
-                parser.add_argument(flag, action="store_true", default=on, help=help_text)
-                continue
-            if text is None:
-                text = None if decl.unset or default is None else decl.show(default)
-            parser.add_argument(flag, type=_flag_type(decl), default=text, metavar=decl.metavar, choices=decl.choices, help=help_text)
+            if decl.group == group:
+                _add_flag(parser, decl, flag, default_of(cls, f.name), environ)
+
+
+def _add_flag(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, decl: Setting, flag: str, default: Any, environ: Mapping[str, str]
+) -> None:
+    """One declared field's flag (and its old spelling, if it has one)."""
+    text = decl.text_from(environ)
+    help_text = f"{decl.help} {decl.env_note()}".replace("%", "%%")  # argparse formats help with %
+    if decl.switch:
+        on = _truthy(text) if text is not None else bool(default) != decl.negated
+        parser.add_argument(flag, action="store_true", default=on, help=help_text)
+        return
+    if text is None:
+        text = None if decl.unset or default is None else decl.show(default)
+    if decl.separator is not None:
+        parser.add_argument(flag, dest=decl.dest, action=_Entries, type=_splitter(decl.separator), default=text, metavar=decl.metavar,
+                            help=help_text)
+        return
+    parser.add_argument(flag, type=_flag_type(decl), default=text, metavar=decl.metavar, choices=decl.choices, help=help_text)
+    if decl.old_flag is not None:
+        was = f" (env {decl.fallback_env[0]})" if decl.fallback_env else ""
+        parser.add_argument(decl.old_flag, dest=decl.dest, type=_flag_type(decl), action=DeprecatedAlias, new=flag,
+                            default=argparse.SUPPRESS, metavar=decl.metavar,
+                            help=f"deprecated spelling of {flag}, removed in the next release{was}")
+
+
+class _Entries(argparse.Action):
+    """A repeatable flag (``Setting.separator``): the flags given replace the variable's
+    entries, each adding its own (a flag's text may hold several)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object, option_string: str | None = None
+    ) -> None:
+        given = f"{self.dest}_given"  # set on the namespace once one of these flags was read
+        before = getattr(namespace, self.dest) if getattr(namespace, given, False) else ()
+        setattr(namespace, self.dest, (*before, *values))  # type: ignore[misc]
+        setattr(namespace, given, True)
+
+
+def _splitter(separator: str) -> Callable[[str], tuple[str, ...]]:
+    """A repeatable flag's text as its entries (the config checks each, one line as for every other value)."""
+
+    def entries(text: str) -> tuple[str, ...]:
+        return tuple(part.strip() for part in text.split(separator) if part.strip())
+
+    return entries
 
 
 def _derive(cls: type, values: dict[str, Any], given: Mapping[str, Any], environ: Mapping[str, str]) -> None:
@@ -301,6 +348,10 @@ def values_from_args(
             values[f.name] = bool(value) != decl.negated
         elif not (decl.unset and value is None):
             values[f.name] = value
+    presets = _presets(cls)
+    if presets is not None and hasattr(namespace, presets.dest):
+        for name, value in presets.values[getattr(namespace, presets.dest)].items():
+            values.setdefault(name, value)  # a flag given for the field wins
     _derive(cls, values, {}, environ)
     return values
 
@@ -349,12 +400,12 @@ def _texts(cfg: Any, exclude: Collection[str] = ()) -> Iterator[tuple[str, str, 
     those named in ``exclude``): text None for a switch that is on; a switch that is off and a
     None that is the default too are left out (so what a child inherits can still set them, as
     ever). Derived fields (a token read from a file) are never written: the child derives them again."""
-    for f, decl in _told(cfg, exclude):
+    for f, decl in told(cfg, exclude):
         yield str(decl.flag), decl.env, None if decl.switch else decl.show(getattr(cfg, f.name))
 
 
-def _told(cfg: Any, exclude: Collection[str] = ()) -> Iterator[tuple[dataclasses.Field[Any], Setting]]:
-    """The flagged fields of ``cfg`` a child must be told (``_texts``' rule)."""
+def told(cfg: Any, exclude: Collection[str] = ()) -> Iterator[tuple[dataclasses.Field[Any], Setting]]:
+    """The flagged fields of ``cfg`` a child must be told (``_texts``' rule; ``to_json``'s too)."""
     cls = type(cfg)
     for f, decl in declared(cls):
         if decl.flag is None or f.name in exclude:
@@ -376,64 +427,3 @@ def to_argv(cfg: Any, exclude: Collection[str] = ()) -> list[str]:
 def to_env(cfg: Any) -> dict[str, str]:
     """The ``TETHER_*`` variables that describe ``cfg`` (``1`` for a switch that is on)."""
     return {name: "1" if text is None else text for _, name, text in _texts(cfg)}
-
-
-def to_json(cfg: Any) -> str:
-    """``cfg``'s flagged fields as one JSON object of their typed values (numbers, switches,
-    lists, null; a parsed value that is a ``str``, as a mode, as its text): what a launcher hands
-    a child in a file, read back by ``namespace_from_json`` with no text form in between. The
-    fields are those ``to_argv`` tells (a switch that is off and a None that is the default are
-    left out, so what the child inherits can still set them, as ever); derived fields (a token
-    read from a file) are never written: the child derives them again."""
-    return json.dumps({f.name: getattr(cfg, f.name) for f, _ in _told(cfg)}, indent=1) + "\n"
-
-
-# What an optional field's value is when it is not None.
-_OPTIONAL: dict[Callable[[str], Any], type] = {optional_int: int, optional_float: float, optional_str: str}
-
-
-def _json_value(cls: type, name: str, decl: Setting, value: Any) -> Any:
-    """A field's value read from JSON, checked against the field's type (lists as tuples).
-
-    Raises:
-        ValueError: a value of another type, named.
-    """
-    if isinstance(value, list):
-        value = tuple(value)
-    default = default_of(cls, name)
-    if value is None and (default is None or decl.parse in _OPTIONAL):
-        return None
-    kind = _OPTIONAL.get(decl.parse) or type(default)
-    fits = isinstance(value, (int, float) if kind is float else kind) and isinstance(value, bool) == (kind is bool)
-    if kind is tuple and fits:
-        fits = all(isinstance(v, str) for v in value)
-    if not fits:
-        raise ValueError(f"{name}: expected {'a list of texts' if kind is tuple else kind.__name__}, got {value!r}")
-    return float(value) if kind is float else value
-
-
-def namespace_from_json(cls: type, text: str) -> argparse.Namespace:
-    """The parsed flags ``to_json``'s text describes: each field it holds under its flag's
-    attribute, as ``add_flags``'s flags store it. ``parser.parse_args(argv, namespace=...)`` starts
-    from it, so the text's values stand in for the flags' defaults and variables and a flag given
-    in ``argv`` wins; ``values_from_args`` then makes the config (deriving what is derived).
-
-    Raises:
-        ValueError: not a JSON object, a field ``cls`` has no flag for, or a value of the wrong type, named.
-    """
-    try:
-        given = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"not JSON: {exc}") from None
-    if not isinstance(given, dict):
-        raise ValueError(f"expected a JSON object of field values, got {type(given).__name__}")
-    flagged = {f.name: decl for f, decl in declared(cls) if decl.flag is not None}
-    unknown = sorted(set(given) - set(flagged))
-    if unknown:
-        raise ValueError(f"{cls.__name__} has no field {', '.join(unknown)}")
-    namespace = argparse.Namespace()
-    for name, value in given.items():
-        decl = flagged[name]
-        value = _json_value(cls, name, decl, value)
-        setattr(namespace, decl.dest, value != decl.negated if decl.switch else value)
-    return namespace

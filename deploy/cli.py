@@ -17,7 +17,9 @@ from tether.deploy.errors import ClusterError
 from tether.deploy.shard_args import add_shard_flags, shard_argv
 from tether.protos.errors import TetherError, report_usage_error
 from tether.common.cli_args import DeprecatedAlias, HelpFormatter
-from tether.worker.flags import add_training_flags, config_from_args
+from tether.common import settings as fields
+from tether.worker.config import JOB, MODEL, WorkerConfig
+from tether.worker.flags import config_from_args
 from tether.worker.mode import Mode
 from tether.worker.tensorboard_writer import require_tensorboard, tensorboard_available
 
@@ -42,7 +44,8 @@ def _launch(argv: Sequence[str]) -> int:
                    "incarnation, for the steps it had not reported done; the others train on meanwhile (0: the first failure ends "
                    "the job). Not for --mode sync, where a rank that dies ends the job naming it")
     _add_program_flags(p, "the workers")
-    add_training_flags(p)
+    # The job's flags, from --steps on (the help says this command's own are those before it).
+    fields.add_flags(p, WorkerConfig, groups=(JOB, MODEL))
     add_shard_flags(p)
     a = p.parse_args(_joined_script_args(argv))
 
@@ -200,7 +203,7 @@ def _comparison(command: str, argv: Sequence[str]) -> int:
     else:
         p.add_argument("--modes", default="sync,ssp:0,ssp:4,async", help="comma-separated modes: async, ssp:S, sync")
     _add_counts(p, shards=2, workers=4, per=" per run")
-    # --straggler SPEC is a job flag (add_training_flags): every mode and repeat sees the same delays.
+    # --straggler SPEC is a job flag (declared in TrainingConfig): every mode and repeat sees the same delays.
     p.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="run each mode N times with different data orders (--data-seed, +1 per repeat): the table shows mean "
                    "and spread, the plot bands" + (", and a bound is recommended only when its lead exceeds the spread" if sweep else ""))
@@ -216,7 +219,7 @@ def _comparison(command: str, argv: Sequence[str]) -> int:
     p.add_argument("--metric", default=None, metavar="NAME",
                    help="with --script or --entry: the held-out metric of worker 0's evaluation to compare on, lower is better "
                    "(default: eval_loss, what Trainer.fit reports given eval_data and no evaluate)")
-    add_training_flags(p, mode=False)
+    fields.add_flags(p, WorkerConfig, groups=(JOB, MODEL), exclude=("mode",))
     a = p.parse_args(_joined_script_args(argv))
     return run_command(f"tether {command}", lambda: _run_comparison(a, sweep), failures=(ClusterError,), say_interrupted=True)
 

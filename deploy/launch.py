@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tether.common.exits import USAGE, interrupted
-from tether.common.settings import to_env, to_json
+from tether.common.config_file import to_json
+from tether.common.settings import to_env
 from tether.deploy.children import Child, child_command, free_port, gpu_count, spawn, tail, worker_device
 from tether.deploy.errors import ClusterError, Interrupted
 from tether.deploy.supervision import Supervision

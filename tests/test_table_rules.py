@@ -148,8 +148,11 @@ def test_a_shard_refuses_a_table_redeclared_with_another_rule_naming_both(inproc
 
 
 def test_help_names_the_flags() -> None:
+    from tether.common import settings as fields
+    from tether.worker.config import JOB, MODEL, WorkerConfig
+
     p = argparse.ArgumentParser()
-    worker_flags.add_training_flags(p)
+    fields.add_flags(p, WorkerConfig, groups=(JOB, MODEL))  # the job's flags, as tether launch adds them
     text = p.format_help()
     for flag in ("--table-optimizer", "--optimizer-config", "--delay-compensation"):
         assert flag in text

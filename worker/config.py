@@ -12,7 +12,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -177,7 +177,7 @@ class TrainingConfig:
                                     help="divide each update's learning rate by its staleness (Zhang et al. 2016)")
     # Per-table rules (tether.worker.table_rules): NAME=RULE[:key=value,...] entries, and a file of them.
     table_optimizers: tuple[str, ...] = setting(
-        (), flag="--table-optimizer", parse=parse_entries, show=";".join, metavar="NAME=RULE[:KEY=VALUE,...]", group=JOB,
+        (), flag="--table-optimizer", parse=parse_entries, show=";".join, separator=";", metavar="NAME=RULE[:KEY=VALUE,...]", group=JOB,
         help="update rule, lr, weight decay and schedule of one table (NAME: a table, dense for the dense parameters, * for "
         "every other), e.g. user=rowwise_adagrad:lr=0.1,weight_decay=1e-5,warmup_steps=100,decay=cosine,decay_steps=2000; "
         "repeatable (the variable: entries separated by ;); wins over --optimizer-config, which wins over --optimizer/--lr",
@@ -194,6 +194,7 @@ class TrainingConfig:
                              "transient:P:K (each step, each worker K times slower with probability P), "
                              "pareto:A[:CAP] (heavy-tailed factors) or none; seeded by --seed, so every mode sees the same delays")
     wait_timeout_s: float = setting(300.0, flag="--wait-timeout", metavar="SECONDS", group=JOB, fallback_env=("TETHER_SSP_TIMEOUT",),
+                                    old_flag="--ssp-timeout",
                                     help="longest wait for the other workers before failing: the start-up join (every mode) and "
                                     "the staleness bound (ssp), seconds")
     transport: str = setting(_client("transport"), flag="--transport", choices=TRANSPORTS, group=JOB,
@@ -370,26 +371,43 @@ class TrainingConfig:
         return TableRules.of(self.table_optimizers, self.optimizer_config, self.optimizer, self.lr)
 
 
+# Sizes of the built-in model by name (``--preset``); a flag given for one of these fields wins.
+# The default preset's are the fields' defaults.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "default": {"batch_size": 256, "num_sparse": 8, "embedding_dim": 16},
+    "gpu": {"batch_size": 8192, "num_sparse": 26, "embedding_dim": 128},
+}
+_SIZES = MODEL_PRESETS["default"]
+
+
 @dataclass(frozen=True)
 class WorkerConfig(TrainingConfig):
     """``tether worker``: a ``TrainingConfig`` for the built-in CTR model and its data."""
+
+    # --preset (tether.common.settings.Presets): batch size, fields and width by name.
+    PRESETS: ClassVar[fields.Presets] = fields.Presets(
+        flag="--preset", group=MODEL, values=MODEL_PRESETS,
+        help="model and batch size: default (batch 256, 8 fields, 16-wide rows: CPU-sized) or gpu (batch 8,192, 26 fields as in Criteo, "
+        "128-wide rows: a CUDA step not bound by kernel launches); --batch-size, --num-sparse and --embedding-dim override it",
+    )
 
     steps: int = override(TrainingConfig, "steps", 2000, help="training steps per worker")
     # The worker process's own.
     metrics_port: int | None = setting(None, flag="--metrics-port", parse=optional_int, group=PROCESS,
                                        help="serve Prometheus /metrics on this port")
     # The built-in model and its data. Batch size, fields and width: unset flags take the
-    # ``--preset``'s (tether.worker.flags), so their flags have no default of their own.
-    batch_size: int = setting(256, flag="--batch-size", unset=True, group=MODEL, help="samples per step (default: the preset's)")
+    # ``--preset``'s (``PRESETS``), so their flags have no default of their own.
+    batch_size: int = setting(_SIZES["batch_size"], flag="--batch-size", unset=True, group=MODEL,
+                              help="samples per step (default: the preset's)")
     data: str = setting("synthetic", flag="--data", group=MODEL,
                         help="'synthetic'; 'criteo:PATH' for Criteo TSV files (plain or gzip; a path, glob or comma list); "
                         "or 'parquet:PATH' for a Criteo-shaped Parquet table (a file, folder, glob or comma list: a 'label' column, "
                         "float dense columns, integer or string id columns; row groups dealt to the workers; "
                         "needs pip install 'tether[parquet]'; tether convert writes Criteo TSV as one; docs/data.md)")
     vocab_size: int = setting(100_000, flag="--vocab-size", group=MODEL, help="synthetic data: ids per field")
-    num_sparse: int = setting(8, flag="--num-sparse", unset=True, group=MODEL,
+    num_sparse: int = setting(_SIZES["num_sparse"], flag="--num-sparse", unset=True, group=MODEL,
                               help="synthetic data: categorical fields (default: the preset's)")
-    embedding_dim: int = setting(16, flag="--embedding-dim", unset=True, group=MODEL,
+    embedding_dim: int = setting(_SIZES["embedding_dim"], flag="--embedding-dim", unset=True, group=MODEL,
                                  help="width of every embedding row (default: the preset's)")
     eval_samples: int = setting(20_000, flag="--eval-samples", group=MODEL, help="held-out samples")
     # Order of the synthetic training batches (0: the seed's own order; compare --repeats
@@ -421,10 +439,3 @@ class WorkerConfig(TrainingConfig):
             _check_data_file(self.data)
         if self.data.startswith("parquet:"):
             _check_parquet_data(self.data, self.num_workers)
-
-
-# Sizes of the built-in model by name (``--preset``); a flag given for one of these fields wins.
-MODEL_PRESETS: dict[str, dict[str, int]] = {
-    "default": {name: default_of(WorkerConfig, name) for name in ("batch_size", "num_sparse", "embedding_dim")},
-    "gpu": {"batch_size": 8192, "num_sparse": 26, "embedding_dim": 128},
-}
