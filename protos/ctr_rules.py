@@ -62,7 +62,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tether.protos.update_rules import Adagrad, UpdateRule
+from tether.protos.update_rules import Adagrad, UpdateRule, spread_squares
 
 if TYPE_CHECKING:
     from tether.protos.optimizers import OptimizerConfig
@@ -97,6 +97,18 @@ class RowwiseAdagrad(UpdateRule):
         acc = state["sum"]
         acc.add_(g.square().mean(dim=1))
         w.addcdiv_(g, acc.sqrt().add_(cfg.eps).unsqueeze(1), value=-lr)
+
+    combined_stats = ("square_sum",)
+
+    def combine(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, stats: torch.Tensor, state: Mapping[str, torch.Tensor],
+                lr: float) -> None:
+        """k gradients summed into ``g``: ``sum`` grows by their ``square_sum`` (exactly what the k
+        steps add), and the step is ``lr * g * 2 / (sqrt(sum_before) + sqrt(sum_after) + eps)``
+        (Adagrad's: the k steps with the accumulator rising evenly, summed as an integral)."""
+        acc = state["sum"]
+        before = acc.sqrt()
+        acc.add_(stats[:, 0].to(acc.dtype))
+        w.addcdiv_(g, before.add_(acc.sqrt()).add_(cfg.eps).unsqueeze(1), value=-2.0 * lr)
 
     def kernel_constants(self, cfg: OptimizerConfig) -> tuple[Any, ...]:
         return (np.float32(cfg.weight_decay), np.float32(cfg.eps))
@@ -137,11 +149,25 @@ class Ftrl(UpdateRule):
     def initial_state(self, cfg: OptimizerConfig) -> dict[str, float]:
         return {"n": cfg.initial_accumulator}
 
+    combined_stats = ("square_sum",)
+
+    def combine(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, stats: torch.Tensor, state: Mapping[str, torch.Tensor],
+                lr: float) -> None:
+        """k gradients summed into ``g``: one step of Algorithm 1 on the sum, with ``n`` grown by
+        ``spread_squares`` (the per-element sum of the k squares, estimated from the row's
+        ``square_sum``) instead of ``g * g``: ``z`` gains every gradient and ``n`` every square as
+        in the k steps; what differs is that ``sigma * w`` is taken once, at the weights before
+        (the k steps take it at each step's weights)."""
+        self._step(cfg, w, g, spread_squares(g, stats[:, 0]), state, lr)
+
     def step(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, state: Mapping[str, torch.Tensor], lr: float) -> None:
+        self._step(cfg, w, g, g * g, state, lr)
+
+    def _step(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, g2: torch.Tensor, state: Mapping[str, torch.Tensor],
+              lr: float) -> None:
         if not lr > 0:
             return  # a rate of 0 (a schedule's floor) takes no step: sigma and the denominator divide by it
         z, n = state["z"], state["n"]
-        g2 = g * g
         n_new = n + g2
         if cfg.lr_power == -0.5:
             power = n_new.sqrt()

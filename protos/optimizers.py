@@ -13,7 +13,10 @@ A rule is the one home of everything about its optimizer:
   cached on disk; this module never imports numba, so a worker does not pay for it) and applies
   it to its embedding tables;
 - its ``torch_optimizer``: the ``torch.optim`` optimizer that takes the same steps, with which a
-  sync worker steps its own dense parameters.
+  sync worker steps its own dense parameters;
+- its combined push (``combined_stats``, ``combine``, ``apply_combined``): what a worker's row cache
+  sends beside a row's gradients of k steps summed, and the one update that stands for the k
+  steps (torch form; shards and local mode apply it to the combined rows of a push).
 
 The rules live in ``tether.protos.update_rules`` (the base class and the three with a
 ``torch.optim`` twin) and ``tether.protos.ctr_rules`` (row-wise Adagrad and FTRL-Proximal);

@@ -129,18 +129,20 @@ class DeclareResponse(_message.Message):
     def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., data_port: _Optional[int] = ..., data_socket: _Optional[str] = ...) -> None: ...
 
 class SparseBlock(_message.Message):
-    __slots__ = ("table", "ids", "values", "read_version", "read_values")
+    __slots__ = ("table", "ids", "values", "read_version", "read_values", "combined")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     READ_VERSION_FIELD_NUMBER: _ClassVar[int]
     READ_VALUES_FIELD_NUMBER: _ClassVar[int]
+    COMBINED_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: bytes
     values: Tensor
     read_version: int
     read_values: Tensor
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., read_version: _Optional[int] = ..., read_values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    combined: Tensor
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., read_version: _Optional[int] = ..., read_values: _Optional[_Union[Tensor, _Mapping]] = ..., combined: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class DenseBlock(_message.Message):
     __slots__ = ("name", "index", "value", "read_version", "read_value")

@@ -17,7 +17,7 @@ from torch import nn
 if TYPE_CHECKING:
     from tether.protos.optimizers import OptimizerConfig
 
-__all__ = ["Adagrad", "Adam", "RuleOptimizer", "SGD", "UpdateRule"]
+__all__ = ["Adagrad", "Adam", "RuleOptimizer", "SGD", "UpdateRule", "spread_squares"]
 
 
 class UpdateRule:
@@ -59,6 +59,51 @@ class UpdateRule:
         vectorised: it cannot tell that they do not overlap).
         """
         raise NotImplementedError
+
+    # What a combined push (a worker's row cache summing a row's gradients of several steps into
+    # one, ``tether.worker.row_cache``) carries per row beside that sum, for this rule to update
+    # its state as if it had taken the steps one by one: the columns of ``combined``'s ``stats``.
+    # None: the sum alone is exact (SGD). "square_sum": the sum over the combined gradients of
+    # each one's mean(g * g) over the row; "count": how many gradients were summed.
+    combined_stats: tuple[str, ...] = ()
+
+    def combine(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, stats: torch.Tensor, state: Mapping[str, torch.Tensor],
+                lr: float) -> None:
+        """One update of rows ``w`` (rows x dim) in place from ``g``, each row the sum of several
+        gradients (weight decay already added), with ``stats`` (rows x ``len(combined_stats)``)
+        describing them: the rule's steps on them as one (see each rule). The default (a rule
+        with no ``combined_stats``) is the ordinary step on the sum."""
+        self.step(cfg, w, g, state, lr)
+
+    def apply_combined(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, stats: torch.Tensor,
+                       state: Mapping[str, torch.Tensor], lr_scale: float | torch.Tensor = 1.0) -> None:
+        """``apply`` for a combined push's rows: rows whose ``stats`` first column is -1 hold one
+        gradient and take the ordinary step; the others ``combine``. Weight decay is added once
+        to a row's summed gradient (as for any push). ``lr_scale``: one factor, or one per row."""
+        if cfg.weight_decay:
+            g = g + cfg.weight_decay * w
+        if not isinstance(lr_scale, float) and len(lr_scale) and bool((lr_scale == lr_scale[0]).all()):
+            lr_scale = float(lr_scale[0])
+        one = stats[:, 0] == -1
+        for rows, fn in ((one, None), (~one, self.combine)):
+            if not bool(rows.any()):
+                continue
+            idx = torch.nonzero(rows).squeeze(1)
+            wr, gr = w.index_select(0, idx), g.index_select(0, idx)
+            sr = {k: v.index_select(0, idx) for k, v in state.items()}
+            scale = lr_scale if isinstance(lr_scale, float) else lr_scale.index_select(0, idx)
+            if isinstance(scale, float):
+                (self.step(cfg, wr, gr, sr, cfg.lr * scale) if fn is None else fn(cfg, wr, gr, stats.index_select(0, idx), sr,
+                                                                                  cfg.lr * scale))
+            else:
+                for i in range(len(idx)):  # a factor per row (staleness-aware): one row at a time
+                    one_state = {k: v[i:i + 1] for k, v in sr.items()}
+                    lr = cfg.lr * float(scale[i])
+                    (self.step(cfg, wr[i:i + 1], gr[i:i + 1], one_state, lr) if fn is None else
+                     fn(cfg, wr[i:i + 1], gr[i:i + 1], stats.index_select(0, idx)[i:i + 1], one_state, lr))
+            w.index_copy_(0, idx, wr)
+            for k, v in state.items():
+                v.index_copy_(0, idx, sr[k])
 
     def dense_rule(self) -> UpdateRule:
         """The rule that steps dense values (a shard's dense chunk, a flat parameter: no rows)
@@ -153,6 +198,21 @@ class Adagrad(UpdateRule):
             for j in range(d):
                 row[j] -= step * scratch[j] / (np.sqrt(state[j]) + eps)
 
+    combined_stats = ("square_sum",)
+
+    def combine(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, stats: torch.Tensor, state: Mapping[str, torch.Tensor],
+                lr: float) -> None:
+        """k gradients g_i summed into ``g``: the accumulator grows by ``spread_squares`` (the
+        per-element sum of g_i * g_i, estimated from the row's one ``square_sum``), and the step
+        is ``lr * g * 2 / (sqrt(sum_before) + sqrt(sum_after) + eps)``: the k steps
+        ``lr * g_i / sqrt(sum_i)`` with the accumulator rising evenly from before to after,
+        summed as an integral (exact for k equal gradients as k grows; one step at the new
+        sum, ``g / sqrt(sum_after)``, is up to 2x too small while a row is young)."""
+        acc = state["sum"]
+        before = acc.sqrt()
+        acc.add_(spread_squares(g, stats[:, 0]))
+        w.addcdiv_(g, before.add_(acc.sqrt()).add_(cfg.eps), value=-2.0 * lr)
+
     def torch_optimizer(self, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.Adagrad(
             params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay, initial_accumulator_value=cfg.initial_accumulator
@@ -214,8 +274,45 @@ class Adam(UpdateRule):
             for j in range(d):
                 row[j] -= step * (mr[j] / bc1) / (np.sqrt(vr[j] / bc2) + eps)
 
+    combined_stats = ("count", "square_sum")
+
+    def combine(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, stats: torch.Tensor, state: Mapping[str, torch.Tensor],
+                lr: float) -> None:
+        """k gradients summed into ``g``: the k steps taken with the gradients taken as equal
+        (``g / k`` each, with per-element squares ``spread_squares / k``): the moments decay and
+        ``t`` counts k times and the weights move by the k bias-corrected steps. Exact for k
+        equal gradients; for unequal ones the moments end where the k steps' would (up to the
+        squares' spread and ``m``'s weighting of the order) and the steps differ by their order."""
+        m, v, t = state["m"], state["v"], state["t"]
+        k = stats[:, 0].to(t.dtype)
+        each = g / k.unsqueeze(1).to(g.dtype)
+        square = spread_squares(g, stats[:, 1]) / k.unsqueeze(1).to(g.dtype)
+        move = torch.zeros_like(w)
+        for i in range(1, int(k.max()) + 1):
+            on = k >= i
+            rows = on.unsqueeze(1)
+            m.copy_(torch.where(rows, m * cfg.beta1 + (1 - cfg.beta1) * each, m))
+            v.copy_(torch.where(rows, v * cfg.beta2 + (1 - cfg.beta2) * square, v))
+            t.add_(on.to(t.dtype))
+            tt = t.unsqueeze(-1).double()
+            bc1, bc2 = (1 - torch.pow(cfg.beta1, tt)).float(), (1 - torch.pow(cfg.beta2, tt)).float()
+            move += torch.where(rows, (m / bc1) / ((v / bc2).sqrt() + cfg.eps), 0.0)
+        w.add_(move, alpha=-lr)
+
     def torch_optimizer(self, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def spread_squares(g: torch.Tensor, square_sum: torch.Tensor) -> torch.Tensor:
+    """The per-element sums of squares of the gradients summed into each row of ``g``,
+    estimated from the row's ``square_sum`` (their mean(g_i * g_i) summed): ``g * g`` scaled so
+    that its mean is ``square_sum``. Exact when the gradients are parallel (each a multiple of
+    one vector: every dim-1 row) and for one gradient; where ``g`` is 0 (they cancelled), the
+    square sum spread evenly. One float a row on the wire instead of ``dim``."""
+    g2 = g * g
+    mean = g2.mean(dim=1, keepdim=True)
+    target = square_sum.to(g.dtype).unsqueeze(1)
+    return torch.where(mean > 0, g2 * (target / mean.clamp_min(torch.finfo(g.dtype).tiny)), target.expand_as(g2))
 
 
 class RuleOptimizer(torch.optim.Optimizer):

@@ -160,6 +160,7 @@ class RequestHandler:
             SparseUpdate(
                 b.table, decode_ids(b.ids), decode_tensor(b.values, torch.float32, payload), b.read_version,
                 decode_tensor(b.read_values, torch.float32, payload) if b.HasField("read_values") else None,
+                decode_tensor(b.combined, torch.float32, payload) if b.HasField("combined") else None,
             )
             for b in request.sparse
         ]

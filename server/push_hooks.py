@@ -1,7 +1,10 @@
 """What a push's update adds to the rule's step on a shard: the learning-rate schedule by the
 worker's clock and DC-ASGD's delay compensation (the maths is ``tether.protos.schedules``'s;
 local mode applies the same). ``tether.server.shard`` calls ``adjusted`` per block, after the
-whole push was checked (``check_read``) and just before the table's or chunk's update."""
+whole push was checked (``check_read``, ``check_combined``) and just before the table's or
+chunk's update. A table applies a block's rows with ``apply_rows``: the rule's compiled kernel,
+and for the rows of a combined push (a worker's row cache summing several steps' gradients) the
+rule's ``combine``."""
 
 from __future__ import annotations
 
@@ -11,10 +14,11 @@ import numpy as np
 import torch
 
 from tether.protos.errors import InvalidArgument
-from tether.protos.optimizers import OptimizerConfig
+from tether.protos.optimizers import OptimizerConfig, UpdateRule
 from tether.protos.schedules import delay_compensated
+from tether.server.kernels import RowUpdate
 
-__all__ = ["adjusted", "check_compensation", "check_read"]
+__all__ = ["adjusted", "apply_rows", "check_combined", "check_compensation", "check_read"]
 
 
 def check_compensation(worker_id: str, lam: float) -> None:
@@ -56,3 +60,53 @@ def adjusted(
         now = target.pull(ids)[0] if ids is not None else target.value  # type: ignore[attr-defined]
         grad = delay_compensated(grad.to(torch.float32), now, read.to(torch.float32), lam)
     return grad, scale
+
+
+def check_combined(what: str, update_rule: UpdateRule, combined: torch.Tensor | None, rows: int) -> None:
+    """A combined push's statistics fit the table's rule: one row per gradient row, a column per
+    ``combined_stats`` name, finite, each row's first column -1 (one gradient) or >= 0 (a count
+    >= 1 where it is a count).
+
+    Raises:
+        InvalidArgument: anything else.
+    """
+    if combined is None:
+        return
+    width = len(update_rule.combined_stats)
+    if not width:
+        raise InvalidArgument(f"{what}: rule {update_rule.name} takes no combined statistics (the summed gradient is its k steps)")
+    if tuple(combined.shape) != (rows, width):
+        raise InvalidArgument(f"{what}: combined statistics of shape {tuple(combined.shape)}, expected ({rows}, {width}) "
+                              f"({', '.join(update_rule.combined_stats)})")
+    if not combined.is_floating_point() or not bool(torch.isfinite(combined).all()):
+        raise InvalidArgument(f"{what}: combined statistics must be finite floats")
+    first = combined[:, 0]
+    low = 1.0 if update_rule.combined_stats[0] == "count" else 0.0
+    if bool(((first != -1) & (first < low)).any()) or (width > 1 and bool((combined[:, 1:] < 0).any())):
+        raise InvalidArgument(f"{what}: combined statistics out of range (first column -1 or >= {low:g}, the others >= 0)")
+
+
+def apply_rows(update_rule: UpdateRule, cfg: OptimizerConfig, update: RowUpdate, weights: torch.Tensor, state: dict[str, torch.Tensor],
+               slots: np.ndarray, grads: np.ndarray, lr: np.ndarray, combined: torch.Tensor | None) -> None:
+    """Rows ``slots`` (unique) of ``weights`` and ``state`` updated from ``grads`` at rates ``lr``
+    (float32 per row): by the rule's compiled kernel ``update``, except, with ``combined``, the
+    rows it marks as sums of several gradients (first column not -1), which take the rule's
+    ``combine`` (its torch form; weight decay added once to the sum)."""
+    arrays = {k: t.numpy() for k, t in state.items()}
+    if combined is None:
+        update(weights.numpy(), arrays, slots, grads, lr)
+        return
+    many = (combined[:, 0] != -1).numpy()
+    one = ~many
+    if one.any():
+        update(weights.numpy(), arrays, np.ascontiguousarray(slots[one]), np.ascontiguousarray(grads[one]), np.ascontiguousarray(lr[one]))
+    if not many.any():
+        return
+    idx = torch.from_numpy(np.ascontiguousarray(slots[many]))
+    w, g = weights.index_select(0, idx), torch.from_numpy(np.ascontiguousarray(grads[many]))
+    rows = {k: t.index_select(0, idx) for k, t in state.items()}
+    stats = combined[torch.from_numpy(many)].to(torch.float32)
+    update_rule.apply_combined(cfg, w, g, stats, rows, torch.from_numpy(lr[many].astype(np.float64) / cfg.lr))
+    weights.index_copy_(0, idx, w)
+    for k, t in state.items():
+        t.index_copy_(0, idx, rows[k])

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from tether.protos.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, TooStale
+from tether.protos.optimizers import rule
 from tether.protos.partition import dense_shard, shard_of_ids
 from tether.protos.specs import TableConfig, optimizer_conflict, table_conflict
 from tether.protos.ssp import COORDINATOR_SHARD
@@ -28,7 +29,7 @@ from tether.server.dedup import AppliedPushes
 from tether.server.dense import DenseChunk
 from tether.server.gate import Gate
 from tether.server.metrics import NullShardMetrics, ShardRecorder
-from tether.server.push_hooks import adjusted, check_compensation, check_read
+from tether.server.push_hooks import adjusted, check_combined, check_compensation, check_read
 from tether.server.shard_records import DenseDecl, DenseState, DenseUpdate, PushResult, ShardState, SparseUpdate, TableState
 from tether.server.tables import EmbeddingTable, Pulled
 
@@ -247,6 +248,7 @@ class Shard:
         if not _finite(u.grads):
             raise InvalidArgument(f"table {u.table!r}: gradients contain NaN or Inf")
         check_read(f"table {u.table!r}", u.read_values, u.grads)
+        check_combined(f"table {u.table!r}", rule(table.config.optimizer.name), u.combined, u.ids.size)
         return table, pulled
 
     def _check_dense(self, u: DenseUpdate) -> DenseChunk:
@@ -356,7 +358,8 @@ class Shard:
                 (t, u.ids, u.grads, p) for (t, p), u in zip(checked, sparse)
             ] + [(c, None, u.grad, None) for c, u in zip(chunks, dense)]
             reads = [u.read_values for u in sparse] + [u.read_value for u in dense]
-            for (target, ids, grad, pulled), s, n, read in zip(blocks, stale, intervals, reads):
+            combined = [u.combined for u in sparse] + [None] * len(dense)
+            for (target, ids, grad, pulled), s, n, read, stats in zip(blocks, stale, intervals, reads, combined):
                 # The typical staleness of this table or chunk: a running mean of its updates
                 # between a push's read and its apply, over every push (a racy update loses at
                 # most one sample).
@@ -371,7 +374,7 @@ class Shard:
                 if ids is None:
                     target.push(grad, scale)
                 else:
-                    target.push(ids, grad, scale, pulled)
+                    target.push(ids, grad, scale, pulled, stats)
             if clock:
                 self.clocks.update(worker_id, clock, from_push=True)
             self.applied_pushes += 1

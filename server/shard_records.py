@@ -33,6 +33,9 @@ class SparseUpdate:
     read_version: int = 0
     # The rows as the worker read them (DC-ASGD's w_read; None: not sent).
     read_values: torch.Tensor | None = None
+    # A combined push's statistics per row (``UpdateRule.combined_stats``; None: not sent, every
+    # row one gradient).
+    combined: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from tether.protos.specs import TableConfig
 from tether.server.admission import CountMinSketch, sketch_width
 from tether.server import kernels
 from tether.server.index import IdIndex
+from tether.server.push_hooks import apply_rows
 from tether.protos.initial import init_rows
 from tether.server.update_log import RowVersions, UpdateLog
 from tether.server.zeroed import float_rows, zeros
@@ -361,14 +362,14 @@ class EmbeddingTable:
                 return None if per_row else 0
             return self._updates.count(slots, newer, self.version, read_version, per_row)
 
-    def push(
-        self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float | np.ndarray = 1.0, pulled: Pulled | None = None
-    ) -> int:
+    def push(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float | np.ndarray = 1.0, pulled: Pulled | None = None,
+             combined: torch.Tensor | None = None) -> int:
         """Apply row gradients with the table's optimizer; returns the new version.
 
         Gradients of ids that are not admitted (or do not fit in the capacity) are dropped and
         counted in ``dropped_rows``. ``pulled``: what ``pulled(ids)`` said, if the caller asked.
-        ``lr_scale``: one factor for every row, or one per id (float64 array).
+        ``lr_scale``: one factor for every row, or one per id (float64 array). ``combined``: a
+        combined push's statistics per row (``push_hooks.apply_rows``; None: one gradient each).
         """
         opt = self.config.optimizer
         with self._lock:
@@ -380,18 +381,16 @@ class EmbeddingTable:
                 if self._on_drop is not None:
                     self._on_drop(dropped)
                 slots, grads = slots[keep], grads[torch.from_numpy(keep)]
+                combined = None if combined is None else combined[torch.from_numpy(keep)]
                 if isinstance(lr_scale, np.ndarray):
                     lr_scale = lr_scale[keep]
             # Ids are unique: each row and its state are updated in place, in one pass of the
             # rule's compiled row kernel (tether.server.kernels), row by row with its own
-            # learning rate.
-            if isinstance(lr_scale, np.ndarray):
-                lr = (opt.lr * lr_scale).astype(np.float32)
-            else:
-                lr = np.full(len(slots), opt.lr * lr_scale, np.float32)
-            state = {k: t.numpy() for k, t in self._state.items()}
+            # learning rate (a combined push's combined rows by the rule's torch form).
+            lr = (opt.lr * (lr_scale if isinstance(lr_scale, np.ndarray) else np.full(len(slots), lr_scale))).astype(np.float32)
             grads_np = np.ascontiguousarray(grads.detach().numpy(), np.float32)
-            self._update_rows(self._weights.numpy(), state, np.ascontiguousarray(slots, np.int64), grads_np, lr)
+            apply_rows(self._rule, opt, self._update_rows, self._weights, self._state, np.ascontiguousarray(slots, np.int64), grads_np, lr,
+                       combined)
             self.version += 1
             self._versions.updated(slots, self.version, self._used)
             self._updates.record(self.version, slots)

@@ -108,6 +108,8 @@ def _ids(*values: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
 def test_combined_push_is_one_update_on_the_summed_gradients(optimizer: str) -> None:
+    # Without ``use_tables`` the cache does not know the tables' rules and sends the sum alone, as
+    # an older worker does (with them it sends the rules' statistics too: tests/test_rules_combined.py).
     cached, local = _client(rows=10, bound=3, optimizer=optimizer)
     ids = _ids(5, 9)
     start = local.pull({"t": ids}).result().rows["t"].clone()

@@ -172,7 +172,8 @@ def hold_rows(cells: np.ndarray, ids: np.ndarray, g: np.ndarray, pending: np.nda
               pending_version: np.ndarray, shard: np.ndarray, versions: np.ndarray, clock: np.int64,
               num_shards: np.int64) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Add gradient rows ``g`` to the held sums of the cached ``ids`` (their oldest read version
-    the minimum with ``versions`` of their shard). Returns (the slots of the cached ids, their
+    the minimum with ``versions`` of their shard); ``pending``'s two columns past ``g``'s hold each
+    row's sum of mean(g * g) and its count of gradients (a combined push's statistics). Returns (the slots of the cached ids, their
     positions, the slots first held now, the positions of the ids not cached, and those ids'
     shards)."""
     n = len(ids)
@@ -193,8 +194,12 @@ def hold_rows(cells: np.ndarray, ids: np.ndarray, g: np.ndarray, pending: np.nda
         slots[c] = s
         pos[c] = i
         c += 1
+        square = np.float32(0.0)
         for j in range(dim):
             pending[s, j] += g[i, j]
+            square += g[i, j] * g[i, j]
+        pending[s, dim] += square / np.float32(dim)
+        pending[s, dim + 1] += np.float32(1.0)
         if pending_since[s] == _NONE:
             pending_since[s] = clock
             first[f] = s
@@ -208,10 +213,11 @@ def hold_rows(cells: np.ndarray, ids: np.ndarray, g: np.ndarray, pending: np.nda
 @_jit
 def take_rows(slots: np.ndarray, ids: np.ndarray, pending: np.ndarray, shard: np.ndarray, pending_since: np.ndarray,
               pending_version: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The ids, held sums, shards and oldest read versions of ``slots``, which stop holding (and
-    whose ``held`` local changes are now the shard's too)."""
+    """The ids, held sums (with their statistics columns), shards and oldest read versions of
+    ``slots``, which stop holding (and whose ``held`` local changes are now the shard's too)."""
     n = len(slots)
     dim = pending.shape[1]
+    width = held.shape[1]
     out_ids = np.empty(n, np.int64)
     out_g = np.empty((n, dim), np.float32)
     out_shards = np.empty(n, np.int64)
@@ -224,6 +230,7 @@ def take_rows(slots: np.ndarray, ids: np.ndarray, pending: np.ndarray, shard: np
         for j in range(dim):
             out_g[i, j] = pending[s, j]
             pending[s, j] = 0.0
+        for j in range(width):
             held[s, j] = 0.0
         pending_since[s] = _NONE
         pending_version[s] = _NONE
@@ -308,7 +315,7 @@ def place_rows(slots: np.ndarray, ids: np.ndarray, now: np.int64, ids_col: np.nd
                read_version: np.ndarray, pend: np.ndarray, mine: np.ndarray, fresh: np.ndarray, stale: np.int64) -> None:
     """Every column of new rows ``ids`` in ``slots``: used once at ``now``, nothing held, never
     read (``stale``), no local changes."""
-    dim = pend.shape[1]
+    dim = mine.shape[1]
     for i in range(len(slots)):
         s = slots[i]
         ids_col[s] = ids[i]
@@ -319,8 +326,9 @@ def place_rows(slots: np.ndarray, ids: np.ndarray, now: np.int64, ids_col: np.nd
         pending_version[s] = _NONE
         read_clock[s] = stale
         read_version[s] = _NONE
-        for j in range(dim):
+        for j in range(pend.shape[1]):
             pend[s, j] = 0.0
+        for j in range(dim):
             mine[s, j] = 0.0
             fresh[s, j] = 0.0
 

@@ -164,7 +164,7 @@ class PSClient:
 
     def push(
         self,
-        sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        sparse: Mapping[str, tuple[torch.Tensor, ...]] | None = None,
         dense: Mapping[str, torch.Tensor] | None = None,
         clock: int = 0,
         versions: PullResult | None = None,
@@ -172,7 +172,8 @@ class PSClient:
         """Start pushing row gradients (table -> (unique ids, grads)) and dense gradients.
 
         Args:
-            sparse: per table, the ids and their gradients (rows x dim).
+            sparse: per table, the ids and their gradients (rows x dim); a row cache's combined
+                push adds the rule's statistics third (rows x ``UpdateRule.combined_stats``).
             dense: per dense parameter, its full gradient.
             clock: the worker's clock (steps completed) for these gradients.
             versions: the pull the gradients were computed from (staleness accounting).
@@ -186,7 +187,7 @@ class PSClient:
 
     def push_pull(
         self,
-        push_sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        push_sparse: Mapping[str, tuple[torch.Tensor, ...]] | None = None,
         push_dense: Mapping[str, torch.Tensor] | None = None,
         pull_sparse: Mapping[str, torch.Tensor] | None = None,
         pull_dense: Sequence[str] = (),

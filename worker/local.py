@@ -40,12 +40,15 @@ from tether.protos.specs import TableConfig, table_conflict
 from tether.worker.client import PSClient
 from tether.worker.config import ClientConfig, TrainingConfig
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
+from tether.server.push_hooks import check_combined
 from tether.worker.local_table import LocalDense, LocalTable
 from tether.worker.results import CheckpointResult, ClockReply, Handle, PullResult, PushAck
 
 __all__ = ["LocalClient", "LocalClientConfig", "LocalTable"]
 
 T = TypeVar("T")
+# A push's rows of one table as checked: the table, ids, gradients, a combined push's statistics (or None).
+_Row = tuple[LocalTable, np.ndarray, torch.Tensor, torch.Tensor | None]
 
 @dataclass(frozen=True)
 class LocalClientConfig(ClientConfig):
@@ -223,15 +226,17 @@ class LocalClient(PSClient):
             return _answered(self._read(sparse or {}, dense))
 
     def _check_push(
-        self, sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]], dense: Mapping[str, torch.Tensor]
-    ) -> tuple[list[tuple[LocalTable, np.ndarray, torch.Tensor]], list[tuple[str, LocalDense, torch.Tensor]]]:
+        self, sparse: Mapping[str, tuple[torch.Tensor, ...]], dense: Mapping[str, torch.Tensor]
+    ) -> tuple[list[_Row], list[tuple[str, LocalDense, torch.Tensor]]]:
         """What the client checks before sending a push (raised at once)."""
         rows = []
-        for name, (ids, grads) in sparse.items():
+        for name, part in sparse.items():
+            ids, grads = part[0], part[1]
             table, arr = self._table(name), _ids(name, ids)
             if tuple(grads.shape) != (arr.size, table.dim):
                 raise InvalidArgument(f"table {name!r}: gradient shape {tuple(grads.shape)} != ({arr.size}, {table.dim})")
-            rows.append((table, arr, grads.detach().to("cpu", torch.float32)))
+            stats = part[2].detach().to("cpu", torch.float32) if len(part) > 2 else None
+            rows.append((table, arr, grads.detach().to("cpu", torch.float32), stats))
         params = []
         for name, grad in dense.items():
             d = self._dense(name)
@@ -242,15 +247,19 @@ class LocalClient(PSClient):
 
     @staticmethod
     def _refusal(
-        rows: list[tuple[LocalTable, np.ndarray, torch.Tensor]], params: list[tuple[str, LocalDense, torch.Tensor]]
+        rows: list[_Row], params: list[tuple[str, LocalDense, torch.Tensor]]
     ) -> TetherError | None:
         """What a shard refuses a push for (nothing of it is then applied)."""
-        for table, ids, grads in rows:
+        for table, ids, grads, stats in rows:
             name = table.config.name
             if len(ids) > 1 and bool((np.diff(np.sort(ids)) == 0).any()):
                 return InvalidArgument(f"table {name!r}: ids in one push must be unique")
             if not bool(torch.isfinite(grads).all()):
                 return InvalidArgument(f"table {name!r}: gradients contain NaN or Inf")
+            try:
+                check_combined(f"table {name!r}", table.rule, stats, len(ids))
+            except InvalidArgument as e:
+                return e
         for name, _, grad in params:
             if not bool(torch.isfinite(grad).all()):
                 return InvalidArgument(f"dense {name!r}: gradient contains NaN or Inf")
@@ -258,21 +267,21 @@ class LocalClient(PSClient):
 
     def _apply(
         self,
-        rows: list[tuple[LocalTable, np.ndarray, torch.Tensor]],
+        rows: list[_Row],
         params: list[tuple[str, LocalDense, torch.Tensor]],
         clock: int,
         versions: PullResult | None,
     ) -> PushAck:
         staleness = 0
-        for table, ids, grads in rows:
+        for table, ids, _, _ in rows:
             read = versions.table_versions.get((0, table.config.name), 0) if versions else 0
             staleness = max(staleness, table.staleness(ids, read))
         for name, d, _ in params:
             read = versions.dense_versions.get((name, 0), 0) if versions else 0
             staleness = max(staleness, d.version - read)
-        for table, ids, grads in rows:
+        for table, ids, grads, stats in rows:
             if len(ids):
-                table.push(ids, grads, clock)
+                table.push(ids, grads, clock, stats)
         for _, d, grad in params:
             d.push(grad, clock)
         if clock:
@@ -282,7 +291,7 @@ class LocalClient(PSClient):
 
     def push(
         self,
-        sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        sparse: Mapping[str, tuple[torch.Tensor, ...]] | None = None,
         dense: Mapping[str, torch.Tensor] | None = None,
         clock: int = 0,
         versions: PullResult | None = None,
@@ -304,7 +313,7 @@ class LocalClient(PSClient):
 
     def push_pull(
         self,
-        push_sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        push_sparse: Mapping[str, tuple[torch.Tensor, ...]] | None = None,
         push_dense: Mapping[str, torch.Tensor] | None = None,
         pull_sparse: Mapping[str, torch.Tensor] | None = None,
         pull_dense: Sequence[str] = (),

@@ -10,7 +10,7 @@ import torch
 
 from tether.protos.errors import UsageError
 from tether.protos.initial import init_rows
-from tether.protos.optimizers import OptimizerConfig, rule
+from tether.protos.optimizers import OptimizerConfig, UpdateRule, rule
 from tether.protos.specs import TableConfig
 
 __all__ = ["LocalDense", "LocalTable"]
@@ -148,15 +148,23 @@ class LocalTable:
             hits += np.isin(newer, updated)
         return int(hits.max())
 
-    def push(self, ids: np.ndarray, grads: torch.Tensor, clock: int = 0) -> int:
+    @property
+    def rule(self) -> UpdateRule:
+        return self._rule
+
+    def push(self, ids: np.ndarray, grads: torch.Tensor, clock: int = 0, combined: torch.Tensor | None = None) -> int:
         """Apply one gradient per id (unique ids) with the table's rule, at its schedule's rate
-        for ``clock`` as a shard does; returns the new version."""
+        for ``clock`` as a shard does; returns the new version. ``combined``: a combined push's
+        statistics per row (``UpdateRule.apply_combined``, as a shard applies them)."""
         slots = self.slots(ids)
         index = torch.from_numpy(slots)
         w = self._weights.index_select(0, index)
         state = {k: t.index_select(0, index) for k, t in self._state.items()}
         opt = self.config.optimizer
-        self._rule.apply(opt, w, grads, state, opt.schedule.factor(opt.lr, clock))
+        if combined is None:
+            self._rule.apply(opt, w, grads, state, opt.schedule.factor(opt.lr, clock))
+        else:
+            self._rule.apply_combined(opt, w, grads, combined, state, opt.schedule.factor(opt.lr, clock))
         self._weights.index_copy_(0, index, w)
         for k, t in self._state.items():
             t.index_copy_(0, index, state[k])

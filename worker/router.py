@@ -217,13 +217,14 @@ class Router:
 
     def push_requests(
         self,
-        sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+        sparse: Mapping[str, tuple[torch.Tensor, ...]],
         dense: Mapping[str, torch.Tensor],
         clock: int,
         versions: PullResult | None,
     ) -> tuple[dict[int, pb.PushRequest], dict[int, dp.PayloadWriter]]:
         """One ``PushRequest`` (with its payload) per shard that owns a gradient; with a
-        ``clock``, every shard gets one, empty or not.
+        ``clock``, every shard gets one, empty or not. A table's ``(ids, grads)`` may carry a
+        combined push's statistics third (rows x columns, ``SparseBlock.combined``, float32).
 
         Raises:
             InvalidArgument: undeclared table or tensor, or a gradient of the wrong shape.
@@ -238,11 +239,15 @@ class Router:
                 payloads[s] = dp.PayloadWriter()
             return requests[s]
 
-        for table, (ids, grads) in sparse.items():
+        for table, entry in sparse.items():
+            ids, grads = entry[0], entry[1]
             arr = self._check_ids(table, ids)
             if tuple(grads.shape) != (arr.size, self.dims[table]):
                 raise InvalidArgument(f"table {table!r}: gradient shape {tuple(grads.shape)} != ({arr.size}, {self.dims[table]})")
             grads = grads.detach().to("cpu")
+            stats = entry[2].detach().to("cpu", torch.float32) if len(entry) > 2 else None
+            if stats is not None and (stats.dim() != 2 or stats.shape[0] != arr.size):
+                raise InvalidArgument(f"table {table!r}: combined statistics of shape {tuple(stats.shape)} for {arr.size} rows")
             # DC-ASGD: the rows as read go along (the pull's, in the order of these ids).
             read = versions.rows.get(table) if versions and self.config.delay_compensation else None
             read = read.detach().to("cpu") if read is not None and tuple(read.shape) == tuple(grads.shape) else None
@@ -253,6 +258,8 @@ class Router:
                     payloads[s].add(grads, b.values, wire, rows=None if part.size == arr.size else torch.from_numpy(pos))
                     if read is not None:
                         payloads[s].add(read, b.read_values, wire, rows=None if part.size == arr.size else torch.from_numpy(pos))
+                    if stats is not None:  # float32 whatever the wire type: counts and squares, not values
+                        payloads[s].add(stats, b.combined, torch.float32, rows=None if part.size == arr.size else torch.from_numpy(pos))
         for name, grad in dense.items():
             layout = self.dense_layout(name)
             if tuple(grad.shape) != layout.shape:

@@ -19,12 +19,17 @@ changes that answer lacks: those of the gradients still held when the refresh wa
 of every step since (so with SGD a refreshed row is the shard's value once the held gradients
 land).
 
-A combined push is the **sum** of the row's pending gradients, sent as one gradient: the shard
-applies its rule once to that sum (for SGD the same as the separate steps; for Adagrad/Adam one
-step on the sum, not k steps: the accumulator grows by the sum's square). The sum is what the
-shard's state stays authoritative on; the local copy's own steps are never pushed. Its read
-version is the oldest read version of the rows it combines, so shards count its staleness from
-the oldest read (conservative).
+A combined push is the **sum** of the row's pending gradients, sent as one gradient, and, once
+``use_tables`` named the rules, what the table's rule needs to update its state as if it had taken
+the k steps (``UpdateRule.combined_stats``, ``SparseBlock.combined``): for Adagrad, row-wise
+Adagrad and FTRL one float per row, the sum over the k gradients of mean(g * g); for Adam that
+and the count k; nothing for SGD, whose step on the sum is the k steps. A row that holds one
+gradient sends -1 there and takes the ordinary step; a push none of whose rows combine (write
+bound 0) sends nothing, so it is exactly what no cache sends. The shard applies the rule's
+``combine`` (``protos.update_rules``, ``protos.ctr_rules``). The sum is what the shard's state
+stays authoritative on; the local copy's own steps are never pushed. Its read version is the
+oldest read version of the rows it combines, so shards count its staleness from the oldest read
+(conservative).
 
 A pull whose table version for a shard went back (a restarted shard, a reset table) marks every
 cached row of that shard and table stale: they are refreshed by the next pull that wants them.
@@ -48,10 +53,11 @@ import torch
 
 from typing import TYPE_CHECKING, Any
 
+from tether.protos.optimizers import rule
 from tether.protos.specs import TableConfig
 from tether.worker.results import Handle, PullResult, PushAck
 from tether.worker.cache_kernels import assemble, hold_rows, later_rows, oldest_per_shard, plan_rows, store_rows, take_rows
-from tether.worker.row_slots import NONE, STALE, Due, Grads, Table, coalesce, warm_up
+from tether.worker.row_slots import NONE, STALE, Due, Table, coalesce, warm_up
 from tether.worker.traffic import TrafficMeter
 
 if TYPE_CHECKING:
@@ -113,6 +119,7 @@ class _Plan:
 
 
 _NO_IDS = np.zeros(0, np.int64)
+Pushed = dict[str, tuple[torch.Tensor, ...]]  # per table: ids, summed gradients (and a combined push's statistics)
 _NO_FLIGHTS = np.zeros(1, np.int64)
 
 
@@ -138,12 +145,12 @@ class RowCache:
         """The rules the shards apply to the tables (the specs the worker declared): from now on
         the worker's own gradients are applied to its cached rows (read-your-own-writes). Not
         with read bound 0, whose every pull answers with the shards' rows as they are."""
-        if self.config.bound == 0:
-            return
         with self._lock:
             for spec in tables:
                 if spec.name in self.tables:
-                    self.tables[spec.name].local_rule(spec.optimizer)
+                    self.tables[spec.name].combined_stats = rule(spec.optimizer.name).combined_stats
+                    if self.config.bound > 0:
+                        self.tables[spec.name].local_rule(spec.optimizer)
 
     def plan(self, sparse: Mapping[str, torch.Tensor], now: int) -> _Plan:
         """Split a pull of ``sparse`` (table -> sorted unique ids) at clock ``now``."""
@@ -297,9 +304,11 @@ class RowCache:
         self.evictions[t] += len(victims)
 
     def accumulate(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]], clock: int,
-                   versions: PullResult | None, flush: bool = False) -> tuple[Grads, dict[tuple[int, str], int]]:
+                   versions: PullResult | None, flush: bool = False) -> tuple[Pushed, dict[tuple[int, str], int]]:
         """Add a step's row gradients (pushed at ``clock``) to the pending sums and return what
-        is due now (``flush``: everything held), with the read version per shard and table."""
+        is due now (``flush``: everything held), with the read version per shard and table: per
+        table ``(ids, sums)``, or ``(ids, sums, stats)`` where rows combine several gradients
+        (``Table.combined``)."""
         due: Due = {}
         with self._lock:
             for t, (step_ids, g) in grads.items():
@@ -314,7 +323,8 @@ class RowCache:
                                                           tab.mine)
                     tab.holding -= len(ready)
                     due.setdefault(t, []).append((ids, torch.from_numpy(summed), shards, read))
-        return coalesce(due)
+        grads, oldest = coalesce(due)
+        return {t: self.tables[t].combined(ids, held) for t, (ids, held) in grads.items()}, oldest
 
     def _hold(self, t: str, arr: np.ndarray, g: torch.Tensor, clock: int, versions: PullResult | None, due: Due) -> None:
         """Add one table's step gradients to its rows' pending sums and apply them to the cached
@@ -324,8 +334,11 @@ class RowCache:
         grads = np.ascontiguousarray(g.detach().float().numpy())
         slots, pos, first, missing, missing_shards = hold_rows(tab.cells, arr, grads, tab.pend, tab.pending_since, tab.pending_version,
                                                                tab.shard, read, clock, self.num_shards)
-        if len(missing):  # not cached (the table was full): pushed at once
-            due.setdefault(t, []).append((arr[missing], torch.from_numpy(grads[missing]), missing_shards, read[missing_shards]))
+        if len(missing):  # not cached (the table was full): pushed at once, each row one gradient
+            rows = grads[missing]
+            extra = np.stack([(rows * rows).mean(1), np.ones(len(rows), np.float32)], 1)
+            due.setdefault(t, []).append((arr[missing], torch.from_numpy(np.concatenate([rows, extra], 1)), missing_shards,
+                                          read[missing_shards]))
         tab.hold(first, clock)
         tab.step(slots, grads if len(slots) == len(arr) else grads[pos], clock)
 
@@ -337,7 +350,7 @@ class RowCache:
     def memory_bytes(self) -> dict[str, int]:
         """Bytes each table's cache holds (the slots used: values, pending sums, the local
         changes held and in flight, the local rule's state, their columns; the id index)."""
-        return {t: tab.size * (tab.dim * 4 * 4 + sum(a[0].nbytes for a in tab.state.values()) + 8 * 9) + tab.index_entries() * 16
+        return {t: tab.size * ((tab.dim * 4 + 2) * 4 + sum(a[0].nbytes for a in tab.state.values()) + 8 * 9) + tab.index_entries() * 16
                 for t, tab in self.tables.items()}
 
 
@@ -388,14 +401,14 @@ class CachedClient:
         return Handle([handle], combine)
 
     def _due(self, sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None, clock: int,
-             versions: PullResult | None, flush: bool = False) -> tuple[Mapping[str, tuple[torch.Tensor, torch.Tensor]], PullResult | None]:
+             versions: PullResult | None, flush: bool = False) -> tuple[Mapping[str, tuple[torch.Tensor, ...]], PullResult | None]:
         if self.cache is None:
             self.meter.pushed(sparse or {})
             return sparse or {}, versions
         grads, table_versions = self.cache.accumulate(sparse or {}, clock, versions, flush)
         self.meter.pushed(grads)
         if versions is not None and sparse is not None and grads.keys() == sparse.keys() and all(
-                torch.equal(grads[t][0], sparse[t][0]) for t in grads):
+                len(grads[t]) == 2 and torch.equal(grads[t][0], sparse[t][0]) for t in grads):
             # Every row's gradient goes as it was made (write bound 0): the step's own versions
             # (and, for DC-ASGD, the values it read), as without a cache.
             return grads, versions

@@ -28,7 +28,7 @@ __all__ = ["NONE", "STALE", "Due", "Grads", "Table", "coalesce", "warm_up"]
 STALE = np.iinfo(np.int64).min // 2  # a read clock no bound reaches: refreshed on the next pull
 NONE = np.iinfo(np.int64).max  # no pending gradient / no read version yet
 
-Grads = dict[str, tuple[torch.Tensor, torch.Tensor]]
+Grads = dict[str, tuple[torch.Tensor, torch.Tensor]]  # per table: ids, summed gradients (and statistics columns)
 Due = dict[str, list[tuple[np.ndarray, torch.Tensor, np.ndarray, np.ndarray]]]
 
 
@@ -68,7 +68,9 @@ class Table:
         self.pending_since, self.pending_version = np.empty(n, np.int64), np.empty(n, np.int64)
         self.used = np.zeros(n, bool)
         self.values = torch.empty(n, dim)  # the rows as read, with the worker's own changes
-        self.pending = torch.empty(n, dim)  # the sums of the gradients held (zeroed when placed)
+        # The sums of the gradients held (zeroed when placed), and two more columns: the sum of
+        # their mean(g * g) and their count (``cache_kernels.hold_rows``; a combined push's statistics).
+        self.pending = torch.empty(n, dim + 2)
         self.vals, self.pend = self.values.numpy(), self.pending.numpy()  # the same memory
         # The local rule's changes to each row (read-your-own-writes; zeroed when placed): ``mine``,
         # those of the gradients held (not pushed yet); ``fresh``, those the answer of the row's
@@ -82,6 +84,7 @@ class Table:
         # Local updates (``local_rule``): the table's rule, its constants and its state per slot.
         self.update: RowUpdate | None = None
         self.optimizer: OptimizerConfig | None = None
+        self.combined_stats: tuple[str, ...] = ()  # what the table's rule takes beside a combined sum (``combined``)
         self.state: dict[str, np.ndarray] = {}
         self.initial: dict[str, float] = {}
 
@@ -95,6 +98,21 @@ class Table:
         self.initial = r.initial_state(optimizer)
         if self.top:
             self.reset_state(np.arange(self.top, dtype=np.int64))
+
+    def combined(self, ids: torch.Tensor, held: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A push's part of this table from ``held`` (the summed gradients with their two
+        statistics columns, one row per id): ``(ids, sums)``, or, where a row sums several
+        gradients and the rule takes statistics for that (``UpdateRule.combined_stats``),
+        ``(ids, sums, stats)`` with -1 first in the rows of one gradient."""
+        d = self.dim
+        sums = held[:, :d].contiguous()
+        count = held[:, d + 1]
+        many = count > 1
+        if not self.combined_stats or not bool(many.any()):
+            return ids, sums
+        columns = [count if name == "count" else held[:, d] for name in self.combined_stats]
+        columns[0] = torch.where(many, columns[0], -1.0)
+        return ids, sums, torch.stack(columns, 1)
 
     def reset_state(self, slots: np.ndarray) -> None:
         """The local rule's state of ``slots`` back to the rule's start."""

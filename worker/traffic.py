@@ -75,6 +75,8 @@ class TrafficMeter:
         zero = dict.fromkeys(self.dims, 0)
         self.wanted_rows, self.recent = dict(zero), {t: dict.fromkeys(REUSE_WINDOWS, 0) for t in self.dims}
         self.pulled_rows, self.pushed_rows = dict(zero), dict(zero)
+        # Bytes pushed beside the rows: a combined push's statistics (float32, rows x columns).
+        self.pushed_stats_bytes = dict(zero)
         self._cache_seen: dict[str, dict[str, int]] = {}
 
     def row_bytes(self, table: str) -> int:
@@ -95,16 +97,20 @@ class TrafficMeter:
         for t, ids in sparse.items():
             self._moved(t, "pull", len(ids))
 
-    def pushed(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for t, (ids, _) in grads.items():
-            self._moved(t, "push", len(ids))
+    def pushed(self, grads: Mapping[str, tuple[torch.Tensor, ...]]) -> None:
+        """A push's rows per table: ``(ids, gradients)``, or with a combined push's statistics
+        third (their float32s counted in the bytes pushed)."""
+        for t, part in grads.items():
+            extra = 4 * part[2].numel() if len(part) > 2 else 0
+            self.pushed_stats_bytes[t] += extra
+            self._moved(t, "push", len(part[0]), extra)
 
-    def _moved(self, table: str, direction: str, rows: int) -> None:
+    def _moved(self, table: str, direction: str, rows: int, extra: int = 0) -> None:
         if not rows:
             return
         (self.pulled_rows if direction == "pull" else self.pushed_rows)[table] += rows
         if self.recorder is not None:
-            self.recorder.rows_moved(table, direction, rows, rows * self.row_bytes(table))
+            self.recorder.rows_moved(table, direction, rows, rows * self.row_bytes(table) + extra)
 
     def cache(self, cache: Any) -> None:
         """Hand the cache's counters (their growth since the last call) and sizes to the recorder."""
@@ -131,7 +137,7 @@ class TrafficMeter:
                 "pulled_rows": self.pulled_rows[t],
                 "pushed_rows": self.pushed_rows[t],
                 "pulled_bytes": self.pulled_rows[t] * self.row_bytes(t),
-                "pushed_bytes": self.pushed_rows[t] * self.row_bytes(t),
+                "pushed_bytes": self.pushed_rows[t] * self.row_bytes(t) + self.pushed_stats_bytes[t],
                 "recent": dict(self.recent[t]),
             }
             for t in self.dims
