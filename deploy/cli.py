@@ -58,7 +58,7 @@ def _launch(argv: Sequence[str]) -> int:
             template = config_from_args(a, shards=("pending:0",), num_workers=a.num_workers, worker_index=0)
             if a.max_restarts < 0:
                 raise ValueError(f"--max-restarts must be >= 0, got {a.max_restarts}")
-            if a.max_restarts and template.consistency[0] == "sync":
+            if a.max_restarts and template.mode.kind == "sync":
                 raise ValueError(f"--max-restarts {a.max_restarts}: sync ranks are not restarted (a rank that dies ends the job, "
                                  "naming it); use --mode async or ssp:S")
             program = _program(a)

@@ -103,7 +103,7 @@ def run_job(
                 if not workers:
                     raise ClusterError(f"the workers wrote no records to {workdir} (train with Trainer and TrainingConfig.from_env())")
                 evaluation = dict(workers[0].final_eval or {}) if workers[0].worker_index == 0 else {}
-            elif not policy_class(template.consistency[0]).dense_on_shards:
+            elif not policy_class(template.mode.kind).dense_on_shards:
                 # Dense parameters live on the ranks (sync), so rank 0 evaluated the final model.
                 evaluation = {**(workers[0].final_eval or {}), **reference_losses(open_dataset(template))}
             else:

@@ -248,7 +248,7 @@ class LocalCluster(Supervision):
         In sync mode the workers are the ranks of one ``torchrun``.
         """
         self._echo = echo
-        if template.consistency[0] == "sync":
+        if template.mode.kind == "sync":
             cfg = replace(template, shards=tuple(self.addresses), worker_index=0)
             # Each rank's stderr is also kept in its own file, so a failed rank's error can be shown
             # last, after torchrun's summary (see raise_worker_failure).

@@ -429,3 +429,35 @@ def test_the_mode_is_parsed_once_per_process(tmp_path: Path, monkeypatch: pytest
     record = train(config, printer=lambda line: None)
     assert calls == ["ssp:2"], calls  # the worker's one parse, when its config was made
     assert (record.mode, record.steps) == ("ssp:2", 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sized:
+    PRESETS = fields.Presets(flag="--size", group="m", help="sizes by name", values={"default": {"rows": 4, "width": 2}, "big": {"rows": 64, "width": 8}})
+
+    rows: int = fields.setting(4, flag="--rows", unset=True, group="m", help="rows")
+    width: int = fields.setting(2, flag="--width", unset=True, group="m", help="width")
+    wait: float = fields.setting(1.0, flag="--wait", old_flag="--old-wait", fallback_env=("TETHER_OLD_WAIT",), group="m", help="wait")
+    tags: tuple[str, ...] = fields.setting((), flag="--tag", separator=";", show=";".join, group="m", help="tags")
+
+
+def test_presets_old_spellings_and_repeatable_flags_are_declared(capsys: pytest.CaptureFixture[str]) -> None:
+    """What a launcher's job flags need beyond a field's own flag is declared with the fields: a
+    preset fills the ``unset`` fields no flag gave, an old spelling warns and stores under the new
+    name, and a repeatable flag's entries replace the variable's."""
+    def parse(argv: list[str], environ: Mapping[str, str]) -> _Sized:
+        parser = argparse.ArgumentParser(prog="t")
+        fields.add_flags(parser, _Sized, environ=environ)
+        return _Sized(**fields.values_from_args(_Sized, parser.parse_args(argv), environ=environ))
+
+    assert parse([], {}) == _Sized()
+    assert parse(["--size", "big"], {}) == _Sized(rows=64, width=8)
+    assert parse(["--size", "big", "--width", "3"], {}) == _Sized(rows=64, width=3)  # a flag given wins
+    assert parse([], {"TETHER_SIZE": "big"}).rows == 64
+    assert parse(["--old-wait", "7"], {}).wait == 7.0
+    assert capsys.readouterr().err.strip() == "t: warning: --old-wait is deprecated and will be removed in the next release; use --wait"
+    assert parse([], {"TETHER_OLD_WAIT": "3"}).wait == 3.0
+    assert parse(["--tag", "a;b", "--tag", "c"], {"TETHER_TAG": "x;y"}).tags == ("a", "b", "c")
+    assert parse([], {"TETHER_TAG": "x;y"}).tags == ("x", "y")
+    with pytest.raises(SystemExit):
+        parse(["--size", "huge"], {})

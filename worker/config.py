@@ -343,7 +343,7 @@ class TrainingConfig:
         self.table_rules  # noqa: B018 - parses (and keeps) the per-table rules, reading the file
         if not 0 <= self.delay_compensation < math.inf:
             raise ValueError(f"delay_compensation must be a finite number >= 0, got {self.delay_compensation!r}")
-        if self.delay_compensation and (self.local or self.consistency[0] == "sync"):
+        if self.delay_compensation and (self.local or self.mode.kind == "sync"):
             raise ValueError(
                 f"--delay-compensation is for async and ssp:S: {'local mode' if self.local else 'sync'} has no stale gradient to "
                 "compensate (leave it at 0)"
@@ -351,7 +351,7 @@ class TrainingConfig:
         if self.push_window != 1:  # refused here, at launch, not when the workers have joined
             from tether.worker.step import check_window
 
-            check_window(self.push_window, self.prefetch and self.consistency[0] == "async", self.mode)
+            check_window(self.push_window, self.prefetch and self.mode.kind == "async", self.mode)
 
     def _check_cache_flags(self) -> None:
         """The cache bounds and policy mean something only with a cache, and a cache only outside sync."""
@@ -361,7 +361,7 @@ class TrainingConfig:
         if given and not self.cache_rows:
             raise ValueError(f"{', '.join(given)} without --cache-rows (cache_rows=0: no row cache) would do nothing: "
                              "give --cache-rows N, or leave them out")
-        if self.cache_rows and not self.local and self.consistency[0] == "sync":
+        if self.cache_rows and not self.local and self.mode.kind == "sync":
             raise ValueError("--cache-rows is for async and ssp:S: sync reads every row fresh each step, so it has no "
                              "row cache (leave it at 0)")
 
