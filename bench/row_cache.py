@@ -7,6 +7,12 @@ machine: bench/traffic.py gives them for the same id streams.
     python bench/row_cache.py                    # both jobs, bound 20 beside no cache, 300 steps, 1 round
     python bench/row_cache.py --job ctr --bounds 5,20,20/2 --steps 200 --rounds 3
     python bench/row_cache.py --windows 1,3 --links loopback,1gbit:200us --steps 200 --json out.json
+    python bench/row_cache.py --job movielens --workers 1 --shards 1 --bounds 20,20/5,20/1 --no-prefetch
+
+With one worker and one shard a job's loss is (nearly) deterministic, so the loss columns compare
+the cache's combined pushes and local updates with no cache; ``--no-prefetch`` also takes away
+what prefetching changes (without a cache a step's rows miss the worker's last update; a cache's
+local copy has it), so there cache 20/0 is exactly no cache and what remains is the combined push.
 
 Links: ``loopback`` runs every process here (``run_job``; a worker and a shard on one machine talk
 through shared memory, so a row saved costs the wire almost nothing). ``RATEgbit[:RTTus]`` runs the
@@ -112,7 +118,8 @@ def _workers_main(text: str) -> int:
 
 def _configs(a: argparse.Namespace, bounds: list[tuple[int, ...]], windows: list[int]) -> dict[str, dict[str, Any]]:
     """Each configuration's fields (beside the job's), by name."""
-    base = {"num_workers": a.workers, "mode": "async", "steps": a.steps, "log_every": 10**6, "eval_every": 0, "seed": 0}
+    base = {"num_workers": a.workers, "mode": "async", "steps": a.steps, "log_every": 10**6, "eval_every": 0, "seed": 0,
+            "prefetch": not a.no_prefetch}
     configs: dict[str, dict[str, Any]] = {}
     for k in windows:
         tail = "" if k == 1 else f" K={k}"
@@ -178,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="rounds of every configuration, default 1")
     p.add_argument("--workers", type=int, default=WORKERS, help=f"workers, default {WORKERS}")
     p.add_argument("--shards", type=int, default=SHARDS, help=f"shards, default {SHARDS}")
+    p.add_argument("--no-prefetch", action="store_true", help="every configuration without prefetching (--no-prefetch): a step's "
+                   "pull waits for the previous push, so no cache reads what a cache's own updates give (isolates a combined push)")
     p.add_argument("--json", metavar="FILE", help="also write every round's (loss, samples/s) here")
     p.add_argument("--_workers", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -192,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--bounds R or R/W >= 0, --steps >= 2, --rounds, --workers and --shards >= 1")
     if not windows or min(windows) < 1:
         p.error("--windows: integers >= 1")
+    if a.no_prefetch and windows != [1]:
+        p.error("--no-prefetch runs at push window 1 only")
     windows = sorted(set(windows) | {1})  # K = 1 is what the others are compared with
     links = [x.strip() for x in a.links.split(",") if x.strip()]
     for link in links:

@@ -14,7 +14,8 @@ held, by the table's rule with its learning rate, schedule and weight decay, and
 of the worker's own per cached row (Adagrad's sum, Adam's moments and count, FTRL's z and n),
 started at the rule's initial state when the row is cached and kept while it stays (the shard's
 state is never pulled). For SGD that is the shard's step exactly; for the others an estimate
-from this worker's gradients alone. A refresh stores the shard's answer plus the worker's own
+from this worker's gradients alone (with one worker the shard's own state, the row never evicted;
+with several, short of the other workers' gradients). A refresh stores the shard's answer plus the worker's own
 changes that answer lacks: those of the gradients still held when the refresh was planned and
 of every step since (so with SGD a refreshed row is the shard's value once the held gradients
 land).
