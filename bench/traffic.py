@@ -8,8 +8,8 @@ one push_pull per step carrying its gradients and the pull of the batch after ne
 stand-in client that answers at once. No shard, no training: the rows moved are exactly what the
 worker would send; held-out loss and samples/s need real runs (bench/RESULTS.md). The one
 machine-dependent column, worker-side ms/step, is the time those calls take in this process (the
-cache's bookkeeping, and the meter's reuse counting on both sides): what the cache costs a step
-before any wire time it saves.
+cache's bookkeeping; the meter without its reuse counting, as in a worker without metrics; the
+median of 3 runs): what the cache costs a step before any wire time it saves.
 
     python bench/traffic.py                      # default CTR job, MovieLens-format, Criteo-format
     python bench/traffic.py --steps 200 --bounds 1,5,20 --source ctr
@@ -18,6 +18,7 @@ before any wire time it saves.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -81,9 +82,10 @@ class StandIn:
         return self.pull(pull_sparse)
 
 
-def run(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: RowCacheConfig) -> TrafficMeter:
-    """The async loop's calls for these steps (table -> unique ids each) through a CachedClient."""
-    meter = TrafficMeter(dims, 4, reuse=True)
+def run(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: RowCacheConfig, reuse: bool = True) -> TrafficMeter:
+    """The async loop's calls for these steps (table -> unique ids each) through a CachedClient
+    (``reuse``: the meter counts the rows wanted within S steps, as a worker with metrics does)."""
+    meter = TrafficMeter(dims, 4, reuse=reuse)
     client = CachedClient(StandIn(dims), cache, dims, meter)  # type: ignore[arg-type]
     client.use_tables([TableConfig(name=t, dim=d) for t, d in dims.items()])  # the cache's local updates (default rule: adagrad)
     pending = [client.pull(steps[0]), client.pull(steps[1])] if len(steps) > 1 else [client.pull(steps[0])]
@@ -96,6 +98,17 @@ def run(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: Ro
             client.push(grads, None, clock=t + 1, versions=pulled).result()
     client.flush()
     return meter
+
+
+def _ms(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: RowCacheConfig) -> float:
+    """Worker-side ms per step of these steps' calls (no reuse counting, as a worker without
+    metrics): the median of 3 runs."""
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        run(steps, dims, cache, reuse=False)
+        times.append((time.perf_counter() - t0) / len(steps) * 1e3)
+    return statistics.median(times)
 
 
 def _unique(sparse: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -136,9 +149,8 @@ def criteo_steps(n: int, folder: Path) -> tuple[list[dict[str, torch.Tensor]], d
 def report(name: str, steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], bounds: Sequence[tuple[int, int]], rows: int,
            policy: str) -> list[str]:
     samples = len(steps) * BATCH
-    t0 = time.perf_counter()
     base = run(steps, dims, RowCacheConfig())
-    ms0 = (time.perf_counter() - t0) / len(steps) * 1e3
+    ms0 = _ms(steps, dims, RowCacheConfig())
     tot = base.totals()
     lines = [f"## {name}", f"worker {RANK} of {WORKERS}, batch {BATCH}, {len(steps)} steps, float32 wire", "",
              "| table | dim | rows pulled/sample | rows pushed/sample | bytes pulled/sample | bytes pushed/sample | "
@@ -154,14 +166,13 @@ def report(name: str, steps: list[dict[str, torch.Tensor]], dims: Mapping[str, i
     bytes0 = sum(v["pulled_bytes"] + v["pushed_bytes"] for v in tot.values())
     lines += ["", "all tables: ceiling (rows wanted within S steps) " + ", ".join(f"S={w} {c:.0%}" for w, c in ceiling.items()),
               "", f"| bound R/W (read/write) | rows moved/sample (pull + push) | saved | bytes/sample | saved | cache rows/table {rows}, {policy}: "
-              "worker-side ms/step (the client's calls, no shard) |",
+              "worker-side ms/step (the client's calls, no shard, no reuse counting; median of 3) |",
               "|---|---|---|---|---|---|",
               f"| no cache | {moved0 / samples:.3f} | - | {bytes0 / samples:.0f} | - | {ms0:.2f} |"]
     for r, w in bounds:
-        t0 = time.perf_counter()
-        meter = run(steps, dims, RowCacheConfig(rows=rows, bound=r, write_bound=w, policy=policy))
-        ms = (time.perf_counter() - t0) / len(steps) * 1e3
-        m = meter.totals()
+        config = RowCacheConfig(rows=rows, bound=r, write_bound=w, policy=policy)
+        m = run(steps, dims, config, reuse=False).totals()
+        ms = _ms(steps, dims, config)
         moved = sum(v["pulled_rows"] + v["pushed_rows"] for v in m.values())
         nbytes = sum(v["pulled_bytes"] + v["pushed_bytes"] for v in m.values())
         lines.append(f"| {r}/{w} | {moved / samples:.3f} | {1 - moved / moved0:.0%} | {nbytes / samples:.0f} | {1 - nbytes / bytes0:.0%} | {ms:.2f} |")

@@ -38,8 +38,9 @@ cached row of that shard and table stale: they are refreshed by the next pull th
 ``CachedClient`` puts the cache in front of a ``PSClient`` (pull, push, push_pull, flush) and
 counts the traffic (``tether.worker.traffic``); with no cache it passes calls through unchanged.
 Each table's slots and id index (a compiled hash table) are ``tether.worker.row_slots.Table``;
-each step's passes over a table (plan, store, hold, take) are compiled loops,
-``tether.worker.cache_kernels``.
+each step's passes (plan, store, hold with the local rule's changes, take) are compiled loops
+over all tables at once, one call each (``tether.worker.cache_batch``); what stays per table in
+Python is the local rule's step (one compiled call per table) and a combined push's columns.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 from tether.protos.optimizers import rule
 from tether.protos.specs import TableConfig
 from tether.worker.results import Handle, PullResult, PushAck
-from tether.worker.cache_kernels import assemble, hold_rows, later_rows, oldest_per_shard, plan_rows, store_rows, take_rows
+from tether.worker.cache_batch import columns, deltas_all, hold_all, later_all, plan_all, set_cells, store_all, take_all
 from tether.worker.row_slots import NONE, STALE, Due, Table, coalesce, warm_up
 from tether.worker.traffic import TrafficMeter
 
@@ -103,25 +104,41 @@ class RowCacheConfig:
 
 @dataclass
 class _Plan:
-    """A pull's split per table, as positions in its sorted ids: which the cache answers
-    (``hit``, with ``values`` copied at plan time), which an earlier pull still in flight is
-    refreshing (``later``: read from the cache once that pull is stored) and which go to the
-    shards (``miss_pos``; their ids ``miss``)."""
+    """A pull's split, over its tables (``parts``: global table indexes, in table order) with
+    their sorted ids one after another (``ids``, part k's at ``offs[k]:offs[k + 1]``): the
+    answer (``out``, flat: part k's rows at ``row_offs[k]``; the hits' rows copied at plan time),
+    the positions an earlier pull in flight is refreshing (``later``: read from the cache once
+    that pull is stored), those that go to the shards (``miss_pos``, part k's at ``miss_offs[k]:
+    miss_offs[k + 1]``; their ids ``miss`` per table) and the oldest read version of the rows answered, per part and shard."""
 
     now: int
-    ids: dict[str, torch.Tensor]
-    hit: dict[str, np.ndarray] = field(default_factory=dict)
-    values: dict[str, np.ndarray] = field(default_factory=dict)
-    versions: dict[str, np.ndarray] = field(default_factory=dict)  # read versions of the hits
-    shards: dict[str, np.ndarray] = field(default_factory=dict)  # the hits' shards
-    later: dict[str, np.ndarray] = field(default_factory=dict)
-    miss_pos: dict[str, np.ndarray] = field(default_factory=dict)
+    names: list[str]
+    parts: np.ndarray
+    ids: np.ndarray
+    offs: np.ndarray
+    out: torch.Tensor
+    row_offs: np.ndarray
+    oldest: np.ndarray
+    later: np.ndarray
+    miss_pos: np.ndarray
+    miss_offs: np.ndarray
     miss: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-_NO_IDS = np.zeros(0, np.int64)
 Pushed = dict[str, tuple[torch.Tensor, ...]]  # per table: ids, summed gradients (and a combined push's statistics)
-_NO_FLIGHTS = np.zeros(1, np.int64)
+_NO_IDS = np.zeros(0, np.int64)
+_NO_ROWS = np.zeros(0, np.float32)
+_NO_FLIGHTS = np.zeros((0, 2), np.int64)
+
+
+def _offsets(counts: Sequence[int] | np.ndarray) -> np.ndarray:
+    out = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def _ints(a: torch.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(a.numpy(), np.int64)
 
 
 class RowCache:
@@ -132,11 +149,23 @@ class RowCache:
         self.config = config
         self.num_shards = max(num_shards, 1)
         self.tables = {t: Table(d, config.rows) for t, d in dims.items()}
+        self._tabs, self._names = list(self.tables.values()), list(self.tables)
+        self._index = {t: g for g, t in enumerate(self.tables)}
+        self._cols = columns(self._tabs)
+        self._dims = np.array(list(dims.values()), np.int64)
+        # Per table and shard: the largest table version seen (-1: none yet).
+        self._max_version = np.full((len(dims), self.num_shards), -1, np.int64)
+        self._holding = np.zeros(len(dims), np.int64)  # per table: slots whose gradients are held
+        self._local = np.zeros(len(dims), np.bool_)  # per table: its rule applied to the cached rows
         warm_up()  # the compiled index and passes loaded before the first step, not in it
         self._lock = threading.Lock()
         self._evicted: list[tuple[str, np.ndarray, torch.Tensor, np.ndarray, np.ndarray]] = []
-        # Per table: the pulls in flight (their plans' ids, clocks and the ids they refresh).
-        self._inflight: dict[str, list[tuple[int, int, np.ndarray]]] = {t: [] for t in dims}
+        # The pulls in flight: their plans' ids, clocks, and the ids they refresh (all tables' one
+        # after another, and per table where they start).
+        self._inflight: list[tuple[int, int, np.ndarray, np.ndarray]] = []
+        # Rows first held at a clock: (clock, their slots, their tables), so what is due is found without a scan.
+        self._queue: list[tuple[int, np.ndarray, np.ndarray]] = []
+        self._parts: dict[tuple[str, ...], tuple[list[str], np.ndarray]] = {}
         self.hits = dict.fromkeys(dims, 0)
         self.refreshed = dict.fromkeys(dims, 0)
         self.evictions = dict.fromkeys(dims, 0)
@@ -152,31 +181,54 @@ class RowCache:
                     self.tables[spec.name].combined_stats = rule(spec.optimizer.name).combined_stats
                     if self.config.bound > 0:
                         self.tables[spec.name].local_rule(spec.optimizer)
+                        self._local[self._index[spec.name]] = True
+
+    def _split(self, names: Sequence[str]) -> tuple[list[str], np.ndarray]:
+        """``names`` in table order, and their table indexes."""
+        key = tuple(names)
+        got = self._parts.get(key)
+        if got is None:
+            ordered = sorted(names, key=self._index.__getitem__)
+            got = self._parts[key] = (ordered, np.array([self._index[t] for t in ordered], np.int64))
+        return got
+
+    def _flights(self, now: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ids the pulls in flight (planned within the read bound) refresh, and per pull and table where they start."""
+        self._inflight[:] = [e for e in self._inflight if now - e[1] <= self.config.bound]
+        if not self._inflight:
+            return _NO_IDS, _NO_FLIGHTS
+        if len(self._inflight) == 1:
+            return self._inflight[0][2], self._inflight[0][3].reshape(1, -1)
+        base = np.cumsum([0] + [len(e[2]) for e in self._inflight[:-1]])
+        return np.concatenate([e[2] for e in self._inflight]), np.stack([e[3] + b for e, b in zip(self._inflight, base)])
 
     def plan(self, sparse: Mapping[str, torch.Tensor], now: int) -> _Plan:
         """Split a pull of ``sparse`` (table -> sorted unique ids) at clock ``now``."""
-        plan = _Plan(now, dict(sparse))
+        names, parts = self._split(list(sparse))
+        arrays = [_ints(sparse[t]) for t in names]
+        ids = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else _NO_IDS
+        counts = np.array([len(a) for a in arrays], np.int64)
+        offs = _offsets(counts)
+        row_offs = _offsets(counts * self._dims[parts])
+        out = torch.empty(int(row_offs[-1]))
+        oldest = np.full((len(names), self.num_shards), NONE, np.int64)
         bound = self.config.bound
         with self._lock:
-            for t, ids in sparse.items():
-                tab, inflight = self.tables[t], self._inflight[t]
-                arr = np.ascontiguousarray(ids.numpy(), np.int64)
-                flights, offsets = _NO_IDS, _NO_FLIGHTS
-                if bound > 0:
-                    inflight[:] = [e for e in inflight if now - e[1] <= bound]
-                    if inflight:  # each pull's refreshed ids are sorted (a subset of sorted ids)
-                        flights = inflight[0][2] if len(inflight) == 1 else np.concatenate([e[2] for e in inflight])
-                        offsets = np.cumsum([0] + [len(e[2]) for e in inflight], dtype=np.int64)
-                hit, values, versions, shards, later, miss, refreshed = plan_rows(
-                    tab.cells, arr, now, bound, tab.read_clock, tab.last_used, tab.uses, tab.read_version, tab.shard, tab.vals,
-                    flights, offsets, tab.mine, tab.fresh)
-                miss_ids = arr[miss]
-                if bound > 0:
-                    inflight.append((id(plan), now, miss_ids))
-                plan.hit[t], plan.values[t], plan.versions[t], plan.shards[t] = hit, values, versions, shards
-                plan.later[t], plan.miss_pos[t], plan.miss[t] = later, miss, torch.from_numpy(miss_ids)
-                self.hits[t] += len(hit)
-                self.refreshed[t] += int(refreshed)
+            flights, foffs = self._flights(now) if bound > 0 else (_NO_IDS, _NO_FLIGHTS)
+            code, done = plan_all(*self._cols, parts, ids, offs, now, bound, flights, foffs, out.numpy(), row_offs, oldest)
+            miss = np.flatnonzero(code == 0)
+            later = np.flatnonzero(code == 2) if bound > 0 else _NO_IDS
+            miss_offs = np.searchsorted(miss, offs)
+            miss_ids = ids[miss]
+            if bound > 0:
+                table_offs = np.zeros(len(self._tabs) + 1, np.int64)
+                table_offs[parts + 1] = np.diff(miss_offs)
+                self._inflight.append((id(out), now, miss_ids, np.cumsum(table_offs)))
+            for k, t in enumerate(names):
+                self.hits[t] += int(done[k, 0])
+                self.refreshed[t] += int(done[k, 1])
+        plan = _Plan(now, names, parts, ids, offs, out, row_offs, oldest, later, miss, miss_offs)
+        plan.miss = {t: torch.from_numpy(miss_ids[miss_offs[k]: miss_offs[k + 1]]) for k, t in enumerate(names)}
         return plan
 
     def merge(self, plan: _Plan, pulled: PullResult) -> tuple[PullResult, dict[str, torch.Tensor]]:
@@ -184,98 +236,115 @@ class RowCache:
         pulled rows stored. Its table versions are, per shard and table, the oldest of any row's.
         Also returns, per table, the ids of ``later`` rows the cache still lacks (an earlier pull
         that never came back): the caller pulls those and ``fill``s them in."""
-        rows: dict[str, torch.Tensor] = {}
         versions = dict(pulled.table_versions)
         lacking: dict[str, torch.Tensor] = {}
+        names, parts, oldest, out = plan.names, plan.parts, plan.oldest, plan.out.numpy()
         with self._lock:
-            for t, ids in plan.ids.items():
-                tab = self.tables[t]
-                hit, miss, later = plan.hit[t], plan.miss_pos[t], plan.later[t]
-                got = pulled.rows.get(t)
-                out = torch.empty(len(ids), tab.dim)
-                assemble(out.numpy(), hit, plan.values[t])
-                if len(miss):
-                    assert got is not None
-                    self._store(t, tab, plan.miss[t].numpy(), np.ascontiguousarray(got.float().numpy()), pulled, plan.now,
-                                ids.numpy(), out.numpy(), miss)
-                    self._inflight[t][:] = [e for e in self._inflight[t] if e[0] != id(plan)]
-                read, read_shards = plan.versions[t], plan.shards[t]
-                if len(later):
-                    read, read_shards = self._later(t, tab, plan, out, lacking, read, read_shards)
-                rows[t] = out if got is None or got.dtype == torch.float32 else out.to(got.dtype)
-                if len(read):
-                    oldest = oldest_per_shard(read_shards, read, self.num_shards)
-                    for sh in np.flatnonzero(oldest != NONE).tolist():
-                        v = int(oldest[sh])
-                        versions[(sh, t)] = min(v, versions.get((sh, t), v))
+            if len(plan.miss_pos):
+                self._store(plan, pulled)
+            if self.config.bound > 0:
+                self._inflight[:] = [e for e in self._inflight if e[0] != id(plan.out)]
+            if len(plan.later):
+                loffs = np.searchsorted(plan.later, plan.offs)
+                gone = later_all(*self._cols, parts, plan.ids, plan.offs, plan.later, loffs, plan.now - self.config.bound, out,
+                                 plan.row_offs, oldest)
+                if len(gone):
+                    at = np.searchsorted(loffs, gone, side="right") - 1
+                    for k in np.unique(at).tolist():
+                        lacking[names[k]] = torch.from_numpy(plan.ids[plan.later[gone[at == k]]])
+        rows: dict[str, torch.Tensor] = {}
+        for k, t in enumerate(names):
+            n = int(plan.offs[k + 1] - plan.offs[k])
+            got = pulled.rows.get(t)
+            part = plan.out[int(plan.row_offs[k]): int(plan.row_offs[k + 1])].view(n, int(self._dims[parts[k]]))
+            rows[t] = part if got is None or got.dtype == torch.float32 else part.to(got.dtype)
+        for k, sh in zip(*np.nonzero(oldest != NONE)):
+            key, v = (int(sh), names[k]), int(oldest[k, sh])
+            versions[key] = min(v, versions.get(key, v))
         return PullResult(rows, pulled.dense, versions, pulled.dense_versions, pulled.ack), lacking
-
-    def _later(self, t: str, tab: Table, plan: _Plan, out: torch.Tensor, lacking: dict[str, torch.Tensor], read: np.ndarray,
-               read_shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of ``out`` that an earlier pull was refreshing, from the cache where it has them
-        (the others go to ``lacking``); the read versions and shards with theirs added."""
-        where = plan.later[t]
-        wanted = plan.ids[t].numpy()[where]
-        missing, versions, shards = later_rows(tab.cells, wanted, where, plan.now - self.config.bound, tab.vals, tab.read_clock,
-                                               tab.read_version, tab.shard, out.numpy())
-        if len(missing):
-            lacking[t] = torch.from_numpy(wanted[missing])
-        return np.concatenate([read, versions]), np.concatenate([read_shards, shards])
 
     @staticmethod
     def fill(result: PullResult, plan: _Plan, lacking: Mapping[str, torch.Tensor], pulled: PullResult) -> None:
         """Put the rows of ``lacking`` (pulled on their own) into ``result``."""
         for t, ids in lacking.items():
-            pos = torch.searchsorted(plan.ids[t], ids)
-            result.rows[t][pos] = pulled.rows[t].to(result.rows[t].dtype)
+            k = plan.names.index(t)
+            pos = np.searchsorted(plan.ids[plan.offs[k]: plan.offs[k + 1]], ids.numpy())
+            result.rows[t][torch.from_numpy(pos)] = pulled.rows[t].to(result.rows[t].dtype)
             for key, v in pulled.table_versions.items():
                 if key[1] == t:
                     result.table_versions[key] = min(v, result.table_versions.get(key, v))
 
-    def _store(self, t: str, tab: Table, ids: np.ndarray, got: np.ndarray, pulled: PullResult, now: int,
-               protected: np.ndarray, out: np.ndarray, pos: np.ndarray) -> None:
-        """Pulled rows ``got`` (float32) of ``ids`` into the cache: refreshed where cached,
-        placed (evicting if the table is full) where not; rows ``pos`` of the answer ``out`` are
-        them as stored (with the worker's own changes the shard's answer lacks)."""
-        for (s, table), v in pulled.table_versions.items():
-            if table != t:
+    def _read_versions(self, pulled: PullResult | None, names: Sequence[str], parts: np.ndarray) -> np.ndarray:
+        """The table versions of ``pulled`` per part and shard (0 where none; -1 in ``seen``)."""
+        out = np.zeros((len(names), self.num_shards), np.int64)
+        if pulled is not None:
+            where = {t: k for k, t in enumerate(names)}
+            for (s, t), v in pulled.table_versions.items():
+                k = where.get(t)
+                if k is not None and s < self.num_shards:
+                    out[k, s] = v
+        return out
+
+    def _went_back(self, pulled: PullResult, names: Sequence[str], parts: np.ndarray) -> None:
+        """A shard whose table version went back (restarted from a checkpoint, or reset): the
+        rows read from it before are refreshed on their next pull."""
+        for (s, t), v in pulled.table_versions.items():
+            g = self._index.get(t)
+            if g is None or t not in names or s >= self.num_shards:
                 continue
-            if v < tab.max_version.get(s, v):
-                # The shard's table went back (restarted from a checkpoint, or reset): whatever
-                # was read from it before is refreshed on its next pull.
+            if v < self._max_version[g, s]:
+                tab = self._tabs[g]
                 stale = np.flatnonzero(tab.used[: tab.top] & (tab.shard[: tab.top] == s))
                 tab.read_clock[stale] = STALE
                 self.invalidated[t] += len(stale)
-                tab.max_version[s] = v
-            tab.max_version[s] = max(v, tab.max_version.get(s, v))
-        table_versions = self._versions(pulled, t)
-        args = (tab.vals, tab.read_clock, tab.shard, tab.read_version, table_versions, now, self.num_shards, tab.fresh, out)
-        new = store_rows(tab.cells, ids, got, *args, pos)
-        if len(new):
-            placed = new[self._place(t, tab, ids[new], protected, now) >= 0]
-            if len(placed):
-                store_rows(tab.cells, ids[placed], got[placed], *args, pos[placed])
+                self._max_version[g, s] = v
+            self._max_version[g, s] = max(v, self._max_version[g, s])
 
-    def _versions(self, pulled: PullResult | None, t: str) -> np.ndarray:
-        """The read version of ``t`` per shard (0 where none)."""
-        if pulled is None:
-            return np.zeros(self.num_shards, np.int64)
-        return np.array([pulled.table_versions.get((s, t), 0) for s in range(self.num_shards)], np.int64)
+    def _store(self, plan: _Plan, pulled: PullResult) -> None:
+        """The pulled rows into the cache: refreshed where cached, placed (evicting where the
+        table is full) where not; the answer's rows of them as stored (with the worker's own
+        changes the shard's answer lacks)."""
+        names, parts, moffs = plan.names, plan.parts, plan.miss_offs
+        self._went_back(pulled, names, parts)
+        versions = self._read_versions(pulled, names, parts)
+        got = [np.ascontiguousarray(pulled.rows[t].float().numpy()).reshape(-1) if moffs[k + 1] > moffs[k] else _NO_ROWS
+               for k, t in enumerate(names)]
+        flat = got[0] if len(got) == 1 else np.concatenate(got)
+        got_offs = _offsets([len(x) for x in got])
+        keys, pos = plan.ids[plan.miss_pos], plan.miss_pos
+        got_row = np.arange(len(keys), dtype=np.int64) - np.repeat(moffs[:-1], np.diff(moffs))
+        koffs = moffs
+        for attempt in range(2):
+            for k in range(len(names)):
+                g = int(parts[k])
+                if self._tabs[g].room(int(koffs[k + 1] - koffs[k])):
+                    set_cells(self._cols.cells, g, self._tabs[g].cells)
+            top = np.array([tab.top for tab in self._tabs], np.int64)
+            nfree = np.array([tab.nfree for tab in self._tabs], np.int64)
+            unplaced, placed, nplaced = store_all(*self._cols, parts, keys, koffs, pos, flat, got_offs, got_row, versions, plan.now,
+                                                  self.num_shards, top, nfree, plan.out.numpy(), plan.row_offs, plan.offs)
+            self._placed(parts, top, nfree, placed, nplaced)
+            if not len(unplaced) or attempt:
+                return
+            # Full tables: evict rows the current pull does not want, then place the rest.
+            at = np.searchsorted(koffs, unplaced, side="right") - 1
+            for k in np.unique(at).tolist():
+                g = int(parts[k])
+                self._evict(names[k], self._tabs[g], int((at == k).sum()), plan.ids[plan.offs[k]: plan.offs[k + 1]])
+            keys, pos, got_row, koffs = keys[unplaced], pos[unplaced], got_row[unplaced], np.searchsorted(unplaced, koffs)
 
-    def _place(self, t: str, tab: Table, ids: np.ndarray, protected: np.ndarray, now: int) -> np.ndarray:
-        """Slots for new ids (-1 where none is left: that row is not cached), evicting
-        rows the current pull does not want when the table is full."""
-        want = len(ids)
-        short = want - tab.available()
-        if short > 0:
-            self._evict(t, tab, short, protected)
-        slots = tab.take(want)
-        out = np.full(want, -1, np.int64)
-        k = len(slots)
-        if k:
-            out[:k] = slots
-            tab.place(ids[:k], slots, now)
-        return out
+    def _placed(self, parts: np.ndarray, top: np.ndarray, nfree: np.ndarray, placed: np.ndarray, nplaced: np.ndarray) -> None:
+        """After ``store_all``: the tables' slot counters, index fill and new rows' rule state."""
+        at = 0
+        for k, n in enumerate(nplaced.tolist()):
+            if not n:
+                continue
+            tab = self._tabs[int(parts[k])]
+            tab.top, tab.nfree = int(top[parts[k]]), int(nfree[parts[k]])
+            tab.filled += n
+            if tab.state:
+                tab.reset_state(placed[at: at + n])
+            at += n
 
     def _evict(self, t: str, tab: Table, n: int, protected: np.ndarray) -> None:
         mask = tab.used[: tab.top].copy()
@@ -300,7 +369,7 @@ class RowCache:
         if len(held):
             self._evicted.append((t, tab.ids[held].copy(), tab.pending[torch.from_numpy(held)].clone(),
                                   tab.shard[held].copy(), tab.pending_version[held].copy()))
-            tab.holding -= len(held)
+            self._holding[self._index[t]] -= len(held)
         tab.remove(victims)
         self.evictions[t] += len(victims)
 
@@ -312,41 +381,81 @@ class RowCache:
         (``Table.combined``)."""
         due: Due = {}
         with self._lock:
-            for t, (step_ids, g) in grads.items():
-                self._hold(t, np.ascontiguousarray(step_ids.numpy(), np.int64), g, clock, versions, due)
+            if grads:
+                self._hold(grads, clock, versions, due)
             for t, e_ids, e_grads, e_shards, e_read in self._evicted:
                 due.setdefault(t, []).append((e_ids, e_grads, e_shards, e_read))
             self._evicted.clear()
-            for t, tab in self.tables.items():
-                ready = tab.due(clock, self.config.writes, flush)
-                if len(ready):
-                    ids, summed, shards, read = take_rows(ready, tab.ids, tab.pend, tab.shard, tab.pending_since, tab.pending_version,
-                                                          tab.mine)
-                    tab.holding -= len(ready)
-                    due.setdefault(t, []).append((ids, torch.from_numpy(summed), shards, read))
-        grads, oldest = coalesce(due)
-        return {t: self.tables[t].combined(ids, held) for t, (ids, held) in grads.items()}, oldest
+            taken, oldest = self._take(clock, flush)
+        pushed, versions_out = coalesce(due, taken, oldest, self._names)
+        return {t: self.tables[t].combined(ids, held) for t, (ids, held) in pushed.items()}, versions_out
 
-    def _hold(self, t: str, arr: np.ndarray, g: torch.Tensor, clock: int, versions: PullResult | None, due: Due) -> None:
-        """Add one table's step gradients to its rows' pending sums and apply them to the cached
-        rows by the table's rule (rows not cached: due at once)."""
-        tab = self.tables[t]
-        read = self._versions(versions, t)
-        grads = np.ascontiguousarray(g.detach().float().numpy())
-        slots, pos, first, missing, missing_shards = hold_rows(tab.cells, arr, grads, tab.pend, tab.pending_since, tab.pending_version,
-                                                               tab.shard, read, clock, self.num_shards)
+    def _take(self, clock: int, flush: bool) -> tuple[dict[str, tuple[np.ndarray, torch.Tensor, bool]], np.ndarray | None]:
+        """The held sums due at ``clock`` (``flush``: every one), per table (ids, sums with their
+        statistics columns, whether the ids ascend), and the oldest read version per table and shard."""
+        writes = self.config.writes
+        ready = [e for e in self._queue if flush or clock - e[0] >= writes]
+        if not ready:
+            return {}, None
+        self._queue = [e for e in self._queue if not (flush or clock - e[0] >= writes)]
+        slots = ready[0][1] if len(ready) == 1 else np.concatenate([e[1] for e in ready])
+        tables = ready[0][2] if len(ready) == 1 else np.concatenate([e[2] for e in ready])
+        since = np.concatenate([np.full(len(e[1]), e[0], np.int64) for e in ready])
+        ids, held, count, ascending, oldest = take_all(*self._cols, tables, slots, since, self.num_shards)
+        self._holding -= count
+        out: dict[str, tuple[np.ndarray, torch.Tensor, bool]] = {}
+        at = flat = 0
+        for g in np.flatnonzero(count).tolist():
+            n, width = int(count[g]), int(self._dims[g]) + 2
+            out[self._names[g]] = (ids[at: at + n], torch.from_numpy(held[flat: flat + n * width]).view(n, width),
+                                        bool(ascending[g]))
+            at, flat = at + n, flat + n * width
+        return out, oldest
+
+    def _hold(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]], clock: int, versions: PullResult | None, due: Due) -> None:
+        """Add the step's gradients to their rows' pending sums and apply them to the cached rows
+        by the tables' rules (rows not cached: due at once)."""
+        names, parts = self._split(list(grads))
+        arrays = [_ints(grads[t][0]) for t in names]
+        rows = [np.ascontiguousarray(grads[t][1].detach().float().numpy()) for t in names]
+        ids = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        flat = rows[0].reshape(-1) if len(rows) == 1 else np.concatenate([r.reshape(-1) for r in rows])
+        offs = _offsets([len(a) for a in arrays])
+        g_offs = _offsets([r.size for r in rows])
+        read = self._read_versions(versions, names, parts)
+        local = self._local[parts]
+        before = np.empty(len(flat), np.float32) if local.any() else _NO_ROWS
+        slots, where, first, missing, missing_shards, counts = hold_all(*self._cols, parts, ids, offs, flat, g_offs, read, clock,
+                                                                        self.num_shards, local, before)
+        if len(first):
+            self._holding[parts] += counts[:, 1]
+            self._queue.append((clock, first, np.repeat(parts, counts[:, 1])))
         if len(missing):  # not cached (the table was full): pushed at once, each row one gradient
-            rows = grads[missing]
-            extra = np.stack([(rows * rows).mean(1), np.ones(len(rows), np.float32)], 1)
-            due.setdefault(t, []).append((arr[missing], torch.from_numpy(np.concatenate([rows, extra], 1)), missing_shards,
-                                          read[missing_shards]))
-        tab.hold(first, clock)
-        tab.step(slots, grads if len(slots) == len(arr) else grads[pos], clock)
+            self._unheld(names, offs, rows, ids, missing, missing_shards, read, due)
+        if local.any():
+            soffs = _offsets(counts[:, 0])
+            for k in np.flatnonzero(local).tolist():
+                a, b = int(soffs[k]), int(soffs[k + 1])
+                if a < b:
+                    g = rows[k] if b - a == len(rows[k]) else rows[k][where[a:b] - offs[k]]
+                    self._tabs[int(parts[k])].step(slots[a:b], g, clock)
+            deltas_all(*self._cols, parts, slots, soffs, before, g_offs, local)
+
+    def _unheld(self, names: list[str], offs: np.ndarray, rows: list[np.ndarray], ids: np.ndarray, missing: np.ndarray,
+                missing_shards: np.ndarray, read: np.ndarray, due: Due) -> None:
+        """Gradients of rows not cached, due at once with their statistics (one gradient each)."""
+        at = np.searchsorted(offs, missing, side="right") - 1
+        for k in np.unique(at).tolist():
+            mine = missing[at == k]
+            g = rows[k][mine - offs[k]]
+            extra = np.stack([(g * g).mean(1), np.ones(len(g), np.float32)], 1)
+            shards = missing_shards[at == k]
+            due.setdefault(names[k], []).append((ids[mine], torch.from_numpy(np.concatenate([g, extra], 1)), shards, read[k][shards]))
 
     def pending_rows(self) -> int:
         """Rows whose gradients are held (counted as they are held and pushed: no scan)."""
         with self._lock:
-            return sum(tab.holding for tab in self.tables.values()) + sum(len(e[1]) for e in self._evicted)
+            return int(self._holding.sum()) + sum(len(e[1]) for e in self._evicted)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes each table's cache holds (the slots used: values, pending sums, the local

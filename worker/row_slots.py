@@ -15,11 +15,14 @@ when a row is placed in it, so growing the cache copies nothing.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 import torch
 
 from tether.protos.optimizers import OptimizerConfig, rule
-from tether.worker.cache_kernels import add_deltas, gather_rows, oldest_per_shard, place_rows
+from tether.worker.cache_batch import warm_up as warm_up_batch
+from tether.worker.cache_kernels import oldest_per_shard
 from tether.worker.cache_kernels import warm_up as warm_up_cache
 from tether.server.kernels import EMPTY_SLOT, REMOVED_SLOT, RowUpdate, index_cells, index_lookup, index_place, row_update
 
@@ -27,6 +30,7 @@ __all__ = ["NONE", "STALE", "Due", "Grads", "Table", "coalesce", "warm_up"]
 
 STALE = np.iinfo(np.int64).min // 2  # a read clock no bound reaches: refreshed on the next pull
 NONE = np.iinfo(np.int64).max  # no pending gradient / no read version yet
+_NO_IDS = np.zeros(0, np.int64)
 
 Grads = dict[str, tuple[torch.Tensor, torch.Tensor]]  # per table: ids, summed gradients (and statistics columns)
 Due = dict[str, list[tuple[np.ndarray, torch.Tensor, np.ndarray, np.ndarray]]]
@@ -41,6 +45,7 @@ def warm_up() -> None:
     index_cells(cells, ids)
     index_lookup(cells, ids)
     warm_up_cache()
+    warm_up_batch()
 
 
 def _cells_for(entries: int) -> np.ndarray:
@@ -59,7 +64,7 @@ class Table:
     def __init__(self, dim: int, capacity: int) -> None:
         self.dim, self.capacity = dim, capacity
         self.top = 0  # slots [top, capacity) were never used
-        self.free: list[int] = []  # evicted slots, reused first
+        self.free, self.nfree = np.empty(max(capacity, 1), np.int64), 0  # a stack of evicted slots (free[:nfree]), reused first
         self.max_version: dict[int, int] = {}  # per shard: the largest table version seen
         n = max(capacity, 1)
         self.ids, self.shard = np.empty(n, np.int64), np.empty(n, np.int64)
@@ -69,7 +74,7 @@ class Table:
         self.used = np.zeros(n, bool)
         self.values = torch.empty(n, dim)  # the rows as read, with the worker's own changes
         # The sums of the gradients held (zeroed when placed), and two more columns: the sum of
-        # their mean(g * g) and their count (``cache_kernels.hold_rows``; a combined push's statistics).
+        # their mean(g * g) and their count (``cache_batch.hold_all``; a combined push's statistics).
         self.pending = torch.empty(n, dim + 2)
         self.vals, self.pend = self.values.numpy(), self.pending.numpy()  # the same memory
         # The local rule's changes to each row (read-your-own-writes; zeroed when placed): ``mine``,
@@ -77,8 +82,6 @@ class Table:
         # refresh in flight lacks (the held ones when it was planned, and every one since).
         self.mine = np.empty((n, dim), np.float32)
         self.fresh = np.empty((n, dim), np.float32)
-        self.queue: list[tuple[int, np.ndarray]] = []
-        self.holding = 0  # slots whose gradients are held
         self.cells = _cells_for(min(capacity, 1024))
         self.filled = 0  # cells holding a row or a tombstone
         # Local updates (``local_rule``): the table's rule, its constants and its state per slot.
@@ -104,15 +107,17 @@ class Table:
         statistics columns, one row per id): ``(ids, sums)``, or, where a row sums several
         gradients and the rule takes statistics for that (``UpdateRule.combined_stats``),
         ``(ids, sums, stats)`` with -1 first in the rows of one gradient."""
-        d = self.dim
-        sums = held[:, :d].contiguous()
-        count = held[:, d + 1]
+        d, h = self.dim, held.numpy()
+        sums = torch.from_numpy(np.ascontiguousarray(h[:, :d]))
+        count = h[:, d + 1]
         many = count > 1
-        if not self.combined_stats or not bool(many.any()):
+        if not self.combined_stats or not many.any():
             return ids, sums
-        columns = [count if name == "count" else held[:, d] for name in self.combined_stats]
-        columns[0] = torch.where(many, columns[0], -1.0)
-        return ids, sums, torch.stack(columns, 1)
+        stats = np.empty((len(h), len(self.combined_stats)), np.float32)
+        for c, name in enumerate(self.combined_stats):
+            stats[:, c] = count if name == "count" else h[:, d]
+        stats[~many, 0] = -1.0
+        return ids, sums, torch.from_numpy(stats)
 
     def reset_state(self, slots: np.ndarray) -> None:
         """The local rule's state of ``slots`` back to the rule's start."""
@@ -121,15 +126,13 @@ class Table:
 
     def step(self, slots: np.ndarray, grads: np.ndarray, clock: int) -> None:
         """One local step of the rule on rows ``slots`` (unique) from ``grads`` (float32, one row
-        each) at the rate of the push carrying ``clock`` (the table's schedule); each row's change
-        is added to its ``mine`` and ``fresh`` changes."""
+        each) at the rate of the push carrying ``clock`` (the table's schedule). The caller adds
+        each row's change to its local changes (``cache_batch.hold_all``, ``deltas_all``)."""
         if self.update is None or self.optimizer is None or not len(slots):
             return
         opt = self.optimizer
         lr = np.full(len(slots), opt.lr * opt.schedule.factor(opt.lr, clock), np.float32)
-        before = gather_rows(self.vals, slots)
         self.update(self.vals, self.state, slots, np.ascontiguousarray(grads, np.float32), lr)
-        add_deltas(self.vals, before, slots, self.mine, self.fresh)
 
     @property
     def size(self) -> int:
@@ -142,30 +145,16 @@ class Table:
             return np.zeros(0, np.int64)
         return index_lookup(self.cells, np.ascontiguousarray(ids, np.int64))
 
-    def take(self, want: int) -> np.ndarray:
-        """Up to ``want`` free slots (evicted ones first)."""
-        k = min(want, len(self.free))
-        slots = np.array(self.free[len(self.free) - k:][::-1], np.int64)
-        del self.free[len(self.free) - k:]
-        fresh = min(want - k, self.capacity - self.top)
-        if fresh > 0:
-            slots = np.concatenate([slots, np.arange(self.top, self.top + fresh, dtype=np.int64)])
-            self.top += fresh
-        return slots
-
     def available(self) -> int:
-        return len(self.free) + self.capacity - self.top
+        return self.nfree + self.capacity - self.top
 
-    def place(self, ids: np.ndarray, slots: np.ndarray, now: int) -> None:
-        """Put new ids (not cached, unique) in free ``slots``: every column of those slots set."""
-        if 2 * (self.filled + len(ids)) > len(self.cells):
-            self._rebuild(extra=len(ids))
-        place_rows(slots, ids, now, self.ids, self.used, self.uses, self.last_used, self.pending_since, self.pending_version,
-                   self.read_clock, self.read_version, self.pend, self.mine, self.fresh, STALE)
-        if self.state:
-            self.reset_state(slots)
-        index_place(self.cells, np.ascontiguousarray(ids, np.int64), slots)
-        self.filled += len(ids)
+    def room(self, extra: int) -> bool:
+        """Make the id index ready for ``extra`` more ids (rebuilt when they would fill half of
+        it); True where it was rebuilt (new ``cells``)."""
+        if 2 * (self.filled + extra) <= len(self.cells):
+            return False
+        self._rebuild(extra)
+        return True
 
     def _rebuild(self, extra: int) -> None:
         live = np.flatnonzero(self.used[: self.top])
@@ -180,29 +169,8 @@ class Table:
         self.used[slots] = False
         self.pending_since[slots] = self.pending_version[slots] = NONE
         self.read_clock[slots] = STALE
-        self.free.extend(slots.tolist())
-
-    def hold(self, slots: np.ndarray, clock: int) -> None:
-        """Note that ``slots`` (not held before; ``hold_rows`` set their clock) hold gradients
-        from ``clock`` on."""
-        if len(slots):
-            self.holding += len(slots)
-            self.queue.append((clock, slots))
-
-    def due(self, clock: int, writes: int, flush: bool) -> np.ndarray:
-        """Slots whose held gradients are due at ``clock`` (``flush``: every held one), taken
-        off the queue. A queue entry's slot counts only while it is held since that clock."""
-        ready, keep = [], []
-        for since, slots in self.queue:
-            if flush or clock - since >= writes:
-                ready.append(slots[self.pending_since[slots] == since])
-            else:
-                keep.append((since, slots))
-        self.queue = keep
-        if not ready:
-            return np.zeros(0, np.int64)
-        out = np.concatenate(ready)
-        return np.unique(out) if len(ready) > 1 else out
+        self.free[self.nfree: self.nfree + len(slots)] = slots
+        self.nfree += len(slots)
 
     def index_entries(self) -> int:
         return len(self.cells)
@@ -215,27 +183,31 @@ class Table:
         return int(self.used[: self.top].sum())
 
 
-def coalesce(due: Due) -> tuple[Grads, dict[tuple[int, str], int]]:
-    """One push's sparse part: per table sorted unique ids with their gradients summed, and
-    the oldest read version per (shard, table)."""
+def coalesce(due: Due, taken: Mapping[str, tuple[np.ndarray, torch.Tensor, bool]], oldest: np.ndarray | None,
+             names: Sequence[str]) -> tuple[Grads, dict[tuple[int, str], int]]:
+    """One push's sparse part: per table sorted unique ids with their gradients summed, from the
+    sums ``taken`` (per table ids, sums, whether the ids ascend; ``oldest``: their oldest read
+    version per table of ``names`` and shard) and the other parts ``due`` (evicted rows, rows
+    not cached); and the oldest read version per (shard, table)."""
     grads: Grads = {}
     versions: dict[tuple[int, str], int] = {}
+    if oldest is not None:
+        for g, s in zip(*np.nonzero(oldest != NONE)):
+            versions[(int(s), names[g])] = int(oldest[g, s])
+    for t, (ids, held, ascending) in taken.items():
+        if t in due or not ascending:
+            due.setdefault(t, []).append((ids, held, _NO_IDS, _NO_IDS))
+        else:
+            grads[t] = (torch.from_numpy(ids), held)
     for t, parts in due.items():
-        if len(parts) == 1:
-            ids, g, shards, read = parts[0]
-        else:
-            ids, g = np.concatenate([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-            shards, read = np.concatenate([p[2] for p in parts]), np.concatenate([p[3] for p in parts])
-        if len(parts) == 1 and (len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1]))):
-            uniq, summed = torch.from_numpy(ids), g
-        else:
-            uniq_np, inverse = np.unique(ids, return_inverse=True)
-            acc = np.zeros((len(uniq_np), g.shape[1]), np.float32)
-            np.add.at(acc, inverse.reshape(-1), g.numpy())
-            uniq, summed = torch.from_numpy(uniq_np), torch.from_numpy(acc)
-        grads[t] = (uniq, summed)
+        ids, g = np.concatenate([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        shards, read = np.concatenate([p[2] for p in parts]), np.concatenate([p[3] for p in parts])
+        uniq_np, inverse = np.unique(ids, return_inverse=True)
+        acc = np.zeros((len(uniq_np), g.shape[1]), np.float32)
+        np.add.at(acc, inverse.reshape(-1), g.numpy())
+        grads[t] = (torch.from_numpy(uniq_np), torch.from_numpy(acc))
         if len(shards):
-            oldest = oldest_per_shard(shards, read, int(shards.max()) + 1)
-            for s in np.flatnonzero(oldest != NONE).tolist():
-                versions[(s, t)] = int(oldest[s])
+            first = oldest_per_shard(shards, read, int(shards.max()) + 1)
+            for s in np.flatnonzero(first != NONE).tolist():
+                versions[(s, t)] = min(int(first[s]), versions.get((s, t), int(first[s])))
     return grads, versions
