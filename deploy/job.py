@@ -141,16 +141,23 @@ def _final_checkpoint(template: WorkerConfig, addresses: Sequence[str], root: Pa
     print(f"tether: final checkpoint {ckpt_id} of all {len(addresses)} shard(s) in {root}", flush=True)
 
 
+def _samples_of(steps: int, record: RunRecord) -> int:
+    """Samples in ``steps`` steps of an earlier incarnation of the worker whose last incarnation
+    wrote ``record``: at that incarnation's samples per step."""
+    return round(steps * record.samples / record.steps) if steps and record.steps else 0
+
+
 def _summary(
     template: WorkerConfig, num_shards: int, workers: Sequence[RunRecord], evaluation: dict[str, float], wall: float,
     metrics_ports: dict[str, int], restarts: dict[str, int], steps_before: dict[str, int], max_restarts: int,
 ) -> dict[str, Any]:
     """The job's ``summary.json``: its evaluation, throughput, staleness and each worker's figures."""
     # A restarted worker's record is its last incarnation's: the steps the earlier ones reported
-    # done are added (at the batch size the built-in job and Trainer.fit use), and the
-    # throughput is over the whole job's wall time, restarts included.
+    # done are added, at the samples per step that last incarnation counted (the same program
+    # and flags: a user's script's batch size, not the built-in model's), and the throughput is
+    # over the whole job's wall time, restarts included.
     before = {int(name.rpartition("-")[2]): n for name, n in steps_before.items()}
-    earlier = {w.worker_index: before.get(w.worker_index, 0) * template.batch_size for w in workers}
+    earlier = {w.worker_index: _samples_of(before.get(w.worker_index, 0), w) for w in workers}
     total = sum(w.samples for w in workers) + sum(earlier.values())
     train_wall = wall if steps_before else max(w.wall_s for w in workers)
     summary: dict[str, Any] = {
