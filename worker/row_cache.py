@@ -45,10 +45,8 @@ Python is the local rule's step (one compiled call per table) and a combined pus
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -58,6 +56,8 @@ from typing import TYPE_CHECKING, Any
 from tether.protos.optimizers import rule
 from tether.protos.specs import TableConfig
 from tether.worker.results import Handle, PullResult, PushAck
+from tether.worker.cache_parts import (NO_FLIGHTS, NO_IDS, NO_ROWS, POLICIES, Plan, Pushed, RowCacheConfig, as_ids, fill, offsets,
+                                      read_versions)
 from tether.worker.cache_batch import columns, deltas_all, hold_all, later_all, plan_all, set_cells, store_all, take_all
 from tether.worker.row_slots import NONE, STALE, Due, Table, coalesce, warm_up
 from tether.worker.traffic import TrafficMeter
@@ -66,80 +66,6 @@ if TYPE_CHECKING:
     from tether.worker.client import PSClient
 
 __all__ = ["POLICIES", "CachedClient", "RowCache", "RowCacheConfig"]
-
-log = logging.getLogger(__name__)
-
-POLICIES = ("lru", "lfu")
-
-
-@dataclass(frozen=True)
-class RowCacheConfig:
-    """``rows``: rows cached per table (0: no cache); ``bound``: read bound R in this worker's
-    clocks (0: every pull reads the shards); ``write_bound``: W, clocks a row's gradients may be
-    held before they are pushed (None: the same as ``bound``); ``policy``: eviction, lru or lfu."""
-
-    rows: int = 0
-    bound: int = 0
-    write_bound: int | None = None
-    policy: str = "lru"
-
-    def __post_init__(self) -> None:
-        for name in ("rows", "bound"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"cache_{name} (--cache-{name}) must be an int >= 0, got {value!r}")
-        if self.write_bound is not None and (not isinstance(self.write_bound, int) or self.write_bound < 0):
-            raise ValueError(f"cache_write_bound (--cache-write-bound) must be empty or an int >= 0, got {self.write_bound!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"cache_policy (--cache-policy) must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-
-    @property
-    def active(self) -> bool:
-        return self.rows > 0
-
-    @property
-    def writes(self) -> int:
-        return self.bound if self.write_bound is None else self.write_bound
-
-
-@dataclass
-class _Plan:
-    """A pull's split, over its tables (``parts``: global table indexes, in table order) with
-    their sorted ids one after another (``ids``, part k's at ``offs[k]:offs[k + 1]``): the
-    answer (``out``, flat: part k's rows at ``row_offs[k]``; the hits' rows copied at plan time),
-    the positions an earlier pull in flight is refreshing (``later``: read from the cache once
-    that pull is stored), those that go to the shards (``miss_pos``, part k's at ``miss_offs[k]:
-    miss_offs[k + 1]``; their ids ``miss`` per table) and the oldest read version of the rows answered, per part and shard."""
-
-    now: int
-    names: list[str]
-    parts: np.ndarray
-    ids: np.ndarray
-    offs: np.ndarray
-    out: torch.Tensor
-    row_offs: np.ndarray
-    oldest: np.ndarray
-    later: np.ndarray
-    miss_pos: np.ndarray
-    miss_offs: np.ndarray
-    miss: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-Pushed = dict[str, tuple[torch.Tensor, ...]]  # per table: ids, summed gradients (and a combined push's statistics)
-_NO_IDS = np.zeros(0, np.int64)
-_NO_ROWS = np.zeros(0, np.float32)
-_NO_FLIGHTS = np.zeros((0, 2), np.int64)
-
-
-def _offsets(counts: Sequence[int] | np.ndarray) -> np.ndarray:
-    out = np.zeros(len(counts) + 1, np.int64)
-    np.cumsum(counts, out=out[1:])
-    return out
-
-
-def _ints(a: torch.Tensor) -> np.ndarray:
-    return np.ascontiguousarray(a.numpy(), np.int64)
-
 
 class RowCache:
     """Cached rows of every table with their read clocks, versions and pending gradients
@@ -196,28 +122,28 @@ class RowCache:
         """The ids the pulls in flight (planned within the read bound) refresh, and per pull and table where they start."""
         self._inflight[:] = [e for e in self._inflight if now - e[1] <= self.config.bound]
         if not self._inflight:
-            return _NO_IDS, _NO_FLIGHTS
+            return NO_IDS, NO_FLIGHTS
         if len(self._inflight) == 1:
             return self._inflight[0][2], self._inflight[0][3].reshape(1, -1)
         base = np.cumsum([0] + [len(e[2]) for e in self._inflight[:-1]])
         return np.concatenate([e[2] for e in self._inflight]), np.stack([e[3] + b for e, b in zip(self._inflight, base)])
 
-    def plan(self, sparse: Mapping[str, torch.Tensor], now: int) -> _Plan:
+    def plan(self, sparse: Mapping[str, torch.Tensor], now: int) -> Plan:
         """Split a pull of ``sparse`` (table -> sorted unique ids) at clock ``now``."""
         names, parts = self._split(list(sparse))
-        arrays = [_ints(sparse[t]) for t in names]
-        ids = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else _NO_IDS
+        arrays = [as_ids(sparse[t]) for t in names]
+        ids = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else NO_IDS
         counts = np.array([len(a) for a in arrays], np.int64)
-        offs = _offsets(counts)
-        row_offs = _offsets(counts * self._dims[parts])
+        offs = offsets(counts)
+        row_offs = offsets(counts * self._dims[parts])
         out = torch.empty(int(row_offs[-1]))
         oldest = np.full((len(names), self.num_shards), NONE, np.int64)
         bound = self.config.bound
         with self._lock:
-            flights, foffs = self._flights(now) if bound > 0 else (_NO_IDS, _NO_FLIGHTS)
+            flights, foffs = self._flights(now) if bound > 0 else (NO_IDS, NO_FLIGHTS)
             code, done = plan_all(*self._cols, parts, ids, offs, now, bound, flights, foffs, out.numpy(), row_offs, oldest)
             miss = np.flatnonzero(code == 0)
-            later = np.flatnonzero(code == 2) if bound > 0 else _NO_IDS
+            later = np.flatnonzero(code == 2) if bound > 0 else NO_IDS
             miss_offs = np.searchsorted(miss, offs)
             miss_ids = ids[miss]
             if bound > 0:
@@ -227,11 +153,11 @@ class RowCache:
             for k, t in enumerate(names):
                 self.hits[t] += int(done[k, 0])
                 self.refreshed[t] += int(done[k, 1])
-        plan = _Plan(now, names, parts, ids, offs, out, row_offs, oldest, later, miss, miss_offs)
+        plan = Plan(now, names, parts, ids, offs, out, row_offs, oldest, later, miss, miss_offs)
         plan.miss = {t: torch.from_numpy(miss_ids[miss_offs[k]: miss_offs[k + 1]]) for k, t in enumerate(names)}
         return plan
 
-    def merge(self, plan: _Plan, pulled: PullResult) -> tuple[PullResult, dict[str, torch.Tensor]]:
+    def merge(self, plan: Plan, pulled: PullResult) -> tuple[PullResult, dict[str, torch.Tensor]]:
         """The pull's answer for every id of the plan (cached rows and pulled ones), and the
         pulled rows stored. Its table versions are, per shard and table, the oldest of any row's.
         Also returns, per table, the ids of ``later`` rows the cache still lacks (an earlier pull
@@ -263,28 +189,6 @@ class RowCache:
             versions[key] = min(v, versions.get(key, v))
         return PullResult(rows, pulled.dense, versions, pulled.dense_versions, pulled.ack), lacking
 
-    @staticmethod
-    def fill(result: PullResult, plan: _Plan, lacking: Mapping[str, torch.Tensor], pulled: PullResult) -> None:
-        """Put the rows of ``lacking`` (pulled on their own) into ``result``."""
-        for t, ids in lacking.items():
-            k = plan.names.index(t)
-            pos = np.searchsorted(plan.ids[plan.offs[k]: plan.offs[k + 1]], ids.numpy())
-            result.rows[t][torch.from_numpy(pos)] = pulled.rows[t].to(result.rows[t].dtype)
-            for key, v in pulled.table_versions.items():
-                if key[1] == t:
-                    result.table_versions[key] = min(v, result.table_versions.get(key, v))
-
-    def _read_versions(self, pulled: PullResult | None, names: Sequence[str], parts: np.ndarray) -> np.ndarray:
-        """The table versions of ``pulled`` per part and shard (0 where none; -1 in ``seen``)."""
-        out = np.zeros((len(names), self.num_shards), np.int64)
-        if pulled is not None:
-            where = {t: k for k, t in enumerate(names)}
-            for (s, t), v in pulled.table_versions.items():
-                k = where.get(t)
-                if k is not None and s < self.num_shards:
-                    out[k, s] = v
-        return out
-
     def _went_back(self, pulled: PullResult, names: Sequence[str], parts: np.ndarray) -> None:
         """A shard whose table version went back (restarted from a checkpoint, or reset): the
         rows read from it before are refreshed on their next pull."""
@@ -300,17 +204,17 @@ class RowCache:
                 self._max_version[g, s] = v
             self._max_version[g, s] = max(v, self._max_version[g, s])
 
-    def _store(self, plan: _Plan, pulled: PullResult) -> None:
+    def _store(self, plan: Plan, pulled: PullResult) -> None:
         """The pulled rows into the cache: refreshed where cached, placed (evicting where the
         table is full) where not; the answer's rows of them as stored (with the worker's own
         changes the shard's answer lacks)."""
         names, parts, moffs = plan.names, plan.parts, plan.miss_offs
         self._went_back(pulled, names, parts)
-        versions = self._read_versions(pulled, names, parts)
-        got = [np.ascontiguousarray(pulled.rows[t].float().numpy()).reshape(-1) if moffs[k + 1] > moffs[k] else _NO_ROWS
+        versions = read_versions(pulled, names, self.num_shards)
+        got = [np.ascontiguousarray(pulled.rows[t].float().numpy()).reshape(-1) if moffs[k + 1] > moffs[k] else NO_ROWS
                for k, t in enumerate(names)]
         flat = got[0] if len(got) == 1 else np.concatenate(got)
-        got_offs = _offsets([len(x) for x in got])
+        got_offs = offsets([len(x) for x in got])
         keys, pos = plan.ids[plan.miss_pos], plan.miss_pos
         got_row = np.arange(len(keys), dtype=np.int64) - np.repeat(moffs[:-1], np.diff(moffs))
         koffs = moffs
@@ -347,24 +251,9 @@ class RowCache:
             at += n
 
     def _evict(self, t: str, tab: Table, n: int, protected: np.ndarray) -> None:
-        mask = tab.used[: tab.top].copy()
-        prot = tab.slots_of(protected)
-        mask[prot[prot >= 0]] = False
-        cand = np.flatnonzero(mask)
-        if not len(cand):
+        victims = tab.victims(n, protected, self.config.policy)
+        if not len(victims):
             return
-        if self.config.policy == "lru":
-            key = tab.last_used[cand]
-        else:  # lfu, ties broken by recency
-            key = tab.uses[cand] * (1 << 32) + (tab.last_used[cand] & 0xFFFFFFFF)
-        if n < len(cand):  # the n smallest keys, ties to the lowest slot (as a stable sort of all)
-            kth = np.partition(key, n - 1)[n - 1]
-            less = np.flatnonzero(key < kth)
-            pick = np.concatenate([less, np.flatnonzero(key == kth)[: n - len(less)]])
-            pick.sort()
-            victims = cand[pick[np.argsort(key[pick], kind="stable")]]
-        else:
-            victims = cand[np.argsort(key, kind="stable")]
         held = victims[tab.pending_since[victims] != NONE]
         if len(held):
             self._evicted.append((t, tab.ids[held].copy(), tab.pending[torch.from_numpy(held)].clone(),
@@ -416,15 +305,15 @@ class RowCache:
         """Add the step's gradients to their rows' pending sums and apply them to the cached rows
         by the tables' rules (rows not cached: due at once)."""
         names, parts = self._split(list(grads))
-        arrays = [_ints(grads[t][0]) for t in names]
+        arrays = [as_ids(grads[t][0]) for t in names]
         rows = [np.ascontiguousarray(grads[t][1].detach().float().numpy()) for t in names]
         ids = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
         flat = rows[0].reshape(-1) if len(rows) == 1 else np.concatenate([r.reshape(-1) for r in rows])
-        offs = _offsets([len(a) for a in arrays])
-        g_offs = _offsets([r.size for r in rows])
-        read = self._read_versions(versions, names, parts)
+        offs = offsets([len(a) for a in arrays])
+        g_offs = offsets([r.size for r in rows])
+        read = read_versions(versions, names, self.num_shards)
         local = self._local[parts]
-        before = np.empty(len(flat), np.float32) if local.any() else _NO_ROWS
+        before = np.empty(len(flat), np.float32) if local.any() else NO_ROWS
         slots, where, first, missing, missing_shards, counts = hold_all(*self._cols, parts, ids, offs, flat, g_offs, read, clock,
                                                                         self.num_shards, local, before)
         if len(first):
@@ -433,7 +322,7 @@ class RowCache:
         if len(missing):  # not cached (the table was full): pushed at once, each row one gradient
             self._unheld(names, offs, rows, ids, missing, missing_shards, read, due)
         if local.any():
-            soffs = _offsets(counts[:, 0])
+            soffs = offsets(counts[:, 0])
             for k in np.flatnonzero(local).tolist():
                 a, b = int(soffs[k]), int(soffs[k + 1])
                 if a < b:
@@ -484,7 +373,7 @@ class CachedClient:
         """The client's ``ClientConfig`` (deadlines, wire dtype)."""
         return self.inner.config
 
-    def _plan(self, sparse: Mapping[str, torch.Tensor]) -> _Plan | None:
+    def _plan(self, sparse: Mapping[str, torch.Tensor]) -> Plan | None:
         self.meter.wanted(sparse, self.clock)
         if self.cache is None:
             self.meter.pulled(sparse)
@@ -494,7 +383,7 @@ class CachedClient:
         self.meter.cache(self.cache)
         return plan
 
-    def _answer(self, plan: _Plan | None, handle: Handle[PullResult]) -> Handle[PullResult]:
+    def _answer(self, plan: Plan | None, handle: Handle[PullResult]) -> Handle[PullResult]:
         if plan is None or self.cache is None:
             return handle
         cache, inner = self.cache, self.inner
@@ -505,7 +394,7 @@ class CachedClient:
                 # Rows another pull was refreshing, which never came back: pulled now, on their own.
                 self.meter.pulled(lacking)
                 extra = inner.pull(dict(lacking)).result(inner.config.call_deadline_s + inner.config.timeout_s)
-                cache.fill(result, plan, lacking, extra)
+                fill(result, plan, lacking, extra)
             return result
 
         return Handle([handle], combine)

@@ -16,6 +16,7 @@ when a row is placed in it, so growing the cache copies nothing.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from tether.protos.optimizers import OptimizerConfig, rule
 from tether.worker.cache_batch import warm_up as warm_up_batch
 from tether.worker.cache_kernels import oldest_per_shard
 from tether.worker.cache_kernels import warm_up as warm_up_cache
-from tether.server.kernels import EMPTY_SLOT, REMOVED_SLOT, RowUpdate, index_cells, index_lookup, index_place, row_update
+from tether.server.kernels import EMPTY_SLOT, REMOVED_SLOT, index_cells, index_lookup, index_place, row_kernel
 
 __all__ = ["NONE", "STALE", "Due", "Grads", "Table", "coalesce", "warm_up"]
 
@@ -85,7 +86,7 @@ class Table:
         self.cells = _cells_for(min(capacity, 1024))
         self.filled = 0  # cells holding a row or a tombstone
         # Local updates (``local_rule``): the table's rule, its constants and its state per slot.
-        self.update: RowUpdate | None = None
+        self.update: Any = None
         self.optimizer: OptimizerConfig | None = None
         self.combined_stats: tuple[str, ...] = ()  # what the table's rule takes beside a combined sum (``combined``)
         self.state: dict[str, np.ndarray] = {}
@@ -96,8 +97,12 @@ class Table:
         (``step``), with a state of its own per slot (allocated for the capacity, unset)."""
         r = rule(optimizer.name)
         n = max(self.capacity, 1)
-        self.update, self.optimizer = row_update(r, optimizer, self.dim), optimizer
+        self.optimizer = optimizer
         self.state = {k: np.empty((n, *shape), np.float32) for k, shape in r.state_shapes(self.dim).items()}
+        # The rule's compiled row update called as ``row_update`` would, with its arguments made once.
+        self.update = row_kernel(r)
+        self._args = (np.empty(self.dim, np.float32), *self.state.values(), *r.kernel_constants(optimizer))
+        self._lr = np.empty(n, np.float32)
         self.initial = r.initial_state(optimizer)
         if self.top:
             self.reset_state(np.arange(self.top, dtype=np.int64))
@@ -119,6 +124,27 @@ class Table:
         stats[~many, 0] = -1.0
         return ids, sums, torch.from_numpy(stats)
 
+    def victims(self, n: int, protected: np.ndarray, policy: str) -> np.ndarray:
+        """The slots of up to ``n`` rows to evict, none of ``protected`` (ids): the least recently
+        used (lru) or the least used, ties broken by recency (lfu), ties to the lowest slot."""
+        mask = self.used[: self.top].copy()
+        prot = self.slots_of(protected)
+        mask[prot[prot >= 0]] = False
+        cand = np.flatnonzero(mask)
+        if not len(cand):
+            return cand
+        if policy == "lru":
+            key = self.last_used[cand]
+        else:  # lfu, ties broken by recency
+            key = self.uses[cand] * (1 << 32) + (self.last_used[cand] & 0xFFFFFFFF)
+        if n < len(cand):  # the n smallest keys, ties to the lowest slot (as a stable sort of all)
+            kth = np.partition(key, n - 1)[n - 1]
+            less = np.flatnonzero(key < kth)
+            pick = np.concatenate([less, np.flatnonzero(key == kth)[: n - len(less)]])
+            pick.sort()
+            return cand[pick[np.argsort(key[pick], kind="stable")]]
+        return cand[np.argsort(key, kind="stable")]
+
     def reset_state(self, slots: np.ndarray) -> None:
         """The local rule's state of ``slots`` back to the rule's start."""
         for k, a in self.state.items():
@@ -131,8 +157,9 @@ class Table:
         if self.update is None or self.optimizer is None or not len(slots):
             return
         opt = self.optimizer
-        lr = np.full(len(slots), opt.lr * opt.schedule.factor(opt.lr, clock), np.float32)
-        self.update(self.vals, self.state, slots, np.ascontiguousarray(grads, np.float32), lr)
+        lr = self._lr[: len(slots)]
+        lr.fill(opt.lr * opt.schedule.factor(opt.lr, clock))
+        self.update(self.vals, slots, grads, lr, *self._args)
 
     @property
     def size(self) -> int:
