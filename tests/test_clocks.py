@@ -122,3 +122,37 @@ def test_the_start_barrier_counts_finished_workers(monkeypatch: pytest.MonkeyPat
                               client=SimpleNamespace(clock=lambda clock: next(replies)))
     monkeypatch.delenv("TETHER_RESTART_COUNT", raising=False)
     assert AsyncPolicy().start(trainer) == 0  # type: ignore[arg-type]
+
+
+def _policy_start(replies: list, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """``AsyncPolicy.start`` on a fake client answering ``replies`` in turn, outside ``tether
+    launch`` (no TETHER_RESTART_COUNT, as in a pod Kubernetes restarted): (the clock it starts
+    from, the Clock calls it made)."""
+    from types import SimpleNamespace
+
+    from tether.worker.policies import AsyncPolicy
+
+    calls = iter(replies)
+    made = []
+    trainer = SimpleNamespace(config=SimpleNamespace(num_workers=3, wait_timeout_s=5.0),
+                              client=SimpleNamespace(clock=lambda clock: made.append(clock) or next(calls)))
+    monkeypatch.delenv("TETHER_RESTART_COUNT", raising=False)
+    return AsyncPolicy().start(trainer), len(made)  # type: ignore[arg-type]
+
+
+def test_a_worker_joining_a_job_under_way_goes_on_from_the_slowest_others_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod Kubernetes restarted: one other trains (clock 57), the third finished and left
+    before it joined, so 2 of 3 are live and the barrier alone would hold it until
+    wait_timeout_s; the clock above 0 says the job is under way."""
+    from tether.worker.results import ClockReply
+
+    assert _policy_start([ClockReply(0, 57, 2, True, 57, 0)], monkeypatch) == (57, 1)
+
+
+def test_a_late_worker_of_a_fresh_job_still_waits_for_every_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The others joined first and wait at clock 0: max_clock 0 says the job has not started,
+    so this worker waits with them until the last one joins."""
+    from tether.worker.results import ClockReply
+
+    replies = [ClockReply(0, 0, 2, True), ClockReply(0, 0, 2, True), ClockReply(0, 0, 3, True)]
+    assert _policy_start(replies, monkeypatch) == (0, 3)

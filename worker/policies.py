@@ -66,8 +66,12 @@ class AsyncPolicy:
         counted as staleness and no one runs ahead of a worker that has not started yet. A
         worker restarted into a running job (``TETHER_RESTART_COUNT`` > 0, set by ``tether
         launch --max-restarts``) only joins and goes on: the others are under way, or done and
-        gone. It starts at the slowest other live worker's clock rather than at 0. Returns the
-        clock this worker starts from.
+        gone. So does a worker that finds another live worker's clock above 0 (the reply's
+        ``max_clock``; a pod restarted by Kubernetes has no ``TETHER_RESTART_COUNT``): no worker
+        passes this barrier before all have joined, so a clock above 0 means the job is under
+        way, while in a fresh job every joined worker waits here at clock 0. Either starts at the
+        slowest other live worker's clock rather than at 0. Returns the clock this worker starts
+        from.
 
         Raises:
             DeadlineExceeded: not every worker joined within ``wait_timeout_s``.
@@ -78,8 +82,9 @@ class AsyncPolicy:
         deadline = time.monotonic() + cfg.wait_timeout_s
         while True:
             reply = trainer.client.clock(0)
+            # A clock above 0: a job under way (restarted by Kubernetes, not by tether launch).
             # Those that left since this worker joined count: they trained and finished between two polls.
-            if restarted or reply.live_workers + reply.finished_workers >= cfg.num_workers:
+            if restarted or reply.max_clock > 0 or reply.live_workers + reply.finished_workers >= cfg.num_workers:
                 return reply.min_other_clock
             if time.monotonic() > deadline:
                 raise DeadlineExceeded(f"only {reply.live_workers} of {cfg.num_workers} workers joined within {cfg.wait_timeout_s:.0f}s")
