@@ -168,7 +168,8 @@ def _run_one(
         "samples_per_sec": float(summary["samples_per_sec"]),
         "train_wall_s": float(summary["train_wall_s"]),
         "update_staleness_p50": float(np.median(updates)) if updates else 0.0,
-        # Embedding rows' bytes pulled and pushed per sample, all workers (the row cache's saving)
+        # Embedding rows' bytes pulled and pushed per sample, all workers (the row cache's saving);
+        # dense parameters' traffic is not in the records' counts, so not in this figure
         "bytes_per_sample": sum(sum(v["pulled_bytes"] + v["pushed_bytes"] for v in (r.traffic or {}).values()) for r in records)
         / max(sum(r.samples for r in records), 1),
     }
@@ -298,7 +299,7 @@ def _progress_line(runs: Sequence[dict[str, Any]], repeats: int, target_loss: fl
     run = runs[-1]
     head = f"tether compare: {run['mode']}" + (f" repeat {run['repeat'] + 1}/{repeats}" if repeats > 1 else "")
     tail = (f"training wall {run['train_wall_s']:.1f}s, {run['samples_per_sec']:,.0f} samples/s, "
-            f"{run['bytes_per_sample']:,.0f} B/sample moved")
+            f"{run['bytes_per_sample']:,.0f} B/sample of embedding rows moved")
     if "initial_eval_loss" in run and run["final_eval_loss"] is None:
         train = run["final_train_loss"]
         return f"{head}: final train loss {'-' if train is None else f'{train:.4f}'} (no eval loss reported), {tail}"
@@ -356,6 +357,11 @@ def _mode_result(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def cache_settings(template: WorkerConfig) -> dict[str, Any]:
+    """The row cache settings every run of a sweep used (``cache_rows`` 0: no cache)."""
+    return {k: getattr(template, k) for k in ("cache_rows", "cache_bound", "cache_write_bound", "cache_policy")}
+
+
 def sweep(
     template: WorkerConfig,
     bounds: Sequence[int],
@@ -372,7 +378,7 @@ def sweep(
     summary = compare(template, modes, num_shards, out, **kwargs)
     if summary["target_loss"] is None:  # a script whose runs report no eval loss
         summary.update(recommended_staleness=None, recommendation="no staleness bound recommended (it needs an eval loss)",
-                       tied_bounds=[], tolerance=tolerance)
+                       tied_bounds=[], tolerance=tolerance, **cache_settings(template))
         Path(out, "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
     verdict = recommend(summary["modes"], tolerance)
@@ -381,5 +387,6 @@ def sweep(
     summary["recommendation"] = verdict["message"]
     summary["tied_bounds"] = verdict["tied"]
     summary["tolerance"] = tolerance
+    summary.update(cache_settings(template))
     Path(out, "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

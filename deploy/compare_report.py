@@ -8,7 +8,7 @@ from typing import Any
 
 from tether.deploy.compare_program import format_program_table
 from tether.protos.errors import UsageError
-from tether.worker.config import parse_mode
+from tether.worker.mode import Mode
 
 __all__ = ["format_table", "recommend"]
 
@@ -47,12 +47,12 @@ def recommend(results: Sequence[dict[str, Any]], tolerance: float = 0.01) -> dic
     if len(eligible) > 1 and len(group) == len(eligible) and not single:
         return {"best": best, "recommended": None, "tied": names,
                 "message": f"no significant difference: {', '.join(names)} are within the spread of each other's time to target"}
-    chosen = min(group, key=lambda r: parse_mode(str(r["mode"]))[1] or 0)
+    chosen = min(group, key=lambda r: Mode.of(r["mode"]).bound or 0)
     note = " (one run per bound: the spread is unknown; use --repeats 3)" if single else ""
     if len(group) > 1:
         note += f"; {', '.join(names)} are within the spread of each other, the smallest bound is recommended"
     return {"best": best, "recommended": chosen, "tied": names,
-            "message": f"recommended staleness bound: {parse_mode(str(chosen['mode']))[1]}{note}"}
+            "message": f"recommended staleness bound: {Mode.of(chosen['mode']).bound}{note}"}
 
 
 def format_table(summary: dict[str, Any]) -> str:
