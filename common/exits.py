@@ -2,20 +2,27 @@
 something it cannot do (argparse's code, ``tether.protos.errors.USAGE_EXIT_CODE``), 130
 interrupted (the shell's code for SIGINT). ``run_command`` maps how a command's body ended to
 that code and its one line on stderr; ``usage_checks`` marks the flag checks whose
-``ValueError`` is the user's mistake; ``interrupted`` reads a child's code."""
+``ValueError`` is the user's mistake; ``end_usage_errors_in_one_line`` does what ``run_command``
+does for a ``UsageError`` left uncaught in a user's own program; ``interrupted`` reads a child's
+code."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import TracebackType
 
 from tether.protos.errors import USAGE_EXIT_CODE, UsageError, report_usage_error
 
-__all__ = ["DONE", "FAILED", "INTERRUPTED", "USAGE", "exit_process", "interrupted", "run_command", "usage_checks"]
+__all__ = [
+    "DONE", "FAILED", "INTERRUPTED", "USAGE", "end_usage_errors_in_one_line", "exit_process", "interrupted", "run_command",
+    "usage_checks",
+]
 
 DONE = 0
 FAILED = 1
@@ -40,6 +47,40 @@ def exit_process(code: int) -> None:
             pass
     logging.shutdown()
     os._exit(code)
+
+
+# The hook end_usage_errors_in_one_line installed last (it installs one only where it is not the hook).
+_hook: Callable[[type[BaseException], BaseException, TracebackType | None], None] | None = None
+
+
+def end_usage_errors_in_one_line(prog: str = "tether worker") -> None:
+    """Have a ``UsageError`` that nothing caught end this program as ``tether worker`` ends on
+    one: ``prog: error: <message>`` as one line on stderr and exit code ``USAGE``, not a
+    traceback and 1. Called where a user's program enters tether (``Trainer``,
+    ``TrainingConfig.from_env``); ``prog`` is the name ``tether launch`` reads a worker's usage
+    line by (``deploy/worker_exits.py``).
+
+    It wraps ``sys.excepthook`` once per process and changes only how tether's own usage errors
+    end an uncaught program: every other exception (the user's own) goes to the hook that was
+    there before, with its traceback; a ``UsageError`` caught by the program never reaches the
+    hook. Only the main thread's: an exception ending another thread does not end the program
+    (``threading.excepthook`` is left alone). The process ends after the exit handlers
+    (``atexit``) ran and the streams were flushed, without waiting for non-daemon threads.
+    """
+    global _hook
+    previous = sys.excepthook
+    if previous is _hook:
+        return
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if not issubclass(kind, UsageError):
+            previous(kind, exc, tb)
+            return
+        report_usage_error(prog, exc)
+        atexit._run_exitfuncs()  # noqa: SLF001 - the interpreter's exit handlers, which os._exit skips
+        exit_process(USAGE)
+
+    sys.excepthook = _hook = hook
 
 
 @contextmanager

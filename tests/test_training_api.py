@@ -249,3 +249,18 @@ def test_the_model_after_fit_holds_the_shards_last_dense_values(prefetch: bool) 
         after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert (held - before).abs().max() > 1e-3  # training moved them
     assert torch.equal(after, held)
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp:1"])
+def test_a_worker_whose_data_ends_before_steps_says_where_it_stopped(mode: str) -> None:
+    """Async and ssp say it as sync does: the step it stopped at and the steps asked for; a
+    worker whose data holds exactly ``steps`` batches says nothing of it."""
+    for batches, said in ((5, ["worker 0/1: stopping at step 5 of 20: the training data ended"]), (20, [])):
+        torch.manual_seed(0)
+        config = TrainingConfig(shards=(), local=True, mode=mode, steps=20, log_every=100, device="cpu")
+        lines: list[str] = []
+        with Trainer(MF(lambda name, dim: ShardedEmbeddingBag(name, dim)), config, loss=_loss, sparse=_ids,
+                     printer=lines.append) as trainer:
+            record = trainer.fit(_batches(batches), background=False)
+        assert record.steps == batches
+        assert [line for line in lines if "stopping" in line] == said

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from tether.common import settings as fields
+from tether.common.exits import end_usage_errors_in_one_line, usage_checks
 from tether.protos.codec import WIRE_DTYPES
 from tether.protos.framing import TRANSPORTS
 from tether.common.settings import default_of, derived, optional_int, optional_str, override, setting
@@ -231,9 +232,18 @@ class TrainingConfig:
         with ``overrides`` winning. Under torchrun in sync mode the rank and world size come
         from ``RANK`` and ``WORLD_SIZE``.
 
+        A ``UsageError`` this process leaves uncaught from here on ends it with one line and
+        exit code 2, as ``tether worker`` does (``end_usage_errors_in_one_line``).
+
         Raises:
-            ValueError: a bad value, named.
+            UsageError: a bad value, named.
         """
+        end_usage_errors_in_one_line()
+        with usage_checks():
+            return cls._from_env(overrides)
+
+    @classmethod
+    def _from_env(cls: type[T], overrides: Mapping[str, object]) -> T:
         values = fields.env_values(cls, overrides)
         # ``sync`` is the whole mode (no bound follows it), so this needs no parse_mode.
         if values.get("mode", default_of(cls, "mode")) == "sync" and "RANK" in os.environ and "WORLD_SIZE" in os.environ:

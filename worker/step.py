@@ -140,6 +140,7 @@ class Step(Generic[B]):
         # the step's push_pull pulls for); ``ended``: the stream (or ``steps``) has no more.
         self.queue: deque[B] = deque()
         self.ended = False
+        self.data_ended = False  # the stream itself ran out (not ``steps``, not another sync rank)
         self._read(0, 1)
         self.pulls: dict[int, Prefetch] = {}  # step -> the pull of its batch, under way
         self.unsettled: deque[Prefetch | Handle] = deque()  # pushes not settled, oldest first
@@ -251,7 +252,7 @@ class Step(Generic[B]):
                 break
             batch = next(self.stream, None)
             if batch is None:
-                self.ended = True
+                self.ended = self.data_ended = True
                 break
             self.queue.append(batch)
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from tether.common.allocator import tune_malloc
+from tether.common.exits import end_usage_errors_in_one_line
 from tether.protos.errors import FailedPrecondition, UsageError
 from tether.protos.specs import TableConfig
 from tether.worker.client import ClientConfig, PSClient
@@ -79,6 +80,9 @@ class Trainer(Generic[B]):
             leading length most of the batch's tensors share, with one warning if they differ;
             see ``tether.worker.batches.count_samples``).
 
+    A ``UsageError`` of tether's that the program leaves uncaught ends it with one line and exit
+    code 2 (``tether.common.exits.end_usage_errors_in_one_line``); other exceptions are untouched.
+
     Raises:
         UsageError: ``sync`` outside torchrun, or CUDA asked for and missing.
         TetherError: the shards refused the declaration or could not be reached.
@@ -99,6 +103,8 @@ class Trainer(Generic[B]):
         # A worker process: each step's MiB-sized tensors reuse freed heap rather than fresh pages
         # (once per process; TETHER_MALLOC=default keeps glibc's settings).
         tune_malloc()
+        # A UsageError the user's program leaves uncaught ends it with one line and exit code 2.
+        end_usage_errors_in_one_line()
         config, device, policy = policy_for(config, pick_device(config.device))
         if device.type == "cuda" and device.index is not None:
             # Streams, events and device="cuda" allocations (the user's too) land on this worker's GPU, not cuda:0.
@@ -267,6 +273,8 @@ class Trainer(Generic[B]):
             if steps.last:
                 break
             steps.advance()
+        if steps.data_ended and cfg.steps is not None and step + 1 < cfg.steps:
+            self.printer(f"{self.name}: stopping at step {step + 1} of {cfg.steps}: the training data ended")
         steps.finish()
         self._load_final_dense()
         wall = time.perf_counter() - t_start - eval_time
