@@ -46,7 +46,9 @@ class Unparsable:
 
 
 class RequestHandler:
-    """Handles every ``tether.v1.ParameterServer`` call on a ``Shard``."""
+    """Handles the ``tether.v1.ParameterServer`` calls on a ``Shard`` but ``Clock`` (answered by
+    ``tether.server.service`` through ``run``, for its metrics and errors, and
+    ``update_clock_gauges``), whichever transport carried them."""
 
     def __init__(self, shard: Shard, metrics: ShardRecorder | None = None, checkpointer: Checkpointer | None = None) -> None:
         self.shard = shard
@@ -183,7 +185,7 @@ class RequestHandler:
                 result.clock_staleness if request.clock else None,
             )
         if request.clock:
-            self._update_clock_gauges()
+            self.update_clock_gauges()
         return result
 
     @staticmethod
@@ -224,7 +226,8 @@ class RequestHandler:
         info = self.checkpointer.checkpoint(request.id)
         return pb.CheckpointResponse(id=info.id, path=info.path, bytes=info.bytes, seconds=info.seconds)
 
-    def _update_clock_gauges(self) -> None:
+    def update_clock_gauges(self) -> None:
+        """Set the clock gauges (live workers, slowest and fastest clock) to the clocks now."""
         state = self.shard.clocks.state()
         self.metrics.clocks(state.live_workers, state.min_clock, state.max_clock)
 

@@ -89,8 +89,7 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
                 ready, state = clocks.wait(request.clock, request.wait_bound, min(request.wait_timeout_ms / 1000.0, MAX_CLOCK_HOLD_S))
             else:
                 ready, state = True, clocks.state()
-            now = clocks.state()
-            metrics.clocks(now.live_workers, now.min_clock, now.max_clock)
+            self.handler.update_clock_gauges()
             return pb.ClockResponse(
                 min_clock=state.min_clock, max_clock=state.max_clock, live_workers=state.live_workers, ready=ready,
                 min_other_clock=clocks.min_other(request.worker_id), finished_workers=clocks.finished_since(request.worker_id),

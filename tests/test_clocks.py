@@ -156,3 +156,21 @@ def test_a_late_worker_of_a_fresh_job_still_waits_for_every_worker(monkeypatch: 
 
     replies = [ClockReply(0, 0, 2, True), ClockReply(0, 0, 2, True), ClockReply(0, 0, 3, True)]
     assert _policy_start(replies, monkeypatch) == (0, 3)
+
+
+def test_the_handler_sets_the_clock_gauges_for_the_clock_call_of_the_service() -> None:
+    """``RequestHandler.update_clock_gauges`` (public: server/service.py's Clock answer calls it)."""
+    from tether.server.handler import RequestHandler
+    from tether.server.metrics import NullShardMetrics
+    from tether.server.shard import Shard
+
+    class Gauges(NullShardMetrics):
+        def clocks(self, live_workers: int, min_clock: int, max_clock: int) -> None:
+            self.set = (live_workers, min_clock, max_clock)
+
+    metrics = Gauges()
+    handler = RequestHandler(Shard(), metrics)
+    handler.shard.clocks.update("a", 3)
+    handler.shard.clocks.update("b", 7)
+    handler.update_clock_gauges()
+    assert metrics.set == (2, 3, 7)
