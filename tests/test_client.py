@@ -130,3 +130,26 @@ def test_call_deadline_flag_env_and_default(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ValueError, match=r"call_deadline_s \(--call-deadline\) must be .* got 0\.0$"):
         load_config(["--shards", "127.0.0.1:1", "--call-deadline", "0"])
     assert "--call-deadline" in build_parser().format_help() and "TETHER_CALL_DEADLINE" in build_parser().format_help()
+
+
+def test_a_closed_client_reads_again_on_every_transport(two_shards: list[str]) -> None:
+    """Reading the trained model after the Trainer block (which closes the client) works the
+    same over shm, tcp and gRPC: the next call opens channels and the pool again, pushes stay
+    numbered on (a push after the reopen is applied, not taken for a duplicate), and a second
+    close closes those."""
+    ids = torch.arange(16, dtype=torch.int64)
+    for step, transport in enumerate(("auto", "tcp", "grpc"), start=1):
+        client = make_client(two_shards, f"w-{transport}", transport=transport)
+        client.declare([TableConfig("closed", 2, SGD, init_scale=0.0)], {"w": torch.zeros(3)}, SGD)
+        client.push({"closed": (ids, torch.ones(16, 2))}, {"w": torch.ones(3)}).result(10)
+        client.close()
+        client.close()  # twice is fine
+        pulled = client.pull({"closed": ids}, ["w"]).result(10)
+        assert torch.equal(pulled.rows["closed"], torch.full((16, 2), -2.0 * step + 1.0))
+        assert torch.equal(pulled.dense["w"], torch.full((3,), -2.0 * step + 1.0))
+        ack = client.push({"closed": (ids, torch.ones(16, 2))}, {"w": torch.ones(3)}).result(10)
+        assert ack.duplicates == 0
+        assert client.transports() == {"auto": ["shm", "shm"], "tcp": ["tcp", "tcp"], "grpc": ["grpc", "grpc"]}[transport]
+        client.close()
+        assert torch.equal(client.pull({"closed": ids}).result(10).rows["closed"], torch.full((16, 2), -2.0 * step))
+        client.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -48,9 +49,11 @@ class PSClient:
         # incarnation, seq), so a worker restarted under the same id is not taken for a retry.
         self.incarnation = int.from_bytes(os.urandom(8), "little") or 1
         self.router = Router(config, self.incarnation)
-        self.channels = [ShardChannel(s, config, self.metrics) for s in range(self.num_shards)]
+        self.channels: list[ShardChannel] = []
         self.config = config
-        self._pool = ThreadPoolExecutor(max_workers=max(config.threads, self.num_shards), thread_name_prefix="tether-client")
+        self._open_lock = threading.Lock()
+        self._closed = True
+        self._open()
 
     @property
     def config(self) -> ClientConfig:
@@ -65,10 +68,30 @@ class PSClient:
         for c in self.channels:
             c.config = config
 
+    def _open(self) -> None:
+        """Open the channels and the fan-out pool: at the start, and again on the first call
+        after ``close`` (the trained model read after the ``Trainer`` block: an eval forward
+        pulls its rows), on every transport alike. Pushes stay numbered on from before."""
+        if not self._closed:
+            return
+        with self._open_lock:
+            if not self._closed:
+                return
+            config = self.config
+            self.channels = [ShardChannel(s, config, self.metrics) for s in range(self.num_shards)]
+            self._pool = ThreadPoolExecutor(max_workers=max(config.threads, self.num_shards), thread_name_prefix="tether-client")
+            self._closed = False
+
     def close(self) -> None:
-        """Close channels, data-plane connections and the fan-out pool."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        for c in self.channels:
+        """Close channels, data-plane connections and the fan-out pool (calls not yet started
+        are cancelled). A later call opens them again, as the first call did."""
+        with self._open_lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, channels = self._pool, self.channels
+        pool.shutdown(wait=False, cancel_futures=True)
+        for c in channels:
             c.close()
 
     def transports(self) -> list[str]:
@@ -86,6 +109,7 @@ class PSClient:
         right away and the answer read by whoever waits (no thread hop); over gRPC a pool
         thread makes the call. Each shard's call ends within ``call_deadline_s`` from now,
         whichever way it goes."""
+        self._open()
         shards = list(calls)
         pending: list[Pending] = []
         deadline = time.monotonic() + self.config.call_deadline_s
@@ -290,6 +314,7 @@ class PSClient:
             FailedPrecondition: a shard without a checkpoint directory, or one that cannot write.
             Unavailable: a shard did not answer within ``timeout_s``.
         """
+        self._open()
         request = pb.CheckpointRequest(id=ckpt_id)
         deadline = time.monotonic() + timeout_s
         futures = [self._pool.submit(c.call, Call("Checkpoint", request), timeout_s, deadline=deadline) for c in self.channels]
