@@ -2,7 +2,9 @@
 
 Decoding never loops over elements: the payload is viewed with ``numpy.frombuffer`` and
 handed to torch without a copy (the view is read-only, so callers that keep or mutate the
-result copy it themselves).
+result copy it themselves). None writes into one: the worker copies pulled values into its own
+tensors (``Router.place_pull``), a shard's update rules read gradients and write only their
+rows and state, and a dense chunk clones its initial value.
 """
 
 from __future__ import annotations
@@ -59,11 +61,27 @@ _NUMPY_VIEW: dict[int, np.dtype] = {
 }
 
 
+_READONLY_WARNING = "The given NumPy array is not writable"
+
+
 def quiet_readonly_warning() -> None:
-    """Silence torch's warning about non-writable arrays, for the whole process (entry points
-    call it): decoded tensors are read-only views of the message (zero copy, by design), and
-    the warning, given once per process, is noise here."""
-    warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+    """Silence torch's warning about non-writable arrays for the whole process. Decoding does
+    not need it: importing this module spends torch's one such warning (``_spend_readonly_warning``)."""
+    warnings.filterwarnings("ignore", message=_READONLY_WARNING, category=UserWarning)
+
+
+def _spend_readonly_warning() -> None:
+    """torch warns the first time a process wraps a read-only array, and never again (its
+    ``TORCH_WARN_ONCE``). Decoded tensors are read-only views of the message (zero copy, by
+    design; nothing writes into one), so that first time was every process's first decode (a
+    user script's worker, a restarted shard) on the gRPC path. It is spent here, at import,
+    with the warning ignored for that one call only: no filter is left behind."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_READONLY_WARNING, category=UserWarning)
+        torch.from_numpy(np.frombuffer(bytes(4), dtype=np.float32))
+
+
+_spend_readonly_warning()
 
 
 def torch_dtype(dtype: int) -> torch.dtype:

@@ -1,3 +1,7 @@
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -26,6 +30,42 @@ def test_decode_is_zero_copy() -> None:
     msg = encode_tensor(torch.ones(1000))
     t = decode_tensor(msg)
     assert t.numpy().base is not None or not t.numpy().flags.owndata
+
+
+# A fresh process's first decode of a message read off the wire (gRPC: a parsed message whose
+# bytes field is immutable), with every warning recorded.
+_FIRST_DECODE = textwrap.dedent("""
+    import warnings
+    import torch
+    filters = list(warnings.filters)
+    from tether.protos import tether_pb2 as pb
+    from tether.protos.codec import decode_tensor, encode_tensor
+    assert warnings.filters == filters  # no process-wide filter: a user's own warnings still show
+
+    values = torch.arange(12.0).view(3, 4) - 5.5
+    wire = pb.Tensor.FromString(encode_tensor(values, dtype=torch.bfloat16).SerializeToString())
+    plain = pb.Tensor.FromString(encode_tensor(values).SerializeToString())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got, up = decode_tensor(plain), decode_tensor(wire, torch.float32)
+    assert torch.equal(got, values) and torch.equal(up, values), (got, up)
+    print(len(seen), [str(w.message)[:60] for w in seen])
+""")
+
+
+def test_a_processes_first_grpc_decode_warns_nothing() -> None:
+    """Decoded tensors are read-only views (zero copy); torch's one warning about that, which every
+    worker printed at its first gRPC decode, is not given, and the values are right."""
+    done = subprocess.run([sys.executable, "-c", _FIRST_DECODE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0 []"
+    assert "not writable" not in done.stderr
+
+
+def test_decoding_warns_nothing(recwarn: pytest.WarningsRecorder) -> None:
+    t = decode_tensor(pb.Tensor.FromString(encode_tensor(torch.ones(2, 2)).SerializeToString()))
+    assert torch.equal(t, torch.ones(2, 2))
+    assert [str(w.message) for w in recwarn] == []
 
 
 def test_payload_length_mismatch() -> None:
