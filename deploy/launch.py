@@ -30,6 +30,7 @@ from tether.common.config_file import to_json
 from tether.common.settings import to_env
 from tether.deploy.children import Child, child_command, free_port, gpu_count, spawn, tail, worker_device
 from tether.deploy.errors import ClusterError, Interrupted
+from tether.deploy.run_program import program_env
 from tether.deploy.supervision import Supervision
 from tether.deploy.worker_exits import RANK_LOGS, raise_worker_failure
 from tether.worker.config import WorkerConfig
@@ -62,22 +63,23 @@ class Program:
 
     @classmethod
     def entry(cls, target: str, args: Sequence[str] = ()) -> Program:
-        """``module:function``, called with no arguments (``tether.worker.entry`` runs it).
+        """``module:function``, called with no arguments (``tether.worker.entry`` runs it). The
+        module is imported here, before anything starts, with the current folder first on
+        ``sys.path`` as ``python -m`` (and so each worker) has it.
 
         Raises:
-            ValueError: not ``module:function``, or no such module.
+            ValueError: not ``module:function``, no such module or function, or its import failed.
         """
-        import importlib.util
+        from tether.protos.errors import UsageError
+        from tether.worker.entry import on_path, resolve
 
-        module, _, function = target.partition(":")
-        if not module or not function.isidentifier():
-            raise ValueError(f"--entry {target}: expected module:function")
+        on_path()
         try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            raise ValueError(f"--entry {target}: no module {module!r} on the Python path")
+            resolve(target)
+        except UsageError as exc:
+            raise ValueError(f"--entry {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the user's module failed as it was imported: its error, one line
+            raise ValueError(f"--entry {target}: importing it failed: {type(exc).__name__}: {exc}") from None
         return cls(("-m", "tether.worker.entry", target, *args))
 
 
@@ -256,7 +258,10 @@ class LocalCluster(Supervision):
                     "--master-addr", self.host, "--master-port", str(free_port(self.host)),
                     "--log-dir", str(self.log_dir / RANK_LOGS), "--tee", "2"]
             if program is not None:
-                self.workers.append(spawn(self.log_dir, "torchrun", [*argv, *program.argv], echo=echo, env=to_env(cfg)))
+                # torchrun parses every argument after the program too (a script's --n would be its
+                # --nnodes): the shim gets the program's argv in the environment instead.
+                env = {**to_env(cfg), **program_env(program.argv)}
+                self.workers.append(spawn(self.log_dir, "torchrun", [*argv, "-m", "tether.deploy.run_program"], echo=echo, env=env))
                 return
             config = self.log_dir / "torchrun.config.json"
             config.write_text(to_json(cfg))

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "ranked_script.py"
 
@@ -63,3 +65,11 @@ def test_ranks_whose_data_ends_at_different_steps_stop_together(tmp_path: Path) 
     assert [r["steps"] for r in ranks] == [10, 10, 10]
     assert [len(r["seen"]) for r in ranks] == [80, 80, 80]
     assert "stopping at step 10 with data left: another rank's data ended there" in proc.stdout
+
+
+@pytest.mark.slow  # a minute on a loaded machine; tests/test_run_program.py checks the shim in seconds
+def test_a_scripts_flag_that_prefixes_a_torchrun_option_reaches_the_script(tmp_path: Path) -> None:
+    # torchrun's parser took --n for its --nnodes/--nproc-per-node ("ambiguous option"), exit 1.
+    proc, ranks, _ = _launch(tmp_path, "n", "--n", "240", workers=2)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert [len(r["seen"]) for r in ranks] == [120, 120]

@@ -8,6 +8,7 @@ start it; the function is called with no arguments and finds its place in the jo
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -16,7 +17,15 @@ from tether.protos.codec import quiet_readonly_warning
 from tether.common.exits import DONE, run_command
 from tether.protos.errors import UsageError, report_usage_error
 
-__all__ = ["main", "resolve"]
+__all__ = ["main", "on_path", "resolve"]
+
+
+def on_path() -> None:
+    """Put the current folder first on ``sys.path``, as ``python -m`` does, so ``module`` may be
+    a file beside where the job was launched (``tether launch`` itself runs from its script's folder)."""
+    here = os.getcwd()
+    if not sys.path or sys.path[0] not in ("", here):
+        sys.path.insert(0, here)
 
 
 def resolve(target: str) -> Callable[[], object]:
@@ -26,7 +35,7 @@ def resolve(target: str) -> Callable[[], object]:
         UsageError: not ``module:function``, or it cannot be imported.
     """
     module, _, name = target.partition(":")
-    if not module or not name:
+    if not module or not name.isidentifier():
         raise UsageError(f"{target!r}: expected module:function")
     try:
         fn = getattr(importlib.import_module(module), name)
@@ -49,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_readonly_warning()
 
     def body() -> int:
+        on_path()
         fn = resolve(argv[0])
         sys.argv = [argv[0], *argv[1:]]
         result = fn()

@@ -16,7 +16,7 @@ from tether.worker.training import Trainer, TrainingConfig
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
-p.add_argument("--samples", type=int, default=480)
+p.add_argument("--samples", "--n", type=int, default=480, help="--n: a prefix of torchrun's --nnodes, which torchrun must not see")
 p.add_argument("--fail-rank", type=int, default=-1)
 p.add_argument("--fail-at", type=int, default=3)
 p.add_argument("--eval", action="store_true", help="evaluate held-out accuracy (a metric name without eval_)")
