@@ -326,3 +326,45 @@ def test_after_release_forwards_pull_what_they_look_up(inproc_shard) -> None:
     rows = ps.client.pull({"users": user, "items": item}).result(10).rows
     assert torch.allclose(model(user, item), (rows["users"] * rows["items"]).sum())
     ps.client.close()
+
+
+class WithDense(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = ShardedEmbeddingBag("tokens", 2, mode="mean")
+        self.tower = torch.nn.Linear(3, 2)
+
+    def forward(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (self.bag(b["ids"]) + self.tower(b["dense"])).sum(1)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_nan_in_a_dense_feature_stops_training_naming_the_step_and_table(prefetch: bool) -> None:
+    """A NaN in a batch's dense features makes the loss and every gradient NaN: training stops at
+    that step with one UsageError naming the step, the table and the likely cause, raised on the
+    worker before the push (not a shard's 'gradients contain NaN or Inf' a step later)."""
+    from tether.worker.training import Trainer, TrainingConfig
+
+    batches = [{"ids": torch.tensor([[1, 2], [3, 4]]), "dense": torch.ones(2, 3)} for _ in range(5)]
+    batches[2]["dense"][1, 0] = float("nan")
+    config = TrainingConfig(shards=(), local=True, steps=5, prefetch=prefetch, device="cpu", log_every=100)
+    trainer = Trainer(WithDense(), config, loss=lambda m, b: m(b).pow(2).mean(), sparse=lambda b: {"tokens": b["ids"]},
+                      printer=lambda line: None)
+    with trainer, pytest.raises(UsageError) as raised:
+        trainer.fit(batches)
+    assert str(raised.value) == (
+        "step 3: the gradients of table 'tokens' contain NaN or Inf, so the step's loss or its inputs (a dense feature, "
+        "a label) were not finite; caught on this worker before the step's push, nothing of it was sent"
+    )
+    # Steps 1 and 2 were applied; step 3's rows were not moved by a NaN.
+    rows = trainer.client.pull({"tokens": torch.tensor([1, 2, 3, 4])}).result(10).rows["tokens"]
+    assert bool(torch.isfinite(rows).all())
+
+
+def test_check_finite_names_the_dense_parameters_and_passes_finite_gradients() -> None:
+    from tether.worker.embedding import check_finite
+
+    ok = {"e": (torch.tensor([1]), torch.ones(1, 2))}
+    check_finite(4, ok, {"dense": torch.full((3,), 3e38)})  # a sum that overflows is still finite
+    with pytest.raises(UsageError, match=r"^step 4: the gradients of the dense parameters contain NaN or Inf"):
+        check_finite(4, ok, {"dense": torch.tensor([0.0, float("inf")])})

@@ -18,6 +18,7 @@ runs on the calling thread as it always did.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -39,6 +40,30 @@ from tether.worker.transfer import Chained, Prefetch, Staged, columns_of, first,
 __all__ = ["PSModel", "Prefetch", "ShardedEmbeddingBag", "flat_grads", "split_flat", "unique_columns"]
 
 log = logging.getLogger(__name__)
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite: the sum is (much cheaper than an element-wise check,
+    which runs only when the sum is not, NaN/Inf or an overflow)."""
+    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def check_finite(clock: int, sparse: Mapping[str, tuple[torch.Tensor, ...]], dense: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a step's gradients with a NaN or Inf before any is pushed (a shard would refuse
+    them too, in words that name neither the step nor the cause).
+
+    Raises:
+        UsageError: one line naming the step, the first table (or the dense parameters) hit,
+            and that the step's loss or inputs were not finite.
+    """
+    parts = [(f"table {t!r}", g[1]) for t, g in sparse.items()] + [("the dense parameters", g) for g in dense.values()]
+    for what, grad in parts:
+        if not _finite(grad):
+            raise UsageError(
+                f"step {clock}: the gradients of {what} contain NaN or Inf, so the step's loss or its inputs (a dense "
+                "feature, a label) were not finite; caught on this worker before the step's push, nothing of it "
+                "was sent"
+            )
 
 
 class PSModel(CudaSteps):
@@ -337,9 +362,13 @@ class PSModel(CudaSteps):
             versions: the pull the gradients were computed from.
             rows: turns the row gradients (table -> (ids, grads)) into those to push (sync
                 mode combines the ranks'); they then reach it in float32.
+
+        Raises:
+            UsageError: gradients with a NaN or Inf (``check_finite``); nothing is pushed.
         """
         self.collect(exact=rows is not None)
         sparse, dense = self.gradients()
+        check_finite(clock, sparse, dense)
         if rows is not None:
             sparse = rows(sparse)
         dense = dense if self.dense_on_shards else {}
@@ -364,9 +393,13 @@ class PSModel(CudaSteps):
             clock: this worker's clock once the step is done.
             versions: the pull the gradients were computed from.
             sparse: table -> ids (any shape) of the batch to pull for.
+
+        Raises:
+            UsageError: gradients with a NaN or Inf (``check_finite``); nothing is pushed.
         """
         self.collect()
         grads, dense = self.gradients()
+        check_finite(clock, grads, dense)
         dense = dense if self.dense_on_shards else {}
         names = [self.FLAT] if self.dense_on_shards and self.dense else []
         if not self._cuda:
