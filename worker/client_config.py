@@ -76,7 +76,7 @@ class ClientConfig:
             # In sync every rank's gradients of a step were computed on the same parameters
             # (those after the previous step's barrier): none is stale, though the shard sees
             # the other ranks' pushes of that step land first. So sync never asks for it.
-            staleness_aware=config.staleness_aware and config.consistency[0] != "sync",
+            staleness_aware=config.staleness_aware and config.mode.kind != "sync",
             delay_compensation=config.delay_compensation,
             security=config.security,
             # Sync is exact: its ranks read every row fresh each step (TrainingConfig refuses a cache there).
