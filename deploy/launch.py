@@ -250,6 +250,11 @@ class LocalCluster(Supervision):
         In sync mode the workers are the ranks of one ``torchrun``.
         """
         self._echo = echo
+        if metrics and program is not None:
+            # A user's Trainer serves no /metrics of its own (worker/__main__ serves the built-in
+            # worker's): say so rather than list ports nothing answers on.
+            print("tether: --metrics: a --script/--entry program's workers get no metrics port (the Trainer serves none); "
+                  "summary.json lists the shards' only", flush=True)
         if template.mode.kind == "sync":
             cfg = replace(template, shards=tuple(self.addresses), worker_index=0)
             # Each rank's stderr is also kept in its own file, so a failed rank's error can be shown
