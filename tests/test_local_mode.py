@@ -166,6 +166,37 @@ def test_local_mode_is_one_worker() -> None:
         Trainer(WideDeep(), config, loss=_loss, sparse=_sparse)
 
 
+def test_local_mode_refuses_checkpoints_at_the_start_when_nothing_would_be_written() -> None:
+    """TETHER_CHECKPOINT_EVERY_STEPS in local mode, with no out folder: refused with one line when
+    the Trainer is made, not a warning at the first checkpoint step."""
+    config = TrainingConfig(shards=(), local=True, checkpoint_every_steps=3, device="cpu")
+    with pytest.raises(UsageError) as raised:
+        Trainer(WideDeep(), config, loss=_loss, sparse=_sparse)
+    assert "\n" not in str(raised.value)
+    assert str(raised.value).startswith("local mode (TETHER_LOCAL, --local) has no shards to checkpoint: checkpoint_every_steps=3")
+
+
+def test_local_mode_with_an_out_folder_says_at_the_start_only_data_positions_are_written(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With out set, one warning at the start says the tables are not checkpointed; every N steps
+    stays on (the data positions beside each would-be checkpoint), with no warning at step N."""
+    config = TrainingConfig(shards=(), local=True, checkpoint_every_steps=2, steps=5, out=str(tmp_path), device="cpu")
+    with caplog.at_level("WARNING"):
+        with Trainer(WideDeep(), config, loss=_loss, sparse=_sparse, batch_size=_size, printer=lambda line: None) as trainer:
+            record = trainer.fit(_batches(5), background=False)
+    assert record.steps == 5
+    assert trainer.config.checkpoint_every_steps == 2  # not turned off at step 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        f"local mode: the tables live in this process and are not checkpointed; checkpoint_every_steps=2 writes only the "
+        f"data positions ({tmp_path}/positions)"
+    ]
+    assert trainer.client.checkpoint("step-2") == []
+    with pytest.raises(FailedPrecondition, match="local mode has no shards"):
+        LocalClient().checkpoint("step-2")  # a client made outside a Trainer still refuses
+
+
 # -- the client on its own ------------------------------------------------------------------------
 
 

@@ -18,12 +18,14 @@ tests of it. It keeps what makes the result a shard's:
 One worker and no network: ``clock`` answers at once as the only live worker (so ``ssp:S`` never
 waits and ``--staleness-aware`` never damps a step: nothing is staler than one update), ``sync``
 is refused (it needs torchrun ranks), checkpoints are refused like a shard's without a checkpoint
-directory, and nothing goes on a wire (``wire_dtype`` does not round anything). Bounded tables
+directory (a ``Trainer``'s ``checkpoint_every_steps`` at its start: with ``out`` set it writes
+the data positions alone, else it is refused), and nothing goes on a wire (``wire_dtype`` does not round anything). Bounded tables
 (``capacity``) and admission (``min_count``) need shards.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -45,6 +47,8 @@ from tether.worker.local_table import LocalDense, LocalTable
 from tether.worker.results import CheckpointResult, ClockReply, Handle, PullResult, PushAck
 
 __all__ = ["LocalClient", "LocalClientConfig", "LocalTable"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 # A push's rows of one table as checked: the table, ids, gradients, a combined push's statistics (or None).
@@ -126,13 +130,17 @@ class LocalClient(PSClient):
         self._clock = 0
         self._live = False
         self._lock = threading.Lock()
+        # A Trainer's checkpoint_every_steps with an out folder: said at the start that the
+        # tables are not checkpointed; each checkpoint is then one of no shards (its data positions alone).
+        self._positions_only = False
 
     @classmethod
     def for_training(cls, config: TrainingConfig, metrics: WorkerRecorder | None = None) -> LocalClient:
         """The client of a ``Trainer`` in local mode (``config.local``).
 
         Raises:
-            UsageError: a mode or worker count that needs other processes.
+            UsageError: a mode or worker count that needs other processes, or
+                ``checkpoint_every_steps`` with no ``out`` (nothing would be written).
         """
         kind, _ = config.consistency
         if kind == "sync":
@@ -142,8 +150,19 @@ class LocalClient(PSClient):
             )
         if config.num_workers != 1:
             raise UsageError(f"local mode (TETHER_LOCAL, --local) trains one worker in this process, got num_workers={config.num_workers}")
+        every = config.checkpoint_every_steps
+        if every and not config.out:
+            raise UsageError(
+                f"local mode (TETHER_LOCAL, --local) has no shards to checkpoint: checkpoint_every_steps={every} "
+                "(TETHER_CHECKPOINT_EVERY_STEPS, --checkpoint-every-steps) would write nothing; unset it, or set out "
+                "(TETHER_OUT, --out) to write only the data positions"
+            )
         client = cls(config.worker_name, metrics, timeout_s=config.timeout_s, call_deadline_s=config.call_deadline_s)
         client.config = replace(client.config, cache=config.row_cache)  # the row cache (PSModel) works in process too
+        if every:
+            log.warning("local mode: the tables live in this process and are not checkpointed; checkpoint_every_steps=%d "
+                        "writes only the data positions (%s/positions)", every, config.out)
+            client._positions_only = True
         return client
 
     @property
@@ -351,11 +370,14 @@ class LocalClient(PSClient):
                               ready=True, min_other_clock=0)
 
     def checkpoint(self, ckpt_id: str, timeout_s: float = 600.0) -> list[CheckpointResult]:
-        """Refused: no shard writes checkpoints in local mode.
+        """Refused: no shard writes checkpoints in local mode. A trainer's client that said at
+        its start that only data positions are written (``for_training``) answers with no parts.
 
         Raises:
-            FailedPrecondition: always, as from a shard without a checkpoint directory.
+            FailedPrecondition: as from a shard without a checkpoint directory.
         """
+        if self._positions_only:
+            return []
         raise FailedPrecondition(
             f"checkpoint {ckpt_id!r}: local mode has no shards and no checkpoint directory (the tables live in this process)"
         )
