@@ -249,6 +249,14 @@ def test_every_push_reaches_the_shard_exactly_once(inproc_shard: RunningShard) -
     torch.testing.assert_close(got["rows"], expected)
 
 
-def test_a_shards_error_on_a_pipelined_push_ends_fit(inproc_shard: RunningShard) -> None:
+def test_a_shards_error_on_a_pipelined_push_ends_fit(inproc_shard: RunningShard, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The worker refuses non-finite gradients before a push (check_finite); switched off here so
+    # the NaN reaches the shard, whose refusal of a push in flight must end fit.
+    monkeypatch.setattr("tether.worker.embedding.check_finite", lambda *args: None)
     with pytest.raises(InvalidArgument, match="NaN or Inf"):
+        _shard_job(inproc_shard, 3, _data(12, nan_at=4))
+
+
+def test_a_nan_gradient_is_refused_on_the_worker_before_any_pipelined_push(inproc_shard: RunningShard) -> None:
+    with pytest.raises(UsageError, match="step .*NaN or Inf.*before the step's push"):
         _shard_job(inproc_shard, 3, _data(12, nan_at=4))
