@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU check of issue 26, as one script for a lent GPU machine (or any CUDA host):
+#   bash bench/gpu_check.sh [OUTDIR]
+# 1. tests/test_gpu.py (several workers, sync over NCCL, variable-length bags, a bf16 wire, the
+#    GPU preset) and tests/test_gpu_overlap.py;
+# 2. bench/model_throughput.py --preset gpu --device cuda, 3 separate invocations (the target:
+#    the parameter server's share of a CUDA step <= 20%, and samples/s against the same model in
+#    one process on that GPU);
+# 3. the default model on cuda once, against the figures of 572805c in bench/RESULTS.md.
+# Each part is bounded by `timeout`, and its output goes to OUTDIR (default: runs/gpu-check).
+# On a machine with no package index, wheels in .whl/ (grpcio, protobuf, grpcio-health-checking)
+# are installed into /tmp/site first.
+set -u
+OUTDIR=${1:-runs/gpu-check}
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+$PY -c "import tether" 2>/dev/null || $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+{
+    date -u; git rev-parse --short HEAD 2>/dev/null; nvidia-smi -L; nproc
+    $PY -c "import torch, grpc, google.protobuf as pb, numba, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'grpcio', grpc.__version__, 'protobuf', pb.__version__, 'numba', numba.__version__, 'gpus', torch.cuda.device_count())"
+} 2>&1 | tee "$OUTDIR/machine.txt"
+
+echo "== tests"
+timeout "${TESTS_S:-300}" $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_overlap.py 2>&1 | tee "$OUTDIR/tests.log"
+
+for i in 1 2 3; do
+    echo "== preset gpu, invocation $i"
+    timeout "${GPU_BENCH_S:-90}" $PY bench/model_throughput.py --preset gpu --device cuda --steps "${GPU_STEPS:-150}" 2>&1 | tee "$OUTDIR/preset-gpu-$i.log"
+done
+
+echo "== default model on cuda"
+timeout "${DEFAULT_BENCH_S:-90}" $PY bench/model_throughput.py --device cuda --steps "${DEFAULT_STEPS:-1000}" 2>&1 | tee "$OUTDIR/default-cuda.log"
