@@ -18,7 +18,7 @@ small-call rate and latency; sparse rows/s with 1 and 2 shards (a pull then a pu
 one push_pull per step on both sides); the shard's in-process apply rate; samples/s of the
 default model (1, 2 workers x 1, 2 shards) against the same model in one process; and tether
 again with a ``bfloat16`` wire. Each comparison is the median of
-``--repeats`` back-to-back repeats. The file's last section, ``## GPU (NVIDIA H100)``, is
+``--repeats`` back-to-back repeats. The file's last section, ``## GPU (NVIDIA H100, H200)``, is
 filled by hand from a GPU machine and kept verbatim. ``--check`` exits 1 when a DESIGN.md
 target is missed.
 """
@@ -47,7 +47,7 @@ from _common import MIB, QUICK_SIZES, SIZES, fmt_size, markdown_table  # noqa: E
 
 __all__ = ["GPU_HEADING", "TARGETS", "machine_info", "main", "merge", "render", "targets"]
 
-GPU_HEADING = "## GPU (NVIDIA H100)"
+GPU_HEADING = "## GPU (NVIDIA H100, H200)"
 # DESIGN.md's "Numbers we hold ourselves to" (ratios, tether / the other side).
 TARGETS = {
     "dense_4mib_vs_peer": 1.25,
