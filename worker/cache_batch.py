@@ -54,10 +54,31 @@ class Columns(NamedTuple):
     used: Any
 
 
+@_jit
+def _list_of(first: np.ndarray) -> Any:
+    """A typed list holding ``first`` (compiled and cached on disk: a typed list built from
+    Python compiles numba's own list functions in every process, about a second in all)."""
+    items = List()
+    items.append(first)
+    return items
+
+
+@_jit
+def _append(items: Any, item: np.ndarray) -> None:
+    items.append(item)
+
+
+def _typed(arrays: list[np.ndarray]) -> Any:
+    items = _list_of(arrays[0])
+    for a in arrays[1:]:
+        _append(items, a)
+    return items
+
+
 def columns(tables: list[Any]) -> Columns:
     """The ``Columns`` of ``tables`` (``row_slots.Table``), in their order."""
-    return Columns(List([tab.cells for tab in tables]), List([getattr(tab, c) for c in INTS for tab in tables]),
-                   List([getattr(tab, c) for c in FLOATS for tab in tables]), List([tab.used for tab in tables]))
+    return Columns(_typed([tab.cells for tab in tables]), _typed([getattr(tab, c) for c in INTS for tab in tables]),
+                   _typed([getattr(tab, c) for c in FLOATS for tab in tables]), _typed([tab.used for tab in tables]))
 
 
 @_jit
@@ -369,22 +390,25 @@ def later_all(cells_l: Any, ints: Any, floats: Any, used_l: Any, tidx: np.ndarra
     return lacking[:m]
 
 
-def _example() -> Columns:
-    n = 4
-    table = type("T", (), {})()
-    table.cells = np.full((16, 2), EMPTY_SLOT, np.int64)
-    for name in INTS:
-        setattr(table, name, np.zeros(n, np.int64))
-    for name in FLOATS:
-        setattr(table, name, np.zeros((n, 3 if name == "pend" else 1), np.float32))
-    table.used = np.zeros(n, np.bool_)
-    return columns([table])
+def _example() -> tuple[Columns, np.ndarray]:
+    """Columns of two small tables (two: a list's append is compiled apart from its first item)."""
+    tables = []
+    for _ in range(2):
+        table = type("T", (), {})()
+        table.cells = np.full((16, 2), EMPTY_SLOT, np.int64)
+        for name in INTS:
+            setattr(table, name, np.zeros(4, np.int64))
+        for name in FLOATS:
+            setattr(table, name, np.zeros((4, 3 if name == "pend" else 1), np.float32))
+        table.used = np.zeros(4, np.bool_)
+        tables.append(table)
+    return columns(tables), tables[0].cells
 
 
 def warm_up() -> None:
     """Load (or compile, the first time) every kernel here for the types the cache passes."""
-    c = _example()
-    set_cells(c.cells, np.int64(0), c.cells[0])
+    c, cells = _example()
+    set_cells(c.cells, np.int64(0), cells)
     none = np.zeros(0, np.int64)
     zero, one = np.int64(0), np.int64(1)
     part, offs = np.zeros(1, np.int64), np.zeros(2, np.int64)

@@ -58,8 +58,8 @@ from tether.protos.specs import TableConfig
 from tether.worker.results import Handle, PullResult, PushAck
 from tether.worker.cache_parts import (NO_FLIGHTS, NO_IDS, NO_ROWS, POLICIES, Plan, Pushed, RowCacheConfig, as_ids, fill, offsets,
                                       read_versions)
-from tether.worker.cache_batch import columns, deltas_all, hold_all, later_all, plan_all, set_cells, store_all, take_all
-from tether.worker.row_slots import NONE, STALE, Due, Table, coalesce, warm_up
+from tether.worker.cache_batch import Columns, columns, deltas_all, hold_all, later_all, plan_all, set_cells, store_all, take_all
+from tether.worker.row_slots import NONE, STALE, Due, Table, coalesce, start_warm_up, wait_warm_up
 from tether.worker.traffic import TrafficMeter
 
 if TYPE_CHECKING:
@@ -77,13 +77,13 @@ class RowCache:
         self.tables = {t: Table(d, config.rows) for t, d in dims.items()}
         self._tabs, self._names = list(self.tables.values()), list(self.tables)
         self._index = {t: g for g, t in enumerate(self.tables)}
-        self._cols = columns(self._tabs)
+        self._cols: Columns | None = None  # made at the first step (``_columns``), once the passes are loaded
         self._dims = np.array(list(dims.values()), np.int64)
         # Per table and shard: the largest table version seen (-1: none yet).
         self._max_version = np.full((len(dims), self.num_shards), -1, np.int64)
         self._holding = np.zeros(len(dims), np.int64)  # per table: slots whose gradients are held
         self._local = np.zeros(len(dims), np.bool_)  # per table: its rule applied to the cached rows
-        warm_up()  # the compiled index and passes loaded before the first step, not in it
+        start_warm_up()  # the compiled index and passes loaded while the worker starts; the first step waits
         self._lock = threading.Lock()
         self._evicted: list[tuple[str, np.ndarray, torch.Tensor, np.ndarray, np.ndarray]] = []
         # The pulls in flight: their plans' ids, clocks, and the ids they refresh (all tables' one
@@ -108,6 +108,14 @@ class RowCache:
                     if self.config.bound > 0:
                         self.tables[spec.name].local_rule(spec.optimizer)
                         self._local[self._index[spec.name]] = True
+
+    def _columns(self) -> Columns:
+        """The tables' columns for the compiled passes, made once those are loaded (waits for
+        ``start_warm_up``'s load the first time; its error raised here)."""
+        if self._cols is None:
+            wait_warm_up()
+            self._cols = columns(self._tabs)
+        return self._cols
 
     def _split(self, names: Sequence[str]) -> tuple[list[str], np.ndarray]:
         """``names`` in table order, and their table indexes."""
@@ -141,7 +149,7 @@ class RowCache:
         bound = self.config.bound
         with self._lock:
             flights, foffs = self._flights(now) if bound > 0 else (NO_IDS, NO_FLIGHTS)
-            code, done = plan_all(*self._cols, parts, ids, offs, now, bound, flights, foffs, out.numpy(), row_offs, oldest)
+            code, done = plan_all(*self._columns(), parts, ids, offs, now, bound, flights, foffs, out.numpy(), row_offs, oldest)
             miss = np.flatnonzero(code == 0)
             later = np.flatnonzero(code == 2) if bound > 0 else NO_IDS
             miss_offs = np.searchsorted(miss, offs)
@@ -172,7 +180,7 @@ class RowCache:
                 self._inflight[:] = [e for e in self._inflight if e[0] != id(plan.out)]
             if len(plan.later):
                 loffs = np.searchsorted(plan.later, plan.offs)
-                gone = later_all(*self._cols, parts, plan.ids, plan.offs, plan.later, loffs, plan.now - self.config.bound, out,
+                gone = later_all(*self._columns(), parts, plan.ids, plan.offs, plan.later, loffs, plan.now - self.config.bound, out,
                                  plan.row_offs, oldest)
                 if len(gone):
                     at = np.searchsorted(loffs, gone, side="right") - 1
@@ -222,10 +230,10 @@ class RowCache:
             for k in range(len(names)):
                 g = int(parts[k])
                 if self._tabs[g].room(int(koffs[k + 1] - koffs[k])):
-                    set_cells(self._cols.cells, g, self._tabs[g].cells)
+                    set_cells(self._columns().cells, g, self._tabs[g].cells)
             top = np.array([tab.top for tab in self._tabs], np.int64)
             nfree = np.array([tab.nfree for tab in self._tabs], np.int64)
-            unplaced, placed, nplaced = store_all(*self._cols, parts, keys, koffs, pos, flat, got_offs, got_row, versions, plan.now,
+            unplaced, placed, nplaced = store_all(*self._columns(), parts, keys, koffs, pos, flat, got_offs, got_row, versions, plan.now,
                                                   self.num_shards, top, nfree, plan.out.numpy(), plan.row_offs, plan.offs)
             self._placed(parts, top, nfree, placed, nplaced)
             if not len(unplaced) or attempt:
@@ -290,7 +298,7 @@ class RowCache:
         slots = ready[0][1] if len(ready) == 1 else np.concatenate([e[1] for e in ready])
         tables = ready[0][2] if len(ready) == 1 else np.concatenate([e[2] for e in ready])
         since = np.concatenate([np.full(len(e[1]), e[0], np.int64) for e in ready])
-        ids, held, count, ascending, oldest = take_all(*self._cols, tables, slots, since, self.num_shards)
+        ids, held, count, ascending, oldest = take_all(*self._columns(), tables, slots, since, self.num_shards)
         self._holding -= count
         out: dict[str, tuple[np.ndarray, torch.Tensor, bool]] = {}
         at = flat = 0
@@ -314,7 +322,7 @@ class RowCache:
         read = read_versions(versions, names, self.num_shards)
         local = self._local[parts]
         before = np.empty(len(flat), np.float32) if local.any() else NO_ROWS
-        slots, where, first, missing, missing_shards, counts = hold_all(*self._cols, parts, ids, offs, flat, g_offs, read, clock,
+        slots, where, first, missing, missing_shards, counts = hold_all(*self._columns(), parts, ids, offs, flat, g_offs, read, clock,
                                                                         self.num_shards, local, before)
         if len(first):
             self._holding[parts] += counts[:, 1]
@@ -328,7 +336,7 @@ class RowCache:
                 if a < b:
                     g = rows[k] if b - a == len(rows[k]) else rows[k][where[a:b] - offs[k]]
                     self._tabs[int(parts[k])].step(slots[a:b], g, clock)
-            deltas_all(*self._cols, parts, slots, soffs, before, g_offs, local)
+            deltas_all(*self._columns(), parts, slots, soffs, before, g_offs, local)
 
     def _unheld(self, names: list[str], offs: np.ndarray, rows: list[np.ndarray], ids: np.ndarray, missing: np.ndarray,
                 missing_shards: np.ndarray, read: np.ndarray, due: Due) -> None:

@@ -15,6 +15,7 @@ when a row is placed in it, so growing the cache copies nothing.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ from tether.worker.cache_kernels import oldest_per_shard
 from tether.worker.cache_kernels import warm_up as warm_up_cache
 from tether.server.kernels import EMPTY_SLOT, REMOVED_SLOT, index_cells, index_lookup, index_place, row_kernel
 
-__all__ = ["NONE", "STALE", "Due", "Grads", "Table", "coalesce", "warm_up"]
+__all__ = ["NONE", "STALE", "Due", "Grads", "Table", "coalesce", "start_warm_up", "wait_warm_up", "warm_up"]
 
 STALE = np.iinfo(np.int64).min // 2  # a read clock no bound reaches: refreshed on the next pull
 NONE = np.iinfo(np.int64).max  # no pending gradient / no read version yet
@@ -38,8 +39,9 @@ Due = dict[str, list[tuple[np.ndarray, torch.Tensor, np.ndarray, np.ndarray]]]
 
 
 def warm_up() -> None:
-    """Load (or compile, the first time) the index kernels now, so that no step pays for it
-    (about a second on a loaded machine: the row cache calls this when it is made)."""
+    """Load (or compile, the first time) the index kernels and the passes now, so that no step
+    pays for it (warm, from numba's disk cache: under a second on a quiet machine, most of it
+    numba's own start; compiling them the first time: 15-20 s)."""
     cells = _cells_for(1)
     ids = np.arange(2, dtype=np.int64)
     index_place(cells, ids, ids.copy())
@@ -47,6 +49,39 @@ def warm_up() -> None:
     index_lookup(cells, ids)
     warm_up_cache()
     warm_up_batch()
+
+
+WARM_UP_TIMEOUT_S = 900.0  # compiling them the first time on a loaded machine: a minute or two
+_warming: list[threading.Thread] = []
+_warm_errors: list[BaseException] = []
+_warm_lock = threading.Lock()
+
+
+def _warm_in_thread() -> None:
+    try:
+        warm_up()
+    except BaseException as exc:  # noqa: BLE001 - handed to the first step (wait_warm_up)
+        _warm_errors.append(exc)
+
+
+def start_warm_up() -> None:
+    """Start ``warm_up`` in a background thread, once per process (the row cache does when it is
+    made, so the load overlaps the worker's start; its first step waits: ``wait_warm_up``)."""
+    with _warm_lock:
+        if not _warming:
+            # Not a daemon: a process that ends at once waits for it rather than ending inside a compile.
+            _warming.append(threading.Thread(target=_warm_in_thread, name="tether-row-cache-warm-up"))
+            _warming[0].start()
+
+
+def wait_warm_up(timeout: float = WARM_UP_TIMEOUT_S) -> None:
+    """Wait for ``start_warm_up``'s load (starting it if none was); its error raised here."""
+    start_warm_up()
+    _warming[0].join(timeout)
+    if _warming[0].is_alive():
+        raise TimeoutError(f"the row cache's compiled kernels were not loaded within {timeout:.0f} s")
+    if _warm_errors:
+        raise RuntimeError(f"the row cache's compiled kernels failed to load: {_warm_errors[0]}") from _warm_errors[0]
 
 
 def _cells_for(entries: int) -> np.ndarray:
