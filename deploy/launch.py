@@ -250,13 +250,13 @@ class LocalCluster(Supervision):
         In sync mode the workers are the ranks of one ``torchrun``.
         """
         self._echo = echo
-        if metrics and program is not None:
-            # A user's Trainer serves no /metrics of its own (worker/__main__ serves the built-in
-            # worker's): say so rather than list ports nothing answers on.
-            print("tether: --metrics: a --script/--entry program's workers get no metrics port (the Trainer serves none); "
-                  "summary.json lists the shards' only", flush=True)
         if template.mode.kind == "sync":
             cfg = replace(template, shards=tuple(self.addresses), worker_index=0)
+            if metrics:
+                # Each rank serves on the base port plus its local rank.
+                base = free_port(self.host)
+                self.metrics_ports.update({f"worker-{i}": base + i for i in range(template.num_workers)})
+                cfg = replace(cfg, metrics_port=base)
             # Each rank's stderr is also kept in its own file, so a failed rank's error can be shown
             # last, after torchrun's summary (see raise_worker_failure).
             argv = ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(template.num_workers),
@@ -271,28 +271,21 @@ class LocalCluster(Supervision):
             config = self.log_dir / "torchrun.config.json"
             config.write_text(to_json(cfg))
             argv += ["-m", "tether.worker", "--config", str(config), *extra_args]
-            if metrics:
-                # Each rank serves on the base port plus its local rank.
-                base = free_port(self.host)
-                self.metrics_ports.update({f"worker-{i}": base + i for i in range(template.num_workers)})
-                argv += ["--metrics-port", str(base)]
             self.workers.append(spawn(self.log_dir, "torchrun", argv, echo=echo))
             return
         gpus = gpu_count()
         for i in range(template.num_workers):
             cfg = replace(template, shards=tuple(self.addresses), worker_index=i, device=worker_device(template.device, i, gpus))
+            if metrics:
+                self.metrics_ports[f"worker-{i}"] = port = free_port(self.host)
+                cfg = replace(cfg, metrics_port=port)
             if program is not None:
                 child = spawn(self.log_dir, f"worker-{i}", list(program.argv), echo=echo, env=to_env(cfg))
             else:
                 # A restart reads the same file, with --steps beside it for the steps left (Supervision).
                 config = self.log_dir / f"worker-{i}.config.json"
                 config.write_text(to_json(cfg))
-                argv = ["-m", "tether.worker", "--config", str(config), *extra_args]
-                if metrics:
-                    port = free_port(self.host)
-                    self.metrics_ports[f"worker-{i}"] = port
-                    argv += ["--metrics-port", str(port)]
-                child = spawn(self.log_dir, f"worker-{i}", argv, echo=echo)
+                child = spawn(self.log_dir, f"worker-{i}", ["-m", "tether.worker", "--config", str(config), *extra_args], echo=echo)
             child.steps = template.steps
             with self._lock:
                 self.workers.append(child)

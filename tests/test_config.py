@@ -376,7 +376,7 @@ def test_a_launched_worker_reads_every_field_from_its_config_file(
     # Sync: one file for torchrun's ranks (each takes its rank from torchrun).
     sync = _start_workers(tmp_path, monkeypatch, dataclasses.replace(cfg, mode="sync", delay_compensation=0.0, cache_rows=0, cache_bound=0,
                                                                  cache_write_bound=None, cache_policy="lru"), addresses)
-    assert worker_flags.load_config(sync["torchrun"]).consistency == ("sync", None)
+    assert (lambda m: (m.kind, m.bound))(worker_flags.load_config(sync["torchrun"]).mode) == ("sync", None)
 
 
 def test_a_bad_config_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], clean_env: None) -> None:
@@ -425,7 +425,7 @@ def test_the_mode_is_parsed_once_per_process(tmp_path: Path, monkeypatch: pytest
     local = ["--shards", "", "--local", "--num-workers", "1", "--worker-index", "0", "--vocab-size", "500", "--eval-samples", "64",
              "--batch-size", "16", "--log-every", "1"]
     config = worker_flags.load_config([*argvs["worker-1"], *local])
-    assert (config.consistency, config.local, config.steps) == (("ssp", 2), True, 2)
+    assert ((config.mode.kind, config.mode.bound), config.local, config.steps) == (("ssp", 2), True, 2)
     record = train(config, printer=lambda line: None)
     assert calls == ["ssp:2"], calls  # the worker's one parse, when its config was made
     assert (record.mode, record.steps) == ("ssp:2", 2)

@@ -1,5 +1,6 @@
-"""``tether launch --metrics`` with a user's program: its workers get no metrics port (a Trainer
-serves none), and the launcher says so in one line instead of leaving it to be found out."""
+"""``tether launch --metrics`` with a user's program: each of its workers gets a metrics port
+(``TETHER_METRICS_PORT``, read by ``TrainingConfig.from_env``), and its ``Trainer`` serves
+``/metrics`` there (tests/test_worker_main.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,22 @@ from tether.deploy.launch import LocalCluster, Program
 from tether.worker.config import WorkerConfig
 
 
-def test_a_programs_workers_under_metrics_are_named_as_having_no_port(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    script = tmp_path / "quiet.py"
-    script.write_text("")
+def test_a_programs_workers_under_metrics_get_a_port_each(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "port.py"
+    script.write_text(
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from tether.worker.config import TrainingConfig\n"
+        "c = TrainingConfig.from_env()\n"
+        "Path(sys.argv[1], f'port-{c.worker_index}').write_text(str(c.metrics_port))\n"
+    )
     template = WorkerConfig(num_workers=2, steps=1, shards=("127.0.0.1:1",))
     with LocalCluster(log_dir=tmp_path / "logs") as cluster:
-        cluster.addresses = ["127.0.0.1:1"]  # no shard runs: the program exits at once
-        cluster.start_workers(template, echo=False, metrics=True, program=Program.script(str(script)))
-        cluster.wait_workers(timeout_s=60)
-        assert not any(name.startswith("worker") for name in cluster.metrics_ports)
-    out = capsys.readouterr().out
-    assert out.count("a --script/--entry program's workers get no metrics port") == 1, out
+        cluster.addresses = ["127.0.0.1:1"]  # no shard runs: the program only reads its config
+        cluster.start_workers(template, echo=False, metrics=True, program=Program.script(str(script), [str(tmp_path)]))
+        cluster.wait_workers(timeout_s=120)
+        ports = {name: port for name, port in cluster.metrics_ports.items() if name.startswith("worker")}
+    assert sorted(ports) == ["worker-0", "worker-1"] and len(set(ports.values())) == 2, ports
+    for i in range(2):
+        assert int((tmp_path / f"port-{i}").read_text()) == ports[f"worker-{i}"]
+    assert "no metrics port" not in capsys.readouterr().out

@@ -142,6 +142,9 @@ class TrainingConfig:
                                           help="send 'authorization: Bearer <token>' with the token in this file "
                                           f"(or the token itself in ${TOKEN_ENV})")
     auth_token: str | None = derived(_auth_token, repr=False)
+    # The worker process's own: the Trainer serves its WorkerMetrics there (tether launch --metrics gives each worker one).
+    metrics_port: int | None = setting(None, flag="--metrics-port", parse=optional_int, group=PROCESS,
+                                       help="serve Prometheus /metrics on this port")
 
     # The job: every worker of it alike.
     steps: int | None = setting(None, flag="--steps", parse=optional_int, group=JOB,
@@ -288,11 +291,6 @@ class TrainingConfig:
         this only bounds the wait should it not."""
         return self.call_deadline_s + self.timeout_s
 
-    @property
-    def consistency(self) -> tuple[str, int | None]:
-        """``(kind, bound)`` of ``mode`` (parsed once, when the config was made from its text)."""
-        return self.mode.kind, self.mode.bound
-
     def __post_init__(self) -> None:
         # Parsed here, once: a copy (dataclasses.replace) hands the Mode on as it is.
         object.__setattr__(self, "mode", Mode.of(self.mode))
@@ -402,9 +400,6 @@ class WorkerConfig(TrainingConfig):
     )
 
     steps: int = override(TrainingConfig, "steps", 2000, help="training steps per worker")
-    # The worker process's own.
-    metrics_port: int | None = setting(None, flag="--metrics-port", parse=optional_int, group=PROCESS,
-                                       help="serve Prometheus /metrics on this port")
     # The built-in model and its data. Batch size, fields and width: unset flags take the
     # ``--preset``'s (``PRESETS``), so their flags have no default of their own.
     batch_size: int = setting(_SIZES["batch_size"], flag="--batch-size", unset=True, group=MODEL,

@@ -142,8 +142,7 @@ class LocalClient(PSClient):
             UsageError: a mode or worker count that needs other processes, or
                 ``checkpoint_every_steps`` with no ``out`` (nothing would be written).
         """
-        kind, _ = config.consistency
-        if kind == "sync":
+        if config.mode.kind == "sync":
             raise UsageError(
                 "local mode (TETHER_LOCAL, --local) trains one worker in this process: mode 'sync' needs torchrun ranks "
                 "and shards; use mode async or ssp:S, or give shards"

@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, replace
@@ -74,7 +75,9 @@ class Trainer(Generic[B]):
             config's optimizer, learning rate, ``init_scale`` and seed. The config's per-table
             entries (``table_optimizers``, ``optimizer_config``) win over these specs' optimizers,
             which win over ``optimizer`` and ``lr`` (``tether.worker.table_rules``).
-        metrics: where to record steps and calls (``WorkerMetrics`` for Prometheus), or None.
+        metrics: where to record steps and calls (``WorkerMetrics`` for Prometheus), or None:
+            with ``config.metrics_port`` set the Trainer serves a ``WorkerMetrics`` of its own at
+            ``/metrics`` on that port (``metrics_port`` says which it got) until it closes.
         printer: where progress lines go.
         batch_size: ``batch_size(batch)`` -> samples, for the counts and samples/s (default: the
             leading length most of the batch's tensors share, with one warning if they differ;
@@ -118,7 +121,10 @@ class Trainer(Generic[B]):
         self._count_noted = False
         # Where the data stream is after n batches, when it can say (set by fit).
         self._position_of: Callable[[int], dict[str, Any]] | None = None
-        self.metrics: WorkerRecorder = metrics if metrics is not None else NullWorkerMetrics()
+        # With config.metrics_port and no metrics given, the Trainer serves a WorkerMetrics of its own (below).
+        self.metrics, registry = _recorder(config, metrics)
+        self._metrics_server: Any = None
+        self.metrics_port: int | None = None  # the port it serves on, when it does
         self.printer = printer
         self.name = f"worker {config.worker_index}/{config.num_workers}"
         # TensorBoard curves (--tensorboard): a missing package is a UsageError before any connection.
@@ -129,6 +135,8 @@ class Trainer(Generic[B]):
             ClientConfig.for_training(config), self.metrics
         )
         try:
+            if registry is not None and config.metrics_port is not None:
+                self._metrics_server, self.metrics_port = _serve(registry, config.metrics_port)
             self.ps = PSModel(model.to(device), self.client, device, dense_on_shards=policy.dense_on_shards)
             # Each table's rule and the dense one: --table-optimizer/--optimizer-config, else the code's
             # specs, else --optimizer/--lr (tether.worker.table_rules).
@@ -142,6 +150,7 @@ class Trainer(Generic[B]):
             self.client.close()
             if self.board is not None:
                 self.board.close()
+            self._stop_metrics()
             raise
         self.model = model
 
@@ -377,12 +386,49 @@ class Trainer(Generic[B]):
             self.board.close()
         self.policy.leave(failed)
         self.client.close()
+        self._stop_metrics()
+
+    def _stop_metrics(self) -> None:
+        if self._metrics_server is not None:  # it served config.metrics_port
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
 
     def __enter__(self) -> Trainer[B]:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self.close(failed=kind is not None)
+
+
+def _recorder(config: TrainingConfig, metrics: WorkerRecorder | None) -> tuple[WorkerRecorder, Any]:
+    """A Trainer's recorder: ``metrics``, else the null one; with ``config.metrics_port`` and no
+    ``metrics``, a ``WorkerMetrics`` and the registry for the Trainer to serve (else None)."""
+    if config.metrics_port is None or metrics is not None:
+        if config.metrics_port is not None:
+            log.warning("metrics_port %d: not served: the Trainer was given metrics of the caller's, to serve", config.metrics_port)
+        return metrics if metrics is not None else NullWorkerMetrics(), None
+    from prometheus_client import CollectorRegistry
+
+    from tether.worker.metrics import WorkerMetrics
+
+    registry = CollectorRegistry()
+    return WorkerMetrics(registry), registry
+
+
+def _serve(registry: Any, port: int) -> tuple[Any, int]:
+    """Serve ``registry`` at ``/metrics`` on ``port`` (torchrun ranks on one machine share it: each
+    takes ``port`` + its local rank); the server and its port. Raises ``UsageError``: port taken or out of range."""
+    from tether.worker.metrics import serve_metrics
+
+    if port and "LOCAL_RANK" in os.environ:
+        port += int(os.environ["LOCAL_RANK"])
+    try:
+        server, bound = serve_metrics(registry, port)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--metrics-port {port}: {getattr(exc, 'strerror', None) or exc}") from None
+    log.info("metrics on port %d", bound)
+    return server, bound
 
 
 def _position_of(data: object) -> Callable[[int], dict[str, Any]] | None:
