@@ -41,7 +41,7 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -133,15 +133,21 @@ class PayloadWriter:
         self._parts.append((offset, t, rows))
         self.nbytes = offset + n
 
-    def copy_into(self, region: memoryview) -> None:
-        """Write every tensor at its offset of ``region`` (a view that starts at the payload's first byte)."""
+    def copy_into(self, region: memoryview, gather: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> None:
+        """Write every tensor at its offset of ``region`` (a view that starts at the payload's
+        first byte). ``gather(source, rows, dest)`` writes ``source[rows]`` into ``dest`` for the
+        parts added with ``rows`` (default: ``torch.index_select``)."""
         for offset, t, rows in self._parts:
             if rows is None:
                 dest = torch.frombuffer(region, dtype=t.dtype, count=t.numel(), offset=offset)
                 dest.copy_(t.reshape(-1))
             else:
                 dest = torch.frombuffer(region, dtype=t.dtype, count=len(rows) * t[0].numel(), offset=offset)
-                torch.index_select(t, 0, rows, out=dest.view(len(rows), *t.shape[1:]))
+                out = dest.view(len(rows), *t.shape[1:])
+                if gather is None:
+                    torch.index_select(t, 0, rows, out=out)
+                else:
+                    gather(t, rows, out)
 
     def inline(self, request: object) -> None:
         """Move the payload into ``request``'s ``Tensor.data`` fields, for a call over gRPC."""

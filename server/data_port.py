@@ -35,13 +35,16 @@ from typing import TYPE_CHECKING
 
 import grpc
 import msgpack
+import torch
 from google.protobuf.message import DecodeError
 
 from tether.protos import framing as dp
 from tether.protos import tether_pb2 as pb
 from tether.protos.errors import OVERLOADED
+from tether.server import kernels
 from tether.server.connection import Connection, Refuse, close_all, drain, readable
 from tether.server.data_handshake import Handshakes
+from tether.server.kernel_threads import in_parts
 
 if TYPE_CHECKING:
     from tether.server.handler import RequestHandler
@@ -351,7 +354,21 @@ class DataPlaneServer(Handshakes):
         if shm_end is not None and out.nbytes and state.region is not None:
             start = dp.align(shm_end)
             if start + out.nbytes <= state.region.size:
-                out.copy_into(state.region.view[start:])
+                out.copy_into(state.region.view[start:], gather_rows)
                 dp.send_frame(conn, method, body, flags=dp.FLAG_SHM, payload_len=out.nbytes, aux=start)
                 return
         dp.send_frame(conn, method, body, out.buffers())
+
+
+def gather_rows(source: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``source[rows]`` written into ``out`` (a pulled table's rows, straight into the shared
+    region): float32 rows by the compiled gather (``kernels.gather_rows``), a large pull's runs
+    of rows on several threads (``tether.server.kernel_threads``); anything else, or a row
+    outside ``source``, by ``torch.index_select`` (which says so)."""
+    index = rows.numpy() if rows.dtype == torch.int64 else None
+    if (source.dtype != torch.float32 or source.dim() != 2 or not source.is_contiguous() or index is None or not len(index)
+            or int(index.min()) < 0 or int(index.max()) >= len(source)):
+        torch.index_select(source, 0, rows, out=out)
+        return
+    src, dest = source.numpy(), out.numpy()
+    in_parts(lambda a, b: kernels.gather_rows(src, index[a:b], dest[a:b]), len(index), src.shape[1])

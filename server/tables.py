@@ -31,9 +31,9 @@ from tether.server.admission import CountMinSketch, sketch_width
 from tether.server import kernels
 from tether.server.index import IdIndex
 from tether.server.push_hooks import apply_rows
-from tether.protos.initial import init_rows
+from tether.protos.initial import _column_steps as column_steps, _salt as initial_salt, init_rows
 from tether.server.update_log import RowVersions, UpdateLog
-from tether.server.zeroed import float_rows, zeros
+from tether.server.zeroed import float_rows, grow_rows, zeros
 
 __all__ = ["EmbeddingTable", "Pulled", "TableConfig"]
 
@@ -63,6 +63,14 @@ _LOG_SLOTS = 1 << 18
 # Row versions are int32 offsets from a base version that moves up by half this span when the
 # table's version runs this far past it (``RowVersions``).
 _VERSION_SPAN = 2**31 - 1
+
+
+def _init_rows(ids: np.ndarray, cfg: TableConfig, out: np.ndarray) -> np.ndarray:
+    """``init_rows`` of ``ids`` written into ``out`` (returned) by the compiled kernel, bit for bit."""
+    scale = cfg.init_scale
+    kernels.init_rows_into(np.ascontiguousarray(ids, np.int64), initial_salt(cfg.seed, cfg.name), column_steps(cfg.dim)[0],
+                           np.float32(2 * scale / (1 << 24)), np.float32(scale), out)
+    return out
 
 
 class EmbeddingTable:
@@ -139,13 +147,9 @@ class EmbeddingTable:
         if self.capacity:
             new_cap = max(need, min(new_cap, self.capacity))
         n = self._used
-        w = float_rows(new_cap, (self.dim,))
-        w[:n] = self._weights[:n]
-        state = {}
-        for k, s in self._state_shapes.items():
-            t = float_rows(new_cap, s)
-            t[:n] = self._state[k][:n]
-            state[k] = t
+        # Within the arrays' reserved room this copies nothing (tether.server.zeroed).
+        w = grow_rows(self._weights, new_cap, n)
+        state = {k: grow_rows(self._state[k], new_cap, n) for k in self._state_shapes}
         if self._touched is not None:
             touched = zeros(new_cap, np.int64)
             touched[:n] = self._touched[:n]
@@ -176,9 +180,9 @@ class EmbeddingTable:
         rows = slice(start, start + k) if k and slots[0] == start and slots[-1] == start + k - 1 else slots
         weights = self._weights.numpy()
         if isinstance(rows, slice):
-            init_rows(new_ids, self.dim, cfg.seed, cfg.name, cfg.init_scale, out=weights[rows])
+            _init_rows(new_ids, cfg, weights[rows])
         else:
-            weights[rows] = init_rows(new_ids, self.dim, cfg.seed, cfg.name, cfg.init_scale).numpy()
+            weights[rows] = _init_rows(new_ids, cfg, np.empty((k, self.dim), np.float32))
         for name, t in self._state.items():
             # A reused slot still holds the evicted row's state.
             t.numpy()[rows] = self._initial_state.get(name, 0.0)
