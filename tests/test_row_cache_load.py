@@ -82,3 +82,5 @@ def test_a_failed_background_load_is_raised_at_the_first_step(monkeypatch: pytes
     with pytest.raises(RuntimeError, match="row cache's compiled kernels failed to load: no kernels here"):
         cache.plan({"t": torch.tensor([1, 2])}, 0)
     assert cache.hits == {"t": 0}  # the step changed nothing
+    with pytest.raises(RuntimeError, match="failed to load"):
+        cache.use_tables([])  # where a Trainer waits for the load, before its steps' clock starts

@@ -83,7 +83,7 @@ class RowCache:
         self._max_version = np.full((len(dims), self.num_shards), -1, np.int64)
         self._holding = np.zeros(len(dims), np.int64)  # per table: slots whose gradients are held
         self._local = np.zeros(len(dims), np.bool_)  # per table: its rule applied to the cached rows
-        start_warm_up()  # the compiled index and passes loaded while the worker starts; the first step waits
+        start_warm_up()  # the compiled index and passes loaded while the worker starts; use_tables or the first step waits
         self._lock = threading.Lock()
         self._evicted: list[tuple[str, np.ndarray, torch.Tensor, np.ndarray, np.ndarray]] = []
         # The pulls in flight: their plans' ids, clocks, and the ids they refresh (all tables' one
@@ -101,6 +101,7 @@ class RowCache:
         """The rules the shards apply to the tables (the specs the worker declared): from now on
         the worker's own gradients are applied to its cached rows (read-your-own-writes). Not
         with read bound 0, whose every pull answers with the shards' rows as they are."""
+        self._columns()  # the compiled passes' load (started when the cache was made) waited for here, before the steps' clock
         with self._lock:
             for spec in tables:
                 if spec.name in self.tables:
