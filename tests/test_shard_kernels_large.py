@@ -115,3 +115,17 @@ def test_kernel_threads_reads_its_setting(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(kernel_threads, "_threads", None)
     monkeypatch.delenv("TETHER_KERNEL_THREADS")
     assert 1 <= kernel_threads.kernel_threads() <= 4
+
+
+def test_the_generators_compiled_zipf_ranks_are_searchsorted_exactly() -> None:
+    from tether.worker.data import SyntheticClickLog, SyntheticConfig, _zipf_ranks
+
+    for kw in ({}, {"vocab_size": 2, "zipf_exponent": 0.5}, {"vocab_size": 1000, "zipf_exponent": 3.0}):
+        gen = SyntheticClickLog(SyntheticConfig(**kw))  # type: ignore[arg-type]
+        cdf = gen._cdf  # noqa: SLF001
+        u = np.concatenate([np.random.default_rng(5).random(100_000), [0.0, 1 - 2**-53, 0.5, 2**-16, 1 - 2**-16], cdf[:50], cdf[-50:],
+                            np.nextafter(cdf[:50], 0), np.nextafter(cdf[:50], 1)])
+        u = u[u < 1]
+        out = np.empty(len(u), np.int64)
+        _zipf_ranks(u, cdf, gen._starts, out)  # noqa: SLF001
+        assert np.array_equal(out, np.searchsorted(cdf, u))

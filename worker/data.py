@@ -19,6 +19,7 @@ import torch
 
 from tether.protos.errors import UsageError
 from tether.protos.partition import mix64
+from tether.server.kernels import _compiled
 
 __all__ = ["ID_MASK", "Batch", "DataError", "MalformedLineError", "SyntheticClickLog", "SyntheticConfig", "check_stream", "in_background"]
 
@@ -69,6 +70,32 @@ class SyntheticConfig:
             raise ValueError(f"interaction_dim must be >= 1, got {self.interaction_dim!r}")
 
 
+# Parts of [0, 1) that _zipf_ranks looks a uniform's part of the CDF up in (a power of two, so
+# that u * _BUCKETS and b / _BUCKETS are exact).
+_BUCKETS = 1 << 16
+
+
+@_compiled()
+def _zipf_ranks(u: np.ndarray, cdf: np.ndarray, starts: np.ndarray, out: np.ndarray) -> None:
+    """``out = np.searchsorted(cdf, u)`` (the first index whose CDF value is >= u), exactly, for
+    uniforms in [0, 1): u's part b of [0, 1) bounds the answer by ``starts[b]`` and
+    ``starts[b + 1]`` (``searchsorted`` of b / _BUCKETS and (b + 1) / _BUCKETS), and a binary
+    search of that span (a few entries of the CDF, near each other) finds it; a search of the
+    whole CDF per uniform misses the cache at every step."""
+    parts = len(starts) - 1
+    for i in range(len(u)):
+        x = u[i]
+        b = int(x * parts)
+        lo, hi = starts[b], starts[b + 1]
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if cdf[mid] < x:
+                lo = mid + 1
+            else:
+                hi = mid
+        out[i] = lo
+
+
 def _uniform(keys: np.ndarray, salt: int) -> np.ndarray:
     """Deterministic uniforms in (0, 1) from uint64 keys."""
     with np.errstate(over="ignore"):
@@ -102,6 +129,8 @@ class SyntheticClickLog:
         ranks = np.arange(1, c.vocab_size + 1, dtype=np.float64)
         p = ranks ** -c.zipf_exponent
         self._cdf = np.cumsum(p / p.sum())
+        # Where each of _BUCKETS equal parts of [0, 1) starts in the CDF (see _zipf_ranks).
+        self._starts = np.searchsorted(self._cdf, np.arange(_BUCKETS + 1) / _BUCKETS)
         rng = np.random.default_rng([c.seed, 7])
         self._dense_w = rng.normal(0, self.DENSE_SCALE, c.num_dense)
 
@@ -114,7 +143,9 @@ class SyntheticClickLog:
 
     def _sample(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
         c = self.config
-        ranks = np.searchsorted(self._cdf, rng.random((n, c.num_sparse)))
+        u = rng.random((n, c.num_sparse))
+        ranks = np.empty(u.shape, np.int64)
+        _zipf_ranks(u.reshape(-1), self._cdf, self._starts, ranks.reshape(-1))
         ranks = np.minimum(ranks, c.vocab_size - 1)
         dense = rng.normal(0, 1, (n, c.num_dense)).astype(np.float32)
         return dense, self._ids(ranks)
