@@ -129,3 +129,17 @@ def test_the_generators_compiled_zipf_ranks_are_searchsorted_exactly() -> None:
         out = np.empty(len(u), np.int64)
         _zipf_ranks(u, cdf, gen._starts, out)  # noqa: SLF001
         assert np.array_equal(out, np.searchsorted(cdf, u))
+
+
+def test_tables_rows_received_back_to_back_are_joined_without_a_copy() -> None:
+    from tether.worker.embedding import joined_rows
+
+    buffer = torch.arange(40.0).view(10, 4)
+    parts = [buffer[0:3], buffer[3:3], buffer[3:10]]
+    joined = joined_rows(parts)
+    assert joined.data_ptr() == buffer.data_ptr() and torch.equal(joined, buffer)
+    apart = joined_rows([buffer[5:10], buffer[0:5]])  # not in the buffer's order: copied
+    assert apart.data_ptr() != buffer.data_ptr() and torch.equal(apart, torch.cat([buffer[5:10], buffer[0:5]]))
+    other = torch.zeros(2, 4)
+    assert torch.equal(joined_rows([buffer[:2], other]), torch.cat([buffer[:2], other]))
+    assert joined_rows([buffer[2:4]]).data_ptr() == buffer[2:].data_ptr()

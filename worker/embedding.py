@@ -66,6 +66,20 @@ def check_finite(clock: int, sparse: Mapping[str, tuple[torch.Tensor, ...]], den
             )
 
 
+def joined_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The tables' rows one after another: a view of the buffer they were received into where
+    they lie there back to back (``Router``'s buffer per row width), else a copy."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    storage, at = first.untyped_storage().data_ptr(), first.storage_offset()
+    for p in parts:
+        if p.dim() != 2 or not p.is_contiguous() or p.untyped_storage().data_ptr() != storage or p.storage_offset() != at:
+            return torch.cat(parts)
+        at += p.numel()
+    return first.as_strided((sum(len(p) for p in parts), first.shape[1]), (first.shape[1], 1))
+
+
 class PSModel(CudaSteps):
     """Binds a model to the shards: pull before forward, push after backward.
 
@@ -225,8 +239,7 @@ class PSModel(CudaSteps):
             prefetch.ack = pulled.ack
         groups = []
         for tables in self._by_width(prefetch, pulled):
-            parts = [pulled.rows[t] for t in tables]
-            groups.append((tables, self._to_device(parts[0] if len(parts) == 1 else torch.cat(parts))))
+            groups.append((tables, self._to_device(joined_rows([pulled.rows[t] for t in tables]))))
         self._bind(prefetch, groups, {t: self._to_device(ids) for t, ids in prefetch.ids.items()}, train)
         self._columns = None if prefetch.columns is None else self._to_device(prefetch.columns)
         self._inverse = None if prefetch.inverse is None else self._to_device(prefetch.inverse.t())

@@ -146,14 +146,13 @@ class Router:
         return requests, plan
 
     def _row_buffers(self, arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Where each table's pulled rows go: a tensor of its own, or with ``pin_memory`` a
-        slice of one pinned buffer per row width (tables in request order, back to back)."""
-        if not self.pin_memory:
-            return {table: torch.empty(arr.size, self.dims[table]) for table, arr in arrays.items()}
+        """Where each table's pulled rows go: a slice of one buffer per row width (tables in
+        request order, back to back; pinned with ``pin_memory``), so that the model takes each
+        width's rows as they are, with no copy that joins them (``PSModel.install``)."""
         totals: dict[int, int] = {}
         for table, arr in arrays.items():
             totals[self.dims[table]] = totals.get(self.dims[table], 0) + arr.size
-        buffers = {dim: torch.empty(n, dim, pin_memory=True) for dim, n in totals.items()}
+        buffers = {dim: torch.empty(n, dim, pin_memory=self.pin_memory) for dim, n in totals.items()}
         start = dict.fromkeys(totals, 0)
         rows = {}
         for table, arr in arrays.items():
