@@ -250,6 +250,10 @@ class LocalCluster(Supervision):
         In sync mode the workers are the ranks of one ``torchrun``.
         """
         self._echo = echo
+        # Only --metrics gives workers ports: a TETHER_METRICS_PORT in the launcher's shell would
+        # give every worker the same one (the second then fails on a taken port).
+        no_port = {} if metrics else {"TETHER_METRICS_PORT": ""}
+        template = replace(template, metrics_port=template.metrics_port if metrics else None)
         if template.mode.kind == "sync":
             cfg = replace(template, shards=tuple(self.addresses), worker_index=0)
             if metrics:
@@ -265,13 +269,13 @@ class LocalCluster(Supervision):
             if program is not None:
                 # torchrun parses every argument after the program too (a script's --n would be its
                 # --nnodes): the shim gets the program's argv in the environment instead.
-                env = {**to_env(cfg), **program_env(program.argv)}
+                env = {**no_port, **to_env(cfg), **program_env(program.argv)}
                 self.workers.append(spawn(self.log_dir, "torchrun", [*argv, "-m", "tether.deploy.run_program"], echo=echo, env=env))
                 return
             config = self.log_dir / "torchrun.config.json"
             config.write_text(to_json(cfg))
             argv += ["-m", "tether.worker", "--config", str(config), *extra_args]
-            self.workers.append(spawn(self.log_dir, "torchrun", argv, echo=echo))
+            self.workers.append(spawn(self.log_dir, "torchrun", argv, echo=echo, env=no_port))
             return
         gpus = gpu_count()
         for i in range(template.num_workers):
@@ -280,12 +284,13 @@ class LocalCluster(Supervision):
                 self.metrics_ports[f"worker-{i}"] = port = free_port(self.host)
                 cfg = replace(cfg, metrics_port=port)
             if program is not None:
-                child = spawn(self.log_dir, f"worker-{i}", list(program.argv), echo=echo, env=to_env(cfg))
+                child = spawn(self.log_dir, f"worker-{i}", list(program.argv), echo=echo, env={**no_port, **to_env(cfg)})
             else:
                 # A restart reads the same file, with --steps beside it for the steps left (Supervision).
                 config = self.log_dir / f"worker-{i}.config.json"
                 config.write_text(to_json(cfg))
-                child = spawn(self.log_dir, f"worker-{i}", ["-m", "tether.worker", "--config", str(config), *extra_args], echo=echo)
+                child = spawn(self.log_dir, f"worker-{i}", ["-m", "tether.worker", "--config", str(config), *extra_args], echo=echo,
+                              env=no_port)
             child.steps = template.steps
             with self._lock:
                 self.workers.append(child)

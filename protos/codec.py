@@ -28,7 +28,6 @@ __all__ = [
     "encode_tensor",
     "int64_ids",
     "is_id_dtype",
-    "quiet_readonly_warning",
     "torch_dtype",
     "wire_dtype",
 ]
@@ -62,12 +61,6 @@ _NUMPY_VIEW: dict[int, np.dtype] = {
 
 
 _READONLY_WARNING = "The given NumPy array is not writable"
-
-
-def quiet_readonly_warning() -> None:
-    """Silence torch's warning about non-writable arrays for the whole process. Decoding does
-    not need it: importing this module spends torch's one such warning (``_spend_readonly_warning``)."""
-    warnings.filterwarnings("ignore", message=_READONLY_WARNING, category=UserWarning)
 
 
 def _spend_readonly_warning() -> None:

@@ -14,7 +14,6 @@ from tether.protos.errors import TetherError, UsageError
 from tether.server import kernels
 from tether.server.config import ShardConfig, load_config
 from tether.common.allocator import tune_malloc
-from tether.protos.codec import quiet_readonly_warning
 from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.serve import start_shard
 
@@ -50,7 +49,6 @@ def run(config: ShardConfig) -> int:
     """
     # Steps free and allocate tensors of MiBs: keep them in the heap (tether.common.allocator).
     tune_malloc()
-    quiet_readonly_warning()
     # Load the shard's compiled loops from the on-disk cache (or compile them, the first time on
     # this machine) while the shard starts: a request that needs one before then waits for it.
     threading.Thread(target=_warm_up_kernels, name="tether-kernels", daemon=True).start()

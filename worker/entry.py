@@ -13,7 +13,6 @@ import sys
 from collections.abc import Callable, Sequence
 
 from tether.common.allocator import tune_malloc
-from tether.protos.codec import quiet_readonly_warning
 from tether.common.exits import DONE, run_command
 from tether.protos.errors import UsageError, report_usage_error
 
@@ -55,7 +54,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report_usage_error("tether worker", UsageError("usage: python -m tether.worker.entry module:function [args...]"))
     # Steps free and allocate tensors of MiBs: keep them in the heap (tether.common.allocator).
     tune_malloc()
-    quiet_readonly_warning()
 
     def body() -> int:
         on_path()
