@@ -360,14 +360,22 @@ class DataPlaneServer(Handshakes):
         dp.send_frame(conn, method, body, out.buffers())
 
 
+# Pulls of at least this many floats per table (256 KiB) are gathered by the compiled gather.
+GATHER_ELEMENTS = 1 << 16
+
+
 def gather_rows(source: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
     """``source[rows]`` written into ``out`` (a pulled table's rows, straight into the shared
-    region): float32 rows by the compiled gather (``kernels.gather_rows``), a large pull's runs
-    of rows on several threads (``tether.server.kernel_threads``); anything else, or a row
-    outside ``source``, by ``torch.index_select`` (which says so)."""
-    index = rows.numpy() if rows.dtype == torch.int64 else None
-    if (source.dtype != torch.float32 or source.dim() != 2 or not source.is_contiguous() or index is None or not len(index)
-            or int(index.min()) < 0 or int(index.max()) >= len(source)):
+    region): a large pull's float32 rows (``GATHER_ELEMENTS`` floats or more) by the compiled
+    gather (``kernels.gather_rows``), in runs of rows on several threads
+    (``tether.server.kernel_threads``); anything else (a small pull, where calling a kernel costs
+    more than the copy), or a row outside ``source``, by ``torch.index_select`` (which says so)."""
+    if (len(rows) * source.shape[-1] < GATHER_ELEMENTS or source.dim() != 2 or source.dtype != torch.float32
+            or rows.dtype != torch.int64 or not source.is_contiguous()):
+        torch.index_select(source, 0, rows, out=out)
+        return
+    index = rows.numpy()
+    if int(index.min()) < 0 or int(index.max()) >= len(source):
         torch.index_select(source, 0, rows, out=out)
         return
     src, dest = source.numpy(), out.numpy()

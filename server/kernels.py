@@ -29,7 +29,7 @@ from llvmlite import ir  # type: ignore[import-untyped]
 from numba.core import cgutils
 
 from tether.protos.optimizers import OPTIMIZERS, OptimizerConfig, UpdateRule, rule
-from tether.server.kernel_threads import in_parts
+from tether.server.kernel_threads import PARALLEL_ELEMENTS, in_parts
 
 __all__ = [
     "EMPTY_SLOT", "REMOVED_SLOT", "count_in", "gather_rows", "index_cells", "index_lookup", "index_place", "init_rows_into", "mix64",
@@ -367,6 +367,9 @@ def row_update(update_rule: UpdateRule, cfg: OptimizerConfig, dim: int) -> RowUp
 
     def update(weights: np.ndarray, state: Mapping[str, np.ndarray], slots: np.ndarray, grads: np.ndarray, lr: np.ndarray) -> None:
         states = [state[k] for k in names]
+        if len(slots) * dim < PARALLEL_ELEMENTS:
+            kernel(weights, slots, grads, lr, np.empty(dim, np.float32), *states, *constants)
+            return
 
         def run(a: int, b: int) -> None:
             # Rows are unique: runs of them on several threads give exactly one run's results.

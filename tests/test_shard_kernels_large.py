@@ -95,13 +95,16 @@ def test_pulled_rows_are_gathered_as_index_select_gathers_them(threads) -> None:
     gather_rows(source, rows, out)  # large: split across threads
     assert torch.equal(out, source[rows])
     small = torch.empty(5, 128)
-    gather_rows(source, rows[:5], small)
+    gather_rows(source, rows[:5], small)  # small: torch's gather
     assert torch.equal(small, source[rows[:5]])
+    one_thread = torch.empty(600, 128)  # compiled, on this thread alone
+    gather_rows(source, rows[:600], one_thread)
+    assert torch.equal(one_thread, source[rows[:600]])
     wide = torch.randn(10, 3, dtype=torch.float64)  # not float32 rows: torch's gather
     gather_rows(wide, torch.tensor([2, 0]), got := torch.empty(2, 3, dtype=torch.float64))
     assert torch.equal(got, wide[[2, 0]])
     with pytest.raises(IndexError):  # a row outside the source: refused, as index_select refuses it
-        gather_rows(source, torch.tensor([0, 50_000]), torch.empty(2, 128))
+        gather_rows(source, torch.cat([rows, torch.tensor([50_000])]), torch.empty(8001, 128))
 
 
 def test_kernel_threads_reads_its_setting(monkeypatch: pytest.MonkeyPatch) -> None:
