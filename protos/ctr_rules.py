@@ -110,6 +110,25 @@ class RowwiseAdagrad(UpdateRule):
         acc.add_(stats[:, 0].to(acc.dtype))
         w.addcdiv_(g, before.add_(acc.sqrt()).add_(cfg.eps).unsqueeze(1), value=-2.0 * lr)
 
+    @staticmethod
+    def combined_rows(
+        w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, stats: np.ndarray, scratch: np.ndarray, acc: np.ndarray,
+        weight_decay: np.float32, eps: np.float32,
+    ) -> None:
+        # ``combine`` row by row: the row's accumulator grows by its ``square_sum``.
+        n, d = g.shape
+        for i in range(n):
+            s = slots[i]
+            row = w[s]
+            for j in range(d):
+                scratch[j] = g[i, j] + weight_decay * row[j]
+            before = np.sqrt(acc[s])
+            acc[s] += np.float32(stats[i, 0])
+            denom = before + np.sqrt(acc[s]) + eps
+            value = np.float32(-2.0) * lr[i]
+            for j in range(d):
+                row[j] += value * (scratch[j] / denom)
+
     def kernel_constants(self, cfg: OptimizerConfig) -> tuple[Any, ...]:
         return (np.float32(cfg.weight_decay), np.float32(cfg.eps))
 

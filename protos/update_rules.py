@@ -7,7 +7,7 @@ Adam. The registry, the hyper-parameters and what each rule computes are describ
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from tether.protos.optimizers import OptimizerConfig
 
 __all__ = ["Adagrad", "Adam", "RuleOptimizer", "SGD", "UpdateRule", "spread_squares"]
+
+# The smallest normal float32 (a compile-time constant of the kernels that divide by a mean).
+_TINY = np.float32(np.finfo(np.float32).tiny)
 
 
 class UpdateRule:
@@ -66,6 +69,17 @@ class UpdateRule:
     # None: the sum alone is exact (SGD). "square_sum": the sum over the combined gradients of
     # each one's mean(g * g) over the row; "count": how many gradients were summed.
     combined_stats: tuple[str, ...] = ()
+
+    # The compiled form of ``combine`` for the rows of a combined push, in the numba subset as
+    # ``rows`` (never called uncompiled), or None where the rule has none (its torch form,
+    # ``apply_combined``, is used): ``combined_rows(w, slots, g, lr, stats, scratch, *state,
+    # *constants)`` updates rows ``slots[i]`` (unique) of ``w`` and of each state array in place
+    # from the summed gradient ``g[i]``, the weight decay added once to it, at rate ``lr[i]``
+    # (float32 per row) with ``stats[i]`` its ``combined_stats`` (float32, every row a sum: first
+    # column not -1); ``scratch`` and ``constants`` as for ``rows``. It agrees with ``combine``
+    # within float rounding (``tests/test_rules_combined_kernels.py``). The shard compiles it
+    # (``tether.server.kernels.combined_update``).
+    combined_rows: Callable[..., None] | None = None
 
     def combine(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, stats: torch.Tensor, state: Mapping[str, torch.Tensor],
                 lr: float) -> None:
@@ -212,6 +226,41 @@ class Adagrad(UpdateRule):
         before = acc.sqrt()
         acc.add_(spread_squares(g, stats[:, 0]))
         w.addcdiv_(g, before.add_(acc.sqrt()).add_(cfg.eps), value=-2.0 * lr)
+
+    @staticmethod
+    def combined_rows(
+        w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, stats: np.ndarray, scratch: np.ndarray, acc: np.ndarray,
+        weight_decay: np.float32, eps: np.float32,
+    ) -> None:
+        # ``combine`` row by row: the decayed sum in ``scratch``, its squares spread to the row's
+        # ``square_sum`` (``spread_squares``: scaled so that their mean is it, or it everywhere
+        # where the sum is 0) added to the accumulator while its square roots before and after
+        # make the denominator.
+        n, d = g.shape
+        spread = np.empty(d, np.float32)
+        for i in range(n):
+            s = slots[i]
+            row, state = w[s], acc[s]
+            for j in range(d):
+                scratch[j] = g[i, j] + weight_decay * row[j]
+            total = np.float32(0.0)
+            for j in range(d):
+                spread[j] = scratch[j] * scratch[j]
+                total += spread[j]
+            mean = total / np.float32(d)
+            square_sum = np.float32(stats[i, 0])
+            if mean > 0:
+                scale = square_sum / max(mean, _TINY)
+                for j in range(d):
+                    spread[j] = spread[j] * scale
+            else:
+                for j in range(d):
+                    spread[j] = square_sum
+            value = np.float32(-2.0) * lr[i]
+            for j in range(d):
+                before = np.sqrt(state[j])
+                state[j] += spread[j]
+                row[j] += value * (scratch[j] / (before + np.sqrt(state[j]) + eps))
 
     def torch_optimizer(self, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.Adagrad(

@@ -1,5 +1,5 @@
 """The shard's compiled hot loops (numba): the id index's probes, and the machinery that
-compiles each update rule's row kernel.
+compiles each update rule's row kernel (and its combined push's kernel).
 
 Each is one loop over a push or pull, compiled once by LLVM and cached on disk (``cache=True``:
 in ``NUMBA_CACHE_DIR`` when set, as in the container image, else next to the source file or
@@ -10,8 +10,9 @@ checkpointer) run while a table is updated.
 The row updates are not written here: each update rule (``tether.protos.optimizers``) holds its
 own kernel (``UpdateRule.rows``) beside its torch form, and this module compiles whichever rule
 a table names (``row_kernel``) and binds it to the table's state and constants
-(``row_update``): a kernel applies the rule to the rows ``slots`` of a table in place, reading
-each row once and writing it once, instead of gathering rows, updating the copies and
+(``row_update``; a rule's kernel for a combined push's rows, ``combined_rows``, likewise:
+``combined_update``): a kernel applies the rule to the rows ``slots`` of a table in place,
+reading each row once and writing it once, instead of gathering rows, updating the copies and
 scattering them back.
 """
 
@@ -33,7 +34,7 @@ from tether.server.kernel_threads import PARALLEL_ELEMENTS, in_parts
 
 __all__ = [
     "EMPTY_SLOT", "REMOVED_SLOT", "count_in", "gather_rows", "index_cells", "index_lookup", "index_place", "init_rows_into", "mix64",
-    "row_kernel", "row_update", "slot_cells", "slot_lookup", "slot_place", "slot_rebuild", "warm_up",
+    "CombinedUpdate", "combined_update", "row_kernel", "row_update", "slot_cells", "slot_lookup", "slot_place", "slot_rebuild", "warm_up",
 ]
 
 # A cell's state is its slot, so that every int64 is a valid key: a slot >= 0 is a row,
@@ -334,20 +335,24 @@ def count_in(values: np.ndarray, seen: np.ndarray) -> np.ndarray:
     return out
 
 
-# Each rule's compiled row kernel, created on first use (and compiled, or loaded from the disk
-# cache, on its first call), keyed by the rule's kernel function.
+# Each rule's compiled kernels (``rows``, ``combined_rows``), created on first use (and compiled,
+# or loaded from the disk cache, on their first call), keyed by the kernel function.
 _row_kernels: dict[Callable[..., None], Any] = {}
 _row_kernels_lock = threading.Lock()
 
 
-def row_kernel(update_rule: UpdateRule) -> Any:
-    """The compiled form of ``update_rule.rows`` (one per rule for the process)."""
-    fn = update_rule.rows
+def _kernel(fn: Callable[..., None]) -> Any:
+    """The compiled form of a rule's kernel function (one per function for the process)."""
     with _row_kernels_lock:
         kernel = _row_kernels.get(fn)
         if kernel is None:
             kernel = _row_kernels[fn] = _jit_math(fn)
         return kernel
+
+
+def row_kernel(update_rule: UpdateRule) -> Any:
+    """The compiled form of ``update_rule.rows`` (one per rule for the process)."""
+    return _kernel(update_rule.rows)
 
 
 # A rule's row update bound to a table's constants: (weights, state, slots, grads, lr) -> None.
@@ -380,6 +385,30 @@ def row_update(update_rule: UpdateRule, cfg: OptimizerConfig, dim: int) -> RowUp
     return update
 
 
+# A rule's combined update bound to a table's constants: (weights, state, slots, grads, lr, stats) -> None.
+CombinedUpdate = Callable[[np.ndarray, Mapping[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
+
+
+def combined_update(update_rule: UpdateRule, cfg: OptimizerConfig, dim: int) -> CombinedUpdate | None:
+    """``update_rule``'s compiled ``combined_rows`` with the constants of ``cfg``, for rows of
+    ``dim`` floats, or None where the rule has none (its torch form, ``apply_combined``):
+    ``update(weights, state, slots, grads, lr, stats)`` updates rows ``slots`` (unique, int64) in
+    place from the summed gradients ``grads`` at rates ``lr`` (float32 per row) with ``stats``
+    (float32, rows x ``len(combined_stats)``, every row a sum), all contiguous. Compiled, or
+    loaded from the disk cache, on its first call (or by ``warm_up``), as ``row_update``."""
+    if update_rule.combined_rows is None:
+        return None
+    kernel = _kernel(update_rule.combined_rows)
+    names = tuple(update_rule.state_shapes(dim))
+    constants = update_rule.kernel_constants(cfg)
+
+    def update(weights: np.ndarray, state: Mapping[str, np.ndarray], slots: np.ndarray, grads: np.ndarray, lr: np.ndarray,
+               stats: np.ndarray) -> None:
+        kernel(weights, slots, grads, lr, stats, np.empty(dim, np.float32), *[state[k] for k in names], *constants)
+
+    return update
+
+
 def warm_up() -> None:
     """Load (or compile, the first time) every kernel for the types the shard uses, so that no
     request pays for it: ``tether server`` runs this in a thread while the shard starts."""
@@ -402,6 +431,9 @@ def warm_up() -> None:
         w, g, lr = np.zeros((2, 4), np.float32), np.zeros((2, 4), np.float32), np.zeros(2, np.float32)
         state = {k: np.zeros((2, *s), np.float32) for k, s in r.state_shapes(4).items()}
         row_update(r, OptimizerConfig(name), 4)(w, state, ids, g, lr)
+        combine = combined_update(r, OptimizerConfig(name), 4)
+        if combine is not None:
+            combine(w, state, ids, g, lr, np.ones((2, len(r.combined_stats)), np.float32))
 
 
 # How many rows on ``gather_rows`` asks for.

@@ -1,5 +1,6 @@
-"""The compiled combine of a combined push's rows (tether.server.combined_kernels, for the row
-cache's pushes) against the rules' torch form (UpdateRule.apply_combined)."""
+"""The rules' compiled combine of a combined push's rows (``UpdateRule.combined_rows``, compiled
+and bound by ``tether.server.kernels.combined_update``, for the row cache's pushes) against their
+torch form (``UpdateRule.apply_combined``), for every registered rule that has one."""
 
 from __future__ import annotations
 
@@ -7,11 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from tether.protos.optimizers import OptimizerConfig, rule
-from tether.server.combined_kernels import combined_update
+from tether.protos.optimizers import OPTIMIZERS, OptimizerConfig, rule
+from tether.server.kernels import combined_update
+
+WITH_KERNEL = [name for name in OPTIMIZERS if rule(name).combined_rows is not None]
 
 
-@pytest.mark.parametrize("name", ["adagrad", "rowwise_adagrad"])
+def test_the_rules_with_a_compiled_combine() -> None:
+    assert WITH_KERNEL == ["adagrad", "rowwise_adagrad"]
+
+
+@pytest.mark.parametrize("name", WITH_KERNEL)
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 def test_the_compiled_combine_is_the_torch_form(name: str, weight_decay: float) -> None:
     r, cfg, dim = rule(name), OptimizerConfig(name=name, lr=0.05, weight_decay=weight_decay), 16
@@ -21,9 +28,9 @@ def test_the_compiled_combine_is_the_torch_form(name: str, weight_decay: float) 
     slots = np.array([3, 7, 8, 20, 41], np.int64)
     grads = torch.randn(len(slots), dim, generator=gen)
     grads[2] = 0.0  # the gradients cancelled: the square sum spread evenly
-    stats = torch.rand(len(slots), 1, generator=gen) * 4
+    stats = torch.rand(len(slots), len(r.combined_stats), generator=gen) * 4
     lr = np.array([0.05, 0.05, 0.025, 0.05, 0.01], np.float32)
-    start = weights.clone()
+    start, start_state = weights.clone(), {k: v.clone() for k, v in state.items()}
     want_w, want_state = weights.clone(), {k: v.clone() for k, v in state.items()}
     idx = torch.from_numpy(slots)
     w, rows = want_w.index_select(0, idx), {k: v.index_select(0, idx) for k, v in want_state.items()}
@@ -38,11 +45,14 @@ def test_the_compiled_combine_is_the_torch_form(name: str, weight_decay: float) 
     torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
     for k in state:
         torch.testing.assert_close(state[k], want_state[k], rtol=1e-5, atol=1e-6)
+        assert bool((state[k][idx] > start_state[k][idx]).all()), k  # every row's sum grew
     untouched = torch.ones(50, dtype=torch.bool)
     untouched[idx] = False
     assert torch.equal(weights[untouched], want_w[untouched])
 
 
 def test_rules_without_a_compiled_combine_get_none() -> None:
-    for name in ("sgd", "adam", "ftrl"):
+    without = [name for name in OPTIMIZERS if name not in WITH_KERNEL]
+    assert without == ["sgd", "adam", "ftrl"]
+    for name in without:
         assert combined_update(rule(name), OptimizerConfig(name=name, lr=0.1), 4) is None
