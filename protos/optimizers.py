@@ -16,7 +16,10 @@ A rule is the one home of everything about its optimizer:
   sync worker steps its own dense parameters;
 - its combined push (``combined_stats``, ``combine``, ``apply_combined``): what a worker's row cache
   sends beside a row's gradients of k steps summed, and the one update that stands for the k
-  steps (torch form; shards and local mode apply it to the combined rows of a push).
+  steps (torch form), with, where the rule has one, its kernel (``combined_rows``, compiled as
+  ``rows`` is: ``tether.server.kernels.combined_update``); shards and local mode apply the
+  combined rows of a push with the kernel where there is one, else the torch form
+  (``tether.server.push_hooks.combine_rows``).
 
 The rules live in ``tether.protos.update_rules`` (the base class and the three with a
 ``torch.optim`` twin) and ``tether.protos.ctr_rules`` (row-wise Adagrad and FTRL-Proximal);
@@ -24,7 +27,8 @@ this module is the registry and the hyper-parameters, and every name is importab
 Adding a rule is one subclass and its entry in the registry (plus, for a constant no rule
 took before, a field of ``OptimizerConfig`` and of its wire form); ``tests/test_optimizers.py``
 checks every registered rule's kernel against its torch form, and its torch form against its
-torch optimizer. Nothing else names a rule.
+torch optimizer, and ``tests/test_rules_combined_kernels.py`` every registered rule's
+``combined_rows`` (where it has one) against its ``apply_combined``. Nothing else names a rule.
 
 The rules, with ``g`` the gradient plus ``weight_decay * w`` (L2, added to the gradient as
 ``torch.optim`` does; not AdamW's decoupled decay) and ``lr`` the configured rate times the

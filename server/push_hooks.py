@@ -4,11 +4,14 @@ local mode applies the same). ``tether.server.shard`` calls ``adjusted`` per blo
 whole push was checked (``check_read``, ``check_combined``) and just before the table's or
 chunk's update. A table applies a block's rows with ``apply_rows``: the rule's compiled kernel,
 and for the rows of a combined push (a worker's row cache summing several steps' gradients) the
-rule's ``combine``."""
+rule's combine (``combine_rows``: its compiled ``combined_rows`` where it has one, else its torch
+form; local mode calls it too)."""
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -16,9 +19,9 @@ import torch
 from tether.protos.errors import InvalidArgument
 from tether.protos.optimizers import OptimizerConfig, UpdateRule
 from tether.protos.schedules import delay_compensated
-from tether.server.kernels import RowUpdate
+from tether.server.kernels import CombinedUpdate, RowUpdate, combined_update
 
-__all__ = ["adjusted", "apply_rows", "check_combined", "check_compensation", "check_read"]
+__all__ = ["adjusted", "apply_rows", "check_combined", "combine_rows", "check_compensation", "check_read"]
 
 
 def check_compensation(worker_id: str, lam: float) -> None:
@@ -91,22 +94,44 @@ def apply_rows(update_rule: UpdateRule, cfg: OptimizerConfig, update: RowUpdate,
     """Rows ``slots`` (unique) of ``weights`` and ``state`` updated from ``grads`` at rates ``lr``
     (float32 per row): by the rule's compiled kernel ``update``, except, with ``combined``, the
     rows it marks as sums of several gradients (first column not -1), which take the rule's
-    ``combine`` (its torch form; weight decay added once to the sum)."""
-    arrays = {k: t.numpy() for k, t in state.items()}
+    combine (``combine_rows``; weight decay added once to the sum)."""
     if combined is None:
-        update(weights.numpy(), arrays, slots, grads, lr)
+        update(weights.numpy(), {k: t.numpy() for k, t in state.items()}, slots, grads, lr)
         return
     many = (combined[:, 0] != -1).numpy()
     one = ~many
     if one.any():
-        update(weights.numpy(), arrays, np.ascontiguousarray(slots[one]), np.ascontiguousarray(grads[one]), np.ascontiguousarray(lr[one]))
-    if not many.any():
+        update(weights.numpy(), {k: t.numpy() for k, t in state.items()}, np.ascontiguousarray(slots[one]),
+               np.ascontiguousarray(grads[one]), np.ascontiguousarray(lr[one]))
+    if many.any():
+        combine_rows(update_rule, cfg, weights, state, slots[many], grads[many], lr[many], combined[torch.from_numpy(many)])
+
+
+def combine_rows(update_rule: UpdateRule, cfg: OptimizerConfig, weights: torch.Tensor, state: Mapping[str, torch.Tensor],
+                 slots: np.ndarray, grads: np.ndarray, lr: np.ndarray, stats: torch.Tensor) -> None:
+    """Rows ``slots`` (unique, int64) of ``weights`` and ``state`` (contiguous CPU float32), each
+    the sum of several gradients (``stats``' first column not -1), updated in place from
+    ``grads`` (rows x dim) at rates ``lr`` (float32 per row) with ``stats`` (rows x
+    ``len(combined_stats)``): by the rule's compiled ``combined_rows``
+    (``kernels.combined_update``) where it has one, else by its torch form (``apply_combined``).
+    A shard's push (``apply_rows``) and local mode (``tether.worker.local_table``) both call it."""
+    slots, grads = np.ascontiguousarray(slots, np.int64), np.ascontiguousarray(grads, np.float32)
+    lr = np.ascontiguousarray(lr, np.float32)
+    combine = _combined_update(update_rule, cfg, grads.shape[1])
+    if combine is not None:
+        combine(weights.numpy(), {k: t.numpy() for k, t in state.items()}, slots, grads, lr,
+                np.ascontiguousarray(stats.numpy(), np.float32))
         return
-    idx = torch.from_numpy(np.ascontiguousarray(slots[many]))
-    w, g = weights.index_select(0, idx), torch.from_numpy(np.ascontiguousarray(grads[many]))
+    idx = torch.from_numpy(slots)
+    w, g = weights.index_select(0, idx), torch.from_numpy(grads)
     rows = {k: t.index_select(0, idx) for k, t in state.items()}
-    stats = combined[torch.from_numpy(many)].to(torch.float32)
-    update_rule.apply_combined(cfg, w, g, stats, rows, torch.from_numpy(lr[many].astype(np.float64) / cfg.lr))
+    update_rule.apply_combined(cfg, w, g, stats.to(torch.float32), rows, torch.from_numpy(lr.astype(np.float64) / cfg.lr))
     weights.index_copy_(0, idx, w)
     for k, t in state.items():
         t.index_copy_(0, idx, rows[k])
+
+
+@functools.lru_cache(maxsize=256)
+def _combined_update(update_rule: UpdateRule, cfg: OptimizerConfig, dim: int) -> CombinedUpdate | None:
+    """``kernels.combined_update`` bound once per rule, constants and width."""
+    return combined_update(update_rule, cfg, dim)

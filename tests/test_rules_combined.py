@@ -1,7 +1,8 @@
 """A combined push (issue 29's row cache: a row's gradients of several steps summed into one) with
 the statistics each rule takes beside the sum (``UpdateRule.combined_stats``): checked against the
 rule's k separate steps in its torch form, within the tolerances stated per rule; rows of one
-gradient take the ordinary step; the shard, local mode and a client over the wire apply it alike;
+gradient take the ordinary step; the shard, local mode and a client over the wire apply it alike
+(with the rule's compiled combine where it has one, bit for bit);
 a push without the statistics is what it always was; bad statistics are refused with nothing
 applied; and the row cache sends them, counted in the bytes pushed."""
 
@@ -15,9 +16,12 @@ from tether.protos.errors import InvalidArgument
 from tether.protos.optimizers import OptimizerConfig, rule
 from tether.protos.update_rules import spread_squares
 from tether.protos.specs import TableConfig
+from tether.server.kernels import combined_update
 from tether.server.serve import RunningShard
 from tether.server.shard import Shard, SparseUpdate
+from tether.server.tables import EmbeddingTable
 from tether.worker.local import LocalClient
+from tether.worker.local_table import LocalTable
 from tether.worker.row_cache import CachedClient, RowCacheConfig
 from tether.worker.traffic import TrafficMeter
 from conftest import make_client
@@ -213,3 +217,38 @@ def test_the_row_cache_sends_the_statistics_and_counts_their_bytes() -> None:
     torch.testing.assert_close(local.pull({"t": ids}).result().rows["t"], want, rtol=0, atol=1e-6)
     moved = meter.totals()["t"]
     assert moved["pushed_rows"] == 2 and moved["pushed_bytes"] == 2 * (8 + 4 * 4) + 2 * 4  # one float a row more
+
+
+def _rows_and_state(table: EmbeddingTable | LocalTable, ids: np.ndarray) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    if isinstance(table, EmbeddingTable):
+        snap = table.snapshot()  # sorted by id, as ``ids`` are
+        return snap["weights"].clone(), {k: v.clone() for k, v in snap["state"].items()}
+    idx = torch.from_numpy(table.slots(ids))
+    return table.pull(ids), {k: v.index_select(0, idx) for k, v in table._state.items()}
+
+
+@pytest.mark.parametrize("table_type", [EmbeddingTable, LocalTable])
+@pytest.mark.parametrize("name", ["adagrad", "rowwise_adagrad"])
+def test_a_shards_table_and_local_mode_combine_with_the_rules_compiled_kernel(name: str, table_type: type) -> None:
+    """Where the rule has a compiled combine (``kernels.combined_update``), a shard's table and
+    local mode apply a combined push's summed rows with it, bit for bit; the row of one
+    gradient takes the ordinary step."""
+    cfg = TableConfig("t", DIM, optimizer=OptimizerConfig(name, lr=0.05, weight_decay=0.01), init_scale=0.5, seed=4)
+    ids = np.array([3, 9, 12, 40, 41, 77])
+    gen = torch.Generator().manual_seed(7)
+    warm, total = torch.randn(ROWS, DIM, generator=gen), torch.randn(ROWS, DIM, generator=gen)
+    stats = _stats(name, [total / 3] * 3)
+    stats[0, 0] = -1
+    table = table_type(cfg)
+    table.push(ids, warm)
+    w, state = _rows_and_state(table, ids)
+    combine = combined_update(rule(name), cfg.optimizer, DIM)
+    assert combine is not None
+    combine(w.numpy(), {k: v.numpy() for k, v in state.items()}, np.arange(1, ROWS), total[1:].numpy(),
+            np.full(ROWS - 1, 0.05, np.float32), stats[1:].numpy())
+    table.push(ids, total, combined=stats)
+    got_w, got_state = _rows_and_state(table, ids)
+    assert torch.equal(got_w[1:], w[1:])
+    for k in state:
+        assert torch.equal(got_state[k][1:], state[k][1:]), k
+    assert not torch.equal(got_w[0], w[0])  # row 0 took its ordinary step (not the kernel's call above)

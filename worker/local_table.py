@@ -12,6 +12,7 @@ from tether.protos.errors import UsageError
 from tether.protos.initial import init_rows
 from tether.protos.optimizers import OptimizerConfig, UpdateRule, rule
 from tether.protos.specs import TableConfig
+from tether.server.push_hooks import combine_rows
 
 __all__ = ["LocalDense", "LocalTable"]
 
@@ -148,6 +149,18 @@ class LocalTable:
             hits += np.isin(newer, updated)
         return int(hits.max())
 
+    def _step(self, slots: np.ndarray, grads: torch.Tensor, factor: float) -> None:
+        """Rows ``slots`` (unique) stepped by the rule's torch form, one gradient each."""
+        if not len(slots):
+            return
+        index = torch.from_numpy(slots)
+        w = self._weights.index_select(0, index)
+        state = {k: t.index_select(0, index) for k, t in self._state.items()}
+        self._rule.apply(self.config.optimizer, w, grads, state, factor)
+        self._weights.index_copy_(0, index, w)
+        for k, t in self._state.items():
+            t.index_copy_(0, index, state[k])
+
     @property
     def rule(self) -> UpdateRule:
         return self._rule
@@ -155,19 +168,21 @@ class LocalTable:
     def push(self, ids: np.ndarray, grads: torch.Tensor, clock: int = 0, combined: torch.Tensor | None = None) -> int:
         """Apply one gradient per id (unique ids) with the table's rule, at its schedule's rate
         for ``clock`` as a shard does; returns the new version. ``combined``: a combined push's
-        statistics per row (``UpdateRule.apply_combined``, as a shard applies them)."""
+        statistics per row: its rows of one gradient take the ordinary step, the others the
+        rule's combine by the function a shard applies them with (``push_hooks.combine_rows``)."""
         slots = self.slots(ids)
-        index = torch.from_numpy(slots)
-        w = self._weights.index_select(0, index)
-        state = {k: t.index_select(0, index) for k, t in self._state.items()}
         opt = self.config.optimizer
+        factor = opt.schedule.factor(opt.lr, clock)
         if combined is None:
-            self._rule.apply(opt, w, grads, state, opt.schedule.factor(opt.lr, clock))
+            self._step(slots, grads, factor)
         else:
-            self._rule.apply_combined(opt, w, grads, combined, state, opt.schedule.factor(opt.lr, clock))
-        self._weights.index_copy_(0, index, w)
-        for k, t in self._state.items():
-            t.index_copy_(0, index, state[k])
+            one = combined[:, 0] == -1
+            many = ~one
+            if bool(many.any()):
+                lr = np.full(int(many.sum()), opt.lr * factor, np.float32)
+                combine_rows(self._rule, opt, self._weights, self._state, slots[many.numpy()], grads.detach()[many].numpy(), lr,
+                             combined[many])
+            self._step(slots[one.numpy()], grads[one], factor)
         self.version += 1
         self._row_version[slots] = self.version
         self._log.append((self.version, slots))
