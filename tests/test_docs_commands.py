@@ -4,8 +4,9 @@ would paste it, so the pages stay true to the code.
 Each page's ```bash blocks run in order in one scratch folder (the repository's ``examples``,
 ``deploy`` and ``bench`` linked into it, so relative paths work), as ``bash -e`` scripts. To keep
 the suite CI-sized a command is shrunk before it runs, never otherwise changed: ``--steps``,
-``--num-workers``, a job's ``--num-shards``, ``--eval-samples``, ``--call-deadline`` and generated data
-sizes are capped, ``--repeats`` is 1, mode and bound lists keep their first two entries, and
+``--num-workers``, ``--eval-samples``, ``--call-deadline`` and generated data sizes are capped, a
+job (launch, compare, sweep) runs one shard (``--num-shards 1``, also where it names none),
+``--repeats`` is 1, mode and bound lists keep their first two entries, and
 every fixed port moves by one offset to free ones; a command that gives no ``--steps`` or
 ``--eval-samples`` gets ``TETHER_STEPS=20`` and ``TETHER_EVAL_SAMPLES=1000`` from the environment.
 An install step before ``&&`` is dropped (the suite runs installed). A command is skipped only
@@ -73,9 +74,9 @@ def _shrink(block: str, port_offset: int) -> str:
     block = _cap(r"--steps (\d+)", 20, block)
     block = _cap(r"--num-workers (\d+)", 2, block)
     # A job's shards are processes (interpreter, torch, compiled kernels): much of a short run's
-    # cost. Only a whole job's count: ``tether server --num-shards`` must match its shard indexes.
-    block = "\n".join(_cap(r"--num-shards (\d+)", 1, line) if re.search(r"tether (launch|compare|sweep)\b", line) else line
-                       for line in block.split("\n"))
+    # cost, so a job runs one (a job's default is 2). Only a whole job's count: ``tether server
+    # --num-shards`` must match its shard indexes.
+    block = "\n".join(_one_shard(line) if re.search(r"tether (launch|compare|sweep)\b", line) else line for line in block.split("\n"))
     block = _cap(r"--eval-samples (\d+)", 1000, block)
     # A command the page shows failing fails at its deadline: the reader's 5 s, 1 s here.
     block = _cap(r"--call-deadline (\d+)", 1, block)
@@ -84,6 +85,13 @@ def _shrink(block: str, port_offset: int) -> str:
     block = re.sub(r"--repeats \d+", "--repeats 1", block)
     block = re.sub(r"--(modes|bounds) ([\w:.]+,[\w:.]+)(,[\w:.,]+)?", r"--\1 \2", block)
     return FIXED_PORTS.sub(lambda m: str(int(m.group(1)) + port_offset), block)
+
+
+def _one_shard(line: str) -> str:
+    """A job's command line with ``--num-shards`` capped at 1, or given as 1 where it names none."""
+    if "--num-shards" in line:
+        return _cap(r"--num-shards (\d+)", 1, line)
+    return re.sub(r"(tether (launch|compare|sweep)\b)", r"\1 --num-shards 1", line)
 
 
 def _port_offset(text: str) -> int:
