@@ -136,13 +136,31 @@ def test_the_generators_compiled_zipf_ranks_are_searchsorted_exactly() -> None:
 
 def test_tables_rows_received_back_to_back_are_joined_without_a_copy() -> None:
     from tether.worker.embedding import joined_rows
+    from tether.worker.router import JOIN_ELEMENTS
 
-    buffer = torch.arange(40.0).view(10, 4)
-    parts = [buffer[0:3], buffer[3:3], buffer[3:10]]
+    buffer = torch.arange(float(JOIN_ELEMENTS)).view(-1, 128)  # a large pull's buffer
+    n = len(buffer)
+    parts = [buffer[0:300], buffer[300:300], buffer[300:n]]
     joined = joined_rows(parts)
     assert joined.data_ptr() == buffer.data_ptr() and torch.equal(joined, buffer)
-    apart = joined_rows([buffer[5:10], buffer[0:5]])  # not in the buffer's order: copied
-    assert apart.data_ptr() != buffer.data_ptr() and torch.equal(apart, torch.cat([buffer[5:10], buffer[0:5]]))
-    other = torch.zeros(2, 4)
-    assert torch.equal(joined_rows([buffer[:2], other]), torch.cat([buffer[:2], other]))
+    apart = joined_rows([buffer[300:n], buffer[0:300]])  # not in the buffer's order: copied
+    assert apart.data_ptr() != buffer.data_ptr() and torch.equal(apart, torch.cat([buffer[300:n], buffer[0:300]]))
+    other = torch.zeros(2, 128)
+    assert torch.equal(joined_rows([buffer, other]), torch.cat([buffer, other]))
     assert joined_rows([buffer[2:4]]).data_ptr() == buffer[2:].data_ptr()
+    small = torch.arange(40.0).view(10, 4)  # a small pull: a tensor per table, joined by a copy
+    assert torch.equal(joined_rows([small[:3], small[3:]]), small) and joined_rows([small[:3], small[3:]]).data_ptr() != small.data_ptr()
+
+
+def test_a_large_cpu_pull_is_received_into_one_buffer_per_width_and_a_small_one_per_table() -> None:
+    from tether.worker.client_config import ClientConfig
+    from tether.worker.router import JOIN_ELEMENTS, Router
+
+    router = Router(ClientConfig(addresses=("127.0.0.1:1",), worker_id="w"), incarnation=1)
+    router.dims = {"a": 128, "b": 128, "c": 16}
+    big = {"a": np.arange(JOIN_ELEMENTS // 128), "b": np.arange(5), "c": np.arange(3)}
+    rows = router._row_buffers(big)  # noqa: SLF001
+    assert rows["b"].data_ptr() == rows["a"].data_ptr() + JOIN_ELEMENTS * 4  # back to back in one buffer
+    assert [tuple(rows[t].shape) for t in "abc"] == [(JOIN_ELEMENTS // 128, 128), (5, 128), (3, 16)]
+    small = router._row_buffers({"a": np.arange(10), "b": np.arange(5)})  # noqa: SLF001
+    assert small["b"].untyped_storage().data_ptr() != small["a"].untyped_storage().data_ptr()

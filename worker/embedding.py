@@ -32,7 +32,7 @@ from tether.worker.client import Handle, PSClient, PullResult
 from tether.worker.cuda_steps import CudaSteps
 from tether.worker.embedding_bag import ShardedEmbeddingBag
 from tether.worker.metrics import NullWorkerMetrics
-from tether.worker.router import Router
+from tether.worker.router import JOIN_ELEMENTS, Router
 from tether.worker.row_cache import CachedClient, RowCacheConfig
 from tether.worker.traffic import TrafficMeter
 from tether.worker.transfer import Chained, Prefetch, Staged, columns_of, first, flat_grads, pulled_of, split_flat, unique_columns
@@ -68,10 +68,13 @@ def check_finite(clock: int, sparse: Mapping[str, tuple[torch.Tensor, ...]], den
 
 def joined_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """The tables' rows one after another: a view of the buffer they were received into where
-    they lie there back to back (``Router``'s buffer per row width), else a copy."""
+    they lie there back to back (``Router``'s buffer per row width, for pulls of at least
+    ``JOIN_ELEMENTS`` floats), else a copy."""
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
+    if sum(p.numel() for p in parts) < JOIN_ELEMENTS:
+        return torch.cat(parts)  # small (Router gave each table a tensor): the checks below cost more than the copy
     storage, at = first.untyped_storage().data_ptr(), first.storage_offset()
     for p in parts:
         if p.dim() != 2 or not p.is_contiguous() or p.untyped_storage().data_ptr() != storage or p.storage_offset() != at:

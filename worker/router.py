@@ -20,7 +20,11 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.client_config import ClientConfig
 from tether.worker.results import PullResult
 
-__all__ = ["DenseLayout", "PullAnswer", "PullPlan", "Router"]
+__all__ = ["JOIN_ELEMENTS", "DenseLayout", "PullAnswer", "PullPlan", "Router"]
+
+# A CPU pull of at least this many floats (1 MiB) is received into one buffer per row width,
+# which the model then takes as it is; smaller ones into a tensor per table, joined by a copy.
+JOIN_ELEMENTS = 1 << 18
 
 
 @dataclass
@@ -148,10 +152,14 @@ class Router:
     def _row_buffers(self, arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Where each table's pulled rows go: a slice of one buffer per row width (tables in
         request order, back to back; pinned with ``pin_memory``), so that the model takes each
-        width's rows as they are, with no copy that joins them (``PSModel.install``)."""
+        width's rows as they are, with no copy that joins them (``PSModel.install``); on the CPU
+        a pull under ``JOIN_ELEMENTS`` floats gets a tensor per table."""
         totals: dict[int, int] = {}
         for table, arr in arrays.items():
             totals[self.dims[table]] = totals.get(self.dims[table], 0) + arr.size
+        if not self.pin_memory and sum(n * dim for dim, n in totals.items()) < JOIN_ELEMENTS:
+            # Small pulls: a tensor per table and a join cost less than slicing one buffer.
+            return {table: torch.empty(arr.size, self.dims[table]) for table, arr in arrays.items()}
         buffers = {dim: torch.empty(n, dim, pin_memory=self.pin_memory) for dim, n in totals.items()}
         start = dict.fromkeys(totals, 0)
         rows = {}
