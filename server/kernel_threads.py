@@ -21,8 +21,11 @@ __all__ = ["PARALLEL_ELEMENTS", "in_parts", "kernel_threads"]
 # A call of at least this many floats (1 MiB) is split.
 PARALLEL_ELEMENTS = 1 << 18
 # At most this many threads by default (memory, not arithmetic, bounds these calls: a few
-# threads keep enough rows in flight).
+# threads keep enough rows in flight), one per this many CPUs: a shard shares its host with
+# workers and their data threads. On a 2-CPU machine (shared with a worker and other jobs) a
+# push split in two took 20-25% longer than one thread (bench/RESULTS.md), so it is not split.
 _DEFAULT_MAX = 4
+_CPUS_PER_THREAD = 4
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _threads: int | None = None
@@ -30,7 +33,7 @@ _threads: int | None = None
 
 def kernel_threads() -> int:
     """Threads a large call is split across: ``TETHER_KERNEL_THREADS`` if set (1: never split),
-    else the CPUs this process may use, at most 4.
+    else one per 4 CPUs this process may use, at least 1 and at most 4 (a 16-CPU GPU host: 4).
 
     Raises:
         ValueError: ``TETHER_KERNEL_THREADS`` that is not an integer >= 1.
@@ -44,7 +47,7 @@ def kernel_threads() -> int:
             _threads = int(text)
         else:
             cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            _threads = max(1, min(_DEFAULT_MAX, cpus))
+            _threads = max(1, min(_DEFAULT_MAX, cpus // _CPUS_PER_THREAD))
     return _threads
 
 
