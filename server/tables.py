@@ -390,7 +390,8 @@ class EmbeddingTable:
                     lr_scale = lr_scale[keep]
             # Ids are unique: each row and its state are updated in place, in one pass of the
             # rule's compiled row kernel (tether.server.kernels), row by row with its own
-            # learning rate (a combined push's combined rows by the rule's torch form).
+            # learning rate (a combined push's combined rows by push_hooks.combine_rows: the
+            # rule's compiled combined_rows where it has one, else its torch form).
             lr = (opt.lr * (lr_scale if isinstance(lr_scale, np.ndarray) else np.full(len(slots), lr_scale))).astype(np.float32)
             grads_np = np.ascontiguousarray(grads.detach().numpy(), np.float32)
             apply_rows(self._rule, opt, self._update_rows, self._weights, self._state, np.ascontiguousarray(slots, np.int64), grads_np, lr,
