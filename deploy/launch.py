@@ -253,7 +253,6 @@ class LocalCluster(Supervision):
         # Only --metrics gives workers ports: a TETHER_METRICS_PORT in the launcher's shell would
         # give every worker the same one (the second then fails on a taken port).
         no_port = {} if metrics else {"TETHER_METRICS_PORT": ""}
-        template = replace(template, metrics_port=template.metrics_port if metrics else None)
         if template.mode.kind == "sync":
             cfg = replace(template, shards=tuple(self.addresses), worker_index=0)
             if metrics:

@@ -42,7 +42,7 @@ def test_without_metrics_a_port_in_the_launchers_shell_reaches_no_worker(tmp_pat
     # Every worker would otherwise read the same TETHER_METRICS_PORT and the second fail on a taken port.
     monkeypatch.setenv("TETHER_METRICS_PORT", "9464")
     script = _port_script(tmp_path)
-    template = WorkerConfig(num_workers=2, steps=1, shards=("127.0.0.1:1",), metrics_port=9464)
+    template = WorkerConfig(num_workers=2, steps=1, shards=("127.0.0.1:1",))
     with LocalCluster(log_dir=tmp_path / "logs") as cluster:
         cluster.addresses = ["127.0.0.1:1"]
         cluster.start_workers(template, echo=False, metrics=False, program=Program.script(str(script), [str(tmp_path)]))
