@@ -5,7 +5,7 @@ of each row's last update (``RowVersions``)."""
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 
 import numpy as np
 
@@ -16,49 +16,92 @@ __all__ = ["RowVersions", "UpdateLog"]
 
 
 class UpdateLog:
-    """The table's last updates; the table's lock guards it."""
+    """The table's last updates; the table's lock guards it.
+
+    The slots of the updates held lie in one ring of int32 (grown by doubling up to
+    ``max_slots``), each update's slots contiguous in it (or wrapping once at its end), so the
+    slots written since a read are at most two slices of it: counting them copies nothing and
+    loops over no update in Python (a row cache's push reads rows tens of updates old).
+    Positions count slots from the first one ever written; the ring holds ``[begin, end)``."""
 
     def __init__(self, max_updates: int, max_slots: int) -> None:
         self._max_updates, self._max_slots = max_updates, max_slots
-        self._log: deque[tuple[int, np.ndarray]] = deque()
-        self._slots = 0
+        self._versions: list[int] = []  # each update's table version, oldest first, from _head on
+        self._starts: list[int] = []  # the position of its first slot
+        self._head = 0
+        self._ring = np.empty(min(max_slots, 4096), np.int32)
+        self._begin = self._end = 0
 
     @property
     def nbytes(self) -> int:
         """Bytes of the slots held."""
-        return 4 * self._slots
+        return 4 * (self._end - self._begin)
 
     def record(self, version: int, slots: np.ndarray) -> None:
         """The update that made the table ``version`` wrote the rows at ``slots`` (below 2**31)."""
-        self._log.append((version, slots.astype(np.int32)))
-        self._slots += len(slots)
-        while len(self._log) > self._max_updates or self._slots > self._max_slots:
-            self._slots -= len(self._log.popleft()[1])
+        n = len(slots)
+        self._versions.append(version)
+        self._starts.append(self._end)
+        end = self._end + n
+        while len(self._versions) - self._head > self._max_updates or end - self._begin > self._max_slots:
+            self._head += 1
+            self._begin = self._starts[self._head] if self._head < len(self._versions) else end
+        if self._head > 64 and 2 * self._head > len(self._versions):
+            del self._versions[:self._head], self._starts[:self._head]
+            self._head = 0
+        if self._head == len(self._versions):  # this update alone is more than the log holds
+            self._begin = self._end = end
+            return
+        if end - self._begin > len(self._ring):
+            held = self._slices(self._begin, self._end)
+            self._ring = np.empty(min(self._max_slots, max(end - self._begin, 2 * len(self._ring))), np.int32)
+            at = self._begin
+            for part in held:
+                self._place(at, part)
+                at += len(part)
+        self._place(self._end, slots)
+        self._end = end
+
+    def _place(self, at: int, values: np.ndarray) -> None:
+        """``values`` into the ring from position ``at`` on (wrapping once)."""
+        size = len(self._ring)
+        i = at % size
+        head = min(len(values), size - i)
+        self._ring[i:i + head] = values[:head]
+        self._ring[:len(values) - head] = values[head:]
+
+    def _slices(self, a: int, b: int) -> list[np.ndarray]:
+        """The ring's positions ``[a, b)`` as one or two views."""
+        size = len(self._ring)
+        if a == b:
+            return []
+        i, j = a % size, b % size
+        return [self._ring[i:j]] if i < j else [self._ring[i:], self._ring[:j]]
 
     def clear(self) -> None:
-        self._log.clear()
-        self._slots = 0
+        self._versions.clear()
+        self._starts.clear()
+        self._head = 0
+        self._begin = self._end
 
     def count(self, slots: np.ndarray, newer: np.ndarray, version: int, read_version: int, per_row: bool) -> np.ndarray | int:
         """How many updates since ``read_version`` wrote each of ``slots`` where ``newer`` (the
         rows updated since the read), of a table now at ``version``: an int64 array per slot, or
         (``per_row`` False) the largest. A read older than the log counts each newer row as stale
-        by every update since the read. Memory: the size of the push and of the log's part
-        since the read, none per row of the table."""
-        log = self._log
-        if not log or log[0][0] > read_version + 1:
+        by every update since the read. Memory: the size of the push, none per row of the table
+        and no copy of the log."""
+        if self._head == len(self._versions) or self._versions[self._head] > read_version + 1:
             if not per_row:
                 return version - read_version
             return np.where(newer, version - read_version, 0).astype(np.int64)
-        since = []
-        for v, updated in reversed(log):
-            if v <= read_version:
-                break
-            since.append(updated)
-        seen = np.concatenate(since) if since else np.empty(0, np.int32)
-        counted = kernels.count_in(np.ascontiguousarray(slots[newer], np.int64), seen)
+        first = bisect.bisect_right(self._versions, read_version, self._head)
+        since = self._slices(self._starts[first], self._end) if first < len(self._versions) else []
+        values = np.ascontiguousarray(slots[newer], np.int64)
+        counted = kernels.count_in(values, since[0]) if since else np.zeros(len(values), np.int64)
+        if len(since) > 1:
+            counted += kernels.count_in(values, since[1])
         if not per_row:
-            return int(counted.max())
+            return int(counted.max()) if len(counted) else 0
         out = np.zeros(len(slots), np.int64)
         out[newer] = counted
         return out

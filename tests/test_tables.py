@@ -229,3 +229,29 @@ def test_a_table_holds_about_20_bytes_a_row_beyond_its_rows_and_state() -> None:
     assert index.size == 50_000 and 0.59 <= index.size / index.cells <= 0.7
     assert 4 * index.cells + 8 * index.size + 4 * table.rows <= 20.7 * table.rows
     assert table.pull(ids[:3])[0].shape == (3, 16) and table.snapshot()["ids"].tolist() == np.sort(ids).tolist()
+
+
+def test_update_log_ring_counts_as_a_list_of_every_update_would() -> None:
+    """The log's ring (grown from 2 slots, wrapping, dropping the oldest updates past either
+    cap) counts what a plain list of the updates it keeps counts."""
+    from tether.server.update_log import UpdateLog
+
+    rng = np.random.default_rng(7)
+    for max_updates, max_slots in ((3, 50), (40, 25), (8, 1000)):
+        log, kept = UpdateLog(max_updates, max_slots), []
+        log._ring = np.empty(2, np.int32)
+        for version in range(1, 120):
+            slots = rng.choice(60, int(rng.integers(0, 30)), replace=False).astype(np.int64)
+            log.record(version, slots)
+            kept.append((version, slots))
+            while len(kept) > max_updates or sum(len(s) for _, s in kept) > max_slots:
+                kept.pop(0)
+            assert log.nbytes == 4 * sum(len(s) for _, s in kept)
+            read = int(rng.integers(0, version + 1))
+            ids = rng.choice(60, 15, replace=False).astype(np.int64)
+            newer = np.ones(15, bool)
+            got = log.count(ids, newer, version, read, per_row=True)
+            if not kept or kept[0][0] > read + 1:
+                assert got.tolist() == [version - read] * 15
+            else:
+                assert got.tolist() == [sum(int((s == i).sum()) for v, s in kept if v > read) for i in ids]
