@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-__all__ = ["Child", "child_command", "free_port", "gpu_count", "spawn", "tail", "worker_device"]
+__all__ = ["SPREAD_DEVICES", "Child", "child_command", "free_port", "gpu_count", "spawn", "tail", "worker_device"]
 
 
 def _pump(stream: IO[str], prefix: str, sink: IO[str] | None, echo: bool) -> None:
@@ -101,11 +101,15 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+# The --device values worker_device spreads over the host's GPUs (only they need gpu_count, and torch).
+SPREAD_DEVICES = ("auto", "cuda")
+
+
 def worker_device(device: str, index: int, gpus: int) -> str:
     """The device of async/ssp worker ``index`` on a host with ``gpus`` GPUs: ``cuda:(index mod
     gpus)`` for ``auto`` or ``cuda`` when there are GPUs (one worker per GPU, round robin), else
     ``device`` as given (``cpu``, an explicit ``cuda:N``, or ``auto`` without a GPU)."""
-    if device in ("auto", "cuda") and gpus > 0:
+    if device in SPREAD_DEVICES and gpus > 0:
         return f"cuda:{index % gpus}"
     return device
 

@@ -64,9 +64,6 @@ def run_job(
         ClusterError: a process failed or the job ran past ``timeout_s``.
         Interrupted: Ctrl-C; every process was stopped.
     """
-    from tether.worker.ctr_job import evaluate_job, open_dataset, reference_losses
-    from tether.worker.policies import policy_class
-
     out_dir = Path(out) if out else None
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -103,11 +100,8 @@ def run_job(
                 if not workers:
                     raise ClusterError(f"the workers wrote no records to {workdir} (train with Trainer and TrainingConfig.from_env())")
                 evaluation = dict(workers[0].final_eval or {}) if workers[0].worker_index == 0 else {}
-            elif not policy_class(template.mode.kind).dense_on_shards:
-                # Dense parameters live on the ranks (sync), so rank 0 evaluated the final model.
-                evaluation = {**(workers[0].final_eval or {}), **reference_losses(open_dataset(template))}
             else:
-                evaluation = evaluate_job(replace(template, shards=tuple(addresses)))
+                evaluation = _evaluate_builtin(template, addresses, workers)
             if checkpoints:
                 _final_checkpoint(template, addresses, checkpoints)
     except KeyboardInterrupt:
@@ -117,6 +111,18 @@ def run_job(
     if out_dir:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _evaluate_builtin(template: WorkerConfig, addresses: Sequence[str], workers: Sequence[RunRecord]) -> dict[str, float]:
+    """The built-in CTR job's held-out figures. Imported here, with torch: a launcher of the
+    user's own program reads its workers' records and needs none of it."""
+    from tether.worker.ctr_job import evaluate_job, open_dataset, reference_losses
+    from tether.worker.policies import policy_class
+
+    if not policy_class(template.mode.kind).dense_on_shards:
+        # Dense parameters live on the ranks (sync), so rank 0 evaluated the final model.
+        return {**(workers[0].final_eval or {}), **reference_losses(open_dataset(template))}
+    return evaluate_job(replace(template, shards=tuple(addresses)))
 
 
 def _final_checkpoint(template: WorkerConfig, addresses: Sequence[str], root: Path) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from tether.common.exits import USAGE, interrupted
 from tether.common.config_file import to_json
 from tether.common.settings import to_env
-from tether.deploy.children import Child, child_command, free_port, gpu_count, spawn, tail, worker_device
+from tether.deploy.children import SPREAD_DEVICES, Child, child_command, free_port, gpu_count, spawn, tail, worker_device
 from tether.deploy.errors import ClusterError, Interrupted
 from tether.deploy.run_program import program_env
 from tether.deploy.supervision import Supervision
@@ -276,7 +276,7 @@ class LocalCluster(Supervision):
             argv += ["-m", "tether.worker", "--config", str(config), *extra_args]
             self.workers.append(spawn(self.log_dir, "torchrun", argv, echo=echo, env=no_port))
             return
-        gpus = gpu_count()
+        gpus = gpu_count() if template.device in SPREAD_DEVICES else 0
         for i in range(template.num_workers):
             cfg = replace(template, shards=tuple(self.addresses), worker_index=i, device=worker_device(template.device, i, gpus))
             if metrics:

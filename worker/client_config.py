@@ -4,27 +4,21 @@ from its training config with ``ClientConfig.for_training``)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from tether.common.choices import or_names
 from tether.common.security import ClientSecurity
 from tether.protos.codec import WIRE_DTYPES
 from tether.protos.framing import TRANSPORTS
-from tether.worker.row_cache import RowCacheConfig
+from tether.worker.cache_parts import RowCacheConfig
 
 if TYPE_CHECKING:
     from tether.worker.config import TrainingConfig
 
 __all__ = ["ClientConfig"]
-
-
-def or_names(names: Iterable[str]) -> str:
-    """``a, b or c``."""
-    *first, last = list(names)
-    return f"{', '.join(first)} or {last}"
 
 
 @dataclass(frozen=True)

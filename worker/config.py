@@ -12,34 +12,45 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-import torch
-
+# Torch-free: the launcher's help, flag parsing and usage errors import this module, so what
+# imports torch (the wire codec, the update rules, the row cache, the client) is imported where
+# it is used.
+from tether.common import choices
 from tether.common import settings as fields
 from tether.common.exits import end_usage_errors_in_one_line, usage_checks
-from tether.protos.codec import WIRE_DTYPES
-from tether.protos.framing import TRANSPORTS
 from tether.common.settings import default_of, derived, optional_int, optional_str, override, setting
-from tether.protos.optimizers import OptimizerConfig
+from tether.common.choices import or_names as _names
 from tether.common.security import TOKEN_ENV, ClientSecurity, resolve_token
-from tether.protos.specs import OPTIMIZERS, TableConfig
-from tether.worker.client_config import ClientConfig
-from tether.worker.client_config import or_names as _names
 from tether.worker.mode import Mode, parse_mode
-from tether.worker.row_cache import POLICIES as CACHE_POLICIES
-from tether.worker.row_cache import RowCacheConfig
 from tether.worker.stragglers import StragglerSpec, parse_straggler
-from tether.worker.table_rules import TableRules, parse_entries
+
+if TYPE_CHECKING:
+    from tether.worker.cache_parts import RowCacheConfig
+    from tether.worker.client_config import ClientConfig
+    from tether.worker.table_rules import TableRules
 
 T = TypeVar("T", bound="TrainingConfig")
 
 __all__ = ["JOB", "MODEL", "MODEL_PRESETS", "PLACE", "PROCESS", "ClientConfig", "Mode", "TrainingConfig", "WorkerConfig", "parse_mode"]
 
 
-def _wire_name(dtype: torch.dtype) -> str:
-    """``float32`` for ``torch.float32``: a wire element type's name."""
-    return next(name for name, d in WIRE_DTYPES.items() if d == dtype)
+def __getattr__(name: str) -> Any:
+    """``ClientConfig``, still importable from here, imported (with torch) when first asked for."""
+    if name == "ClientConfig":
+        from tether.worker.client_config import ClientConfig
+
+        return ClientConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def parse_entries(text: str) -> tuple[str, ...]:
+    """``tether.worker.table_rules.parse_entries`` (named as it is in argparse's message),
+    imported with torch when a ``--table-optimizer`` is given."""
+    from tether.worker.table_rules import parse_entries as parse
+
+    return parse(text)
 
 
 def _check_address(address: str) -> None:
@@ -99,11 +110,6 @@ def _check_parquet_data(data: str, num_workers: int) -> None:
 PLACE, JOB, PROCESS, MODEL = "place", "job", "process", "model"
 
 
-def _client(name: str) -> Any:
-    """The client's default of ``name``: a job setting that is the client's has its default."""
-    return default_of(ClientConfig, name)
-
-
 def _auth_token(values: Mapping[str, Any], environ: Mapping[str, str]) -> str | None:
     return resolve_token(values["auth_token_file"], environ)
 
@@ -153,11 +159,11 @@ class TrainingConfig:
                         "worker) or sync (all-reduce; start with torchrun)")
     # The shards' update rule for rows and (outside sync) dense parameters; sync steps dense
     # parameters with the matching torch optimizer.
-    optimizer: str = setting(default_of(OptimizerConfig, "name"), flag="--optimizer", choices=OPTIMIZERS, group=JOB,
+    optimizer: str = setting(choices.OPTIMIZER, flag="--optimizer", choices=choices.OPTIMIZERS, group=JOB,
                              help="server-side update rule")
-    lr: float = setting(default_of(OptimizerConfig, "lr"), flag="--lr", group=JOB, help="learning rate")
+    lr: float = setting(choices.OPTIMIZER_LR, flag="--lr", group=JOB, help="learning rate")
     # New rows start uniform in [-init_scale, init_scale] (seeded by id and seed).
-    init_scale: float = setting(default_of(TableConfig, "init_scale"), flag="--init-scale", group=JOB,
+    init_scale: float = setting(choices.INIT_SCALE, flag="--init-scale", group=JOB,
                                 help="new rows start uniform in [-S, S]")
     seed: int = setting(0, flag="--seed", group=JOB, help="seed of the model, the rows and the data")
     eval_every: int = setting(0, flag="--eval-every", group=JOB, help="worker 0 evaluates every N steps (0: only at the end)")
@@ -169,15 +175,15 @@ class TrainingConfig:
     prefetch: bool = setting(True, flag="--no-prefetch", negated=True, group=JOB,
                              help="pull each batch after the previous push has landed instead of during compute")
     log_every: int = setting(50, flag="--log-every", group=JOB, help="print progress every N steps")
-    timeout_s: float = setting(_client("timeout_s"), flag="--timeout", metavar="SECONDS", group=JOB,
+    timeout_s: float = setting(choices.CLIENT_TIMEOUT_S, flag="--timeout", metavar="SECONDS", group=JOB,
                                help="deadline of each RPC attempt, seconds")
     call_deadline_s: float = setting(
-        _client("call_deadline_s"), flag="--call-deadline", metavar="SECONDS", group=JOB,
+        choices.CLIENT_CALL_DEADLINE_S, flag="--call-deadline", metavar="SECONDS", group=JOB,
         help="longest one push, pull or declare takes, every retry included: each attempt gets at most what is left of it, "
         "and when it is spent (a shard that is down or stopped) the worker fails with Unavailable; seconds. "
         "SSP waits and the start-up join are bounded by --wait-timeout instead",
     )
-    staleness_aware: bool = setting(_client("staleness_aware"), flag="--staleness-aware", group=JOB,
+    staleness_aware: bool = setting(choices.CLIENT_STALENESS_AWARE, flag="--staleness-aware", group=JOB,
                                     help="divide each update's learning rate by its staleness (Zhang et al. 2016)")
     # Per-table rules (tether.worker.table_rules): NAME=RULE[:key=value,...] entries, and a file of them.
     table_optimizers: tuple[str, ...] = setting(
@@ -201,10 +207,10 @@ class TrainingConfig:
                                     old_flag="--ssp-timeout",
                                     help="longest wait for the other workers before failing: the start-up join (every mode) and "
                                     "the staleness bound (ssp), seconds")
-    transport: str = setting(_client("transport"), flag="--transport", choices=TRANSPORTS, group=JOB,
+    transport: str = setting(choices.CLIENT_TRANSPORT, flag="--transport", choices=choices.TRANSPORTS, group=JOB,
                              help="push/pull over the shards' data plane (auto: shared memory on the same machine, else TCP; tcp: never "
                              "shared memory) or grpc only")
-    wire_dtype: str = setting(_wire_name(_client("wire_dtype")), flag="--wire-dtype", choices=tuple(WIRE_DTYPES), group=JOB,
+    wire_dtype: str = setting(choices.CLIENT_WIRE_DTYPE, flag="--wire-dtype", choices=choices.WIRE_DTYPES, group=JOB,
                               help="element type of parameters and gradients on the wire")
     # TensorBoard scalars (loss, eval metrics, samples/s, staleness) go to <tensorboard>/worker-<index>.
     tensorboard: str | None = setting(None, flag="--tensorboard", parse=optional_str, metavar="DIR", group=JOB,
@@ -221,7 +227,7 @@ class TrainingConfig:
     cache_write_bound: int | None = setting(None, flag="--cache-write-bound", parse=optional_int, group=JOB,
                                             help="write bound: a cached row's gradients are summed and pushed once the oldest is N "
                                             "clocks old, or the row is evicted (default: --cache-bound)")
-    cache_policy: str = setting("lru", flag="--cache-policy", choices=CACHE_POLICIES, group=JOB,
+    cache_policy: str = setting("lru", flag="--cache-policy", choices=choices.CACHE_POLICIES, group=JOB,
                                 help="which cached row goes when a table's cache is full: lru or lfu")
     # Pushes in flight per worker (PERSIA's embedding_staleness; tether.worker.step): async only.
     push_window: int = setting(1, flag="--push-window", metavar="K", group=JOB,
@@ -266,6 +272,8 @@ class TrainingConfig:
     @property
     def row_cache(self) -> RowCacheConfig:
         """The row cache the cache_* fields describe."""
+        from tether.worker.cache_parts import RowCacheConfig
+
         return RowCacheConfig(rows=self.cache_rows, bound=self.cache_bound, write_bound=self.cache_write_bound, policy=self.cache_policy)
 
     @property
@@ -318,8 +326,8 @@ class TrainingConfig:
             raise ValueError(
                 f"eval_every and checkpoint_every_steps must be >= 0, got {self.eval_every!r}, {self.checkpoint_every_steps!r}"
             )
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.optimizer not in choices.OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {choices.OPTIMIZERS}, got {self.optimizer!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         if not 0 <= self.init_scale < math.inf:
@@ -334,10 +342,10 @@ class TrainingConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
         if not 0 < self.call_deadline_s < math.inf:
             raise ValueError(f"call_deadline_s (--call-deadline) must be a finite number of seconds > 0, got {self.call_deadline_s!r}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be {_names(TRANSPORTS)}, got {self.transport!r}")
-        if self.wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"wire_dtype must be {_names(WIRE_DTYPES)}, got {self.wire_dtype!r}")
+        if self.transport not in choices.TRANSPORTS:
+            raise ValueError(f"transport must be {_names(choices.TRANSPORTS)}, got {self.transport!r}")
+        if self.wire_dtype not in choices.WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be {_names(choices.WIRE_DTYPES)}, got {self.wire_dtype!r}")
         self.security  # noqa: B018 - validates the TLS and token fields together
         self.row_cache  # noqa: B018 - validates the cache_* fields together
         self._check_cache_flags()
@@ -376,6 +384,8 @@ class TrainingConfig:
     @functools.cached_property
     def table_rules(self) -> TableRules:
         """The per-table rules (``table_optimizers``, ``optimizer_config``, ``optimizer``, ``lr``)."""
+        from tether.worker.table_rules import TableRules
+
         return TableRules.of(self.table_optimizers, self.optimizer_config, self.optimizer, self.lr)
 
 
