@@ -334,7 +334,10 @@ class Shard:
         stale: list[int | np.ndarray | None] = [None] * len(sparse)
         stale += intervals[len(sparse):]
         staleness = max(intervals[len(sparse):], default=0)
-        for i, ((t, p), u) in enumerate(zip(checked, sparse)):
+        # Tables with the most updates since their read first: their count is the likeliest to
+        # reach what the others' intervals allow (hot rows take every update), so those are skipped.
+        for i in sorted(range(len(sparse)), key=lambda k: -intervals[k]):
+            (t, p), u = checked[i], sparse[i]
             if not u.ids.size or not intervals[i]:
                 continue
             if staleness_aware:
