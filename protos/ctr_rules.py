@@ -62,7 +62,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tether.protos.update_rules import Adagrad, UpdateRule, spread_squares
+from tether.protos.update_rules import Adagrad, UpdateRule, decayed, kernel_helper, spread_row, spread_squares
 
 if TYPE_CHECKING:
     from tether.protos.optimizers import OptimizerConfig
@@ -119,9 +119,8 @@ class RowwiseAdagrad(UpdateRule):
         n, d = g.shape
         for i in range(n):
             s = slots[i]
+            decayed(scratch, g, i, w, s, weight_decay)
             row = w[s]
-            for j in range(d):
-                scratch[j] = g[i, j] + weight_decay * row[j]
             before = np.sqrt(acc[s])
             acc[s] += np.float32(stats[i, 0])
             denom = before + np.sqrt(acc[s]) + eps
@@ -129,8 +128,7 @@ class RowwiseAdagrad(UpdateRule):
             for j in range(d):
                 row[j] += value * (scratch[j] / denom)
 
-    def kernel_constants(self, cfg: OptimizerConfig) -> tuple[Any, ...]:
-        return (np.float32(cfg.weight_decay), np.float32(cfg.eps))
+    kernel_constants = _ADAGRAD.kernel_constants  # (weight_decay, eps), as Adagrad's
 
     @staticmethod
     def rows(
@@ -141,9 +139,8 @@ class RowwiseAdagrad(UpdateRule):
         inv_d = np.float32(1.0) / np.float32(d)
         for i in range(n):
             s = slots[i]
+            decayed(scratch, g, i, w, s, weight_decay)
             row = w[s]
-            for j in range(d):
-                scratch[j] = g[i, j] + weight_decay * row[j]
             total = np.float32(0.0)
             for j in range(d):
                 total += scratch[j] * scratch[j]
@@ -208,34 +205,59 @@ class Ftrl(UpdateRule):
         w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, scratch: np.ndarray, z: np.ndarray, n: np.ndarray,
         weight_decay: np.float32, beta: np.float32, l1: np.float32, l2: np.float32, lr_power: np.float32,
     ) -> None:
-        rows, d = g.shape
-        square_root = lr_power == np.float32(-0.5)
-        p = -lr_power
-        for i in range(rows):
+        for i in range(len(slots)):
             s = slots[i]
-            row, zr, nr, step = w[s], z[s], n[s], lr[i]
+            step = lr[i]
             if not step > 0:
                 continue  # a rate of 0 takes no step (as in the torch form)
-            for j in range(d):
-                scratch[j] = g[i, j] + weight_decay * row[j]
-            # z and n, and n's new power left in scratch for the weights' denominators.
-            for j in range(d):
-                gj = scratch[j]
-                g2 = gj * gj
-                old = nr[j]
-                new = old + g2
-                if square_root:
-                    power = np.sqrt(new)
-                    rise = g2 / (power + np.sqrt(old)) if g2 > 0 else np.float32(0.0)
-                else:
-                    power = new ** p
-                    rise = power - old ** p
-                zr[j] += gj - rise / step * row[j]
-                nr[j] = new
-                scratch[j] = power
-            for j in range(d):
-                zj = zr[j]
-                if abs(zj) > l1:
-                    row[j] = (np.sign(zj) * l1 - zj) / ((scratch[j] + beta) / step + l2)
-                else:
-                    row[j] = np.float32(0.0)
+            decayed(scratch, g, i, w, s, weight_decay)
+            ftrl_row(w, z, n, s, scratch, scratch, True, step, beta, l1, l2, lr_power)
+
+    @staticmethod
+    def combined_rows(
+        w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, stats: np.ndarray, scratch: np.ndarray, z: np.ndarray,
+        n: np.ndarray, weight_decay: np.float32, beta: np.float32, l1: np.float32, l2: np.float32, lr_power: np.float32,
+    ) -> None:
+        # ``combine`` row by row: ``rows``' step on the decayed sum with its squares spread to the
+        # row's ``square_sum``.
+        rows, d = g.shape
+        squares = np.empty(d, np.float32)
+        for i in range(rows):
+            s = slots[i]
+            step = lr[i]
+            if not step > 0:
+                continue
+            decayed(scratch, g, i, w, s, weight_decay)
+            spread_row(squares, scratch, np.float32(stats[i, 0]))
+            ftrl_row(w, z, n, s, scratch, squares, False, step, beta, l1, l2, lr_power)
+
+
+@kernel_helper
+def ftrl_row(w: np.ndarray, z: np.ndarray, n: np.ndarray, s: int, grad: np.ndarray, squares: np.ndarray, square: bool,
+             step: np.float32, beta: np.float32, l1: np.float32, l2: np.float32, lr_power: np.float32) -> None:
+    """Algorithm 1 on row ``s`` (``Ftrl._step``'s arithmetic) in the numba subset, for the kernels:
+    ``z`` and ``n`` from the gradient ``grad`` (weight decay added) and its per-element squares
+    (``grad * grad`` where ``square``, else ``squares``: a combined push's spread squares), then
+    the weights; ``grad`` is overwritten with ``n``'s new power, which their denominators take.
+    ``step`` > 0."""
+    square_root = lr_power == np.float32(-0.5)
+    p = -lr_power
+    for j in range(len(grad)):
+        gj, old = grad[j], n[s, j]
+        g2 = gj * gj if square else squares[j]
+        new = old + g2
+        if square_root:
+            power = np.sqrt(new)
+            rise = g2 / (power + np.sqrt(old)) if g2 > 0 else np.float32(0.0)
+        else:
+            power = new ** p
+            rise = power - old ** p
+        z[s, j] += gj - rise / step * w[s, j]
+        n[s, j] = new
+        grad[j] = power
+    for j in range(len(grad)):
+        zj = z[s, j]
+        if abs(zj) > l1:
+            w[s, j] = (np.sign(zj) * l1 - zj) / ((grad[j] + beta) / step + l2)
+        else:
+            w[s, j] = np.float32(0.0)

@@ -17,10 +17,55 @@ from torch import nn
 if TYPE_CHECKING:
     from tether.protos.optimizers import OptimizerConfig
 
-__all__ = ["Adagrad", "Adam", "RuleOptimizer", "SGD", "UpdateRule", "spread_squares"]
+__all__ = ["Adagrad", "Adam", "KERNEL_HELPERS", "RuleOptimizer", "SGD", "UpdateRule", "decayed", "kernel_helper", "spread_row",
+           "spread_squares"]
 
 # The smallest normal float32 (a compile-time constant of the kernels that divide by a mean).
 _TINY = np.float32(np.finfo(np.float32).tiny)
+
+# The pieces the rules' kernels share: plain functions in the numba subset, which a kernel calls as
+# it would a numba function. This module never imports numba: ``tether.server.row_kernels``
+# registers every function here with numba (inlined where it is called) before it compiles a
+# kernel. numba's disk cache keys a kernel by its own file only: after editing a helper, a kernel
+# in another file (``tether.protos.ctr_rules``) is compiled again only once that file changes too
+# or the cache (``NUMBA_CACHE_DIR``, or ``__pycache__``) is cleared.
+KERNEL_HELPERS: list[Callable[..., None]] = []
+
+
+def kernel_helper(fn: Callable[..., None]) -> Callable[..., None]:
+    """Add ``fn`` to ``KERNEL_HELPERS`` (a function the rules' kernels call)."""
+    KERNEL_HELPERS.append(fn)
+    return fn
+
+
+@kernel_helper
+def decayed(out: np.ndarray, g: np.ndarray, i: int, w: np.ndarray, s: int, weight_decay: np.float32) -> None:
+    """``out = g[i] + weight_decay * w[s]``: a pushed row's gradient with its weight decay added
+    (every kernel's first loop over a row). The helpers take whole arrays and a row's index, not
+    the row (a view), and a kernel makes its views of a row after the helpers that branch
+    (``spread_row``): a view alive across one cost numba's reference counting in every row, and
+    Adagrad's combine twice its time."""
+    for j in range(len(out)):
+        out[j] = g[i, j] + weight_decay * w[s, j]
+
+
+@kernel_helper
+def spread_row(out: np.ndarray, g: np.ndarray, square_sum: np.float32) -> None:
+    """``spread_squares`` of one row ``g`` into ``out``: ``g * g`` scaled so that its mean is
+    ``square_sum`` (``square_sum`` everywhere where ``g`` is 0)."""
+    d = len(g)
+    total = np.float32(0.0)
+    for j in range(d):
+        out[j] = g[j] * g[j]
+        total += out[j]
+    mean = total / np.float32(d)
+    if mean > 0:
+        scale = square_sum / max(mean, _TINY)
+        for j in range(d):
+            out[j] = out[j] * scale
+    else:
+        for j in range(d):
+            out[j] = square_sum
 
 
 class UpdateRule:
@@ -204,9 +249,8 @@ class Adagrad(UpdateRule):
         n, d = g.shape
         for i in range(n):
             s = slots[i]
+            decayed(scratch, g, i, w, s, weight_decay)
             row, state, step = w[s], acc[s], lr[i]
-            for j in range(d):
-                scratch[j] = g[i, j] + weight_decay * row[j]
             for j in range(d):
                 state[j] += scratch[j] * scratch[j]
             for j in range(d):
@@ -233,29 +277,15 @@ class Adagrad(UpdateRule):
         weight_decay: np.float32, eps: np.float32,
     ) -> None:
         # ``combine`` row by row: the decayed sum in ``scratch``, its squares spread to the row's
-        # ``square_sum`` (``spread_squares``: scaled so that their mean is it, or it everywhere
-        # where the sum is 0) added to the accumulator while its square roots before and after
-        # make the denominator.
+        # ``square_sum`` added to the accumulator while its square roots before and after make
+        # the denominator.
         n, d = g.shape
         spread = np.empty(d, np.float32)
         for i in range(n):
             s = slots[i]
-            row, state = w[s], acc[s]
-            for j in range(d):
-                scratch[j] = g[i, j] + weight_decay * row[j]
-            total = np.float32(0.0)
-            for j in range(d):
-                spread[j] = scratch[j] * scratch[j]
-                total += spread[j]
-            mean = total / np.float32(d)
-            square_sum = np.float32(stats[i, 0])
-            if mean > 0:
-                scale = square_sum / max(mean, _TINY)
-                for j in range(d):
-                    spread[j] = spread[j] * scale
-            else:
-                for j in range(d):
-                    spread[j] = square_sum
+            decayed(scratch, g, i, w, s, weight_decay)
+            spread_row(spread, scratch, np.float32(stats[i, 0]))
+            row, state = w[s], acc[s]  # views made after the helpers (see ``decayed``)
             value = np.float32(-2.0) * lr[i]
             for j in range(d):
                 before = np.sqrt(state[j])
@@ -310,12 +340,11 @@ class Adam(UpdateRule):
         n, d = g.shape
         for i in range(n):
             s = slots[i]
+            decayed(scratch, g, i, w, s, weight_decay)
             row, mr, vr, step = w[s], m[s], v[s], lr[i]
             t[s] += 1
             bc1 = np.float32(-np.expm1(np.float64(t[s]) * log1))
             bc2 = np.float32(-np.expm1(np.float64(t[s]) * log2))
-            for j in range(d):
-                scratch[j] = g[i, j] + weight_decay * row[j]
             for j in range(d):
                 mr[j] = b1 * mr[j] + c1 * scratch[j]
             for j in range(d):
@@ -347,6 +376,43 @@ class Adam(UpdateRule):
             bc1, bc2 = (1 - torch.pow(cfg.beta1, tt)).float(), (1 - torch.pow(cfg.beta2, tt)).float()
             move += torch.where(rows, (m / bc1) / ((v / bc2).sqrt() + cfg.eps), 0.0)
         w.add_(move, alpha=-lr)
+
+    @staticmethod
+    def combined_rows(
+        w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, stats: np.ndarray, scratch: np.ndarray, m: np.ndarray,
+        v: np.ndarray, t: np.ndarray, weight_decay: np.float32, beta1: np.float64, beta2: np.float64, eps: np.float32,
+    ) -> None:
+        # ``combine`` row by row: the decayed sum over its count k in ``scratch`` (each step's
+        # gradient), its spread squares over k in ``square``, and the k steps' bias-corrected
+        # moves summed in ``move`` (the factors and corrections as in ``rows``).
+        b1, c1, log1 = np.float32(beta1), np.float32(1.0 - beta1), np.log(beta1)
+        b2, c2, log2 = np.float32(beta2), np.float32(1.0 - beta2), np.log(beta2)
+        n, d = g.shape
+        square, move = np.empty(d, np.float32), np.empty(d, np.float32)
+        for i in range(n):
+            s = slots[i]
+            k = np.float32(stats[i, 0])
+            decayed(scratch, g, i, w, s, weight_decay)
+            spread_row(square, scratch, np.float32(stats[i, 1]))
+            row, mr, vr = w[s], m[s], v[s]
+            for j in range(d):
+                scratch[j] = scratch[j] / k
+            for j in range(d):
+                square[j] = square[j] / k
+                move[j] = np.float32(0.0)
+            for _ in range(int(k)):
+                t[s] += 1
+                bc1 = np.float32(-np.expm1(np.float64(t[s]) * log1))
+                bc2 = np.float32(-np.expm1(np.float64(t[s]) * log2))
+                for j in range(d):
+                    mr[j] = b1 * mr[j] + c1 * scratch[j]
+                for j in range(d):
+                    vr[j] = b2 * vr[j] + c2 * square[j]
+                for j in range(d):
+                    move[j] += (mr[j] / bc1) / (np.sqrt(vr[j] / bc2) + eps)
+            step = lr[i]
+            for j in range(d):
+                row[j] -= step * move[j]
 
     def torch_optimizer(self, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)

@@ -30,6 +30,7 @@ from llvmlite import ir  # type: ignore[import-untyped]
 from numba.core import cgutils
 
 from tether.protos.optimizers import OPTIMIZERS, OptimizerConfig, UpdateRule, rule
+from tether.protos.update_rules import KERNEL_HELPERS
 from tether.server.kernel_threads import PARALLEL_ELEMENTS, in_parts
 
 __all__ = [
@@ -339,11 +340,17 @@ def count_in(values: np.ndarray, seen: np.ndarray) -> np.ndarray:
 # or loaded from the disk cache, on their first call), keyed by the kernel function.
 _row_kernels: dict[Callable[..., None], Any] = {}
 _row_kernels_lock = threading.Lock()
+_helpers: set[Callable[..., None]] = set()
 
 
 def _kernel(fn: Callable[..., None]) -> Any:
-    """The compiled form of a rule's kernel function (one per function for the process)."""
+    """The compiled form of a rule's kernel function (one per function for the process), the
+    rules' shared pieces (``update_rules.KERNEL_HELPERS``) registered with numba first."""
     with _row_kernels_lock:
+        for helper in KERNEL_HELPERS:
+            if helper not in _helpers:
+                numba.extending.register_jitable(inline="always")(helper)
+                _helpers.add(helper)
         kernel = _row_kernels.get(fn)
         if kernel is None:
             kernel = _row_kernels[fn] = _jit_math(fn)

@@ -228,7 +228,7 @@ def _rows_and_state(table: EmbeddingTable | LocalTable, ids: np.ndarray) -> tupl
 
 
 @pytest.mark.parametrize("table_type", [EmbeddingTable, LocalTable])
-@pytest.mark.parametrize("name", ["adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("name", ["adagrad", "adam", "rowwise_adagrad", "ftrl"])
 def test_a_shards_table_and_local_mode_combine_with_the_rules_compiled_kernel(name: str, table_type: type) -> None:
     """Where the rule has a compiled combine (``kernels.combined_update``), a shard's table and
     local mode apply a combined push's summed rows with it, bit for bit; the row of one
