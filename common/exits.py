@@ -9,6 +9,7 @@ code."""
 from __future__ import annotations
 
 import atexit
+import io
 import logging
 import os
 import signal
@@ -77,10 +78,21 @@ def end_usage_errors_in_one_line(prog: str = "tether worker") -> None:
             previous(kind, exc, tb)
             return
         report_usage_error(prog, exc)
+        _print_captured(sys.stderr)
         atexit._run_exitfuncs()  # noqa: SLF001 - the interpreter's exit handlers, which os._exit skips
         exit_process(USAGE)
 
     sys.excepthook = _hook = hook
+
+
+def _print_captured(stream: object) -> None:
+    """Write to the process's stderr what a hook wrapping ours collected in ``stream``: it would
+    print it once ours returned, and ours ends the process instead. ``torch.distributed``'s
+    ``init_process_group`` wraps the hook so (to prefix each line with the rank): without this a
+    sync rank's usage error ended it with exit code 2 and no line at all."""
+    if isinstance(stream, io.StringIO) and sys.__stderr__ is not None and stream is not sys.__stderr__:
+        sys.__stderr__.write(stream.getvalue())
+        sys.__stderr__.flush()
 
 
 @contextmanager

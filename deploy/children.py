@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-__all__ = ["SPREAD_DEVICES", "Child", "child_command", "free_port", "gpu_count", "spawn", "tail", "worker_device"]
+from tether.deploy.errors import ClusterError
+
+__all__ = ["SPREAD_DEVICES", "Child", "child_command", "free_port", "free_ports", "gpu_count", "spawn", "tail", "worker_device"]
 
 
 def _pump(stream: IO[str], prefix: str, sink: IO[str] | None, echo: bool) -> None:
@@ -127,3 +129,27 @@ def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_ports(host: str, count: int, tries: int = 100) -> int:
+    """A port P with P .. P+count-1 all free now: torchrun's ranks on one host serve their metrics
+    on one base port plus their local rank. A free P alone is not enough: on a busy host the
+    ports beside an ephemeral one are often held by connections.
+
+    Raises:
+        ClusterError: no such run of ports found in ``tries`` tries.
+    """
+    import socket
+
+    for _ in range(tries):
+        base = free_port(host)
+        if base + count - 1 > 65535:
+            continue
+        try:
+            for port in range(base + 1, base + count):
+                with socket.socket() as s:
+                    s.bind((host, port))
+        except OSError:
+            continue
+        return base
+    raise ClusterError(f"no {count} free consecutive ports on {host} in {tries} tries")

@@ -28,7 +28,7 @@ from pathlib import Path
 from tether.common.exits import USAGE, interrupted
 from tether.common.config_file import to_json
 from tether.common.settings import to_env
-from tether.deploy.children import SPREAD_DEVICES, Child, child_command, free_port, gpu_count, spawn, tail, worker_device
+from tether.deploy.children import SPREAD_DEVICES, Child, child_command, free_port, free_ports, gpu_count, spawn, tail, worker_device
 from tether.deploy.errors import ClusterError, Interrupted
 from tether.deploy.run_program import program_env
 from tether.deploy.supervision import Supervision
@@ -256,8 +256,8 @@ class LocalCluster(Supervision):
         if template.mode.kind == "sync":
             cfg = replace(template, shards=tuple(self.addresses), worker_index=0)
             if metrics:
-                # Each rank serves on the base port plus its local rank.
-                base = free_port(self.host)
+                # Each rank serves on the base port plus its local rank: every one of them free.
+                base = free_ports(self.host, template.num_workers)
                 self.metrics_ports.update({f"worker-{i}": base + i for i in range(template.num_workers)})
                 cfg = replace(cfg, metrics_port=base)
             # Each rank's stderr is also kept in its own file, so a failed rank's error can be shown
