@@ -2,7 +2,7 @@
 the index it replaced (issue 28 item 5), side by side in one process.
 
 - old: (key, slot) int64 pairs in one ``[n, 2]`` array, a power of two at a load factor of at
-  most 1/3 (``kernels.index_place`` / ``index_lookup``, which the worker's row cache still uses):
+  most 1/3 (``index_kernels.index_place`` / ``index_lookup``, which the worker's row cache still uses):
   64 MiB for a million rows;
 - new: ``IdIndex``: the ids by slot (int64) and int32 cells holding a slot and a fingerprint, at a
   load factor of 0.6-0.7.
@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from tether.server import kernels
+from tether.server import index_kernels
 from tether.server.index import IdIndex
 
 
@@ -34,8 +34,8 @@ def old_cells(ids: np.ndarray) -> np.ndarray:
     cap = 16
     while 3 * len(ids) > cap:
         cap *= 2
-    cells = np.full((cap, 2), kernels.EMPTY_SLOT, np.int64)
-    kernels.index_place(cells, ids, np.arange(len(ids), dtype=np.int64))
+    cells = np.full((cap, 2), index_kernels.EMPTY_SLOT, np.int64)
+    index_kernels.index_place(cells, ids, np.arange(len(ids), dtype=np.int64))
     return cells
 
 
@@ -66,7 +66,7 @@ def main() -> int:
         index.insert(ids[a : a + 65_536], np.arange(a, min(a + 65_536, len(ids)), dtype=np.int64))
 
     def old(q: np.ndarray) -> np.ndarray:
-        return kernels.index_lookup(cells, q)  # type: ignore[no-any-return]
+        return index_kernels.index_lookup(cells, q)  # type: ignore[no-any-return]
 
     want = rng.choice(len(ids), args.batch, replace=False)
     assert np.array_equal(old(ids[want]), want) and np.array_equal(index.lookup(ids[want]), want)

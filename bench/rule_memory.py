@@ -56,7 +56,7 @@ def measure(name: str, rows: int, dim: int) -> dict[str, Any]:
 
     from tether.protos.optimizers import OptimizerConfig
     from tether.protos.specs import TableConfig
-    from tether.server import kernels
+    from tether.server import row_kernels
     from tether.server.tables import EmbeddingTable
 
     torch.set_num_threads(1)
@@ -65,7 +65,7 @@ def measure(name: str, rows: int, dim: int) -> dict[str, Any]:
     grads = torch.full((_BATCH, dim), 1e-2)
     # The kernels compiled (or loaded from the disk cache), as a shard does when it starts, and
     # the code paths run once on a small table first: the memory of compiling is not the table's.
-    kernels.warm_up()
+    row_kernels.warm_up()
     warm = EmbeddingTable(TableConfig("warm", dim, OptimizerConfig(name, lr=0.01)))
     small = np.arange(64, dtype=np.int64)
     warm.locate(small)

@@ -123,7 +123,7 @@ class UpdateRule:
     # (float32 per row) with ``stats[i]`` its ``combined_stats`` (float32, every row a sum: first
     # column not -1); ``scratch`` and ``constants`` as for ``rows``. It agrees with ``combine``
     # within float rounding (``tests/test_rules_combined_kernels.py``). The shard compiles it
-    # (``tether.server.kernels.combined_update``).
+    # (``tether.server.row_kernels.combined_update``).
     combined_rows: Callable[..., None] | None = None
 
     def combine(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, stats: torch.Tensor, state: Mapping[str, torch.Tensor],

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from tether.common.exits import DONE, FAILED, exit_process, run_command, usage_checks
 from tether.protos.errors import TetherError, UsageError
-from tether.server import kernels
+from tether.server import row_kernels
 from tether.server.config import ShardConfig, load_config
 from tether.common.allocator import tune_malloc
 from tether.server.metrics import NullShardMetrics, ShardRecorder
@@ -34,7 +34,7 @@ def _write_port_file(path: str, port: int) -> None:
 def _warm_up_kernels() -> None:
     started = time.perf_counter()
     try:
-        kernels.warm_up()
+        row_kernels.warm_up()
     except Exception:  # a request then compiles what it needs, and fails with the same error if it must
         log.exception("compiled kernels could not be loaded or compiled in advance")
         return

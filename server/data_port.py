@@ -41,7 +41,7 @@ from google.protobuf.message import DecodeError
 from tether.protos import framing as dp
 from tether.protos import tether_pb2 as pb
 from tether.protos.errors import OVERLOADED
-from tether.server import kernels
+from tether.server import row_kernels
 from tether.server.connection import Connection, Refuse, close_all, drain, readable
 from tether.server.data_handshake import Handshakes
 from tether.server.kernel_threads import in_parts
@@ -367,7 +367,7 @@ GATHER_ELEMENTS = 1 << 16
 def gather_rows(source: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
     """``source[rows]`` written into ``out`` (a pulled table's rows, straight into the shared
     region): a large pull's float32 rows (``GATHER_ELEMENTS`` floats or more) by the compiled
-    gather (``kernels.gather_rows``), in runs of rows on several threads
+    gather (``row_kernels.gather_rows``), in runs of rows on several threads
     (``tether.server.kernel_threads``); anything else (a small pull, where calling a kernel costs
     more than the copy), or a row outside ``source``, by ``torch.index_select`` (which says so)."""
     if (len(rows) * source.shape[-1] < GATHER_ELEMENTS or source.dim() != 2 or source.dtype != torch.float32
@@ -379,4 +379,4 @@ def gather_rows(source: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> 
         torch.index_select(source, 0, rows, out=out)
         return
     src, dest = source.numpy(), out.numpy()
-    in_parts(lambda a, b: kernels.gather_rows(src, index[a:b], dest[a:b]), len(index), src.shape[1])
+    in_parts(lambda a, b: row_kernels.gather_rows(src, index[a:b], dest[a:b]), len(index), src.shape[1])

@@ -3,7 +3,7 @@
 The ids live in one array by slot (``keys[slot]`` is the id of that row: 8 bytes a row, the
 only copy of the ids a table keeps) and the hash is an array of int32 cells, each naming a slot
 or marking the cell empty or removed: 4 bytes a cell, at a load factor between 0.6 and 0.7, so
-5.7-6.7 bytes a row. Lookups and inserts are compiled loops (``tether.server.kernels``:
+5.7-6.7 bytes a row. Lookups and inserts are compiled loops (``tether.server.index_kernels``:
 ``slot_lookup``, ``slot_place``) over the batch: linear probing from each id's splitmix64 home
 cell. They cost O(batch) however many rows the table holds.
 
@@ -39,7 +39,7 @@ import math
 
 import numpy as np
 
-from tether.server import kernels
+from tether.server import index_kernels
 from tether.server.zeroed import zeros
 
 __all__ = ["IdIndex"]
@@ -62,7 +62,7 @@ def _cells(n: int) -> np.ndarray:
     # Every cell is written, but from a mapping of its own where large (``zeroed``), so that a
     # rebuild's old cells go back to the kernel instead of leaving holes in the heap.
     cells = zeros(n, np.int32)
-    cells.fill(kernels.EMPTY_SLOT)
+    cells.fill(index_kernels.EMPTY_SLOT)
     return cells
 
 
@@ -93,7 +93,7 @@ class IdIndex:
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each id (int64), -1 where the id is absent."""
         cells, keys, bits = self._snap  # one snapshot, however the writer grows the index meanwhile
-        return kernels.slot_lookup(cells, keys, bits, np.ascontiguousarray(ids, np.int64))
+        return index_kernels.slot_lookup(cells, keys, bits, np.ascontiguousarray(ids, np.int64))
 
     def insert(self, ids: np.ndarray, new_slots: np.ndarray) -> None:
         """Add unique ids that are absent, with their slots (unique, and not any present id's
@@ -118,7 +118,7 @@ class IdIndex:
             self._rebuild(ids, new_slots, end)
         else:
             keys[new_slots] = ids  # before the cells that name them
-            kernels.slot_place(cells, bits, ids, new_slots)
+            index_kernels.slot_place(cells, bits, ids, new_slots)
         self._end = end
         self.size += len(ids)
 
@@ -137,8 +137,8 @@ class IdIndex:
         keys[new_slots] = ids
         bits = _bits(nkeys)
         cells = _cells(max(_MIN_CELLS, math.ceil((self.size + len(ids)) / _TARGET_LOAD)))
-        kernels.slot_rebuild(old_cells, old_bits, cells, bits, keys)
-        kernels.slot_place(cells, bits, ids, new_slots)
+        index_kernels.slot_rebuild(old_cells, old_bits, cells, bits, keys)
+        index_kernels.slot_place(cells, bits, ids, new_slots)
         self._snap = (cells, keys, bits)
         self.tombstones = 0
 
@@ -149,9 +149,9 @@ class IdIndex:
         removed id's old slot; tables that remove (and reuse slots) read under their lock.
         """
         cells, keys, bits = self._snap
-        where = kernels.slot_cells(cells, keys, bits, np.ascontiguousarray(ids, np.int64))
+        where = index_kernels.slot_cells(cells, keys, bits, np.ascontiguousarray(ids, np.int64))
         where = where[where >= 0]
-        cells[where] = kernels.REMOVED_SLOT
+        cells[where] = index_kernels.REMOVED_SLOT
         self.size -= len(where)
         self.tombstones += len(where)
         return len(where)

@@ -19,7 +19,7 @@ import torch
 from tether.protos.errors import InvalidArgument
 from tether.protos.optimizers import OptimizerConfig, UpdateRule
 from tether.protos.schedules import delay_compensated
-from tether.server.kernels import CombinedUpdate, RowUpdate, combined_update
+from tether.server.row_kernels import CombinedUpdate, RowUpdate, combined_update
 
 __all__ = ["adjusted", "apply_rows", "check_combined", "combine_rows", "check_compensation", "check_read"]
 
@@ -113,7 +113,7 @@ def combine_rows(update_rule: UpdateRule, cfg: OptimizerConfig, weights: torch.T
     the sum of several gradients (``stats``' first column not -1), updated in place from
     ``grads`` (rows x dim) at rates ``lr`` (float32 per row) with ``stats`` (rows x
     ``len(combined_stats)``): by the rule's compiled ``combined_rows``
-    (``kernels.combined_update``) where it has one, else by its torch form (``apply_combined``).
+    (``row_kernels.combined_update``) where it has one, else by its torch form (``apply_combined``).
     A shard's push (``apply_rows``) and local mode (``tether.worker.local_table``) both call it."""
     slots, grads = np.ascontiguousarray(slots, np.int64), np.ascontiguousarray(grads, np.float32)
     lr = np.ascontiguousarray(lr, np.float32)
@@ -133,5 +133,5 @@ def combine_rows(update_rule: UpdateRule, cfg: OptimizerConfig, weights: torch.T
 
 @functools.lru_cache(maxsize=256)
 def _combined_update(update_rule: UpdateRule, cfg: OptimizerConfig, dim: int) -> CombinedUpdate | None:
-    """``kernels.combined_update`` bound once per rule, constants and width."""
+    """``row_kernels.combined_update`` bound once per rule, constants and width."""
     return combined_update(update_rule, cfg, dim)

@@ -3,7 +3,7 @@ import threading
 import numpy as np
 
 from tether.protos.partition import mix64
-from tether.server import kernels
+from tether.server import index_kernels
 from tether.server.index import IdIndex
 
 
@@ -60,19 +60,19 @@ def test_a_fingerprint_that_matches_another_id_goes_on_probing() -> None:
     # must be compared, and a lookup goes on past each wrong one.
     ids = np.array([11, 22, 33, 44, 55], np.int64)
     keys = np.full(8, 99, np.int64)
-    cells = np.full(16, kernels.EMPTY_SLOT, np.int32)
+    cells = np.full(16, index_kernels.EMPTY_SLOT, np.int32)
     slots = np.array([7, 0, 3, 5, 1], np.int64)
     keys[slots] = ids
-    kernels.slot_place(cells, 31, ids, slots)
-    assert kernels.slot_lookup(cells, keys, 31, ids).tolist() == slots.tolist()
-    assert kernels.slot_lookup(cells, keys, 31, np.array([99, 0, 12], np.int64)).tolist() == [-1, -1, -1]
-    where = kernels.slot_cells(cells, keys, 31, ids)
+    index_kernels.slot_place(cells, 31, ids, slots)
+    assert index_kernels.slot_lookup(cells, keys, 31, ids).tolist() == slots.tolist()
+    assert index_kernels.slot_lookup(cells, keys, 31, np.array([99, 0, 12], np.int64)).tolist() == [-1, -1, -1]
+    where = index_kernels.slot_cells(cells, keys, 31, ids)
     assert sorted(cells[where].tolist()) == sorted(slots.tolist())
     # The same ids, many at once (the lookup's prefetching passes) and with a removed cell.
     many = np.tile(ids, 50)
-    assert kernels.slot_lookup(cells, keys, 31, many).tolist() == np.tile(slots, 50).tolist()
-    cells[where[2]] = kernels.REMOVED_SLOT
-    assert kernels.slot_lookup(cells, keys, 31, ids).tolist() == [7, 0, -1, 5, 1]
+    assert index_kernels.slot_lookup(cells, keys, 31, many).tolist() == np.tile(slots, 50).tolist()
+    cells[where[2]] = index_kernels.REMOVED_SLOT
+    assert index_kernels.slot_lookup(cells, keys, 31, ids).tolist() == [7, 0, -1, 5, 1]
 
 
 def test_lookups_in_big_batches_match_one_at_a_time() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tether.protos.optimizers import OPTIMIZERS, SGD, OptimizerConfig, RuleOptimizer, UpdateRule, rule
-from tether.server import kernels
+from tether.server import row_kernels
 from tether.server.tables import EmbeddingTable, TableConfig
 
 # Rules whose dense form is the rule itself (row-wise Adagrad steps dense values as Adagrad).
@@ -134,7 +134,7 @@ def test_an_unknown_rule_is_named() -> None:
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 @pytest.mark.parametrize("name", _SAME_ON_DENSE)
 def test_a_tables_compiled_row_update_is_its_torch_optimizer_row_by_row(name: str, weight_decay: float) -> None:
-    """The shard's compiled row kernels (server/kernels.py) take the steps torch.optim takes on
+    """The shard's compiled row kernels (server/row_kernels.py) take the steps torch.optim takes on
     each row, each row with its own learning-rate factor (staleness-aware pushes)."""
     torch.manual_seed(2)
     cfg = OptimizerConfig(name=name, lr=0.05, eps=1e-8, weight_decay=weight_decay)
@@ -213,7 +213,7 @@ def test_each_rules_compiled_row_kernel_takes_the_steps_of_its_torch_form(name: 
     state0 = {k: torch.full((rows, *s), r.initial_state(cfg).get(k, 0.0)) for k, s in r.state_shapes(dim).items()}
     w_kernel, state_kernel = w0.clone(), {k: t.clone() for k, t in state0.items()}
     w_torch, state_torch = w0.clone(), {k: t.clone() for k, t in state0.items()}
-    update = kernels.row_update(r, cfg, dim)
+    update = row_kernels.row_update(r, cfg, dim)
     for _ in range(6):
         slots = torch.randperm(rows, generator=gen)[:per_push].numpy().astype(np.int64)
         grads = torch.randn(per_push, dim, generator=gen) * torch.logspace(-6, 0, per_push)[:, None]
@@ -249,13 +249,13 @@ class _SignSGD(UpdateRule):
 
 
 def test_the_kernel_machinery_takes_any_rule_object() -> None:
-    """server/kernels.py compiles and calls whatever kernel a rule object holds, by no name: a
+    """server/row_kernels.py compiles and calls whatever kernel a rule object holds, by no name: a
     new rule needs no line there."""
     w = np.zeros((3, 2), np.float32)
-    update = kernels.row_update(_SignSGD(), OptimizerConfig("sgd"), 2)
+    update = row_kernels.row_update(_SignSGD(), OptimizerConfig("sgd"), 2)
     update(w, {}, np.array([2, 0], np.int64), np.array([[1.0, -2.0], [0.0, 3.0]], np.float32), np.array([0.5, 0.25], np.float32))
     assert w.tolist() == [[0.0, -0.25], [0.0, 0.0], [-0.5, 0.5]]
-    assert kernels.row_kernel(SGD()) is kernels.row_kernel(rule("sgd"))
+    assert row_kernels.row_kernel(SGD()) is row_kernels.row_kernel(rule("sgd"))
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

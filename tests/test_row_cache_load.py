@@ -23,7 +23,7 @@ _SCRIPT = textwrap.dedent("""
     import numba
     import torch
     from torch import nn
-    from tether.server import kernels
+    from tether.server import index_kernels
     from tether.worker import cache_batch, cache_kernels, row_slots
     from tether.worker.embedding import ShardedEmbeddingBag
     from tether.worker.config import TrainingConfig
@@ -31,9 +31,9 @@ _SCRIPT = textwrap.dedent("""
 
     def signatures():
         out = {}
-        for mod in (cache_batch, cache_kernels, kernels):
+        for mod in (cache_batch, cache_kernels, index_kernels):
             for name, fn in vars(mod).items():
-                if isinstance(fn, numba.core.registry.CPUDispatcher) and (mod is not kernels or name.startswith("index_")):
+                if isinstance(fn, numba.core.registry.CPUDispatcher) and (mod is not index_kernels or name.startswith("index_")):
                     out[mod.__name__ + "." + name] = sorted(str(s) for s in fn.signatures)
         return out
 
@@ -66,7 +66,7 @@ def test_a_real_cache_step_compiles_nothing_the_warm_up_did_not() -> None:
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["evictions"] > 0  # the run went through eviction and the index's rebuilds
     for name in ("tether.worker.cache_batch.plan_all", "tether.worker.cache_batch.store_all", "tether.worker.cache_batch.take_all",
-                 "tether.worker.cache_batch._append", "tether.server.kernels.index_lookup"):
+                 "tether.worker.cache_batch._append", "tether.server.index_kernels.index_lookup"):
         assert got["before"][name], name  # the warm-up compiled (or loaded) it
     assert got["after"] == got["before"]
 

@@ -16,7 +16,7 @@ from tether.protos.errors import InvalidArgument
 from tether.protos.optimizers import OptimizerConfig, rule
 from tether.protos.update_rules import spread_squares
 from tether.protos.specs import TableConfig
-from tether.server.kernels import combined_update
+from tether.server.row_kernels import combined_update
 from tether.server.serve import RunningShard
 from tether.server.shard import Shard, SparseUpdate
 from tether.server.tables import EmbeddingTable
@@ -230,7 +230,7 @@ def _rows_and_state(table: EmbeddingTable | LocalTable, ids: np.ndarray) -> tupl
 @pytest.mark.parametrize("table_type", [EmbeddingTable, LocalTable])
 @pytest.mark.parametrize("name", ["adagrad", "adam", "rowwise_adagrad", "ftrl"])
 def test_a_shards_table_and_local_mode_combine_with_the_rules_compiled_kernel(name: str, table_type: type) -> None:
-    """Where the rule has a compiled combine (``kernels.combined_update``), a shard's table and
+    """Where the rule has a compiled combine (``row_kernels.combined_update``), a shard's table and
     local mode apply a combined push's summed rows with it, bit for bit; the row of one
     gradient takes the ordinary step."""
     cfg = TableConfig("t", DIM, optimizer=OptimizerConfig(name, lr=0.05, weight_decay=0.01), init_scale=0.5, seed=4)

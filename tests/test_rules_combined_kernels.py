@@ -13,7 +13,7 @@ import torch
 
 from tether.protos.optimizers import OPTIMIZERS, OptimizerConfig, UpdateRule, rule
 from tether.server.push_hooks import apply_rows
-from tether.server.kernels import combined_update, row_update
+from tether.server.row_kernels import combined_update, row_update
 
 WITH_KERNEL = [name for name in OPTIMIZERS if rule(name).combined_rows is not None]
 ROWS, DIM = 50, 16

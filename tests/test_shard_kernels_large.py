@@ -11,7 +11,7 @@ import torch
 from tether.protos.initial import _column_steps, _salt, init_rows
 from tether.protos.optimizers import OptimizerConfig, rule
 from tether.protos.specs import TableConfig
-from tether.server import kernel_threads, kernels
+from tether.server import kernel_threads, row_kernels
 from tether.server.data_port import gather_rows
 from tether.server.tables import EmbeddingTable
 from tether.server.zeroed import MAPPED_BYTES, RESERVE_FACTOR, float_rows, grow_rows
@@ -34,7 +34,7 @@ def test_compiled_initial_rows_are_init_rows_bit_for_bit(dim: int, scale: float)
     rng = np.random.default_rng(dim)
     ids = np.concatenate([rng.integers(-(2**63), 2**63 - 1, 3000, dtype=np.int64), [-1, 0, 2**63 - 1, -(2**63)]]).astype(np.int64)
     out = np.full((len(ids), dim), np.nan, np.float32)
-    kernels.init_rows_into(ids, _salt(7, "cat_3"), _column_steps(dim)[0], np.float32(2 * scale / (1 << 24)), np.float32(scale), out)
+    row_kernels.init_rows_into(ids, _salt(7, "cat_3"), _column_steps(dim)[0], np.float32(2 * scale / (1 << 24)), np.float32(scale), out)
     assert np.array_equal(out.view(np.uint32), init_rows(ids, dim, 7, "cat_3", scale).numpy().view(np.uint32))
 
 
@@ -80,7 +80,7 @@ def test_a_large_update_split_across_threads_is_the_one_thread_update_bit_for_bi
         w = np.ones((20_000, dim), np.float32)
         state = {k: np.full((20_000, *s), 0.1, np.float32) for k, s in r.state_shapes(dim).items()}
         for _ in range(3):
-            kernels.row_update(r, cfg, dim)(w, state, slots, grads, lr)
+            row_kernels.row_update(r, cfg, dim)(w, state, slots, grads, lr)
         results.append((w, state))
     (w1, s1), (w3, s3) = results
     assert np.array_equal(w1.view(np.uint32), w3.view(np.uint32)) and not np.array_equal(w1, np.ones_like(w1))

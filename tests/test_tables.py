@@ -175,15 +175,15 @@ def test_row_versions_past_their_int32_span_keep_staleness_exact_for_recent_read
 
 
 def test_update_log_counts_without_a_scratch_per_row() -> None:
-    from tether.server import kernels
+    from tether.server import index_kernels
     from tether.server.update_log import UpdateLog
 
     rng = np.random.default_rng(0)
     values = rng.choice(1 << 20, 500, replace=False).astype(np.int64)
     seen = rng.choice(np.concatenate([values, rng.integers(0, 1 << 20, 5000)]), 20_000).astype(np.int32)
     want = [(seen == v).sum() for v in values]
-    assert kernels.count_in(values, seen).tolist() == want
-    assert kernels.count_in(np.array([3, 3, 4], np.int64), np.array([3, 4, 4], np.int32)).tolist() == [1, 1, 2]
+    assert index_kernels.count_in(values, seen).tolist() == want
+    assert index_kernels.count_in(np.array([3, 3, 4], np.int64), np.array([3, 4, 4], np.int32)).tolist() == [1, 1, 2]
     log = UpdateLog(max_updates=4, max_slots=10)
     for version, slots in enumerate(([1, 2], [2, 3], [2], [5, 6, 7, 8], [2, 9]), start=1):
         log.record(version, np.array(slots, np.int64))

@@ -1,6 +1,6 @@
 """Compiled pieces the worker row cache's passes share (``tether.worker.cache_batch``, which
 makes one call per operation over all tables): an id's slot in a table's index (the shard's
-index, ``tether.server.kernels``: these only read it), an id's shard, and the oldest read
+index, ``tether.server.index_kernels``: these only read it), an id's shard, and the oldest read
 version per shard. Compiled on first use and cached on disk like the shard's kernels
 (``row_slots.warm_up`` loads them).
 """
@@ -14,7 +14,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from tether.server.kernels import EMPTY_SLOT, mix64
+from tether.server.index_kernels import EMPTY_SLOT, mix64
 
 __all__ = ["oldest_per_shard", "warm_up"]
 
@@ -41,7 +41,7 @@ _NONE = np.iinfo(np.int64).max
 
 @_compiled(inline="always")
 def _slot(cells: np.ndarray, key: np.int64) -> np.int64:
-    """The slot of ``key`` in the index, -1 where absent (``server.kernels.index_lookup``'s probe)."""
+    """The slot of ``key`` in the index, -1 where absent (``server.index_kernels.index_lookup``'s probe)."""
     mask = np.uint64(len(cells) - 1)
     p = np.int64(mix64(key) & mask)
     while True:

@@ -19,7 +19,7 @@ import torch
 
 from tether.protos.errors import UsageError
 from tether.protos.partition import mix64
-from tether.server.kernels import _compiled
+from tether.server.index_kernels import _compiled
 
 __all__ = ["ID_MASK", "Batch", "DataError", "MalformedLineError", "SyntheticClickLog", "SyntheticConfig", "check_stream", "in_background"]
 
