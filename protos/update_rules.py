@@ -8,7 +8,7 @@ Adam. The registry, the hyper-parameters and what each rule computes are describ
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -17,8 +17,8 @@ from torch import nn
 if TYPE_CHECKING:
     from tether.protos.optimizers import OptimizerConfig
 
-__all__ = ["Adagrad", "Adam", "KERNEL_HELPERS", "RuleOptimizer", "SGD", "UpdateRule", "decayed", "kernel_helper", "spread_row",
-           "spread_squares"]
+__all__ = ["Adagrad", "Adam", "KERNEL_HELPERS", "RuleOptimizer", "SGD", "UpdateRule", "adam_factors", "adam_moments", "decayed",
+           "kernel_helper", "spread_row", "spread_squares"]
 
 # The smallest normal float32 (a compile-time constant of the kernels that divide by a mean).
 _TINY = np.float32(np.finfo(np.float32).tiny)
@@ -29,10 +29,11 @@ _TINY = np.float32(np.finfo(np.float32).tiny)
 # kernel. numba's disk cache keys a kernel by its own file only: after editing a helper, a kernel
 # in another file (``tether.protos.ctr_rules``) is compiled again only once that file changes too
 # or the cache (``NUMBA_CACHE_DIR``, or ``__pycache__``) is cleared.
-KERNEL_HELPERS: list[Callable[..., None]] = []
+KERNEL_HELPERS: list[Callable[..., Any]] = []
+_Helper = TypeVar("_Helper", bound=Callable[..., Any])
 
 
-def kernel_helper(fn: Callable[..., None]) -> Callable[..., None]:
+def kernel_helper(fn: _Helper) -> _Helper:
     """Add ``fn`` to ``KERNEL_HELPERS`` (a function the rules' kernels call)."""
     KERNEL_HELPERS.append(fn)
     return fn
@@ -66,6 +67,34 @@ def spread_row(out: np.ndarray, g: np.ndarray, square_sum: np.float32) -> None:
     else:
         for j in range(d):
             out[j] = square_sum
+
+
+@kernel_helper
+def adam_factors(beta1: np.float64, beta2: np.float64) -> tuple[np.float32, np.float32, np.float64, np.float32, np.float32, np.float64]:
+    """Adam's kernels' constants: the moments' factors in float32, each taken from the float64
+    beta as torch takes a Python float (``beta1``, ``1 - beta1``, and for ``beta2`` alike), and
+    the logs of the betas for ``adam_moments``' bias corrections."""
+    return (np.float32(beta1), np.float32(1.0 - beta1), np.log(beta1), np.float32(beta2), np.float32(1.0 - beta2), np.log(beta2))
+
+
+@kernel_helper
+def adam_moments(m: np.ndarray, v: np.ndarray, t: np.ndarray, s: int, grad: np.ndarray, squares: np.ndarray, square: bool,
+                 b1: np.float32, c1: np.float32, log1: np.float64, b2: np.float32, c2: np.float32,
+                 log2: np.float64) -> tuple[np.float32, np.float32]:
+    """One Adam step's moments of row ``s`` from the gradient ``grad`` and its per-element squares
+    (``grad * grad`` where ``square``, else ``squares``), its count ``t[s]`` up by one, and the
+    bias corrections 1 - beta**t it then takes (``adam_factors``' constants): in float64 as
+    -expm1(t * log(beta)), as fast as float32 pow (float64 pow cost a quarter more per push), and
+    rounded to float32 they equal 1 - beta**t for every t up to 1e9 tried, for betas from 0 to
+    0.9999."""
+    t[s] += 1
+    bc1 = np.float32(-np.expm1(np.float64(t[s]) * log1))
+    bc2 = np.float32(-np.expm1(np.float64(t[s]) * log2))
+    for j in range(len(grad)):
+        m[s, j] = b1 * m[s, j] + c1 * grad[j]
+    for j in range(len(grad)):
+        v[s, j] = b2 * v[s, j] + (c2 * grad[j] * grad[j] if square else c2 * squares[j])
+    return bc1, bc2
 
 
 class UpdateRule:
@@ -331,26 +360,15 @@ class Adam(UpdateRule):
         w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, scratch: np.ndarray, m: np.ndarray, v: np.ndarray,
         t: np.ndarray, weight_decay: np.float32, beta1: np.float64, beta2: np.float64, eps: np.float32,
     ) -> None:
-        # The moments' factors in float32, each taken from the float64 constant as torch takes
-        # a Python float. The bias corrections 1 - beta**t in float64 as -expm1(t * log(beta)):
-        # as fast as float32 pow (float64 pow cost a quarter more per push), and rounded to
-        # float32 they equal 1 - beta**t for every t up to 1e9 tried, for betas from 0 to 0.9999.
-        b1, c1, log1 = np.float32(beta1), np.float32(1.0 - beta1), np.log(beta1)
-        b2, c2, log2 = np.float32(beta2), np.float32(1.0 - beta2), np.log(beta2)
+        b1, c1, log1, b2, c2, log2 = adam_factors(beta1, beta2)
         n, d = g.shape
         for i in range(n):
             s = slots[i]
             decayed(scratch, g, i, w, s, weight_decay)
-            row, mr, vr, step = w[s], m[s], v[s], lr[i]
-            t[s] += 1
-            bc1 = np.float32(-np.expm1(np.float64(t[s]) * log1))
-            bc2 = np.float32(-np.expm1(np.float64(t[s]) * log2))
+            bc1, bc2 = adam_moments(m, v, t, s, scratch, scratch, True, b1, c1, log1, b2, c2, log2)
+            step = lr[i]
             for j in range(d):
-                mr[j] = b1 * mr[j] + c1 * scratch[j]
-            for j in range(d):
-                vr[j] = b2 * vr[j] + c2 * scratch[j] * scratch[j]
-            for j in range(d):
-                row[j] -= step * (mr[j] / bc1) / (np.sqrt(vr[j] / bc2) + eps)
+                w[s, j] -= step * (m[s, j] / bc1) / (np.sqrt(v[s, j] / bc2) + eps)
 
     combined_stats = ("count", "square_sum")
 
@@ -384,9 +402,8 @@ class Adam(UpdateRule):
     ) -> None:
         # ``combine`` row by row: the decayed sum over its count k in ``scratch`` (each step's
         # gradient), its spread squares over k in ``square``, and the k steps' bias-corrected
-        # moves summed in ``move`` (the factors and corrections as in ``rows``).
-        b1, c1, log1 = np.float32(beta1), np.float32(1.0 - beta1), np.log(beta1)
-        b2, c2, log2 = np.float32(beta2), np.float32(1.0 - beta2), np.log(beta2)
+        # moves summed in ``move``.
+        b1, c1, log1, b2, c2, log2 = adam_factors(beta1, beta2)
         n, d = g.shape
         square, move = np.empty(d, np.float32), np.empty(d, np.float32)
         for i in range(n):
@@ -394,25 +411,18 @@ class Adam(UpdateRule):
             k = np.float32(stats[i, 0])
             decayed(scratch, g, i, w, s, weight_decay)
             spread_row(square, scratch, np.float32(stats[i, 1]))
-            row, mr, vr = w[s], m[s], v[s]
             for j in range(d):
                 scratch[j] = scratch[j] / k
             for j in range(d):
                 square[j] = square[j] / k
                 move[j] = np.float32(0.0)
             for _ in range(int(k)):
-                t[s] += 1
-                bc1 = np.float32(-np.expm1(np.float64(t[s]) * log1))
-                bc2 = np.float32(-np.expm1(np.float64(t[s]) * log2))
+                bc1, bc2 = adam_moments(m, v, t, s, scratch, square, False, b1, c1, log1, b2, c2, log2)
                 for j in range(d):
-                    mr[j] = b1 * mr[j] + c1 * scratch[j]
-                for j in range(d):
-                    vr[j] = b2 * vr[j] + c2 * square[j]
-                for j in range(d):
-                    move[j] += (mr[j] / bc1) / (np.sqrt(vr[j] / bc2) + eps)
+                    move[j] += (m[s, j] / bc1) / (np.sqrt(v[s, j] / bc2) + eps)
             step = lr[i]
             for j in range(d):
-                row[j] -= step * move[j]
+                w[s, j] -= step * move[j]
 
     def torch_optimizer(self, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)

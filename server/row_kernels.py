@@ -41,7 +41,7 @@ _jit_math = _compiled(error_model="numpy", fastmath={"contract", "arcp"})
 # or loaded from the disk cache, on their first call), keyed by the kernel function.
 _row_kernels: dict[Callable[..., None], Any] = {}
 _row_kernels_lock = threading.Lock()
-_helpers: set[Callable[..., None]] = set()
+_helpers: set[Callable[..., Any]] = set()
 
 
 def _kernel(fn: Callable[..., None]) -> Any:
