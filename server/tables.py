@@ -28,7 +28,7 @@ import torch
 from tether.protos.optimizers import rule
 from tether.protos.specs import TableConfig
 from tether.server.admission import CountMinSketch, sketch_width
-from tether.server import kernels
+from tether.server import row_kernels
 from tether.server.index import IdIndex
 from tether.server.push_hooks import apply_rows
 from tether.protos.initial import _column_steps as column_steps, _salt as initial_salt, init_rows
@@ -68,7 +68,7 @@ _VERSION_SPAN = 2**31 - 1
 def _init_rows(ids: np.ndarray, cfg: TableConfig, out: np.ndarray) -> np.ndarray:
     """``init_rows`` of ``ids`` written into ``out`` (returned) by the compiled kernel, bit for bit."""
     scale = cfg.init_scale
-    kernels.init_rows_into(np.ascontiguousarray(ids, np.int64), initial_salt(cfg.seed, cfg.name), column_steps(cfg.dim)[0],
+    row_kernels.init_rows_into(np.ascontiguousarray(ids, np.int64), initial_salt(cfg.seed, cfg.name), column_steps(cfg.dim)[0],
                            np.float32(2 * scale / (1 << 24)), np.float32(scale), out)
     return out
 
@@ -97,7 +97,7 @@ class EmbeddingTable:
         self._rule = rule(config.optimizer.name)
         self._state_shapes = self._rule.state_shapes(config.dim)
         self._initial_state = self._rule.initial_state(config.optimizer)
-        self._update_rows = kernels.row_update(self._rule, config.optimizer, config.dim)
+        self._update_rows = row_kernels.row_update(self._rule, config.optimizer, config.dim)
         # Slots handed out so far; a slot below this is a row or sits in the free list.
         self._used = 0
         self._free = np.empty(0, np.int64)
@@ -389,7 +389,7 @@ class EmbeddingTable:
                 if isinstance(lr_scale, np.ndarray):
                     lr_scale = lr_scale[keep]
             # Ids are unique: each row and its state are updated in place, in one pass of the
-            # rule's compiled row kernel (tether.server.kernels), row by row with its own
+            # rule's compiled row kernel (tether.server.row_kernels), row by row with its own
             # learning rate (a combined push's combined rows by push_hooks.combine_rows: the
             # rule's compiled combined_rows where it has one, else its torch form).
             lr = (opt.lr * (lr_scale if isinstance(lr_scale, np.ndarray) else np.full(len(slots), lr_scale))).astype(np.float32)

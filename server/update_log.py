@@ -9,7 +9,7 @@ import bisect
 
 import numpy as np
 
-from tether.server import kernels
+from tether.server.index_kernels import count_in
 from tether.server.zeroed import zeros
 
 __all__ = ["RowVersions", "UpdateLog"]
@@ -97,9 +97,9 @@ class UpdateLog:
         first = bisect.bisect_right(self._versions, read_version, self._head)
         since = self._slices(self._starts[first], self._end) if first < len(self._versions) else []
         values = np.ascontiguousarray(slots[newer], np.int64)
-        counted = kernels.count_in(values, since[0]) if since else np.zeros(len(values), np.int64)
+        counted = count_in(values, since[0]) if since else np.zeros(len(values), np.int64)
         if len(since) > 1:
-            counted += kernels.count_in(values, since[1])
+            counted += count_in(values, since[1])
         if not per_row:
             return int(counted.max()) if len(counted) else 0
         out = np.zeros(len(slots), np.int64)
