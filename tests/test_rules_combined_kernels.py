@@ -115,6 +115,22 @@ def test_a_push_of_combined_and_single_rows_is_the_torch_form(name: str, weight_
     assert int(moved.sum()) >= 9  # every row but (FTRL) the one at rate 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_statistics_of_another_float_type_are_taken_as_float32(dtype: torch.dtype) -> None:
+    r, cfg = rule("adam"), OptimizerConfig(name="adam", lr=0.05)
+    gen = torch.Generator().manual_seed(5)
+    weights, state = torch.randn(ROWS, DIM, generator=gen), _state(r, gen)
+    slots, grads = np.array([1, 4, 6, 9], np.int64), torch.randn(4, DIM, generator=gen).numpy()
+    stats = _stats(r, 4, gen).to(dtype)
+    stats[0, 0] = -1
+    lr = np.full(4, 0.05, np.float32)
+    want_w, want_state = weights.clone(), {k: v.clone() for k, v in state.items()}
+    apply_rows(r, cfg, row_update(r, cfg, DIM), want_w, want_state, slots, grads, lr, stats.to(torch.float32))
+    apply_rows(r, cfg, row_update(r, cfg, DIM), weights, state, slots, grads, lr, stats)
+    assert torch.equal(weights, want_w) and not torch.equal(weights[1], torch.zeros(DIM))
+    assert all(torch.equal(state[k], want_state[k]) for k in state)
+
+
 def test_rules_without_a_compiled_combine_get_none() -> None:
     without = [name for name in OPTIMIZERS if name not in WITH_KERNEL]
     assert without == ["sgd"]  # the sum alone is its k steps: it takes no statistics
