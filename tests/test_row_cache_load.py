@@ -66,7 +66,7 @@ def test_a_real_cache_step_compiles_nothing_the_warm_up_did_not() -> None:
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["evictions"] > 0  # the run went through eviction and the index's rebuilds
     for name in ("tether.worker.cache_batch.plan_all", "tether.worker.cache_batch.store_all", "tether.worker.cache_batch.take_all",
-                 "tether.worker.cache_batch._append", "tether.server.index_kernels.index_lookup"):
+                 "tether.worker.cache_kernels._append", "tether.server.index_kernels.index_lookup"):
         assert got["before"][name], name  # the warm-up compiled (or loaded) it
     assert got["after"] == got["before"]
 

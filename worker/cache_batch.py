@@ -15,77 +15,25 @@ several tables (a pull's answer, gradients) as one flat float32 array with ``row
 - ``hold_all``: add a step's gradients to the held sums, noting each row's first held clock
   and oldest read version, and copy the rows' values before the local rule's step;
 - ``deltas_all``: after the local steps, add each row's change to its local changes;
-- ``take_all``: the held sums that are due (per table, in table order), cleared.
+- ``take_all``: the held sums that are due (per table, in table order), cleared, in the layout
+  a push takes (sums, and a combined push's statistics, each in one buffer).
 
 Compiled on first use and cached on disk like the other kernels (``warm_up`` loads them).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
-from numba.typed import List
 
-from tether.server.kernels import EMPTY_SLOT, mix64
-from tether.worker.cache_kernels import _NONE, _compiled, _shard, _slot
+from tether.server.index_kernels import EMPTY_SLOT, mix64
+from tether.worker.cache_kernels import (_FRESH, _IDS, _LU, _MINE, _NONE, _PEND, _PS, _PV, _RC, _RV, _SHARD, _USES, _VALS, META, FLOATS,
+                                         Columns, _compiled, _shard, _slot, columns)
 
-__all__ = ["Columns", "columns", "deltas_all", "hold_all", "later_all", "plan_all", "set_cells", "store_all", "take_all", "warm_up"]
+__all__ = ["deltas_all", "hold_all", "later_all", "plan_all", "store_all", "take_all", "warm_up"]
 
 _jit = _compiled()
-
-
-INTS = ("ids", "shard", "read_clock", "read_version", "last_used", "uses", "pending_since", "pending_version", "free")
-FLOATS = ("vals", "pend", "mine", "fresh")
-_IDS, _SHARD, _RC, _RV, _LU, _USES, _PS, _PV, _FREE = range(len(INTS))
-_VALS, _PEND, _MINE, _FRESH = range(len(FLOATS))
-
-
-class Columns(NamedTuple):
-    """Every table's column arrays in four typed lists (few arguments: each costs a call its
-    typing): ``cells`` (the id index) and ``used`` of table g at index g, the int64 columns
-    ``INTS[c]`` at ``c * tables + g``, the float32 ones ``FLOATS[c]`` likewise. Built once
-    (``columns``): the arrays are allocated for the tables' capacity and never replaced, except
-    the id index, which the cache puts back after a rebuild."""
-
-    cells: Any
-    ints: Any
-    floats: Any
-    used: Any
-
-
-@_jit
-def _list_of(first: np.ndarray) -> Any:
-    """A typed list holding ``first`` (compiled and cached on disk: a typed list built from
-    Python compiles numba's own list functions in every process, about a second in all)."""
-    items = List()
-    items.append(first)
-    return items
-
-
-@_jit
-def _append(items: Any, item: np.ndarray) -> None:
-    items.append(item)
-
-
-def _typed(arrays: list[np.ndarray]) -> Any:
-    items = _list_of(arrays[0])
-    for a in arrays[1:]:
-        _append(items, a)
-    return items
-
-
-def columns(tables: list[Any]) -> Columns:
-    """The ``Columns`` of ``tables`` (``row_slots.Table``), in their order."""
-    return Columns(_typed([tab.cells for tab in tables]), _typed([getattr(tab, c) for c in INTS for tab in tables]),
-                   _typed([getattr(tab, c) for c in FLOATS for tab in tables]), _typed([tab.used for tab in tables]))
-
-
-@_jit
-def set_cells(cells_l: Any, g: np.int64, cells: np.ndarray) -> None:
-    """Table ``g``'s id index after a rebuild (compiled: a typed list's item set from Python
-    compiles a function the first time, in a step)."""
-    cells_l[g] = cells
 
 
 @_compiled(inline="always")
@@ -101,8 +49,18 @@ def _in_flight(flights: np.ndarray, foffs: np.ndarray, g: np.int64, key: np.int6
     return False
 
 
+@_compiled(inline="always")
+def _lookup(cells: np.ndarray, ids: np.ndarray, a: np.int64, b: np.int64, found: np.ndarray) -> None:
+    """The slots of ``ids[a:b]`` into ``found[a:b]`` (-1: not cached), in a loop of their own
+    before any row is touched: the probes of different ids overlap in the core, where a loop that
+    also works on each found row waits for each probe in turn."""
+    for i in range(a, b):
+        found[i] = _slot(cells, ids[i])
+
+
 @_jit
-def plan_all(cells_l: Any, ints: Any, floats: Any, used_l: Any, tidx: np.ndarray, ids: np.ndarray, offs: np.ndarray, now: np.int64,
+def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, ids: np.ndarray, offs: np.ndarray,
+             now: np.int64,
              bound: np.int64, flights: np.ndarray,
              foffs: np.ndarray, out: np.ndarray, row_offs: np.ndarray, oldest: np.ndarray) -> tuple[Any, ...]:
     """Split a pull of sorted unique ids per part (table ``tidx[k]``'s ids are ``ids[offs[k]:
@@ -113,17 +71,19 @@ def plan_all(cells_l: Any, ints: Any, floats: Any, used_l: Any, tidx: np.ndarray
     ``fresh`` local changes from its held (``mine``) ones: what the answer will lack."""
     n = len(ids)
     code = np.zeros(n, np.int8)
+    found = np.empty(n, np.int64)
     counts = np.zeros((len(tidx), 2), np.int64)
     for k in range(len(tidx)):
         g = tidx[k]
         nt = len(cells_l)
-        cells, rc, lu, us = cells_l[g], ints[_RC * nt + g], ints[_LU * nt + g], ints[_USES * nt + g]
-        rv, sh, v = ints[_RV * nt + g], ints[_SHARD * nt + g], floats[_VALS * nt + g]
+        cells, rc, lu, us = cells_l[g], meta_l[g][:, _RC], meta_l[g][:, _LU], meta_l[g][:, _USES]
+        rv, sh, v = meta_l[g][:, _RV], meta_l[g][:, _SHARD], floats[_VALS * nt + g]
         mi, fr = floats[_MINE * nt + g], floats[_FRESH * nt + g]
         dim = v.shape[1]
+        _lookup(cells, ids, offs[k], offs[k + 1], found)
         for i in range(offs[k], offs[k + 1]):
             key = ids[i]
-            s = _slot(cells, key)
+            s = found[i]
             if s >= 0:
                 lu[s] = now
                 us[s] += 1
@@ -168,7 +128,7 @@ def _place(cells: np.ndarray, s: np.int64, key: np.int64, now: np.int64, ids_col
 
 
 @_jit
-def store_all(cells_l: Any, ints: Any, floats: Any, used_l: Any, tidx: np.ndarray, keys: np.ndarray, koffs: np.ndarray,
+def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, keys: np.ndarray, koffs: np.ndarray,
               pos: np.ndarray, got: np.ndarray,
               got_offs: np.ndarray, got_row: np.ndarray, versions: np.ndarray, now: np.int64, num_shards: np.int64,
               top: np.ndarray, nfree: np.ndarray, out: np.ndarray, row_offs: np.ndarray, offs: np.ndarray) -> tuple[Any, ...]:
@@ -189,10 +149,10 @@ def store_all(cells_l: Any, ints: Any, floats: Any, used_l: Any, tidx: np.ndarra
     for k in range(len(tidx)):
         g = tidx[k]
         nt = len(cells_l)
-        cells, vals, fresh, free, rc = cells_l[g], floats[_VALS * nt + g], floats[_FRESH * nt + g], ints[_FREE * nt + g], ints[_RC * nt + g]
-        ids_col, used, uses, lu, since, pv = (ints[_IDS * nt + g], used_l[g], ints[_USES * nt + g], ints[_LU * nt + g],
-                                              ints[_PS * nt + g], ints[_PV * nt + g])
-        pend, mine, shard, rv = floats[_PEND * nt + g], floats[_MINE * nt + g], ints[_SHARD * nt + g], ints[_RV * nt + g]
+        cells, vals, fresh, free, rc = cells_l[g], floats[_VALS * nt + g], floats[_FRESH * nt + g], free_l[g], meta_l[g][:, _RC]
+        ids_col, used, uses, lu, since, pv = (meta_l[g][:, _IDS], used_l[g], meta_l[g][:, _USES], meta_l[g][:, _LU],
+                                              meta_l[g][:, _PS], meta_l[g][:, _PV])
+        pend, mine, shard, rv = floats[_PEND * nt + g], floats[_MINE * nt + g], meta_l[g][:, _SHARD], meta_l[g][:, _RV]
         dim = vals.shape[1]
         for i in range(koffs[k], koffs[k + 1]):
             key = keys[i]
@@ -227,7 +187,8 @@ def store_all(cells_l: Any, ints: Any, floats: Any, used_l: Any, tidx: np.ndarra
 
 
 @_jit
-def hold_all(cells_l: Any, ints: Any, floats: Any, used_l: Any, tidx: np.ndarray, ids: np.ndarray, offs: np.ndarray, g: np.ndarray,
+def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, ids: np.ndarray, offs: np.ndarray,
+             g: np.ndarray,
              g_offs: np.ndarray,
              versions: np.ndarray, clock: np.int64, num_shards: np.int64, local: np.ndarray, before: np.ndarray) -> tuple[Any, ...]:
     """Add gradient rows (part k's at ``g_offs[k]`` of ``g``, one per id) to the held sums of the
@@ -243,16 +204,18 @@ def hold_all(cells_l: Any, ints: Any, floats: Any, used_l: Any, tidx: np.ndarray
     first = np.empty(n, np.int64)
     missing = np.empty(n, np.int64)
     missing_shards = np.empty(n, np.int64)
+    found = np.empty(n, np.int64)
     counts = np.zeros((len(tidx), 3), np.int64)
     h = f = m = 0
     for k in range(len(tidx)):
         t = tidx[k]
         nt = len(cells_l)
-        cells, pend, since, pv = cells_l[t], floats[_PEND * nt + t], ints[_PS * nt + t], ints[_PV * nt + t]
-        shard, vals = ints[_SHARD * nt + t], floats[_VALS * nt + t]
+        cells, pend, since, pv = cells_l[t], floats[_PEND * nt + t], meta_l[t][:, _PS], meta_l[t][:, _PV]
+        shard, vals = meta_l[t][:, _SHARD], floats[_VALS * nt + t]
         dim = vals.shape[1]
+        _lookup(cells, ids, offs[k], offs[k + 1], found)
         for i in range(offs[k], offs[k + 1]):
-            s = _slot(cells, ids[i])
+            s = found[i]
             if s < 0:
                 missing[m] = i
                 missing_shards[m] = _shard(ids[i], num_shards)
@@ -287,7 +250,7 @@ def hold_all(cells_l: Any, ints: Any, floats: Any, used_l: Any, tidx: np.ndarray
 
 
 @_jit
-def deltas_all(cells_l: Any, ints: Any, floats: Any, used_l: Any, tidx: np.ndarray, slots: np.ndarray, soffs: np.ndarray,
+def deltas_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, slots: np.ndarray, soffs: np.ndarray,
                before: np.ndarray, g_offs: np.ndarray,
                local: np.ndarray) -> None:
     """After the local rule's steps of rows ``slots`` (part k's ``soffs[k]:soffs[k + 1]``, their
@@ -310,58 +273,91 @@ def deltas_all(cells_l: Any, ints: Any, floats: Any, used_l: Any, tidx: np.ndarr
 
 
 @_jit
-def take_all(cells_l: Any, ints: Any, floats: Any, used_l: Any, tables: np.ndarray, slots: np.ndarray, since: np.ndarray,
-             num_shards: np.int64) -> tuple[Any, ...]:
+def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tables: np.ndarray, slots: np.ndarray, since: np.ndarray,
+             num_shards: np.int64, kinds: np.ndarray) -> tuple[Any, ...]:
     """The held sums of ``slots`` (of table ``tables[i]`` each) still held since ``since[i]``,
-    which stop holding (their ``mine`` local changes are now the shard's too). Returns, grouped by
-    table in table order (each table's in the order given): their ids, and their sums with the two
-    statistics columns (flat: table g's rows of ``dim + 2`` floats one after another), and per
-    table the number of rows, whether its ids ascend, and the oldest read version per shard."""
+    which stop holding (their ``mine`` local changes are now the shard's too), in the layout a
+    push takes. Returns, grouped by table in table order (each table's in the order given): their
+    ids; their sums (flat: table g's rows of ``dim`` floats one after another); their combined
+    push's statistics (flat: table g's rows of as many columns as ``kinds[g]`` names, column c the
+    sum of mean(g * g) where ``kinds[g, c]`` is 0, the count of gradients where 1; -1 first in a
+    row of one gradient: ``UpdateRule.combined_stats``); each row's sum of mean(g * g) and count
+    (the two columns held past the sum); and per table the number of rows, whether its ids
+    ascend, whether any row sums several gradients, and the oldest read version per shard."""
     nt = len(cells_l)
+    n = len(slots)
     count = np.zeros(nt, np.int64)
-    for i in range(len(slots)):
-        t = tables[i]
-        if ints[_PS * nt + t][slots[i]] == since[i]:
+    valid = np.zeros(n, np.bool_)
+    t = -1
+    meta = meta_l[0]
+    for i in range(n):
+        if tables[i] != t:
+            t = tables[i]
+            meta = meta_l[t]
+        if meta[slots[i], _PS] == since[i]:
+            valid[i] = True
             count[t] += 1
-    total = rows = 0
+    nstats = np.zeros(nt, np.int64)
+    at = np.zeros(nt, np.int64)  # per table: where its next row goes, in rows,
+    flat = np.zeros(nt, np.int64)  # in floats of sums
+    sflat = np.zeros(nt, np.int64)  # and of statistics
+    rows = total = ntotal = 0
     for t in range(nt):
+        for c in range(kinds.shape[1]):
+            if kinds[t, c] >= 0:
+                nstats[t] += 1
+        at[t], flat[t], sflat[t] = rows, total, ntotal
         rows += count[t]
-        total += count[t] * floats[_PEND * nt + t].shape[1]
+        total += count[t] * floats[_VALS * nt + t].shape[1]
+        ntotal += count[t] * nstats[t]
     out_ids = np.empty(rows, np.int64)
-    held = np.empty(total, np.float32)
+    sums = np.empty(total, np.float32)
+    stats = np.empty(ntotal, np.float32)
+    square = np.empty(rows, np.float32)
+    grads = np.empty(rows, np.float32)
     ascending = np.ones(nt, np.bool_)
+    many = np.zeros(nt, np.bool_)
     oldest = np.full((nt, num_shards), _NONE, np.int64)
-    r = f = 0
-    for t in range(nt):
-        if count[t] == 0:
+    start = at.copy()
+    t = -1
+    pend, mine = floats[_PEND * nt], floats[_MINE * nt]
+    for i in range(n):
+        if not valid[i]:
             continue
-        ids_col, pend, mine, ps, pv, shard = (ints[_IDS * nt + t], floats[_PEND * nt + t], floats[_MINE * nt + t], ints[_PS * nt + t],
-                                              ints[_PV * nt + t], ints[_SHARD * nt + t])
-        width = pend.shape[1]
-        first = r
-        for i in range(len(slots)):
-            s = slots[i]
-            if tables[i] != t or ps[s] != since[i]:
-                continue
-            key = ids_col[s]
-            if r > first and out_ids[r - 1] >= key:
-                ascending[t] = False
-            out_ids[r] = key
-            r += 1
-            for j in range(width):
-                held[f + j] = pend[s, j]
-                pend[s, j] = 0.0
-            f += width
-            mine[s, :] = 0.0
-            if pv[s] < oldest[t, shard[s]]:
-                oldest[t, shard[s]] = pv[s]
-            ps[s] = _NONE
-            pv[s] = _NONE
-    return out_ids, held, count, ascending, oldest
+        s = slots[i]
+        if tables[i] != t:  # a step's slots come grouped by table: its columns fetched once per group
+            t = tables[i]
+            meta, pend, mine = meta_l[t], floats[_PEND * nt + t], floats[_MINE * nt + t]
+        dim = pend.shape[1] - 2
+        r, f, q = at[t], flat[t], sflat[t]
+        key = meta[s, _IDS]
+        if r > start[t] and out_ids[r - 1] >= key:
+            ascending[t] = False
+        out_ids[r] = key
+        for j in range(dim):
+            sums[f + j] = pend[s, j]
+        sq, k = pend[s, dim], pend[s, dim + 1]
+        square[r], grads[r] = sq, k
+        if k > 1:
+            many[t] = True
+        for c in range(nstats[t]):
+            stats[q + c] = k if kinds[t, c] == 1 else sq
+        if nstats[t] > 0 and not k > 1:
+            stats[q] = np.float32(-1.0)
+        at[t], flat[t], sflat[t] = r + 1, f + dim, q + nstats[t]
+        for j in range(dim + 2):
+            pend[s, j] = 0.0
+        for j in range(dim):
+            mine[s, j] = 0.0
+        if meta[s, _PV] < oldest[t, meta[s, _SHARD]]:
+            oldest[t, meta[s, _SHARD]] = meta[s, _PV]
+        meta[s, _PS] = _NONE
+        meta[s, _PV] = _NONE
+    return out_ids, sums, stats, square, grads, count, ascending, many, oldest
 
 
 @_jit
-def later_all(cells_l: Any, ints: Any, floats: Any, used_l: Any, tidx: np.ndarray, ids: np.ndarray, offs: np.ndarray,
+def later_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, ids: np.ndarray, offs: np.ndarray,
               later: np.ndarray, loffs: np.ndarray,
               min_clock: np.int64, out: np.ndarray, row_offs: np.ndarray, oldest: np.ndarray) -> np.ndarray:
     """The answer's rows at positions ``later`` of ``ids`` (part k's ``loffs[k]:loffs[k + 1]``),
@@ -373,7 +369,7 @@ def later_all(cells_l: Any, ints: Any, floats: Any, used_l: Any, tidx: np.ndarra
     for k in range(len(tidx)):
         t = tidx[k]
         nt = len(cells_l)
-        cells, vals, rc, rv, shard = cells_l[t], floats[_VALS * nt + t], ints[_RC * nt + t], ints[_RV * nt + t], ints[_SHARD * nt + t]
+        cells, vals, rc, rv, shard = cells_l[t], floats[_VALS * nt + t], meta_l[t][:, _RC], meta_l[t][:, _RV], meta_l[t][:, _SHARD]
         dim = vals.shape[1]
         for r in range(loffs[k], loffs[k + 1]):
             i = later[r]
@@ -396,8 +392,8 @@ def _example() -> tuple[Columns, np.ndarray]:
     for _ in range(2):
         table = type("T", (), {})()
         table.cells = np.full((16, 2), EMPTY_SLOT, np.int64)
-        for name in INTS:
-            setattr(table, name, np.zeros(4, np.int64))
+        table.meta = np.zeros((4, len(META)), np.int64)
+        table.free = np.zeros(4, np.int64)
         for name in FLOATS:
             setattr(table, name, np.zeros((4, 3 if name == "pend" else 1), np.float32))
         table.used = np.zeros(4, np.bool_)
@@ -408,7 +404,6 @@ def _example() -> tuple[Columns, np.ndarray]:
 def warm_up() -> None:
     """Load (or compile, the first time) every kernel here for the types the cache passes."""
     c, cells = _example()
-    set_cells(c.cells, np.int64(0), cells)
     none = np.zeros(0, np.int64)
     zero, one = np.int64(0), np.int64(1)
     part, offs = np.zeros(1, np.int64), np.zeros(2, np.int64)
@@ -420,4 +415,4 @@ def warm_up() -> None:
     flags = np.ones(1, np.bool_)
     hold_all(*c, part, none, offs, f32, part, oldest, zero, one, flags, f32)
     deltas_all(*c, part, none, offs, f32, part, flags)
-    take_all(*c, none, none, none, one)
+    take_all(*c, none, none, none, one, np.full((2, 1), -1, np.int64))

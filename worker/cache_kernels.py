@@ -1,6 +1,7 @@
 """Compiled pieces the worker row cache's passes share (``tether.worker.cache_batch``, which
-makes one call per operation over all tables): an id's slot in a table's index (the shard's
-index, ``tether.server.index_kernels``: these only read it), an id's shard, and the oldest read
+makes one call per operation over all tables): every table's columns in typed lists
+(``Columns``), an id's slot in a table's index (the shard's index,
+``tether.server.index_kernels``: these only read it), an id's shard, and the oldest read
 version per shard. Compiled on first use and cached on disk like the shard's kernels
 (``row_slots.warm_up`` loads them).
 """
@@ -9,14 +10,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numba
 import numpy as np
+from numba.typed import List
 
 from tether.server.index_kernels import EMPTY_SLOT, mix64
 
-__all__ = ["oldest_per_shard", "warm_up"]
+__all__ = ["FLOATS", "META", "Columns", "columns", "oldest_per_shard", "set_cells", "warm_up"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,63 @@ def _compiled(**options: Any) -> Callable[[Callable[..., Any]], Any]:
 
 _jit = _compiled()
 _NONE = np.iinfo(np.int64).max
+
+
+# A slot's int64 columns, side by side in one row of 64 bytes (``Table.meta``, one cache line).
+META = ("ids", "shard", "read_clock", "read_version", "last_used", "uses", "pending_since", "pending_version")
+FLOATS = ("vals", "pend", "mine", "fresh")
+_IDS, _SHARD, _RC, _RV, _LU, _USES, _PS, _PV = range(len(META))
+_VALS, _PEND, _MINE, _FRESH = range(len(FLOATS))
+
+
+class Columns(NamedTuple):
+    """Every table's column arrays in five typed lists (few arguments: each costs a call its
+    typing): ``cells`` (the id index), ``meta`` (the int64 columns ``META``, one row per slot),
+    ``used`` and ``free`` (the stack of evicted slots) of table g at index g, the float32 columns
+    ``FLOATS[c]`` at ``c * tables + g``. Built once (``columns``): the arrays are allocated for
+    the tables' capacity and never replaced, except the id index, which the cache puts back after
+    a rebuild."""
+
+    cells: Any
+    meta: Any
+    floats: Any
+    used: Any
+    free: Any
+
+
+@_jit
+def _list_of(first: np.ndarray) -> Any:
+    """A typed list holding ``first`` (compiled and cached on disk: a typed list built from
+    Python compiles numba's own list functions in every process, about a second in all)."""
+    items = List()
+    items.append(first)
+    return items
+
+
+@_jit
+def _append(items: Any, item: np.ndarray) -> None:
+    items.append(item)
+
+
+def _typed(arrays: list[np.ndarray]) -> Any:
+    items = _list_of(arrays[0])
+    for a in arrays[1:]:
+        _append(items, a)
+    return items
+
+
+def columns(tables: list[Any]) -> Columns:
+    """The ``Columns`` of ``tables`` (``row_slots.Table``), in their order."""
+    return Columns(_typed([tab.cells for tab in tables]), _typed([tab.meta for tab in tables]),
+                   _typed([getattr(tab, c) for c in FLOATS for tab in tables]), _typed([tab.used for tab in tables]),
+                   _typed([tab.free for tab in tables]))
+
+
+@_jit
+def set_cells(cells_l: Any, g: np.int64, cells: np.ndarray) -> None:
+    """Table ``g``'s id index after a rebuild (compiled: a typed list's item set from Python
+    compiles a function the first time, in a step)."""
+    cells_l[g] = cells
 
 
 @_compiled(inline="always")
@@ -75,3 +134,6 @@ def warm_up() -> None:
     """Load (or compile, the first time) every kernel here for the types the cache passes."""
     ids = np.zeros(0, np.int64)
     oldest_per_shard(ids, ids, np.int64(1))
+    for example in (np.zeros((1, 2), np.int64), np.zeros(1, np.int64), np.zeros((1, 1), np.float32), np.zeros(1, np.bool_)):
+        _typed([example, example])  # a typed list of each kind of column (``columns``)
+    set_cells(_typed([np.zeros((1, 2), np.int64)] * 2), np.int64(0), np.zeros((1, 2), np.int64))

@@ -39,8 +39,10 @@ cached row of that shard and table stale: they are refreshed by the next pull th
 counts the traffic (``tether.worker.traffic``); with no cache it passes calls through unchanged.
 Each table's slots and id index (a compiled hash table) are ``tether.worker.row_slots.Table``;
 each step's passes (plan, store, hold with the local rule's changes, take) are compiled loops
-over all tables at once, one call each (``tether.worker.cache_batch``); what stays per table in
-Python is the local rule's step (one compiled call per table) and a combined push's columns.
+over all tables at once, one call each (``tether.worker.cache_batch``); the push side (hold,
+take) is ``tether.worker.cache_push``. ``take_all`` writes a push's sums and its combined
+statistics in the layout the wire takes (one buffer each; a table's part is a view of them), so
+what stays per table in Python is the local rule's step (one compiled call per table).
 """
 
 from __future__ import annotations
@@ -56,10 +58,12 @@ from typing import TYPE_CHECKING, Any
 from tether.protos.optimizers import rule
 from tether.protos.specs import TableConfig
 from tether.worker.results import Handle, PullResult, PushAck
-from tether.worker.cache_parts import (NO_FLIGHTS, NO_IDS, NO_ROWS, POLICIES, Plan, Pushed, RowCacheConfig, as_ids, fill, offsets,
+from tether.worker.cache_parts import (NO_FLIGHTS, NO_IDS, NO_ROWS, POLICIES, Plan, RowCacheConfig, as_ids, fill, offsets,
                                       read_versions)
-from tether.worker.cache_batch import Columns, columns, deltas_all, hold_all, later_all, plan_all, set_cells, store_all, take_all
-from tether.worker.row_slots import NONE, STALE, Due, Table, coalesce, start_warm_up, wait_warm_up
+from tether.worker.cache_batch import later_all, plan_all, store_all
+from tether.worker.cache_push import PushSide
+from tether.worker.cache_kernels import Columns, columns, set_cells
+from tether.worker.row_slots import NONE, STALE, Table, start_warm_up, wait_warm_up
 from tether.worker.traffic import TrafficMeter
 
 if TYPE_CHECKING:
@@ -67,7 +71,7 @@ if TYPE_CHECKING:
 
 __all__ = ["POLICIES", "CachedClient", "RowCache", "RowCacheConfig"]
 
-class RowCache:
+class RowCache(PushSide):
     """Cached rows of every table with their read clocks, versions and pending gradients
     (see the module docstring). Thread-safe: on CUDA the transfer thread calls it too."""
 
@@ -83,6 +87,10 @@ class RowCache:
         self._max_version = np.full((len(dims), self.num_shards), -1, np.int64)
         self._holding = np.zeros(len(dims), np.int64)  # per table: slots whose gradients are held
         self._local = np.zeros(len(dims), np.bool_)  # per table: its rule applied to the cached rows
+        self._dim_list = [int(d) for d in dims.values()]
+        # Per table: what its rule takes beside a combined sum (``take_all``'s kinds: 0 the sum of
+        # mean(g * g), 1 the count, -1 none), and how many.
+        self._kinds, self._nstats = np.full((len(dims), 1), -1, np.int64), [0] * len(dims)
         start_warm_up()  # the compiled index and passes loaded while the worker starts; use_tables or the first step waits
         self._lock = threading.Lock()
         self._evicted: list[tuple[str, np.ndarray, torch.Tensor, np.ndarray, np.ndarray]] = []
@@ -109,6 +117,11 @@ class RowCache:
                     if self.config.bound > 0:
                         self.tables[spec.name].local_rule(spec.optimizer)
                         self._local[self._index[spec.name]] = True
+            stats = [tab.combined_stats for tab in self._tabs]
+            self._kinds = np.full((len(stats), max([1, *map(len, stats)])), -1, np.int64)
+            for g, names in enumerate(stats):
+                self._kinds[g, : len(names)] = [1 if n == "count" else 0 for n in names]
+            self._nstats = [len(names) for names in stats]
 
     def _columns(self) -> Columns:
         """The tables' columns for the compiled passes, made once those are loaded (waits for
@@ -271,85 +284,6 @@ class RowCache:
         tab.remove(victims)
         self.evictions[t] += len(victims)
 
-    def accumulate(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]], clock: int,
-                   versions: PullResult | None, flush: bool = False) -> tuple[Pushed, dict[tuple[int, str], int]]:
-        """Add a step's row gradients (pushed at ``clock``) to the pending sums and return what
-        is due now (``flush``: everything held), with the read version per shard and table: per
-        table ``(ids, sums)``, or ``(ids, sums, stats)`` where rows combine several gradients
-        (``Table.combined``)."""
-        due: Due = {}
-        with self._lock:
-            if grads:
-                self._hold(grads, clock, versions, due)
-            for t, e_ids, e_grads, e_shards, e_read in self._evicted:
-                due.setdefault(t, []).append((e_ids, e_grads, e_shards, e_read))
-            self._evicted.clear()
-            taken, oldest = self._take(clock, flush)
-        pushed, versions_out = coalesce(due, taken, oldest, self._names)
-        return {t: self.tables[t].combined(ids, held) for t, (ids, held) in pushed.items()}, versions_out
-
-    def _take(self, clock: int, flush: bool) -> tuple[dict[str, tuple[np.ndarray, torch.Tensor, bool]], np.ndarray | None]:
-        """The held sums due at ``clock`` (``flush``: every one), per table (ids, sums with their
-        statistics columns, whether the ids ascend), and the oldest read version per table and shard."""
-        writes = self.config.writes
-        ready = [e for e in self._queue if flush or clock - e[0] >= writes]
-        if not ready:
-            return {}, None
-        self._queue = [e for e in self._queue if not (flush or clock - e[0] >= writes)]
-        slots = ready[0][1] if len(ready) == 1 else np.concatenate([e[1] for e in ready])
-        tables = ready[0][2] if len(ready) == 1 else np.concatenate([e[2] for e in ready])
-        since = np.concatenate([np.full(len(e[1]), e[0], np.int64) for e in ready])
-        ids, held, count, ascending, oldest = take_all(*self._columns(), tables, slots, since, self.num_shards)
-        self._holding -= count
-        out: dict[str, tuple[np.ndarray, torch.Tensor, bool]] = {}
-        at = flat = 0
-        for g in np.flatnonzero(count).tolist():
-            n, width = int(count[g]), int(self._dims[g]) + 2
-            out[self._names[g]] = (ids[at: at + n], torch.from_numpy(held[flat: flat + n * width]).view(n, width),
-                                        bool(ascending[g]))
-            at, flat = at + n, flat + n * width
-        return out, oldest
-
-    def _hold(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]], clock: int, versions: PullResult | None, due: Due) -> None:
-        """Add the step's gradients to their rows' pending sums and apply them to the cached rows
-        by the tables' rules (rows not cached: due at once)."""
-        names, parts = self._split(list(grads))
-        arrays = [as_ids(grads[t][0]) for t in names]
-        rows = [np.ascontiguousarray(grads[t][1].detach().float().numpy()) for t in names]
-        ids = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-        flat = rows[0].reshape(-1) if len(rows) == 1 else np.concatenate([r.reshape(-1) for r in rows])
-        offs = offsets([len(a) for a in arrays])
-        g_offs = offsets([r.size for r in rows])
-        read = read_versions(versions, names, self.num_shards)
-        local = self._local[parts]
-        before = np.empty(len(flat), np.float32) if local.any() else NO_ROWS
-        slots, where, first, missing, missing_shards, counts = hold_all(*self._columns(), parts, ids, offs, flat, g_offs, read, clock,
-                                                                        self.num_shards, local, before)
-        if len(first):
-            self._holding[parts] += counts[:, 1]
-            self._queue.append((clock, first, np.repeat(parts, counts[:, 1])))
-        if len(missing):  # not cached (the table was full): pushed at once, each row one gradient
-            self._unheld(names, offs, rows, ids, missing, missing_shards, read, due)
-        if local.any():
-            soffs = offsets(counts[:, 0])
-            for k in np.flatnonzero(local).tolist():
-                a, b = int(soffs[k]), int(soffs[k + 1])
-                if a < b:
-                    g = rows[k] if b - a == len(rows[k]) else rows[k][where[a:b] - offs[k]]
-                    self._tabs[int(parts[k])].step(slots[a:b], g, clock)
-            deltas_all(*self._columns(), parts, slots, soffs, before, g_offs, local)
-
-    def _unheld(self, names: list[str], offs: np.ndarray, rows: list[np.ndarray], ids: np.ndarray, missing: np.ndarray,
-                missing_shards: np.ndarray, read: np.ndarray, due: Due) -> None:
-        """Gradients of rows not cached, due at once with their statistics (one gradient each)."""
-        at = np.searchsorted(offs, missing, side="right") - 1
-        for k in np.unique(at).tolist():
-            mine = missing[at == k]
-            g = rows[k][mine - offs[k]]
-            extra = np.stack([(g * g).mean(1), np.ones(len(g), np.float32)], 1)
-            shards = missing_shards[at == k]
-            due.setdefault(names[k], []).append((ids[mine], torch.from_numpy(np.concatenate([g, extra], 1)), shards, read[k][shards]))
-
     def pending_rows(self) -> int:
         """Rows whose gradients are held (counted as they are held and pushed: no scan)."""
         with self._lock:
@@ -416,7 +350,7 @@ class CachedClient:
         grads, table_versions = self.cache.accumulate(sparse or {}, clock, versions, flush)
         self.meter.pushed(grads)
         if versions is not None and sparse is not None and grads.keys() == sparse.keys() and all(
-                len(grads[t]) == 2 and torch.equal(grads[t][0], sparse[t][0]) for t in grads):
+                len(grads[t]) == 2 and len(grads[t][0]) == len(sparse[t][0]) and torch.equal(grads[t][0], sparse[t][0]) for t in grads):
             # Every row's gradient goes as it was made (write bound 0): the step's own versions
             # (and, for DC-ASGD, the values it read), as without a cache.
             return grads, versions

@@ -17,24 +17,24 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from tether.protos.optimizers import OptimizerConfig, rule
 from tether.worker.cache_batch import warm_up as warm_up_batch
-from tether.worker.cache_kernels import oldest_per_shard
+from tether.worker.cache_kernels import META, oldest_per_shard
 from tether.worker.cache_kernels import warm_up as warm_up_cache
-from tether.server.kernels import EMPTY_SLOT, REMOVED_SLOT, index_cells, index_lookup, index_place, row_kernel
+from tether.server.index_kernels import EMPTY_SLOT, REMOVED_SLOT, index_cells, index_lookup, index_place
+from tether.server.row_kernels import row_kernel
 
-__all__ = ["NONE", "STALE", "Due", "Grads", "Table", "coalesce", "start_warm_up", "wait_warm_up", "warm_up"]
+__all__ = ["NONE", "STALE", "Due", "Table", "Taken", "coalesce", "start_warm_up", "wait_warm_up", "warm_up"]
 
 STALE = np.iinfo(np.int64).min // 2  # a read clock no bound reaches: refreshed on the next pull
 NONE = np.iinfo(np.int64).max  # no pending gradient / no read version yet
 _NO_IDS = np.zeros(0, np.int64)
 
-Grads = dict[str, tuple[torch.Tensor, torch.Tensor]]  # per table: ids, summed gradients (and statistics columns)
 Due = dict[str, list[tuple[np.ndarray, torch.Tensor, np.ndarray, np.ndarray]]]
 
 
@@ -84,6 +84,14 @@ def wait_warm_up(timeout: float = WARM_UP_TIMEOUT_S) -> None:
         raise RuntimeError(f"the row cache's compiled kernels failed to load: {_warm_errors[0]}") from _warm_errors[0]
 
 
+def _lines(n: int, width: int) -> np.ndarray:
+    """An uninitialised [n, width] int64 array whose rows start on 64-byte boundaries (width 8:
+    one cache line each)."""
+    buf = np.empty(n * width + 8, np.int64)
+    skip = (-buf.ctypes.data % 64) // 8
+    return buf[skip: skip + n * width].reshape(n, width)
+
+
 def _cells_for(entries: int) -> np.ndarray:
     n = 1024
     while n < 4 * entries:
@@ -103,10 +111,11 @@ class Table:
         self.free, self.nfree = np.empty(max(capacity, 1), np.int64), 0  # a stack of evicted slots (free[:nfree]), reused first
         self.max_version: dict[int, int] = {}  # per shard: the largest table version seen
         n = max(capacity, 1)
-        self.ids, self.shard = np.empty(n, np.int64), np.empty(n, np.int64)
-        self.read_clock, self.read_version = np.empty(n, np.int64), np.empty(n, np.int64)
-        self.last_used, self.uses = np.empty(n, np.int64), np.empty(n, np.int64)
-        self.pending_since, self.pending_version = np.empty(n, np.int64), np.empty(n, np.int64)
+        # A slot's int64 columns side by side (``cache_batch.META``: one 64-byte row, aligned to a
+        # cache line, so a step's passes read one line per row), each also a column view.
+        self.meta = _lines(n, len(META))
+        (self.ids, self.shard, self.read_clock, self.read_version, self.last_used, self.uses, self.pending_since,
+         self.pending_version) = (self.meta[:, c] for c in range(len(META)))
         self.used = np.zeros(n, bool)
         self.values = torch.empty(n, dim)  # the rows as read, with the worker's own changes
         # The sums of the gradients held (zeroed when placed), and two more columns: the sum of
@@ -245,29 +254,42 @@ class Table:
         return int(self.used[: self.top].sum())
 
 
-def coalesce(due: Due, taken: Mapping[str, tuple[np.ndarray, torch.Tensor, bool]], oldest: np.ndarray | None,
-             names: Sequence[str]) -> tuple[Grads, dict[tuple[int, str], int]]:
-    """One push's sparse part: per table sorted unique ids with their gradients summed, from the
-    sums ``taken`` (per table ids, sums, whether the ids ascend; ``oldest``: their oldest read
-    version per table of ``names`` and shard) and the other parts ``due`` (evicted rows, rows
-    not cached); and the oldest read version per (shard, table)."""
-    grads: Grads = {}
+class Taken(NamedTuple):
+    """A table's held sums taken for a push (``cache_batch.take_all``): the ids, the push's part
+    (``(ids, sums)`` or ``(ids, sums, stats)``: ``Table.combined``'s), whether the ids ascend, and
+    each row's sum of mean(g * g) and count of gradients."""
+
+    ids: np.ndarray
+    part: tuple[torch.Tensor, ...]
+    ascending: bool
+    square: np.ndarray
+    counts: np.ndarray
+
+
+def coalesce(due: Due, taken: Mapping[str, Taken], oldest: np.ndarray | None, names: Sequence[str],
+             tables: Mapping[str, Table]) -> tuple[dict[str, tuple[torch.Tensor, ...]], dict[tuple[int, str], int]]:
+    """One push's sparse part: per table sorted unique ids with their gradients summed (and a
+    combined push's statistics, ``Table.combined``), from the sums ``taken`` (``oldest``: their
+    oldest read version per table of ``names`` and shard) and the other parts ``due`` (evicted
+    rows, rows not cached); and the oldest read version per (shard, table)."""
+    grads: dict[str, tuple[torch.Tensor, ...]] = {}
     versions: dict[tuple[int, str], int] = {}
     if oldest is not None:
         for g, s in zip(*np.nonzero(oldest != NONE)):
             versions[(int(s), names[g])] = int(oldest[g, s])
-    for t, (ids, held, ascending) in taken.items():
-        if t in due or not ascending:
-            due.setdefault(t, []).append((ids, held, _NO_IDS, _NO_IDS))
+    for t, got in taken.items():
+        if t in due or not got.ascending:
+            held = np.concatenate([got.part[1].numpy(), got.square[:, None], got.counts[:, None]], 1)
+            due.setdefault(t, []).append((got.ids, torch.from_numpy(held), _NO_IDS, _NO_IDS))
         else:
-            grads[t] = (torch.from_numpy(ids), held)
+            grads[t] = got.part
     for t, parts in due.items():
         ids, g = np.concatenate([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         shards, read = np.concatenate([p[2] for p in parts]), np.concatenate([p[3] for p in parts])
         uniq_np, inverse = np.unique(ids, return_inverse=True)
         acc = np.zeros((len(uniq_np), g.shape[1]), np.float32)
         np.add.at(acc, inverse.reshape(-1), g.numpy())
-        grads[t] = (torch.from_numpy(uniq_np), torch.from_numpy(acc))
+        grads[t] = tables[t].combined(torch.from_numpy(uniq_np), torch.from_numpy(acc))
         if len(shards):
             first = oldest_per_shard(shards, read, int(shards.max()) + 1)
             for s in np.flatnonzero(first != NONE).tolist():
