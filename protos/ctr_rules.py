@@ -62,7 +62,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from tether.protos.update_rules import Adagrad, UpdateRule, decayed, kernel_helper, spread_row, spread_squares
+from tether.protos.kernel_helpers import decayed, kernel_helper, spread_row
+from tether.protos.update_rules import Adagrad, UpdateRule, spread_squares
 
 if TYPE_CHECKING:
     from tether.protos.optimizers import OptimizerConfig

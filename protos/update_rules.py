@@ -8,66 +8,18 @@ Adam. The registry, the hyper-parameters and what each rule computes are describ
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from tether.protos.kernel_helpers import decayed, kernel_helper, spread_row
+
 if TYPE_CHECKING:
     from tether.protos.optimizers import OptimizerConfig
 
-__all__ = ["Adagrad", "Adam", "KERNEL_HELPERS", "RuleOptimizer", "SGD", "UpdateRule", "adam_factors", "adam_moments", "decayed",
-           "kernel_helper", "spread_row", "spread_squares"]
-
-# The smallest normal float32 (a compile-time constant of the kernels that divide by a mean).
-_TINY = np.float32(np.finfo(np.float32).tiny)
-
-# The pieces the rules' kernels share: plain functions in the numba subset, which a kernel calls as
-# it would a numba function. This module never imports numba: ``tether.server.row_kernels``
-# registers every function here with numba (inlined where it is called) before it compiles a
-# kernel. numba's disk cache keys a kernel by its own file only: after editing a helper, a kernel
-# in another file (``tether.protos.ctr_rules``) is compiled again only once that file changes too
-# or the cache (``NUMBA_CACHE_DIR``, or ``__pycache__``) is cleared.
-KERNEL_HELPERS: list[Callable[..., Any]] = []
-_Helper = TypeVar("_Helper", bound=Callable[..., Any])
-
-
-def kernel_helper(fn: _Helper) -> _Helper:
-    """Add ``fn`` to ``KERNEL_HELPERS`` (a function the rules' kernels call)."""
-    KERNEL_HELPERS.append(fn)
-    return fn
-
-
-@kernel_helper
-def decayed(out: np.ndarray, g: np.ndarray, i: int, w: np.ndarray, s: int, weight_decay: np.float32) -> None:
-    """``out = g[i] + weight_decay * w[s]``: a pushed row's gradient with its weight decay added
-    (every kernel's first loop over a row). The helpers take whole arrays and a row's index, not
-    the row (a view), and a kernel makes its views of a row after the helpers that branch
-    (``spread_row``): a view alive across one cost numba's reference counting in every row, and
-    Adagrad's combine twice its time."""
-    for j in range(len(out)):
-        out[j] = g[i, j] + weight_decay * w[s, j]
-
-
-@kernel_helper
-def spread_row(out: np.ndarray, g: np.ndarray, square_sum: np.float32) -> None:
-    """``spread_squares`` of one row ``g`` into ``out``: ``g * g`` scaled so that its mean is
-    ``square_sum`` (``square_sum`` everywhere where ``g`` is 0)."""
-    d = len(g)
-    total = np.float32(0.0)
-    for j in range(d):
-        out[j] = g[j] * g[j]
-        total += out[j]
-    mean = total / np.float32(d)
-    if mean > 0:
-        scale = square_sum / max(mean, _TINY)
-        for j in range(d):
-            out[j] = out[j] * scale
-    else:
-        for j in range(d):
-            out[j] = square_sum
-
+__all__ = ["Adagrad", "Adam", "RuleOptimizer", "SGD", "UpdateRule", "adam_factors", "adam_moments", "spread_squares"]
 
 @kernel_helper
 def adam_factors(beta1: np.float64, beta2: np.float64) -> tuple[np.float32, np.float32, np.float64, np.float32, np.float32, np.float64]:

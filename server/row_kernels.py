@@ -9,7 +9,7 @@ a table names (``row_kernel``) and binds it to the table's state and constants
 (``row_update``; a rule's kernel for a combined push's rows, ``combined_rows``, likewise:
 ``combined_update``): a kernel applies the rule to the rows ``slots`` of a table in place,
 reading each row once and writing it once, instead of gathering rows, updating the copies and
-scattering them back. The pieces the rules' kernels share (``update_rules.KERNEL_HELPERS``) are
+scattering them back. The pieces the rules' kernels share (``tether.protos.kernel_helpers``) are
 registered with numba here before a kernel is compiled.
 """
 
@@ -23,7 +23,7 @@ import numba.extending
 import numpy as np
 
 from tether.protos.optimizers import OPTIMIZERS, OptimizerConfig, UpdateRule, rule
-from tether.protos.update_rules import KERNEL_HELPERS
+from tether.protos.kernel_helpers import KERNEL_HELPERS
 from tether.server import index_kernels
 from tether.server.index_kernels import _compiled, _prefetch, mix64
 from tether.server.kernel_threads import PARALLEL_ELEMENTS, in_parts
@@ -46,7 +46,7 @@ _helpers: set[Callable[..., Any]] = set()
 
 def _kernel(fn: Callable[..., None]) -> Any:
     """The compiled form of a rule's kernel function (one per function for the process), the
-    rules' shared pieces (``update_rules.KERNEL_HELPERS``) registered with numba first."""
+    rules' shared pieces (``tether.protos.kernel_helpers``) registered with numba first."""
     with _row_kernels_lock:
         for helper in KERNEL_HELPERS:
             if helper not in _helpers:
