@@ -16,6 +16,7 @@ import torch
 
 from tether.protos import tether_pb2 as pb
 from tether.protos.errors import InvalidArgument
+from tether.protos.names import WIRE_DTYPE_NAMES
 
 __all__ = [
     "MAX_DIMS",
@@ -49,8 +50,9 @@ _TO_TORCH: dict[int, torch.dtype] = {
     pb.INT64: torch.int64,
 }
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
-# The element types parameters and gradients may travel in, by the name flags and configs use.
-WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The element types parameters and gradients may travel in, by the name flags and configs use
+# (declared without torch in tether.protos.names: each is torch's dtype of that name).
+WIRE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in WIRE_DTYPE_NAMES}
 # bfloat16 has no numpy dtype: carry its bits as int16 and reinterpret in torch.
 _NUMPY_VIEW: dict[int, np.dtype] = {
     pb.FLOAT32: np.dtype("<f4"),

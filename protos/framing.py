@@ -48,6 +48,7 @@ import torch
 
 from tether.protos import tether_pb2 as pb
 from tether.protos.codec import wire_dtype
+from tether.protos.names import TRANSPORTS
 
 __all__ = [
     "ALIGN",
@@ -75,9 +76,9 @@ MAGIC = b"TDP1"
 HEADER = struct.Struct("<4sBBHIQQ")
 HELLO, PUSH, PULL, PUSH_PULL = 1, 2, 3, 4
 METHODS = {HELLO: "Hello", PUSH: "Push", PULL: "Pull", PUSH_PULL: "PushPull"}
-# How a client's Push/Pull/PushPull may travel: "auto" (the data plane, in shared memory when
-# the shard is on the same machine), "tcp" (the data plane, never shared memory), "grpc".
-TRANSPORTS = ("auto", "tcp", "grpc")
+# How a client's Push/Pull/PushPull may travel (TRANSPORTS, declared in tether.protos.names):
+# "auto" (the data plane, in shared memory when the shard is on the same machine), "tcp" (the
+# data plane, never shared memory), "grpc".
 FLAG_SHM = 1
 # Tensors start on cache-line boundaries, so every view of them is aligned for any dtype.
 ALIGN = 64

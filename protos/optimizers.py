@@ -23,9 +23,12 @@ A rule is the one home of everything about its optimizer:
 
 The rules live in ``tether.protos.update_rules`` (the base class and the three with a
 ``torch.optim`` twin) and ``tether.protos.ctr_rules`` (row-wise Adagrad and FTRL-Proximal);
-this module is the registry and the hyper-parameters, and every name is importable from here.
-Adding a rule is one subclass and its entry in the registry (plus, for a constant no rule
-took before, a field of ``OptimizerConfig`` and of its wire form); ``tests/test_optimizers.py``
+this module is the registry, and every name is importable from here. The hyper-parameters
+(``OptimizerConfig``, in ``tether.protos.specs``) and the rules' names (``OPTIMIZERS``, in
+``tether.protos.names``) are declared without torch, so a launcher makes and checks a job's
+config without importing the rules. Adding a rule is one subclass, its entry in the registry
+and its name in ``tether.protos.names`` (plus, for a constant no rule took before, a field of
+``OptimizerConfig`` and of its wire form); ``tests/test_optimizers.py``
 checks every registered rule's kernel against its torch form, and its torch form against its
 torch optimizer, and ``tests/test_rules_combined_kernels.py`` every registered rule's
 ``combined_rows`` (where it has one) against its ``apply_combined``. Nothing else names a rule.
@@ -67,12 +70,9 @@ on within 1e-5 in ``tests/test_local_mode.py``).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
-from tether.protos import tether_pb2 as pb
 from tether.protos.ctr_rules import Ftrl, RowwiseAdagrad
-from tether.protos.schedules import Schedule
+from tether.protos.names import OPTIMIZERS, check_optimizer
+from tether.protos.specs import OptimizerConfig
 from tether.protos.update_rules import SGD, Adagrad, Adam, RuleOptimizer, UpdateRule
 
 __all__ = [
@@ -81,8 +81,10 @@ __all__ = [
 
 
 _RULES: dict[str, UpdateRule] = {r.name: r for r in (SGD(), Adagrad(), Adam(), RowwiseAdagrad(), Ftrl())}
-# The names ``OptimizerConfig.name`` (and ``--optimizer``) may take.
-OPTIMIZERS: tuple[str, ...] = tuple(_RULES)
+# The names OptimizerConfig.name (and --optimizer) may take are declared without torch
+# (tether.protos.names): a rule registered here is one of them, in their order.
+if tuple(_RULES) != OPTIMIZERS:
+    raise ImportError(f"the registered rules {tuple(_RULES)} are not tether.protos.names.OPTIMIZERS {OPTIMIZERS}")
 
 
 def rule(name: str) -> UpdateRule:
@@ -91,87 +93,5 @@ def rule(name: str) -> UpdateRule:
     Raises:
         ValueError: no rule has that name.
     """
-    try:
-        return _RULES[name]
-    except KeyError:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}") from None
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """Hyper-parameters of one table's or dense chunk's update rule."""
-
-    name: str = "adagrad"
-    lr: float = 0.05
-    # Adam's moment decays (torch's defaults).
-    beta1: float = 0.9
-    beta2: float = 0.999
-    # Adagrad's and Adam's denominator term: 1e-8 for both (torch.optim.Adagrad's default is 1e-10).
-    eps: float = 1e-8
-    # L2 penalty, added to the gradient before the rule (as torch.optim does).
-    weight_decay: float = 0.0
-    # Adagrad's and row-wise Adagrad's starting sum of squares (torch's initial_accumulator_value),
-    # FTRL's starting n (the paper's 0; TensorFlow's Ftrl starts at 0.1).
-    initial_accumulator: float = 0.0
-    # FTRL-Proximal (tether.protos.ctr_rules): the paper's beta, L1 and L2 (its lambda_1, lambda_2;
-    # TensorFlow's l2_regularization_strength is half of l2), and the accumulator's power in the
-    # per-coordinate rate (TensorFlow's learning_rate_power; -0.5 is the paper's square root).
-    beta: float = 1.0
-    l1: float = 0.0
-    l2: float = 0.0
-    lr_power: float = -0.5
-    # The rate over time, by the pushing worker's clock (tether.protos.schedules; default constant).
-    schedule: Schedule = Schedule()
-
-    def __post_init__(self) -> None:
-        rule(self.name)  # ValueError naming the rules there are
-        # A checkpoint's JSON gives the schedule as a mapping (an old one gives none).
-        object.__setattr__(self, "schedule", Schedule.coerce(self.schedule))
-        if not (self.lr > 0 and self.lr < float("inf")):
-            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
-        if not 0 <= self.beta1 < 1 or not 0 <= self.beta2 < 1:
-            raise ValueError(f"betas must be in [0, 1), got ({self.beta1!r}, {self.beta2!r})")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps!r}")
-        if self.weight_decay < 0 or self.initial_accumulator < 0:
-            raise ValueError(
-                f"weight_decay and initial_accumulator must be >= 0, got {self.weight_decay!r}, {self.initial_accumulator!r}"
-            )
-        self._check_ftrl()
-
-    def _check_ftrl(self) -> None:
-        for key in ("beta", "l1", "l2"):
-            value = getattr(self, key)
-            if not (0 <= value < math.inf):
-                raise ValueError(f"{key} must be a finite number >= 0, got {value!r}")
-        if not (-math.inf < self.lr_power <= 0):
-            raise ValueError(f"lr_power must be a finite number <= 0 (TensorFlow's learning_rate_power), got {self.lr_power!r}")
-        if self.name == "ftrl" and self.lr_power != 0 and not (self.beta > 0 or self.l2 > 0 or self.initial_accumulator > 0):
-            # Else a coordinate whose squared gradients are all 0 in float32 but whose z is not
-            # would divide by zero.
-            raise ValueError("ftrl needs beta > 0, l2 > 0 or initial_accumulator > 0 (all three are 0)")
-
-    def to_proto(self) -> pb.OptimizerSpec:
-        """Wire form."""
-        return pb.OptimizerSpec(
-            name=self.name, lr=self.lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-            weight_decay=self.weight_decay, initial_accumulator=self.initial_accumulator,
-            schedule=self.schedule.to_proto(), beta=self.beta, l1=self.l1, l2=self.l2, lr_power=self.lr_power,
-        )
-
-    @classmethod
-    def from_proto(cls, spec: pb.OptimizerSpec) -> OptimizerConfig:
-        """Validated config from the wire form (unset fields take the defaults).
-
-        Raises:
-            ValueError: a field out of range.
-        """
-        d = cls()
-        return cls(
-            name=spec.name or d.name, lr=spec.lr or d.lr, beta1=spec.beta1 or d.beta1, beta2=spec.beta2 or d.beta2,
-            eps=spec.eps or d.eps, weight_decay=spec.weight_decay, initial_accumulator=spec.initial_accumulator,
-            schedule=Schedule.from_proto(spec.schedule),
-            # beta and lr_power are optional on the wire: 0 is a value, unset is the default.
-            beta=spec.beta if spec.HasField("beta") else d.beta, l1=spec.l1, l2=spec.l2,
-            lr_power=spec.lr_power if spec.HasField("lr_power") else d.lr_power,
-        )
+    check_optimizer(name)
+    return _RULES[name]

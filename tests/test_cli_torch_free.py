@@ -1,12 +1,14 @@
 """The launcher's torch-free path: importing ``tether.deploy.cli`` and the job's config, the
-commands' help, argparse's errors and the flag checks that come before a config holds its
-update rules and row cache never import torch, numba or matplotlib (about 2.5 CPU-seconds of
-each command the tests start); and the torch-free copies of the choices those flags declare
-(``tether.common.choices``) agree with the modules that use them.
+commands' help (``tether worker --help`` too), argparse's errors and the flag checks that come
+before a config holds its update rules and row cache never import torch, numba or matplotlib
+(about 2.5 CPU-seconds of each command the tests start). The names and defaults those flags
+declare are declared once, without torch: the contract's in ``tether.protos.names``, the
+client's and the row cache's in ``tether.common.choices``; the modules with torch take them
+from there.
 
 Where torch comes in: ``WorkerConfig`` validation (its per-table rules, ``table_rules``, and its
 row cache, ``cache_parts``, both import torch), the built-in job's evaluation, ``--table-optimizer``
-parsing and the ``server``, ``worker``, ``export`` and ``convert`` commands."""
+parsing and the ``server``, ``worker`` (past its flags), ``export`` and ``convert`` commands."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ _PROBE = textwrap.dedent("""
     codes = []
     for argv in (["--help"], ["--version"], ["launch", "--help"], ["compare", "--help"], ["sweep", "--help"],
                  ["launch", "--bogus"], ["launch", "--optimizer", "nope"], ["launch", "--num-shards", "0"],
-                 ["launch", "--lr", "-1"], ["compare", "--out", "x", "--mode", "async"]):
+                 ["launch", "--lr", "-1"], ["compare", "--out", "x", "--mode", "async"],
+                 ["worker", "--help"], ["worker", "--bogus"], ["worker", "--local", "--metrics-port", "70000"]):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             try:
                 codes.append(cli.main(argv))
@@ -44,7 +47,7 @@ def test_launcher_help_and_usage_errors_import_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     codes, imported = out.stdout.splitlines()[-2:]
-    assert codes == "[0, 0, 0, 0, 0, 2, 2, 2, 2, 2]"
+    assert codes == "[0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 0, 2, 2]"
     assert imported == "[]", f"the launcher's torch-free path imported {imported}"
 
 
@@ -60,21 +63,27 @@ def test_worker_config_validation_still_reads_the_rules_and_the_cache() -> None:
     assert {n: e.rule for n, e in config.table_rules.entries.items()} == {"a": "sgd", "b": "adam"}
 
 
-def test_torch_free_choices_agree_with_their_sources() -> None:
-    from tether.protos.codec import WIRE_DTYPES
-    from tether.protos.framing import TRANSPORTS
-    from tether.protos.optimizers import OPTIMIZERS, OptimizerConfig
-    from tether.protos.specs import TableConfig
-    from tether.worker.cache_parts import POLICIES
+def test_the_modules_with_torch_take_the_torch_free_declarations() -> None:
+    """Each name and default is written once: the modules that use them beside torch hold the
+    declared objects themselves, not copies (a tuple or float written again is another object)."""
+    from tether.protos import codec, framing, names, optimizers, specs
     from tether.worker.client_config import ClientConfig
 
-    assert choices.OPTIMIZERS == OPTIMIZERS
-    assert (choices.OPTIMIZER, choices.OPTIMIZER_LR) == (default_of(OptimizerConfig, "name"), default_of(OptimizerConfig, "lr"))
-    assert choices.INIT_SCALE == default_of(TableConfig, "init_scale")
-    assert choices.WIRE_DTYPES == tuple(WIRE_DTYPES)
-    assert choices.TRANSPORTS == TRANSPORTS
+    assert optimizers.OPTIMIZERS is names.OPTIMIZERS and tuple(optimizers._RULES) == names.OPTIMIZERS  # noqa: SLF001
+    assert optimizers.OptimizerConfig is specs.OptimizerConfig
+    assert default_of(specs.OptimizerConfig, "lr") is names.OPTIMIZER_LR
+    assert default_of(specs.TableConfig, "init_scale") is names.INIT_SCALE
+    assert framing.TRANSPORTS is names.TRANSPORTS
+    assert tuple(codec.WIRE_DTYPES) == names.WIRE_DTYPE_NAMES
+    assert [str(d) for d in codec.WIRE_DTYPES.values()] == [f"torch.{n}" for n in names.WIRE_DTYPE_NAMES]
+    assert default_of(ClientConfig, "timeout_s") is choices.CLIENT_TIMEOUT_S
+    assert default_of(ClientConfig, "call_deadline_s") is choices.CLIENT_CALL_DEADLINE_S
+    assert default_of(ClientConfig, "wire_dtype") is codec.WIRE_DTYPES[choices.CLIENT_WIRE_DTYPE]
+
+
+def test_the_row_cache_policies_copy_agrees() -> None:
+    """The one copy left: ``tether.worker.cache_parts.POLICIES`` (its owner is to import
+    ``choices.CACHE_POLICIES``; then this test goes)."""
+    from tether.worker.cache_parts import POLICIES
+
     assert choices.CACHE_POLICIES == POLICIES
-    client = {n: default_of(ClientConfig, n) for n in ("timeout_s", "call_deadline_s", "staleness_aware", "transport")}
-    assert client == {"timeout_s": choices.CLIENT_TIMEOUT_S, "call_deadline_s": choices.CLIENT_CALL_DEADLINE_S,
-                      "staleness_aware": choices.CLIENT_STALENESS_AWARE, "transport": choices.CLIENT_TRANSPORT}
-    assert WIRE_DTYPES[choices.CLIENT_WIRE_DTYPE] == default_of(ClientConfig, "wire_dtype")

@@ -12,7 +12,6 @@ from tether.common.exits import DONE, FAILED, exit_process, run_command, usage_c
 from tether.protos.errors import TetherError
 from tether.worker.config import WorkerConfig
 from tether.worker.flags import load_config
-from tether.worker.ctr_job import train
 
 __all__ = ["main", "run"]
 
@@ -23,6 +22,9 @@ def run(config: WorkerConfig) -> int:
     Raises:
         UsageError: the metrics port is taken, sync mode outside torchrun, a bad data file.
     """
+    # The job, with torch, imported here: --help and a bad flag end before it is needed.
+    from tether.worker.ctr_job import train
+
     # Steps free and allocate tensors of MiBs: keep them in the heap (tether.common.allocator);
     # before the data is opened (the Trainer tunes it too, once per process).
     tune_malloc()

@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tether.common.choices import or_names
+from tether.common.choices import (
+    CLIENT_CALL_DEADLINE_S, CLIENT_STALENESS_AWARE, CLIENT_TIMEOUT_S, CLIENT_TRANSPORT, CLIENT_WIRE_DTYPE, or_names,
+)
 from tether.common.security import ClientSecurity
 from tether.protos.codec import WIRE_DTYPES
-from tether.protos.framing import TRANSPORTS
+from tether.protos.names import TRANSPORTS
 from tether.worker.cache_parts import RowCacheConfig
 
 if TYPE_CHECKING:
@@ -29,7 +31,7 @@ class ClientConfig:
     addresses: tuple[str, ...]
     worker_id: str
     # Deadline of one attempt (one RPC or data-plane round trip).
-    timeout_s: float = 30.0
+    timeout_s: float = CLIENT_TIMEOUT_S
     # Retries of a transient failure: None retries until ``call_deadline_s``; a number stops after
     # that many retries (or at the deadline, if sooner).
     retries: int | None = None
@@ -37,9 +39,9 @@ class ClientConfig:
     max_backoff_s: float = 2.0
     max_message_bytes: int = 256 * 1024 * 1024
     chunk_elems: int = 1 << 20
-    wire_dtype: torch.dtype = torch.float32
+    wire_dtype: torch.dtype = WIRE_DTYPES[CLIENT_WIRE_DTYPE]
     threads: int = 8
-    staleness_aware: bool = False
+    staleness_aware: bool = CLIENT_STALENESS_AWARE
     # DC-ASGD's lambda (0: off): pushes carry the values they were computed on.
     delay_compensation: float = 0.0
     security: ClientSecurity = field(default_factory=ClientSecurity)
@@ -49,11 +51,11 @@ class ClientConfig:
     # How Push/Pull/PushPull travel: "auto" uses the shard's data plane, with shared memory
     # when the shard is on this machine; "tcp" the data plane without shared memory; "grpc"
     # everything over gRPC. With TLS the data plane's TCP connections run inside TLS too.
-    transport: str = "auto"
+    transport: str = CLIENT_TRANSPORT
     # The longest one call takes, every attempt, backoff and data-plane fallback included; then
     # it raises Unavailable. Each attempt gets min(timeout_s, what is left). Checkpoint calls
     # and SSP waits have their own limits (see ``checkpoint`` and ``clock``).
-    call_deadline_s: float = 60.0
+    call_deadline_s: float = CLIENT_CALL_DEADLINE_S
     # The worker's row cache (tether.worker.row_cache): off by default.
     cache: RowCacheConfig = field(default_factory=RowCacheConfig)
 

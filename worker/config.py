@@ -23,6 +23,7 @@ from tether.common.exits import end_usage_errors_in_one_line, usage_checks
 from tether.common.settings import default_of, derived, optional_int, optional_str, override, setting
 from tether.common.choices import or_names as _names
 from tether.common.security import TOKEN_ENV, ClientSecurity, resolve_token
+from tether.protos.names import INIT_SCALE, OPTIMIZER, OPTIMIZER_LR, OPTIMIZERS, TRANSPORTS, WIRE_DTYPE_NAMES, check_optimizer
 from tether.worker.mode import Mode, parse_mode
 from tether.worker.stragglers import StragglerSpec, parse_straggler
 
@@ -159,11 +160,11 @@ class TrainingConfig:
                         "worker) or sync (all-reduce; start with torchrun)")
     # The shards' update rule for rows and (outside sync) dense parameters; sync steps dense
     # parameters with the matching torch optimizer.
-    optimizer: str = setting(choices.OPTIMIZER, flag="--optimizer", choices=choices.OPTIMIZERS, group=JOB,
+    optimizer: str = setting(OPTIMIZER, flag="--optimizer", choices=OPTIMIZERS, group=JOB,
                              help="server-side update rule")
-    lr: float = setting(choices.OPTIMIZER_LR, flag="--lr", group=JOB, help="learning rate")
+    lr: float = setting(OPTIMIZER_LR, flag="--lr", group=JOB, help="learning rate")
     # New rows start uniform in [-init_scale, init_scale] (seeded by id and seed).
-    init_scale: float = setting(choices.INIT_SCALE, flag="--init-scale", group=JOB,
+    init_scale: float = setting(INIT_SCALE, flag="--init-scale", group=JOB,
                                 help="new rows start uniform in [-S, S]")
     seed: int = setting(0, flag="--seed", group=JOB, help="seed of the model, the rows and the data")
     eval_every: int = setting(0, flag="--eval-every", group=JOB, help="worker 0 evaluates every N steps (0: only at the end)")
@@ -207,10 +208,10 @@ class TrainingConfig:
                                     old_flag="--ssp-timeout",
                                     help="longest wait for the other workers before failing: the start-up join (every mode) and "
                                     "the staleness bound (ssp), seconds")
-    transport: str = setting(choices.CLIENT_TRANSPORT, flag="--transport", choices=choices.TRANSPORTS, group=JOB,
+    transport: str = setting(choices.CLIENT_TRANSPORT, flag="--transport", choices=TRANSPORTS, group=JOB,
                              help="push/pull over the shards' data plane (auto: shared memory on the same machine, else TCP; tcp: never "
                              "shared memory) or grpc only")
-    wire_dtype: str = setting(choices.CLIENT_WIRE_DTYPE, flag="--wire-dtype", choices=choices.WIRE_DTYPES, group=JOB,
+    wire_dtype: str = setting(choices.CLIENT_WIRE_DTYPE, flag="--wire-dtype", choices=WIRE_DTYPE_NAMES, group=JOB,
                               help="element type of parameters and gradients on the wire")
     # TensorBoard scalars (loss, eval metrics, samples/s, staleness) go to <tensorboard>/worker-<index>.
     tensorboard: str | None = setting(None, flag="--tensorboard", parse=optional_str, metavar="DIR", group=JOB,
@@ -326,8 +327,7 @@ class TrainingConfig:
             raise ValueError(
                 f"eval_every and checkpoint_every_steps must be >= 0, got {self.eval_every!r}, {self.checkpoint_every_steps!r}"
             )
-        if self.optimizer not in choices.OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {choices.OPTIMIZERS}, got {self.optimizer!r}")
+        check_optimizer(self.optimizer)
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         if not 0 <= self.init_scale < math.inf:
@@ -338,14 +338,16 @@ class TrainingConfig:
             raise ValueError("tensorboard must name a directory (None: no TensorBoard), got ''")
         if self.worker_id is not None and not self.worker_id:
             raise ValueError("worker_id must not be empty (None: worker-<index>)")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535] (0: any free port), got {self.metrics_port!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
         if not 0 < self.call_deadline_s < math.inf:
             raise ValueError(f"call_deadline_s (--call-deadline) must be a finite number of seconds > 0, got {self.call_deadline_s!r}")
-        if self.transport not in choices.TRANSPORTS:
-            raise ValueError(f"transport must be {_names(choices.TRANSPORTS)}, got {self.transport!r}")
-        if self.wire_dtype not in choices.WIRE_DTYPES:
-            raise ValueError(f"wire_dtype must be {_names(choices.WIRE_DTYPES)}, got {self.wire_dtype!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be {_names(TRANSPORTS)}, got {self.transport!r}")
+        if self.wire_dtype not in WIRE_DTYPE_NAMES:
+            raise ValueError(f"wire_dtype must be {_names(WIRE_DTYPE_NAMES)}, got {self.wire_dtype!r}")
         self.security  # noqa: B018 - validates the TLS and token fields together
         self.row_cache  # noqa: B018 - validates the cache_* fields together
         self._check_cache_flags()

@@ -1,0 +1,32 @@
+"""The contract's names and defaults, declared once and without torch: the update rules' names
+and the default rule and rate (``OptimizerConfig``, ``tether.protos.specs``), a new table's
+default ``init_scale`` (``TableConfig``), the wire element types (``tether.protos.codec``'s
+``WIRE_DTYPES`` maps these names to torch dtypes) and the data-plane transports
+(``tether.protos.framing``). Those modules and the job's flags (``tether.worker.config``) take
+them from here, so the launcher's help, flag parsing and usage errors import no torch.
+
+The rules themselves are registered in ``tether.protos.optimizers``, which refuses to import if
+its registry's names are not these, in this order."""
+
+from __future__ import annotations
+
+__all__ = ["INIT_SCALE", "OPTIMIZER", "OPTIMIZERS", "OPTIMIZER_LR", "TRANSPORTS", "WIRE_DTYPE_NAMES", "check_optimizer"]
+
+# The update rules' names (``OptimizerConfig.name``, ``--optimizer``), in the registry's order.
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "adam", "rowwise_adagrad", "ftrl")
+# OptimizerConfig's default rule and learning rate (and so --optimizer's and --lr's).
+OPTIMIZER = "adagrad"
+OPTIMIZER_LR = 0.05
+# TableConfig's default init_scale: new rows start uniform in [-init_scale, init_scale].
+INIT_SCALE = 0.05
+# The element types parameters and gradients may travel in, by the names flags and configs use
+# (each is torch's dtype of that name).
+WIRE_DTYPE_NAMES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+# How a worker's pushes and pulls travel (ClientConfig.transport, --transport).
+TRANSPORTS: tuple[str, ...] = ("auto", "tcp", "grpc")
+
+
+def check_optimizer(name: str) -> None:
+    """Raises ValueError, naming the rules there are, unless ``name`` is one of ``OPTIMIZERS``."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
