@@ -3,9 +3,11 @@ plain functions in the numba subset, which a kernel calls as it would a numba fu
 protos never import numba: ``tether.server.row_kernels`` registers every function in
 ``KERNEL_HELPERS`` with numba (inlined where it is called) before it compiles a kernel.
 
-numba's disk cache keys a kernel by its own file only: after editing a helper, a kernel in
-another file (``update_rules``, ``ctr_rules``) is compiled again only once that file changes
-too, or once the cache (``NUMBA_CACHE_DIR``, or the ``__pycache__`` beside the rules) is cleared.
+numba's disk cache alone keys a kernel by its own file; the kernels are compiled with
+``tether.server.kernel_cache.compiled``, whose cache entry is keyed by the files and bytecode of
+the helpers a kernel names (and the constants they name) too, so after editing a helper here a
+kernel in another file (``update_rules``, ``ctr_rules``) is compiled again at its next load. A
+helper must be named by the kernel (imported into its module, as here) for that to follow it.
 A helper takes whole arrays and a row's index, not the row (a view), and a kernel makes its views
 of a row after the helpers that branch: a view alive across one cost numba's reference counting
 in every row (Adagrad's combine took twice its time).

@@ -9,13 +9,13 @@ in ``NUMBA_CACHE_DIR`` when set, as in the container image, else next to the sou
 under ``~/.cache/numba``), so a restarted shard loads machine code instead of compiling it again.
 They release the GIL (``nogil``), so the shard's other threads (other connections, metrics, the
 checkpointer) run while a table is updated. The decorator that compiles them so (``_compiled``)
-and the prefetch hint (``_prefetch``) are defined here, and ``row_kernels`` uses them too.
+and the prefetch hint (``_prefetch``) are here (``_compiled`` is ``tether.server.kernel_cache.compiled``,
+whose disk cache entries are keyed by the helpers a kernel inlines too), and ``row_kernels`` uses
+them as well.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from typing import Any
 
 import numba
@@ -23,6 +23,8 @@ import numba.extending
 import numpy as np
 from llvmlite import ir  # type: ignore[import-untyped]
 from numba.core import cgutils
+
+from tether.server.kernel_cache import compiled as _compiled
 
 __all__ = [
     "EMPTY_SLOT", "REMOVED_SLOT", "count_in", "index_cells", "index_lookup", "index_place", "mix64", "slot_cells", "slot_lookup",
@@ -36,27 +38,6 @@ REMOVED_SLOT = -2
 _EMPTY = EMPTY_SLOT
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
-
-log = logging.getLogger("tether.server")
-_uncached: list[str] = []
-
-
-def _compiled(**options: Any) -> Callable[[Callable[..., Any]], Any]:
-    """``numba.njit(cache=True, nogil=True, **options)``; where no cache location is writable
-    (a read-only package directory and no writable ``NUMBA_CACHE_DIR`` or home), the kernels
-    are compiled in memory at every start instead (a few seconds), with one warning."""
-
-    def decorate(fn: Callable[..., Any]) -> Any:
-        try:
-            return numba.njit(cache=True, nogil=True, **options)(fn)
-        except RuntimeError as exc:  # numba: "cannot cache function ...: no locator available"
-            if not _uncached:
-                log.warning("compiled kernels are not cached on disk (%s); set NUMBA_CACHE_DIR to a writable directory", exc)
-            _uncached.append(fn.__name__)
-            return numba.njit(cache=False, nogil=True, **options)(fn)
-
-    return decorate
-
 
 _jit = _compiled()
 

@@ -10,7 +10,8 @@ a table names (``row_kernel``) and binds it to the table's state and constants
 ``combined_update``): a kernel applies the rule to the rows ``slots`` of a table in place,
 reading each row once and writing it once, instead of gathering rows, updating the copies and
 scattering them back. The pieces the rules' kernels share (``tether.protos.kernel_helpers``) are
-registered with numba here before a kernel is compiled.
+registered with numba here before a kernel is compiled; a kernel's disk cache entry is keyed by
+them too (``tether.server.kernel_cache``), so an edited helper compiles the kernels again.
 """
 
 from __future__ import annotations
