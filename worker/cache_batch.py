@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from tether.server.index_kernels import EMPTY_SLOT, mix64
+from tether.server.index_kernels import EMPTY_SLOT, _prefetch, mix64
 from tether.worker.cache_kernels import (_FRESH, _IDS, _LU, _MINE, _NONE, _PEND, _PS, _PV, _RC, _RV, _SHARD, _USES, _VALS, META, FLOATS,
-                                         Columns, _compiled, _shard, _slot, columns)
+                                         Columns, _compiled, _probe_from, _shard, _slot, columns)
 
 __all__ = ["deltas_all", "hold_all", "later_all", "plan_all", "store_all", "take_all", "warm_up"]
 
@@ -49,13 +49,22 @@ def _in_flight(flights: np.ndarray, foffs: np.ndarray, g: np.int64, key: np.int6
     return False
 
 
+_AHEAD = 16  # how many ids ahead a pass asks for the memory it will read (``_prefetch``)
+
+
 @_compiled(inline="always")
 def _lookup(cells: np.ndarray, ids: np.ndarray, a: np.int64, b: np.int64, found: np.ndarray) -> None:
-    """The slots of ``ids[a:b]`` into ``found[a:b]`` (-1: not cached), in a loop of their own
-    before any row is touched: the probes of different ids overlap in the core, where a loop that
-    also works on each found row waits for each probe in turn."""
+    """The slots of ``ids[a:b]`` into ``found[a:b]`` (-1: not cached), before any row is
+    touched: each id's home cell first, then the probes, the cell ``_AHEAD`` ids on prefetched
+    (so that the reads of one id do not wait for the memory of the one before)."""
+    mask = np.uint64(len(cells) - 1)
+    flat = cells.reshape(-1)
     for i in range(a, b):
-        found[i] = _slot(cells, ids[i])
+        found[i] = np.int64(mix64(ids[i]) & mask)
+    for i in range(a, b):
+        if i + _AHEAD < b:
+            _prefetch(flat, 2 * found[i + _AHEAD])
+        found[i] = _probe_from(cells, ids[i], found[i])
 
 
 @_jit
@@ -144,6 +153,7 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
     n = len(keys)
     unplaced = np.empty(n, np.int64)
     placed = np.empty(n, np.int64)
+    found = np.empty(n, np.int64)
     nplaced = np.zeros(len(tidx), np.int64)
     u = q = 0
     for k in range(len(tidx)):
@@ -154,11 +164,12 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
                                               meta_l[g][:, _PS], meta_l[g][:, _PV])
         pend, mine, shard, rv = floats[_PEND * nt + g], floats[_MINE * nt + g], meta_l[g][:, _SHARD], meta_l[g][:, _RV]
         dim = vals.shape[1]
+        _lookup(cells, keys, koffs[k], koffs[k + 1], found)  # a part's keys are unique: placing one moves no other's slot
         for i in range(koffs[k], koffs[k + 1]):
             key = keys[i]
             src = got_offs[k] + got_row[i] * dim
             dst = row_offs[k] + (pos[i] - offs[k]) * dim
-            s = _slot(cells, key)
+            s = found[i]
             if s < 0:
                 if nfree[g] > 0:
                     nfree[g] -= 1

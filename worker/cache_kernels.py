@@ -101,8 +101,13 @@ def set_cells(cells_l: Any, g: np.int64, cells: np.ndarray) -> None:
 @_compiled(inline="always")
 def _slot(cells: np.ndarray, key: np.int64) -> np.int64:
     """The slot of ``key`` in the index, -1 where absent (``server.index_kernels.index_lookup``'s probe)."""
+    return _probe_from(cells, key, np.int64(mix64(key) & np.uint64(len(cells) - 1)))
+
+
+@_compiled(inline="always")
+def _probe_from(cells: np.ndarray, key: np.int64, p: np.int64) -> np.int64:
+    """``_slot``'s probe from cell ``p``, the key's home cell."""
     mask = np.uint64(len(cells) - 1)
-    p = np.int64(mix64(key) & mask)
     while True:
         s = cells[p, 1]
         if s == EMPTY_SLOT:

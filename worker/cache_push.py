@@ -74,13 +74,15 @@ class PushSide:
         self._holding -= count
         out: dict[str, Taken] = {}
         at = flat = sflat = 0
-        ids_t, sums_t, stats_t = torch.from_numpy(ids), torch.from_numpy(sums), torch.from_numpy(stats)
-        for g in np.flatnonzero(count).tolist():
-            n, d, k = int(count[g]), self._dim_list[g], self._nstats[g]
-            part: tuple[torch.Tensor, ...] = (ids_t[at: at + n], sums_t[flat: flat + n * d].view(n, d))
+        for g, n in enumerate(count.tolist()):
+            if not n:
+                continue
+            d, k = self._dim_list[g], self._nstats[g]
+            ids_g = ids[at: at + n]
+            part: tuple[torch.Tensor, ...] = (torch.from_numpy(ids_g), torch.from_numpy(sums[flat: flat + n * d].reshape(n, d)))
             if k and many[g]:
-                part = (*part, stats_t[sflat: sflat + n * k].view(n, k))
-            out[self._names[g]] = Taken(ids[at: at + n], part, bool(ascending[g]), square[at: at + n], grads[at: at + n])
+                part = (*part, torch.from_numpy(stats[sflat: sflat + n * k].reshape(n, k)))
+            out[self._names[g]] = Taken(ids_g, part, bool(ascending[g]), square[at: at + n], grads[at: at + n])
             at, flat, sflat = at + n, flat + n * d, sflat + n * k
         return out, oldest
 

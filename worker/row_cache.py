@@ -201,10 +201,10 @@ class RowCache(PushSide):
                     for k in np.unique(at).tolist():
                         lacking[names[k]] = torch.from_numpy(plan.ids[plan.later[gone[at == k]]])
         rows: dict[str, torch.Tensor] = {}
-        for k, t in enumerate(names):
-            n = int(plan.offs[k + 1] - plan.offs[k])
+        offs, row_offs = plan.offs.tolist(), plan.row_offs.tolist()
+        for k, (t, g) in enumerate(zip(names, parts.tolist())):
             got = pulled.rows.get(t)
-            part = plan.out[int(plan.row_offs[k]): int(plan.row_offs[k + 1])].view(n, int(self._dims[parts[k]]))
+            part = torch.from_numpy(out[row_offs[k]: row_offs[k + 1]].reshape(offs[k + 1] - offs[k], self._dim_list[g]))
             rows[t] = part if got is None or got.dtype == torch.float32 else part.to(got.dtype)
         for k, sh in zip(*np.nonzero(oldest != NONE)):
             key, v = (int(sh), names[k]), int(oldest[k, sh])
