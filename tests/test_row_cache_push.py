@@ -1,0 +1,93 @@
+"""The row cache's push side (tether.worker.cache_push): what a combined push carries per table
+(the sums, and the rule's statistics with -1 in rows of one gradient), taken in the layout the
+wire takes (one buffer of sums and one of statistics for all tables), and a slot's int64 columns
+in one cache-line row."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tether.protos.optimizers import OptimizerConfig
+from tether.protos.specs import TableConfig
+from tether.worker.results import PullResult
+from tether.worker.row_cache import RowCache, RowCacheConfig
+
+_DIMS = {"a": 4, "b": 2}
+
+
+def _cache(rules: dict[str, str]) -> RowCache:
+    cache = RowCache(RowCacheConfig(rows=50, bound=3), _DIMS, 1)
+    cache.use_tables([TableConfig(name=t, dim=d, optimizer=OptimizerConfig(name=rules[t], lr=0.1)) for t, d in _DIMS.items()])
+    return cache
+
+
+def _pull(cache: RowCache, ids: dict[str, torch.Tensor]) -> PullResult:
+    plan = cache.plan(ids, 0)
+    rows = {t: torch.zeros(len(i), _DIMS[t]) for t, i in plan.miss.items()}
+    result, lacking = cache.merge(plan, PullResult(rows, {}, {(0, t): 0 for t in ids}, {}))
+    assert not lacking
+    return result
+
+
+def test_a_combined_push_carries_each_tables_sums_and_statistics_in_two_shared_buffers() -> None:
+    cache = _cache({"a": "adam", "b": "adagrad"})
+    ids = {"a": torch.tensor([3, 8, 20]), "b": torch.tensor([1, 5])}
+    pulled = _pull(cache, ids)
+    gen = torch.Generator().manual_seed(0)
+    sent: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+    for clock in (1, 2, 3):
+        # Row 20 of "a" and row 5 of "b" get a gradient at clock 1 only: one gradient each.
+        step = {t: (i if clock == 1 else i[:-1]) for t, i in ids.items()}
+        grads = {t: (i, torch.randn(len(i), _DIMS[t], generator=gen)) for t, i in step.items()}
+        sent.append(grads)
+        pushed, _ = cache.accumulate(grads, clock, pulled)
+        assert pushed == {}  # held: the write bound is 3 clocks
+    pushed, versions = cache.accumulate({}, 4, None)
+    assert versions == {(0, "a"): 0, (0, "b"): 0}
+    for t, i in ids.items():
+        got_ids, sums, stats = pushed[t]
+        assert got_ids.tolist() == i.tolist()
+        for r, key in enumerate(i.tolist()):
+            parts = [step[t][1][step[t][0].tolist().index(key)] for step in sent if key in step[t][0].tolist()]
+            total, square = torch.zeros(_DIMS[t]), np.float32(0.0)
+            for g in parts:  # summed in the order the steps came, in float32, as the cache does
+                total += g
+                row = np.float32(0.0)
+                for x in g.numpy():
+                    row = np.float32(row + x * x)
+                square = np.float32(square + row / np.float32(_DIMS[t]))
+            assert torch.equal(sums[r], total), (t, key)
+            # adam: ("count", "square_sum"); adagrad: ("square_sum",); -1 first where one gradient.
+            expected = ([float(len(parts))] if t == "a" else []) + [float(square)]
+            if len(parts) == 1:
+                expected[0] = -1.0
+            assert stats[r].tolist() == expected, (t, key)
+        assert stats.shape == (len(i), 2 if t == "a" else 1)
+    # One buffer of sums and one of statistics for both tables (the layout the push takes): b's part right after a's.
+    for column in (1, 2):
+        a, b = pushed["a"][column], pushed["b"][column]
+        assert a.is_contiguous() and b.is_contiguous() and b.data_ptr() == a.data_ptr() + a.nbytes
+    assert cache.pending_rows() == 0
+
+
+def test_a_push_whose_rows_hold_one_gradient_each_sends_no_statistics() -> None:
+    cache = _cache({"a": "adam", "b": "sgd"})
+    ids = {"a": torch.tensor([4, 9]), "b": torch.tensor([2])}
+    pulled = _pull(cache, ids)
+    cache.accumulate({t: (i, torch.ones(len(i), _DIMS[t])) for t, i in ids.items()}, 1, pulled)
+    pushed, _ = cache.accumulate({}, 4, None)
+    assert {t: len(p) for t, p in pushed.items()} == {"a": 2, "b": 2}  # ids and sums only
+    assert torch.equal(pushed["a"][1], torch.ones(2, 4)) and torch.equal(pushed["b"][1], torch.ones(1, 2))
+
+
+def test_a_slots_int_columns_are_one_aligned_row() -> None:
+    cache = _cache({"a": "sgd", "b": "sgd"})
+    _pull(cache, {"a": torch.tensor([7, 11]), "b": torch.tensor([1])})
+    for tab in cache.tables.values():
+        assert tab.meta.shape[1] == 8 and tab.meta.ctypes.data % 64 == 0 and tab.meta.flags.c_contiguous
+        for column in (tab.ids, tab.shard, tab.read_clock, tab.read_version, tab.last_used, tab.uses, tab.pending_since,
+                       tab.pending_version):
+            assert np.shares_memory(column, tab.meta)
+    a = cache.tables["a"]
+    assert sorted(a.ids[: a.top].tolist()) == [7, 11] and a.read_clock[: a.top].tolist() == [0, 0]
