@@ -172,9 +172,9 @@ class RowCache(PushSide):
                 table_offs = np.zeros(len(self._tabs) + 1, np.int64)
                 table_offs[parts + 1] = np.diff(miss_offs)
                 self._inflight.append((id(out), now, miss_ids, np.cumsum(table_offs)))
-            for k, t in enumerate(names):
-                self.hits[t] += int(done[k, 0])
-                self.refreshed[t] += int(done[k, 1])
+            for t, (hit, refreshed) in zip(names, done.tolist()):
+                self.hits[t] += hit
+                self.refreshed[t] += refreshed
         plan = Plan(now, names, parts, ids, offs, out, row_offs, oldest, later, miss, miss_offs)
         plan.miss = {t: torch.from_numpy(miss_ids[miss_offs[k]: miss_offs[k + 1]]) for k, t in enumerate(names)}
         return plan
@@ -206,9 +206,11 @@ class RowCache(PushSide):
             got = pulled.rows.get(t)
             part = torch.from_numpy(out[row_offs[k]: row_offs[k + 1]].reshape(offs[k + 1] - offs[k], self._dim_list[g]))
             rows[t] = part if got is None or got.dtype == torch.float32 else part.to(got.dtype)
-        for k, sh in zip(*np.nonzero(oldest != NONE)):
-            key, v = (int(sh), names[k]), int(oldest[k, sh])
-            versions[key] = min(v, versions.get(key, v))
+        for k, row in enumerate(oldest.tolist()):
+            for sh, v in enumerate(row):
+                if v != NONE:
+                    key = (sh, names[k])
+                    versions[key] = min(v, versions.get(key, v))
         return PullResult(rows, pulled.dense, versions, pulled.dense_versions, pulled.ack), lacking
 
     def _went_back(self, pulled: PullResult, names: Sequence[str], parts: np.ndarray) -> None:
@@ -241,9 +243,8 @@ class RowCache(PushSide):
         got_row = np.arange(len(keys), dtype=np.int64) - np.repeat(moffs[:-1], np.diff(moffs))
         koffs = moffs
         for attempt in range(2):
-            for k in range(len(names)):
-                g = int(parts[k])
-                if self._tabs[g].room(int(koffs[k + 1] - koffs[k])):
+            for g, n in zip(parts.tolist(), np.diff(koffs).tolist()):
+                if self._tabs[g].room(n):
                     set_cells(self._columns().cells, g, self._tabs[g].cells)
             top = np.array([tab.top for tab in self._tabs], np.int64)
             nfree = np.array([tab.nfree for tab in self._tabs], np.int64)
