@@ -2,40 +2,22 @@
 makes one call per operation over all tables): every table's columns in typed lists
 (``Columns``), an id's slot in a table's index (the shard's index,
 ``tether.server.index_kernels``: these only read it), an id's shard, and the oldest read
-version per shard. Compiled on first use and cached on disk like the shard's kernels
-(``row_slots.warm_up`` loads them).
+version per shard. Compiled on first use and cached on disk like the shard's kernels, by
+``tether.server.kernel_cache.compiled``: an entry is keyed by the helpers a pass inlines from
+here too (``row_slots.warm_up`` loads them).
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import numba
 import numpy as np
 from numba.typed import List
 
 from tether.server.index_kernels import EMPTY_SLOT, mix64
+from tether.server.kernel_cache import compiled as _compiled
 
 __all__ = ["FLOATS", "META", "Columns", "columns", "oldest_per_shard", "set_cells", "warm_up"]
-
-log = logging.getLogger(__name__)
-
-
-def _compiled(**options: Any) -> Callable[[Callable[..., Any]], Any]:
-    """``numba.njit(cache=True, nogil=True)``, in memory only (one warning) where no disk cache
-    location is writable, as the shard's kernels."""
-
-    def decorate(fn: Callable[..., Any]) -> Any:
-        try:
-            return numba.njit(cache=True, nogil=True, **options)(fn)
-        except RuntimeError as exc:  # numba: "cannot cache function ...: no locator available"
-            log.warning("row cache kernel %s is not cached on disk (%s)", fn.__name__, exc)
-            return numba.njit(cache=False, nogil=True, **options)(fn)
-
-    return decorate
-
 
 _jit = _compiled()
 _NONE = np.iinfo(np.int64).max
