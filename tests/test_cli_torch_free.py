@@ -81,9 +81,7 @@ def test_the_modules_with_torch_take_the_torch_free_declarations() -> None:
     assert default_of(ClientConfig, "wire_dtype") is codec.WIRE_DTYPES[choices.CLIENT_WIRE_DTYPE]
 
 
-def test_the_row_cache_policies_copy_agrees() -> None:
-    """The one copy left: ``tether.worker.cache_parts.POLICIES`` (its owner is to import
-    ``choices.CACHE_POLICIES``; then this test goes)."""
+def test_the_row_cache_policies_are_the_declared_ones() -> None:
     from tether.worker.cache_parts import POLICIES
 
-    assert choices.CACHE_POLICIES == POLICIES
+    assert POLICIES is choices.CACHE_POLICIES

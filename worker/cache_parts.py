@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tether.common.choices import CACHE_POLICIES
 from tether.worker.results import PullResult
 
 __all__ = ["NO_FLIGHTS", "NO_IDS", "NO_ROWS", "POLICIES", "Plan", "Pushed", "RowCacheConfig", "as_ids", "fill", "offsets", "read_versions"]
 
-POLICIES = ("lru", "lfu")
+POLICIES = CACHE_POLICIES  # eviction policies, declared once in tether.common.choices
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class RowCacheConfig:
     rows: int = 0
     bound: int = 0
     write_bound: int | None = None
-    policy: str = "lru"
+    policy: str = CACHE_POLICIES[0]
 
     def __post_init__(self) -> None:
         for name in ("rows", "bound"):

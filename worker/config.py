@@ -228,7 +228,7 @@ class TrainingConfig:
     cache_write_bound: int | None = setting(None, flag="--cache-write-bound", parse=optional_int, group=JOB,
                                             help="write bound: a cached row's gradients are summed and pushed once the oldest is N "
                                             "clocks old, or the row is evicted (default: --cache-bound)")
-    cache_policy: str = setting("lru", flag="--cache-policy", choices=choices.CACHE_POLICIES, group=JOB,
+    cache_policy: str = setting(choices.CACHE_POLICIES[0], flag="--cache-policy", choices=choices.CACHE_POLICIES, group=JOB,
                                 help="which cached row goes when a table's cache is full: lru or lfu")
     # Pushes in flight per worker (PERSIA's embedding_staleness; tether.worker.step): async only.
     push_window: int = setting(1, flag="--push-window", metavar="K", group=JOB,
@@ -375,7 +375,7 @@ class TrainingConfig:
         """The cache bounds and policy mean something only with a cache, and a cache only outside sync."""
         given = [flag for flag, value, default in (("--cache-bound", self.cache_bound, 0),
                                                    ("--cache-write-bound", self.cache_write_bound, None),
-                                                   ("--cache-policy", self.cache_policy, "lru")) if value != default]
+                                                   ("--cache-policy", self.cache_policy, choices.CACHE_POLICIES[0])) if value != default]
         if given and not self.cache_rows:
             raise ValueError(f"{', '.join(given)} without --cache-rows (cache_rows=0: no row cache) would do nothing: "
                              "give --cache-rows N, or leave them out")
