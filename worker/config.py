@@ -24,6 +24,7 @@ from tether.common.settings import default_of, derived, optional_int, optional_s
 from tether.common.choices import or_names as _names
 from tether.common.security import TOKEN_ENV, ClientSecurity, resolve_token
 from tether.protos.names import INIT_SCALE, OPTIMIZER, OPTIMIZER_LR, OPTIMIZERS, TRANSPORTS, WIRE_DTYPE_NAMES, check_optimizer
+from tether.worker.data_checks import check_criteo_data, check_parquet_data
 from tether.worker.mode import Mode, parse_mode
 from tether.worker.stragglers import StragglerSpec, parse_straggler
 
@@ -63,46 +64,6 @@ def _check_address(address: str) -> None:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"--shards: shard address must be host:port (port in [0, 65535]), got {address!r}")
-
-
-def _check_data_file(data: str) -> None:
-    """``criteo:PATH|GLOB|A,B`` names readable files (checked here, before any process starts).
-
-    Raises:
-        ValueError: no path, nothing matches, not a file, or not readable.
-    """
-    from tether.worker.criteo import criteo_files
-
-    path = data.split(":", 1)[1]
-    if not path:
-        raise ValueError(f"--data {data}: no path after 'criteo:'")
-    try:
-        files = criteo_files(path)
-    except ValueError as exc:
-        raise ValueError(f"--data {data}: {exc}") from None
-    for f in files:
-        if not os.access(f, os.R_OK):
-            raise ValueError(f"--data {data}: {f} is not readable")
-
-
-def _check_parquet_data(data: str, num_workers: int) -> None:
-    """``parquet:PATH|GLOB|DIR|A,B`` names Parquet files the built-in CTR job can read: every
-    file's schema is read here, before any process starts (a ``label``, float dense columns,
-    integer or string id columns, the same in every file), and there are row groups enough for
-    ``num_workers`` workers.
-
-    Raises:
-        ValueError: one line naming the file and the column (or what else is wrong).
-    """
-    from tether.worker.parquet import check_parquet
-
-    path = data.split(":", 1)[1]
-    if not path:
-        raise ValueError(f"--data {data}: no path after 'parquet:'")
-    try:
-        check_parquet(path, world_size=num_workers)
-    except ValueError as exc:
-        raise ValueError(f"--data {data}: {exc}") from None
 
 
 # The groups of flags (``fields.add_flags(groups=...)``): where one worker stands in its job
@@ -453,6 +414,6 @@ class WorkerConfig(TrainingConfig):
         if self.data != "synthetic" and not self.data.startswith(("criteo:", "parquet:")):
             raise ValueError(f"data must be 'synthetic', 'criteo:PATH' or 'parquet:PATH', got {self.data!r}")
         if self.data.startswith("criteo:"):
-            _check_data_file(self.data)
+            check_criteo_data(self.data)
         if self.data.startswith("parquet:"):
-            _check_parquet_data(self.data, self.num_workers)
+            check_parquet_data(self.data, self.num_workers)
