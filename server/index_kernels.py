@@ -63,12 +63,18 @@ def _home(key: np.int64, mask: np.uint64) -> np.int64:
 
 @_compiled(inline="always")
 def _cell(cells: np.ndarray, key: np.int64, mask: np.uint64) -> np.int64:
-    """The cell holding ``key``, -1 where it is absent: linear probing from its home cell.
+    """The cell holding ``key``, -1 where it is absent: linear probing from its home cell."""
+    return cell_from(cells, key, _home(key, mask), mask)
+
+
+@_compiled(inline="always")
+def cell_from(cells: np.ndarray, key: np.int64, p: np.int64, mask: np.uint64) -> np.int64:
+    """The cell holding ``key``, -1 where it is absent: linear probing from cell ``p`` (its
+    home cell, taken apart where a pass computes it ahead; the worker's row cache too).
 
     A cell's slot is read before its key: a writer stores them in the other order, so a slot
     that says "row" comes with its final key.
     """
-    p = _home(key, mask)
     while True:
         s = cells[p, 1]
         if s == _EMPTY:

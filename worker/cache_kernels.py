@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numba.typed import List
 
-from tether.server.index_kernels import EMPTY_SLOT, mix64
+from tether.server.index_kernels import cell_from, mix64
 from tether.server.kernel_cache import compiled as _compiled
 
 __all__ = ["FLOATS", "META", "Columns", "columns", "oldest_per_shard", "set_cells", "warm_up"]
@@ -88,15 +88,9 @@ def _slot(cells: np.ndarray, key: np.int64) -> np.int64:
 
 @_compiled(inline="always")
 def _probe_from(cells: np.ndarray, key: np.int64, p: np.int64) -> np.int64:
-    """``_slot``'s probe from cell ``p``, the key's home cell."""
-    mask = np.uint64(len(cells) - 1)
-    while True:
-        s = cells[p, 1]
-        if s == EMPTY_SLOT:
-            return np.int64(-1)
-        if s >= 0 and cells[p, 0] == key:
-            return s
-        p = (p + 1) & np.int64(mask)
+    """``_slot``'s probe from cell ``p``, the key's home cell (``index_kernels.cell_from``)."""
+    c = cell_from(cells, key, p, np.uint64(len(cells) - 1))
+    return np.int64(-1) if c < 0 else cells[c, 1]
 
 
 @_compiled(inline="always")
