@@ -59,13 +59,10 @@ def test_worker_missing_criteo_file(tmp_path: Path) -> None:
 
 def test_launch_missing_criteo_file_starts_nothing(tmp_path: Path) -> None:
     out = tmp_path / "job"
-    t0 = time.monotonic()
     proc = _tether(["launch", "--data", "criteo:missing.tsv", "--steps", "5", "--out", str(out), *SMALL], cwd=tmp_path)
-    elapsed = time.monotonic() - t0
     _assert_one_line(proc, "tether launch", "criteo:missing.tsv", "no such file")
-    # Refused before any shard started: no logs at all, and no waiting for one.
+    # Refused before any shard started: no logs at all (a started shard writes its log there first).
     assert not (out / "logs").exists(), list(out.rglob("*"))
-    assert elapsed < 15, elapsed
 
 
 @pytest.mark.parametrize("command", ["compare", "sweep"])
