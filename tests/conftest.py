@@ -38,6 +38,34 @@ def inproc_shard() -> Iterator[RunningShard]:
         running.stop(0)
 
 
+# Tests of 30 s or more in CI (its run of 2026-11-28 under -n 2), slowest first. They run first:
+# pytest-xdist hands out the rest as workers free up, so the run ends on short tests, not with one
+# worker still in a long one (tests/test_worker_restarts.py, alphabetically last, was) and the other idle.
+SLOW_FIRST = (
+    "tests/test_docs_commands.py::test_the_page_commands_run[docs/choosing-a-consistency-mode.md]",
+    "tests/test_chaos.py::test_a_job_under_chaos_recovers_loses_nothing_it_should_not_and_leaks_nothing",
+    "tests/test_worker_restarts.py::test_an_async_worker_killed_mid_job_is_restarted_and_the_job_succeeds",
+    "tests/test_docs_commands.py::test_the_page_commands_run[docs/your-model.md]",
+    "tests/test_docs_commands.py::test_the_page_commands_run[docs/security-and-faults.md]",
+    "tests/test_compare.py::test_compare_runs_a_users_script_in_every_mode_and_compares_its_records",
+    "tests/test_sync_user_script.py::test_sync_ranks_train_disjoint_slices_and_same_seed_runs_end_equal",
+    "tests/test_docs_commands.py::test_the_page_commands_run[docs/data.md]",
+    "tests/test_worker_restarts.py::test_a_worker_killed_after_another_finished_is_restarted_and_the_job_succeeds",
+    "tests/test_docs_commands.py::test_the_page_commands_run[docs/modes.md]",
+    "tests/test_modes.py::test_compare_writes_its_files",
+    "tests/test_any_ids.py::test_ids_at_the_edges_of_int64_pull_push_and_pull_again_on_shard_processes",
+    "tests/test_parquet.py::test_dlrm_example_trains_from_parquet_and_leaves_each_workers_position",
+    "tests/test_docs_commands.py::test_the_page_commands_run[docs/running.md]",
+    "tests/test_examples.py::test_dlrm_on_gzipped_criteo_files_beats_the_constant_click_rate",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``SLOW_FIRST`` first, in its order; the others after them in their own order."""
+    rank = {nodeid: i for i, nodeid in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))
+
+
 def make_client(addresses: list[str], worker_id: str = "test", **kw: object) -> PSClient:
     """A client with short deadlines for tests."""
     kw.setdefault("timeout_s", 10.0)
