@@ -16,7 +16,8 @@ several tables (a pull's answer, gradients) as one flat float32 array with ``row
   and oldest read version, and copy the rows' values before the local rule's step;
 - ``deltas_all``: after the local steps, add each row's change to its local changes;
 - ``take_all``: the held sums that are due (per table, in table order), cleared, in the layout
-  a push takes (sums, and a combined push's statistics, each in one buffer).
+  a push takes (sums, and a combined push's statistics, each in one buffer), with each row's
+  shard; ``by_shard`` groups them by shard (the push's split, with no id hashed again).
 
 Compiled on first use and cached on disk like the other kernels (``warm_up`` loads them).
 """
@@ -31,7 +32,7 @@ from tether.server.index_kernels import EMPTY_SLOT, _prefetch, mix64
 from tether.worker.cache_kernels import (_FRESH, _IDS, _LU, _MINE, _NONE, _PEND, _PS, _PV, _RC, _RV, _SHARD, _USES, _VALS, META, FLOATS,
                                          Columns, _compiled, _probe_from, _shard, _slot, columns)
 
-__all__ = ["deltas_all", "hold_all", "later_all", "plan_all", "store_all", "take_all", "warm_up"]
+__all__ = ["by_shard", "deltas_all", "hold_all", "later_all", "plan_all", "store_all", "take_all", "warm_up"]
 
 _jit = _compiled()
 
@@ -293,8 +294,9 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
     push's statistics (flat: table g's rows of as many columns as ``kinds[g]`` names, column c the
     sum of mean(g * g) where ``kinds[g, c]`` is 0, the count of gradients where 1; -1 first in a
     row of one gradient: ``UpdateRule.combined_stats``); each row's sum of mean(g * g) and count
-    (the two columns held past the sum); and per table the number of rows, whether its ids
-    ascend, whether any row sums several gradients, and the oldest read version per shard."""
+    (the two columns held past the sum); each row's shard; and per table the number of rows,
+    whether its ids ascend, whether any row sums several gradients, and the oldest read version
+    per shard."""
     nt = len(cells_l)
     n = len(slots)
     count = np.zeros(nt, np.int64)
@@ -326,6 +328,7 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
     stats = np.empty(ntotal, np.float32)
     square = np.empty(rows, np.float32)
     grads = np.empty(rows, np.float32)
+    shards = np.empty(rows, np.int64)
     ascending = np.ones(nt, np.bool_)
     many = np.zeros(nt, np.bool_)
     oldest = np.full((nt, num_shards), _NONE, np.int64)
@@ -360,11 +363,35 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
             pend[s, j] = 0.0
         for j in range(dim):
             mine[s, j] = 0.0
-        if meta[s, _PV] < oldest[t, meta[s, _SHARD]]:
-            oldest[t, meta[s, _SHARD]] = meta[s, _PV]
+        shards[r] = meta[s, _SHARD]
+        if meta[s, _PV] < oldest[t, shards[r]]:
+            oldest[t, shards[r]] = meta[s, _PV]
         meta[s, _PS] = _NONE
         meta[s, _PV] = _NONE
-    return out_ids, sums, stats, square, grads, count, ascending, many, oldest
+    return out_ids, sums, stats, square, grads, shards, count, ascending, many, oldest
+
+
+@_jit
+def by_shard(shards: np.ndarray, count: np.ndarray, num_shards: np.int64) -> tuple[np.ndarray, np.ndarray]:
+    """``take_all``'s rows (table g's ``count[g]`` rows one after another, in table order) grouped
+    by their ``shards``: per table, the rows' positions in the table's part grouped by shard (in
+    shard order, each group in row order: ``protos.partition.split_ids``'s positions), and where
+    each shard's group starts in it (``bounds[g, s]``; ``bounds[g, num_shards]`` the table's count)."""
+    nt = len(count)
+    bounds = np.zeros((nt, num_shards + 1), np.int64)
+    order = np.empty(len(shards), np.int64)
+    at = 0
+    for t in range(nt):
+        for r in range(at, at + count[t]):
+            bounds[t, shards[r] + 1] += 1
+        for s in range(num_shards):
+            bounds[t, s + 1] += bounds[t, s]
+        fill = bounds[t, :num_shards].copy()
+        for r in range(at, at + count[t]):
+            order[at + fill[shards[r]]] = r - at
+            fill[shards[r]] += 1
+        at += count[t]
+    return order, bounds
 
 
 @_jit
@@ -427,3 +454,4 @@ def warm_up() -> None:
     hold_all(*c, part, none, offs, f32, part, oldest, zero, one, flags, f32)
     deltas_all(*c, part, none, offs, f32, part, flags)
     take_all(*c, none, none, none, one, np.full((2, 1), -1, np.int64))
+    by_shard(none, part, one)

@@ -12,10 +12,11 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from tether.worker.cache_batch import deltas_all, hold_all, take_all
+from tether.worker.cache_batch import by_shard, deltas_all, hold_all, take_all
 from tether.worker.cache_kernels import Columns
 from tether.worker.cache_parts import NO_ROWS, Pushed, RowCacheConfig, as_ids, offsets, read_versions
 from tether.worker.results import PullResult
+from tether.worker.router import ShardedPart
 from tether.worker.row_slots import Due, Table, Taken, coalesce
 
 __all__ = ["PushSide"]
@@ -69,8 +70,9 @@ class PushSide:
         slots = ready[0][1] if len(ready) == 1 else np.concatenate([e[1] for e in ready])
         tables = ready[0][2] if len(ready) == 1 else np.concatenate([e[2] for e in ready])
         since = np.concatenate([np.full(len(e[1]), e[0], np.int64) for e in ready])
-        ids, sums, stats, square, grads, count, ascending, many, oldest = take_all(*self._columns(), tables, slots, since,
-                                                                                   self.num_shards, self._kinds)
+        ids, sums, stats, square, grads, shards, count, ascending, many, oldest = take_all(*self._columns(), tables, slots, since,
+                                                                                           self.num_shards, self._kinds)
+        order, bounds = by_shard(shards, count, self.num_shards)  # the push's split, from the rows' known shards
         self._holding -= count
         out: dict[str, Taken] = {}
         at = flat = sflat = 0
@@ -82,6 +84,7 @@ class PushSide:
             part: tuple[torch.Tensor, ...] = (torch.from_numpy(ids_g), torch.from_numpy(sums[flat: flat + n * d].reshape(n, d)))
             if k and many[g]:
                 part = (*part, torch.from_numpy(stats[sflat: sflat + n * k].reshape(n, k)))
+            part = ShardedPart(part, order[at: at + n], bounds[g])
             out[self._names[g]] = Taken(ids_g, part, bool(ascending[g]), square[at: at + n], grads[at: at + n])
             at, flat, sflat = at + n, flat + n * d, sflat + n * k
         return out, oldest

@@ -20,7 +20,7 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.client_config import ClientConfig
 from tether.worker.results import PullResult
 
-__all__ = ["JOIN_ELEMENTS", "DenseLayout", "PullAnswer", "PullPlan", "Router"]
+__all__ = ["JOIN_ELEMENTS", "DenseLayout", "PullAnswer", "PullPlan", "Router", "ShardedPart"]
 
 # A CPU pull of at least this many floats (1 MiB) is received into one buffer per row width,
 # which the model then takes as it is; smaller ones into a tensor per table, joined by a copy.
@@ -53,6 +53,31 @@ class DenseLayout:
     numel: int
     chunks: tuple[tuple[int, int, int], ...]  # (index, start, stop) into the flat tensor
     owners: tuple[int, ...]  # the shard that owns each chunk (``dense_shard``)
+
+
+class ShardedPart(tuple[torch.Tensor, ...]):
+    """A table's ``(ids, grads[, stats])`` for ``Router.push_requests`` whose rows' shards are
+    known already (the row cache's, ``cache_batch.by_shard``): ``order`` holds the rows' positions
+    grouped by shard, shard s's at ``order[bounds[s]:bounds[s + 1]]`` in row order, which is
+    what ``split_ids`` finds by hashing the ids. The push takes that split as it is (the same
+    requests, no id hashed again); one whose bounds do not fit the push is split by hashing."""
+
+    order: np.ndarray
+    bounds: np.ndarray
+
+    def __new__(cls, items: tuple[torch.Tensor, ...], order: np.ndarray, bounds: np.ndarray) -> ShardedPart:
+        part = super().__new__(cls, items)
+        part.order, part.bounds = order, bounds
+        return part
+
+    def split(self, ids: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``split_ids(ids, len(bounds) - 1)``, from the known shards."""
+        b = self.bounds.tolist()
+        out = []
+        for s in range(len(b) - 1):
+            pos = self.order[b[s]: b[s + 1]]
+            out.append((pos, ids if len(pos) == len(ids) else ids[pos]))
+        return out
 
 
 class Router:
@@ -183,6 +208,13 @@ class Router:
             del recent[2:]
         return parts
 
+    def _push_split(self, table: str, entry: tuple[torch.Tensor, ...], arr: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """A push's split of ``arr`` (``entry``'s ids): its own where it is a ``ShardedPart`` made for
+        this router's shards, else ``_split``'s (by hashing)."""
+        if isinstance(entry, ShardedPart) and len(entry.bounds) == self.num_shards + 1 and entry.bounds[-1] == arr.size:
+            return entry.split(arr)
+        return self._split(table, arr)
+
     def dense_layout(self, name: str) -> DenseLayout:
         """The layout of a declared dense parameter.
 
@@ -231,7 +263,8 @@ class Router:
     ) -> tuple[dict[int, pb.PushRequest], dict[int, dp.PayloadWriter]]:
         """One ``PushRequest`` (with its payload) per shard that owns a gradient; with a
         ``clock``, every shard gets one, empty or not. A table's ``(ids, grads)`` may carry a
-        combined push's statistics third (rows x columns, ``SparseBlock.combined``, float32).
+        combined push's statistics third (rows x columns, ``SparseBlock.combined``, float32), and
+        may be a ``ShardedPart`` (its split known: not hashed again).
 
         Raises:
             InvalidArgument: undeclared table or tensor, or a gradient of the wrong shape.
@@ -258,15 +291,16 @@ class Router:
             # DC-ASGD: the rows as read go along (the pull's, in the order of these ids).
             read = versions.rows.get(table) if versions and self.config.delay_compensation else None
             read = read.detach().to("cpu") if read is not None and tuple(read.shape) == tuple(grads.shape) else None
-            for s, (pos, part) in enumerate(self._split(table, arr)):
+            for s, (pos, part) in enumerate(self._push_split(table, entry, arr)):
                 if part.size:
                     rv = versions.table_versions.get((s, table), 0) if versions else 0
                     b = req(s).sparse.add(table=table, ids=encode_ids(part), read_version=rv)
-                    payloads[s].add(grads, b.values, wire, rows=None if part.size == arr.size else torch.from_numpy(pos))
+                    rows = None if part.size == arr.size else torch.from_numpy(pos)
+                    payloads[s].add(grads, b.values, wire, rows=rows)
                     if read is not None:
-                        payloads[s].add(read, b.read_values, wire, rows=None if part.size == arr.size else torch.from_numpy(pos))
+                        payloads[s].add(read, b.read_values, wire, rows=rows)
                     if stats is not None:  # float32 whatever the wire type: counts and squares, not values
-                        payloads[s].add(stats, b.combined, torch.float32, rows=None if part.size == arr.size else torch.from_numpy(pos))
+                        payloads[s].add(stats, b.combined, torch.float32, rows=rows)
         for name, grad in dense.items():
             layout = self.dense_layout(name)
             if tuple(grad.shape) != layout.shape:

@@ -1,0 +1,99 @@
+"""A push whose rows' shards are known (``router.ShardedPart``, made by the row cache from its
+rows' shard column, ``cache_batch.by_shard``) builds the very requests and payloads that a push
+split by hashing its ids builds, and hashes nothing; one whose split does not fit is hashed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tether.protos import tether_pb2 as pb
+from tether.protos.optimizers import OptimizerConfig
+from tether.protos.partition import shard_of_ids, split_ids
+from tether.protos.specs import TableConfig
+from tether.worker.cache_batch import by_shard
+from tether.worker.client_config import ClientConfig
+from tether.worker.results import PullResult
+from tether.worker.router import Router, ShardedPart
+from tether.worker.row_cache import RowCache, RowCacheConfig
+
+_DIMS = {"a": 4, "b": 2}
+
+
+def _router(num_shards: int) -> Router:
+    router = Router(ClientConfig(addresses=tuple(f"127.0.0.1:{9000 + s}" for s in range(num_shards)), worker_id="w"), 7)
+    router.declared([TableConfig(name=t, dim=d) for t, d in _DIMS.items()], {})
+    return router
+
+
+def _wire(router: Router, sparse: dict[str, tuple[torch.Tensor, ...]], versions: PullResult | None) -> dict[int, tuple[bytes, bytes]]:
+    """Each shard's push as sent: the request's bytes and the payload's."""
+    requests, payloads = router.push_requests(sparse, {}, 5, versions)
+    out = {}
+    for s, r in requests.items():
+        region = bytearray(payloads[s].nbytes)
+        payloads[s].copy_into(memoryview(region))
+        out[s] = (r.SerializeToString(), bytes(region))
+    return out
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 5])
+def test_by_shard_finds_split_ids_split(num_shards: int) -> None:
+    rng = np.random.default_rng(num_shards)
+    parts = [np.unique(rng.integers(-(1 << 62), 1 << 62, n)) for n in (0, 1, 40, 300)]
+    ids = np.concatenate(parts)
+    count = np.array([len(p) for p in parts], np.int64)
+    order, bounds = by_shard(shard_of_ids(ids, num_shards), count, num_shards)
+    at = 0
+    for g, part in enumerate(parts):
+        got = ShardedPart((torch.from_numpy(part),), order[at: at + len(part)], bounds[g]).split(part)
+        want = split_ids(part, num_shards)
+        assert len(got) == num_shards and bounds[g, -1] == len(part)
+        for (pos, sub), (wpos, wsub) in zip(got, want):
+            assert pos.tolist() == wpos.tolist() and sub.tolist() == wsub.tolist()
+        at += len(part)
+
+
+def _cached_push(num_shards: int) -> tuple[dict[str, tuple[torch.Tensor, ...]], PullResult]:
+    """A combined push of the row cache (adam on "a", adagrad on "b"), its rows held 3 clocks."""
+    cache = RowCache(RowCacheConfig(rows=500, bound=3), _DIMS, num_shards)
+    cache.use_tables([TableConfig(name=t, dim=d, optimizer=OptimizerConfig(name=r, lr=0.1)) for (t, d), r in zip(_DIMS.items(), ("adam", "adagrad"))])
+    gen = torch.Generator().manual_seed(num_shards)
+    ids = {t: torch.unique(torch.randint(0, 1 << 40, (120,), generator=gen)) for t in _DIMS}
+    plan = cache.plan(ids, 0)
+    versions = {(s, t): 10 + s for t in ids for s in range(num_shards)}
+    pulled, _ = cache.merge(plan, PullResult({t: torch.zeros(len(i), _DIMS[t]) for t, i in plan.miss.items()}, {}, versions, {}))
+    for clock in (1, 2, 3):
+        step = {t: i if clock == 1 else i[::2] for t, i in ids.items()}  # half the rows one gradient, half several
+        pushed, _ = cache.accumulate({t: (i, torch.randn(len(i), _DIMS[t], generator=gen)) for t, i in step.items()}, clock, pulled)
+        assert pushed == {}
+    pushed, table_versions = cache.accumulate({}, 4, None)
+    return pushed, PullResult({}, {}, table_versions, {})
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4])
+def test_a_cached_push_with_known_shards_sends_what_a_hashed_split_sends(num_shards: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    pushed, versions = _cached_push(num_shards)
+    assert set(pushed) == set(_DIMS) and all(isinstance(p, ShardedPart) and len(p) == 3 for p in pushed.values())
+    plain = {t: tuple(p) for t, p in pushed.items()}  # the same rows, split by hashing their ids
+    want = _wire(_router(num_shards), plain, versions)
+    hashed: list[int] = []
+    monkeypatch.setattr("tether.worker.router.split_ids", lambda ids, n: hashed.append(len(ids)) or split_ids(ids, n))
+    got = _wire(_router(num_shards), pushed, versions)
+    assert hashed == []  # no id hashed: the cache's split taken as it is
+    assert got == want
+    assert sorted(got) == sorted({int(s) for s in shard_of_ids(np.concatenate([p[0].numpy() for p in pushed.values()]), num_shards)})
+    for meta, _ in got.values():  # each table's part carries its combined statistics (adam 2 columns, adagrad 1)
+        blocks = pb.PushRequest.FromString(meta).sparse
+        assert {b.table: list(b.combined.shape)[1:] for b in blocks} == {"a": [2], "b": [1]}
+
+
+def test_a_known_split_for_another_shard_count_is_hashed_instead(monkeypatch: pytest.MonkeyPatch) -> None:
+    pushed, versions = _cached_push(2)
+    plain = {t: tuple(p) for t, p in pushed.items()}
+    want = _wire(_router(3), plain, versions)
+    hashed: list[int] = []
+    monkeypatch.setattr("tether.worker.router.split_ids", lambda ids, n: hashed.append(n) or split_ids(ids, n))
+    assert _wire(_router(3), pushed, versions) == want
+    assert hashed == [3, 3]  # both tables split by hashing, for the router's 3 shards
