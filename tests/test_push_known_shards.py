@@ -21,8 +21,9 @@ from tether.worker.row_cache import RowCache, RowCacheConfig
 _DIMS = {"a": 4, "b": 2}
 
 
-def _router(num_shards: int) -> Router:
-    router = Router(ClientConfig(addresses=tuple(f"127.0.0.1:{9000 + s}" for s in range(num_shards)), worker_id="w"), 7)
+def _router(num_shards: int, **config: object) -> Router:
+    addresses = tuple(f"127.0.0.1:{9000 + s}" for s in range(num_shards))
+    router = Router(ClientConfig(addresses=addresses, worker_id="w", **config), 7)  # type: ignore[arg-type]
     router.declared([TableConfig(name=t, dim=d) for t, d in _DIMS.items()], {})
     return router
 
@@ -39,20 +40,30 @@ def _wire(router: Router, sparse: dict[str, tuple[torch.Tensor, ...]], versions:
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 5])
-def test_by_shard_finds_split_ids_split(num_shards: int) -> None:
+def test_by_shard_finds_split_ids_split_and_each_shards_rows(num_shards: int) -> None:
     rng = np.random.default_rng(num_shards)
     parts = [np.unique(rng.integers(-(1 << 62), 1 << 62, n)) for n in (0, 1, 40, 300)]
+    dims, kinds = np.array([3, 1, 4, 2], np.int64), np.array([[0, 1], [-1, -1], [0, -1], [1, 0]], np.int64)
     ids = np.concatenate(parts)
     count = np.array([len(p) for p in parts], np.int64)
-    order, bounds = by_shard(shard_of_ids(ids, num_shards), count, num_shards)
-    at = 0
+    sums = rng.standard_normal(int((count * dims).sum())).astype(np.float32)
+    nstats = (kinds >= 0).sum(1)
+    stats = rng.standard_normal(int((count * nstats).sum())).astype(np.float32)
+    order, bounds, gids, gsums, gstats = by_shard(shard_of_ids(ids, num_shards), count, num_shards, ids, sums, stats, dims, kinds)
+    at = flat = sflat = 0
     for g, part in enumerate(parts):
-        got = ShardedPart((torch.from_numpy(part),), order[at: at + len(part)], bounds[g]).split(part)
-        want = split_ids(part, num_shards)
-        assert len(got) == num_shards and bounds[g, -1] == len(part)
-        for (pos, sub), (wpos, wsub) in zip(got, want):
+        n, d, k = len(part), int(dims[g]), int(nstats[g])
+        rows = sums[flat: flat + n * d].reshape(n, d)
+        extra = stats[sflat: sflat + n * k].reshape(n, k)
+        grouped = (gids[at: at + n], gsums[flat: flat + n * d].reshape(n, d), gstats[sflat: sflat + n * k].reshape(n, k))
+        sharded = ShardedPart((torch.from_numpy(part), torch.from_numpy(rows), torch.from_numpy(extra)), order[at: at + n], bounds[g], grouped)
+        assert sharded.fits(num_shards) and not sharded.fits(num_shards + 1)
+        got, want = sharded.split(), split_ids(part, num_shards)
+        assert len(got) == num_shards and bounds[g, -1] == n
+        for (pos, sub, own), (wpos, wsub) in zip(got, want):
             assert pos.tolist() == wpos.tolist() and sub.tolist() == wsub.tolist()
-        at += len(part)
+            assert torch.equal(own[0], torch.from_numpy(rows[wpos])) and torch.equal(own[1], torch.from_numpy(extra[wpos]))
+        at, flat, sflat = at + n, flat + n * d, sflat + n * k
 
 
 def _cached_push(num_shards: int) -> tuple[dict[str, tuple[torch.Tensor, ...]], PullResult]:
@@ -97,3 +108,19 @@ def test_a_known_split_for_another_shard_count_is_hashed_instead(monkeypatch: py
     monkeypatch.setattr("tether.worker.router.split_ids", lambda ids, n: hashed.append(n) or split_ids(ids, n))
     assert _wire(_router(3), pushed, versions) == want
     assert hashed == [3, 3]  # both tables split by hashing, for the router's 3 shards
+
+
+def test_a_known_split_sends_what_a_hashed_one_sends_in_bfloat16_with_the_values_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    pushed, versions = _cached_push(3)
+    # DC-ASGD's read values (gathered per shard from the pull's rows) beside the known split's own rows.
+    gen = torch.Generator().manual_seed(1)
+    versions.rows.update({t: torch.randn(p[1].shape, generator=gen) for t, p in pushed.items()})
+    plain = {t: tuple(p) for t, p in pushed.items()}
+    config = {"wire_dtype": torch.bfloat16, "delay_compensation": 0.5}
+    want = _wire(_router(3, **config), plain, versions)
+    hashed: list[int] = []
+    monkeypatch.setattr("tether.worker.router.split_ids", lambda ids, n: hashed.append(n) or split_ids(ids, n))
+    got = _wire(_router(3, **config), pushed, versions)
+    assert hashed == [] and got == want
+    blocks = [b for meta, _ in got.values() for b in pb.PushRequest.FromString(meta).sparse]
+    assert blocks and all(b.read_values.payload_bytes == b.values.payload_bytes > 0 for b in blocks)

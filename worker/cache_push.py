@@ -72,7 +72,8 @@ class PushSide:
         since = np.concatenate([np.full(len(e[1]), e[0], np.int64) for e in ready])
         ids, sums, stats, square, grads, shards, count, ascending, many, oldest = take_all(*self._columns(), tables, slots, since,
                                                                                            self.num_shards, self._kinds)
-        order, bounds = by_shard(shards, count, self.num_shards)  # the push's split, from the rows' known shards
+        # The push's split, from the rows' known shards, and each shard's rows one after another.
+        order, bounds, gids, gsums, gstats = by_shard(shards, count, self.num_shards, ids, sums, stats, self._dims, self._kinds)
         self._holding -= count
         out: dict[str, Taken] = {}
         at = flat = sflat = 0
@@ -82,9 +83,11 @@ class PushSide:
             d, k = self._dim_list[g], self._nstats[g]
             ids_g = ids[at: at + n]
             part: tuple[torch.Tensor, ...] = (torch.from_numpy(ids_g), torch.from_numpy(sums[flat: flat + n * d].reshape(n, d)))
+            grouped: tuple[np.ndarray, ...] = (gids[at: at + n], gsums[flat: flat + n * d].reshape(n, d))
             if k and many[g]:
                 part = (*part, torch.from_numpy(stats[sflat: sflat + n * k].reshape(n, k)))
-            part = ShardedPart(part, order[at: at + n], bounds[g])
+                grouped = (*grouped, gstats[sflat: sflat + n * k].reshape(n, k))
+            part = ShardedPart(part, order[at: at + n], bounds[g], grouped)
             out[self._names[g]] = Taken(ids_g, part, bool(ascending[g]), square[at: at + n], grads[at: at + n])
             at, flat, sflat = at + n, flat + n * d, sflat + n * k
         return out, oldest

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,25 +59,32 @@ class ShardedPart(tuple[torch.Tensor, ...]):
     """A table's ``(ids, grads[, stats])`` for ``Router.push_requests`` whose rows' shards are
     known already (the row cache's, ``cache_batch.by_shard``): ``order`` holds the rows' positions
     grouped by shard, shard s's at ``order[bounds[s]:bounds[s + 1]]`` in row order, which is
-    what ``split_ids`` finds by hashing the ids. The push takes that split as it is (the same
-    requests, no id hashed again); one whose bounds do not fit the push is split by hashing."""
+    what ``split_ids`` finds by hashing the ids, and ``grouped`` the same arrays as the tuple's
+    with their rows in that order (each shard's rows one after another). The push takes that
+    split as it is: the same requests and payloads, with no id hashed and no row gathered. One
+    whose split does not fit the push is split by hashing."""
 
     order: np.ndarray
     bounds: np.ndarray
+    grouped: tuple[np.ndarray, ...]
 
-    def __new__(cls, items: tuple[torch.Tensor, ...], order: np.ndarray, bounds: np.ndarray) -> ShardedPart:
+    def __new__(cls, items: tuple[torch.Tensor, ...], order: np.ndarray, bounds: np.ndarray,
+                grouped: tuple[np.ndarray, ...]) -> ShardedPart:
         part = super().__new__(cls, items)
-        part.order, part.bounds = order, bounds
+        part.order, part.bounds, part.grouped = order, bounds, grouped
         return part
 
-    def split(self, ids: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """``split_ids(ids, len(bounds) - 1)``, from the known shards."""
+    def fits(self, num_shards: int) -> bool:
+        """Whether the split is one of these rows for ``num_shards`` shards."""
+        return (len(self.bounds) == num_shards + 1 and len(self.grouped) == len(self) and len(self.order) == self.bounds[-1]
+                and all(tuple(g.shape) == tuple(t.shape) for g, t in zip(self.grouped, self)))
+
+    def split(self) -> list[tuple[np.ndarray, np.ndarray, tuple[torch.Tensor, ...]]]:
+        """Per shard: ``split_ids``'s (positions, ids), and the shard's rows of the other arrays."""
         b = self.bounds.tolist()
-        out = []
-        for s in range(len(b) - 1):
-            pos = self.order[b[s]: b[s + 1]]
-            out.append((pos, ids if len(pos) == len(ids) else ids[pos]))
-        return out
+        ids, rest = self.grouped[0], self.grouped[1:]
+        return [(self.order[b[s]: b[s + 1]], ids[b[s]: b[s + 1]], tuple(torch.from_numpy(a[b[s]: b[s + 1]]) for a in rest))
+                for s in range(len(b) - 1)]
 
 
 class Router:
@@ -208,12 +215,40 @@ class Router:
             del recent[2:]
         return parts
 
-    def _push_split(self, table: str, entry: tuple[torch.Tensor, ...], arr: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """A push's split of ``arr`` (``entry``'s ids): its own where it is a ``ShardedPart`` made for
-        this router's shards, else ``_split``'s (by hashing)."""
-        if isinstance(entry, ShardedPart) and len(entry.bounds) == self.num_shards + 1 and entry.bounds[-1] == arr.size:
-            return entry.split(arr)
-        return self._split(table, arr)
+    def _push_table(self, table: str, entry: tuple[torch.Tensor, ...], versions: PullResult | None,
+                    req: Callable[[int], pb.PushRequest], payloads: dict[int, dp.PayloadWriter]) -> None:
+        """One table's ``SparseBlock`` per shard that owns some of its rows, with their payload
+        (``push_requests``): split by the ids' hashes, or as a ``ShardedPart`` says."""
+        ids, grads = entry[0], entry[1]
+        arr = self._check_ids(table, ids)
+        if tuple(grads.shape) != (arr.size, self.dims[table]):
+            raise InvalidArgument(f"table {table!r}: gradient shape {tuple(grads.shape)} != ({arr.size}, {self.dims[table]})")
+        grads = grads.detach().to("cpu")
+        stats = entry[2].detach().to("cpu", torch.float32) if len(entry) > 2 else None
+        if stats is not None and (stats.dim() != 2 or stats.shape[0] != arr.size):
+            raise InvalidArgument(f"table {table!r}: combined statistics of shape {tuple(stats.shape)} for {arr.size} rows")
+        # DC-ASGD: the rows as read go along (the pull's, in the order of these ids).
+        read = versions.rows.get(table) if versions and self.config.delay_compensation else None
+        read = read.detach().to("cpu") if read is not None and tuple(read.shape) == tuple(grads.shape) else None
+        wire = self.config.wire_dtype
+        if isinstance(entry, ShardedPart) and entry.fits(self.num_shards):
+            split = entry.split()  # each shard's rows one after another already: added as they are
+        else:
+            split = [(pos, part, ()) for pos, part in self._split(table, arr)]
+        for s, (pos, part, own) in enumerate(split):
+            if not part.size:
+                continue
+            rv = versions.table_versions.get((s, table), 0) if versions else 0
+            b = req(s).sparse.add(table=table, ids=encode_ids(part), read_version=rv)
+            rows = None if part.size == arr.size or (own and read is None) else torch.from_numpy(pos)
+            if own:
+                payloads[s].add(own[0], b.values, wire)
+            else:
+                payloads[s].add(grads, b.values, wire, rows=rows)
+            if read is not None:
+                payloads[s].add(read, b.read_values, wire, rows=rows)
+            if stats is not None:  # float32 whatever the wire type: counts and squares, not values
+                payloads[s].add(own[1] if own else stats, b.combined, torch.float32, rows=None if own else rows)
 
     def dense_layout(self, name: str) -> DenseLayout:
         """The layout of a declared dense parameter.
@@ -280,27 +315,7 @@ class Router:
             return requests[s]
 
         for table, entry in sparse.items():
-            ids, grads = entry[0], entry[1]
-            arr = self._check_ids(table, ids)
-            if tuple(grads.shape) != (arr.size, self.dims[table]):
-                raise InvalidArgument(f"table {table!r}: gradient shape {tuple(grads.shape)} != ({arr.size}, {self.dims[table]})")
-            grads = grads.detach().to("cpu")
-            stats = entry[2].detach().to("cpu", torch.float32) if len(entry) > 2 else None
-            if stats is not None and (stats.dim() != 2 or stats.shape[0] != arr.size):
-                raise InvalidArgument(f"table {table!r}: combined statistics of shape {tuple(stats.shape)} for {arr.size} rows")
-            # DC-ASGD: the rows as read go along (the pull's, in the order of these ids).
-            read = versions.rows.get(table) if versions and self.config.delay_compensation else None
-            read = read.detach().to("cpu") if read is not None and tuple(read.shape) == tuple(grads.shape) else None
-            for s, (pos, part) in enumerate(self._push_split(table, entry, arr)):
-                if part.size:
-                    rv = versions.table_versions.get((s, table), 0) if versions else 0
-                    b = req(s).sparse.add(table=table, ids=encode_ids(part), read_version=rv)
-                    rows = None if part.size == arr.size else torch.from_numpy(pos)
-                    payloads[s].add(grads, b.values, wire, rows=rows)
-                    if read is not None:
-                        payloads[s].add(read, b.read_values, wire, rows=rows)
-                    if stats is not None:  # float32 whatever the wire type: counts and squares, not values
-                        payloads[s].add(stats, b.combined, torch.float32, rows=rows)
+            self._push_table(table, entry, versions, req, payloads)
         for name, grad in dense.items():
             layout = self.dense_layout(name)
             if tuple(grad.shape) != layout.shape:
