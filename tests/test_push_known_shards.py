@@ -57,7 +57,7 @@ def test_by_shard_finds_split_ids_split_and_each_shards_rows(num_shards: int) ->
         extra = stats[sflat: sflat + n * k].reshape(n, k)
         grouped = (gids[at: at + n], gsums[flat: flat + n * d].reshape(n, d), gstats[sflat: sflat + n * k].reshape(n, k))
         sharded = ShardedPart((torch.from_numpy(part), torch.from_numpy(rows), torch.from_numpy(extra)), order[at: at + n], bounds[g], grouped)
-        assert sharded.fits(num_shards) and not sharded.fits(num_shards + 1)
+        assert sharded.fits(num_shards, n) and not sharded.fits(num_shards + 1, n) and not sharded.fits(num_shards, n + 1)
         got, want = sharded.split(), split_ids(part, num_shards)
         assert len(got) == num_shards and bounds[g, -1] == n
         for (pos, sub, own), (wpos, wsub) in zip(got, want):

@@ -74,17 +74,19 @@ class ShardedPart(tuple[torch.Tensor, ...]):
         part.order, part.bounds, part.grouped = order, bounds, grouped
         return part
 
-    def fits(self, num_shards: int) -> bool:
-        """Whether the split is one of these rows for ``num_shards`` shards."""
-        return (len(self.bounds) == num_shards + 1 and len(self.grouped) == len(self) and len(self.order) == self.bounds[-1]
-                and all(tuple(g.shape) == tuple(t.shape) for g, t in zip(self.grouped, self)))
+    def fits(self, num_shards: int, rows: int) -> bool:
+        """Whether the split is one of ``rows`` rows for ``num_shards`` shards."""
+        return len(self.bounds) == num_shards + 1 and len(self.grouped) == len(self) and len(self.order) == rows == self.bounds[-1]
 
-    def split(self) -> list[tuple[np.ndarray, np.ndarray, tuple[torch.Tensor, ...]]]:
+    def split(self) -> list[tuple[np.ndarray, np.ndarray, list[torch.Tensor]]]:
         """Per shard: ``split_ids``'s (positions, ids), and the shard's rows of the other arrays."""
         b = self.bounds.tolist()
         ids, rest = self.grouped[0], self.grouped[1:]
-        return [(self.order[b[s]: b[s + 1]], ids[b[s]: b[s + 1]], tuple(torch.from_numpy(a[b[s]: b[s + 1]]) for a in rest))
-                for s in range(len(b) - 1)]
+        out = []
+        for s in range(len(b) - 1):
+            lo, hi = b[s], b[s + 1]
+            out.append((self.order[lo:hi], ids[lo:hi], [torch.from_numpy(a[lo:hi]) for a in rest]))
+        return out
 
 
 class Router:
@@ -231,10 +233,11 @@ class Router:
         read = versions.rows.get(table) if versions and self.config.delay_compensation else None
         read = read.detach().to("cpu") if read is not None and tuple(read.shape) == tuple(grads.shape) else None
         wire = self.config.wire_dtype
-        if isinstance(entry, ShardedPart) and entry.fits(self.num_shards):
+        split: list[tuple[np.ndarray, np.ndarray, list[torch.Tensor]]]
+        if isinstance(entry, ShardedPart) and entry.fits(self.num_shards, arr.size):
             split = entry.split()  # each shard's rows one after another already: added as they are
         else:
-            split = [(pos, part, ()) for pos, part in self._split(table, arr)]
+            split = [(pos, part, []) for pos, part in self._split(table, arr)]
         for s, (pos, part, own) in enumerate(split):
             if not part.size:
                 continue
