@@ -1,5 +1,5 @@
 """A push whose rows' shards are known (``router.ShardedPart``, made by the row cache from its
-rows' shard column, ``cache_batch.by_shard``) builds the very requests and payloads that a push
+rows' shard column, ``cache_split.by_shard``) builds the very requests and payloads that a push
 split by hashing its ids builds, and hashes nothing; one whose split does not fit is hashed."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tether.protos import tether_pb2 as pb
 from tether.protos.optimizers import OptimizerConfig
 from tether.protos.partition import shard_of_ids, split_ids
 from tether.protos.specs import TableConfig
-from tether.worker.cache_batch import by_shard
+from tether.worker.cache_split import by_shard
 from tether.worker.client_config import ClientConfig
 from tether.worker.results import PullResult
 from tether.worker.router import Router, ShardedPart

@@ -17,7 +17,7 @@ several tables (a pull's answer, gradients) as one flat float32 array with ``row
 - ``deltas_all``: after the local steps, add each row's change to its local changes;
 - ``take_all``: the held sums that are due (per table, in table order), cleared, in the layout
   a push takes (sums, and a combined push's statistics, each in one buffer), with each row's
-  shard; ``by_shard`` groups them by shard (the push's split, with no id hashed again).
+  shard (``cache_split.by_shard`` groups them by it: the push's split, no id hashed again).
 
 Compiled on first use and cached on disk like the other kernels (``warm_up`` loads them).
 """
@@ -31,8 +31,9 @@ import numpy as np
 from tether.server.index_kernels import EMPTY_SLOT, _prefetch, mix64
 from tether.worker.cache_kernels import (_FRESH, _IDS, _LU, _MINE, _NONE, _PEND, _PS, _PV, _RC, _RV, _SHARD, _USES, _VALS, META, FLOATS,
                                          Columns, _compiled, _probe_from, _shard, _slot, columns)
+from tether.worker.cache_split import by_shard
 
-__all__ = ["by_shard", "deltas_all", "hold_all", "later_all", "plan_all", "store_all", "take_all", "warm_up"]
+__all__ = ["deltas_all", "hold_all", "later_all", "plan_all", "store_all", "take_all", "warm_up"]
 
 _jit = _compiled()
 
@@ -369,45 +370,6 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
         meta[s, _PS] = _NONE
         meta[s, _PV] = _NONE
     return out_ids, sums, stats, square, grads, shards, count, ascending, many, oldest
-
-
-@_jit
-def by_shard(shards: np.ndarray, count: np.ndarray, num_shards: np.int64, ids: np.ndarray, sums: np.ndarray, stats: np.ndarray,
-             dims: np.ndarray, kinds: np.ndarray) -> tuple[np.ndarray, ...]:
-    """``take_all``'s rows (table g's ``count[g]`` rows one after another, in table order; its
-    ``ids``, ``sums`` and ``stats``, rows of ``dims[g]`` and of as many columns as ``kinds[g]``
-    names) grouped by their ``shards``. Returns per table the rows' positions in the table's part
-    grouped by shard (shard order, each group in row order: ``protos.partition.split_ids``'s
-    positions) and where each shard's group starts (``bounds[g, s]``; ``bounds[g, num_shards]``
-    the table's count), and the ids, sums and statistics again in that order (each shard's rows
-    one after another: what a push sends it)."""
-    nt = len(count)
-    bounds = np.zeros((nt, num_shards + 1), np.int64)
-    order = np.empty(len(shards), np.int64)
-    gids, gsums, gstats = np.empty_like(ids), np.empty_like(sums), np.empty_like(stats)
-    at = flat = sflat = 0
-    for t in range(nt):
-        d = dims[t]
-        k = 0
-        for c in range(kinds.shape[1]):
-            if kinds[t, c] >= 0:
-                k += 1
-        for r in range(at, at + count[t]):
-            bounds[t, shards[r] + 1] += 1
-        for s in range(num_shards):
-            bounds[t, s + 1] += bounds[t, s]
-        fill = bounds[t, :num_shards].copy()
-        for r in range(at, at + count[t]):
-            q = fill[shards[r]]
-            fill[shards[r]] += 1
-            order[at + q] = r - at
-            gids[at + q] = ids[r]
-            for j in range(d):
-                gsums[flat + q * d + j] = sums[flat + (r - at) * d + j]
-            for j in range(k):
-                gstats[sflat + q * k + j] = stats[sflat + (r - at) * k + j]
-        at, flat, sflat = at + count[t], flat + count[t] * d, sflat + count[t] * k
-    return order, bounds, gids, gsums, gstats
 
 
 @_jit

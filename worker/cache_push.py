@@ -12,9 +12,10 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from tether.worker.cache_batch import by_shard, deltas_all, hold_all, take_all
+from tether.worker.cache_batch import deltas_all, hold_all, take_all
 from tether.worker.cache_kernels import Columns
 from tether.worker.cache_parts import NO_ROWS, Pushed, RowCacheConfig, as_ids, offsets, read_versions
+from tether.worker.cache_split import by_shard
 from tether.worker.results import PullResult
 from tether.worker.router import ShardedPart
 from tether.worker.row_slots import Due, Table, Taken, coalesce

@@ -57,7 +57,7 @@ class DenseLayout:
 
 class ShardedPart(tuple[torch.Tensor, ...]):
     """A table's ``(ids, grads[, stats])`` for ``Router.push_requests`` whose rows' shards are
-    known already (the row cache's, ``cache_batch.by_shard``): ``order`` holds the rows' positions
+    known already (the row cache's, ``cache_split.by_shard``): ``order`` holds the rows' positions
     grouped by shard, shard s's at ``order[bounds[s]:bounds[s + 1]]`` in row order, which is
     what ``split_ids`` finds by hashing the ids, and ``grouped`` the same arrays as the tuple's
     with their rows in that order (each shard's rows one after another). The push takes that
