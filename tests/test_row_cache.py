@@ -134,6 +134,37 @@ def test_combined_push_is_one_update_on_the_summed_gradients(optimizer: str) -> 
     assert torch.allclose(separate.pull({"t": ids}).result().rows["t"], expected, atol=1e-6) == (optimizer == "sgd")
 
 
+def test_a_combined_push_whose_ids_are_the_steps_own_carries_its_oldest_read_version() -> None:
+    # SGD sends no statistics beside a sum, and here every step touches the same two rows, so the
+    # sum due at clock 3 has the step's very ids: it is still three gradients read at versions
+    # 10, 20 and 30, and goes with the oldest (10), not with the step's own (30).
+    cached, local = _client(rows=10, bound=2, optimizer="sgd")
+    sent: list[dict[tuple[int, str], int]] = []
+    inner_push = local.push
+
+    def spy(sparse=None, dense=None, clock=0, versions=None):  # type: ignore[no-untyped-def]
+        if sparse:
+            sent.append(dict(versions.table_versions) if versions is not None else {})
+        return inner_push(sparse, dense, clock=clock, versions=versions)
+
+    local.push = spy  # type: ignore[method-assign]
+    ids = _ids(5, 9)
+    cached.pull({"t": ids}).result()
+    for clock in (1, 2, 3):
+        read = PullResult({}, {}, {(0, "t"): 10 * clock}, {})
+        cached.push({"t": (ids, torch.ones(2, 4))}, clock=clock, versions=read).result()
+    assert sent == [{(0, "t"): 10}]
+    # Write bound 0 pushes each gradient as made, with the step's own versions.
+    cached0, local0 = _client(rows=10, bound=2, write_bound=0, optimizer="sgd")
+    sent.clear()
+    inner_push = local0.push
+    local0.push = spy  # type: ignore[method-assign]
+    cached0.pull({"t": ids}).result()
+    for clock in (1, 2):
+        cached0.push({"t": (ids, torch.ones(2, 4))}, clock=clock, versions=PullResult({}, {}, {(0, "t"): 10 * clock}, {})).result()
+    assert sent == [{(0, "t"): 10}, {(0, "t"): 20}]
+
+
 def test_read_bound_serves_cached_rows_then_refreshes() -> None:
     cached, local = _client(rows=10, bound=2)
     ids = _ids(1, 2, 3)

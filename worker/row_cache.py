@@ -350,10 +350,12 @@ class CachedClient:
             return sparse or {}, versions
         grads, table_versions = self.cache.accumulate(sparse or {}, clock, versions, flush)
         self.meter.pushed(grads)
-        if versions is not None and sparse is not None and grads.keys() == sparse.keys() and all(
+        if self.cache.config.writes == 0 and versions is not None and sparse is not None and grads.keys() == sparse.keys() and all(
                 len(grads[t]) == 2 and len(grads[t][0]) == len(sparse[t][0]) and torch.equal(grads[t][0], sparse[t][0]) for t in grads):
             # Every row's gradient goes as it was made (write bound 0): the step's own versions
-            # (and, for DC-ASGD, the values it read), as without a cache.
+            # (and, for DC-ASGD, the values it read), as without a cache. With a write bound the
+            # sums are never the step's own gradients, even where their ids are the step's (a
+            # rule with no statistics, SGD, sends none to tell them apart).
             return grads, versions
         # Combined gradients: their oldest read versions; no read values (DC-ASGD is not applied to them).
         return grads, PullResult({}, {}, table_versions, dict(versions.dense_versions) if versions else {})
