@@ -129,8 +129,14 @@ def test_ctrl_c_on_launch_stops_quietly(tmp_path: Path, target: str) -> None:
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     argv = [sys.executable, "-m", "tether.deploy.cli", "launch", "--num-shards", "1", "--num-workers", "2", "--steps", "1000000",
             "--log-every", "5", "--device", "cpu", "--out", str(out), *SMALL]
-    with stdout.open("w") as so, stderr.open("w") as se:
-        proc = subprocess.Popen(argv, stdout=so, stderr=se, start_new_session=True)
+    # As from a terminal: a pytest started in the background (`cmd &` in a script) ignores SIGINT,
+    # and an ignored signal stays ignored across exec; a handler is reset to the default there.
+    default = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with stdout.open("w") as so, stderr.open("w") as se:
+            proc = subprocess.Popen(argv, stdout=so, stderr=se, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, default)
     try:
         deadline = time.monotonic() + 150
         while not all(f"[worker-{i}] worker {i}/2 step" in stdout.read_text() for i in range(2)):
