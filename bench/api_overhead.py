@@ -1,5 +1,5 @@
 """What the public training API costs: the default CTR model trained by today's code (the CTR job
-is a user of ``tether.worker.training.Trainer``) against the same job at a baseline commit from
+is a user of ``tether.worker.training.trainer.Trainer``) against the same job at a baseline commit from
 before the API existed (the loop was written for CTRModel alone), side by side.
 
     python bench/api_overhead.py [--baseline 10c279e] [--rounds 3] [--steps 1500]

@@ -1,10 +1,10 @@
 """A shard's update of one table part of a combined push (issue 29's row cache), with each rule's
-compiled combine (``UpdateRule.combined_rows``, ``tether.server.row_kernels.combined_update``)
+compiled combine (``UpdateRule.combined_rows``, ``tether.rules.row_kernels.combined_update``)
 beside its torch form (``UpdateRule.apply_combined``), side by side in one process.
 
 A part is ``--rows`` rows of ``--dim`` floats out of a 10,000-row table, half of them sums of
 several gradients (Adam's counts 2 to 5) and half single gradients (the rule's row kernel either
-way), weight decay 0.01, applied by ``tether.server.push_hooks.apply_rows``: the compiled path as a
+way), weight decay 0.01, applied by ``tether.rules.push_hooks.apply_rows``: the compiled path as a
 shard runs it, and the same call for a copy of the rule without its compiled combine (the torch
 form). The two
 alternate, ``--rounds`` rounds of ``--calls`` calls each; prints each side's median time per
@@ -25,9 +25,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from tether.protos.optimizers import OPTIMIZERS, OptimizerConfig, UpdateRule, rule
-from tether.server.push_hooks import apply_rows
-from tether.server.row_kernels import row_update
+from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig, UpdateRule, rule
+from tether.rules.push_hooks import apply_rows
+from tether.rules.row_kernels import row_update
 
 
 def per_call(fn: Callable[[], None], calls: int) -> float:

@@ -8,7 +8,7 @@ values, ~255 bytes a line, like Criteo's) repeated to ``--lines``. Each repeat t
 parser on the first ``--old-lines`` lines and ``CriteoStream`` (one worker, batches of 4096) on
 the whole file, alternating which goes first; the figure is the median over the repeats, and
 the ratio is new / old lines/s. Both read the file from the page cache. The old parser is kept
-below verbatim (``CriteoTSV`` as it was in worker/data.py before the streaming reader) and its
+below verbatim (``CriteoTSV`` as it was in worker/data/synthetic.py before the streaming reader) and its
 batches are checked equal to the new reader's.
 """
 
@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 from tether.protos.partition import mix64
-from tether.worker.criteo import CriteoStream, write_criteo_sample
-from tether.worker.data import Batch
+from tether.worker.data.criteo import CriteoStream, write_criteo_sample
+from tether.worker.data.synthetic import Batch
 
-# -- the old parser (worker/data.py's CriteoTSV before the streaming reader), the baseline ------
+# -- the old parser (worker/data/synthetic.py's CriteoTSV before the streaming reader), the baseline ------
 
 _ID_MASK = np.uint64((1 << 62) - 1)
 _HEX = re.compile(r"[0-9a-fA-F]{1,16}")
@@ -130,7 +130,7 @@ def _check_equal(path: Path, lines: int) -> None:
 
 _PEAK = """
 import resource, sys
-from tether.worker.criteo import CriteoStream
+from tether.worker.data.criteo import CriteoStream
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 n = sum(b.labels.numel() for b in CriteoStream(sys.argv[1], 4096))
 print(n, before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)

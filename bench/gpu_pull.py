@@ -91,8 +91,8 @@ def _summary(label: str, xs: list[float]) -> str:
 def run(steps: int, warm_from: int, preset: str, profile: str | None) -> None:
     from tether.deploy.launch import LocalCluster
     from tether.worker.config import MODEL_PRESETS, WorkerConfig
-    from tether.worker.ctr_job import ctr_sparse, ctr_trainer, open_dataset
-    from tether.worker.data import SyntheticClickLog, SyntheticConfig
+    from tether.worker.ctr.job import ctr_sparse, ctr_trainer, open_dataset
+    from tether.worker.data.synthetic import SyntheticClickLog, SyntheticConfig
 
     size = MODEL_PRESETS[preset]
     gen = SyntheticClickLog(SyntheticConfig(num_sparse=size["num_sparse"]))

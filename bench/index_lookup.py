@@ -1,4 +1,4 @@
-"""The shard's id index: lookups/s and bytes per row of ``tether.server.index.IdIndex`` beside
+"""The shard's id index: lookups/s and bytes per row of ``tether.server.storage.index.IdIndex`` beside
 the index it replaced (issue 28 item 5), side by side in one process.
 
 - old: (key, slot) int64 pairs in one ``[n, 2]`` array, a power of two at a load factor of at
@@ -25,8 +25,8 @@ import time
 
 import numpy as np
 
-from tether.server import index_kernels
-from tether.server.index import IdIndex
+from tether.rules import index_kernels
+from tether.server.storage.index import IdIndex
 
 
 def old_cells(ids: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ model trained in one process with no parameter server (the ceiling), side by sid
 Both sides get one intra-op thread per process (as ``tether launch`` gives its children), the
 same batches, model, seed and optimizer (Adagrad). The tether side is a real shard process and
 a real worker process. Both read their batches the same way, from a generator on a background
-thread (``tether.worker.data.in_background``, as every tether worker does); the in-process run
+thread (``tether.worker.data.synthetic.in_background``, as every tether worker does); the in-process run
 with every batch generated before its clock starts (no data loading at all) is shown beside it
 for reference.
 """
@@ -43,8 +43,8 @@ def in_process(steps: int, size: dict[str, int], device: str, warmup: int = 20, 
     import torch
     import torch.nn.functional as F
 
-    from tether.worker.data import SyntheticClickLog, SyntheticConfig, in_background
-    from tether.worker.model import CTRModel, LocalHashEmbedding
+    from tether.worker.data.synthetic import SyntheticClickLog, SyntheticConfig, in_background
+    from tether.worker.ctr.model import CTRModel, LocalHashEmbedding
 
     dev = torch.device(device)
     data = SyntheticConfig(num_sparse=size["num_sparse"])

@@ -39,8 +39,8 @@ import pyarrow as pa  # type: ignore[import-untyped]
 import pyarrow.parquet as pq  # type: ignore[import-untyped]
 import torch
 
-from tether.worker.data import SyntheticClickLog, SyntheticConfig
-from tether.worker.parquet import CONVERT_ROW_GROUP_ROWS, HoldOut, ParquetStream
+from tether.worker.data.synthetic import SyntheticClickLog, SyntheticConfig
+from tether.worker.data.parquet import CONVERT_ROW_GROUP_ROWS, HoldOut, ParquetStream
 
 BATCH = 4096
 SHUFFLE = 65_536
@@ -87,7 +87,7 @@ def stream_rate(path: Path, rows: int, **kw: object) -> float:
 
 _PEAK = """
 import sys
-from tether.worker.parquet import ParquetStream
+from tether.worker.data.parquet import ParquetStream
 n = sum(len(b.labels) for b in ParquetStream(sys.argv[1], 4096, ctr=True, shuffle_rows=65536))
 status = open("/proc/self/status").read().split("\\n")
 print(n, *[int(line.split()[1]) for line in status if line.startswith(("VmHWM", "VmRSS"))])

@@ -36,13 +36,14 @@ import traffic  # noqa: E402
 
 from tether.protos import framing as dp  # noqa: E402
 from tether.protos.specs import TableConfig  # noqa: E402
-from tether.worker import cache_push, row_cache  # noqa: E402
-from tether.worker.client_config import ClientConfig  # noqa: E402
-from tether.worker.results import Handle, PullResult, PushAck  # noqa: E402
-from tether.worker.router import Router  # noqa: E402
-from tether.worker.row_cache import CachedClient, RowCacheConfig  # noqa: E402
-from tether.worker.row_slots import warm_up  # noqa: E402
-from tether.worker.traffic import TrafficMeter  # noqa: E402
+from tether.worker.cache import push as cache_push
+from tether.worker.cache import row_cache  # noqa: E402
+from tether.worker.client.config import ClientConfig  # noqa: E402
+from tether.worker.client.results import Handle, PullResult, PushAck  # noqa: E402
+from tether.worker.client.router import Router  # noqa: E402
+from tether.worker.cache.row_cache import CachedClient, RowCacheConfig  # noqa: E402
+from tether.worker.cache.slots import warm_up  # noqa: E402
+from tether.worker.client.traffic import TrafficMeter  # noqa: E402
 
 SHARDS = 2
 CPU: collections.Counter[str] = collections.Counter()

@@ -45,7 +45,7 @@ from movielens import write_ratings  # noqa: E402
 from tether.deploy.job import run_job  # noqa: E402
 from tether.deploy.launch import LocalCluster, Program  # noqa: E402
 from tether.worker.config import WorkerConfig  # noqa: E402
-from tether.worker.run_record import RunRecord  # noqa: E402
+from tether.worker.training.run_record import RunRecord  # noqa: E402
 
 WORKERS, SHARDS = 4, 2
 _TIMEOUT_S = 1800.0
@@ -73,7 +73,7 @@ def _movielens_on_shards(addresses: list[str], workers: int, ratings: Path) -> f
     from torch import nn
     from train import TwoTower
 
-    from tether.worker.training import Trainer, TrainingConfig
+    from tether.worker.training.trainer import Trainer, TrainingConfig
 
     train, held_out = read_ratings(ratings, 0, workers)
     model = TwoTower(16, float(train["rating"].mean()))
@@ -142,7 +142,7 @@ def _job_over(place: Any, kind: str, kw: dict[str, Any], folder: Path, ratings: 
 
 def _workers_main(text: str) -> int:
     """The client side of a link: the job's workers against the shards named, then the loss."""
-    from tether.worker.ctr_job import evaluate_job
+    from tether.worker.ctr.job import evaluate_job
 
     spec = json.loads(text)
     cfg = WorkerConfig(**{**spec["config"], "shards": tuple(spec["config"]["shards"])})

@@ -5,8 +5,8 @@ Each rule runs in its own process: a shard table (``EmbeddingTable``) of ``--dim
 every row (so each row's optimizer state is written). Per row it prints what the table holds:
 
 - ``values``: the rows' floats (``dim * 4`` bytes: the raw bytes the ratios divide by);
-- ``state``: the rule's optimizer state (``tether.protos.optimizers``);
-- ``index``: the id index (``tether.server.index``): the ids by slot (int64, 8 bytes a row)
+- ``state``: the rule's optimizer state (``tether.rules.optimizers``);
+- ``index``: the id index (``tether.server.storage.index``): the ids by slot (int64, 8 bytes a row)
   and the hash's int32 cells at a load factor of 0.6-0.7 (``cells``: 5.7-6.7 bytes a row);
 - ``books``: the table's per-row bookkeeping (the version of each row's last update, int32,
   for per-row staleness; a bounded table's last-touch ticks);
@@ -54,10 +54,10 @@ def measure(name: str, rows: int, dim: int) -> dict[str, Any]:
     """Fill one table with the rule ``name`` in this process; its bytes by part."""
     import torch
 
-    from tether.protos.optimizers import OptimizerConfig
+    from tether.rules.optimizers import OptimizerConfig
     from tether.protos.specs import TableConfig
-    from tether.server import row_kernels
-    from tether.server.tables import EmbeddingTable
+    from tether.rules import row_kernels
+    from tether.server.storage.tables import EmbeddingTable
 
     torch.set_num_threads(1)
     ids = np.unique(np.random.default_rng(0).integers(-(2**62), 2**62, int(rows * 1.01), dtype=np.int64))[:rows]
@@ -105,7 +105,7 @@ def main() -> int:
     if args.one:
         print(json.dumps(measure(args.one, args.rows, args.dim)))
         return 0
-    from tether.protos.optimizers import OPTIMIZERS
+    from tether.rules.optimizers import OPTIMIZERS
 
     results = []
     for name in OPTIMIZERS:

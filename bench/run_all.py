@@ -156,7 +156,7 @@ def _loadavg() -> str:
 def data_ms_per_batch(batch_size: int = 256, batches: int = 300) -> float:
     """Milliseconds to generate one synthetic training batch (what the data thread of a tether
     worker, and of the in-process side, pays per step)."""
-    from tether.worker.data import SyntheticClickLog, SyntheticConfig
+    from tether.worker.data.synthetic import SyntheticClickLog, SyntheticConfig
 
     it = SyntheticClickLog(SyntheticConfig()).batches(batch_size, batches + 1)
     next(it)

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from tether.protos.specs import OptimizerConfig, TableConfig  # noqa: E402
-from tether.server.shard import Shard, SparseUpdate  # noqa: E402
+from tether.server.storage.shard import Shard, SparseUpdate  # noqa: E402
 
 
 def run(rows: int, dim: int, batch: int, rounds: int) -> dict[str, float]:

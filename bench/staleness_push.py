@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from tether.protos.specs import OptimizerConfig, TableConfig  # noqa: E402
-from tether.server.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate  # noqa: E402
+from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate  # noqa: E402
 
 
 def run(workers: int, ids: int, dense: int, rounds: int, vocab: int, seed: int = 0) -> tuple[float, float]:

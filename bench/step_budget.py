@@ -57,10 +57,10 @@ class _Setup:
 
     def __init__(self) -> None:
         from tether.deploy.launch import LocalCluster
-        from tether.server.handler import RequestHandler
-        from tether.server.shard import Shard
+        from tether.server.serving.handler import RequestHandler
+        from tether.server.storage.shard import Shard
         from tether.common.allocator import tune_malloc
-        from tether.worker.client import ClientConfig, PSClient
+        from tether.worker.client.ps_client import ClientConfig, PSClient
 
         tune_malloc()  # what tether's own worker processes do at start-up
 
@@ -239,8 +239,8 @@ def budget_model(steps: int, cprofile: bool) -> None:
 
     from tether.deploy.launch import LocalCluster
     from tether.worker.config import WorkerConfig
-    from tether.worker.ctr_job import ctr_sparse
-    from tether.worker.ctr_job import ctr_trainer, open_dataset
+    from tether.worker.ctr.job import ctr_sparse
+    from tether.worker.ctr.job import ctr_trainer, open_dataset
 
     torch.set_num_threads(1)
     with LocalCluster(grace_s=5.0) as cluster:
@@ -283,7 +283,7 @@ def budget_model(steps: int, cprofile: bool) -> None:
             step(b, True)
         wall = (time.perf_counter() - t0) / steps
         # The same model trained in one process: forward + backward + Adagrad.
-        from tether.worker.model import CTRModel
+        from tether.worker.ctr.model import CTRModel
 
         torch.manual_seed(0)
         local = CTRModel(ds.num_dense, ds.num_sparse)

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--modes", default="sync,ssp:0,ssp:2,ssp:4,async")
     p.add_argument("--out", default=None, help="keep curves.csv/png and summary.json here")
-    p.add_argument("--straggler", default="persistent:3", help="persistent:K, transient:P:K or pareto:A (tether.worker.stragglers)")
+    p.add_argument("--straggler", default="persistent:3", help="persistent:K, transient:P:K or pareto:A (tether.worker.training.stragglers)")
     p.add_argument("--repeats", type=int, default=1, help="runs per mode (different data orders); the table shows their mean")
     a = p.parse_args(argv)
     steps = a.steps or (60 if a.quick else 300)

@@ -155,7 +155,7 @@ def _client(addresses: list[str], wire: str = "float32", chunk_elems: int | None
     ``expect`` (how every shard must be reached, checked after the measurement)."""
     from tether.common.allocator import tune_malloc
     from tether.common.security import ClientSecurity
-    from tether.worker.client import ClientConfig, PSClient
+    from tether.worker.client.ps_client import ClientConfig, PSClient
 
     tune_malloc()  # what tether's own worker processes do at start-up
     conn = conn or {}
@@ -313,7 +313,7 @@ def apply_rows_per_s(optimizer: str, num_ids: int = 4096, dim: int = 64, seconds
         alone, the part a raw table indexed by ``id % rows`` does not pay).
     """
     from tether.protos.specs import OptimizerConfig, TableConfig
-    from tether.server.tables import EmbeddingTable
+    from tether.server.storage.tables import EmbeddingTable
 
     table = EmbeddingTable(TableConfig("emb", dim=dim, optimizer=OptimizerConfig(optimizer, lr=LR)))
     gen = torch.Generator().manual_seed(0)

@@ -2,7 +2,7 @@
 S steps (the ceiling of a row cache), and what the row cache moves at each bound (issue 29).
 
 These figures depend on the data and the model's shapes, not on the machine: the id stream of
-worker 0 of 4 goes through the worker's own ``CachedClient`` (tether.worker.row_cache) in the
+worker 0 of 4 goes through the worker's own ``CachedClient`` (tether.worker.cache.row_cache) in the
 order an async worker's steps make their calls (the first two batches pulled at clock 0, then
 one push_pull per step carrying its gradients and the pull of the batch after next), against a
 stand-in client that answers at once. No shard, no training: the rows moved are exactly what the
@@ -29,12 +29,12 @@ from typing import Any
 import torch
 
 from tether.protos.specs import TableConfig
-from tether.worker.criteo import CRITEO_SPARSE, CriteoStream, write_criteo_sample
-from tether.worker.data import SyntheticClickLog, SyntheticConfig
-from tether.worker.results import Handle, PullResult, PushAck
-from tether.worker.row_cache import CachedClient, RowCacheConfig
-from tether.worker.row_slots import warm_up
-from tether.worker.traffic import REUSE_WINDOWS, TrafficMeter
+from tether.worker.data.criteo import CRITEO_SPARSE, CriteoStream, write_criteo_sample
+from tether.worker.data.synthetic import SyntheticClickLog, SyntheticConfig
+from tether.worker.client.results import Handle, PullResult, PushAck
+from tether.worker.cache.row_cache import CachedClient, RowCacheConfig
+from tether.worker.cache.slots import warm_up
+from tether.worker.client.traffic import REUSE_WINDOWS, TrafficMeter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "movielens_two_tower"))
 from movielens import rating_batches, read_ratings, write_ratings  # noqa: E402

@@ -1,7 +1,7 @@
 """The worker's defaults and choices that the job's flags (``TrainingConfig``) share with the
 client and the row cache, declared here once and without torch, so that the launcher's help, its
 flag parsing and its usage errors run without importing torch: ``ClientConfig``'s defaults
-(``tether.worker.client_config`` takes them from here) and the row cache's eviction policies.
+(``tether.worker.client.config`` takes them from here) and the row cache's eviction policies.
 
 The contract's names and defaults (the update rules', the wire dtypes', the transports', a
 table's ``init_scale``) are declared in ``tether.protos.names``, as torch-free."""
@@ -15,7 +15,7 @@ __all__ = [
     "or_names",
 ]
 
-# The row cache's eviction policies (RowCacheConfig.policy, --cache-policy; tether.worker.cache_parts).
+# The row cache's eviction policies (RowCacheConfig.policy, --cache-policy; tether.worker.cache.parts).
 CACHE_POLICIES: tuple[str, ...] = ("lru", "lfu")
 # ClientConfig's defaults that the job's flags share (wire_dtype by its tether.protos.names name).
 CLIENT_TIMEOUT_S = 30.0

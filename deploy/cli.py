@@ -20,8 +20,8 @@ from tether.common.cli_args import DeprecatedAlias, HelpFormatter
 from tether.common import settings as fields
 from tether.worker.config import JOB, MODEL, WorkerConfig
 from tether.worker.flags import config_from_args
-from tether.worker.mode import Mode
-from tether.worker.tensorboard_writer import require_tensorboard, tensorboard_available
+from tether.worker.training.mode import Mode
+from tether.worker.training.tensorboard_writer import require_tensorboard, tensorboard_available
 
 __all__ = ["main"]
 
@@ -296,7 +296,7 @@ def _export(argv: Sequence[str]) -> int:
         model = load_model(a.model) if a.model is not None else None
         ckpt_id = a.id
         if a.shards is not None:
-            from tether.worker.client import ClientConfig, PSClient
+            from tether.worker.client.ps_client import ClientConfig, PSClient
 
             addresses = tuple(x.strip() for x in a.shards.split(",") if x.strip())
             for address in addresses or (a.shards,):
@@ -315,7 +315,7 @@ def _export(argv: Sequence[str]) -> int:
 
 
 def _convert(argv: Sequence[str]) -> int:
-    from tether.worker.parquet import CONVERT_ROW_GROUP_ROWS, write_criteo_parquet
+    from tether.worker.data.parquet import CONVERT_ROW_GROUP_ROWS, write_criteo_parquet
 
     p = argparse.ArgumentParser(
         prog="tether convert",

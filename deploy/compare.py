@@ -33,9 +33,9 @@ from tether.deploy.launch import Program
 from tether.deploy.plot import write_plot
 from tether.protos.errors import UsageError
 from tether.worker.config import WorkerConfig
-from tether.worker.mode import Mode
-from tether.worker.run_record import RunRecord
-from tether.worker.stragglers import StragglerSpec, parse_straggler
+from tether.worker.training.mode import Mode
+from tether.worker.training.run_record import RunRecord
+from tether.worker.training.stragglers import StragglerSpec, parse_straggler
 
 __all__ = ["check_arguments", "compare", "format_table", "recommend", "sweep", "time_to_target"]
 
@@ -206,7 +206,7 @@ def compare(
         modes: e.g. ``["sync", "ssp:0", "ssp:4", "async"]``.
         num_shards: shards per run.
         out: output folder.
-        straggler: who computes slower when (``tether.worker.stragglers``: ``persistent:3``,
+        straggler: who computes slower when (``tether.worker.training.stragglers``: ``persistent:3``,
             ``transient:0.1:5``, ``pareto:1.5``; a bare number K is ``persistent:K``); None:
             the template's own.
         target_loss: eval loss whose time-to-target is reported; by default the loss that

@@ -18,7 +18,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from tether.worker.run_record import RunRecord
+from tether.worker.training.run_record import RunRecord
 
 __all__ = ["format_program_table", "no_eval_loss", "program_mode_figures", "program_run_figures"]
 

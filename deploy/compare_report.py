@@ -8,7 +8,7 @@ from typing import Any
 
 from tether.deploy.compare_program import format_program_table
 from tether.protos.errors import UsageError
-from tether.worker.mode import Mode
+from tether.worker.training.mode import Mode
 
 __all__ = ["format_table", "recommend"]
 

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tether.server.checkpoint_files import Manifest, RestorePlan, load_state
-from tether.server.restore import complete_checkpoints, list_manifests
-from tether.worker.embedding import PSModel
+from tether.server.checkpoints.checkpoint_files import Manifest, RestorePlan, load_state
+from tether.server.checkpoints.restore import complete_checkpoints, list_manifests
+from tether.worker.training.embedding import PSModel
 from tether.worker.serving import EXPORT_FORMAT, FLAT, MANIFEST, PARAMETERS, WEIGHTS, split_dense
 
 __all__ = ["export_checkpoint", "load_model"]

@@ -13,7 +13,7 @@ from typing import Any
 
 from tether.deploy.launch import ClusterError, Interrupted, LocalCluster, Program
 from tether.worker.config import WorkerConfig
-from tether.worker.run_record import RunRecord
+from tether.worker.training.run_record import RunRecord
 
 __all__ = ["quantile", "run_job", "staleness_summary"]
 
@@ -116,8 +116,8 @@ def run_job(
 def _evaluate_builtin(template: WorkerConfig, addresses: Sequence[str], workers: Sequence[RunRecord]) -> dict[str, float]:
     """The built-in CTR job's held-out figures. Imported here, with torch: a launcher of the
     user's own program reads its workers' records and needs none of it."""
-    from tether.worker.ctr_job import evaluate_job, open_dataset, reference_losses
-    from tether.worker.policies import policy_class
+    from tether.worker.ctr.job import evaluate_job, open_dataset, reference_losses
+    from tether.worker.training.policies import policy_class
 
     if not policy_class(template.mode.kind).dense_on_shards:
         # Dense parameters live on the ranks (sync), so rank 0 evaluated the final model.
@@ -132,7 +132,7 @@ def _final_checkpoint(template: WorkerConfig, addresses: Sequence[str], root: Pa
     id they are one, restored onto any count. The shutdown then writes none: nothing changed since.
     A shard that cannot write it is one line; each shard's own shutdown checkpoint then follows."""
     from tether.protos.errors import TetherError
-    from tether.worker.client import ClientConfig, PSClient
+    from tether.worker.client.ps_client import ClientConfig, PSClient
 
     ckpt_id = f"final-{int(time.time() * 1000)}"
     config = replace(ClientConfig.for_training(replace(template, shards=tuple(addresses))), worker_id="launcher")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tether.worker.run_record import RunRecord
+from tether.worker.training.run_record import RunRecord
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -27,7 +27,7 @@ A shard that serves TLS serves it on the data port too (the same certificates an
 its gRPC port; ``tether.common.security``): frames then travel inside TLS, sent with one
 ``sendall`` per large buffer (small ones joined) since an SSL socket has no scatter-gather
 ``sendmsg``, and received with ``recv_into`` as before. The abstract unix socket never carries
-TLS: its bytes never leave the machine (see ``tether.server.data_port`` for when it is offered).
+TLS: its bytes never leave the machine (see ``tether.server.serving.data_port`` for when it is offered).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ default ``init_scale`` (``TableConfig``), the wire element types (``tether.proto
 (``tether.protos.framing``). Those modules and the job's flags (``tether.worker.config``) take
 them from here, so the launcher's help, flag parsing and usage errors import no torch.
 
-The rules themselves are registered in ``tether.protos.optimizers``, which refuses to import if
+The rules themselves are registered in ``tether.rules.optimizers``, which refuses to import if
 its registry's names are not these, in this order."""
 
 from __future__ import annotations

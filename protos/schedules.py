@@ -1,6 +1,7 @@
-"""Learning-rate schedules the shards follow by the worker's clock, and DC-ASGD's delay
-compensation: the maths in one place, used by the shard (``tether.server.shard``), local mode
-(``tether.worker.local``) and sync's worker-side dense optimizer (``follow_schedule``).
+"""Learning-rate schedules the shards follow by the worker's clock, as the contract states them:
+the maths of a rate at a step in one place, used by the shard (``tether.server.storage.shard``), local
+mode (``tether.worker.client.local``) and sync's worker-side dense optimizer
+(``tether.rules.update_rules.follow_schedule``).
 
 A schedule is part of an update rule's hyper-parameters (``OptimizerConfig.schedule``): the
 rate of the push a worker sends after step ``k`` (0-based; the push carries clock ``k + 1``) is
@@ -27,11 +28,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-import torch
 
 from tether.protos import tether_pb2 as pb
 
-__all__ = ["DECAYS", "SCHEDULE_KEYS", "Schedule", "delay_compensated", "follow_schedule", "step_of_clock"]
+__all__ = ["DECAYS", "SCHEDULE_KEYS", "Schedule", "step_of_clock"]
 
 # The decays after the warm-up.
 DECAYS: tuple[str, ...] = ("constant", "step", "cosine")
@@ -141,28 +141,3 @@ class Schedule:
 
 # The fields a schedule takes, as ``--table-optimizer`` and config files name them.
 SCHEDULE_KEYS: tuple[str, ...] = tuple(f.name for f in fields(Schedule))
-
-
-def follow_schedule(optimizer: torch.optim.Optimizer, lr: float, schedule: Schedule) -> torch.optim.Optimizer:
-    """``optimizer`` (returned) with its groups' ``lr`` set to ``schedule.lr_at(lr, k)`` before
-    its ``k``-th step (0-based, counted from here), as the shards' rates follow the clock: sync
-    mode steps its dense parameters on the workers with it. A step pre-hook, so the optimizer
-    stays torch's own."""
-    steps = 0
-
-    def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        nonlocal steps
-        rate = schedule.lr_at(lr, steps)
-        steps += 1
-        for group in opt.param_groups:
-            group["lr"] = rate
-
-    optimizer.register_step_pre_hook(before_step)
-    return optimizer
-
-
-def delay_compensated(g: torch.Tensor, w_now: torch.Tensor, w_read: torch.Tensor, lam: float) -> torch.Tensor:
-    """DC-ASGD's gradient (Zheng et al., ICML 2017, eq. 10 with the diagonal approximation):
-    ``g + lam * g * g * (w_now - w_read)``, where ``w_read`` are the parameters the gradient
-    was computed on and ``w_now`` the shard's current ones (a new tensor; float32)."""
-    return torch.addcmul(g, g * g, w_now - w_read, value=lam)

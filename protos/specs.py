@@ -1,7 +1,7 @@
 """Specs of tables and their update rules: the contract's dataclasses and their wire form.
 
 ``OptimizerConfig`` (an update rule's hyper-parameters) lives here rather than beside the rules
-(``tether.protos.optimizers``, which re-exports it) so that a config can be made and checked
+(``tether.rules.optimizers``, which re-exports it) so that a config can be made and checked
 without the rules' torch code."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tether.protos.names import INIT_SCALE, OPTIMIZER, OPTIMIZER_LR, OPTIMIZERS,
 from tether.protos.schedules import Schedule
 
 # A table's spec names its update rule: the contract's page shows the rules' names too (declared
-# in tether.protos.names; the rules themselves are in tether.protos.optimizers).
+# in tether.protos.names; the rules themselves are in tether.rules.optimizers).
 __all__ = ["MAX_MIN_COUNT", "OPTIMIZERS", "OptimizerConfig", "TableConfig", "optimizer_conflict", "table_conflict"]
 
 # Admission counts live in 16-bit saturating counters.
@@ -37,7 +37,7 @@ class OptimizerConfig:
     # Adagrad's and row-wise Adagrad's starting sum of squares (torch's initial_accumulator_value),
     # FTRL's starting n (the paper's 0; TensorFlow's Ftrl starts at 0.1).
     initial_accumulator: float = 0.0
-    # FTRL-Proximal (tether.protos.ctr_rules): the paper's beta, L1 and L2 (its lambda_1, lambda_2;
+    # FTRL-Proximal (tether.rules.ctr_rules): the paper's beta, L1 and L2 (its lambda_1, lambda_2;
     # TensorFlow's l2_regularization_strength is half of l2), and the accumulator's power in the
     # per-coordinate rate (TensorFlow's learning_rate_power; -0.5 is the paper's square root).
     beta: float = 1.0

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 from tether.common.exits import DONE, FAILED, exit_process, run_command, usage_checks
 from tether.protos.errors import TetherError, UsageError
-from tether.server import row_kernels
+from tether.rules import row_kernels
 from tether.server.config import ShardConfig, load_config
 from tether.common.allocator import tune_malloc
 from tether.server.metrics import NullShardMetrics, ShardRecorder
-from tether.server.serve import start_shard
+from tether.server.serving.serve import start_shard
 
 __all__ = ["main", "run"]
 

@@ -251,7 +251,7 @@ class ShardMetrics:
             self.updates_rejected.labels(reason=reason)
         for mode in ("shm", "tcp", "tcp+tls"):
             self.data_connections.labels(mode=mode)
-        from tether.server.checkpoint_files import FAILURE_REASONS  # torch with it: only where a shard runs
+        from tether.server.checkpoints.checkpoint_files import FAILURE_REASONS  # torch with it: only where a shard runs
 
         for why in FAILURE_REASONS:
             self.checkpoint_failures.labels(reason=why)

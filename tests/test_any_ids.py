@@ -16,9 +16,9 @@ from tether.deploy.launch import LocalCluster
 from tether.protos.errors import UsageError
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
-from tether.server.serve import RunningShard, start_shard
-from tether.worker.embedding import ShardedEmbeddingBag
-from tether.worker.training import Trainer, TrainingConfig
+from tether.server.serving.serve import RunningShard, start_shard
+from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.trainer import Trainer, TrainingConfig
 
 from conftest import make_client
 
@@ -223,7 +223,7 @@ def test_a_table_left_out_of_sparse_stops_the_first_step_with_one_line(cluster: 
 
 
 def test_admission_eviction_and_snapshots_of_a_table_take_negative_ids() -> None:
-    from tether.server.tables import EmbeddingTable
+    from tether.server.storage.tables import EmbeddingTable
 
     ids = np.sort(_edge_ids().numpy())
     # Admission (count-min sketch of the ids' 64 bits): a row exists from the second touch.

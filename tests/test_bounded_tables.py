@@ -9,10 +9,10 @@ from prometheus_client import CollectorRegistry
 
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.metrics import ShardMetrics
-from tether.server.shard import Shard, SparseUpdate
-from tether.server.admission import CountMinSketch
-from tether.protos.initial import init_rows
-from tether.server.tables import EmbeddingTable
+from tether.server.storage.shard import Shard, SparseUpdate
+from tether.server.storage.admission import CountMinSketch
+from tether.rules.initial import init_rows
+from tether.server.storage.tables import EmbeddingTable
 
 SGD = OptimizerConfig("sgd", 1.0)
 
@@ -138,7 +138,7 @@ def test_table_spec_round_trips_capacity_and_min_count() -> None:
 
 
 def test_index_removal_leaves_tombstones_that_probes_pass_and_rebuilds_drop() -> None:
-    from tether.server.index import IdIndex
+    from tether.server.storage.index import IdIndex
 
     index = IdIndex(capacity=16)
     ids = np.arange(7, dtype=np.int64)  # collide in a 16-cell table: removal must not cut probe chains

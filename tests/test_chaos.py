@@ -69,7 +69,7 @@ def test_the_ledger_tells_a_loss_by_design_from_a_lost_push(tmp_path: Path) -> N
     log = tmp_path / "shard-0.log"
     log.write_text(
         "2030-01-01 00:00:00,000 tether.server INFO shard 0/2 serving on 127.0.0.1:1 (plaintext)\n"
-        f"2030-01-01 00:00:09,500 tether.server.checkpoint INFO restored checkpoint auto-{began} (this shard's part, 1 part(s)): ...\n"
+        f"2030-01-01 00:00:09,500 tether.server.checkpoints.checkpoint INFO restored checkpoint auto-{began} (this shard's part, 1 part(s)): ...\n"
         "2030-01-01 00:00:09,600 tether.server INFO shard 0/2 serving on 127.0.0.1:1 (plaintext)\n"
     )
     restores = {0: chaos._restores(log)}

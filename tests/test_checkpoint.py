@@ -22,14 +22,14 @@ from tether.protos.codec import encode_ids, encode_tensor
 from tether.protos.errors import FailedPrecondition, InvalidArgument
 from tether.protos.partition import shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.checkpoint import Checkpointer
-from tether.server.checkpoint_files import file_checksum, manifest_checksum
-from tether.server.restore import choose_restore, list_manifests
+from tether.server.checkpoints.checkpoint import Checkpointer
+from tether.server.checkpoints.checkpoint_files import file_checksum, manifest_checksum
+from tether.server.checkpoints.restore import choose_restore, list_manifests
 from tether.server.config import CRASH_BEFORE_MANIFEST_ENV, ShardConfig
 from tether.server.metrics import ShardMetrics
-from tether.server.serve import RunningShard, start_shard
-from tether.server.dedup import dedup_key
-from tether.server.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
+from tether.server.serving.serve import RunningShard, start_shard
+from tether.server.storage.dedup import dedup_key
+from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
 
 from conftest import make_client
 
@@ -321,7 +321,7 @@ def test_a_flipped_bit_in_any_file_of_a_checkpoint_restores_the_previous_one(
     if where.startswith("manifest"):
         assert choose_restore(tmp_path, 0, 1).id == "old"  # the damaged manifest is no commit marker
     fresh = Shard()
-    with caplog.at_level(logging.WARNING, logger="tether.server.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="tether.server.checkpoints.checkpoint"):
         assert Checkpointer(fresh, tmp_path).restore().id == "old"
     assert fresh.restored_checkpoint == "old"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -345,7 +345,7 @@ def test_restore_into_another_shard_count_verifies_every_part_it_reads(tmp_path:
     _flip_16_bits(damaged, torch.load(damaged, weights_only=True)["tables"][0]["weights"])
     for i in range(into):
         fresh = Shard(i, into)
-        with caplog.at_level(logging.WARNING, logger="tether.server.checkpoint"):
+        with caplog.at_level(logging.WARNING, logger="tether.server.checkpoints.checkpoint"):
             assert Checkpointer(fresh, tmp_path).restore().id == "old", i
         assert any(str(damaged) in r.getMessage() for r in caplog.records), i
         caplog.clear()

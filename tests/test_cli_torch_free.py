@@ -54,7 +54,7 @@ def test_launcher_help_and_usage_errors_import_no_torch() -> None:
 def test_worker_config_validation_still_reads_the_rules_and_the_cache() -> None:
     """What moved out of module level is still imported where a config is checked."""
     from tether.worker.config import ClientConfig, TrainingConfig
-    from tether.worker.client_config import ClientConfig as Client
+    from tether.worker.client.config import ClientConfig as Client
 
     assert ClientConfig is Client
     config = TrainingConfig(local=True, table_optimizers="a=sgd;b=adam:lr=0.01", cache_rows=4, cache_bound=1)
@@ -66,8 +66,9 @@ def test_worker_config_validation_still_reads_the_rules_and_the_cache() -> None:
 def test_the_modules_with_torch_take_the_torch_free_declarations() -> None:
     """Each name and default is written once: the modules that use them beside torch hold the
     declared objects themselves, not copies (a tuple or float written again is another object)."""
-    from tether.protos import codec, framing, names, optimizers, specs
-    from tether.worker.client_config import ClientConfig
+    from tether.protos import codec, framing, names, specs
+    from tether.rules import optimizers
+    from tether.worker.client.config import ClientConfig
 
     assert optimizers.OPTIMIZERS is names.OPTIMIZERS and tuple(optimizers._RULES) == names.OPTIMIZERS  # noqa: SLF001
     assert optimizers.OptimizerConfig is specs.OptimizerConfig
@@ -82,6 +83,6 @@ def test_the_modules_with_torch_take_the_torch_free_declarations() -> None:
 
 
 def test_the_row_cache_policies_are_the_declared_ones() -> None:
-    from tether.worker.cache_parts import POLICIES
+    from tether.worker.cache.parts import POLICIES
 
     assert POLICIES is choices.CACHE_POLICIES

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from tether.server.clocks import WorkerClocks
+from tether.server.storage.clocks import WorkerClocks
 
 
 class FakeTime:
@@ -114,8 +114,8 @@ def test_workers_that_trained_and_left_while_one_waited_at_start_count_for_it() 
 def test_the_start_barrier_counts_finished_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
-    from tether.worker.policies import AsyncPolicy
-    from tether.worker.results import ClockReply
+    from tether.worker.training.policies import AsyncPolicy
+    from tether.worker.client.results import ClockReply
 
     replies = iter([ClockReply(0, 0, 3, True), ClockReply(0, 0, 2, True, 0, 2)])
     trainer = SimpleNamespace(config=SimpleNamespace(num_workers=4, wait_timeout_s=5.0),
@@ -130,7 +130,7 @@ def _policy_start(replies: list, monkeypatch: pytest.MonkeyPatch) -> tuple[int, 
     from, the Clock calls it made)."""
     from types import SimpleNamespace
 
-    from tether.worker.policies import AsyncPolicy
+    from tether.worker.training.policies import AsyncPolicy
 
     calls = iter(replies)
     made = []
@@ -144,7 +144,7 @@ def test_a_worker_joining_a_job_under_way_goes_on_from_the_slowest_others_clock(
     """A pod Kubernetes restarted: one other trains (clock 57), the third finished and left
     before it joined, so 2 of 3 are live and the barrier alone would hold it until
     wait_timeout_s; the clock above 0 says the job is under way."""
-    from tether.worker.results import ClockReply
+    from tether.worker.client.results import ClockReply
 
     assert _policy_start([ClockReply(0, 57, 2, True, 57, 0)], monkeypatch) == (57, 1)
 
@@ -152,17 +152,17 @@ def test_a_worker_joining_a_job_under_way_goes_on_from_the_slowest_others_clock(
 def test_a_late_worker_of_a_fresh_job_still_waits_for_every_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     """The others joined first and wait at clock 0: max_clock 0 says the job has not started,
     so this worker waits with them until the last one joins."""
-    from tether.worker.results import ClockReply
+    from tether.worker.client.results import ClockReply
 
     replies = [ClockReply(0, 0, 2, True), ClockReply(0, 0, 2, True), ClockReply(0, 0, 3, True)]
     assert _policy_start(replies, monkeypatch) == (0, 3)
 
 
 def test_the_handler_sets_the_clock_gauges_for_the_clock_call_of_the_service() -> None:
-    """``RequestHandler.update_clock_gauges`` (public: server/service.py's Clock answer calls it)."""
-    from tether.server.handler import RequestHandler
+    """``RequestHandler.update_clock_gauges`` (public: server/serving/service.py's Clock answer calls it)."""
+    from tether.server.serving.handler import RequestHandler
     from tether.server.metrics import NullShardMetrics
-    from tether.server.shard import Shard
+    from tether.server.storage.shard import Shard
 
     class Gauges(NullShardMetrics):
         def clocks(self, live_workers: int, min_clock: int, max_clock: int) -> None:

@@ -17,8 +17,8 @@ from tether.deploy.compare import _with_job_end, format_table, recommend, time_t
 from tether.deploy.plot import DPI, SIZE, write_plot
 from tether.protos.errors import UsageError
 from tether.worker.config import TrainingConfig
-from tether.worker.run_record import RunRecord
-from tether.worker.stragglers import StragglerSpec, delay_factor, parse_straggler
+from tether.worker.training.run_record import RunRecord
+from tether.worker.training.stragglers import StragglerSpec, delay_factor, parse_straggler
 
 
 def test_time_to_target_is_interpolated_between_evaluations() -> None:
@@ -231,7 +231,7 @@ def test_compare_and_sweep_parse_each_mode_once(tmp_path: Path, monkeypatch: pyt
     from tether.deploy import cli
     from tether.deploy import compare as compare_module
     from tether.deploy.errors import ClusterError
-    from tether.worker import mode as worker_mode
+    from tether.worker.training import mode as worker_mode
 
     calls: list[str] = []
     parse = worker_mode.parse_mode

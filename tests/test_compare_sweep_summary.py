@@ -11,9 +11,9 @@ import pytest
 
 from tether.deploy import compare as compare_module
 from tether.deploy import compare_report
-from tether.worker import mode as worker_mode
+from tether.worker.training import mode as worker_mode
 from tether.worker.config import WorkerConfig
-from tether.worker.mode import Mode
+from tether.worker.training.mode import Mode
 
 
 @pytest.mark.parametrize("target", [None, 0.5])

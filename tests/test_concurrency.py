@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.tables import EmbeddingTable
+from tether.server.storage.tables import EmbeddingTable
 
 from conftest import make_client
 

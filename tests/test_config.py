@@ -20,13 +20,13 @@ from tether.common.settings import to_argv as worker_argv, to_env as job_env
 from tether.common import settings as fields
 from tether.common.cli_args import DeprecatedAlias
 from tether.protos.codec import WIRE_DTYPES
-from tether.protos.optimizers import OptimizerConfig
+from tether.rules.optimizers import OptimizerConfig
 from tether.protos.specs import TableConfig
 from tether.server import config as server_config
 from tether.server.config import ShardConfig
 from tether.worker import flags as worker_flags
 from tether.worker.config import ClientConfig, TrainingConfig, WorkerConfig
-from tether.worker.local import LocalClient
+from tether.worker.client.local import LocalClient
 
 # Flags a parser has that are no config field: help, the preset that fills three fields, and the
 # file of field values a launcher hands a worker.
@@ -90,8 +90,8 @@ def _worker_config(tmp_path: Path) -> WorkerConfig:
     """Every field away from its default: a Parquet table (row groups for 4 workers) and a
     folder of positions, since only a Parquet stream resumes."""
     pytest.importorskip("pyarrow")
-    from tether.worker.criteo import write_criteo_sample
-    from tether.worker.parquet import write_criteo_parquet
+    from tether.worker.data.criteo import write_criteo_sample
+    from tether.worker.data.parquet import write_criteo_parquet
 
     write_criteo_sample(tmp_path / "day.tsv", 400)
     write_criteo_parquet(str(tmp_path / "day.tsv"), str(tmp_path / "day.parquet"), row_group_rows=50)
@@ -404,8 +404,8 @@ def test_the_mode_is_parsed_once_per_process(tmp_path: Path, monkeypatch: pytest
     and every copy and reader shares it); a worker started from the file parses it once and
     trains (local mode, so no shard is needed) without parsing it again."""
     from tether.deploy import cli, job
-    from tether.worker import mode as worker_mode
-    from tether.worker.ctr_job import train
+    from tether.worker.training import mode as worker_mode
+    from tether.worker.ctr.job import train
 
     calls: list[object] = []
     parse = worker_mode.parse_mode

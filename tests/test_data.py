@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from tether.worker.criteo import CriteoStream, criteo_eval_set, criteo_files, write_criteo_sample
-from tether.worker.data import Batch, DataError, SyntheticClickLog, SyntheticConfig, in_background
-from tether.worker.evaluation import constant_baseline_loss
+from tether.worker.data.criteo import CriteoStream, criteo_eval_set, criteo_files, write_criteo_sample
+from tether.worker.data.synthetic import Batch, DataError, SyntheticClickLog, SyntheticConfig, in_background
+from tether.worker.training.evaluation import constant_baseline_loss
 
 
 def test_synthetic_is_deterministic_and_ranks_are_disjoint() -> None:

@@ -24,8 +24,8 @@ from tether.protos.codec import encode_ids
 from tether.protos.errors import InvalidArgument, NotFound, Unauthenticated
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
-from tether.server.serve import start_shard
-from tether.worker import data_channel as worker_dataplane
+from tether.server.serving.serve import start_shard
+from tether.worker.client import data_channel as worker_dataplane
 
 from conftest import make_client
 
@@ -296,7 +296,7 @@ def test_a_tcp_pull_receives_whole_blocks_in_place_and_the_rest_through_the_buff
     """Over TCP, fp32 dense chunks and a table's rows in request order go from the socket straight
     into the result; rows that must be scattered, and a bfloat16 wire, are copied from the buffer.
     Every way gives what gRPC gives."""
-    from tether.worker import router as router_module
+    from tether.worker.client import router as router_module
 
     placed: list[int] = []
     direct = router_module.PullAnswer.direct

@@ -266,7 +266,7 @@ def test_a_symlink_in_dev_shm_is_never_opened(cluster: LocalCluster, tmp_path: P
 _HELLO_THEN_WAIT = textwrap.dedent(
     """
     import sys
-    from tether.worker.data_channel import DataConnection
+    from tether.worker.client.data_channel import DataConnection
     port, name = int(sys.argv[1]), sys.argv[2]
     try:
         DataConnection("127.0.0.1", port, None, 60.0, True, "\\0" + name)
@@ -318,7 +318,7 @@ _SMALL_SHM_RUN = textwrap.dedent(
     import subprocess, sys, time, torch
     from pathlib import Path
     from tether.protos.specs import OptimizerConfig
-    from tether.worker.client import ClientConfig, PSClient
+    from tether.worker.client.ps_client import ClientConfig, PSClient
 
     port_file = Path(sys.argv[1])
     shard = subprocess.Popen([sys.executable, "-m", "tether.server", "--port", "0", "--port-file", str(port_file),
@@ -374,7 +374,7 @@ def test_an_unreachable_unix_socket_falls_back_to_tcp_and_says_so_once(cluster: 
         plane = client.channels[0].data
         plane.set_port(plane.port, "\0no-such-tether-socket-" + os.urandom(4).hex())
         ids = torch.arange(20000)
-        with caplog.at_level(logging.INFO, logger="tether.worker.data_channel"):
+        with caplog.at_level(logging.INFO, logger="tether.worker.client.data_channel"):
             handles = [client.pull({"emb": ids}) for _ in range(3)]  # three connections at once
             for h in handles:
                 h.result(10)

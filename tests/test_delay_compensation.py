@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from tether.protos.errors import InvalidArgument
-from tether.protos.optimizers import OptimizerConfig
+from tether.rules.optimizers import OptimizerConfig
 from tether.protos.specs import TableConfig
-from tether.server.serve import RunningShard
-from tether.server.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
+from tether.server.serving.serve import RunningShard
+from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
 from conftest import make_client
-from tether.worker.training import TrainingConfig
+from tether.worker.training.trainer import TrainingConfig
 
 LR, LAM = 0.5, 0.7
 

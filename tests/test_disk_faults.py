@@ -26,19 +26,19 @@ from prometheus_client import CollectorRegistry
 
 from tether.protos.errors import FailedPrecondition
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server import checkpoint as checkpoint_module
-from tether.server import checkpoint_files
-from tether.server.checkpoint import Checkpointer, RestoreError
+from tether.server.checkpoints import checkpoint as checkpoint_module
+from tether.server.checkpoints import checkpoint_files
+from tether.server.checkpoints.checkpoint import Checkpointer, RestoreError
 from tether.server.config import ShardConfig
 from tether.server.metrics import ShardMetrics
-from tether.server.restore import list_manifests
-from tether.server.serve import RunningShard, start_shard
-from tether.server.shard import Shard, SparseUpdate
-from tether.worker.client import ClientConfig, PSClient
+from tether.server.checkpoints.restore import list_manifests
+from tether.server.serving.serve import RunningShard, start_shard
+from tether.server.storage.shard import Shard, SparseUpdate
+from tether.worker.client.ps_client import ClientConfig, PSClient
 
 TABLE = TableConfig("t", 64, OptimizerConfig("adagrad", 0.1), init_scale=0.0)
 EVERY_S = 0.25
-LOGGER = "tether.server.checkpoint"
+LOGGER = "tether.server.checkpoints.checkpoint"
 
 
 def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:

@@ -16,11 +16,11 @@ import torch
 
 from tether.protos.errors import FailedPrecondition
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.checkpoint import Checkpointer, RestoreError
+from tether.server.checkpoints.checkpoint import Checkpointer, RestoreError
 from tether.server.config import ShardConfig
-from tether.server.serve import RunningShard, start_shard
-from tether.server.shard import Shard, SparseUpdate
-from tether.worker.client import ClientConfig, PSClient
+from tether.server.serving.serve import RunningShard, start_shard
+from tether.server.storage.shard import Shard, SparseUpdate
+from tether.worker.client.ps_client import ClientConfig, PSClient
 
 ADAGRAD = OptimizerConfig("adagrad", 0.1)
 TABLE = TableConfig("user", 8, ADAGRAD, init_scale=0.0)
@@ -136,7 +136,7 @@ def test_a_complete_checkpoint_of_another_count_is_restored_onto_the_new_one(tmp
     for i in range(2):
         _part(tmp_path, "both", i, 2)
     _part(tmp_path, "final-1", 0, 2)  # shard 0's own shutdown checkpoint, after
-    caplog.set_level(logging.INFO, logger="tether.server.checkpoint")
+    caplog.set_level(logging.INFO, logger="tether.server.checkpoints.checkpoint")
     shards = [Shard(i, 3) for i in range(3)]
     for s in shards:
         assert Checkpointer(s, tmp_path).restore().id == "both"

@@ -5,7 +5,7 @@ import torch
 
 from tether.protos.errors import InvalidArgument, UsageError
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.worker.embedding import PSModel, ShardedEmbeddingBag
+from tether.worker.training.embedding import PSModel, ShardedEmbeddingBag
 
 from conftest import make_client
 
@@ -66,7 +66,7 @@ def test_bag_modes() -> None:
 
 
 def test_unique_columns_matches_torch_unique() -> None:
-    from tether.worker.embedding import unique_columns
+    from tether.worker.training.embedding import unique_columns
 
     ids = torch.randint(0, 40, (5, 300), generator=torch.Generator().manual_seed(0))
     unique, counts, inverse = unique_columns(ids)
@@ -76,7 +76,7 @@ def test_unique_columns_matches_torch_unique() -> None:
 
 
 def test_fused_lookup_matches_per_table_lookup_and_gradients(inproc_shard) -> None:
-    from tether.worker.model import CTRModel
+    from tether.worker.ctr.model import CTRModel
 
     client = make_client([f"127.0.0.1:{inproc_shard.port}"])
     torch.manual_seed(0)
@@ -343,7 +343,7 @@ def test_a_nan_in_a_dense_feature_stops_training_naming_the_step_and_table(prefe
     """A NaN in a batch's dense features makes the loss and every gradient NaN: training stops at
     that step with one UsageError naming the step, the table and the likely cause, raised on the
     worker before the push (not a shard's 'gradients contain NaN or Inf' a step later)."""
-    from tether.worker.training import Trainer, TrainingConfig
+    from tether.worker.training.trainer import Trainer, TrainingConfig
 
     batches = [{"ids": torch.tensor([[1, 2], [3, 4]]), "dense": torch.ones(2, 3)} for _ in range(5)]
     batches[2]["dense"][1, 0] = float("nan")
@@ -362,7 +362,7 @@ def test_a_nan_in_a_dense_feature_stops_training_naming_the_step_and_table(prefe
 
 
 def test_check_finite_names_the_dense_parameters_and_passes_finite_gradients() -> None:
-    from tether.worker.embedding import check_finite
+    from tether.worker.training.embedding import check_finite
 
     ok = {"e": (torch.tensor([1]), torch.ones(1, 2))}
     check_finite(4, ok, {"dense": torch.full((3,), 3e38)})  # a sum that overflows is still finite

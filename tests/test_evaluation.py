@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from tether.worker.data import Batch
-from tether.worker.evaluation import auc, constant_baseline_loss, evaluate, log_loss
+from tether.worker.data.synthetic import Batch
+from tether.worker.training.evaluation import auc, constant_baseline_loss, evaluate, log_loss
 from torch import nn
 
 from fake_cuda import FakeCuda, on_fake_cuda

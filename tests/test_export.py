@@ -20,9 +20,9 @@ from tether.deploy.export import export_checkpoint, load_model
 from tether.deploy.launch import LocalCluster
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
-from tether.server.serve import start_shard
-from tether.worker.embedding import PSModel, ShardedEmbeddingBag
-from tether.worker.model import CTRModel
+from tether.server.serving.serve import start_shard
+from tether.worker.training.embedding import PSModel, ShardedEmbeddingBag
+from tether.worker.ctr.model import CTRModel
 from tether.worker.serving import RowLookupBag, load_export
 
 from conftest import make_client

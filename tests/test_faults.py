@@ -20,7 +20,7 @@ from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.errors import DeadlineExceeded, Unavailable
 from tether.protos.partition import shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.restore import choose_restore, list_manifests
+from tether.server.checkpoints.restore import choose_restore, list_manifests
 
 from conftest import make_client
 

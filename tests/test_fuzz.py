@@ -25,7 +25,7 @@ from tether.protos.codec import encode_ids, encode_tensor
 from tether.protos.partition import dense_shard, shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
-from tether.server.serve import RunningShard, start_shard
+from tether.server.serving.serve import RunningShard, start_shard
 
 DIM = 4
 SGD = OptimizerConfig("sgd", 1.0)

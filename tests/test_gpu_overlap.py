@@ -29,14 +29,14 @@ from torch import nn
 from fake_cuda import FakeCuda, on_fake_cuda
 from tether.protos.errors import UsageError
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.worker.data import Batch, SyntheticClickLog, SyntheticConfig
-from tether.worker.embedding import PSModel, ShardedEmbeddingBag
-from tether.worker.local import LocalClient
-from tether.worker.model import CTRModel
-from tether.worker.policies import SyncPolicy
-from tether.worker.router import PullAnswer, Router
-from tether.worker.run_record import RunRecord
-from tether.worker.training import Trainer, TrainingConfig
+from tether.worker.data.synthetic import Batch, SyntheticClickLog, SyntheticConfig
+from tether.worker.training.embedding import PSModel, ShardedEmbeddingBag
+from tether.worker.client.local import LocalClient
+from tether.worker.ctr.model import CTRModel
+from tether.worker.training.policies import SyncPolicy
+from tether.worker.client.router import PullAnswer, Router
+from tether.worker.training.run_record import RunRecord
+from tether.worker.training.trainer import Trainer, TrainingConfig
 
 from conftest import make_client
 

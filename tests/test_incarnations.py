@@ -22,7 +22,7 @@ from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.codec import encode_ids, encode_tensor
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.shard import Shard, SparseUpdate
+from tether.server.storage.shard import Shard, SparseUpdate
 from tether.worker.metrics import WorkerMetrics
 
 from conftest import make_client
@@ -35,7 +35,7 @@ ROW = 7
 _WORKER = """
 import json, sys, torch
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.worker.client import ClientConfig, PSClient
+from tether.worker.client.ps_client import ClientConfig, PSClient
 address, n = sys.argv[1], int(sys.argv[2])
 client = PSClient(ClientConfig(addresses=(address,), worker_id="worker-0", timeout_s=10.0, retries=20, backoff_s=0.05, max_backoff_s=0.5))
 client.declare([TableConfig("emb", 4, OptimizerConfig("sgd", 1.0), init_scale=0.5)])
@@ -138,7 +138,7 @@ def test_a_duplicate_the_client_never_resent_is_logged_and_counted(inproc_shard,
         stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(address))
         block = pb.SparseBlock(table="emb", ids=encode_ids(np.array([ROW])), values=encode_tensor(torch.ones(1, 4)))
         assert stub.Push(pb.PushRequest(worker_id="w", incarnation=client.incarnation, seq=1, sparse=[block]), timeout=10).applied
-        with caplog.at_level(logging.WARNING, logger="tether.worker.client"):
+        with caplog.at_level(logging.WARNING, logger="tether.worker.client.ps_client"):
             ack = client.push({"emb": (torch.tensor([ROW]), torch.ones(1, 4))}).result(30)
         assert ack.duplicates == 1
         assert "a duplicate, but it was sent once" in caplog.text

@@ -3,8 +3,8 @@ import threading
 import numpy as np
 
 from tether.protos.partition import mix64
-from tether.server import index_kernels
-from tether.server.index import IdIndex
+from tether.rules import index_kernels
+from tether.server.storage.index import IdIndex
 
 
 def test_insert_lookup_and_growth() -> None:

@@ -52,7 +52,7 @@ def test_entry_points_validate(argv: list[str], message: str) -> None:
 
 
 def test_criteo_file_end_to_end(tmp_path: Path) -> None:
-    from tether.worker.criteo import write_criteo_sample
+    from tether.worker.data.criteo import write_criteo_sample
 
     data = tmp_path / "sample.tsv"
     write_criteo_sample(data, 30_000, seed=2)

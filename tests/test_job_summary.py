@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tether.deploy.job import _summary
 from tether.worker.config import WorkerConfig
-from tether.worker.run_record import RunRecord
+from tether.worker.training.run_record import RunRecord
 
 
 def _record(index: int, steps: int, samples: int, wall: float) -> RunRecord:

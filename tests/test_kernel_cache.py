@@ -1,4 +1,4 @@
-"""tether's numba disk cache (tether.server.kernel_cache): a cached kernel is compiled again once a
+"""tether's numba disk cache (tether.rules.kernel_cache): a cached kernel is compiled again once a
 helper it inlines, in another file, changes (numba alone keys it by its own file), it loads from
 disk while nothing changed, and where numba's cache is not the one it extends it compiles in
 memory instead of risking a stale kernel."""
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from numba.core import caching
 
-from tether.server import kernel_cache
+from tether.rules import kernel_cache
 
 # Two helper files: a plain function the kernel's module registers with numba (as the rules'
 # helpers are) and a constant, and a compiled helper that is inlined (as ``mix64``).
@@ -30,7 +30,7 @@ _PLAIN = textwrap.dedent("""
         return x * 3
 """)
 _JITTED = textwrap.dedent("""
-    from tether.server.kernel_cache import compiled
+    from tether.rules.kernel_cache import compiled
 
     @compiled(inline="always")
     def jitted(x):
@@ -38,7 +38,7 @@ _JITTED = textwrap.dedent("""
 """)
 _KERNEL = textwrap.dedent("""
     import numba.extending
-    from tether.server.kernel_cache import compiled
+    from tether.rules.kernel_cache import compiled
     from plain_helper import SHIFT, plain
     from jitted_helper import jitted
 
@@ -92,7 +92,8 @@ def _double(x: np.ndarray) -> np.ndarray:
 def test_the_digest_follows_helpers_and_the_constants_they_name() -> None:
     base = kernel_cache.sources_digest(_double)
     assert base == kernel_cache.sources_digest(_double)
-    from tether.server import index_kernels, row_kernels
+    from tether.rules import index_kernels
+    from tether.rules import row_kernels
     init = kernel_cache.sources_digest(row_kernels.init_rows_into.py_func)
     # mix64's constants are globals of index_kernels that init_rows_into reaches through mix64.
     saved = index_kernels._M1
@@ -117,8 +118,9 @@ def test_an_unknown_numba_cache_compiles_in_memory(monkeypatch: pytest.MonkeyPat
 
 
 def test_tethers_kernels_are_keyed_by_their_sources() -> None:
-    from tether.server import index_kernels, row_kernels
-    from tether.protos.optimizers import rule
+    from tether.rules import index_kernels
+    from tether.rules import row_kernels
+    from tether.rules.optimizers import rule
     assert isinstance(index_kernels.mix64._cache, kernel_cache.SourceKeyedCache)
     assert isinstance(row_kernels.gather_rows._cache, kernel_cache.SourceKeyedCache)
     assert isinstance(row_kernels.row_kernel(rule("adam"))._cache, kernel_cache.SourceKeyedCache)

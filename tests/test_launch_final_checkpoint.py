@@ -15,7 +15,7 @@ import torch
 from tether.deploy.job import _final_checkpoint
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
-from tether.server.serve import start_shard
+from tether.server.serving.serve import start_shard
 from tether.worker.config import WorkerConfig
 
 from conftest import make_client

@@ -19,8 +19,8 @@ from torch import nn
 
 import tether.deploy.children as children
 from tether.deploy.children import free_ports
-from tether.worker.embedding import ShardedEmbeddingBag
-from tether.worker.training import Trainer, TrainingConfig
+from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.trainer import Trainer, TrainingConfig
 
 
 def test_sync_metrics_ports_skip_a_base_whose_neighbour_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:

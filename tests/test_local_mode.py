@@ -1,4 +1,4 @@
-"""Local mode (tether.worker.local): the same script trains with no shards, in one process, with
+"""Local mode (tether.worker.client.local): the same script trains with no shards, in one process, with
 the shards' initial rows and update rules, so its result is a 1-shard 1-worker job's."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from torch import nn
 
 from tether.deploy.launch import LocalCluster
 from tether.protos.errors import FailedPrecondition, InvalidArgument, UsageError
-from tether.protos.initial import init_rows
-from tether.protos.optimizers import OPTIMIZERS, OptimizerConfig
+from tether.rules.initial import init_rows
+from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig
 from tether.protos.specs import TableConfig
-from tether.worker.embedding import ShardedEmbeddingBag
-from tether.worker.local import LocalClient, LocalTable
-from tether.worker.training import Trainer, TrainingConfig
+from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.client.local import LocalClient, LocalTable
+from tether.worker.training.trainer import Trainer, TrainingConfig
 
 USERS, ITEMS, DENSE = 25, 60, 3
 
@@ -234,7 +234,7 @@ def test_a_table_grows_past_its_first_storage_as_rows_come() -> None:
 def test_a_local_table_steps_as_a_shards_table(name: str, weight_decay: float) -> None:
     """Row for row, the protos-side rule on local rows and the shard's compiled kernels agree
     within float rounding, rows that sit out a push included (Adam's per-row step count)."""
-    from tether.server.tables import EmbeddingTable
+    from tether.server.storage.tables import EmbeddingTable
 
     cfg = TableConfig("t", 16, OptimizerConfig(name, lr=0.05, weight_decay=weight_decay, initial_accumulator=0.1), init_scale=0.3, seed=2)
     local, shard = LocalTable(cfg), EmbeddingTable(cfg)

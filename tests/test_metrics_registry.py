@@ -269,8 +269,8 @@ def test_series_are_remembered_and_table_gauges_read_at_scrape_time() -> None:
     import numpy as np
 
     from tether.protos.specs import OptimizerConfig, TableConfig
-    from tether.server.handler import RequestHandler
-    from tether.server.shard import Shard
+    from tether.server.serving.handler import RequestHandler
+    from tether.server.storage.shard import Shard
 
     registry = CollectorRegistry()
     metrics = ShardMetrics(registry)

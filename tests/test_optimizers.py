@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from tether.protos.optimizers import OPTIMIZERS, SGD, OptimizerConfig, RuleOptimizer, UpdateRule, rule
-from tether.server import row_kernels
-from tether.server.tables import EmbeddingTable, TableConfig
+from tether.rules.optimizers import OPTIMIZERS, SGD, OptimizerConfig, RuleOptimizer, UpdateRule, rule
+from tether.rules import row_kernels
+from tether.server.storage.tables import EmbeddingTable, TableConfig
 
 # Rules whose dense form is the rule itself (row-wise Adagrad steps dense values as Adagrad).
 _SAME_ON_DENSE = tuple(n for n in OPTIMIZERS if rule(n).dense_rule() is rule(n))
@@ -134,7 +134,7 @@ def test_an_unknown_rule_is_named() -> None:
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 @pytest.mark.parametrize("name", _SAME_ON_DENSE)
 def test_a_tables_compiled_row_update_is_its_torch_optimizer_row_by_row(name: str, weight_decay: float) -> None:
-    """The shard's compiled row kernels (server/row_kernels.py) take the steps torch.optim takes on
+    """The shard's compiled row kernels (rules/row_kernels.py) take the steps torch.optim takes on
     each row, each row with its own learning-rate factor (staleness-aware pushes)."""
     torch.manual_seed(2)
     cfg = OptimizerConfig(name=name, lr=0.05, eps=1e-8, weight_decay=weight_decay)
@@ -167,8 +167,8 @@ def test_the_kernels_still_run_where_no_cache_directory_is_writable() -> None:
         "import logging; logging.basicConfig()\n"
         "import numba.core.caching as c; c.CacheImpl._locator_classes = []\n"
         "import numpy as np, torch\n"
-        "from tether.protos.optimizers import OptimizerConfig\n"
-        "from tether.server.tables import EmbeddingTable, TableConfig\n"
+        "from tether.rules.optimizers import OptimizerConfig\n"
+        "from tether.server.storage.tables import EmbeddingTable, TableConfig\n"
         "t = EmbeddingTable(TableConfig('t', 4, OptimizerConfig('adagrad', lr=0.1), init_scale=0.0))\n"
         "t.push(np.array([1, 2]), torch.ones(2, 4))\n"
         "print(t.pull(np.array([1]))[0].tolist())\n"
@@ -181,7 +181,7 @@ def test_the_kernels_still_run_where_no_cache_directory_is_writable() -> None:
 
 
 def test_a_dense_chunk_starts_adagrad_from_the_initial_accumulator() -> None:
-    from tether.server.dense import DenseChunk
+    from tether.server.storage.dense import DenseChunk
 
     cfg = OptimizerConfig("adagrad", lr=0.1, initial_accumulator=0.5)
     w0 = torch.linspace(-1, 1, 6)
@@ -249,7 +249,7 @@ class _SignSGD(UpdateRule):
 
 
 def test_the_kernel_machinery_takes_any_rule_object() -> None:
-    """server/row_kernels.py compiles and calls whatever kernel a rule object holds, by no name: a
+    """rules/row_kernels.py compiles and calls whatever kernel a rule object holds, by no name: a
     new rule needs no line there."""
     w = np.zeros((3, 2), np.float32)
     update = row_kernels.row_update(_SignSGD(), OptimizerConfig("sgd"), 2)

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from tether.protos.optimizers import OptimizerConfig, rule
+from tether.rules.optimizers import OptimizerConfig, rule
 from tether.protos.schedules import Schedule
 from tether.protos.specs import TableConfig
-from tether.server.tables import EmbeddingTable
+from tether.server.storage.tables import EmbeddingTable
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "outsider_rules.py"
@@ -101,7 +101,7 @@ def test_table_optimizers_in_code_take_a_text_a_list_or_a_path(tmp_path: Path) -
     ``optimizer_config=Path(...)``: the text used to be read one character per entry ('i':
     expected NAME=RULE), the Path failed with AttributeError ('endswith'), and a list made the
     config unhashable. Each is now held as the flags hold it."""
-    from tether.worker.training import TrainingConfig
+    from tether.worker.training.trainer import TrainingConfig
 
     file = tmp_path / "rules.toml"
     file.write_text('[ctx]\nrule = "ftrl"\nlr = 0.2\n')
@@ -229,8 +229,8 @@ def test_a_table_spec_in_code_with_another_dim_than_the_module_is_one_line() -> 
     from torch import nn
 
     from tether.protos.errors import UsageError
-    from tether.worker.embedding import ShardedEmbeddingBag
-    from tether.worker.training import Trainer, TrainingConfig
+    from tether.worker.training.embedding import ShardedEmbeddingBag
+    from tether.worker.training.trainer import Trainer, TrainingConfig
 
     class Model(nn.Module):
         def __init__(self) -> None:

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.serve import RunningShard
-from tether.worker.client import ClientConfig, PSClient
-from tether.worker.training import TrainingConfig
+from tether.server.serving.serve import RunningShard
+from tether.worker.client.ps_client import ClientConfig, PSClient
+from tether.worker.training.trainer import TrainingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Parquet streams (tether.worker.parquet): row groups dealt to ranks, bags and offsets, the seeded
+"""Parquet streams (tether.worker.data.parquet): row groups dealt to ranks, bags and offsets, the seeded
 shuffle, epochs, held-out rules, exact resume, bad files as one line and exit 2 from the CLI,
 memory that does not grow with the data, and the built-in job trained from ``--data parquet:``."""
 
@@ -18,9 +18,9 @@ import torch
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from tether.worker.criteo import CriteoStream, criteo_eval_set, write_criteo_sample  # noqa: E402
-from tether.worker.data import Batch, DataError  # noqa: E402
-from tether.worker.parquet import HoldOut, ParquetStream, hash_strings, parquet_files, write_criteo_parquet  # noqa: E402
+from tether.worker.data.criteo import CriteoStream, criteo_eval_set, write_criteo_sample  # noqa: E402
+from tether.worker.data.synthetic import Batch, DataError  # noqa: E402
+from tether.worker.data.parquet import HoldOut, ParquetStream, hash_strings, parquet_files, write_criteo_parquet  # noqa: E402
 
 
 def _table(n: int, seed: int = 0, start: int = 0) -> Any:
@@ -349,7 +349,7 @@ def test_launch_resumes_each_workers_stream_from_a_checkpoints_positions(criteo_
 
 _PROBE = textwrap.dedent("""
     import sys
-    from tether.worker.parquet import ParquetStream
+    from tether.worker.data.parquet import ParquetStream
     n = 0
     for b in ParquetStream(sys.argv[1], 4096, ctr=True, shuffle_rows=65536, epochs=1):
         n += len(b.labels)
@@ -415,8 +415,8 @@ def test_the_trainer_records_the_streams_position_and_writes_it_beside_checkpoin
     reads on from the batch after."""
     from torch import nn
 
-    from tether.worker.embedding import ShardedEmbeddingBag
-    from tether.worker.training import Trainer, TrainingConfig
+    from tether.worker.training.embedding import ShardedEmbeddingBag
+    from tether.worker.training.trainer import Trainer, TrainingConfig
 
     settings: dict[str, Any] = dict(bs=64, shuffle_rows=300, seed=3)
     whole = list(_stream(files, **settings))

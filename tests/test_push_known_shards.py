@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from tether.protos import tether_pb2 as pb
-from tether.protos.optimizers import OptimizerConfig
+from tether.rules.optimizers import OptimizerConfig
 from tether.protos.partition import shard_of_ids, split_ids
 from tether.protos.specs import TableConfig
-from tether.worker.cache_split import by_shard
-from tether.worker.client_config import ClientConfig
-from tether.worker.results import PullResult
-from tether.worker.router import Router, ShardedPart
-from tether.worker.row_cache import RowCache, RowCacheConfig
+from tether.worker.cache.split import by_shard
+from tether.worker.client.config import ClientConfig
+from tether.worker.client.results import PullResult
+from tether.worker.client.router import Router, ShardedPart
+from tether.worker.cache.row_cache import RowCache, RowCacheConfig
 
 _DIMS = {"a": 4, "b": 2}
 
@@ -90,7 +90,7 @@ def test_a_cached_push_with_known_shards_sends_what_a_hashed_split_sends(num_sha
     plain = {t: tuple(p) for t, p in pushed.items()}  # the same rows, split by hashing their ids
     want = _wire(_router(num_shards), plain, versions)
     hashed: list[int] = []
-    monkeypatch.setattr("tether.worker.router.split_ids", lambda ids, n: hashed.append(len(ids)) or split_ids(ids, n))
+    monkeypatch.setattr("tether.worker.client.router.split_ids", lambda ids, n: hashed.append(len(ids)) or split_ids(ids, n))
     got = _wire(_router(num_shards), pushed, versions)
     assert hashed == []  # no id hashed: the cache's split taken as it is
     assert got == want
@@ -105,7 +105,7 @@ def test_a_known_split_for_another_shard_count_is_hashed_instead(monkeypatch: py
     plain = {t: tuple(p) for t, p in pushed.items()}
     want = _wire(_router(3), plain, versions)
     hashed: list[int] = []
-    monkeypatch.setattr("tether.worker.router.split_ids", lambda ids, n: hashed.append(n) or split_ids(ids, n))
+    monkeypatch.setattr("tether.worker.client.router.split_ids", lambda ids, n: hashed.append(n) or split_ids(ids, n))
     assert _wire(_router(3), pushed, versions) == want
     assert hashed == [3, 3]  # both tables split by hashing, for the router's 3 shards
 
@@ -119,7 +119,7 @@ def test_a_known_split_sends_what_a_hashed_one_sends_in_bfloat16_with_the_values
     config = {"wire_dtype": torch.bfloat16, "delay_compensation": 0.5}
     want = _wire(_router(3, **config), plain, versions)
     hashed: list[int] = []
-    monkeypatch.setattr("tether.worker.router.split_ids", lambda ids, n: hashed.append(n) or split_ids(ids, n))
+    monkeypatch.setattr("tether.worker.client.router.split_ids", lambda ids, n: hashed.append(n) or split_ids(ids, n))
     got = _wire(_router(3, **config), pushed, versions)
     assert hashed == [] and got == want
     blocks = [b for meta, _ in got.values() for b in pb.PushRequest.FromString(meta).sparse]

@@ -8,8 +8,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tether.protos import tether_pb2 as pb
-from tether.worker.channel import Call, ShardChannel
-from tether.worker.client_config import ClientConfig
+from tether.worker.client.channel import Call, ShardChannel
+from tether.worker.client.config import ClientConfig
 from tether.worker.metrics import NullWorkerMetrics
 
 

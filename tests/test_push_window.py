@@ -1,4 +1,4 @@
-"""The push window (``--push-window K``, tether.worker.step): K = 1 is the pipeline as it was (a
+"""The push window (``--push-window K``, tether.worker.training.step): K = 1 is the pipeline as it was (a
 push carries the pull of the batch after next); K = 3 keeps at most 3 pushes unsettled while a
 step computes; every push reaches the shard exactly once; a shard's error on a late-settled push
 surfaces; combinations where it means nothing are refused with one line."""
@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from tether.protos.errors import InvalidArgument, TooStale, UsageError
-from tether.server.serve import RunningShard
+from tether.server.serving.serve import RunningShard
 from tether.worker.config import TrainingConfig
-from tether.worker.embedding import ShardedEmbeddingBag
-from tether.worker.policies import AsyncPolicy, SSPPolicy
-from tether.worker.results import Handle, PullResult, PushAck
-from tether.worker.step import Step, check_window
-from tether.worker.transfer import Prefetch, first
+from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.policies import AsyncPolicy, SSPPolicy
+from tether.worker.client.results import Handle, PullResult, PushAck
+from tether.worker.training.step import Step, check_window
+from tether.worker.training.transfer import Prefetch, first
 
 
 class _Answer:
@@ -221,7 +221,7 @@ class _Linear(nn.Module):
 
 
 def _shard_job(shard: RunningShard, window: int, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    from tether.worker.training import Trainer
+    from tether.worker.training.trainer import Trainer
 
     config = TrainingConfig(shards=(f"127.0.0.1:{shard.port}",), optimizer="sgd", lr=0.5, init_scale=0.0, log_every=1000,
                             push_window=window, eval_every=0)
@@ -252,7 +252,7 @@ def test_every_push_reaches_the_shard_exactly_once(inproc_shard: RunningShard) -
 def test_a_shards_error_on_a_pipelined_push_ends_fit(inproc_shard: RunningShard, monkeypatch: pytest.MonkeyPatch) -> None:
     # The worker refuses non-finite gradients before a push (check_finite); switched off here so
     # the NaN reaches the shard, whose refusal of a push in flight must end fit.
-    monkeypatch.setattr("tether.worker.embedding.check_finite", lambda *args: None)
+    monkeypatch.setattr("tether.worker.training.embedding.check_finite", lambda *args: None)
     with pytest.raises(InvalidArgument, match="NaN or Inf"):
         _shard_job(inproc_shard, 3, _data(12, nan_at=4))
 

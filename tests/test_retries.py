@@ -18,8 +18,8 @@ from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.errors import OVERLOADED, ResourceExhausted, Unavailable, retryable
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
-from tether.server.serve import RunningShard, start_shard
-from tether.worker.client import ClientConfig, PSClient
+from tether.server.serving.serve import RunningShard, start_shard
+from tether.worker.client.ps_client import ClientConfig, PSClient
 from tether.worker.metrics import NullWorkerMetrics
 
 TABLE = TableConfig("emb", 4, OptimizerConfig("sgd", 1.0), init_scale=0.0)

@@ -1,4 +1,4 @@
-"""The worker's row cache (tether.worker.row_cache): bound 0 is exactly no cache; a combined push
+"""The worker's row cache (tether.worker.cache.row_cache): bound 0 is exactly no cache; a combined push
 is one update on the sum of the held gradients (checked against the update rule applied once);
 read and write bounds, LRU and LFU eviction, a shard's table going back, and the flags."""
 
@@ -11,17 +11,17 @@ import pytest
 import torch
 from torch import nn
 
-from tether.protos.optimizers import OptimizerConfig, rule
+from tether.rules.optimizers import OptimizerConfig, rule
 from tether.protos.specs import TableConfig
 from tether.worker.config import ClientConfig, TrainingConfig
-from tether.worker.embedding import ShardedEmbeddingBag
-from tether.worker.local import LocalClient
-from tether.worker.results import PullResult
-from tether.worker.row_cache import CachedClient, RowCache, RowCacheConfig
-from tether.worker.row_slots import NONE
-from tether.worker.run_record import RunRecord
-from tether.worker.traffic import TrafficMeter
-from tether.worker.training import Trainer
+from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.client.local import LocalClient
+from tether.worker.client.results import PullResult
+from tether.worker.cache.row_cache import CachedClient, RowCache, RowCacheConfig
+from tether.worker.cache.slots import NONE
+from tether.worker.training.run_record import RunRecord
+from tether.worker.client.traffic import TrafficMeter
+from tether.worker.training.trainer import Trainer
 
 USERS, ITEMS = 40, 300
 

@@ -1,4 +1,4 @@
-"""Loading the row cache's compiled passes (tether.worker.row_slots.warm_up): the example types
+"""Loading the row cache's compiled passes (tether.worker.cache.slots.warm_up): the example types
 the warm-up compiles are the ones a real cache's steps call (no step compiles again), and the
 background load's errors reach the first step."""
 
@@ -12,8 +12,8 @@ import textwrap
 import pytest
 import torch
 
-from tether.worker import row_slots
-from tether.worker.row_cache import RowCache, RowCacheConfig
+from tether.worker.cache import slots as row_slots
+from tether.worker.cache.row_cache import RowCache, RowCacheConfig
 
 # In a fresh process (so that nothing an earlier test compiled hides a miss): the signatures every
 # compiled function of the cache has after warm_up, and after a cached training of two tables of
@@ -23,11 +23,13 @@ _SCRIPT = textwrap.dedent("""
     import numba
     import torch
     from torch import nn
-    from tether.server import index_kernels
-    from tether.worker import cache_batch, cache_kernels, row_slots
-    from tether.worker.embedding import ShardedEmbeddingBag
+    from tether.rules import index_kernels
+    from tether.worker.cache import batch as cache_batch
+    from tether.worker.cache import kernels as cache_kernels
+    from tether.worker.cache import slots as row_slots
+    from tether.worker.training.embedding import ShardedEmbeddingBag
     from tether.worker.config import TrainingConfig
-    from tether.worker.training import Trainer
+    from tether.worker.training.trainer import Trainer
 
     def signatures():
         out = {}
@@ -65,8 +67,8 @@ def test_a_real_cache_step_compiles_nothing_the_warm_up_did_not() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["evictions"] > 0  # the run went through eviction and the index's rebuilds
-    for name in ("tether.worker.cache_batch.plan_all", "tether.worker.cache_batch.store_all", "tether.worker.cache_batch.take_all",
-                 "tether.worker.cache_kernels._append", "tether.server.index_kernels.index_lookup"):
+    for name in ("tether.worker.cache.batch.plan_all", "tether.worker.cache.batch.store_all", "tether.worker.cache.batch.take_all",
+                 "tether.worker.cache.kernels._append", "tether.rules.index_kernels.index_lookup"):
         assert got["before"][name], name  # the warm-up compiled (or loaded) it
     assert got["after"] == got["before"]
 

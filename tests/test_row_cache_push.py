@@ -1,4 +1,4 @@
-"""The row cache's push side (tether.worker.cache_push): what a combined push carries per table
+"""The row cache's push side (tether.worker.cache.push): what a combined push carries per table
 (the sums, and the rule's statistics with -1 in rows of one gradient), taken in the layout the
 wire takes (one buffer of sums and one of statistics for all tables), and a slot's int64 columns
 in one cache-line row."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tether.protos.optimizers import OptimizerConfig
+from tether.rules.optimizers import OptimizerConfig
 from tether.protos.specs import TableConfig
-from tether.worker.results import PullResult
-from tether.worker.row_cache import RowCache, RowCacheConfig
+from tether.worker.client.results import PullResult
+from tether.worker.cache.row_cache import RowCache, RowCacheConfig
 
 _DIMS = {"a": 4, "b": 2}
 

@@ -14,8 +14,8 @@ import torch
 from tether.protos.errors import ResourceExhausted
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
-from tether.server.serve import start_shard
-from tether.worker.client import ClientConfig, PSClient
+from tether.server.serving.serve import start_shard
+from tether.worker.client.ps_client import ClientConfig, PSClient
 from tether.worker.metrics import NullWorkerMetrics
 
 

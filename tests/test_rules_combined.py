@@ -13,17 +13,17 @@ import pytest
 import torch
 
 from tether.protos.errors import InvalidArgument
-from tether.protos.optimizers import OptimizerConfig, rule
-from tether.protos.update_rules import spread_squares
+from tether.rules.optimizers import OptimizerConfig, rule
+from tether.rules.update_rules import spread_squares
 from tether.protos.specs import TableConfig
-from tether.server.row_kernels import combined_update
-from tether.server.serve import RunningShard
-from tether.server.shard import Shard, SparseUpdate
-from tether.server.tables import EmbeddingTable
-from tether.worker.local import LocalClient
-from tether.worker.local_table import LocalTable
-from tether.worker.row_cache import CachedClient, RowCacheConfig
-from tether.worker.traffic import TrafficMeter
+from tether.rules.row_kernels import combined_update
+from tether.server.serving.serve import RunningShard
+from tether.server.storage.shard import Shard, SparseUpdate
+from tether.server.storage.tables import EmbeddingTable
+from tether.worker.client.local import LocalClient
+from tether.worker.client.local_table import LocalTable
+from tether.worker.cache.row_cache import CachedClient, RowCacheConfig
+from tether.worker.client.traffic import TrafficMeter
 from conftest import make_client
 
 DIM, ROWS, K = 8, 6, 5
@@ -119,7 +119,7 @@ def test_rows_of_one_gradient_take_the_ordinary_step(name: str) -> None:
     assert torch.equal(a_w[::2], b_w[::2]) and not torch.allclose(a_w[1::2], b_w[1::2], atol=1e-4)
 
 
-def _shard(name: str) -> Shard:
+def shard_of(name: str) -> Shard:
     shard = Shard()
     shard.declare([TableConfig("t", DIM, optimizer=OptimizerConfig(name, lr=0.05), init_scale=0.5, seed=4)], [])
     return shard
@@ -137,7 +137,7 @@ def test_the_shard_and_local_mode_apply_a_combined_push_as_the_torch_form(name: 
     total = torch.randn(ROWS, DIM, generator=gen)
     stats = _stats(name, [total / 3] * 3)
     stats[0, 0] = -1  # row 0: one gradient
-    shard, plain = _shard(name), _shard(name)
+    shard, plain = shard_of(name), shard_of(name)
     local = LocalClient()
     local.declare([TableConfig("t", DIM, optimizer=OptimizerConfig(name, lr=0.05), init_scale=0.5, seed=4)])
     for s in (shard, plain):
@@ -157,7 +157,7 @@ def test_the_shard_and_local_mode_apply_a_combined_push_as_the_torch_form(name: 
 
 
 def test_bad_statistics_are_refused_and_change_nothing() -> None:
-    shard, sgd = _shard("adagrad"), _shard("sgd")
+    shard, sgd = shard_of("adagrad"), shard_of("sgd")
     ids = np.array([1, 2])
     g = torch.ones(2, DIM)
     before = _table_rows(shard, ids)

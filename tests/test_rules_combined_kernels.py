@@ -1,5 +1,5 @@
 """The rules' compiled combine of a combined push's rows (``UpdateRule.combined_rows``, compiled
-and bound by ``tether.server.row_kernels.combined_update``, for the row cache's pushes) against
+and bound by ``tether.rules.row_kernels.combined_update``, for the row cache's pushes) against
 their torch form (``UpdateRule.apply_combined``), for every registered rule that has one: alone,
 and in a push whose rows are partly combined (``push_hooks.apply_rows``)."""
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from tether.protos.optimizers import OPTIMIZERS, OptimizerConfig, UpdateRule, rule
-from tether.server.push_hooks import apply_rows
-from tether.server.row_kernels import combined_update, row_update
+from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig, UpdateRule, rule
+from tether.rules.push_hooks import apply_rows
+from tether.rules.row_kernels import combined_update, row_update
 
 WITH_KERNEL = [name for name in OPTIMIZERS if rule(name).combined_rows is not None]
 ROWS, DIM = 50, 16

@@ -14,14 +14,14 @@ from torch import nn
 from torch.optim import lr_scheduler as S
 
 from tether.deploy.launch import LocalCluster
-from tether.protos.optimizers import OptimizerConfig, rule
+from tether.rules.optimizers import OptimizerConfig, rule
 from tether.protos.schedules import Schedule, step_of_clock
 from tether.protos.specs import TableConfig
-from tether.server.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
-from tether.worker.embedding import ShardedEmbeddingBag
-from tether.worker.local import LocalClient
-from tether.worker.table_rules import dense_torch_optimizer
-from tether.worker.training import Trainer, TrainingConfig
+from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
+from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.client.local import LocalClient
+from tether.worker.training.table_rules import dense_torch_optimizer
+from tether.worker.training.trainer import Trainer, TrainingConfig
 
 LR = 0.5
 

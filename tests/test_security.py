@@ -33,7 +33,7 @@ from tether.common.security import ClientSecurity, resolve_token
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig, load_config
 from tether.server.metrics import ShardMetrics
-from tether.server.serve import RunningShard, start_shard
+from tether.server.serving.serve import RunningShard, start_shard
 from tether.worker.flags import load_config as load_worker_config
 
 from conftest import make_client
@@ -247,7 +247,7 @@ def test_server_only_tls_keeps_shared_memory_on_the_same_machine(certs) -> None:
 
 def _data_connection(running: RunningShard, certs: dict[str, Path], client: str | None = "client", ca: str = "ca",
                      token: str | None = TOKEN):
-    from tether.worker.data_channel import DataConnection
+    from tether.worker.client.data_channel import DataConnection
 
     security = ClientSecurity(
         tls_ca=str(certs[f"{ca}.crt"]) if ca else None,
@@ -262,7 +262,7 @@ def _data_connection(running: RunningShard, certs: dict[str, Path], client: str 
     [(None, "ca", "certificate required"), ("stranger", "ca", "unknown ca"), ("client", "other-ca", "certificate verify failed")],
 )
 def test_the_tls_data_port_refuses_what_the_grpc_port_refuses(secured, certs, client, ca, why) -> None:
-    from tether.worker.data_channel import DataPlaneStatus
+    from tether.worker.client.data_channel import DataPlaneStatus
 
     running, _ = secured
     with pytest.raises(DataPlaneStatus, match="TLS with the data plane of 127.0.0.1") as err:
@@ -273,7 +273,7 @@ def test_the_tls_data_port_refuses_what_the_grpc_port_refuses(secured, certs, cl
 
 def test_the_tls_data_port_checks_the_shard_host_name(certs) -> None:
     """The shard's certificate names 127.0.0.1 and localhost: reached as another name, refused."""
-    from tether.worker.data_channel import DataConnection, DataPlaneStatus
+    from tether.worker.client.data_channel import DataConnection, DataPlaneStatus
 
     running = start_shard(ShardConfig(host="0.0.0.0", port=0, tls_cert=str(certs["server.crt"]), tls_key=str(certs["server.key"])))
     try:
@@ -288,7 +288,7 @@ def test_the_tls_data_port_checks_the_shard_host_name(certs) -> None:
 def test_a_plaintext_client_at_a_tls_data_port_is_told_and_not_left_hanging(secured, certs) -> None:
     import time
 
-    from tether.worker.data_channel import DataPlaneStatus
+    from tether.worker.client.data_channel import DataPlaneStatus
 
     running, _ = secured
     started = time.monotonic()
@@ -299,7 +299,7 @@ def test_a_plaintext_client_at_a_tls_data_port_is_told_and_not_left_hanging(secu
 
 
 def test_a_wrong_token_is_refused_on_the_tls_data_port(secured, certs) -> None:
-    from tether.worker.data_channel import DataPlaneStatus
+    from tether.worker.client.data_channel import DataPlaneStatus
 
     running, _ = secured
     for token in (None, "wrong-token"):

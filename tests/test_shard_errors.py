@@ -19,7 +19,7 @@ from tether.protos.errors import InvalidArgument, TetherError
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
 from tether.server.metrics import ShardMetrics
-from tether.server.serve import RunningShard, start_shard
+from tether.server.serving.serve import RunningShard, start_shard
 
 from conftest import make_client
 
@@ -42,7 +42,7 @@ def _count(metrics: ShardMetrics, name: str, **labels: str) -> float:
 
 
 def _handler_errors(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "tether.server.handler" and r.levelno >= logging.ERROR]
+    return [r for r in caplog.records if r.name == "tether.server.serving.handler" and r.levelno >= logging.ERROR]
 
 
 @pytest.mark.parametrize("transport", ["grpc", "tcp"])
@@ -90,7 +90,7 @@ def test_a_bug_in_the_shard_is_internal_logged_once_and_counted(
             raise bug("injected bug")
 
         monkeypatch.setattr(running.shard, "push", broken_push)
-        with caplog.at_level(logging.ERROR, logger="tether.server.handler"):
+        with caplog.at_level(logging.ERROR, logger="tether.server.serving.handler"):
             with pytest.raises(TetherError) as err:
                 client.push({"emb": (IDS, torch.ones(3, 4))}).result(10)
         assert not isinstance(err.value, InvalidArgument)

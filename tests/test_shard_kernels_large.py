@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from tether.protos.initial import _column_steps, _salt, init_rows
-from tether.protos.optimizers import OptimizerConfig, rule
+from tether.rules.initial import column_steps, salt, init_rows
+from tether.rules.optimizers import OptimizerConfig, rule
 from tether.protos.specs import TableConfig
-from tether.server import kernel_threads, row_kernels
-from tether.server.data_port import gather_rows
-from tether.server.tables import EmbeddingTable
-from tether.server.zeroed import MAPPED_BYTES, RESERVE_FACTOR, float_rows, grow_rows
+from tether.rules import kernel_threads
+from tether.rules import row_kernels
+from tether.server.serving.data_port import gather_rows
+from tether.server.storage.tables import EmbeddingTable
+from tether.server.storage.zeroed import MAPPED_BYTES, RESERVE_FACTOR, float_rows, grow_rows
 
 
 @pytest.fixture
@@ -34,7 +35,7 @@ def test_compiled_initial_rows_are_init_rows_bit_for_bit(dim: int, scale: float)
     rng = np.random.default_rng(dim)
     ids = np.concatenate([rng.integers(-(2**63), 2**63 - 1, 3000, dtype=np.int64), [-1, 0, 2**63 - 1, -(2**63)]]).astype(np.int64)
     out = np.full((len(ids), dim), np.nan, np.float32)
-    row_kernels.init_rows_into(ids, _salt(7, "cat_3"), _column_steps(dim)[0], np.float32(2 * scale / (1 << 24)), np.float32(scale), out)
+    row_kernels.init_rows_into(ids, salt(7, "cat_3"), column_steps(dim)[0], np.float32(2 * scale / (1 << 24)), np.float32(scale), out)
     assert np.array_equal(out.view(np.uint32), init_rows(ids, dim, 7, "cat_3", scale).numpy().view(np.uint32))
 
 
@@ -121,7 +122,7 @@ def test_kernel_threads_reads_its_setting(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_the_generators_compiled_zipf_ranks_are_searchsorted_exactly() -> None:
-    from tether.worker.data import SyntheticClickLog, SyntheticConfig, _zipf_ranks
+    from tether.worker.data.synthetic import SyntheticClickLog, SyntheticConfig, _zipf_ranks
 
     for kw in ({}, {"vocab_size": 2, "zipf_exponent": 0.5}, {"vocab_size": 1000, "zipf_exponent": 3.0}):
         gen = SyntheticClickLog(SyntheticConfig(**kw))  # type: ignore[arg-type]
@@ -135,8 +136,8 @@ def test_the_generators_compiled_zipf_ranks_are_searchsorted_exactly() -> None:
 
 
 def test_tables_rows_received_back_to_back_are_joined_without_a_copy() -> None:
-    from tether.worker.embedding import joined_rows
-    from tether.worker.router import JOIN_ELEMENTS
+    from tether.worker.training.embedding import joined_rows
+    from tether.worker.client.router import JOIN_ELEMENTS
 
     buffer = torch.arange(float(JOIN_ELEMENTS)).view(-1, 128)  # a large pull's buffer
     n = len(buffer)
@@ -153,8 +154,8 @@ def test_tables_rows_received_back_to_back_are_joined_without_a_copy() -> None:
 
 
 def test_a_large_cpu_pull_is_received_into_one_buffer_per_width_and_a_small_one_per_table() -> None:
-    from tether.worker.client_config import ClientConfig
-    from tether.worker.router import JOIN_ELEMENTS, Router
+    from tether.worker.client.config import ClientConfig
+    from tether.worker.client.router import JOIN_ELEMENTS, Router
 
     router = Router(ClientConfig(addresses=("127.0.0.1:1",), worker_id="w"), incarnation=1)
     router.dims = {"a": 128, "b": 128, "c": 16}

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server import shard as shard_module
-from tether.server.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate, staleness_scale
-from tether.server.tables import EmbeddingTable
+from tether.server.storage import shard as shard_module
+from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate, staleness_scale
+from tether.server.storage.tables import EmbeddingTable
 
 DIM = 20
 FAST, SLOW_EVERY, SLOW_DELAY, LR = 2, 4, 30, 0.2

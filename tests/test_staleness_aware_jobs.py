@@ -21,10 +21,10 @@ from torch import nn
 
 from tether.deploy.job import run_job
 from tether.deploy.launch import LocalCluster
-from tether.protos.initial import init_rows
+from tether.rules.initial import init_rows
 from tether.worker.config import WorkerConfig
-from tether.worker.embedding import ShardedEmbeddingBag
-from tether.worker.training import Trainer, TrainingConfig
+from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.trainer import Trainer, TrainingConfig
 
 # -- sync: the flag changes nothing ----------------------------------------------------------------
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tether.protos.errors import UsageError
-from tether.worker.criteo import CriteoStream, criteo_eval_set, criteo_files, write_criteo_sample
-from tether.worker.data import Batch, DataError, MalformedLineError
+from tether.worker.data.criteo import CriteoStream, criteo_eval_set, criteo_files, write_criteo_sample
+from tether.worker.data.synthetic import Batch, DataError, MalformedLineError
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +233,7 @@ def test_dataloader_processes_split_the_share(sample: Path) -> None:
 
 _PEAK = """
 import resource, sys
-from tether.worker.criteo import CriteoStream
+from tether.worker.data.criteo import CriteoStream
 n = sum(b.labels.numel() for b in CriteoStream(sys.argv[1], 1024, holdout_every=10))
 print(n, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """

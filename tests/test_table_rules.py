@@ -14,16 +14,16 @@ from torch import nn
 
 from tether.common.settings import to_argv as worker_argv, to_env as job_env
 from tether.protos.errors import FailedPrecondition, UsageError
-from tether.protos.optimizers import OPTIMIZERS, OptimizerConfig
+from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig
 from tether.protos.schedules import Schedule
 from tether.protos.specs import TableConfig
-from tether.server.serve import RunningShard
-from tether.server.shard import DenseDecl, Shard
+from tether.server.serving.serve import RunningShard
+from tether.server.storage.shard import DenseDecl, Shard
 from conftest import make_client
 from tether.worker import flags as worker_flags
-from tether.worker.embedding import ShardedEmbeddingBag
-from tether.worker.table_rules import TableRules, parse_entry
-from tether.worker.training import Trainer, TrainingConfig
+from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.table_rules import TableRules, parse_entry
+from tether.worker.training.trainer import Trainer, TrainingConfig
 
 
 def test_rules_and_keys_come_from_the_registry() -> None:

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.dense import DenseChunk
-from tether.protos.initial import init_rows
-from tether.server.tables import EmbeddingTable
+from tether.server.storage.dense import DenseChunk
+from tether.rules.initial import init_rows
+from tether.server.storage.tables import EmbeddingTable
 
 
 def test_rows_created_on_first_touch_deterministically() -> None:
@@ -107,7 +107,7 @@ def test_push_after_pull_lands_on_the_right_rows_also_after_a_restore() -> None:
 
 def test_a_push_of_pulled_ids_checks_uniqueness_on_slots() -> None:
     from tether.protos.errors import InvalidArgument
-    from tether.server.shard import Shard, SparseUpdate
+    from tether.server.storage.shard import Shard, SparseUpdate
 
     shard = Shard(0, 1)
     shard.declare([TableConfig("t", 2, OptimizerConfig("sgd", 1.0), init_scale=0.0)], [])
@@ -146,7 +146,7 @@ def test_locate_hands_out_storage_only_where_reads_take_no_lock() -> None:
 
 
 def test_row_versions_past_their_int32_span_keep_staleness_exact_for_recent_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tether.server import tables
+    from tether.server.storage import tables
 
     monkeypatch.setattr(tables, "_VERSION_SPAN", 15)  # int32 offsets from a base: rebased every 8 pushes here
     monkeypatch.setattr(tables, "_LOG_UPDATES", 4)  # and the last 4 updates logged
@@ -175,8 +175,8 @@ def test_row_versions_past_their_int32_span_keep_staleness_exact_for_recent_read
 
 
 def test_update_log_counts_without_a_scratch_per_row() -> None:
-    from tether.server import index_kernels
-    from tether.server.update_log import UpdateLog
+    from tether.rules import index_kernels
+    from tether.server.storage.update_log import UpdateLog
 
     rng = np.random.default_rng(0)
     values = rng.choice(1 << 20, 500, replace=False).astype(np.int64)
@@ -198,7 +198,7 @@ def test_update_log_counts_without_a_scratch_per_row() -> None:
 
 
 def test_storage_from_mappings_is_zeroed_writable_and_unbacked_until_written() -> None:
-    from tether.server.zeroed import MAPPED_BYTES, zeros
+    from tether.server.storage.zeroed import MAPPED_BYTES, zeros
 
     small, big = zeros(10, np.int32), zeros((MAPPED_BYTES // 256, 64), np.float32)
     assert small.tolist() == [0] * 10 and big.shape == (MAPPED_BYTES // 256, 64) and not big.any()
@@ -234,7 +234,7 @@ def test_a_table_holds_about_20_bytes_a_row_beyond_its_rows_and_state() -> None:
 def test_update_log_ring_counts_as_a_list_of_every_update_would() -> None:
     """The log's ring (grown from 2 slots, wrapping, dropping the oldest updates past either
     cap) counts what a plain list of the updates it keeps counts."""
-    from tether.server.update_log import UpdateLog
+    from tether.server.storage.update_log import UpdateLog
 
     rng = np.random.default_rng(7)
     for max_updates, max_slots in ((3, 50), (40, 25), (8, 1000)):

@@ -16,10 +16,10 @@ from torch import nn
 from tether.deploy import cli
 from tether.deploy.launch import LocalCluster
 from tether.protos.errors import UsageError
-from tether.worker import tensorboard_writer
-from tether.worker.embedding import ShardedEmbeddingBag
-from tether.worker.tensorboard_writer import MISSING, TensorBoardRecorder
-from tether.worker.training import Trainer, TrainingConfig
+from tether.worker.training import tensorboard_writer
+from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.tensorboard_writer import MISSING, TensorBoardRecorder
+from tether.worker.training.trainer import Trainer, TrainingConfig
 
 SKIP = "the tensorboard package is not installed (pip install 'tether[tensorboard]'; the test extra has it)"
 

@@ -1,4 +1,4 @@
-"""What a worker moves (tether.worker.traffic): the reuse measure, and the Prometheus counters a
+"""What a worker moves (tether.worker.client.traffic): the reuse measure, and the Prometheus counters a
 training run leaves (rows and bytes pulled and pushed per table, rows wanted, recent rows, the
 cache's outcomes)."""
 
@@ -9,8 +9,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from tether.worker.metrics import WorkerMetrics
-from tether.worker.traffic import ReuseTracker, TrafficMeter
-from tether.worker.training import Trainer, TrainingConfig
+from tether.worker.client.traffic import ReuseTracker, TrafficMeter
+from tether.worker.training.trainer import Trainer, TrainingConfig
 
 from test_row_cache import TwoTower, _batches, _loss
 

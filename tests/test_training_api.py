@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from tether.deploy.launch import LocalCluster
-from tether.worker.batches import batch_size_of, to_device
-from tether.worker.embedding import ShardedEmbeddingBag
-from tether.worker.run_record import RunRecord
-from tether.worker.training import Trainer, TrainingConfig
+from tether.worker.training.batches import batch_size_of, to_device
+from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.run_record import RunRecord
+from tether.worker.training.trainer import Trainer, TrainingConfig
 
 DIM, USERS, ITEMS = 4, 30, 40
 
@@ -131,7 +131,7 @@ def test_evaluate_and_records(cluster: LocalCluster, tmp_path) -> None:
 
 
 def test_batches_of_any_shape_move_and_count() -> None:
-    from tether.worker.data import Batch
+    from tether.worker.data.synthetic import Batch
 
     nested = {"a": torch.ones(3, 2), "b": [torch.zeros(3), (torch.ones(3),)], "name": "x"}
     assert batch_size_of(nested) == 3
@@ -195,7 +195,7 @@ def test_endless_data_without_a_step_limit_is_said_once(cluster: LocalCluster) -
 
 def test_making_a_trainer_tunes_malloc(monkeypatch: pytest.MonkeyPatch) -> None:
     from tether.common import allocator
-    from tether.worker import training
+    from tether.worker.training import trainer as training
 
     calls: list[bool] = []
     monkeypatch.setattr(training, "tune_malloc", lambda: calls.append(allocator.tune_malloc()) or calls[-1])
@@ -222,7 +222,7 @@ def test_from_env_knows_the_rank_under_torchrun_and_names_a_missing_shard_list(m
 def test_gpus_are_dealt_one_per_worker_and_one_per_sync_rank() -> None:
     from tether.deploy.launch import worker_device
     from tether.protos.errors import UsageError
-    from tether.worker.policies import sync_device
+    from tether.worker.training.policies import sync_device
 
     assert [worker_device("auto", i, 4) for i in range(6)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:0", "cuda:1"]
     assert worker_device("cuda", 3, 2) == "cuda:1"

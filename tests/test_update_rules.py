@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from tether.protos.errors import InvalidArgument
-from tether.protos.optimizers import OptimizerConfig, rule
+from tether.rules.optimizers import OptimizerConfig, rule
 from tether.protos.specs import TableConfig
-from tether.server.dense import DenseChunk
-from tether.server.shard import Shard, SparseUpdate
-from tether.server.tables import EmbeddingTable
+from tether.server.storage.dense import DenseChunk
+from tether.server.storage.shard import Shard, SparseUpdate
+from tether.server.storage.tables import EmbeddingTable
 
 DIM, POOL, STEPS = 8, 60, 8
 
@@ -271,7 +271,7 @@ def test_both_rules_through_shards_checkpoint_restore_onto_three_shards_and_expo
     from conftest import make_client
     from tether.deploy.export import export_checkpoint
     from tether.server.config import ShardConfig
-    from tether.server.serve import start_shard
+    from tether.server.serving.serve import start_shard
 
     def start(n: int) -> list:
         return [start_shard(ShardConfig(port=0, shard_index=i, num_shards=n, checkpoint_dir=str(tmp_path / "ck"))) for i in range(n)]
@@ -346,7 +346,7 @@ def test_a_checkpoints_optimizer_record_from_before_these_rules_restores() -> No
     and tests/test_checkpoint.py restores SGD, Adagrad and Adam checkpoints as before)."""
     from dataclasses import asdict
 
-    from tether.server.checkpoint_files import _optimizer, _table_config
+    from tether.server.checkpoints.checkpoint_files import _optimizer, _table_config
 
     cfg = TableConfig("t", 4, OptimizerConfig("adagrad", lr=0.1, initial_accumulator=0.1))
     old = asdict(cfg)
@@ -363,9 +363,9 @@ def test_a_worker_sums_an_ids_lookups_into_one_rowwise_step() -> None:
     from torch import nn
 
     from tether.server.config import ShardConfig
-    from tether.server.serve import start_shard
-    from tether.worker.embedding import ShardedEmbeddingBag
-    from tether.worker.training import Trainer, TrainingConfig
+    from tether.server.serving.serve import start_shard
+    from tether.worker.training.embedding import ShardedEmbeddingBag
+    from tether.worker.training.trainer import Trainer, TrainingConfig
 
     class Sum(nn.Module):
         def __init__(self) -> None:

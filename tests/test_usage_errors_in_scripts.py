@@ -15,8 +15,8 @@ import pytest
 SCRIPT = '''
 import sys, torch
 from torch import nn
-from tether.worker.embedding import ShardedEmbeddingBag
-from tether.worker.training import Trainer, TrainingConfig
+from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.trainer import Trainer, TrainingConfig
 
 class M(nn.Module):
     def __init__(self):

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from tether.protos.errors import UsageError
-from tether.worker.embedding import ShardedEmbeddingBag
-from tether.worker.training import Trainer, TrainingConfig
+from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.trainer import Trainer, TrainingConfig
 
 
 class _Tiny(nn.Module):

@@ -23,7 +23,7 @@ def run(config: WorkerConfig) -> int:
         UsageError: the metrics port is taken, sync mode outside torchrun, a bad data file.
     """
     # The job, with torch, imported here: --help and a bad flag end before it is needed.
-    from tether.worker.ctr_job import train
+    from tether.worker.ctr.job import train
 
     # Steps free and allocate tensors of MiBs: keep them in the heap (tether.common.allocator);
     # before the data is opened (the Trainer tunes it too, once per process).

@@ -24,14 +24,14 @@ from tether.common.settings import default_of, derived, optional_int, optional_s
 from tether.common.choices import or_names as _names
 from tether.common.security import TOKEN_ENV, ClientSecurity, resolve_token
 from tether.protos.names import INIT_SCALE, OPTIMIZER, OPTIMIZER_LR, OPTIMIZERS, TRANSPORTS, WIRE_DTYPE_NAMES, check_optimizer
-from tether.worker.data_checks import check_criteo_data, check_parquet_data
-from tether.worker.mode import Mode, parse_mode
-from tether.worker.stragglers import StragglerSpec, parse_straggler
+from tether.worker.data.checks import check_criteo_data, check_parquet_data
+from tether.worker.training.mode import Mode, parse_mode
+from tether.worker.training.stragglers import StragglerSpec, parse_straggler
 
 if TYPE_CHECKING:
-    from tether.worker.cache_parts import RowCacheConfig
-    from tether.worker.client_config import ClientConfig
-    from tether.worker.table_rules import TableRules
+    from tether.worker.cache.parts import RowCacheConfig
+    from tether.worker.client.config import ClientConfig
+    from tether.worker.training.table_rules import TableRules
 
 T = TypeVar("T", bound="TrainingConfig")
 
@@ -41,16 +41,16 @@ __all__ = ["JOB", "MODEL", "MODEL_PRESETS", "PLACE", "PROCESS", "ClientConfig", 
 def __getattr__(name: str) -> Any:
     """``ClientConfig``, still importable from here, imported (with torch) when first asked for."""
     if name == "ClientConfig":
-        from tether.worker.client_config import ClientConfig
+        from tether.worker.client.config import ClientConfig
 
         return ClientConfig
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def parse_entries(text: str) -> tuple[str, ...]:
-    """``tether.worker.table_rules.parse_entries`` (named as it is in argparse's message),
+    """``tether.worker.training.table_rules.parse_entries`` (named as it is in argparse's message),
     imported with torch when a ``--table-optimizer`` is given."""
-    from tether.worker.table_rules import parse_entries as parse
+    from tether.worker.training.table_rules import parse_entries as parse
 
     return parse(text)
 
@@ -147,7 +147,7 @@ class TrainingConfig:
     )
     staleness_aware: bool = setting(choices.CLIENT_STALENESS_AWARE, flag="--staleness-aware", group=JOB,
                                     help="divide each update's learning rate by its staleness (Zhang et al. 2016)")
-    # Per-table rules (tether.worker.table_rules): NAME=RULE[:key=value,...] entries, and a file of them.
+    # Per-table rules (tether.worker.training.table_rules): NAME=RULE[:key=value,...] entries, and a file of them.
     table_optimizers: tuple[str, ...] = setting(
         (), flag="--table-optimizer", parse=parse_entries, show=";".join, separator=";", metavar="NAME=RULE[:KEY=VALUE,...]", group=JOB,
         help="update rule, lr, weight decay and schedule of one table (NAME: a table, dense for the dense parameters, * for "
@@ -160,7 +160,7 @@ class TrainingConfig:
     delay_compensation: float = setting(0.0, flag="--delay-compensation", metavar="LAMBDA", group=JOB,
                                         help="DC-ASGD (Zheng et al. 2017): the shard steps with g + LAMBDA * g * g * (w_now - w_read); "
                                         "async and ssp only; pushes carry the values read (0: off)")
-    # Straggler experiments (tether.worker.stragglers); empty: ``slowdown`` / ``slow_worker`` decide.
+    # Straggler experiments (tether.worker.training.stragglers); empty: ``slowdown`` / ``slow_worker`` decide.
     straggler: str = setting("", flag="--straggler", group=JOB,
                              help="straggler experiments: persistent:K[:WORKER] (the last worker, or WORKER, K times slower), "
                              "transient:P:K (each step, each worker K times slower with probability P), "
@@ -191,7 +191,7 @@ class TrainingConfig:
                                             "clocks old, or the row is evicted (default: --cache-bound)")
     cache_policy: str = setting(choices.CACHE_POLICIES[0], flag="--cache-policy", choices=choices.CACHE_POLICIES, group=JOB,
                                 help="which cached row goes when a table's cache is full: lru or lfu")
-    # Pushes in flight per worker (PERSIA's embedding_staleness; tether.worker.step): async only.
+    # Pushes in flight per worker (PERSIA's embedding_staleness; tether.worker.training.step): async only.
     push_window: int = setting(1, flag="--push-window", metavar="K", group=JOB,
                                help="async: up to K of this worker's pushes in flight, so a step's rows may miss its last K "
                                "updates (1: one, the default; not with ssp, sync or --no-prefetch)")
@@ -234,7 +234,7 @@ class TrainingConfig:
     @property
     def row_cache(self) -> RowCacheConfig:
         """The row cache the cache_* fields describe."""
-        from tether.worker.cache_parts import RowCacheConfig
+        from tether.worker.cache.parts import RowCacheConfig
 
         return RowCacheConfig(rows=self.cache_rows, bound=self.cache_bound, write_bound=self.cache_write_bound, policy=self.cache_policy)
 
@@ -328,7 +328,7 @@ class TrainingConfig:
                 "compensate (leave it at 0)"
             )
         if self.push_window != 1:  # refused here, at launch, not when the workers have joined
-            from tether.worker.step import check_window
+            from tether.worker.training.step import check_window
 
             check_window(self.push_window, self.prefetch and self.mode.kind == "async", self.mode)
 
@@ -347,7 +347,7 @@ class TrainingConfig:
     @functools.cached_property
     def table_rules(self) -> TableRules:
         """The per-table rules (``table_optimizers``, ``optimizer_config``, ``optimizer``, ``lr``)."""
-        from tether.worker.table_rules import TableRules
+        from tether.worker.training.table_rules import TableRules
 
         return TableRules.of(self.table_optimizers, self.optimizer_config, self.optimizer, self.lr)
 

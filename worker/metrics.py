@@ -113,7 +113,7 @@ class WorkerMetrics:
         self.last_step_timestamp = Gauge(
             "tether_worker_last_step_timestamp_seconds", "Unix time the last step finished.", registry=r)
 
-        # What the steps move (tether.worker.traffic): per table (a model's tables: few labels).
+        # What the steps move (tether.worker.client.traffic): per table (a model's tables: few labels).
         self.rows_moved_total = Counter(
             "tether_worker_rows_moved_total", "Embedding rows pulled from or pushed to the shards, by table and direction.",
             ["table", "direction"], registry=r)

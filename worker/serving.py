@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tether.worker.embedding import PSModel, ShardedEmbeddingBag
+from tether.worker.training.embedding import PSModel, ShardedEmbeddingBag
 
 __all__ = ["EXPORT_FORMAT", "Export", "RowLookupBag", "load_export", "split_dense"]
 

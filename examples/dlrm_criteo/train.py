@@ -30,16 +30,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.worker.criteo import CRITEO_DENSE, CRITEO_SPARSE, CriteoStream, criteo_eval_set, write_criteo_sample
-from tether.worker.data import Batch
-from tether.worker.embedding import ShardedEmbeddingBag
-from tether.worker.evaluation import constant_baseline_loss, evaluate
-from tether.worker.model import CTRModel
-from tether.worker.training import Trainer, TrainingConfig
-from tether.worker.ctr_job import ctr_loss, ctr_sparse
+from tether.worker.data.criteo import CRITEO_DENSE, CRITEO_SPARSE, CriteoStream, criteo_eval_set, write_criteo_sample
+from tether.worker.data.synthetic import Batch
+from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.evaluation import constant_baseline_loss, evaluate
+from tether.worker.ctr.model import CTRModel
+from tether.worker.training.trainer import Trainer, TrainingConfig
+from tether.worker.ctr.job import ctr_loss, ctr_sparse
 
 if TYPE_CHECKING:
-    from tether.worker.parquet import ParquetStream
+    from tether.worker.data.parquet import ParquetStream
 
 HOLDOUT = 10
 SHUFFLE_ROWS = 65_536
@@ -59,7 +59,7 @@ def generate(pattern: str, files: int, lines: int, parquet: bool) -> None:
                 for _ in range(lines):
                     dst.write(src.readline())
             if parquet:
-                from tether.worker.parquet import write_criteo_parquet
+                from tether.worker.data.parquet import write_criteo_parquet
 
                 # Row groups of 4,096 rows: a small sample still deals to several workers.
                 write_criteo_parquet(day, name, row_group_rows=4096)
@@ -72,7 +72,7 @@ def parquet_data(a: argparse.Namespace, config: TrainingConfig) -> tuple[Parquet
     worker's position is kept (``--position DIR``: DIR/worker-<i>.json, read to resume and
     written when training ends)."""
     # Imported here: pyarrow is an optional extra (pip install 'tether[parquet]').
-    from tether.worker.parquet import HoldOut, ParquetStream
+    from tether.worker.data.parquet import HoldOut, ParquetStream
     holdout = HoldOut.every_nth(HOLDOUT)
     held_out = next(iter(ParquetStream(a.data, a.eval_samples, ctr=True, holdout=holdout, held_out=True)))
     click_rate = float(next(iter(ParquetStream(a.data, 20_000, ctr=True, holdout=holdout))).labels.mean())

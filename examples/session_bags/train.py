@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from tether.worker.embedding import ShardedEmbeddingBag
-from tether.worker.evaluation import auc, constant_baseline_loss, log_loss
-from tether.worker.training import Trainer, TrainingConfig
+from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.evaluation import auc, constant_baseline_loss, log_loss
+from tether.worker.training.trainer import Trainer, TrainingConfig
 
 NUM_ITEMS = 5000
 MAX_HISTORY = 30

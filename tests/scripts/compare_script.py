@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tether.worker.embedding import ShardedEmbeddingBag
-from tether.worker.training import Trainer, TrainingConfig
+from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.trainer import Trainer, TrainingConfig
 
 p = argparse.ArgumentParser()
 p.add_argument("--samples", type=int, default=384)

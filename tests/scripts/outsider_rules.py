@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tether.protos.optimizers import OptimizerConfig
+from tether.rules.optimizers import OptimizerConfig
 from tether.protos.specs import TableConfig
-from tether.worker.embedding import ShardedEmbeddingBag
-from tether.worker.training import Trainer, TrainingConfig
+from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.trainer import Trainer, TrainingConfig
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)

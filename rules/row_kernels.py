@@ -1,0 +1,173 @@
+"""The shard's compiled row loops (numba): the machinery that compiles each update rule's row
+kernel and its combined push's kernel and binds them to a table, the gather of pulled rows, and
+the initialisation of new rows. The id index's probes are in ``tether.rules.index_kernels``,
+whose ``compiled`` compiles these too (cached on disk, the GIL released).
+
+The row updates are not written here: each update rule (``tether.rules.optimizers``) holds its
+own kernel (``UpdateRule.rows``) beside its torch form, and this module compiles whichever rule
+a table names (``row_kernel``) and binds it to the table's state and constants
+(``row_update``; a rule's kernel for a combined push's rows, ``combined_rows``, likewise:
+``combined_update``): a kernel applies the rule to the rows ``slots`` of a table in place,
+reading each row once and writing it once, instead of gathering rows, updating the copies and
+scattering them back. The pieces the rules' kernels share (``tether.rules.kernel_helpers``) are
+registered with numba here before a kernel is compiled; a kernel's disk cache entry is keyed by
+them too (``tether.rules.kernel_cache``), so an edited helper compiles the kernels again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numba.extending
+import numpy as np
+
+from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig, UpdateRule, rule
+from tether.rules.kernel_helpers import KERNEL_HELPERS
+from tether.rules import index_kernels
+from tether.rules.index_kernels import mix64, prefetch
+from tether.rules.kernel_cache import compiled
+from tether.rules.kernel_threads import PARALLEL_ELEMENTS, in_parts
+
+__all__ = ["CombinedUpdate", "RowUpdate", "combined_update", "gather_rows", "init_rows_into", "row_kernel", "row_update", "warm_up"]
+
+_jit = compiled()
+# Row arithmetic: the element-wise steps may be vectorised and contracted into fused multiply-adds
+# ("contract"), and a division may use a reciprocal ("arcp"); no other IEEE rule is relaxed, so
+# NaN and infinite gradients behave as in torch.
+_jit_math = compiled(error_model="numpy", fastmath={"contract", "arcp"})
+
+
+# Each rule's compiled kernels (``rows``, ``combined_rows``), created on first use (and compiled,
+# or loaded from the disk cache, on their first call), keyed by the kernel function.
+_row_kernels: dict[Callable[..., None], Any] = {}
+_row_kernels_lock = threading.Lock()
+_helpers: set[Callable[..., Any]] = set()
+
+
+def _kernel(fn: Callable[..., None]) -> Any:
+    """The compiled form of a rule's kernel function (one per function for the process), the
+    rules' shared pieces (``tether.rules.kernel_helpers``) registered with numba first."""
+    with _row_kernels_lock:
+        for helper in KERNEL_HELPERS:
+            if helper not in _helpers:
+                numba.extending.register_jitable(inline="always")(helper)
+                _helpers.add(helper)
+        kernel = _row_kernels.get(fn)
+        if kernel is None:
+            kernel = _row_kernels[fn] = _jit_math(fn)
+        return kernel
+
+
+def row_kernel(update_rule: UpdateRule) -> Any:
+    """The compiled form of ``update_rule.rows`` (one per rule for the process)."""
+    return _kernel(update_rule.rows)
+
+
+# A rule's row update bound to a table's constants: (weights, state, slots, grads, lr) -> None.
+RowUpdate = Callable[[np.ndarray, Mapping[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray], None]
+
+
+def row_update(update_rule: UpdateRule, cfg: OptimizerConfig, dim: int) -> RowUpdate:
+    """``update_rule``'s compiled row update with the constants of ``cfg``, for rows of ``dim``
+    floats: ``update(weights, state, slots, grads, lr)`` updates rows ``slots`` (unique, int64)
+    of ``weights`` and of the ``state`` arrays (by name) in place, row ``i`` from ``grads[i]``
+    with learning rate ``lr[i]`` (float32, contiguous); a large call is split across threads
+(``tether.rules.kernel_threads``, bit for bit the same). Binding compiles nothing: the kernel is
+    compiled, or loaded from the disk cache, on its first call (or by ``warm_up``)."""
+    kernel = row_kernel(update_rule)
+    names = tuple(update_rule.state_shapes(dim))
+    constants = update_rule.kernel_constants(cfg)
+
+    def update(weights: np.ndarray, state: Mapping[str, np.ndarray], slots: np.ndarray, grads: np.ndarray, lr: np.ndarray) -> None:
+        states = [state[k] for k in names]
+        if len(slots) * dim < PARALLEL_ELEMENTS:
+            kernel(weights, slots, grads, lr, np.empty(dim, np.float32), *states, *constants)
+            return
+
+        def run(a: int, b: int) -> None:
+            # Rows are unique: runs of them on several threads give exactly one run's results.
+            kernel(weights, slots[a:b], grads[a:b], lr[a:b], np.empty(dim, np.float32), *states, *constants)
+
+        in_parts(run, len(slots), dim)
+
+    return update
+
+
+# A rule's combined update bound to a table's constants: (weights, state, slots, grads, lr, stats) -> None.
+CombinedUpdate = Callable[[np.ndarray, Mapping[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
+
+
+def combined_update(update_rule: UpdateRule, cfg: OptimizerConfig, dim: int) -> CombinedUpdate | None:
+    """``update_rule``'s compiled ``combined_rows`` with the constants of ``cfg``, for rows of
+    ``dim`` floats, or None where the rule has none (its torch form, ``apply_combined``):
+    ``update(weights, state, slots, grads, lr, stats)`` updates rows ``slots`` (unique, int64) in
+    place from the summed gradients ``grads`` at rates ``lr`` (float32 per row) with ``stats``
+    (float32, rows x ``len(combined_stats)``, every row a sum), all contiguous. Compiled, or
+    loaded from the disk cache, on its first call (or by ``warm_up``), as ``row_update``."""
+    if update_rule.combined_rows is None:
+        return None
+    kernel = _kernel(update_rule.combined_rows)
+    names = tuple(update_rule.state_shapes(dim))
+    constants = update_rule.kernel_constants(cfg)
+
+    def update(weights: np.ndarray, state: Mapping[str, np.ndarray], slots: np.ndarray, grads: np.ndarray, lr: np.ndarray,
+               stats: np.ndarray) -> None:
+        kernel(weights, slots, grads, lr, stats, np.empty(dim, np.float32), *[state[k] for k in names], *constants)
+
+    return update
+
+
+def warm_up() -> None:
+    """Load (or compile, the first time) every kernel of the shard (the index's too) for the
+    types it uses, so that no request pays for it: ``tether server`` runs this in a thread while
+    the shard starts."""
+    index_kernels.warm_up()
+    ids = np.arange(2, dtype=np.int64)
+    gather_rows(np.zeros((2, 4), np.float32), ids, np.zeros((2, 4), np.float32))
+    init_rows_into(ids, np.uint64(1), np.ones(4, np.uint64), np.float32(1), np.float32(1), np.zeros((2, 4), np.float32))
+    for name in OPTIMIZERS:
+        r = rule(name)
+        w, g, lr = np.zeros((2, 4), np.float32), np.zeros((2, 4), np.float32), np.zeros(2, np.float32)
+        state = {k: np.zeros((2, *s), np.float32) for k, s in r.state_shapes(4).items()}
+        row_update(r, OptimizerConfig(name), 4)(w, state, ids, g, lr)
+        combine = combined_update(r, OptimizerConfig(name), 4)
+        if combine is not None:
+            combine(w, state, ids, g, lr, np.ones((2, len(r.combined_stats)), np.float32))
+
+
+# How many rows on ``gather_rows`` asks for.
+_ROWS_AHEAD = 4
+
+
+@_jit
+def gather_rows(src: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = src[index[i]]`` for C-contiguous 2-d ``src`` and ``out`` (float32 rows), every
+    cache line of the row ``_ROWS_AHEAD`` on asked for first: rows scattered over a large table
+    arrive several at a time instead of one after another (about twice ``index_select``'s rate)."""
+    n, d = len(index), src.shape[1]
+    flat = src.reshape(-1)
+    for i in range(n):
+        if i + _ROWS_AHEAD < n:
+            start = index[i + _ROWS_AHEAD] * d
+            for k in range(0, d, 16):
+                prefetch(flat, start + k)
+        row, dest = src[index[i]], out[i]
+        for j in range(d):
+            dest[j] = row[j]
+
+
+@_jit
+def init_rows_into(ids: np.ndarray, salt: np.uint64, steps: np.ndarray, step: np.float32, scale: np.float32, out: np.ndarray) -> None:
+    """``tether.rules.initial.init_rows`` written into ``out`` [len(ids), dim] in one pass, bit
+    for bit (its NumPy form makes a uint64 temporary of every element and passes over it eight
+    times): element j of id i is ``mix64(mix64(id ^ salt) + steps[j]) >> 40`` (an integer below
+    2**24, exact in float32) times ``step`` (``2 * scale / 2**24`` in float32), minus ``scale``,
+    each in float32 with its own rounding (no fastmath here: a fused multiply-add would round once)."""
+    for i in range(len(ids)):
+        base = mix64(np.uint64(ids[i]) ^ salt)
+        row = out[i]
+        for j in range(len(steps)):
+            h = mix64(base + steps[j]) >> np.uint64(40)
+            row[j] = np.float32(h) * step - scale

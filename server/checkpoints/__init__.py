@@ -1,0 +1,1 @@
+"""A shard's checkpoints: when they are taken, their files, and which one a starting shard restores."""

@@ -1,0 +1,1 @@
+"""How a shard is reached: start-up, the gRPC servicer, the request handler, the data plane and its connections, token checks."""

@@ -1,0 +1,459 @@
+"""Embedding tables of one shard: rows keyed by int64 id, their optimizer state and versions.
+
+Embedding rows live in one contiguous tensor per table (plus one per optimizer state), and
+ids map to row slots through a vectorised hash index (``tether.server.storage.index``): no Python
+object per row and no Python loop over ids. Updates to one table are applied in place by the
+rule's compiled row kernel, in a short critical section under that table's own lock, so
+concurrent pushes never lose an update while pushes to other tables and dense chunks, and all
+pulls, go on in parallel (pulls of an unbounded table read without a lock, Hogwild-style).
+
+A table may be bounded (``TableConfig.capacity``): when a new row would not fit, the least
+recently touched rows are evicted in one batch (``numpy.argpartition`` over last-touch ticks)
+(tombstoned in the index) and their slots reused. Admission (``TableConfig.min_count``) keeps ids that were seen fewer
+than N times out of the table altogether; their counts live in a fixed-size count-min sketch
+(``tether.server.storage.admission``). Dense chunks live in ``tether.server.storage.dense``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tether.rules.optimizers import rule
+from tether.protos.specs import TableConfig
+from tether.server.storage.admission import CountMinSketch, sketch_width
+from tether.rules import row_kernels
+from tether.server.storage.index import IdIndex
+from tether.rules.push_hooks import apply_rows
+from tether.rules.initial import column_steps, init_rows
+from tether.rules.initial import salt as initial_salt
+from tether.server.storage.update_log import RowVersions, UpdateLog
+from tether.server.storage.zeroed import float_rows, grow_rows, zeros
+
+__all__ = ["EmbeddingTable", "Pulled", "TableConfig"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """What ``EmbeddingTable.pulled`` found of a push's ids: every one a row, at ``slots`` of
+    ``index``, and whether they are unique."""
+
+    index: IdIndex
+    slots: np.ndarray
+    unique: bool
+
+_GROWTH = 1.5
+# An empty table starts with at most this many bytes of rows, whatever its dim.
+_INITIAL_BYTES = 4 << 20
+# Evict at least this fraction of the capacity at once, so the O(rows) selection runs rarely.
+_EVICT_BATCH = 1 / 16
+# The last updates' row slots (int32), kept to count how many updates each row of a push missed
+# since its read (per-row staleness): at most this many updates and this many slots in all
+# (1 MiB). A read older than the log counts each row updated since as stale by the whole
+# table's updates.
+_LOG_UPDATES = 256
+_LOG_SLOTS = 1 << 18
+# Row versions are int32 offsets from a base version that moves up by half this span when the
+# table's version runs this far past it (``RowVersions``).
+_VERSION_SPAN = 2**31 - 1
+
+
+def _init_rows(ids: np.ndarray, cfg: TableConfig, out: np.ndarray) -> np.ndarray:
+    """``init_rows`` of ``ids`` written into ``out`` (returned) by the compiled kernel, bit for bit."""
+    scale = cfg.init_scale
+    row_kernels.init_rows_into(np.ascontiguousarray(ids, np.int64), initial_salt(cfg.seed, cfg.name), column_steps(cfg.dim)[0],
+                           np.float32(2 * scale / (1 << 24)), np.float32(scale), out)
+    return out
+
+
+class EmbeddingTable:
+    """Rows of one table owned by this shard, created on first touch (or after admission)."""
+
+    def __init__(
+        self,
+        config: TableConfig,
+        initial_capacity: int = 1024,
+        on_evict: Callable[[int], None] | None = None,
+        on_drop: Callable[[int], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.dim = config.dim
+        self.capacity = config.capacity
+        self.version = 0
+        self.evicted_rows = 0
+        self.dropped_rows = 0
+        # Told how many rows were evicted / row gradients dropped (metrics).
+        self._on_evict = on_evict
+        self._on_drop = on_drop
+        self._lock = threading.Lock()
+        # The update rule (its state, its row kernel), and what a new row's state starts at.
+        self._rule = rule(config.optimizer.name)
+        self._state_shapes = self._rule.state_shapes(config.dim)
+        self._initial_state = self._rule.initial_state(config.optimizer)
+        self._update_rows = row_kernels.row_update(self._rule, config.optimizer, config.dim)
+        # Slots handed out so far; a slot below this is a row or sits in the free list.
+        self._used = 0
+        self._free = np.empty(0, np.int64)
+        cap = max(1, min(initial_capacity, max(16, _INITIAL_BYTES // (4 * config.dim))))
+        if self.capacity:
+            cap = min(cap, self.capacity)
+        self._index = IdIndex(cap)
+        self._weights = float_rows(cap, (config.dim,))
+        self._state = {k: float_rows(cap, s) for k, s in self._state_shapes.items()}
+        # Bounded tables reuse slots, so a lock-free reader could read a slot after it was
+        # given to another id: they read under the lock, and track last touches for LRU.
+        self._locked_reads = self.capacity > 0
+        self._tick = 0
+        self._touched = zeros(cap, np.int64) if self.capacity else None
+        self._sketch = CountMinSketch(sketch_width(self.capacity), seed=config.seed) if config.min_count > 1 else None
+        # Where a row's slot never changes once it exists (no capacity, no admission), a pull
+        # hands out the table's storage and a push's slots, once found, stay right.
+        self._fixed_slots = not self.capacity and self._sketch is None
+        # Per-row staleness: the table version of each row's last update, and the slots of the
+        # last updates.
+        self._versions = RowVersions(cap, _VERSION_SPAN)
+        self._updates = UpdateLog(_LOG_UPDATES, _LOG_SLOTS)
+
+    @property
+    def rows(self) -> int:
+        """Number of resident rows."""
+        return self._index.size
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes allocated for rows, optimizer state, the id index and the per-row bookkeeping
+        (row versions; LRU ticks and the admission sketch where used; not the update log's
+        slots, at most 1 MiB, the size of the last pushes). Storage beyond the rows
+        (room to grow) is counted here but is not resident until rows are written there."""
+        total = self._weights.nbytes + self._index.nbytes + self._free.nbytes + self._versions.nbytes
+        if self._touched is not None:
+            total += self._touched.nbytes
+        if self._sketch is not None:
+            total += self._sketch.nbytes
+        return total + sum(t.nbytes for t in self._state.values())
+
+    def _grow(self, need: int) -> None:
+        cap = self._weights.shape[0]
+        if need <= cap:
+            return
+        new_cap = max(need, int(cap * _GROWTH) + 1)
+        if self.capacity:
+            new_cap = max(need, min(new_cap, self.capacity))
+        n = self._used
+        # Within the arrays' reserved room this copies nothing (tether.server.storage.zeroed).
+        w = grow_rows(self._weights, new_cap, n)
+        state = {k: grow_rows(self._state[k], new_cap, n) for k in self._state_shapes}
+        if self._touched is not None:
+            touched = zeros(new_cap, np.int64)
+            touched[:n] = self._touched[:n]
+            self._touched = touched
+        self._versions.grow(new_cap, n)
+        self._weights, self._state = w, state
+
+    def _alloc(self, k: int) -> np.ndarray:
+        """``k`` free slots: evicted ones first, then new ones. Caller holds the lock."""
+        start = self._used
+        if not len(self._free):
+            self._grow(start + k)
+            self._used += k
+            return np.arange(start, start + k, dtype=np.int64)
+        reuse, self._free = self._free[:k], self._free[k:]
+        fresh = k - len(reuse)
+        self._grow(start + fresh)
+        self._used += fresh
+        return np.concatenate([reuse, np.arange(start, start + fresh, dtype=np.int64)])
+
+    def _insert(self, new_ids: np.ndarray) -> np.ndarray:
+        """Create rows for unique ids that are not present; returns their slots. Caller holds the lock."""
+        k = len(new_ids)
+        start = self._used
+        slots = self._alloc(k)
+        cfg = self.config
+        # New slots are usually the next ``k`` in order: the rows are written in place there.
+        rows = slice(start, start + k) if k and slots[0] == start and slots[-1] == start + k - 1 else slots
+        weights = self._weights.numpy()
+        if isinstance(rows, slice):
+            _init_rows(new_ids, cfg, weights[rows])
+        else:
+            weights[rows] = _init_rows(new_ids, cfg, np.empty((k, self.dim), np.float32))
+        for name, t in self._state.items():
+            # A reused slot still holds the evicted row's state.
+            t.numpy()[rows] = self._initial_state.get(name, 0.0)
+        if self._touched is not None:
+            self._touched[slots] = self._tick
+        # A reused slot's updates were the evicted row's: the new row was never updated.
+        self._versions.array[slots] = 0
+        self._index.insert(new_ids, slots)
+        return slots
+
+    def _evict(self, want: int) -> int:
+        """Evict up to ``want`` least recently touched rows not touched by the current call."""
+        if self._touched is None:  # only bounded tables evict, and they track touches
+            return 0
+        keys, slots = self._index.items(sort=False)
+        touched = self._touched[slots]
+        candidates = np.flatnonzero(touched < self._tick)
+        n = min(want, len(candidates))
+        if n <= 0:
+            return 0
+        if n < len(candidates):
+            victims = candidates[np.argpartition(touched[candidates], n - 1)[:n]]
+        else:
+            victims = candidates
+        self._index.remove(keys[victims])
+        self._free = np.concatenate([self._free, slots[victims]])
+        self.evicted_rows += n
+        if self._on_evict is not None:
+            self._on_evict(n)
+        return n
+
+    def _admit(self, fresh: np.ndarray) -> np.ndarray:
+        """Create rows for the sorted, unique, absent ``fresh`` ids that pass admission and fit;
+        returns their slots (-1: left out)."""
+        if self._sketch is None and not self.capacity:
+            return self._insert(fresh)
+        take = np.arange(len(fresh))
+        if self._sketch is not None:
+            take = take[self._sketch.add(fresh) >= self.config.min_count]
+        if self.capacity:
+            room = self.capacity - self.rows
+            if len(take) > room:
+                self._evict(max(len(take) - room, int(self.capacity * _EVICT_BATCH)))
+                room = self.capacity - self.rows
+                # More new ids in one call than the rows not in use by it: the rest stay out,
+                # like ids not admitted yet.
+                take = take[:room]
+        slots = np.full(len(fresh), -1, np.int64)
+        if len(take):
+            slots[take] = self._insert(fresh[take])
+        return slots
+
+    def _resolve(self, ids: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
+        """Slots of ``ids`` (-1: not a row), admitting and evicting. Caller holds the lock.
+
+        ``slots``: the index's answer for ``ids`` if the caller already has it (taken under
+        the lock, or known to be unchanged since). A pull may name an id more than once; each
+        distinct id is counted and created once.
+        """
+        self._tick += 1
+        if slots is None:
+            slots = self._index.lookup(ids)
+        found = slots >= 0
+        if self._touched is not None:
+            self._touched[slots[found]] = self._tick
+        if not found.all():
+            missing = ids[~found]
+            if len(missing) < 2 or bool((missing[1:] > missing[:-1]).all()):
+                # Already sorted and unique (a client's pull is): no np.unique needed.
+                slots[~found] = self._admit(missing)
+            else:
+                fresh, where = np.unique(missing, return_inverse=True)
+                slots[~found] = self._admit(fresh)[where]
+        return slots
+
+    def _gather(self, ids: np.ndarray, slots: np.ndarray) -> torch.Tensor:
+        present = slots >= 0
+        if present.all():
+            return self._weights.index_select(0, torch.from_numpy(slots))
+        out = torch.empty(len(ids), self.dim)
+        mask = torch.from_numpy(present)
+        out[mask] = self._weights.index_select(0, torch.from_numpy(slots[present]))
+        cfg = self.config
+        out[~mask] = init_rows(ids[~present], self.dim, cfg.seed, cfg.name, cfg.init_scale)
+        return out
+
+    def slots(self, ids: np.ndarray) -> torch.Tensor:
+        """Row slots of ``ids`` (int64, any value), creating missing rows (-1: not admitted)."""
+        if not self._locked_reads:
+            slots = self._index.lookup(ids)
+            if (slots >= 0).all():
+                return torch.from_numpy(slots)
+        with self._lock:
+            return torch.from_numpy(self._resolve(ids))
+
+    def pull(self, ids: np.ndarray) -> tuple[torch.Tensor, int]:
+        """Rows of ``ids`` (a copy; not admitted ids get their initial row) and the table version."""
+        source, index, version = self.locate(ids)
+        return (source if index is None else source.index_select(0, index)), version
+
+    def locate(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """Where the rows of ``ids`` are, for a caller that copies them out itself (straight
+        into a reply, with no temporary): ``(source, index, version)``, the rows being
+        ``source[index]`` (``index`` None: ``source`` holds exactly the rows, a fresh tensor).
+
+        Only tables that read without a lock hand out their storage; copying from it later is
+        a Hogwild read like any other (a row may be mid-update, never another id's row).
+        """
+        if self._locked_reads:
+            with self._lock:
+                return self._gather(ids, self._resolve(ids)), None, self.version
+        version = self.version
+        index = self._index
+        size = index.size
+        slots = index.lookup(ids)
+        missing = slots < 0
+        if missing.any():
+            # Rows are never removed from a table without a capacity, so only the ids missing
+            # from the lock-free read need resolving under the lock, and if no row was added
+            # since that read, they are still missing.
+            with self._lock:
+                unchanged = index is self._index and index.size == size
+                absent = np.full(int(missing.sum()), -1, np.int64) if unchanged else None
+                slots[missing] = self._resolve(ids[missing], absent)
+        if not self._fixed_slots:
+            # Admission may have left ids out: they get their initial rows.
+            return self._gather(ids, slots), None, version
+        # Every id of a table with fixed slots is a row by now (no admission, no capacity).
+        return self._weights, torch.from_numpy(slots), version
+
+    def pulled(self, ids: np.ndarray) -> Pulled | None:
+        """If every id of ``ids`` is a row already (a push's ids usually are: its step's pull
+        created them): their slots, and whether they are unique. Only tables whose rows never
+        move or go (no capacity, no admission) answer; None otherwise, or if an id is not a row.
+
+        A row exists only for an id that passed a pull's or push's checks (owned by this
+        shard; restored rows were filtered by owner), so a push of such ids needs only the
+        uniqueness check: one vectorised pass where the ids are sorted, as a client sends
+        them, else a sort of the slots. Read without the lock: a row's slot never changes.
+        """
+        if not self._fixed_slots or not len(ids):
+            return None
+        index = self._index
+        slots = index.lookup(ids)
+        if bool((slots < 0).any()):
+            return None
+        unique = len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
+        if not unique:
+            ordered = np.sort(slots)
+            unique = not bool((ordered[1:] == ordered[:-1]).any())
+        return Pulled(index, slots, unique)
+
+    def staleness(self, ids: np.ndarray, read_version: int, pulled: Pulled | None = None) -> np.ndarray | None:
+        """How many updates each row of ``ids`` received since a read at table version
+        ``read_version`` (int64 per id); None when no row was updated since (all zero).
+
+        Only rows newer than the read are counted, over the log of the last updates; a read
+        older than that log counts each such row as stale by every update since the read.
+        """
+        return self._staleness(ids, read_version, pulled, per_row=True)  # type: ignore[return-value]
+
+    def largest_staleness(self, ids: np.ndarray, read_version: int, pulled: Pulled | None = None) -> int:
+        """The largest of ``staleness(ids, read_version)``, without an array per id (0: none)."""
+        return self._staleness(ids, read_version, pulled, per_row=False)  # type: ignore[return-value]
+
+    def _staleness(self, ids: np.ndarray, read_version: int, pulled: Pulled | None, per_row: bool) -> np.ndarray | int | None:
+        with self._lock:
+            slots = pulled.slots if pulled is not None and pulled.index is self._index else None
+            present = None
+            if slots is None:
+                slots = self._index.lookup(ids)
+                present = slots >= 0
+                if present.all():
+                    present = None
+                else:  # rows not there yet were never updated
+                    slots = np.where(present, slots, 0)
+            newer = self._versions.newer(slots, read_version)
+            if present is not None:
+                newer &= present
+            if not newer.any():
+                return None if per_row else 0
+            return self._updates.count(slots, newer, self.version, read_version, per_row)
+
+    def push(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float | np.ndarray = 1.0, pulled: Pulled | None = None,
+             combined: torch.Tensor | None = None) -> int:
+        """Apply row gradients with the table's optimizer; returns the new version.
+
+        Gradients of ids that are not admitted (or do not fit in the capacity) are dropped and
+        counted in ``dropped_rows``. ``pulled``: what ``pulled(ids)`` said, if the caller asked.
+        ``lr_scale``: one factor for every row, or one per id (float64 array). ``combined``: a
+        combined push's statistics per row (``push_hooks.apply_rows``; None: one gradient each).
+        """
+        opt = self.config.optimizer
+        with self._lock:
+            slots = pulled.slots if pulled is not None and pulled.index is self._index else self._resolve(ids)
+            keep = slots >= 0
+            if not keep.all():
+                dropped = int((~keep).sum())
+                self.dropped_rows += dropped
+                if self._on_drop is not None:
+                    self._on_drop(dropped)
+                slots, grads = slots[keep], grads[torch.from_numpy(keep)]
+                combined = None if combined is None else combined[torch.from_numpy(keep)]
+                if isinstance(lr_scale, np.ndarray):
+                    lr_scale = lr_scale[keep]
+            # Ids are unique: each row and its state are updated in place, in one pass of the
+            # rule's compiled row kernel (tether.rules.row_kernels), row by row with its own
+            # learning rate (a combined push's combined rows by push_hooks.combine_rows: the
+            # rule's compiled combined_rows where it has one, else its torch form).
+            lr = (opt.lr * (lr_scale if isinstance(lr_scale, np.ndarray) else np.full(len(slots), lr_scale))).astype(np.float32)
+            grads_np = np.ascontiguousarray(grads.detach().numpy(), np.float32)
+            apply_rows(self._rule, opt, self._update_rows, self._weights, self._state, np.ascontiguousarray(slots, np.int64), grads_np, lr,
+                       combined)
+            self.version += 1
+            self._versions.updated(slots, self.version, self._used)
+            self._updates.record(self.version, slots)
+            return self.version
+
+    def snapshot(self) -> dict[str, Any]:
+        """Ids, rows, optimizer state and version, sorted by id (for checkpoints and tests)."""
+        with self._lock:
+            keys, slots = self._index.items()
+            idx = torch.from_numpy(slots)
+            return {
+                "ids": keys,
+                "weights": self._weights.index_select(0, idx),
+                "state": {k: t.index_select(0, idx) for k, t in self._state.items()},
+                "version": self.version,
+            }
+
+    def load(self, ids: np.ndarray, weights: torch.Tensor, state: dict[str, torch.Tensor], version: int) -> None:
+        """Replace every row with restored ones (``ids`` sorted and unique, as ``snapshot`` gives).
+
+        Raises:
+            ValueError: shapes that do not fit the table, or missing optimizer state.
+        """
+        n = len(ids)
+        if tuple(weights.shape) != (n, self.dim):
+            raise ValueError(f"table {self.config.name!r}: restored rows have shape {tuple(weights.shape)}, expected ({n}, {self.dim})")
+        if set(state) != set(self._state_shapes):
+            raise ValueError(f"table {self.config.name!r}: restored optimizer state {sorted(state)} != {sorted(self._state_shapes)}")
+        for k, shape in self._state_shapes.items():
+            if tuple(state[k].shape) != (n, *shape):
+                raise ValueError(f"table {self.config.name!r}: restored state {k!r} has shape {tuple(state[k].shape)}")
+        if n > 1 and not np.all(np.diff(ids) > 0):
+            raise ValueError(f"table {self.config.name!r}: restored ids must be sorted and unique")
+        with self._lock:
+            if self.capacity and n > self.capacity:
+                # The checkpoint holds no recency: keep the first rows by id and count the rest.
+                log.warning(
+                    "table %s: %d restored rows exceed the capacity %d; evicting %d", self.config.name, n, self.capacity, n - self.capacity
+                )
+                self.evicted_rows += n - self.capacity
+                if self._on_evict is not None:
+                    self._on_evict(n - self.capacity)
+                n = self.capacity
+                ids, weights, state = ids[:n], weights[:n], {k: t[:n] for k, t in state.items()}
+            cap = max(n, 1)
+            self._weights = weights.to(torch.float32).clone().reshape(n, self.dim) if n else float_rows(cap, (self.dim,))
+            self._state = {
+                k: (state[k].to(torch.float32).clone() if n else float_rows(cap, s)) for k, s in self._state_shapes.items()
+            }
+            self._used = n
+            self._free = np.empty(0, np.int64)
+            if self._touched is not None:
+                self._touched = np.zeros(max(n, 1), np.int64)
+            index = IdIndex(max(n, 16))
+            index.insert(np.ascontiguousarray(ids, dtype=np.int64), np.arange(n, dtype=np.int64))
+            self._index = index
+            # Restored rows were not updated since the restore, for any read.
+            self._versions.reset(n, int(version))
+            self._updates.clear()
+            self.version = int(version)

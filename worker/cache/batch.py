@@ -1,0 +1,436 @@
+"""The worker row cache's per-step passes over ALL its tables at once, compiled (numba): one call
+per operation and step, whatever the number of tables (``tether.worker.cache.row_cache``).
+
+Every table's columns are in numba typed lists (``Columns``: one list per column, table ``g`` at
+index ``g``), so a pass reaches any table's arrays. A step's ids of several tables travel as one
+int64 array, the tables' ids one after another in table order, with ``offs`` (where each
+table's ids start, the end last) and ``tidx`` (the table of each part); rows of floats of
+several tables (a pull's answer, gradients) as one flat float32 array with ``row_offs``
+(where each table's rows start in it) and each table's ``dims``.
+
+- ``plan_all``: look a pull's ids up, mark them used, copy the hits' rows into the answer, and
+  code each id: a hit (1), a row an earlier pull in flight refreshes (2), or a miss (0);
+- ``store_all``: write pulled rows into their slots, placing new ids in free slots (evicted ones
+  first) while there are any, and answer the rows an earlier pull refreshed (``later``);
+- ``hold_all``: add a step's gradients to the held sums, noting each row's first held clock
+  and oldest read version, and copy the rows' values before the local rule's step;
+- ``deltas_all``: after the local steps, add each row's change to its local changes;
+- ``take_all``: the held sums that are due (per table, in table order), cleared, in the layout
+  a push takes (sums, and a combined push's statistics, each in one buffer), with each row's
+  shard (``cache_split.by_shard`` groups them by it: the push's split, no id hashed again).
+
+Compiled on first use and cached on disk like the other kernels (``warm_up`` loads them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tether.rules.index_kernels import EMPTY_SLOT, mix64, prefetch
+from tether.rules.kernel_cache import compiled
+from tether.worker.cache.kernels import (FLOATS, FRESH, IDS, LU, META, MINE, NONE, PEND, PS, PV, RC, RV, SHARD, USES, VALS, Columns,
+                                         columns, probe_from, shard_of, slot_of)
+from tether.worker.cache.split import by_shard
+
+__all__ = ["deltas_all", "hold_all", "later_all", "plan_all", "store_all", "take_all", "warm_up"]
+
+_jit = compiled()
+
+
+@compiled(inline="always")
+def _in_flight(flights: np.ndarray, foffs: np.ndarray, g: np.int64, key: np.int64) -> bool:
+    """Whether ``key`` of table ``g`` is among the ids a pull in flight refreshes (``flights``:
+    those pulls' ids, per pull and table sorted; ``foffs[p, g]``: where pull p's ids of table g start)."""
+    for p in range(foffs.shape[0]):
+        a, b = foffs[p, g], foffs[p, g + 1]
+        if a < b:
+            j = a + np.searchsorted(flights[a:b], key)
+            if j < b and flights[j] == key:
+                return True
+    return False
+
+
+_AHEAD = 16  # how many ids ahead a pass asks for the memory it will read (``prefetch``)
+
+
+@compiled(inline="always")
+def _lookup(cells: np.ndarray, ids: np.ndarray, a: np.int64, b: np.int64, found: np.ndarray) -> None:
+    """The slots of ``ids[a:b]`` into ``found[a:b]`` (-1: not cached), before any row is
+    touched: each id's home cell first, then the probes, the cell ``_AHEAD`` ids on prefetched
+    (so that the reads of one id do not wait for the memory of the one before)."""
+    mask = np.uint64(len(cells) - 1)
+    flat = cells.reshape(-1)
+    for i in range(a, b):
+        found[i] = np.int64(mix64(ids[i]) & mask)
+    for i in range(a, b):
+        if i + _AHEAD < b:
+            prefetch(flat, 2 * found[i + _AHEAD])
+        found[i] = probe_from(cells, ids[i], found[i])
+
+
+@_jit
+def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, ids: np.ndarray, offs: np.ndarray,
+             now: np.int64,
+             bound: np.int64, flights: np.ndarray,
+             foffs: np.ndarray, out: np.ndarray, row_offs: np.ndarray, oldest: np.ndarray) -> tuple[Any, ...]:
+    """Split a pull of sorted unique ids per part (table ``tidx[k]``'s ids are ``ids[offs[k]:
+    offs[k + 1]]``) at clock ``now``: each id's code (1 hit, 2 refreshed by a pull in flight, 0
+    miss), and per part (hits, cached rows missed: refreshed). Hits' rows go into ``out`` (part
+    k's answer at ``row_offs[k]``) and their read versions into ``oldest[k, shard]`` (the
+    minimum). Cached ids are marked used at ``now``; a cached row pulled again starts its
+    ``fresh`` local changes from its held (``mine``) ones: what the answer will lack."""
+    n = len(ids)
+    code = np.zeros(n, np.int8)
+    found = np.empty(n, np.int64)
+    counts = np.zeros((len(tidx), 2), np.int64)
+    for k in range(len(tidx)):
+        g = tidx[k]
+        nt = len(cells_l)
+        cells, rc, lu, us = cells_l[g], meta_l[g][:, RC], meta_l[g][:, LU], meta_l[g][:, USES]
+        rv, sh, v = meta_l[g][:, RV], meta_l[g][:, SHARD], floats[VALS * nt + g]
+        mi, fr = floats[MINE * nt + g], floats[FRESH * nt + g]
+        dim = v.shape[1]
+        _lookup(cells, ids, offs[k], offs[k + 1], found)
+        for i in range(offs[k], offs[k + 1]):
+            key = ids[i]
+            s = found[i]
+            if s >= 0:
+                lu[s] = now
+                us[s] += 1
+                if bound > 0 and now - rc[s] <= bound:
+                    code[i] = 1
+                    counts[k, 0] += 1
+                    base = row_offs[k] + (i - offs[k]) * dim
+                    for j in range(dim):
+                        out[base + j] = v[s, j]
+                    if rv[s] < oldest[k, sh[s]]:
+                        oldest[k, sh[s]] = rv[s]
+                    continue
+            if bound > 0 and _in_flight(flights, foffs, g, key):
+                code[i] = 2
+            elif s >= 0:
+                counts[k, 1] += 1
+                fr[s, :] = mi[s, :]
+    return code, counts
+
+
+@compiled(inline="always")
+def _place(cells: np.ndarray, s: np.int64, key: np.int64, now: np.int64, ids_col: np.ndarray, used: np.ndarray,
+           uses: np.ndarray, last_used: np.ndarray, pending_since: np.ndarray, pending_version: np.ndarray,
+           pend: np.ndarray, mine: np.ndarray, fresh: np.ndarray) -> None:
+    """New id ``key`` in free slot ``s``: every column set (used once at ``now``, nothing held, no
+    local changes) and the id indexed (the caller keeps the index at most half full)."""
+    ids_col[s] = key
+    used[s] = True
+    uses[s] = 1
+    last_used[s] = now
+    pending_since[s] = NONE
+    pending_version[s] = NONE
+    pend[s, :] = 0.0
+    mine[s, :] = 0.0
+    fresh[s, :] = 0.0
+    mask = np.uint64(len(cells) - 1)
+    p = np.int64(mix64(key) & mask)
+    while cells[p, 1] != EMPTY_SLOT:
+        p = (p + 1) & np.int64(mask)
+    cells[p, 0] = key
+    cells[p, 1] = s
+
+
+@_jit
+def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, keys: np.ndarray, koffs: np.ndarray,
+              pos: np.ndarray, got: np.ndarray,
+              got_offs: np.ndarray, got_row: np.ndarray, versions: np.ndarray, now: np.int64, num_shards: np.int64,
+              top: np.ndarray, nfree: np.ndarray, out: np.ndarray, row_offs: np.ndarray, offs: np.ndarray) -> tuple[Any, ...]:
+    """Pulled rows into the cache: ``keys`` (per part ``koffs``) at positions ``pos`` of the
+    pull's ids (per-part ``offs``: row ``pos - offs[k]`` of part k's answer at ``row_offs[k]`` of
+    ``out``), their rows ``got_row`` of part k's pulled rows (``got`` at ``got_offs[k]``).
+    Cached ids are refreshed (values plus their ``fresh`` local changes, read clock ``now``,
+    shard and that shard's version ``versions[k, shard]``); new ids take a free slot, evicted
+    ones first (``free[:nfree[g]]``, taken from the end) then unused ones (from ``top[g]``),
+    while there are any. The answer gets every row as stored (as pulled where no slot was left).
+    Returns (the indexes in ``keys`` of the ids no slot was left for, the slots placed, and per
+    part how many were placed)."""
+    n = len(keys)
+    unplaced = np.empty(n, np.int64)
+    placed = np.empty(n, np.int64)
+    found = np.empty(n, np.int64)
+    nplaced = np.zeros(len(tidx), np.int64)
+    u = q = 0
+    for k in range(len(tidx)):
+        g = tidx[k]
+        nt = len(cells_l)
+        cells, vals, fresh, free, rc = cells_l[g], floats[VALS * nt + g], floats[FRESH * nt + g], free_l[g], meta_l[g][:, RC]
+        ids_col, used, uses, lu, since, pv = (meta_l[g][:, IDS], used_l[g], meta_l[g][:, USES], meta_l[g][:, LU],
+                                              meta_l[g][:, PS], meta_l[g][:, PV])
+        pend, mine, shard, rv = floats[PEND * nt + g], floats[MINE * nt + g], meta_l[g][:, SHARD], meta_l[g][:, RV]
+        dim = vals.shape[1]
+        _lookup(cells, keys, koffs[k], koffs[k + 1], found)  # a part's keys are unique: placing one moves no other's slot
+        for i in range(koffs[k], koffs[k + 1]):
+            key = keys[i]
+            src = got_offs[k] + got_row[i] * dim
+            dst = row_offs[k] + (pos[i] - offs[k]) * dim
+            s = found[i]
+            if s < 0:
+                if nfree[g] > 0:
+                    nfree[g] -= 1
+                    s = free[nfree[g]]
+                elif top[g] < len(vals):
+                    s = top[g]
+                    top[g] += 1
+                if s < 0:
+                    for j in range(dim):
+                        out[dst + j] = got[src + j]
+                    unplaced[u] = i
+                    u += 1
+                    continue
+                _place(cells, s, key, now, ids_col, used, uses, lu, since, pv, pend, mine, fresh)
+                placed[q] = s
+                q += 1
+                nplaced[k] += 1
+            for j in range(dim):
+                vals[s, j] = got[src + j] + fresh[s, j]
+                out[dst + j] = vals[s, j]
+            rc[s] = now
+            sh = shard_of(key, num_shards)
+            shard[s] = sh
+            rv[s] = versions[k, sh]
+    return unplaced[:u], placed[:q], nplaced
+
+
+@_jit
+def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, ids: np.ndarray, offs: np.ndarray,
+             g: np.ndarray,
+             g_offs: np.ndarray,
+             versions: np.ndarray, clock: np.int64, num_shards: np.int64, local: np.ndarray, before: np.ndarray) -> tuple[Any, ...]:
+    """Add gradient rows (part k's at ``g_offs[k]`` of ``g``, one per id) to the held sums of the
+    cached ids (their oldest read version the minimum with ``versions[k, shard]``); ``pend``'s two
+    columns past a row's hold its sum of mean(g * g) and its count of gradients (a combined
+    push's statistics). Where ``local[k]``, the rows' values are copied to ``before`` (part k's
+    cached rows at ``g_offs[k]``, in order) for ``deltas_all``. Returns (the slots of the cached
+    ids and their indexes in ``ids``, the slots first held now, the indexes of the ids not cached
+    and their shards, and per part the counts of those three)."""
+    n = len(ids)
+    slots = np.empty(n, np.int64)
+    where = np.empty(n, np.int64)
+    first = np.empty(n, np.int64)
+    missing = np.empty(n, np.int64)
+    missing_shards = np.empty(n, np.int64)
+    found = np.empty(n, np.int64)
+    counts = np.zeros((len(tidx), 3), np.int64)
+    h = f = m = 0
+    for k in range(len(tidx)):
+        t = tidx[k]
+        nt = len(cells_l)
+        cells, pend, since, pv = cells_l[t], floats[PEND * nt + t], meta_l[t][:, PS], meta_l[t][:, PV]
+        shard, vals = meta_l[t][:, SHARD], floats[VALS * nt + t]
+        dim = vals.shape[1]
+        _lookup(cells, ids, offs[k], offs[k + 1], found)
+        for i in range(offs[k], offs[k + 1]):
+            s = found[i]
+            if s < 0:
+                missing[m] = i
+                missing_shards[m] = shard_of(ids[i], num_shards)
+                m += 1
+                counts[k, 2] += 1
+                continue
+            src = g_offs[k] + (i - offs[k]) * dim
+            if local[k]:
+                dst = g_offs[k] + counts[k, 0] * dim
+                for j in range(dim):
+                    before[dst + j] = vals[s, j]
+            slots[h] = s
+            where[h] = i
+            h += 1
+            counts[k, 0] += 1
+            square = np.float32(0.0)
+            for j in range(dim):
+                x = g[src + j]
+                pend[s, j] += x
+                square += x * x
+            pend[s, dim] += square / np.float32(dim)
+            pend[s, dim + 1] += np.float32(1.0)
+            if since[s] == NONE:
+                since[s] = clock
+                first[f] = s
+                f += 1
+                counts[k, 1] += 1
+            v = versions[k, shard[s]]
+            if v < pv[s]:
+                pv[s] = v
+    return slots[:h], where[:h], first[:f], missing[:m], missing_shards[:m], counts
+
+
+@_jit
+def deltas_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, slots: np.ndarray, soffs: np.ndarray,
+               before: np.ndarray, g_offs: np.ndarray,
+               local: np.ndarray) -> None:
+    """After the local rule's steps of rows ``slots`` (part k's ``soffs[k]:soffs[k + 1]``, their
+    values before the step in ``before`` as ``hold_all`` left them): each row's change added to its
+    ``mine`` and ``fresh`` local changes."""
+    for k in range(len(tidx)):
+        if not local[k]:
+            continue
+        t = tidx[k]
+        nt = len(cells_l)
+        vals, mine, fresh = floats[VALS * nt + t], floats[MINE * nt + t], floats[FRESH * nt + t]
+        dim = vals.shape[1]
+        for r in range(soffs[k], soffs[k + 1]):
+            s = slots[r]
+            base = g_offs[k] + (r - soffs[k]) * dim
+            for j in range(dim):
+                d = vals[s, j] - before[base + j]
+                mine[s, j] += d
+                fresh[s, j] += d
+
+
+@_jit
+def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tables: np.ndarray, slots: np.ndarray, since: np.ndarray,
+             num_shards: np.int64, kinds: np.ndarray) -> tuple[Any, ...]:
+    """The held sums of ``slots`` (of table ``tables[i]`` each) still held since ``since[i]``,
+    which stop holding (their ``mine`` local changes are now the shard's too), in the layout a
+    push takes. Returns, grouped by table in table order (each table's in the order given): their
+    ids; their sums (flat: table g's rows of ``dim`` floats one after another); their combined
+    push's statistics (flat: table g's rows of as many columns as ``kinds[g]`` names, column c the
+    sum of mean(g * g) where ``kinds[g, c]`` is 0, the count of gradients where 1; -1 first in a
+    row of one gradient: ``UpdateRule.combined_stats``); each row's sum of mean(g * g) and count
+    (the two columns held past the sum); each row's shard; and per table the number of rows,
+    whether its ids ascend, whether any row sums several gradients, and the oldest read version
+    per shard."""
+    nt = len(cells_l)
+    n = len(slots)
+    count = np.zeros(nt, np.int64)
+    valid = np.zeros(n, np.bool_)
+    t = -1
+    meta = meta_l[0]
+    for i in range(n):
+        if tables[i] != t:
+            t = tables[i]
+            meta = meta_l[t]
+        if meta[slots[i], PS] == since[i]:
+            valid[i] = True
+            count[t] += 1
+    nstats = np.zeros(nt, np.int64)
+    at = np.zeros(nt, np.int64)  # per table: where its next row goes, in rows,
+    flat = np.zeros(nt, np.int64)  # in floats of sums
+    sflat = np.zeros(nt, np.int64)  # and of statistics
+    rows = total = ntotal = 0
+    for t in range(nt):
+        for c in range(kinds.shape[1]):
+            if kinds[t, c] >= 0:
+                nstats[t] += 1
+        at[t], flat[t], sflat[t] = rows, total, ntotal
+        rows += count[t]
+        total += count[t] * floats[VALS * nt + t].shape[1]
+        ntotal += count[t] * nstats[t]
+    out_ids = np.empty(rows, np.int64)
+    sums = np.empty(total, np.float32)
+    stats = np.empty(ntotal, np.float32)
+    square = np.empty(rows, np.float32)
+    grads = np.empty(rows, np.float32)
+    shards = np.empty(rows, np.int64)
+    ascending = np.ones(nt, np.bool_)
+    many = np.zeros(nt, np.bool_)
+    oldest = np.full((nt, num_shards), NONE, np.int64)
+    start = at.copy()
+    t = -1
+    pend, mine = floats[PEND * nt], floats[MINE * nt]
+    for i in range(n):
+        if not valid[i]:
+            continue
+        s = slots[i]
+        if tables[i] != t:  # a step's slots come grouped by table: its columns fetched once per group
+            t = tables[i]
+            meta, pend, mine = meta_l[t], floats[PEND * nt + t], floats[MINE * nt + t]
+        dim = pend.shape[1] - 2
+        r, f, q = at[t], flat[t], sflat[t]
+        key = meta[s, IDS]
+        if r > start[t] and out_ids[r - 1] >= key:
+            ascending[t] = False
+        out_ids[r] = key
+        for j in range(dim):
+            sums[f + j] = pend[s, j]
+        sq, k = pend[s, dim], pend[s, dim + 1]
+        square[r], grads[r] = sq, k
+        if k > 1:
+            many[t] = True
+        for c in range(nstats[t]):
+            stats[q + c] = k if kinds[t, c] == 1 else sq
+        if nstats[t] > 0 and not k > 1:
+            stats[q] = np.float32(-1.0)
+        at[t], flat[t], sflat[t] = r + 1, f + dim, q + nstats[t]
+        for j in range(dim + 2):
+            pend[s, j] = 0.0
+        for j in range(dim):
+            mine[s, j] = 0.0
+        shards[r] = meta[s, SHARD]
+        if meta[s, PV] < oldest[t, shards[r]]:
+            oldest[t, shards[r]] = meta[s, PV]
+        meta[s, PS] = NONE
+        meta[s, PV] = NONE
+    return out_ids, sums, stats, square, grads, shards, count, ascending, many, oldest
+
+
+@_jit
+def later_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, ids: np.ndarray, offs: np.ndarray,
+              later: np.ndarray, loffs: np.ndarray,
+              min_clock: np.int64, out: np.ndarray, row_offs: np.ndarray, oldest: np.ndarray) -> np.ndarray:
+    """The answer's rows at positions ``later`` of ``ids`` (part k's ``loffs[k]:loffs[k + 1]``),
+    which another pull was refreshing: from the cache where it holds them read at ``min_clock`` or
+    later (their read versions into ``oldest[k, shard]``). Returns the indexes in ``later`` of
+    the others."""
+    lacking = np.empty(len(later), np.int64)
+    m = 0
+    for k in range(len(tidx)):
+        t = tidx[k]
+        nt = len(cells_l)
+        cells, vals, rc, rv, shard = cells_l[t], floats[VALS * nt + t], meta_l[t][:, RC], meta_l[t][:, RV], meta_l[t][:, SHARD]
+        dim = vals.shape[1]
+        for r in range(loffs[k], loffs[k + 1]):
+            i = later[r]
+            s = slot_of(cells, ids[i])
+            if s >= 0 and rc[s] >= min_clock:
+                base = row_offs[k] + (i - offs[k]) * dim
+                for j in range(dim):
+                    out[base + j] = vals[s, j]
+                if rv[s] < oldest[k, shard[s]]:
+                    oldest[k, shard[s]] = rv[s]
+            else:
+                lacking[m] = r
+                m += 1
+    return lacking[:m]
+
+
+def _example() -> tuple[Columns, np.ndarray]:
+    """Columns of two small tables (two: a list's append is compiled apart from its first item)."""
+    tables = []
+    for _ in range(2):
+        table = type("T", (), {})()
+        table.cells = np.full((16, 2), EMPTY_SLOT, np.int64)
+        table.meta = np.zeros((4, len(META)), np.int64)
+        table.free = np.zeros(4, np.int64)
+        for name in FLOATS:
+            setattr(table, name, np.zeros((4, 3 if name == "pend" else 1), np.float32))
+        table.used = np.zeros(4, np.bool_)
+        tables.append(table)
+    return columns(tables), tables[0].cells
+
+
+def warm_up() -> None:
+    """Load (or compile, the first time) every kernel here for the types the cache passes."""
+    c, cells = _example()
+    none = np.zeros(0, np.int64)
+    zero, one = np.int64(0), np.int64(1)
+    part, offs = np.zeros(1, np.int64), np.zeros(2, np.int64)
+    f32 = np.zeros(0, np.float32)
+    oldest = np.zeros((1, 1), np.int64)
+    plan_all(*c, part, none, offs, zero, one, none, np.zeros((0, 2), np.int64), f32, part, oldest)
+    store_all(*c, part, none, offs, none, f32, part, none, oldest, zero, one, part.copy(), part.copy(), f32, part, offs)
+    later_all(*c, part, none, offs, none, offs, zero, f32, part, oldest)
+    flags = np.ones(1, np.bool_)
+    hold_all(*c, part, none, offs, f32, part, oldest, zero, one, flags, f32)
+    deltas_all(*c, part, none, offs, f32, part, flags)
+    take_all(*c, none, none, none, one, np.full((2, 1), -1, np.int64))
+    by_shard(none, part, one, none, f32, f32, part, np.full((1, 1), -1, np.int64))

@@ -1,0 +1,121 @@
+"""Compiled pieces the worker row cache's passes share (``tether.worker.cache.batch``, which
+makes one call per operation over all tables): every table's columns in typed lists
+(``Columns``), an id's slot in a table's index (the shard's index,
+``tether.rules.index_kernels``: these only read it), an id's shard, and the oldest read
+version per shard. Compiled on first use and cached on disk like the shard's kernels, by
+``tether.rules.kernel_cache.compiled``: an entry is keyed by the helpers a pass inlines from
+here too (``row_slots.warm_up`` loads them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+from numba.typed import List
+
+from tether.rules.index_kernels import cell_from, mix64
+from tether.rules.kernel_cache import compiled
+
+__all__ = ["FLOATS", "FRESH", "IDS", "LU", "META", "MINE", "NONE", "PEND", "PS", "PV", "RC", "RV", "SHARD", "USES", "VALS", "Columns",
+           "columns", "oldest_per_shard", "probe_from", "set_cells", "shard_of", "slot_of", "warm_up"]
+
+_jit = compiled()
+NONE = np.iinfo(np.int64).max
+
+
+# A slot's int64 columns, side by side in one row of 64 bytes (``Table.meta``, one cache line).
+META = ("ids", "shard", "read_clock", "read_version", "last_used", "uses", "pending_since", "pending_version")
+FLOATS = ("vals", "pend", "mine", "fresh")
+IDS, SHARD, RC, RV, LU, USES, PS, PV = range(len(META))
+VALS, PEND, MINE, FRESH = range(len(FLOATS))
+
+
+class Columns(NamedTuple):
+    """Every table's column arrays in five typed lists (few arguments: each costs a call its
+    typing): ``cells`` (the id index), ``meta`` (the int64 columns ``META``, one row per slot),
+    ``used`` and ``free`` (the stack of evicted slots) of table g at index g, the float32 columns
+    ``FLOATS[c]`` at ``c * tables + g``. Built once (``columns``): the arrays are allocated for
+    the tables' capacity and never replaced, except the id index, which the cache puts back after
+    a rebuild."""
+
+    cells: Any
+    meta: Any
+    floats: Any
+    used: Any
+    free: Any
+
+
+@_jit
+def _list_of(first: np.ndarray) -> Any:
+    """A typed list holding ``first`` (compiled and cached on disk: a typed list built from
+    Python compiles numba's own list functions in every process, about a second in all)."""
+    items = List()
+    items.append(first)
+    return items
+
+
+@_jit
+def _append(items: Any, item: np.ndarray) -> None:
+    items.append(item)
+
+
+def _typed(arrays: list[np.ndarray]) -> Any:
+    items = _list_of(arrays[0])
+    for a in arrays[1:]:
+        _append(items, a)
+    return items
+
+
+def columns(tables: list[Any]) -> Columns:
+    """The ``Columns`` of ``tables`` (``row_slots.Table``), in their order."""
+    return Columns(_typed([tab.cells for tab in tables]), _typed([tab.meta for tab in tables]),
+                   _typed([getattr(tab, c) for c in FLOATS for tab in tables]), _typed([tab.used for tab in tables]),
+                   _typed([tab.free for tab in tables]))
+
+
+@_jit
+def set_cells(cells_l: Any, g: np.int64, cells: np.ndarray) -> None:
+    """Table ``g``'s id index after a rebuild (compiled: a typed list's item set from Python
+    compiles a function the first time, in a step)."""
+    cells_l[g] = cells
+
+
+@compiled(inline="always")
+def slot_of(cells: np.ndarray, key: np.int64) -> np.int64:
+    """The slot of ``key`` in the index, -1 where absent (``server.index_kernels.index_lookup``'s probe)."""
+    return probe_from(cells, key, np.int64(mix64(key) & np.uint64(len(cells) - 1)))
+
+
+@compiled(inline="always")
+def probe_from(cells: np.ndarray, key: np.int64, p: np.int64) -> np.int64:
+    """``slot_of``'s probe from cell ``p``, the key's home cell (``index_kernels.cell_from``)."""
+    c = cell_from(cells, key, p, np.uint64(len(cells) - 1))
+    return np.int64(-1) if c < 0 else cells[c, 1]
+
+
+@compiled(inline="always")
+def shard_of(key: np.int64, num_shards: np.int64) -> np.int64:
+    """``protos.partition.shard_of_ids`` for one id: ``mix64(id) % num_shards``."""
+    if num_shards == 1:
+        return np.int64(0)
+    return np.int64(mix64(key) % np.uint64(num_shards))
+
+
+@_jit
+def oldest_per_shard(shards: np.ndarray, versions: np.ndarray, num_shards: np.int64) -> np.ndarray:
+    """The smallest of ``versions`` per shard (int64 max where a shard has none)."""
+    out = np.full(num_shards, NONE, np.int64)
+    for i in range(len(shards)):
+        if versions[i] < out[shards[i]]:
+            out[shards[i]] = versions[i]
+    return out
+
+
+def warm_up() -> None:
+    """Load (or compile, the first time) every kernel here for the types the cache passes."""
+    ids = np.zeros(0, np.int64)
+    oldest_per_shard(ids, ids, np.int64(1))
+    for example in (np.zeros((1, 2), np.int64), np.zeros(1, np.int64), np.zeros((1, 1), np.float32), np.zeros(1, np.bool_)):
+        _typed([example, example])  # a typed list of each kind of column (``columns``)
+    set_cells(_typed([np.zeros((1, 2), np.int64)] * 2), np.int64(0), np.zeros((1, 2), np.int64))

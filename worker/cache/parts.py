@@ -1,0 +1,110 @@
+"""The worker row cache's configuration (``RowCacheConfig``) and a pull's plan (``Plan``: how a
+pull's ids split between the cache and the shards), with the small array helpers the cache's
+steps share (``tether.worker.cache.row_cache``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tether.common.choices import CACHE_POLICIES
+from tether.worker.client.results import PullResult
+
+__all__ = ["NO_FLIGHTS", "NO_IDS", "NO_ROWS", "POLICIES", "Plan", "Pushed", "RowCacheConfig", "as_ids", "fill", "offsets", "read_versions"]
+
+POLICIES = CACHE_POLICIES  # eviction policies, declared once in tether.common.choices
+
+
+@dataclass(frozen=True)
+class RowCacheConfig:
+    """``rows``: rows cached per table (0: no cache); ``bound``: read bound R in this worker's
+    clocks (0: every pull reads the shards); ``write_bound``: W, clocks a row's gradients may be
+    held before they are pushed (None: the same as ``bound``); ``policy``: eviction, lru or lfu."""
+
+    rows: int = 0
+    bound: int = 0
+    write_bound: int | None = None
+    policy: str = CACHE_POLICIES[0]
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "bound"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"cache_{name} (--cache-{name}) must be an int >= 0, got {value!r}")
+        if self.write_bound is not None and (not isinstance(self.write_bound, int) or self.write_bound < 0):
+            raise ValueError(f"cache_write_bound (--cache-write-bound) must be empty or an int >= 0, got {self.write_bound!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"cache_policy (--cache-policy) must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.rows > 0
+
+    @property
+    def writes(self) -> int:
+        return self.bound if self.write_bound is None else self.write_bound
+
+
+@dataclass
+class Plan:
+    """A pull's split, over its tables (``parts``: global table indexes, in table order) with
+    their sorted ids one after another (``ids``, part k's at ``offs[k]:offs[k + 1]``): the
+    answer (``out``, flat: part k's rows at ``row_offs[k]``; the hits' rows copied at plan time),
+    the positions an earlier pull in flight is refreshing (``later``: read from the cache once
+    that pull is stored), those that go to the shards (``miss_pos``, part k's at ``miss_offs[k]:
+    miss_offs[k + 1]``; their ids ``miss`` per table) and the oldest read version of the rows answered, per part and shard."""
+
+    now: int
+    names: list[str]
+    parts: np.ndarray
+    ids: np.ndarray
+    offs: np.ndarray
+    out: torch.Tensor
+    row_offs: np.ndarray
+    oldest: np.ndarray
+    later: np.ndarray
+    miss_pos: np.ndarray
+    miss_offs: np.ndarray
+    miss: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+Pushed = dict[str, tuple[torch.Tensor, ...]]  # per table: ids, summed gradients (and a combined push's statistics)
+NO_IDS = np.zeros(0, np.int64)
+NO_ROWS = np.zeros(0, np.float32)
+NO_FLIGHTS = np.zeros((0, 2), np.int64)
+
+
+def offsets(counts: Sequence[int] | np.ndarray) -> np.ndarray:
+    out = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def as_ids(a: torch.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(a.numpy(), np.int64)
+
+
+def fill(result: PullResult, plan: Plan, lacking: Mapping[str, torch.Tensor], pulled: PullResult) -> None:
+    """Put the rows of ``lacking`` (pulled on their own) into ``result``."""
+    for t, ids in lacking.items():
+        k = plan.names.index(t)
+        pos = np.searchsorted(plan.ids[plan.offs[k]: plan.offs[k + 1]], ids.numpy())
+        result.rows[t][torch.from_numpy(pos)] = pulled.rows[t].to(result.rows[t].dtype)
+        for key, v in pulled.table_versions.items():
+            if key[1] == t:
+                result.table_versions[key] = min(v, result.table_versions.get(key, v))
+
+
+def read_versions(pulled: PullResult | None, names: Sequence[str], num_shards: int) -> np.ndarray:
+    """The table versions of ``pulled`` per table of ``names`` and shard (0 where none)."""
+    out = np.zeros((len(names), num_shards), np.int64)
+    if pulled is not None:
+        where = {t: k for k, t in enumerate(names)}
+        for (s, t), v in pulled.table_versions.items():
+            k = where.get(t)
+            if k is not None and s < num_shards:
+                out[k, s] = v
+    return out

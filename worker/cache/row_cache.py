@@ -1,0 +1,390 @@
+"""A worker-side cache of embedding rows with per-row staleness bounds (HET's two bounds).
+
+``RowCache`` keeps up to ``rows`` rows per table. Each cached row remembers the worker clock it
+was read at and the table version the shard read it at. With read bound R > 0 a pull at clock
+``now`` is answered from the cache for every row read at a clock >= ``now - R``; the others are
+pulled (refreshed). A step's row gradients are added to the rows' pending sums; a row's sum is
+pushed once its oldest gradient is W (the write bound) clocks old, when the row is evicted, or
+at a flush (evaluation, the end of training). R = W = 0 sends exactly what no cache sends (every
+row pulled, every gradient pushed in the step it was made).
+
+Read-your-own-writes (once ``use_tables`` names the tables' rules, as ``Trainer`` does after it
+declares them; read bound > 0): each step's gradients are applied to the cached rows as they are
+held, by the table's rule with its learning rate, schedule and weight decay, and with a rule state
+of the worker's own per cached row (Adagrad's sum, Adam's moments and count, FTRL's z and n),
+started at the rule's initial state when the row is cached and kept while it stays (the shard's
+state is never pulled). For SGD that is the shard's step exactly; for the others an estimate
+from this worker's gradients alone (with one worker the shard's own state, the row never evicted;
+with several, short of the other workers' gradients). A refresh stores the shard's answer plus the worker's own
+changes that answer lacks: those of the gradients still held when the refresh was planned and
+of every step since (so with SGD a refreshed row is the shard's value once the held gradients
+land).
+
+A combined push is the **sum** of the row's pending gradients, sent as one gradient, and, once
+``use_tables`` named the rules, what the table's rule needs to update its state as if it had taken
+the k steps (``UpdateRule.combined_stats``, ``SparseBlock.combined``): for Adagrad, row-wise
+Adagrad and FTRL one float per row, the sum over the k gradients of mean(g * g); for Adam that
+and the count k; nothing for SGD, whose step on the sum is the k steps. A row that holds one
+gradient sends -1 there and takes the ordinary step; a push none of whose rows combine (write
+bound 0) sends nothing, so it is exactly what no cache sends. The shard applies the rule's
+``combine`` (``protos.update_rules``, ``protos.ctr_rules``). The sum is what the shard's state
+stays authoritative on; the local copy's own steps are never pushed. Its read version is the
+oldest read version of the rows it combines, so shards count its staleness from the oldest read
+(conservative).
+
+A pull whose table version for a shard went back (a restarted shard, a reset table) marks every
+cached row of that shard and table stale: they are refreshed by the next pull that wants them.
+
+``CachedClient`` puts the cache in front of a ``PSClient`` (pull, push, push_pull, flush) and
+counts the traffic (``tether.worker.client.traffic``); with no cache it passes calls through unchanged.
+Each table's slots and id index (a compiled hash table) are ``tether.worker.cache.slots.Table``;
+each step's passes (plan, store, hold with the local rule's changes, take) are compiled loops
+over all tables at once, one call each (``tether.worker.cache.batch``); the push side (hold,
+take) is ``tether.worker.cache.push``. ``take_all`` writes a push's sums and its combined
+statistics in the layout the wire takes (one buffer each; a table's part is a view of them), so
+what stays per table in Python is the local rule's step (one compiled call per table).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from typing import TYPE_CHECKING, Any
+
+from tether.rules.optimizers import rule
+from tether.protos.specs import TableConfig
+from tether.worker.client.results import Handle, PullResult, PushAck
+from tether.worker.cache.parts import (NO_FLIGHTS, NO_IDS, NO_ROWS, POLICIES, Plan, RowCacheConfig, as_ids, fill, offsets,
+                                      read_versions)
+from tether.worker.cache.batch import later_all, plan_all, store_all
+from tether.worker.cache.push import PushSide
+from tether.worker.cache.kernels import Columns, columns, set_cells
+from tether.worker.cache.slots import NONE, STALE, Table, start_warm_up, wait_warm_up
+from tether.worker.client.traffic import TrafficMeter
+
+if TYPE_CHECKING:
+    from tether.worker.client.ps_client import PSClient
+
+__all__ = ["POLICIES", "CachedClient", "RowCache", "RowCacheConfig"]
+
+class RowCache(PushSide):
+    """Cached rows of every table with their read clocks, versions and pending gradients
+    (see the module docstring). Thread-safe: on CUDA the transfer thread calls it too."""
+
+    def __init__(self, config: RowCacheConfig, dims: Mapping[str, int], num_shards: int) -> None:
+        self.config = config
+        self.num_shards = max(num_shards, 1)
+        self.tables = {t: Table(d, config.rows) for t, d in dims.items()}
+        self._tabs, self._names = list(self.tables.values()), list(self.tables)
+        self._index = {t: g for g, t in enumerate(self.tables)}
+        self._cols: Columns | None = None  # made at the first step (``_columns``), once the passes are loaded
+        self._dims = np.array(list(dims.values()), np.int64)
+        # Per table and shard: the largest table version seen (-1: none yet).
+        self._max_version = np.full((len(dims), self.num_shards), -1, np.int64)
+        self._holding = np.zeros(len(dims), np.int64)  # per table: slots whose gradients are held
+        self._local = np.zeros(len(dims), np.bool_)  # per table: its rule applied to the cached rows
+        self._dim_list = [int(d) for d in dims.values()]
+        # Per table: what its rule takes beside a combined sum (``take_all``'s kinds: 0 the sum of
+        # mean(g * g), 1 the count, -1 none), and how many.
+        self._kinds, self._nstats = np.full((len(dims), 1), -1, np.int64), [0] * len(dims)
+        start_warm_up()  # the compiled index and passes loaded while the worker starts; use_tables or the first step waits
+        self._lock = threading.Lock()
+        self._evicted: list[tuple[str, np.ndarray, torch.Tensor, np.ndarray, np.ndarray]] = []
+        # The pulls in flight: their plans' ids, clocks, and the ids they refresh (all tables' one
+        # after another, and per table where they start).
+        self._inflight: list[tuple[int, int, np.ndarray, np.ndarray]] = []
+        # Rows first held at a clock: (clock, their slots, their tables), so what is due is found without a scan.
+        self._queue: list[tuple[int, np.ndarray, np.ndarray]] = []
+        self._parts: dict[tuple[str, ...], tuple[list[str], np.ndarray]] = {}
+        self.hits = dict.fromkeys(dims, 0)
+        self.refreshed = dict.fromkeys(dims, 0)
+        self.evictions = dict.fromkeys(dims, 0)
+        self.invalidated = dict.fromkeys(dims, 0)
+
+    def use_tables(self, tables: Sequence[TableConfig]) -> None:
+        """The rules the shards apply to the tables (the specs the worker declared): from now on
+        the worker's own gradients are applied to its cached rows (read-your-own-writes). Not
+        with read bound 0, whose every pull answers with the shards' rows as they are."""
+        self._columns()  # the compiled passes' load (started when the cache was made) waited for here, before the steps' clock
+        with self._lock:
+            for spec in tables:
+                if spec.name in self.tables:
+                    self.tables[spec.name].combined_stats = rule(spec.optimizer.name).combined_stats
+                    if self.config.bound > 0:
+                        self.tables[spec.name].local_rule(spec.optimizer)
+                        self._local[self._index[spec.name]] = True
+            stats = [tab.combined_stats for tab in self._tabs]
+            self._kinds = np.full((len(stats), max([1, *map(len, stats)])), -1, np.int64)
+            for g, names in enumerate(stats):
+                self._kinds[g, : len(names)] = [1 if n == "count" else 0 for n in names]
+            self._nstats = [len(names) for names in stats]
+
+    def _columns(self) -> Columns:
+        """The tables' columns for the compiled passes, made once those are loaded (waits for
+        ``start_warm_up``'s load the first time; its error raised here)."""
+        if self._cols is None:
+            wait_warm_up()
+            self._cols = columns(self._tabs)
+        return self._cols
+
+    def _split(self, names: Sequence[str]) -> tuple[list[str], np.ndarray]:
+        """``names`` in table order, and their table indexes."""
+        key = tuple(names)
+        got = self._parts.get(key)
+        if got is None:
+            ordered = sorted(names, key=self._index.__getitem__)
+            got = self._parts[key] = (ordered, np.array([self._index[t] for t in ordered], np.int64))
+        return got
+
+    def _flights(self, now: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ids the pulls in flight (planned within the read bound) refresh, and per pull and table where they start."""
+        self._inflight[:] = [e for e in self._inflight if now - e[1] <= self.config.bound]
+        if not self._inflight:
+            return NO_IDS, NO_FLIGHTS
+        if len(self._inflight) == 1:
+            return self._inflight[0][2], self._inflight[0][3].reshape(1, -1)
+        base = np.cumsum([0] + [len(e[2]) for e in self._inflight[:-1]])
+        return np.concatenate([e[2] for e in self._inflight]), np.stack([e[3] + b for e, b in zip(self._inflight, base)])
+
+    def plan(self, sparse: Mapping[str, torch.Tensor], now: int) -> Plan:
+        """Split a pull of ``sparse`` (table -> sorted unique ids) at clock ``now``."""
+        names, parts = self._split(list(sparse))
+        arrays = [as_ids(sparse[t]) for t in names]
+        ids = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else NO_IDS
+        counts = np.array([len(a) for a in arrays], np.int64)
+        offs = offsets(counts)
+        row_offs = offsets(counts * self._dims[parts])
+        out = torch.empty(int(row_offs[-1]))
+        oldest = np.full((len(names), self.num_shards), NONE, np.int64)
+        bound = self.config.bound
+        with self._lock:
+            flights, foffs = self._flights(now) if bound > 0 else (NO_IDS, NO_FLIGHTS)
+            code, done = plan_all(*self._columns(), parts, ids, offs, now, bound, flights, foffs, out.numpy(), row_offs, oldest)
+            miss = np.flatnonzero(code == 0)
+            later = np.flatnonzero(code == 2) if bound > 0 else NO_IDS
+            miss_offs = np.searchsorted(miss, offs)
+            miss_ids = ids[miss]
+            if bound > 0:
+                table_offs = np.zeros(len(self._tabs) + 1, np.int64)
+                table_offs[parts + 1] = np.diff(miss_offs)
+                self._inflight.append((id(out), now, miss_ids, np.cumsum(table_offs)))
+            for t, (hit, refreshed) in zip(names, done.tolist()):
+                self.hits[t] += hit
+                self.refreshed[t] += refreshed
+        plan = Plan(now, names, parts, ids, offs, out, row_offs, oldest, later, miss, miss_offs)
+        plan.miss = {t: torch.from_numpy(miss_ids[miss_offs[k]: miss_offs[k + 1]]) for k, t in enumerate(names)}
+        return plan
+
+    def merge(self, plan: Plan, pulled: PullResult) -> tuple[PullResult, dict[str, torch.Tensor]]:
+        """The pull's answer for every id of the plan (cached rows and pulled ones), and the
+        pulled rows stored. Its table versions are, per shard and table, the oldest of any row's.
+        Also returns, per table, the ids of ``later`` rows the cache still lacks (an earlier pull
+        that never came back): the caller pulls those and ``fill``s them in."""
+        versions = dict(pulled.table_versions)
+        lacking: dict[str, torch.Tensor] = {}
+        names, parts, oldest, out = plan.names, plan.parts, plan.oldest, plan.out.numpy()
+        with self._lock:
+            if len(plan.miss_pos):
+                self._store(plan, pulled)
+            if self.config.bound > 0:
+                self._inflight[:] = [e for e in self._inflight if e[0] != id(plan.out)]
+            if len(plan.later):
+                loffs = np.searchsorted(plan.later, plan.offs)
+                gone = later_all(*self._columns(), parts, plan.ids, plan.offs, plan.later, loffs, plan.now - self.config.bound, out,
+                                 plan.row_offs, oldest)
+                if len(gone):
+                    at = np.searchsorted(loffs, gone, side="right") - 1
+                    for k in np.unique(at).tolist():
+                        lacking[names[k]] = torch.from_numpy(plan.ids[plan.later[gone[at == k]]])
+        rows: dict[str, torch.Tensor] = {}
+        offs, row_offs = plan.offs.tolist(), plan.row_offs.tolist()
+        for k, (t, g) in enumerate(zip(names, parts.tolist())):
+            got = pulled.rows.get(t)
+            part = torch.from_numpy(out[row_offs[k]: row_offs[k + 1]].reshape(offs[k + 1] - offs[k], self._dim_list[g]))
+            rows[t] = part if got is None or got.dtype == torch.float32 else part.to(got.dtype)
+        for k, row in enumerate(oldest.tolist()):
+            for sh, v in enumerate(row):
+                if v != NONE:
+                    key = (sh, names[k])
+                    versions[key] = min(v, versions.get(key, v))
+        return PullResult(rows, pulled.dense, versions, pulled.dense_versions, pulled.ack), lacking
+
+    def _went_back(self, pulled: PullResult, names: Sequence[str], parts: np.ndarray) -> None:
+        """A shard whose table version went back (restarted from a checkpoint, or reset): the
+        rows read from it before are refreshed on their next pull."""
+        for (s, t), v in pulled.table_versions.items():
+            g = self._index.get(t)
+            if g is None or t not in names or s >= self.num_shards:
+                continue
+            if v < self._max_version[g, s]:
+                tab = self._tabs[g]
+                stale = np.flatnonzero(tab.used[: tab.top] & (tab.shard[: tab.top] == s))
+                tab.read_clock[stale] = STALE
+                self.invalidated[t] += len(stale)
+                self._max_version[g, s] = v
+            self._max_version[g, s] = max(v, self._max_version[g, s])
+
+    def _store(self, plan: Plan, pulled: PullResult) -> None:
+        """The pulled rows into the cache: refreshed where cached, placed (evicting where the
+        table is full) where not; the answer's rows of them as stored (with the worker's own
+        changes the shard's answer lacks)."""
+        names, parts, moffs = plan.names, plan.parts, plan.miss_offs
+        self._went_back(pulled, names, parts)
+        versions = read_versions(pulled, names, self.num_shards)
+        got = [np.ascontiguousarray(pulled.rows[t].float().numpy()).reshape(-1) if moffs[k + 1] > moffs[k] else NO_ROWS
+               for k, t in enumerate(names)]
+        flat = got[0] if len(got) == 1 else np.concatenate(got)
+        got_offs = offsets([len(x) for x in got])
+        keys, pos = plan.ids[plan.miss_pos], plan.miss_pos
+        got_row = np.arange(len(keys), dtype=np.int64) - np.repeat(moffs[:-1], np.diff(moffs))
+        koffs = moffs
+        for attempt in range(2):
+            for g, n in zip(parts.tolist(), np.diff(koffs).tolist()):
+                if self._tabs[g].room(n):
+                    set_cells(self._columns().cells, g, self._tabs[g].cells)
+            top = np.array([tab.top for tab in self._tabs], np.int64)
+            nfree = np.array([tab.nfree for tab in self._tabs], np.int64)
+            unplaced, placed, nplaced = store_all(*self._columns(), parts, keys, koffs, pos, flat, got_offs, got_row, versions, plan.now,
+                                                  self.num_shards, top, nfree, plan.out.numpy(), plan.row_offs, plan.offs)
+            self._placed(parts, top, nfree, placed, nplaced)
+            if not len(unplaced) or attempt:
+                return
+            # Full tables: evict rows the current pull does not want, then place the rest.
+            at = np.searchsorted(koffs, unplaced, side="right") - 1
+            for k in np.unique(at).tolist():
+                g = int(parts[k])
+                self._evict(names[k], self._tabs[g], int((at == k).sum()), plan.ids[plan.offs[k]: plan.offs[k + 1]])
+            keys, pos, got_row, koffs = keys[unplaced], pos[unplaced], got_row[unplaced], np.searchsorted(unplaced, koffs)
+
+    def _placed(self, parts: np.ndarray, top: np.ndarray, nfree: np.ndarray, placed: np.ndarray, nplaced: np.ndarray) -> None:
+        """After ``store_all``: the tables' slot counters, index fill and new rows' rule state."""
+        at = 0
+        for k, n in enumerate(nplaced.tolist()):
+            if not n:
+                continue
+            tab = self._tabs[int(parts[k])]
+            tab.top, tab.nfree = int(top[parts[k]]), int(nfree[parts[k]])
+            tab.filled += n
+            if tab.state:
+                tab.reset_state(placed[at: at + n])
+            at += n
+
+    def _evict(self, t: str, tab: Table, n: int, protected: np.ndarray) -> None:
+        victims = tab.victims(n, protected, self.config.policy)
+        if not len(victims):
+            return
+        held = victims[tab.pending_since[victims] != NONE]
+        if len(held):
+            self._evicted.append((t, tab.ids[held].copy(), tab.pending[torch.from_numpy(held)].clone(),
+                                  tab.shard[held].copy(), tab.pending_version[held].copy()))
+            self._holding[self._index[t]] -= len(held)
+        tab.remove(victims)
+        self.evictions[t] += len(victims)
+
+    def pending_rows(self) -> int:
+        """Rows whose gradients are held (counted as they are held and pushed: no scan)."""
+        with self._lock:
+            return int(self._holding.sum()) + sum(len(e[1]) for e in self._evicted)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes each table's cache holds (the slots used: values, pending sums, the local
+        changes held and in flight, the local rule's state, their columns; the id index)."""
+        return {t: tab.size * ((tab.dim * 4 + 2) * 4 + sum(a[0].nbytes for a in tab.state.values()) + 8 * 9) + tab.index_entries() * 16
+                for t, tab in self.tables.items()}
+
+
+class CachedClient:
+    """A ``PSClient``'s pull, push and push_pull through a ``RowCache`` (or straight through,
+    with none), counting rows and bytes moved per table (``TrafficMeter``)."""
+
+    def __init__(self, inner: PSClient, config: RowCacheConfig, dims: Mapping[str, int], meter: TrafficMeter) -> None:
+        self.inner = inner
+        self.cache = RowCache(config, dims, inner.num_shards) if config.active else None
+        self.meter = meter
+        self.clock = 0  # the last clock pushed: the "now" of the next pull
+
+    def use_tables(self, tables: Sequence[TableConfig]) -> None:
+        """The specs the worker declared: the cache applies their rules to its rows (``RowCache.use_tables``)."""
+        if self.cache is not None:
+            self.cache.use_tables(tables)
+
+    @property
+    def config(self) -> Any:
+        """The client's ``ClientConfig`` (deadlines, wire dtype)."""
+        return self.inner.config
+
+    def _plan(self, sparse: Mapping[str, torch.Tensor]) -> Plan | None:
+        self.meter.wanted(sparse, self.clock)
+        if self.cache is None:
+            self.meter.pulled(sparse)
+            return None
+        plan = self.cache.plan(sparse, self.clock)
+        self.meter.pulled(plan.miss)
+        self.meter.cache(self.cache)
+        return plan
+
+    def _answer(self, plan: Plan | None, handle: Handle[PullResult]) -> Handle[PullResult]:
+        if plan is None or self.cache is None:
+            return handle
+        cache, inner = self.cache, self.inner
+
+        def combine(answers: list[PullResult]) -> PullResult:
+            result, lacking = cache.merge(plan, answers[0])
+            if lacking:
+                # Rows another pull was refreshing, which never came back: pulled now, on their own.
+                self.meter.pulled(lacking)
+                extra = inner.pull(dict(lacking)).result(inner.config.call_deadline_s + inner.config.timeout_s)
+                fill(result, plan, lacking, extra)
+            return result
+
+        return Handle([handle], combine)
+
+    def _due(self, sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None, clock: int,
+             versions: PullResult | None, flush: bool = False) -> tuple[Mapping[str, tuple[torch.Tensor, ...]], PullResult | None]:
+        if self.cache is None:
+            self.meter.pushed(sparse or {})
+            return sparse or {}, versions
+        grads, table_versions = self.cache.accumulate(sparse or {}, clock, versions, flush)
+        self.meter.pushed(grads)
+        if self.cache.config.writes == 0 and versions is not None and sparse is not None and grads.keys() == sparse.keys() and all(
+                len(grads[t]) == 2 and len(grads[t][0]) == len(sparse[t][0]) and torch.equal(grads[t][0], sparse[t][0]) for t in grads):
+            # Every row's gradient goes as it was made (write bound 0): the step's own versions
+            # (and, for DC-ASGD, the values it read), as without a cache. With a write bound the
+            # sums are never the step's own gradients, even where their ids are the step's (a
+            # rule with no statistics, SGD, sends none to tell them apart).
+            return grads, versions
+        # Combined gradients: their oldest read versions; no read values (DC-ASGD is not applied to them).
+        return grads, PullResult({}, {}, table_versions, dict(versions.dense_versions) if versions else {})
+
+    def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = ()) -> Handle[PullResult]:
+        plan = self._plan(sparse or {})
+        ask = dict(sparse or {}) if plan is None else {t: ids for t, ids in plan.miss.items() if len(ids)}
+        return self._answer(plan, self.inner.pull(ask, dense))
+
+    def push(self, sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+             dense: Mapping[str, torch.Tensor] | None = None, clock: int = 0, versions: PullResult | None = None) -> Handle[PushAck]:
+        self.clock = max(self.clock, clock)
+        grads, read = self._due(sparse, clock, versions)
+        return self.inner.push(grads, dense, clock=clock, versions=read)
+
+    def push_pull(self, push_sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                  push_dense: Mapping[str, torch.Tensor] | None = None, pull_sparse: Mapping[str, torch.Tensor] | None = None,
+                  pull_dense: Sequence[str] = (), clock: int = 0, versions: PullResult | None = None) -> Handle[PullResult]:
+        self.clock = max(self.clock, clock)
+        grads, read = self._due(push_sparse, clock, versions)
+        plan = self._plan(pull_sparse or {})
+        ask = dict(pull_sparse or {}) if plan is None else {t: ids for t, ids in plan.miss.items() if len(ids)}
+        return self._answer(plan, self.inner.push_pull(grads, push_dense, ask, pull_dense, clock=clock, versions=read))
+
+    def flush(self, clock: int | None = None) -> Handle[PushAck] | None:
+        """Push every held gradient now (at ``clock``; None: the last clock pushed), or None
+        when nothing is held."""
+        if self.cache is None or not self.cache.pending_rows():
+            return None
+        at = self.clock if clock is None else clock
+        grads, read = self._due({}, at, None, flush=True)
+        return self.inner.push(grads, {}, clock=at, versions=read)

@@ -1,0 +1,107 @@
+"""How a worker calls its shards: ``ClientConfig``, ``PSClient``'s config (a ``Trainer`` makes it
+from its training config with ``ClientConfig.for_training``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from tether.common.choices import (
+    CLIENT_CALL_DEADLINE_S, CLIENT_STALENESS_AWARE, CLIENT_TIMEOUT_S, CLIENT_TRANSPORT, CLIENT_WIRE_DTYPE, or_names,
+)
+from tether.common.security import ClientSecurity
+from tether.protos.codec import WIRE_DTYPES
+from tether.protos.names import TRANSPORTS
+from tether.worker.cache.parts import RowCacheConfig
+
+if TYPE_CHECKING:
+    from tether.worker.config import TrainingConfig
+
+__all__ = ["ClientConfig"]
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Where the shards are and how to call them (``PSClient``'s config; a ``Trainer`` makes it
+    with ``ClientConfig.for_training``)."""
+
+    addresses: tuple[str, ...]
+    worker_id: str
+    # Deadline of one attempt (one RPC or data-plane round trip).
+    timeout_s: float = CLIENT_TIMEOUT_S
+    # Retries of a transient failure: None retries until ``call_deadline_s``; a number stops after
+    # that many retries (or at the deadline, if sooner).
+    retries: int | None = None
+    backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+    max_message_bytes: int = 256 * 1024 * 1024
+    chunk_elems: int = 1 << 20
+    wire_dtype: torch.dtype = WIRE_DTYPES[CLIENT_WIRE_DTYPE]
+    threads: int = 8
+    staleness_aware: bool = CLIENT_STALENESS_AWARE
+    # DC-ASGD's lambda (0: off): pushes carry the values they were computed on.
+    delay_compensation: float = 0.0
+    security: ClientSecurity = field(default_factory=ClientSecurity)
+    # HTTP/2 keepalive: a connection that stops answering pings this long plus a bit is
+    # given up, so a partition or a dead shard is noticed without waiting for TCP.
+    keepalive_s: float = 10.0
+    # How Push/Pull/PushPull travel: "auto" uses the shard's data plane, with shared memory
+    # when the shard is on this machine; "tcp" the data plane without shared memory; "grpc"
+    # everything over gRPC. With TLS the data plane's TCP connections run inside TLS too.
+    transport: str = CLIENT_TRANSPORT
+    # The longest one call takes, every attempt, backoff and data-plane fallback included; then
+    # it raises Unavailable. Each attempt gets min(timeout_s, what is left). Checkpoint calls
+    # and SSP waits have their own limits (see ``checkpoint`` and ``clock``).
+    call_deadline_s: float = CLIENT_CALL_DEADLINE_S
+    # The worker's row cache (tether.worker.cache.row_cache): off by default.
+    cache: RowCacheConfig = field(default_factory=RowCacheConfig)
+
+    @classmethod
+    def for_training(cls, config: TrainingConfig) -> ClientConfig:
+        """The client of one worker of a training job (the rest at the client's defaults)."""
+        return cls(
+            addresses=config.shards,
+            worker_id=config.worker_name,
+            timeout_s=config.timeout_s,
+            call_deadline_s=config.call_deadline_s,
+            wire_dtype=WIRE_DTYPES[config.wire_dtype],
+            transport=config.transport,
+            # In sync every rank's gradients of a step were computed on the same parameters
+            # (those after the previous step's barrier): none is stale, though the shard sees
+            # the other ranks' pushes of that step land first. So sync never asks for it.
+            staleness_aware=config.staleness_aware and config.mode.kind != "sync",
+            delay_compensation=config.delay_compensation,
+            security=config.security,
+            # Sync is exact: its ranks read every row fresh each step (TrainingConfig refuses a cache there).
+            cache=config.row_cache,
+        )
+
+    def __post_init__(self) -> None:
+        if not self.addresses:
+            raise ValueError("at least one shard address is needed")
+        for a in self.addresses:
+            if ":" not in a:
+                raise ValueError(f"shard address must be host:port, got {a!r}")
+        if not self.worker_id:
+            raise ValueError("worker_id must not be empty")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.retries is not None and self.retries < 0:
+            raise ValueError(f"retries must be >= 0 or None (until the call's deadline), got {self.retries!r}")
+        if self.chunk_elems < 1:
+            raise ValueError(f"chunk_elems must be >= 1, got {self.chunk_elems!r}")
+        if self.wire_dtype not in WIRE_DTYPES.values():
+            raise ValueError(f"wire_dtype must be {or_names(WIRE_DTYPES)}, got {self.wire_dtype}")
+        if not isinstance(self.security, ClientSecurity):
+            raise ValueError(f"security must be a ClientSecurity, got {type(self.security).__name__}")
+        if not self.keepalive_s > 0:
+            raise ValueError(f"keepalive_s must be > 0, got {self.keepalive_s!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if not 0 < self.backoff_s <= self.max_backoff_s:
+            raise ValueError(f"need 0 < backoff_s <= max_backoff_s, got {self.backoff_s!r}, {self.max_backoff_s!r}")
+        if not (isinstance(self.call_deadline_s, (int, float)) and 0 < self.call_deadline_s < math.inf):
+            raise ValueError(f"call_deadline_s must be a finite number of seconds > 0, got {self.call_deadline_s!r}")

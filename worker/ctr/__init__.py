@@ -1,0 +1,1 @@
+"""The built-in CTR job: its DLRM-style model and the job that trains it through the public training API."""

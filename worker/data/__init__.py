@@ -1,0 +1,1 @@
+"""Data readers: the synthetic click log, Criteo-format files and Parquet, streamed in batches."""
