@@ -9,12 +9,15 @@ import threading
 import time
 from collections.abc import Sequence
 
+from prometheus_client import CollectorRegistry
+
+from tether.common.metrics_http import serve_metrics
 from tether.common.exits import DONE, FAILED, exit_process, run_command, usage_checks
 from tether.protos.errors import TetherError, UsageError
 from tether.rules import row_kernels
 from tether.server.config import ShardConfig, load_config
 from tether.common.allocator import tune_malloc
-from tether.server.metrics import NullShardMetrics, ShardRecorder
+from tether.server.metrics import NullShardMetrics, ShardMetrics, ShardRecorder
 from tether.server.serving.serve import start_shard
 
 __all__ = ["main", "run"]
@@ -54,10 +57,6 @@ def run(config: ShardConfig) -> int:
     threading.Thread(target=_warm_up_kernels, name="tether-kernels", daemon=True).start()
     metrics: ShardRecorder = NullShardMetrics()
     if config.metrics_port is not None:
-        from prometheus_client import CollectorRegistry
-
-        from tether.server.metrics import ShardMetrics, serve_metrics
-
         registry = CollectorRegistry()
         metrics = ShardMetrics(registry)
         try:

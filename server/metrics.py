@@ -9,7 +9,7 @@ from typing import Any, Protocol, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tether.protos.errors import REJECT_REASONS as _ERROR_REASONS
-from tether.common.metrics_http import register_process_metrics, serve_metrics
+from tether.common.metrics_http import register_process_metrics
 
 __all__ = [
     "CHECKPOINT_BUCKETS",
@@ -20,7 +20,6 @@ __all__ = [
     "NullShardMetrics",
     "ShardMetrics",
     "ShardRecorder",
-    "serve_metrics",
 ]
 
 # 50us .. 5s: a loopback Info call is ~100us, a 256 MiB push is seconds.

@@ -212,9 +212,11 @@ def test_helpers_validate_label_values() -> None:
     assert worker.registry.get_sample_value("tether_worker_staleness_wait_seconds_total") == 1.25
 
 
-def test_serve_metrics_is_shared_from_protos() -> None:
-    assert shard_metrics.serve_metrics is metrics_http.serve_metrics
-    assert worker_metrics.serve_metrics is metrics_http.serve_metrics
+def test_serve_metrics_is_common_to_shards_and_workers() -> None:
+    # One HTTP server for both sides: neither metrics module carries a copy or a re-export of it.
+    assert not hasattr(shard_metrics, "serve_metrics")
+    assert not hasattr(worker_metrics, "serve_metrics")
+    assert callable(metrics_http.serve_metrics)
 
 
 def test_worker_metrics_do_not_import_the_server() -> None:

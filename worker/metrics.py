@@ -9,9 +9,9 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tether.common.metrics_http import register_process_metrics, serve_metrics
+from tether.common.metrics_http import register_process_metrics
 
-__all__ = ["PHASES", "PHASE_BUCKETS", "STEP_BUCKETS", "NullWorkerMetrics", "WorkerMetrics", "WorkerRecorder", "serve_metrics"]
+__all__ = ["PHASES", "PHASE_BUCKETS", "STEP_BUCKETS", "NullWorkerMetrics", "WorkerMetrics", "WorkerRecorder"]
 
 PHASES: tuple[str, ...] = ("pull_wait", "compute", "push", "staleness_wait")
 # 50us .. 10s: a prefetched pull costs ~nothing, an ssp wait behind a straggler costs seconds.

@@ -37,7 +37,7 @@ import torch
 from tether.protos.errors import InvalidArgument
 from tether.protos.partition import dense_shard, shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.storage.shard import DenseState, ShardState, TableState
+from tether.server.storage.shard_records import DenseState, ShardState, TableState
 
 __all__ = [
     "CHECKSUM",

@@ -29,6 +29,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from prometheus_client import CollectorRegistry
 import torch
 from torch import nn
 
@@ -43,7 +44,8 @@ from tether.worker.data.synthetic import in_background
 from tether.worker.training.embedding import PSModel
 from tether.worker.client.local import LocalClient
 from tether.worker.training.table_rules import apply_rules
-from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
+from tether.common.metrics_http import serve_metrics
+from tether.worker.metrics import NullWorkerMetrics, WorkerMetrics, WorkerRecorder
 from tether.worker.training.policies import policy_for
 from tether.worker.training.step import PHASES, Step
 from tether.worker.training.run_record import POINT_KEYS, Point, RunRecord
@@ -408,10 +410,6 @@ def _recorder(config: TrainingConfig, metrics: WorkerRecorder | None) -> tuple[W
         if config.metrics_port is not None:
             log.warning("metrics_port %d: not served: the Trainer was given metrics of the caller's, to serve", config.metrics_port)
         return metrics if metrics is not None else NullWorkerMetrics(), None
-    from prometheus_client import CollectorRegistry
-
-    from tether.worker.metrics import WorkerMetrics
-
     registry = CollectorRegistry()
     return WorkerMetrics(registry), registry
 
@@ -419,8 +417,6 @@ def _recorder(config: TrainingConfig, metrics: WorkerRecorder | None) -> tuple[W
 def _serve(registry: Any, port: int) -> tuple[Any, int]:
     """Serve ``registry`` at ``/metrics`` on ``port`` (torchrun ranks on one machine share it: each
     takes ``port`` + its local rank); the server and its port. Raises ``UsageError``: port taken or out of range."""
-    from tether.worker.metrics import serve_metrics
-
     if port and "LOCAL_RANK" in os.environ:
         port += int(os.environ["LOCAL_RANK"])
     try:
