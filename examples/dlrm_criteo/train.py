@@ -29,17 +29,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.worker.data.criteo import CRITEO_DENSE, CRITEO_SPARSE, CriteoStream, criteo_eval_set, write_criteo_sample
-from tether.worker.data.synthetic import Batch
-from tether.worker.training.embedding import ShardedEmbeddingBag
-from tether.worker.training.evaluation import constant_baseline_loss, evaluate
-from tether.worker.ctr.model import CTRModel
-from tether.worker.training.trainer import Trainer, TrainingConfig
+from tether import CriteoStream, OptimizerConfig, ShardedEmbeddingBag, TableConfig, Trainer, TrainingConfig, constant_baseline_loss
+# The built-in CTR model and its Criteo helpers (internal modules: this example trains tether's own model).
 from tether.worker.ctr.job import ctr_loss, ctr_sparse
+from tether.worker.ctr.model import CTRModel
+from tether.worker.data.criteo import CRITEO_DENSE, CRITEO_SPARSE, criteo_eval_set, write_criteo_sample
+from tether.worker.data.synthetic import Batch
+from tether.worker.training.evaluation import evaluate
 
 if TYPE_CHECKING:
-    from tether.worker.data.parquet import ParquetStream
+    from tether import ParquetStream
 
 HOLDOUT = 10
 SHUFFLE_ROWS = 65_536
@@ -72,7 +71,7 @@ def parquet_data(a: argparse.Namespace, config: TrainingConfig) -> tuple[Parquet
     worker's position is kept (``--position DIR``: DIR/worker-<i>.json, read to resume and
     written when training ends)."""
     # Imported here: pyarrow is an optional extra (pip install 'tether[parquet]').
-    from tether.worker.data.parquet import HoldOut, ParquetStream
+    from tether import HoldOut, ParquetStream
     holdout = HoldOut.every_nth(HOLDOUT)
     held_out = next(iter(ParquetStream(a.data, a.eval_samples, ctr=True, holdout=holdout, held_out=True)))
     click_rate = float(next(iter(ParquetStream(a.data, 20_000, ctr=True, holdout=holdout))).labels.mean())

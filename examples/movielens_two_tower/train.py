@@ -23,8 +23,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from movielens import rating_batches, read_ratings, write_ratings  # noqa: E402
 
-from tether.worker.training.embedding import ShardedEmbeddingBag  # noqa: E402
-from tether.worker.training.trainer import Trainer, TrainingConfig  # noqa: E402
+from tether import ShardedEmbeddingBag, Trainer, TrainingConfig  # noqa: E402
 
 
 class TwoTower(nn.Module):

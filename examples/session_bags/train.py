@@ -18,9 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tether.worker.training.embedding import ShardedEmbeddingBag
-from tether.worker.training.evaluation import auc, constant_baseline_loss, log_loss
-from tether.worker.training.trainer import Trainer, TrainingConfig
+from tether import ShardedEmbeddingBag, Trainer, TrainingConfig, auc, constant_baseline_loss, log_loss
 
 NUM_ITEMS = 5000
 MAX_HISTORY = 30
