@@ -19,7 +19,8 @@ from tether.worker.config import TrainingConfig
 from tether.worker.training.embedding import ShardedEmbeddingBag
 from tether.worker.training.policies import AsyncPolicy, SSPPolicy
 from tether.worker.client.results import Handle, PullResult, PushAck
-from tether.worker.training.step import Step, check_window
+from tether.worker.training.mode import check_window
+from tether.worker.training.step import Step, StepContext
 from tether.worker.training.transfer import Prefetch, first
 
 
@@ -92,12 +93,19 @@ class _FakeTrainer:
         return {"t": batch["id"]}
 
 
+def _context(trainer: _FakeTrainer) -> StepContext:
+    """The fake trainer's parts as a step sees them (no client: these policies never wait)."""
+    return StepContext(config=trainer.config, client=None, name=trainer.name, policy=trainer.policy, ps=trainer.ps,  # type: ignore[arg-type]
+                       model=trainer.model, device=trainer.device, loss_fn=trainer.loss_fn, sparse_fn=trainer.sparse_fn,
+                       printer=trainer.printer)
+
+
 def _batches(n: int) -> Iterator[dict[str, torch.Tensor]]:
     return iter([{"id": torch.tensor([b]), "x": torch.ones(1, 1)} for b in range(n)])
 
 
 def _run(trainer: _FakeTrainer, n: int) -> Step:
-    step = Step(trainer, _batches(n), 0)  # type: ignore[arg-type]
+    step = Step(_context(trainer), _batches(n), 0)
     for i in range(n):
         step.run(i)
         assert step.in_flight <= trainer.config.push_window + 1  # K + the push just made
@@ -146,7 +154,7 @@ def test_window_three_keeps_three_in_flight_and_settles_each_push_once() -> None
 
 def test_worker_zero_settles_every_push_before_it_evaluates() -> None:
     trainer = _FakeTrainer(steps=12, window=3, eval_every=4)
-    step = Step(trainer, _batches(12), 0)  # type: ignore[arg-type]
+    step = Step(_context(trainer), _batches(12), 0)
     for i in range(4):
         step.run(i)
         if i < 3:
@@ -187,9 +195,9 @@ def test_windows_that_mean_nothing_are_refused() -> None:
     with pytest.raises(UsageError, match="--no-prefetch"):
         check_window(2, False, "async")
     with pytest.raises(UsageError, match="--push-window 3"):
-        Step(_FakeTrainer(steps=4, window=3, mode="ssp:2", policy=SSPPolicy(2)), _batches(4), 0)  # type: ignore[arg-type]
+        Step(_context(_FakeTrainer(steps=4, window=3, mode="ssp:2", policy=SSPPolicy(2))), _batches(4), 0)
     with pytest.raises(UsageError, match="--no-prefetch"):
-        Step(_FakeTrainer(steps=4, window=2, prefetch=False), _batches(4), 0)  # type: ignore[arg-type]
+        Step(_context(_FakeTrainer(steps=4, window=2, prefetch=False)), _batches(4), 0)
     assert TrainingConfig.from_env(local=True, push_window=3).push_window == 3
 
 

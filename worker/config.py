@@ -25,7 +25,7 @@ from tether.common.choices import or_names as _names
 from tether.common.security import TOKEN_ENV, ClientSecurity, resolve_token
 from tether.protos.names import INIT_SCALE, OPTIMIZER, OPTIMIZER_LR, OPTIMIZERS, TRANSPORTS, WIRE_DTYPE_NAMES, check_optimizer
 from tether.worker.data.checks import check_criteo_data, check_parquet_data
-from tether.worker.training.mode import Mode, parse_mode
+from tether.worker.training.mode import Mode, check_window, parse_mode
 from tether.worker.training.stragglers import StragglerSpec, parse_straggler
 
 if TYPE_CHECKING:
@@ -328,8 +328,6 @@ class TrainingConfig:
                 "compensate (leave it at 0)"
             )
         if self.push_window != 1:  # refused here, at launch, not when the workers have joined
-            from tether.worker.training.step import check_window
-
             check_window(self.push_window, self.prefetch and self.mode.kind == "async", self.mode)
 
     def _check_cache_flags(self) -> None:

@@ -4,7 +4,9 @@ worker's policy (``tether.worker.training.policies``) read its ``kind`` and ``bo
 
 from __future__ import annotations
 
-__all__ = ["Mode", "parse_mode"]
+from tether.protos.errors import UsageError
+
+__all__ = ["Mode", "check_window", "parse_mode"]
 
 
 def parse_mode(mode: str) -> tuple[str, int | None]:
@@ -56,3 +58,24 @@ class Mode(str):
     def of(cls, mode: str) -> Mode:
         """``mode`` as a ``Mode``: one already parsed as it is, a text parsed (once, here)."""
         return mode if isinstance(mode, Mode) else cls(mode)
+
+
+def check_window(window: object, prefetch: bool, mode: str) -> int:
+    """``push_window`` as a count of pushes in flight, refused (one line) where it means nothing.
+
+    Raises:
+        UsageError: not an int >= 1; or > 1 where every push lands before the next pull (ssp,
+            sync, --no-prefetch).
+    """
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UsageError(f"push_window (--push-window) must be an int >= 1 (1: one push in flight, the default), got {window!r}")
+    if window == 1 or prefetch:
+        return window
+    kind = mode.split(":")[0]
+    why = {
+        "sync": "sync pushes in lock step, each landing before the barrier",
+        "ssp": f"{mode} lands every push before the next step reads, which is what holds every read to the bound; K pushes in "
+               "flight would let a worker's reads miss K more of each worker's steps (the shards would see clock staleness "
+               "up to S + K); use async with --push-window, or a larger S",
+    }.get(kind, "--no-prefetch lands every push before the next pull: drop one of the two")
+    raise UsageError(f"--push-window {window}: pushes in flight are for async with prefetching; {why}")

@@ -16,6 +16,7 @@ from torch import nn
 
 from tether.protos.errors import DeadlineExceeded, UsageError
 from tether.rules.optimizers import OptimizerConfig
+from tether.worker.client.local import LocalClient
 from tether.worker.client.ps_client import PSClient
 from tether.worker.config import TrainingConfig
 from tether.worker.training.embedding import PSModel, flat_grads, split_flat
@@ -38,7 +39,7 @@ class TrainerView(Protocol):
     def config(self) -> TrainingConfig: ...
 
     @property
-    def client(self) -> PSClient: ...
+    def client(self) -> PSClient | LocalClient: ...
 
     @property
     def name(self) -> str: ...
@@ -52,7 +53,7 @@ class AsyncPolicy:
     prefetch = True  # the next batch's rows may be pulled before this step's push lands
     settle_every_step = False
     dense_on_shards = True
-    # The staleness bound: before a step pulls, ``Step.run`` waits (the client's clock, asked
+    # The staleness bound: before a step pulls, ``before_step`` waits (the client's clock, asked
     # with it) until the slowest live worker is at most this many clocks behind. None: no wait.
     bound: int | None = None
     # The phases a progress line shows the share of (ssp's adds its staleness wait).
@@ -90,6 +91,21 @@ class AsyncPolicy:
                 raise DeadlineExceeded(f"only {reply.live_workers} of {cfg.num_workers} workers joined within {cfg.wait_timeout_s:.0f}s")
             time.sleep(0.05)
 
+    def before_step(self, trainer: TrainerView, clock: int) -> None:
+        """Called before the step that ends at ``clock`` pulls: with a ``bound``, wait (bounded by
+        ``wait_timeout_s``) until the slowest live worker is at most ``bound`` clocks behind.
+
+        Raises:
+            DeadlineExceeded: the slowest live worker stayed too far behind for ``wait_timeout_s``.
+        """
+        if self.bound is None:
+            return
+        cfg = trainer.config
+        reply = trainer.client.clock(clock, wait_bound=self.bound, timeout_s=cfg.wait_timeout_s)
+        if not reply.ready:
+            raise DeadlineExceeded(f"{trainer.name} waited {cfg.wait_timeout_s:.0f}s at clock {clock} for the slowest "
+                                   f"live worker (clock {reply.min_clock}, bound {self.bound})")
+
     def attach(self, ps: PSModel, optimizer: OptimizerConfig) -> None:
         """Called once the model is bound to the shards (``ps``) and declared, the dense
         parameters' rule ``optimizer``."""
@@ -118,7 +134,7 @@ class AsyncPolicy:
 
 class SSPPolicy(AsyncPolicy):
     """Stale synchronous parallel: a step waits while more than ``bound`` steps ahead of the
-    slowest live worker (``Step.run`` asks the client's clock with the bound) and pulls only once
+    slowest live worker (``before_step`` asks the client's clock with the bound) and pulls only once
     the wait is over; its push lands before the next step."""
 
     prefetch = False

@@ -25,23 +25,26 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Generic, TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
+from torch import nn
 
-from tether.protos.errors import DeadlineExceeded, TooStale, UsageError
+from tether.protos.errors import TooStale, UsageError
+from tether.worker.client.local import LocalClient
+from tether.worker.client.ps_client import PSClient
+from tether.worker.client.results import Handle, PullResult, PushAck
+from tether.worker.config import TrainingConfig
 from tether.worker.training.batches import to_device
-from tether.worker.client.ps_client import Handle, PullResult
-from tether.worker.client.results import PushAck
-from tether.worker.training.embedding import Prefetch
+from tether.worker.training.embedding import PSModel, Prefetch
+from tether.worker.training.mode import check_window
+from tether.worker.training.policies import AsyncPolicy
 from tether.worker.training.stragglers import delay_factor
 from tether.worker.training.transfer import first
 
-if TYPE_CHECKING:
-    from tether.worker.training.trainer import Trainer
-
-__all__ = ["PHASES", "Acks", "Step", "check_window"]
+__all__ = ["PHASES", "Acks", "Step", "StepContext"]
 
 log = logging.getLogger(__name__)
 
@@ -77,25 +80,21 @@ class Acks:
         return window
 
 
-def check_window(window: object, prefetch: bool, mode: str) -> int:
-    """``push_window`` as a count of pushes in flight, refused (one line) where it means nothing.
+@dataclass(frozen=True)
+class StepContext(Generic[B]):
+    """What one ``fit``'s steps use of the ``Trainer`` that runs them (and what its policy's waits
+    see of it: ``config``, ``client``, ``name``)."""
 
-    Raises:
-        UsageError: not an int >= 1; or > 1 where every push lands before the next pull (ssp,
-            sync, --no-prefetch).
-    """
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise UsageError(f"push_window (--push-window) must be an int >= 1 (1: one push in flight, the default), got {window!r}")
-    if window == 1 or prefetch:
-        return window
-    kind = mode.split(":")[0]
-    why = {
-        "sync": "sync pushes in lock step, each landing before the barrier",
-        "ssp": f"{mode} lands every push before the next step reads, which is what holds every read to the bound; K pushes in "
-               "flight would let a worker's reads miss K more of each worker's steps (the shards would see clock staleness "
-               "up to S + K); use async with --push-window, or a larger S",
-    }.get(kind, "--no-prefetch lands every push before the next pull: drop one of the two")
-    raise UsageError(f"--push-window {window}: pushes in flight are for async with prefetching; {why}")
+    config: TrainingConfig
+    client: PSClient | LocalClient
+    name: str
+    policy: AsyncPolicy
+    ps: PSModel
+    model: nn.Module
+    device: torch.device
+    loss_fn: Callable[[nn.Module, B], torch.Tensor]
+    sparse_fn: Callable[[B], Mapping[str, torch.Tensor | Sequence[torch.Tensor]]]
+    printer: Callable[[str], None]
 
 
 class Step(Generic[B]):
@@ -111,16 +110,13 @@ class Step(Generic[B]):
         UsageError: the stream holds no batch; a push window that means nothing here.
     """
 
-    def __init__(self, trainer: Trainer[B], stream: Iterator[B], start_clock: int) -> None:
-        cfg = trainer.config
-        self.trainer = trainer
+    def __init__(self, context: StepContext[B], stream: Iterator[B], start_clock: int) -> None:
+        cfg = context.config
+        self.trainer = trainer = context
         self.stream = stream
         self.start_clock = start_clock
         self.steps = cfg.steps
         self.wait_s = cfg.wait_s
-        # ssp:S: each step first waits until the slowest live worker is at most S clocks behind.
-        self.bound = trainer.policy.bound
-        self.wait_timeout_s = cfg.wait_timeout_s
         self.prefetch = cfg.prefetch and trainer.policy.prefetch
         self.window = check_window(getattr(cfg, "push_window", 1), self.prefetch, cfg.mode)
         # Without prefetching a step's push lands before the next step pulls (sequential SGD).
@@ -168,19 +164,16 @@ class Step(Generic[B]):
         return len(self.unsettled)
 
     def run(self, step: int) -> dict[str, float]:
-        """Step ``step`` (counted from 0 in this ``fit``) on ``batch``: wait for the bound (ssp),
-        pull, compute, push (and settle, where the policy says so). Returns each phase's seconds.
+        """Step ``step`` (counted from 0 in this ``fit``) on ``batch``: the policy's wait before a
+        step (ssp's bound), pull, compute, push (and settle, where the policy says so). Returns
+        each phase's seconds.
 
         Raises:
-            DeadlineExceeded: the wait for the slowest live worker ran past ``wait_timeout_s``.
+            DeadlineExceeded: the policy's wait for the slowest live worker ran past ``wait_timeout_s``.
         """
         clock = self.start_clock + step
         t0 = time.perf_counter()
-        if self.bound is not None:
-            reply = self.trainer.client.clock(clock, wait_bound=self.bound, timeout_s=self.wait_timeout_s)
-            if not reply.ready:
-                raise DeadlineExceeded(f"{self.trainer.name} waited {self.wait_timeout_s:.0f}s at clock {clock} for the slowest "
-                                       f"live worker (clock {reply.min_clock}, bound {self.bound})")
+        self.trainer.policy.before_step(self.trainer, clock)
         tw = time.perf_counter()
         pulled = self._pull(step)
         t1 = time.perf_counter()

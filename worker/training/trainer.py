@@ -47,7 +47,7 @@ from tether.worker.training.table_rules import apply_rules
 from tether.common.metrics_http import serve_metrics
 from tether.worker.metrics import NullWorkerMetrics, WorkerMetrics, WorkerRecorder
 from tether.worker.training.policies import policy_for
-from tether.worker.training.step import PHASES, Step
+from tether.worker.training.step import PHASES, Step, StepContext
 from tether.worker.training.run_record import POINT_KEYS, Point, RunRecord
 from tether.worker.training.tensorboard_writer import TensorBoardRecorder
 
@@ -256,7 +256,9 @@ class Trainer(Generic[B]):
             if self.board is not None:
                 self.board.write(history[-1])
         start_clock = policy.start(self)
-        steps = Step(self, stream, start_clock)
+        steps = Step(StepContext(config=cfg, client=self.client, name=self.name, policy=policy, ps=self.ps, model=self.model,
+                                 device=self.device, loss_fn=self.loss_fn, sparse_fn=self.sparse_fn, printer=self.printer),
+                     stream, start_clock)
         phase = dict.fromkeys(PHASES, 0.0)
         samples, eval_time, step = 0, 0.0, 0
         t_start, start_time = time.perf_counter(), time.time()
