@@ -74,7 +74,8 @@ def ledger_main(argv: list[str]) -> int:
 
     from tether.protos.errors import TetherError
     from tether.protos.specs import OptimizerConfig, TableConfig
-    from tether.worker.client.ps_client import ClientConfig, PSClient
+    from tether.worker.client.ps_client import PSClient
+    from tether.worker.client.config import ClientConfig
 
     import logging
 
@@ -563,7 +564,8 @@ class Chaos:
 
         from tether.protos.partition import shard_of_ids
         from tether.protos.specs import OptimizerConfig, TableConfig
-        from tether.worker.client.ps_client import ClientConfig, PSClient
+        from tether.worker.client.ps_client import PSClient
+        from tether.worker.client.config import ClientConfig
 
         sent: dict[int, float] = {}
         acked: dict[int, float] = {}

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     from tether.deploy.launch import LocalCluster
     from tether.protos.specs import OptimizerConfig
     from tether.common.allocator import tune_malloc
-    from tether.worker.client.ps_client import ClientConfig, PSClient
+    from tether.worker.client.ps_client import PSClient
+    from tether.worker.client.config import ClientConfig
 
     tune_malloc()  # what tether's own worker processes do at start-up
 

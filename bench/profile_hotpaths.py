@@ -46,7 +46,8 @@ def _client_loop(workload: str, addresses: list[str], seconds: float) -> None:
 
     from tether.protos.specs import OptimizerConfig, TableConfig
     from tether.common.allocator import tune_malloc
-    from tether.worker.client.ps_client import ClientConfig, PSClient
+    from tether.worker.client.ps_client import PSClient
+    from tether.worker.client.config import ClientConfig
 
     tune_malloc()  # what tether's own worker processes do at start-up
 

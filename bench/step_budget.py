@@ -60,7 +60,8 @@ class _Setup:
         from tether.server.serving.handler import RequestHandler
         from tether.server.storage.shard import Shard
         from tether.common.allocator import tune_malloc
-        from tether.worker.client.ps_client import ClientConfig, PSClient
+        from tether.worker.client.ps_client import PSClient
+        from tether.worker.client.config import ClientConfig
 
         tune_malloc()  # what tether's own worker processes do at start-up
 

@@ -155,7 +155,8 @@ def _client(addresses: list[str], wire: str = "float32", chunk_elems: int | None
     ``expect`` (how every shard must be reached, checked after the measurement)."""
     from tether.common.allocator import tune_malloc
     from tether.common.security import ClientSecurity
-    from tether.worker.client.ps_client import ClientConfig, PSClient
+    from tether.worker.client.ps_client import PSClient
+    from tether.worker.client.config import ClientConfig
 
     tune_malloc()  # what tether's own worker processes do at start-up
     conn = conn or {}

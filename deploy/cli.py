@@ -296,7 +296,8 @@ def _export(argv: Sequence[str]) -> int:
         model = load_model(a.model) if a.model is not None else None
         ckpt_id = a.id
         if a.shards is not None:
-            from tether.worker.client.ps_client import ClientConfig, PSClient
+            from tether.worker.client.ps_client import PSClient
+            from tether.worker.client.config import ClientConfig
 
             addresses = tuple(x.strip() for x in a.shards.split(",") if x.strip())
             for address in addresses or (a.shards,):

@@ -132,10 +132,10 @@ def _final_checkpoint(template: WorkerConfig, addresses: Sequence[str], root: Pa
     id they are one, restored onto any count. The shutdown then writes none: nothing changed since.
     A shard that cannot write it is one line; each shard's own shutdown checkpoint then follows."""
     from tether.protos.errors import TetherError
-    from tether.worker.client.ps_client import ClientConfig, PSClient
+    from tether.worker.client.ps_client import PSClient
 
     ckpt_id = f"final-{int(time.time() * 1000)}"
-    config = replace(ClientConfig.for_training(replace(template, shards=tuple(addresses))), worker_id="launcher")
+    config = replace(replace(template, shards=tuple(addresses)).client_config(), worker_id="launcher")
     client = PSClient(config)
     try:
         client.checkpoint(ckpt_id, timeout_s=120.0)

@@ -12,7 +12,7 @@ from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.codec import encode_ids, encode_tensor
 from tether.protos.errors import InvalidArgument, NotFound, Unavailable
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.worker.client.ps_client import ClientConfig
+from tether.worker.client.config import ClientConfig
 
 from conftest import make_client
 

@@ -25,7 +25,8 @@ from tether.protos.specs import TableConfig
 from tether.server import config as server_config
 from tether.server.config import ShardConfig
 from tether.worker import flags as worker_flags
-from tether.worker.config import ClientConfig, TrainingConfig, WorkerConfig
+from tether.worker.config import TrainingConfig, WorkerConfig
+from tether.worker.client.config import ClientConfig
 from tether.worker.client.local import LocalClient
 
 # Flags a parser has that are no config field: help, the preset that fills three fields, and the
@@ -169,7 +170,7 @@ def test_one_default_per_concept(clean_env: None) -> None:
     are the client's, its update rule and rate the optimizer's, its new rows' scale the
     table's (so passing tables= does not change where rows start)."""
     address = ("127.0.0.1:1",)
-    assert ClientConfig.for_training(TrainingConfig(shards=address)) == ClientConfig(addresses=address, worker_id="worker-0")
+    assert TrainingConfig(shards=address).client_config() == ClientConfig(addresses=address, worker_id="worker-0")
     assert fields.default_of(TrainingConfig, "wire_dtype") in WIRE_DTYPES
     optimizer = OptimizerConfig()
     job = TrainingConfig(local=True)
@@ -188,11 +189,11 @@ def test_one_default_per_concept(clean_env: None) -> None:
 def test_a_job_setting_reaches_the_client_in_one_call() -> None:
     cfg = TrainingConfig(shards=("127.0.0.1:1",), worker_index=2, num_workers=3, timeout_s=7.0, call_deadline_s=9.0,
                          wire_dtype="bfloat16", transport="tcp", staleness_aware=True)
-    client = ClientConfig.for_training(cfg)
+    client = cfg.client_config()
     assert (client.worker_id, client.timeout_s, client.call_deadline_s) == ("worker-2", 7.0, 9.0)
     assert (client.wire_dtype, client.transport, client.staleness_aware) == (WIRE_DTYPES["bfloat16"], "tcp", True)
     # In sync no gradient is stale: the shards are never asked to scale for it.
-    assert not ClientConfig.for_training(dataclasses.replace(cfg, mode="sync")).staleness_aware
+    assert not dataclasses.replace(cfg, mode="sync").client_config().staleness_aware
 
 
 # -- round trips: argv and environment, every field not at its default -----------------------------

@@ -318,7 +318,8 @@ _SMALL_SHM_RUN = textwrap.dedent(
     import subprocess, sys, time, torch
     from pathlib import Path
     from tether.protos.specs import OptimizerConfig
-    from tether.worker.client.ps_client import ClientConfig, PSClient
+    from tether.worker.client.ps_client import PSClient
+    from tether.worker.client.config import ClientConfig
 
     port_file = Path(sys.argv[1])
     shard = subprocess.Popen([sys.executable, "-m", "tether.server", "--port", "0", "--port-file", str(port_file),

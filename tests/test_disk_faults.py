@@ -34,7 +34,8 @@ from tether.server.metrics import ShardMetrics
 from tether.server.checkpoints.restore import list_manifests
 from tether.server.serving.serve import RunningShard, start_shard
 from tether.server.storage.shard import Shard, SparseUpdate
-from tether.worker.client.ps_client import ClientConfig, PSClient
+from tether.worker.client.ps_client import PSClient
+from tether.worker.client.config import ClientConfig
 
 TABLE = TableConfig("t", 64, OptimizerConfig("adagrad", 0.1), init_scale=0.0)
 EVERY_S = 0.25

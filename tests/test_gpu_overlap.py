@@ -429,7 +429,7 @@ def test_a_push_pull_answer_can_be_received_in_place() -> None:
     ``direct`` does a ``Pull``'s, and ``push_pull`` places them and returns the push's answer."""
     from tether.protos import tether_pb2 as pb
     from tether.protos.codec import wire_dtype
-    from tether.worker.config import ClientConfig
+    from tether.worker.client.config import ClientConfig
 
     router = Router(ClientConfig(addresses=("x:1",), worker_id="w"), 1)
     router.dims["e"] = 2

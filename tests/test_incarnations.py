@@ -35,7 +35,8 @@ ROW = 7
 _WORKER = """
 import json, sys, torch
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.worker.client.ps_client import ClientConfig, PSClient
+from tether.worker.client.ps_client import PSClient
+from tether.worker.client.config import ClientConfig
 address, n = sys.argv[1], int(sys.argv[2])
 client = PSClient(ClientConfig(addresses=(address,), worker_id="worker-0", timeout_s=10.0, retries=20, backoff_s=0.05, max_backoff_s=0.5))
 client.declare([TableConfig("emb", 4, OptimizerConfig("sgd", 1.0), init_scale=0.5)])

@@ -14,7 +14,8 @@ import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.serving.serve import RunningShard
-from tether.worker.client.ps_client import ClientConfig, PSClient
+from tether.worker.client.ps_client import PSClient
+from tether.worker.client.config import ClientConfig
 from tether.worker.training.trainer import TrainingConfig
 
 ROOT = Path(__file__).resolve().parents[1]

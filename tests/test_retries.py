@@ -19,7 +19,8 @@ from tether.protos.errors import OVERLOADED, ResourceExhausted, Unavailable, ret
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
 from tether.server.serving.serve import RunningShard, start_shard
-from tether.worker.client.ps_client import ClientConfig, PSClient
+from tether.worker.client.ps_client import PSClient
+from tether.worker.client.config import ClientConfig
 from tether.worker.metrics import NullWorkerMetrics
 
 TABLE = TableConfig("emb", 4, OptimizerConfig("sgd", 1.0), init_scale=0.0)

@@ -13,7 +13,7 @@ from torch import nn
 
 from tether.rules.optimizers import OptimizerConfig, rule
 from tether.protos.specs import TableConfig
-from tether.worker.config import ClientConfig, TrainingConfig
+from tether.worker.config import TrainingConfig
 from tether.worker.training.embedding import ShardedEmbeddingBag
 from tether.worker.client.local import LocalClient
 from tether.worker.client.results import PullResult
@@ -216,7 +216,6 @@ def test_a_table_version_going_back_refreshes_that_shards_rows() -> None:
 def test_flags_and_bad_values() -> None:
     config = TrainingConfig(local=True, cache_rows=100, cache_bound=3, cache_policy="lfu")
     assert config.row_cache == RowCacheConfig(100, 3, None, "lfu")
-    assert ClientConfig.for_training(TrainingConfig(shards=("h:1",), mode="async", cache_rows=5, cache_bound=2)).cache.rows == 5
     with pytest.raises(ValueError, match="sync"):
         TrainingConfig(shards=("h:1",), mode="sync", cache_rows=5, cache_bound=2)
     with pytest.raises(ValueError, match="--cache-rows"):
@@ -318,3 +317,22 @@ def test_held_rows_are_counted_without_a_scan() -> None:
         cache = cached.cache
         assert cache.pending_rows() == _held_by_scan(cache) + sum(len(e[1]) for e in cache._evicted), clock
     assert sum(cached.cache.evictions.values()) > 0
+
+
+def test_the_trainer_hands_its_training_configs_cache_to_the_model() -> None:
+    """The row cache goes from TrainingConfig.row_cache to PSModel, not through the client's config."""
+    from tether import ShardedEmbeddingBag, Trainer
+
+    class One(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.t = ShardedEmbeddingBag("t", 2)
+
+        def forward(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self.t(b["t"]).sum(1)
+
+    config = TrainingConfig(local=True, cache_rows=5, cache_bound=2)
+    with Trainer(One(), config, loss=lambda m, b: m(b).sum(), sparse=lambda b: {"t": b["t"]}) as trainer:
+        assert trainer.ps.rows.cache is not None and trainer.ps.rows.cache.config == config.row_cache
+    with Trainer(One(), TrainingConfig(local=True), loss=lambda m, b: m(b).sum(), sparse=lambda b: {"t": b["t"]}) as trainer:
+        assert trainer.ps.rows.cache is None

@@ -25,7 +25,7 @@ from tether.common.choices import or_names as _names
 from tether.common.security import TOKEN_ENV, ClientSecurity, resolve_token
 from tether.protos.names import INIT_SCALE, OPTIMIZER, OPTIMIZER_LR, OPTIMIZERS, TRANSPORTS, WIRE_DTYPE_NAMES, check_optimizer
 from tether.worker.data.checks import check_criteo_data, check_parquet_data
-from tether.worker.training.mode import Mode, check_window, parse_mode
+from tether.worker.training.mode import Mode, check_window
 from tether.worker.training.stragglers import StragglerSpec, parse_straggler
 
 if TYPE_CHECKING:
@@ -35,16 +35,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T", bound="TrainingConfig")
 
-__all__ = ["JOB", "MODEL", "MODEL_PRESETS", "PLACE", "PROCESS", "ClientConfig", "Mode", "TrainingConfig", "WorkerConfig", "parse_mode"]
-
-
-def __getattr__(name: str) -> Any:
-    """``ClientConfig``, still importable from here, imported (with torch) when first asked for."""
-    if name == "ClientConfig":
-        from tether.worker.client.config import ClientConfig
-
-        return ClientConfig
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["JOB", "MODEL", "MODEL_PRESETS", "PLACE", "PROCESS", "TrainingConfig", "WorkerConfig"]
 
 
 def parse_entries(text: str) -> tuple[str, ...]:
@@ -230,6 +221,28 @@ class TrainingConfig:
     def security(self) -> ClientSecurity:
         """How this worker's client authenticates to the shards."""
         return ClientSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key, token=self.auth_token)
+
+    def client_config(self) -> ClientConfig:
+        """The client of this worker (the rest at the client's defaults; the row cache is the
+        model's, ``row_cache``, not the client's)."""
+        # Torch with it (the wire dtypes): only where a worker runs, not in the launcher's help.
+        from tether.protos.codec import WIRE_DTYPES
+        from tether.worker.client.config import ClientConfig
+
+        return ClientConfig(
+            addresses=self.shards,
+            worker_id=self.worker_name,
+            timeout_s=self.timeout_s,
+            call_deadline_s=self.call_deadline_s,
+            wire_dtype=WIRE_DTYPES[self.wire_dtype],
+            transport=self.transport,
+            # In sync every rank's gradients of a step were computed on the same parameters
+            # (those after the previous step's barrier): none is stale, though the shard sees
+            # the other ranks' pushes of that step land first. So sync never asks for it.
+            staleness_aware=self.staleness_aware and self.mode.kind != "sync",
+            delay_compensation=self.delay_compensation,
+            security=self.security,
+        )
 
     @property
     def row_cache(self) -> RowCacheConfig:

@@ -1,11 +1,10 @@
 """How a worker calls its shards: ``ClientConfig``, ``PSClient``'s config (a ``Trainer`` makes it
-from its training config with ``ClientConfig.for_training``)."""
+from its training config with ``TrainingConfig.client_config``)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,10 +14,6 @@ from tether.common.choices import (
 from tether.common.security import ClientSecurity
 from tether.protos.codec import WIRE_DTYPES
 from tether.protos.names import TRANSPORTS
-from tether.worker.cache.parts import RowCacheConfig
-
-if TYPE_CHECKING:
-    from tether.worker.config import TrainingConfig
 
 __all__ = ["ClientConfig"]
 
@@ -26,7 +21,7 @@ __all__ = ["ClientConfig"]
 @dataclass(frozen=True)
 class ClientConfig:
     """Where the shards are and how to call them (``PSClient``'s config; a ``Trainer`` makes it
-    with ``ClientConfig.for_training``)."""
+    with ``TrainingConfig.client_config``)."""
 
     addresses: tuple[str, ...]
     worker_id: str
@@ -56,28 +51,6 @@ class ClientConfig:
     # it raises Unavailable. Each attempt gets min(timeout_s, what is left). Checkpoint calls
     # and SSP waits have their own limits (see ``checkpoint`` and ``clock``).
     call_deadline_s: float = CLIENT_CALL_DEADLINE_S
-    # The worker's row cache (tether.worker.cache.row_cache): off by default.
-    cache: RowCacheConfig = field(default_factory=RowCacheConfig)
-
-    @classmethod
-    def for_training(cls, config: TrainingConfig) -> ClientConfig:
-        """The client of one worker of a training job (the rest at the client's defaults)."""
-        return cls(
-            addresses=config.shards,
-            worker_id=config.worker_name,
-            timeout_s=config.timeout_s,
-            call_deadline_s=config.call_deadline_s,
-            wire_dtype=WIRE_DTYPES[config.wire_dtype],
-            transport=config.transport,
-            # In sync every rank's gradients of a step were computed on the same parameters
-            # (those after the previous step's barrier): none is stale, though the shard sees
-            # the other ranks' pushes of that step land first. So sync never asks for it.
-            staleness_aware=config.staleness_aware and config.mode.kind != "sync",
-            delay_compensation=config.delay_compensation,
-            security=config.security,
-            # Sync is exact: its ranks read every row fresh each step (TrainingConfig refuses a cache there).
-            cache=config.row_cache,
-        )
 
     def __post_init__(self) -> None:
         if not self.addresses:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -40,7 +40,8 @@ from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherErro
 from tether.rules.optimizers import OptimizerConfig
 from tether.protos.specs import TableConfig, table_conflict
 from tether.worker.client.ps_client import PSClient
-from tether.worker.config import ClientConfig, TrainingConfig
+from tether.worker.config import TrainingConfig
+from tether.worker.client.config import ClientConfig
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
 from tether.rules.push_hooks import check_combined
 from tether.worker.client.local_table import LocalDense, LocalTable
@@ -157,7 +158,6 @@ class LocalClient(PSClient):
                 "(TETHER_OUT, --out) to write only the data positions"
             )
         client = cls(config.worker_name, metrics, timeout_s=config.timeout_s, call_deadline_s=config.call_deadline_s)
-        client.config = replace(client.config, cache=config.row_cache)  # the row cache (PSModel) works in process too
         if every:
             log.warning("local mode: the tables live in this process and are not checkpointed; checkpoint_every_steps=%d "
                         "writes only the data positions (%s/positions)", every, config.out)

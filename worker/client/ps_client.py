@@ -22,7 +22,6 @@ import torch
 
 from tether.protos import framing as dp
 from tether.protos import tether_pb2 as pb
-from tether.common.security import ClientSecurity
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.protos.ssp import COORDINATOR_SHARD, MAX_CLOCK_HOLD_S
 from tether.worker.client.channel import Call, DataCall, ShardChannel, time_left
@@ -31,7 +30,7 @@ from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
 from tether.worker.client.results import CheckpointResult, ClockReply, Handle, Pending, PullResult, PushAck
 from tether.worker.client.router import PullAnswer, Router
 
-__all__ = ["CheckpointResult", "ClientConfig", "ClientSecurity", "ClockReply", "Handle", "PSClient", "PushAck", "PullResult"]
+__all__ = ["PSClient"]
 
 log = logging.getLogger(__name__)
 

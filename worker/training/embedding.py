@@ -28,7 +28,8 @@ from torch import nn
 
 from tether.protos.codec import int64_ids, is_id_dtype
 from tether.protos.errors import InvalidArgument, UsageError
-from tether.worker.client.ps_client import Handle, PSClient, PullResult
+from tether.worker.client.ps_client import PSClient
+from tether.worker.client.results import Handle, PullResult
 from tether.worker.training.cuda_steps import CudaSteps
 from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.metrics import NullWorkerMetrics
@@ -91,7 +92,9 @@ class PSModel(CudaSteps):
     calling thread.
     """
 
-    def __init__(self, model: nn.Module, client: PSClient, device: torch.device, dense_on_shards: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, client: PSClient, device: torch.device, dense_on_shards: bool = True, cache: RowCacheConfig | None = None,
+    ) -> None:
         self.model = model
         self.client = client
         self.device = device
@@ -143,7 +146,7 @@ class PSModel(CudaSteps):
         dims = {t: bags[0].dim for t, bags in self.bags.items()}
         wire = getattr(client.config, "wire_dtype", torch.float32)
         self.meter = TrafficMeter(dims, wire.itemsize, metrics, reuse=metrics is not None and not isinstance(metrics, NullWorkerMetrics))
-        self.rows = CachedClient(client, getattr(client.config, "cache", None) or RowCacheConfig(), dims, self.meter)
+        self.rows = CachedClient(client, cache or RowCacheConfig(), dims, self.meter)
         self._eval_warned = False
         if hasattr(model, "fused_lookup"):
             setattr(model, "fused_lookup", self.lookup)  # noqa: B010 - an attribute torch's Module typing does not know

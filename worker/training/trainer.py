@@ -37,7 +37,7 @@ from tether.common.allocator import tune_malloc
 from tether.common.exits import end_usage_errors_in_one_line
 from tether.protos.errors import FailedPrecondition, UsageError
 from tether.protos.specs import TableConfig
-from tether.worker.client.ps_client import ClientConfig, PSClient
+from tether.worker.client.ps_client import PSClient
 from tether.worker.training.batches import count_samples, pick_device, to_device
 from tether.worker.config import TrainingConfig
 from tether.worker.data.synthetic import in_background
@@ -133,13 +133,11 @@ class Trainer(Generic[B]):
         self.board = TensorBoardRecorder(Path(config.tensorboard) / f"worker-{config.worker_index}") if config.tensorboard else None
         # Local mode (config.local): no shards, the tables live in this process with the shards'
         # rules and initial rows; sync and several workers are refused there (tether.worker.client.local).
-        self.client = LocalClient.for_training(config, self.metrics) if config.local else PSClient(
-            ClientConfig.for_training(config), self.metrics
-        )
+        self.client = LocalClient.for_training(config, self.metrics) if config.local else PSClient(config.client_config(), self.metrics)
         try:
             if registry is not None and config.metrics_port is not None:
                 self._metrics_server, self.metrics_port = _serve(registry, config.metrics_port)
-            self.ps = PSModel(model.to(device), self.client, device, dense_on_shards=policy.dense_on_shards)
+            self.ps = PSModel(model.to(device), self.client, device, dense_on_shards=policy.dense_on_shards, cache=config.row_cache)
             # Each table's rule and the dense one: --table-optimizer/--optimizer-config, else the code's
             # specs, else --optimizer/--lr (tether.worker.training.table_rules).
             tables, opt = apply_rules(
