@@ -53,10 +53,11 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tether.rules.optimizers import rule
 from tether.protos.specs import TableConfig
+from tether.worker.client.api import ShardClient
 from tether.worker.client.results import Handle, PullResult, PushAck
 from tether.worker.cache.parts import (NO_FLIGHTS, NO_IDS, NO_ROWS, POLICIES, Plan, RowCacheConfig, as_ids, fill, offsets,
                                       read_versions)
@@ -65,9 +66,6 @@ from tether.worker.cache.push import PushSide
 from tether.worker.cache.kernels import Columns, columns, set_cells
 from tether.worker.cache.slots import NONE, STALE, Table, start_warm_up, wait_warm_up
 from tether.worker.client.traffic import TrafficMeter
-
-if TYPE_CHECKING:
-    from tether.worker.client.ps_client import PSClient
 
 __all__ = ["POLICIES", "CachedClient", "RowCache", "RowCacheConfig"]
 
@@ -298,10 +296,10 @@ class RowCache(PushSide):
 
 
 class CachedClient:
-    """A ``PSClient``'s pull, push and push_pull through a ``RowCache`` (or straight through,
+    """A ``ShardClient``'s pull, push and push_pull through a ``RowCache`` (or straight through,
     with none), counting rows and bytes moved per table (``TrafficMeter``)."""
 
-    def __init__(self, inner: PSClient, config: RowCacheConfig, dims: Mapping[str, int], meter: TrafficMeter) -> None:
+    def __init__(self, inner: ShardClient, config: RowCacheConfig, dims: Mapping[str, int], meter: TrafficMeter) -> None:
         self.inner = inner
         self.cache = RowCache(config, dims, inner.num_shards) if config.active else None
         self.meter = meter

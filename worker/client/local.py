@@ -39,7 +39,6 @@ from tether.protos.codec import int64_ids
 from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherError, UsageError
 from tether.rules.optimizers import OptimizerConfig
 from tether.protos.specs import TableConfig, table_conflict
-from tether.worker.client.ps_client import PSClient
 from tether.worker.config import TrainingConfig
 from tether.worker.client.config import ClientConfig
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
@@ -101,8 +100,8 @@ def _ids(table: str, ids: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(int64_ids(ids.detach(), table).cpu().numpy())
 
 
-class LocalClient(PSClient):
-    """A ``PSClient`` with no shards: every call is answered in this process, against
+class LocalClient:
+    """A ``ShardClient`` (``tether.worker.client.api``) with no shards: every call is answered in this process, against
     in-process tables and dense parameters (see the module's docstring). Its handles are
     answered when the call returns; a refusal a shard would send (duplicate ids in a push, a
     gradient with NaN) is raised by the handle's ``result``, as a shard's is.
@@ -123,9 +122,9 @@ class LocalClient(PSClient):
     ) -> None:
         self.metrics = metrics if metrics is not None else NullWorkerMetrics()
         self.num_shards = 0
-        self.incarnation = 1
-        self.channels = []
-        self._config = LocalClientConfig(addresses=(), worker_id=worker_id, timeout_s=timeout_s, call_deadline_s=call_deadline_s)
+        self._config: ClientConfig = LocalClientConfig(
+            addresses=(), worker_id=worker_id, timeout_s=timeout_s, call_deadline_s=call_deadline_s
+        )
         self.tables: dict[str, LocalTable] = {}
         self.dense: dict[str, LocalDense] = {}
         self._clock = 0
@@ -175,6 +174,17 @@ class LocalClient(PSClient):
 
     def close(self) -> None:
         """Nothing to close: no channel, connection or thread."""
+
+    def __enter__(self) -> LocalClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def wait(handle: Handle[T], timeout: float | None = None) -> T:
+        """Wait for ``handle`` (answered already: its result, or the refusal it holds)."""
+        return handle.result(timeout)
 
     def transports(self) -> list[str]:
         """No shard is reached, so none: ``[]``."""

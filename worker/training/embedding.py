@@ -28,7 +28,7 @@ from torch import nn
 
 from tether.protos.codec import int64_ids, is_id_dtype
 from tether.protos.errors import InvalidArgument, UsageError
-from tether.worker.client.ps_client import PSClient
+from tether.worker.client.api import ShardClient
 from tether.worker.client.results import Handle, PullResult
 from tether.worker.training.cuda_steps import CudaSteps
 from tether.worker.training.embedding_bag import ShardedEmbeddingBag
@@ -93,7 +93,12 @@ class PSModel(CudaSteps):
     """
 
     def __init__(
-        self, model: nn.Module, client: PSClient, device: torch.device, dense_on_shards: bool = True, cache: RowCacheConfig | None = None,
+        self,
+        model: nn.Module,
+        client: ShardClient,
+        device: torch.device,
+        dense_on_shards: bool = True,
+        cache: RowCacheConfig | None = None,
     ) -> None:
         self.model = model
         self.client = client

@@ -16,8 +16,7 @@ from torch import nn
 
 from tether.protos.errors import DeadlineExceeded, UsageError
 from tether.rules.optimizers import OptimizerConfig
-from tether.worker.client.local import LocalClient
-from tether.worker.client.ps_client import PSClient
+from tether.worker.client.api import ShardClient
 from tether.worker.config import TrainingConfig
 from tether.worker.training.embedding import PSModel, flat_grads, split_flat
 from tether.worker.training.run_record import RunRecord
@@ -39,7 +38,7 @@ class TrainerView(Protocol):
     def config(self) -> TrainingConfig: ...
 
     @property
-    def client(self) -> PSClient | LocalClient: ...
+    def client(self) -> ShardClient: ...
 
     @property
     def name(self) -> str: ...

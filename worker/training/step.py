@@ -33,8 +33,7 @@ import torch
 from torch import nn
 
 from tether.protos.errors import TooStale, UsageError
-from tether.worker.client.local import LocalClient
-from tether.worker.client.ps_client import PSClient
+from tether.worker.client.api import ShardClient
 from tether.worker.client.results import Handle, PullResult, PushAck
 from tether.worker.config import TrainingConfig
 from tether.worker.training.batches import to_device
@@ -86,7 +85,7 @@ class StepContext(Generic[B]):
     see of it: ``config``, ``client``, ``name``)."""
 
     config: TrainingConfig
-    client: PSClient | LocalClient
+    client: ShardClient
     name: str
     policy: AsyncPolicy
     ps: PSModel
