@@ -159,7 +159,7 @@ def test_a_late_worker_of_a_fresh_job_still_waits_for_every_worker(monkeypatch: 
 
 
 def test_the_handler_sets_the_clock_gauges_for_the_clock_call_of_the_service() -> None:
-    """``RequestHandler.update_clock_gauges`` (public: server/serving/service.py's Clock answer calls it)."""
+    """``RequestHandler.update_clock_gauges``: a push with a clock and the Clock call set them."""
     from tether.server.serving.handler import RequestHandler
     from tether.server.metrics import NullShardMetrics
     from tether.server.storage.shard import Shard
@@ -174,3 +174,34 @@ def test_the_handler_sets_the_clock_gauges_for_the_clock_call_of_the_service() -
     handler.shard.clocks.update("b", 7)
     handler.update_clock_gauges()
     assert metrics.set == (2, 3, 7)
+
+
+def test_clock_goes_through_the_handler_like_every_other_call() -> None:
+    """The handler answers Clock (the gRPC servicer only hands it on): its errors and metrics too."""
+    import grpc
+
+    from tether.protos import tether_pb2 as pb
+    from tether.server.metrics import NullShardMetrics
+    from tether.server.serving.handler import RequestHandler
+    from tether.server.storage.shard import Shard
+
+    class Seen(NullShardMetrics):
+        def __init__(self) -> None:
+            self.requests: list[tuple[str, str]] = []
+            self.bound: int | None = None
+
+        def request(self, rpc: str, code: str, seconds: float, nbytes: int) -> None:
+            self.requests.append((rpc, code))
+
+        def set_staleness_bound(self, bound: int | None) -> None:
+            self.bound = bound
+
+    metrics = Seen()
+    handler = RequestHandler(Shard(), metrics)
+    response, code, _ = handler.call("Clock", pb.ClockRequest(worker_id="a", clock=0, wait_bound=-1))
+    assert code == grpc.StatusCode.OK and (response.live_workers, response.ready) == (1, True)
+    response, code, _ = handler.call("Clock", pb.ClockRequest(worker_id="a", clock=2, wait_bound=1, wait_timeout_ms=100))
+    assert code == grpc.StatusCode.OK and response.ready and (response.min_clock, response.max_clock) == (2, 2) and metrics.bound == 1
+    response, code, message = handler.call("Clock", pb.ClockRequest(clock=1))
+    assert (response, code, message) == (None, grpc.StatusCode.INVALID_ARGUMENT, "worker_id must be set on a Clock call")
+    assert metrics.requests == [("Clock", "OK"), ("Clock", "OK"), ("Clock", "INVALID_ARGUMENT")]

@@ -16,6 +16,7 @@ from tether.protos.codec import decode_ids, decode_tensor, encode_tensor, torch_
 from tether.protos.framing import PayloadWriter
 from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherError, reject_reason, status_of
 from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.protos.ssp import MAX_CLOCK_HOLD_S
 from tether.server.checkpoints.checkpoint import Checkpointer
 from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.storage.shard import DenseDecl, DenseUpdate, PushResult, Shard, SparseUpdate
@@ -46,9 +47,8 @@ class Unparsable:
 
 
 class RequestHandler:
-    """Handles the ``tether.v1.ParameterServer`` calls on a ``Shard`` but ``Clock`` (answered by
-    ``tether.server.serving.service`` through ``run``, for its metrics and errors, and
-    ``update_clock_gauges``), whichever transport carried them."""
+    """Handles the ``tether.v1.ParameterServer`` calls on a ``Shard``, whichever transport carried
+    them (``Clock``, with no tensors, comes only over gRPC)."""
 
     def __init__(self, shard: Shard, metrics: ShardRecorder | None = None, checkpointer: Checkpointer | None = None) -> None:
         self.shard = shard
@@ -63,7 +63,7 @@ class RequestHandler:
         self._watch_new_tables()
         self._unary: dict[str, Callable[[Any], Any]] = {
             "Declare": self._declare, "Pull": self._pull, "Push": lambda r: self._push_response(self._push(r)),
-            "PushPull": self._push_pull, "Info": self._info, "Checkpoint": self._checkpoint,
+            "PushPull": self._push_pull, "Info": self._info, "Checkpoint": self._checkpoint, "Clock": self._clock,
         }
         # The data plane's calls: (request, payload, writer of pulled values) -> response.
         self._data: dict[str, Callable[[Any, memoryview | None, PayloadWriter], Any]] = {
@@ -225,6 +225,25 @@ class RequestHandler:
             raise FailedPrecondition("this shard has no checkpoint directory (start it with --checkpoint-dir)")
         info = self.checkpointer.checkpoint(request.id)
         return pb.CheckpointResponse(id=info.id, path=info.path, bytes=info.bytes, seconds=info.seconds)
+
+    def _clock(self, request: pb.ClockRequest) -> pb.ClockResponse:
+        """Record the worker's clock (``clock`` 0 with no wait: it joins at start-up; ``leave``: it
+        is done) and, with ``wait_bound`` >= 0, hold the call until the slowest live worker is at
+        most ``wait_bound`` behind ``clock`` (at most ``wait_timeout_ms``, capped at ``MAX_CLOCK_HOLD_S``)."""
+        if not request.worker_id:
+            raise InvalidArgument("worker_id must be set on a Clock call")
+        clocks = self.shard.clocks
+        clocks.update(request.worker_id, request.clock, leave=request.leave, join=request.clock == 0 and request.wait_bound < 0)
+        if request.wait_bound >= 0 and not request.leave:
+            self.metrics.set_staleness_bound(int(request.wait_bound))
+            ready, state = clocks.wait(request.clock, request.wait_bound, min(request.wait_timeout_ms / 1000.0, MAX_CLOCK_HOLD_S))
+        else:
+            ready, state = True, clocks.state()
+        self.update_clock_gauges()
+        return pb.ClockResponse(
+            min_clock=state.min_clock, max_clock=state.max_clock, live_workers=state.live_workers, ready=ready,
+            min_other_clock=clocks.min_other(request.worker_id), finished_workers=clocks.finished_since(request.worker_id),
+        )
 
     def update_clock_gauges(self) -> None:
         """Set the clock gauges (live workers, slowest and fastest clock) to the clocks now."""

@@ -1,7 +1,5 @@
 """gRPC adapter of a shard: each ``tether.v1.ParameterServer`` method handed to the request
-handler, and its errors turned into the call's status. ``Clock`` (no tensors, never on the data
-plane) is answered here on the shard's clocks (``tether.server.storage.clocks``), through the handler's
-``run`` for its metrics and errors."""
+handler, and its errors turned into the call's status."""
 
 from __future__ import annotations
 
@@ -13,8 +11,6 @@ from google.protobuf.message import DecodeError
 
 from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
-from tether.protos.errors import InvalidArgument
-from tether.protos.ssp import MAX_CLOCK_HOLD_S
 from tether.server.serving.handler import Outcome, RequestHandler, Unparsable
 
 __all__ = ["SERVICE_NAME", "ShardServicer", "add_servicer"]
@@ -75,27 +71,7 @@ class ShardServicer(pb_grpc.ParameterServerServicer):
         return self._unary("Info", request, context)
 
     def Clock(self, request: pb.ClockRequest, context: grpc.ServicerContext) -> pb.ClockResponse:
-        """Record the worker's clock (``clock`` 0 with no wait: it joins at start-up; ``leave``: it
-        is done) and, with ``wait_bound`` >= 0, hold the call until the slowest live worker is at
-        most ``wait_bound`` behind ``clock`` (at most ``wait_timeout_ms``, capped at ``MAX_CLOCK_HOLD_S``)."""
-        clocks, metrics = self.handler.shard.clocks, self.handler.metrics
-
-        def answer() -> pb.ClockResponse:
-            if not request.worker_id:
-                raise InvalidArgument("worker_id must be set on a Clock call")
-            clocks.update(request.worker_id, request.clock, leave=request.leave, join=request.clock == 0 and request.wait_bound < 0)
-            if request.wait_bound >= 0 and not request.leave:
-                metrics.set_staleness_bound(int(request.wait_bound))
-                ready, state = clocks.wait(request.clock, request.wait_bound, min(request.wait_timeout_ms / 1000.0, MAX_CLOCK_HOLD_S))
-            else:
-                ready, state = True, clocks.state()
-            self.handler.update_clock_gauges()
-            return pb.ClockResponse(
-                min_clock=state.min_clock, max_clock=state.max_clock, live_workers=state.live_workers, ready=ready,
-                min_other_clock=clocks.min_other(request.worker_id), finished_workers=clocks.finished_since(request.worker_id),
-            )
-
-        return _answer(self.handler.run("Clock", request, answer), context)
+        return self._unary("Clock", request, context)
 
     def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.ServicerContext) -> pb.CheckpointResponse:
         return self._unary("Checkpoint", request, context)
