@@ -3,6 +3,7 @@ row cache's CachedClient is a Client in front of either, and the training loop t
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tether.worker.cache.row_cache import CachedClient, RowCacheConfig
@@ -46,3 +47,27 @@ def test_a_local_client_trains_through_the_cache_as_through_itself() -> None:
         results.append((before, after))
     (b0, a0), (b1, a1) = results
     assert torch.equal(b0, b1) and torch.equal(a0, a1) and torch.allclose(a0, b0 - 0.5)
+
+
+@pytest.mark.parametrize(("ids", "grads", "refusal"), [
+    ([3, 3], [[1.0, 1.0], [1.0, 1.0]], "table 't': ids in one push must be unique"),
+    ([3, 4], [[1.0, float("nan")], [1.0, 1.0]], "table 't': gradients contain NaN or Inf"),
+])
+def test_local_mode_refuses_a_push_in_the_shards_own_words(ids: list[int], grads: list[list[float]], refusal: str) -> None:
+    """Local mode runs the shard's push checks (tether.rules.push_hooks), not a copy of them."""
+    import numpy as np
+
+    from tether.protos.errors import InvalidArgument
+    from tether.protos.specs import OptimizerConfig, TableConfig
+    from tether.server.storage.shard import Shard, SparseUpdate
+
+    spec = TableConfig("t", 2, OptimizerConfig("sgd", lr=0.5))
+    shard = Shard()
+    shard.declare([spec], [])
+    with pytest.raises(InvalidArgument) as at_shard:
+        shard.push("w", 1, [SparseUpdate("t", np.array(ids, dtype=np.int64), torch.tensor(grads))], [], incarnation=1)
+    local = LocalClient("w")
+    local.declare([spec])
+    with pytest.raises(InvalidArgument) as at_local:
+        local.push({"t": (torch.tensor(ids), torch.tensor(grads))}).result(5)
+    assert str(at_shard.value) == str(at_local.value) == refusal

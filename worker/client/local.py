@@ -42,7 +42,7 @@ from tether.protos.specs import TableConfig, table_conflict
 from tether.worker.config import TrainingConfig
 from tether.worker.client.config import ClientConfig
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
-from tether.rules.push_hooks import check_combined
+from tether.rules.push_hooks import check_combined, check_dense, check_rows
 from tether.worker.client.local_table import LocalDense, LocalTable
 from tether.worker.client.results import CheckpointResult, ClockReply, Handle, PullResult, PushAck
 
@@ -278,19 +278,15 @@ class LocalClient:
         rows: list[_Row], params: list[tuple[str, LocalDense, torch.Tensor]]
     ) -> TetherError | None:
         """What a shard refuses a push for (nothing of it is then applied)."""
-        for table, ids, grads, stats in rows:
-            name = table.config.name
-            if len(ids) > 1 and bool((np.diff(np.sort(ids)) == 0).any()):
-                return InvalidArgument(f"table {name!r}: ids in one push must be unique")
-            if not bool(torch.isfinite(grads).all()):
-                return InvalidArgument(f"table {name!r}: gradients contain NaN or Inf")
-            try:
-                check_combined(f"table {name!r}", table.rule, stats, len(ids))
-            except InvalidArgument as e:
-                return e
-        for name, _, grad in params:
-            if not bool(torch.isfinite(grad).all()):
-                return InvalidArgument(f"dense {name!r}: gradient contains NaN or Inf")
+        try:
+            for table, ids, grads, stats in rows:
+                what = f"table {table.config.name!r}"
+                check_rows(what, ids, grads, table.dim)
+                check_combined(what, table.rule, stats, len(ids))
+            for name, d, grad in params:
+                check_dense(f"dense {name!r}", grad, (d.value.numel(),))
+        except InvalidArgument as e:
+            return e
         return None
 
     def _apply(

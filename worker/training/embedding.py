@@ -18,7 +18,6 @@ runs on the calling thread as it always did.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,6 +33,7 @@ from tether.worker.training.cuda_steps import CudaSteps
 from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.metrics import NullWorkerMetrics
 from tether.worker.client.router import JOIN_ELEMENTS, Router
+from tether.rules.push_hooks import finite
 from tether.worker.cache.row_cache import CachedClient, RowCacheConfig
 from tether.worker.client.traffic import TrafficMeter
 from tether.worker.training.transfer import Chained, Prefetch, Staged, columns_of, first, flat_grads, pulled_of, split_flat, unique_columns
@@ -41,12 +41,6 @@ from tether.worker.training.transfer import Chained, Prefetch, Staged, columns_o
 __all__ = ["PSModel", "Prefetch", "ShardedEmbeddingBag", "flat_grads", "split_flat", "unique_columns"]
 
 log = logging.getLogger(__name__)
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """Whether every element is finite: the sum is (much cheaper than an element-wise check,
-    which runs only when the sum is not, NaN/Inf or an overflow)."""
-    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def check_finite(clock: int, sparse: Mapping[str, tuple[torch.Tensor, ...]], dense: Mapping[str, torch.Tensor]) -> None:
@@ -59,7 +53,7 @@ def check_finite(clock: int, sparse: Mapping[str, tuple[torch.Tensor, ...]], den
     """
     parts = [(f"table {t!r}", g[1]) for t, g in sparse.items()] + [("the dense parameters", g) for g in dense.values()]
     for what, grad in parts:
-        if not _finite(grad):
+        if not finite(grad):
             raise UsageError(
                 f"step {clock}: the gradients of {what} contain NaN or Inf, so the step's loss or its inputs (a dense "
                 "feature, a label) were not finite; caught on this worker before the step's push, nothing of it "
