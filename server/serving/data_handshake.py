@@ -1,4 +1,4 @@
-"""How a data-plane connection starts (``DataPlaneServer`` inherits ``Handshakes``): TLS on a TCP
+"""How a data-plane connection starts (``DataPlaneServer`` has a ``Handshakes``): TLS on a TCP
 connection when the shard serves it, then the HELLO, which authenticates the connection and may
 hand over a shared-memory region; and the count of open connections by how their payloads travel."""
 
@@ -26,21 +26,39 @@ log = logging.getLogger("tether.server.serving.data_port")
 
 
 class Handshakes:
-    """The handshake half of ``DataPlaneServer``: its state is the server's own (set in
-    ``DataPlaneServer.__init__``)."""
+    """The start of every data-plane connection of one ``DataPlaneServer``.
 
-    handler: RequestHandler
-    max_region_bytes: int
-    _token: bytes | None
-    _tls: ssl.SSLContext | None
-    _lock: threading.Condition
-    _conns: dict[socket.socket, threading.Thread]
+    Args:
+        handler: the shard's request handler (its metrics, its shard index).
+        token: the bearer token a HELLO must carry (None: none needed).
+        tls: the TLS context of the TCP port (None: plaintext).
+        max_region_bytes: the largest shared-memory region a client may hand over.
+        lock, conns: the server's lock and its serving thread per socket (a TLS connection
+            replaces its plain socket there, so that ``stop`` shuts down the one in use).
+    """
 
-    def _count(self, state: Connection, delta: int) -> None:
+    def __init__(
+        self,
+        handler: RequestHandler,
+        token: bytes | None,
+        tls: ssl.SSLContext | None,
+        max_region_bytes: int,
+        lock: threading.Condition,
+        conns: dict[socket.socket, threading.Thread],
+    ) -> None:
+        self.handler = handler
+        self._token = token
+        self._tls = tls
+        self.max_region_bytes = max_region_bytes
+        self._lock = lock
+        self._conns = conns
+
+    def count(self, state: Connection, delta: int) -> None:
+        """Count ``state``'s connection in (+1) or out (-1) of the open connections by transport."""
         mode = "shm" if state.region is not None else "tcp+tls" if state.tls else "tcp"
         self.handler.metrics.connections(mode, delta)
 
-    def _start_tls(self, conn: socket.socket, deadline: float) -> ssl.SSLSocket:
+    def start_tls(self, conn: socket.socket, deadline: float) -> ssl.SSLSocket:
         """The TLS side of a new TCP connection, its handshake done by ``deadline``.
 
         Raises:
@@ -81,12 +99,26 @@ class Handshakes:
             raise
         return tls
 
-    def _handshake(self, conn: socket.socket, state: Connection, deadline: float) -> None:
+    def handshake(self, conn: socket.socket, state: Connection, deadline: float) -> None:
         """Read the first frame, which must be a small HELLO, by the handshake deadline, and answer it."""
         (method, flags, _, meta_len, payload_len, _), fds = state.read_header(conn, deadline)
+        self.answer(conn, state, (method, flags, meta_len, payload_len), fds, deadline, first=True)
+
+    def answer(
+        self,
+        conn: socket.socket,
+        state: Connection,
+        header: tuple[int, int, int, int],
+        fds: list[int],
+        deadline: float | None,
+        first: bool,
+    ) -> None:
+        """Check a HELLO frame's header (``method, flags, meta_len, payload_len``; ``first``: the
+        connection's first frame), read its message by ``deadline`` and answer it (``fds``: the
+        descriptors that came with it, taken over)."""
         try:
-            self._check_hello(method, flags, meta_len, payload_len, first=True)
-            meta = memoryview(bytearray(meta_len))
+            self._check_hello(*header, first=first)
+            meta = memoryview(bytearray(header[2]))
             dp.recv_into(conn, meta, deadline)
             answer = self._hello(bytes(meta), state, fds)
             fds = []
@@ -135,11 +167,11 @@ class Handshakes:
         finally:
             close_all(fds)
         # A new HELLO replaces the connection's region (or drops it, when it offers none).
-        self._count(state, -1)
+        self.count(state, -1)
         if state.region is not None:
             state.region.close()
         state.region = region
-        self._count(state, +1)
+        self.count(state, +1)
         answer: dict[str, object] = {"shard": self.handler.shard.shard_index, "shm": region is not None}
         if refused is not None:
             answer["shm_error"] = refused

@@ -34,7 +34,6 @@ import time
 from typing import TYPE_CHECKING
 
 import grpc
-import msgpack
 import torch
 from google.protobuf.message import DecodeError
 
@@ -63,8 +62,8 @@ def _over_limit(size: int, limit: int) -> str:
     return f"message of {size} bytes is over the shard's limit of {limit}"
 
 
-class DataPlaneServer(Handshakes):
-    """Serves one shard's data port until ``stop`` (how connections start: ``Handshakes``)."""
+class DataPlaneServer:
+    """Serves one shard's data port until ``stop`` (how connections start: its ``handshakes``)."""
 
     def __init__(
         self,
@@ -125,6 +124,7 @@ class DataPlaneServer(Handshakes):
                 self._unix = None
         self._lock = threading.Condition()
         self._conns: dict[socket.socket, threading.Thread] = {}
+        self.handshakes = Handshakes(handler, self._token, self._tls, self.max_region_bytes, self._lock, self._conns)
         self._busy = 0
         self._buffered = 0
         self._draining = False
@@ -232,12 +232,12 @@ class DataPlaneServer(Handshakes):
 
     def _serve(self, conn: socket.socket, unix: bool) -> None:
         state = Connection(self._reserve, self._unreserve, unix, authenticated=self._token is None, tls=self._tls is not None and not unix)
-        self._count(state, +1)
+        self.handshakes.count(state, +1)
         deadline = time.monotonic() + self.handshake_timeout_s
         try:
             if state.tls:
-                conn = self._start_tls(conn, deadline)
-            self._handshake(conn, state, deadline)
+                conn = self.handshakes.start_tls(conn, deadline)
+            self.handshakes.handshake(conn, state, deadline)
             # Once, not per call (each settimeout is a syscall): a frame that stalls half-way
             # counts as idle too. Nothing after the handshake sets another timeout.
             conn.settimeout(self.idle_timeout_s)
@@ -252,7 +252,7 @@ class DataPlaneServer(Handshakes):
         except (ConnectionError, OSError) as exc:
             log.debug("data connection closed: %s", exc)
         finally:
-            self._count(state, -1)
+            self.handshakes.count(state, -1)
             state.release()
             if state.region is not None:
                 state.region.close()
@@ -274,15 +274,7 @@ class DataPlaneServer(Handshakes):
             return False
         (method, flags, _, meta_len, payload_len, aux), fds = state.read_header(conn, None)
         if method == dp.HELLO:
-            try:
-                self._check_hello(method, flags, meta_len, payload_len, first=False)
-                meta = memoryview(bytearray(meta_len))
-                dp.recv_into(conn, meta)
-                answer = self._hello(bytes(meta), state, fds)
-                fds = []
-            finally:
-                close_all(fds)
-            dp.send_frame(conn, dp.HELLO, msgpack.packb(answer))
+            self.handshakes.answer(conn, state, (method, flags, meta_len, payload_len), fds, None, first=False)
             return True
         close_all(fds)  # descriptors ride only with a HELLO
         if method not in dp.METHODS:
