@@ -462,3 +462,18 @@ def test_presets_old_spellings_and_repeatable_flags_are_declared(capsys: pytest.
     assert parse([], {"TETHER_TAG": "x;y"}).tags == ("x", "y")
     with pytest.raises(SystemExit):
         parse(["--size", "huge"], {})
+
+
+def test_data_files_are_checked_once_at_the_entry_point_not_at_every_replace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tether.worker import config as worker_config
+    from tether.worker import flags as worker_flags
+
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(worker_config, "check_parquet_data", lambda data, workers: calls.append((data, workers)))
+    data = f"parquet:{tmp_path / 'day.parquet'}"
+    config = worker_flags.config_from_args(worker_flags.build_parser().parse_args(["--data", data, "--local"]))
+    for i in range(3):
+        config = dataclasses.replace(config, steps=10 + i)
+    assert calls == [(data, 1)] and config.steps == 12
+    with pytest.raises(ValueError, match=r"--data criteo:.*no file matches"):
+        worker_flags.config_from_args(worker_flags.build_parser().parse_args(["--data", f"criteo:{tmp_path}/none-*.tsv", "--local"]))

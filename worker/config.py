@@ -424,7 +424,17 @@ class WorkerConfig(TrainingConfig):
             raise ValueError(f"--resume-data {self.resume_data}: no such directory")
         if self.data != "synthetic" and not self.data.startswith(("criteo:", "parquet:")):
             raise ValueError(f"data must be 'synthetic', 'criteo:PATH' or 'parquet:PATH', got {self.data!r}")
+
+    def check_data(self) -> WorkerConfig:
+        """This config, once its ``--data`` files are checked (readable Criteo files; Parquet
+        schemas and row groups enough for ``num_workers``): at the entry point, once, not at every
+        ``replace`` (``tether.worker.flags.config_from_args`` calls it).
+
+        Raises:
+            ValueError: one line naming the file and what is wrong with it.
+        """
         if self.data.startswith("criteo:"):
             check_criteo_data(self.data)
         if self.data.startswith("parquet:"):
             check_parquet_data(self.data, self.num_workers)
+        return self

@@ -36,12 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(a: argparse.Namespace, **overrides: object) -> WorkerConfig:
     """``WorkerConfig`` from flags ``settings.add_flags`` made (``overrides`` win; a field whose
-    flag the parser lacks keeps its default; ``--preset`` fills the sizes no flag gave).
+    flag the parser lacks keeps its default; ``--preset`` fills the sizes no flag gave); its data
+    files are checked here, once (``WorkerConfig.check_data``).
 
     Raises:
-        ValueError: a bad value, named.
+        ValueError: a bad value or data file, named.
     """
-    return WorkerConfig(**{**fields.values_from_args(WorkerConfig, a), **overrides})
+    return WorkerConfig(**{**fields.values_from_args(WorkerConfig, a), **overrides}).check_data()
 
 
 def load_config(argv: Sequence[str] | None = None) -> WorkerConfig:
