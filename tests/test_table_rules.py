@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -156,3 +157,30 @@ def test_help_names_the_flags() -> None:
     text = p.format_help()
     for flag in ("--table-optimizer", "--optimizer-config", "--delay-compensation"):
         assert flag in text
+
+
+@pytest.mark.parametrize("where", ["local", "shard"])
+def test_specs_naming_some_tables_leave_the_others_as_the_trainer_makes_them(where: str, request: pytest.FixtureRequest) -> None:
+    """``Trainer(tables=[...])`` for one table (FTRL's zero start is set only there): the model's
+    other tables are declared as without ``tables``, and training pulls and pushes them, in local
+    mode and on a shard (which refused the first pull of an undeclared table)."""
+    place: dict = {"local": True} if where == "local" else {"shards": (f"127.0.0.1:{request.getfixturevalue('inproc_shard').port}",)}
+    config = TrainingConfig(**place, optimizer="adagrad", lr=0.3, init_scale=0.25, seed=7, steps=2, log_every=1, prefetch=False, device="cpu")
+    local = TrainingConfig(local=True, optimizer="adagrad", lr=0.3, init_scale=0.25, seed=7)
+    with _trainer(local) as full:
+        default_item = full.client.tables["item"].config
+    user = TableConfig("user", 3, optimizer=OptimizerConfig("ftrl", 0.05), init_scale=0.0)
+    with _trainer(config, [user]) as t:
+        batch = {"u": torch.tensor([[1], [2]]), "i": torch.tensor([[5], [6]])}
+        record = t.fit([batch, batch])
+        assert record.steps == 2
+    assert default_item == TableConfig("item", 3, OptimizerConfig("adagrad", 0.3), init_scale=0.25, seed=7)
+    if where == "local":
+        assert t.client.tables["user"].config == user
+        assert t.client.tables["item"].config == default_item
+        # FTRL's zero start held for the table the spec named; the other started from init_scale.
+        assert not t.client.tables["item"].pull(np.array([5, 6], np.int64)).eq(0).all()
+    else:
+        # What the shard holds came over the wire (float32): the rule, the start and the seed.
+        got = {name: (c.optimizer.name, c.init_scale, c.seed) for name, c in ((n, t.config) for n, t in request.getfixturevalue("inproc_shard").shard.tables.items())}
+        assert got == {"user": ("ftrl", 0.0, user.seed), "item": ("adagrad", 0.25, 7)}

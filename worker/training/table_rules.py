@@ -250,16 +250,20 @@ def apply_rules(
     rules: TableRules, tables: Sequence[TableConfig] | None, model_tables: Mapping[str, int], init_scale: float, seed: int
 ) -> tuple[list[TableConfig], OptimizerConfig]:
     """The table specs a ``Trainer`` declares and its dense parameters' optimizer: ``tables``
-    (the code's) or one per table of the model, each with the optimizer the rules give.
+    (the code's) and, for each table of the model they do not name, the spec the ``Trainer``
+    makes when given none (``--optimizer``/``--lr``, ``init_scale``, seed); each with the
+    optimizer the rules give.
 
     Raises:
         UsageError: an entry naming a table the model does not have, or a spec of ``tables`` whose
             dim is not its ``ShardedEmbeddingBag``'s.
     """
     rules.check_names(model_tables)
-    if tables is None:
-        tables = [TableConfig(name=t, dim=dim, optimizer=rules.default, init_scale=init_scale, seed=seed)
-                  for t, dim in model_tables.items()]
+    # Specs in code are often written for the one table that needs something only a spec sets
+    # (FTRL's zero start, init_scale=0): the model's other tables get what they would have had.
+    named = {t.name for t in tables or ()}
+    tables = [*(tables or ()), *(TableConfig(name=t, dim=dim, optimizer=rules.default, init_scale=init_scale, seed=seed)
+                                 for t, dim in model_tables.items() if t not in named)]
     for t in tables:
         if model_tables.get(t.name, t.dim) != t.dim:
             raise UsageError(f"Trainer(tables=...) declares table {t.name!r} with dim {t.dim}, but the model's "

@@ -73,8 +73,9 @@ class Trainer(Generic[B]):
         loss: ``loss(model, batch)`` -> scalar tensor; the batch is already on the device.
         sparse: ``sparse(batch)`` -> {table: ids} (a tensor of any shape, or a list of tensors
             for features sharing a table) for every table the batch looks up.
-        tables: table specs to declare; by default one per table of the model, with the
-            config's optimizer, learning rate, ``init_scale`` and seed. The config's per-table
+        tables: table specs to declare; a table of the model that they do not name (all of
+            them, by default) gets one with the config's optimizer, learning rate,
+            ``init_scale`` and seed. The config's per-table
             entries (``table_optimizers``, ``optimizer_config``) win over these specs' optimizers,
             which win over ``optimizer`` and ``lr`` (``tether.worker.training.table_rules``).
         metrics: where to record steps and calls (``WorkerMetrics`` for Prometheus), or None:
