@@ -440,3 +440,98 @@ def test_the_trainer_records_the_streams_position_and_writes_it_beside_checkpoin
     saved = json.loads((tmp_path / "out" / "positions" / "step-3" / "worker-0.json").read_text())
     assert saved["step"] == 3
     assert _same(list(_stream(files, resume=saved["position"], **settings)), whole[3:])
+
+
+# -- pandas' Parquet as it comes (issue 40 item 2) ------------------------------------------------
+
+
+def _reserved(column: str) -> int:
+    return int(hash_strings(pa.array([column]))[0] & np.uint64((1 << 62) - 1))
+
+
+def test_pandas_nullable_narrow_ids_and_bags_with_nulls_read_the_reserved_id(tmp_path: Path) -> None:
+    """pandas' nullable Int32/Int16/UInt32 columns and a list<int32> bag, each with a null: the
+    reserved id (a 62-bit value) does not fit the narrow type, so the column is widened first."""
+    pd = pytest.importorskip("pandas")
+    df = pd.DataFrame({
+        "label": [1.0, 0.0, 1.0, 0.0],
+        "a": pd.array([5, None, -7, 2**31 - 1], dtype="Int32"),
+        "b": pd.array([None, 3, 4, 5], dtype="Int16"),
+        "c": pd.array([2**32 - 1, 1, None, 0], dtype="UInt32"),
+        "bag": [[1, 2], [None, 3], [], None],
+    })
+    path = tmp_path / "narrow.parquet"
+    df.to_parquet(path, schema=pa.schema([("label", pa.float64()), ("a", pa.int32()), ("b", pa.int16()), ("c", pa.uint32()),
+                                          ("bag", pa.list_(pa.int32()))]))
+    (batch,) = list(ParquetStream(path, 4, ids=["a", "b", "c"], bags=["bag"]))
+    assert batch["a"].tolist() == [5, _reserved("a"), -7, 2**31 - 1]
+    assert batch["b"].tolist() == [_reserved("b"), 3, 4, 5]
+    assert batch["c"].tolist() == [2**32 - 1, 1, _reserved("c"), 0]
+    # A null inside a bag is the bag column's reserved id, one of the bag's ids; a null bag is empty.
+    assert batch["bag"].tolist() == [1, 2, _reserved("bag"), 3] and batch["bag_offsets"].tolist() == [0, 2, 4, 4]
+    # The CTR layout reads them the same.
+    ctr = next(iter(ParquetStream(path, 4, ids=["a", "b"], dense=["c"], ctr=True)))
+    assert ctr.sparse[:, 0].tolist() == batch["a"].tolist()
+
+
+def test_pandas_nan_in_dense_columns_is_counted_said_once_and_filled_as_asked(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    pd = pytest.importorskip("pandas")
+    df = pd.DataFrame({"label": [1.0, 0.0, 1.0, 0.0, 1.0, 0.0], "price": [1.0, np.nan, 3.0, np.nan, 8.0, 0.0],
+                       "clicks": [1.0, 2.0, 3.0, 4.0, 5.0, np.nan], "full": [1.0] * 6})
+    path = tmp_path / "nan.parquet"
+    df.to_parquet(path, row_group_size=3)  # pandas writes NaN as a Parquet null
+    dense = ["price", "clicks", "full"]
+    with caplog.at_level("WARNING"):
+        stream = ParquetStream(path, 6, dense=dense, epochs=2)
+        batches = list(stream)
+    assert [b["dense"][:, 0].tolist() for b in batches] == [[1.0, 0.0, 3.0, 0.0, 8.0, 0.0]] * 2
+    warned = [r.getMessage() for r in caplog.records if "dense column" in r.getMessage()]
+    assert len(warned) == 1, warned  # once, with each column's count, not once per row group or epoch
+    assert "'price' 2 of 6 rows" in warned[0] and "'clicks' 1 of 6 rows" in warned[0] and "'full'" not in warned[0]
+    assert "dense_nulls" in warned[0] and "'mean'" in warned[0]
+    # The column's mean over the files (nulls left out).
+    mean = ParquetStream(path, 6, dense=dense, dense_nulls="mean")
+    assert mean.dense_fill == {"price": 3.0, "clicks": 3.0, "full": 1.0}
+    got = next(iter(mean))["dense"]
+    assert got[:, 0].tolist() == [1.0, 3.0, 3.0, 3.0, 8.0, 0.0] and got[5, 1] == 3.0
+    # Values given; a held-out stream takes the training stream's (columns not named: 0).
+    given = next(iter(ParquetStream(path, 6, dense=dense, dense_nulls={"price": -1.0})))["dense"]
+    assert given[:, 0].tolist() == [1.0, -1.0, 3.0, -1.0, 8.0, 0.0] and given[5, 1] == 0.0
+    assert next(iter(ParquetStream(path, 6, dense=dense, dense_nulls=mean.dense_fill)))["dense"].equal(got)
+    # Refused up front, in one line naming the columns and counts.
+    with pytest.raises(DataError, match=r"nan.parquet: null\(s\) in dense column\(s\) 'price' 2 of 6 rows, 'clicks' 1 of 6 rows") as err:
+        ParquetStream(path, 6, dense=dense, dense_nulls="error")
+    assert "\n" not in str(err.value)
+    assert len(list(ParquetStream(path, 6, dense=["full"], dense_nulls="error"))) == 1
+    for bad, match in [("median", "dense_nulls must be one of 'zero', 'mean', 'error'"), ({"nope": 1.0}, "not dense columns"),
+                       ({"price": float("nan")}, "must be a finite number")]:
+        with pytest.raises(ValueError, match=match):
+            ParquetStream(path, 6, dense=dense, dense_nulls=bad)
+
+
+def test_nan_values_that_are_not_nulls_are_filled_and_said_once_too(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """pyarrow keeps a NaN as a value (statistics do not count it): read, filled and said once."""
+    path = tmp_path / "nan_values.parquet"
+    pq.write_table(pa.table({"label": [1.0, 0.0, 1.0, 0.0], "x": pa.array([1.0, float("nan"), 3.0, float("nan")])}), path, row_group_size=2)
+    with caplog.at_level("WARNING"):
+        b = list(ParquetStream(path, 4, dense=["x"], dense_nulls="mean"))
+    assert b[0]["dense"][:, 0].tolist() == [1.0, 2.0, 3.0, 2.0]
+    assert len([r for r in caplog.records if "'x'" in r.getMessage()]) == 1
+    with pytest.raises(DataError, match=r"nan_values.parquet: dense column 'x' has 1 null or NaN value\(s\) in row group 0"):
+        list(ParquetStream(path, 4, dense=["x"], dense_nulls="error"))
+
+
+def test_one_row_group_from_pandas_names_how_to_write_more(tmp_path: Path) -> None:
+    pd = pytest.importorskip("pandas")
+    df = pd.DataFrame({"label": [1.0, 0.0] * 50, "u": np.arange(100)})
+    one = tmp_path / "one.parquet"
+    df.to_parquet(one)  # pandas' default: one row group
+    with pytest.raises(DataError) as err:
+        ParquetStream(one, 10, ids=["u"], rank=1, world_size=2)
+    msg = str(err.value)
+    assert "df.to_parquet(path, row_group_size=N)" in msg and "pyarrow.parquet.write_table(table, path, row_group_size=N)" in msg
+    assert "tether convert --row-group-rows" in msg and "\n" not in msg
+    several = tmp_path / "several.parquet"
+    df.to_parquet(several, row_group_size=25)  # what the message says
+    ranks = [np.concatenate([b["u"].numpy() for b in ParquetStream(several, 10, ids=["u"], rank=r, world_size=2)]) for r in (0, 1)]
+    assert sorted(np.concatenate(ranks).tolist()) == list(range(100))

@@ -13,6 +13,7 @@ import numpy as np
 
 from tether.protos.partition import mix64, mix64_
 from tether.worker.data.synthetic import ID_MASK, DataError
+from tether.worker.data.parquet_nulls import DenseNulls
 from tether.worker.data.parquet_schema import load_pyarrow
 
 __all__ = ["Decoder", "HoldOut", "Pos", "Rows", "hash_strings"]
@@ -188,7 +189,7 @@ class Pos:
 class Decoder:
     """What a stream makes of each record batch it reads: its label, ids, bags and dense
     columns (the CTR model's layout with ``ctr``), the held-out rule and which side of it the
-    stream yields, and each id or bag column's id for a null."""
+    stream yields, each id or bag column's id for a null, and what a missing dense value reads as."""
 
     label: str
     ids: tuple[str, ...]
@@ -198,6 +199,7 @@ class Decoder:
     holdout: HoldOut | None
     held_out: bool
     null_ids: Mapping[str, int]
+    dense_nulls: DenseNulls
 
     def rows(self, batch: Any, path: Path, group: int, first_row: int) -> Rows:
         """A record batch (rows from ``first_row`` of the table, in row group ``group`` of
@@ -231,10 +233,8 @@ class Decoder:
         if self.dense:
             dense = np.empty((n, len(self.dense)), dtype=np.float32)
             for j, name in enumerate(self.dense):
-                col = column(name)
-                if col.null_count:
-                    col = col.fill_null(0)
-                dense[:, j] = pick(col.to_numpy(zero_copy_only=False))
+                dense[:, j] = pick(column(name).to_numpy(zero_copy_only=False))  # a null reads as NaN here
+                self.dense_nulls.apply(dense[:, j], name, path, group)
             cols["dense"] = dense
         if self.ids:
             stacked = np.empty((n, len(self.ids)), dtype=np.int64) if self.ctr else None
@@ -264,6 +264,10 @@ class Decoder:
             col = col.dictionary_decode()
         if pa.types.is_integer(col.type):
             if col.null_count:
+                # The reserved id is a 62-bit value: a narrower column (pandas' nullable Int32,
+                # Int16, UInt32, a list<int32> bag) is widened before it takes it.
+                if col.type.bit_width < 64:
+                    col = col.cast(pa.int64())
                 col = col.fill_null(self.null_ids[name])
             a = col.to_numpy(zero_copy_only=False)
             return a.view(np.int64) if a.dtype == np.uint64 else a.astype(np.int64, copy=False)

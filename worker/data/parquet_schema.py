@@ -288,5 +288,6 @@ def deal(units: Sequence[Unit], rank: int, world_size: int, files: Sequence[Path
         where = str(files[0]) if len(files) == 1 else f"{files[0]} and {len(files) - 1} more files"
         groups = sum(1 for u in units if u.rows)
         raise DataError(f"{where}: {groups} non-empty row group(s) for {world_size} workers: worker {empty[0]} would read nothing; "
-                        "write smaller row groups (tether convert --row-group-rows) or more files")
+                        "write smaller row groups (pandas: df.to_parquet(path, row_group_size=N); pyarrow: "
+                        "pyarrow.parquet.write_table(table, path, row_group_size=N); tether convert --row-group-rows N) or more files")
     return mine

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from tether.worker.data.synthetic import ID_MASK, Batch, DataError, check_stream
-from tether.worker.data.parquet_rows import Decoder, HoldOut, Pos, Rows, hash_strings
+from tether.worker.data.parquet_nulls import DenseNulls
+from tether.worker.data.parquet_rows import HoldOut, Decoder, Pos, Rows, hash_strings
 from tether.worker.data.parquet_schema import check_schema, deal, infer, open_file, load_pyarrow, Unit, group_units, parquet_files
 
 __all__ = ["PARQUET_READ_ROWS", "ParquetStream"]
@@ -42,9 +43,12 @@ class ParquetStream(torch.utils.data.IterableDataset):
     ``torch.nn.EmbeddingBag`` convention, as ``ShardedEmbeddingBag`` takes it); ``dense``
     (numbers) are stacked in the order given into ``batch["dense"]``, float32 ``[B, len(dense)]``.
     With none of ``ids``, ``bags`` and ``dense`` named, they come from the first file's schema:
-    floats dense, integers and strings ids, lists bags. Null dense values read as 0; a null id
-    as the column's reserved id (``hash_strings`` of the column's name, masked); a null bag as
-    an empty bag; a null label stops the stream with a ``DataError``.
+    floats dense, integers and strings ids, lists bags. A null id (in any integer width: a
+    narrower column is widened to int64 first) reads as the column's reserved id
+    (``hash_strings`` of the column's name, masked), and so does a null inside a bag (it counts
+    in the bag like any id, in a mean bag too); a null bag as an empty bag; a null label stops
+    the stream with a ``DataError``. A null or NaN dense value (pandas writes NaN as a null) reads
+    as ``dense_nulls`` says, with one warning naming the columns and their null counts.
 
     With ``ctr=True`` the batches are the built-in CTR model's ``Batch(dense [B, D], sparse
     [B, T], labels [B])``, ``sparse`` column ``j`` from ``ids[j]`` (no bags).
@@ -91,6 +95,12 @@ class ParquetStream(torch.utils.data.IterableDataset):
         max_batches: stop after this many batches (None: when the epochs end).
         read_rows: rows decoded at a time within a row group.
         resume: a position from ``state_dict()`` to start from.
+        dense_nulls: what a null or NaN dense value reads as: ``"zero"``; ``"mean"``, the
+            column's mean over every row of the files (other ranks' and held-out rows too, so
+            every rank fills the same value; one extra read of the dense columns when the
+            stream is made); ``"error"``, a ``DataError`` (up front when the files' statistics
+            count nulls); or ``{column: value}`` (columns not named: 0), e.g. a held-out
+            stream on other files given the training stream's ``dense_fill``.
 
     Raises:
         ValueError: a bad size, rank, epoch count or setting.
@@ -98,7 +108,8 @@ class ParquetStream(torch.utils.data.IterableDataset):
             truncated; a missing column or one of the wrong type (one line naming the file and
             the column); a rank with no row group; a position from another setup. While
             iterating: a damaged row group (naming the file, row group and column), a null
-            label, or a pass that gives this rank no sample.
+            label, or a pass that gives this rank no sample; with ``dense_nulls="error"``, a
+            null dense value.
     """
 
     def __init__(
@@ -122,6 +133,7 @@ class ParquetStream(torch.utils.data.IterableDataset):
         max_batches: int | None = None,
         read_rows: int = PARQUET_READ_ROWS,
         resume: Mapping[str, Any] | None = None,
+        dense_nulls: str | Mapping[str, float] = "zero",
     ) -> None:
         super().__init__()
         check_stream(batch_size, rank, world_size, epochs)
@@ -190,7 +202,10 @@ class ParquetStream(torch.utils.data.IterableDataset):
             "held_out": held_out,
         }
         null_ids = {c: int(hash_strings(load_pyarrow()[0].array([c]))[0] & ID_MASK) for c in [*ids, *bags]}
-        self._decoder = Decoder(label, tuple(ids), tuple(bags), tuple(dense), ctr, holdout, held_out, null_ids)
+        self._dense_nulls = DenseNulls.of(dense_nulls, self.files, metadata, dense)
+        # The value each dense column's nulls and NaN read as (pass it as a held-out stream's dense_nulls).
+        self.dense_fill: dict[str, float] = dict(self._dense_nulls.fill)
+        self._decoder = Decoder(label, tuple(ids), tuple(bags), tuple(dense), ctr, holdout, held_out, null_ids, self._dense_nulls)
         self._start = Pos(0, 0, 0, 0)
         self._lock = threading.Lock()
         # (batches yielded by this iteration, the position after them), the newest last.
