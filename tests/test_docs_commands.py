@@ -9,7 +9,7 @@ job (launch, compare, sweep) runs one shard (``--num-shards 1``, also where it n
 ``--repeats`` is 1, mode and bound lists keep their first two entries, and
 every fixed port moves by one offset to free ones; a command that gives no ``--steps`` or
 ``--eval-samples`` gets ``TETHER_STEPS=20`` and ``TETHER_EVAL_SAMPLES=1000`` from the environment.
-An install step before ``&&`` is dropped (the suite runs installed). A command is skipped only
+An install step before ``&&`` and the README's venv step are dropped (the suite runs installed). A command is skipped only
 for a reason named in ``SKIP``: it needs Docker, Kubernetes or a GPU, is a long-running server
 another test covers, or stands for the reader's own code.
 """
@@ -44,8 +44,9 @@ SKIP = {
     "/data/ckpt": "stands for the reader's own live cluster and checkpoint folder",
     "--mode sync --shards 127.0.0.1": "needs the shards of docs/running.md already serving",
 }
-# Lines dropped from a block that is run: long-running viewers of what the block wrote.
-DROP = ("tensorboard --logdir",)
+# Lines dropped from a block that is run: long-running viewers of what the block wrote, and the
+# README's venv step (the suite runs in its own environment, installed).
+DROP = ("tensorboard --logdir", "python3 -m venv")
 # Commands a page shows failing, with the exit code it says they end with.
 EXPECTED_EXIT = {"--steps 10 --tls-ca ca.crt --auth-token-file token": 1, "--tls-key worker.key\n": 1}
 FIXED_PORTS = re.compile(r"\b(50\d\d\d|9[12]\d\d)\b")
@@ -118,7 +119,11 @@ def _scratch(tmp_path: Path) -> dict[str, str]:
         (tmp_path / name).symlink_to(ROOT / name)
     bin_dir = tmp_path / ".bin"
     bin_dir.mkdir()
-    (bin_dir / "python").symlink_to(sys.executable)
+    # A script, not a symlink: a venv's interpreter started through a link outside the venv does
+    # not find its pyvenv.cfg and runs without the venv's packages (tether, torch, grpc).
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
     tether = bin_dir / "tether"
     tether.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m tether.deploy.cli "$@"\n')
     tether.chmod(0o755)
@@ -182,3 +187,34 @@ def test_the_skip_list_names_commands_that_exist() -> None:
     unused = [key for key in SKIP if not any(key in c for c in commands)]
     assert not unused, f"SKIP entries that match no command in the docs: {unused}"
     assert len(_pages_with_commands()) >= 8
+
+
+def test_ci_runs_the_readme_test_command_in_the_readme_venv() -> None:
+    """The README's test block makes a virtual environment first (a stock Debian/Ubuntu Python
+    refuses pip outside one), and ``.ci/run`` makes that environment, installs into it and runs
+    the README's test command there, as a reader would."""
+    readme = (ROOT / "README.md").read_text()
+    (test_block,) = [b for b in _blocks(ROOT / "README.md") if "python -m pytest" in b]
+    venv_line, command = [c.strip() for c in _commands(test_block) if c.strip()]
+    assert venv_line == "python3 -m venv .venv && . .venv/bin/activate", test_block
+    assert readme.count(venv_line) >= 2, "the quick start makes the environment too"
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert venv_line in ci, "CI makes the README's virtual environment"
+    installs = [n for n, line in enumerate(ci) if "pip install" in line]
+    assert installs and ci.index(venv_line) < min(installs), "CI installs into the environment, not beside it"
+    assert all(line.startswith("python -m pip") for line in ci if "pip install" in line), "the environment's python installs"
+    run_tests = command.split("&& ")[-1]
+    assert ci[-1] == run_tests, f"CI ends with the README's test command {run_tests!r}, not {ci[-1]!r}"
+
+
+def test_the_docs_python_is_the_suites_interpreter(tmp_path: Path) -> None:
+    """``python`` on the pages' PATH imports what the suite's interpreter imports: tether from this
+    checkout, also when the suite runs in a virtual environment (a symlink to a venv's
+    interpreter from outside the venv loses its ``pyvenv.cfg`` and its packages)."""
+    env = _scratch(tmp_path)
+    out = subprocess.run(["python", "-c", "import sys, tether.worker; print(sys.prefix); print(tether.worker.__path__[0])"],
+                         env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    import tether.worker
+
+    assert out.stdout.split("\n")[:2] == [sys.prefix, tether.worker.__path__[0]], out.stdout
