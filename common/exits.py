@@ -2,8 +2,8 @@
 something it cannot do (argparse's code, ``tether.protos.errors.USAGE_EXIT_CODE``), 130
 interrupted (the shell's code for SIGINT). ``run_command`` maps how a command's body ended to
 that code and its one line on stderr; ``usage_checks`` marks the flag checks whose
-``ValueError`` is the user's mistake; ``end_usage_errors_in_one_line`` does what ``run_command``
-does for a ``UsageError`` left uncaught in a user's own program; ``interrupted`` reads a child's
+``ValueError`` is the user's mistake; ``end_usage_errors_in_one_line`` does what ``tether worker``
+does for a ``UsageError`` or ``TetherError`` left uncaught in a user's own program; ``interrupted`` reads a child's
 code."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
 
-from tether.protos.errors import USAGE_EXIT_CODE, UsageError, report_usage_error
+from tether.protos.errors import USAGE_EXIT_CODE, TetherError, UsageError, report_usage_error
 
 __all__ = [
     "DONE", "FAILED", "INTERRUPTED", "USAGE", "end_usage_errors_in_one_line", "exit_process", "interrupted", "run_command",
@@ -57,13 +57,15 @@ _hook: Callable[[type[BaseException], BaseException, TracebackType | None], None
 def end_usage_errors_in_one_line(prog: str = "tether worker") -> None:
     """Have a ``UsageError`` that nothing caught end this program as ``tether worker`` ends on
     one: ``prog: error: <message>`` as one line on stderr and exit code ``USAGE``, not a
-    traceback and 1. Called where a user's program enters tether (``Trainer``,
-    ``TrainingConfig.from_env``); ``prog`` is the name ``tether launch`` reads a worker's usage
-    line by (``deploy/worker_exits.py``).
+    traceback and 1; and a ``TetherError`` (a shard call that failed after its retries, such as
+    ``Unavailable`` from shards that cannot be reached) as ``tether worker`` ends on one:
+    ``prog: <kind>: <message>`` as one line and exit code ``FAILED``. Called where a user's
+    program enters tether (``Trainer``, ``TrainingConfig.from_env``); ``prog`` is the name
+    ``tether launch`` reads a worker's usage line by (``deploy/worker_exits.py``).
 
-    It wraps ``sys.excepthook`` once per process and changes only how tether's own usage errors
-    end an uncaught program: every other exception (the user's own) goes to the hook that was
-    there before, with its traceback; a ``UsageError`` caught by the program never reaches the
+    It wraps ``sys.excepthook`` once per process and changes only how tether's own errors end
+    an uncaught program: every other exception (the user's own) goes to the hook that was
+    there before, with its traceback; an error caught by the program never reaches the
     hook. Only the main thread's: an exception ending another thread does not end the program
     (``threading.excepthook`` is left alone). The process ends after the exit handlers
     (``atexit``) ran and the streams were flushed, without waiting for non-daemon threads.
@@ -74,13 +76,19 @@ def end_usage_errors_in_one_line(prog: str = "tether worker") -> None:
         return
 
     def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        if not issubclass(kind, UsageError):
+        if issubclass(kind, UsageError):
+            report_usage_error(prog, exc)
+            code = USAGE
+        elif issubclass(kind, TetherError):
+            # The line tether worker prints for a failed shard call (its exit code too).
+            print(f"{prog}: {kind.__name__}: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+            code = FAILED
+        else:
             previous(kind, exc, tb)
             return
-        report_usage_error(prog, exc)
         _print_captured(sys.stderr)
         atexit._run_exitfuncs()  # noqa: SLF001 - the interpreter's exit handlers, which os._exit skips
-        exit_process(USAGE)
+        exit_process(code)
 
     sys.excepthook = _hook = hook
 

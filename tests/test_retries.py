@@ -120,7 +120,7 @@ def test_a_shard_that_never_comes_back_fails_the_call_at_its_deadline_with_one_l
     print(f"{transport}: gave up after {elapsed:.2f}s: {message}")
     assert 1.2 <= elapsed <= 3.0, elapsed
     assert "\n" not in message
-    assert message.startswith(f"shard 0 ({address}) Push failed after ") and "the call's deadline spent: UNAVAILABLE" in message
+    assert message.startswith(f"shard 0 ({address}) Push failed after ") and "the call's deadline spent (--call-deadline 1.5 s): UNAVAILABLE" in message
     client.close()
 
 
@@ -188,3 +188,22 @@ def test_a_size_refusal_fails_at_once_and_is_never_retried(transport: str) -> No
         client.close()
     finally:
         running.stop(0)
+
+
+def test_help_and_docs_say_call_deadline_bounds_the_wait_for_a_shard_that_is_down() -> None:
+    """--timeout alone does not bound how long a down shard is waited for; --help and
+    docs/errors.md say which flag does."""
+    import re
+    from pathlib import Path
+
+    from tether.worker import flags as worker_flags
+
+    # argparse wraps at hyphens too ("--call- deadline"): joined again here.
+    text = " ".join(worker_flags.build_parser().format_help().split()).replace("- ", "-")
+    timeout_help = re.search(r"--timeout SECONDS (.*?) --call-deadline SECONDS", text)
+    assert timeout_help and "one attempt" in timeout_help.group(1), text
+    assert "--call-deadline, not this, bounds how long a shard that is down is waited for" in timeout_help.group(1)
+    deadline_help = text.rsplit("--call-deadline SECONDS", 1)[1]
+    assert "the whole wait for a shard that is down" in deadline_help.split(" --")[0]
+    errors = " ".join((Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text().split())
+    assert "`--call-deadline` (`TETHER_CALL_DEADLINE`) bounds that whole wait, `--timeout` only each attempt" in errors

@@ -6,6 +6,7 @@ traceback and exit code 1."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,9 @@ def _run(tmp_path: Path, what: str, **env: str) -> subprocess.CompletedProcess[s
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
-    environ.update({"TETHER_LOCAL": "1", "TETHER_STEPS": "2", **env})
+    environ.update({"TETHER_STEPS": "2", **env})
+    if "TETHER_SHARDS" not in environ:
+        environ["TETHER_LOCAL"] = "1"
     return subprocess.run([sys.executable, str(script), what], env=environ, capture_output=True, text=True, timeout=120)
 
 
@@ -67,3 +70,19 @@ def test_the_users_own_exception_keeps_its_traceback(tmp_path: Path) -> None:
     own = _run(tmp_path, "own")
     assert own.returncode == 1
     assert "Traceback" in own.stderr and "RuntimeError: the user's own mistake" in own.stderr
+
+
+def test_shards_that_cannot_be_reached_end_a_script_in_one_line_and_exit_1(tmp_path: Path) -> None:
+    """As ``tether worker`` ends on it (docs/errors.md): ``Unavailable`` once ``--call-deadline``
+    (``TETHER_CALL_DEADLINE``) is spent, one line naming the call, no traceback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once the socket is closed
+    proc = _run(tmp_path, "own", TETHER_SHARDS=f"127.0.0.1:{port}", TETHER_CALL_DEADLINE="2", TETHER_TIMEOUT="1")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    # The retries' warning while it waits (the first, then every tenth), then the error's one line.
+    assert all(line.startswith("shard 0 Declare: UNAVAILABLE, retry ") for line in lines[:-1]), proc.stderr
+    assert lines[-1].startswith(f"tether worker: Unavailable: shard 0 (127.0.0.1:{port}) Declare failed after "), proc.stderr
+    assert "the call's deadline spent (--call-deadline 2 s)" in lines[-1], lines[-1]

@@ -129,11 +129,14 @@ class TrainingConfig:
                              help="pull each batch after the previous push has landed instead of during compute")
     log_every: int = setting(50, flag="--log-every", group=JOB, help="print progress every N steps")
     timeout_s: float = setting(choices.CLIENT_TIMEOUT_S, flag="--timeout", metavar="SECONDS", group=JOB,
-                               help="deadline of each RPC attempt, seconds")
+                               help="deadline of one attempt of a call, seconds; a failed attempt is retried until "
+                               "--call-deadline is spent, so --call-deadline, not this, bounds how long a shard that is down "
+                               "is waited for")
     call_deadline_s: float = setting(
         choices.CLIENT_CALL_DEADLINE_S, flag="--call-deadline", metavar="SECONDS", group=JOB,
-        help="longest one push, pull or declare takes, every retry included: each attempt gets at most what is left of it, "
-        "and when it is spent (a shard that is down or stopped) the worker fails with Unavailable; seconds. "
+        help="longest one push, pull or declare takes, every retry included, and so the whole wait for a shard that is down or "
+        "stopped (whatever --timeout is): each attempt gets at most what is left of it, and when it is spent the worker "
+        "fails with Unavailable in one line; seconds. "
         "SSP waits and the start-up join are bounded by --wait-timeout instead",
     )
     staleness_aware: bool = setting(choices.CLIENT_STALENESS_AWARE, flag="--staleness-aware", group=JOB,

@@ -200,6 +200,8 @@ class ShardChannel:
         """
         cfg = self.config
         method = call.method
+        # The error names the flag that bounds the wait (a checkpoint's is its own timeout_s).
+        spent_what = ", the call's deadline spent" + ("" if method == "Checkpoint" else f" (--call-deadline {cfg.call_deadline_s:g} s)")
         if deadline is None:
             deadline = time.monotonic() + cfg.call_deadline_s
         backoff = cfg.backoff_s
@@ -233,7 +235,7 @@ class ShardChannel:
                 if code in _GONE:
                     # A refused TLS handshake looks like a shard that is down: say so.
                     hint = " (if the shard is up, check the TLS CA and client certificate)" if cfg.security.tls else ""
-                    why = "" if capped else ", the call's deadline spent"
+                    why = "" if capped else spent_what
                     raise Unavailable(
                         f"shard {self.index} ({self.address}) {method} failed after {attempt + 1} tries{why}: "
                         f"{code.name}: {_one_line(details)}{hint}"

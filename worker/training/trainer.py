@@ -87,7 +87,9 @@ class Trainer(Generic[B]):
             see ``tether.worker.training.batches.count_samples``).
 
     A ``UsageError`` of tether's that the program leaves uncaught ends it with one line and exit
-    code 2 (``tether.common.exits.end_usage_errors_in_one_line``); other exceptions are untouched.
+    code 2, a ``TetherError`` (shards that cannot be reached: ``Unavailable`` once
+    ``call_deadline_s`` is spent) with one line and exit code 1
+    (``tether.common.exits.end_usage_errors_in_one_line``); other exceptions are untouched.
 
     Raises:
         UsageError: ``sync`` outside torchrun, or CUDA asked for and missing.
