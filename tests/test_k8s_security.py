@@ -369,3 +369,56 @@ def test_kubernetes_doc_names_every_manifest_and_the_secrets() -> None:
         assert sorted(re.findall(r"--from-file=([\w.]+)=", cmd)) == sorted(TLS_FILES), cmd
     for label in ("kubernetes.io/metadata.name", "monitoring", "app.kubernetes.io/name: prometheus"):
         assert label in page, label
+
+
+# ---------------------------------------------------------------- restarts and the API token
+
+
+def test_no_pod_mounts_a_service_account_token_it_never_uses() -> None:
+    """No tether process calls the Kubernetes API (checkov CKV_K8S_38)."""
+    pods = {f"{d['kind']}/{d['metadata']['name']}": _pod(d)["spec"] for d in _docs() if d["kind"] in WORKLOADS}
+    assert pods and all(spec.get("automountServiceAccountToken") is False for spec in pods.values()), pods.keys()
+
+
+def test_a_worker_pod_restarted_in_place_joins_the_job_under_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker container Kubernetes restarts (restartPolicy OnFailure: the same pod, its emptyDirs
+    kept) gets what a worker tether launch restarts gets: a restart count, so it does not wait at
+    the start barrier for every worker again (they may all have finished and left). The async
+    Job's own argv and environment, the file on the volume the manifest mounts."""
+    from types import SimpleNamespace
+
+    from tether.protos.errors import DeadlineExceeded
+    from tether.worker.policies import AsyncPolicy, restart_count
+    from tether.worker.results import ClockReply
+
+    (workload, _, pod, c), = [w for w in _containers() if w[0] == "Job/tether-worker-async"]
+    assert pod["spec"]["restartPolicy"] == "OnFailure", "restarts happen in place, keeping the pod's emptyDirs"
+    env = _container_env(c, tls=False)
+    path = env.get("TETHER_RESTART_FILE")
+    assert path, f"{workload}: no TETHER_RESTART_FILE"
+    volume, inside = _mount_of(pod, c, path)
+    assert "emptyDir" in volume, f"{workload}: {path} must be on an emptyDir (it outlives a container restart)"
+    volume_dir = tmp_path / "volume"
+    volume_dir.mkdir()
+    mounts = {**_mount_secrets(pod, c, tmp_path / "secrets", secrets.token_urlsafe(32), False),
+              path[: len(path) - len(inside)].rstrip("/"): str(volume_dir)}
+    _clean_env(monkeypatch)
+    for name, value in env.items():
+        monkeypatch.setenv(name, _localize(value, env, mounts))
+    loaded = worker_flags.load_config([_localize(a, env, mounts) for a in _tether_argv(c)[1]])
+    config = SimpleNamespace(num_workers=loaded.num_workers, wait_timeout_s=0.3)
+
+    # The other workers are all done and gone: no live clock is left to show the job under way.
+    gone = SimpleNamespace(clock=lambda clock: ClockReply(0, 0, 0, False, min_other_clock=0, finished_workers=0))
+    under_way = SimpleNamespace(clock=lambda clock: ClockReply(0, 5, 3, False, min_other_clock=5))
+    assert restart_count() == 0  # the pod's first start: a fresh job
+    assert AsyncPolicy().start(SimpleNamespace(config=config, client=under_way)) == 5  # it got past the start barrier
+    # Killed after that; Kubernetes restarts the container in the same pod.
+    assert restart_count() == 1
+    assert AsyncPolicy().start(SimpleNamespace(config=config, client=gone)) == 0  # no wait for workers that left
+    assert restart_count() == 2
+    # A fresh pod (a new emptyDir) of a fresh job still waits for every worker, and says so when they do not come.
+    (volume_dir / inside).unlink()
+    with pytest.raises(DeadlineExceeded, match="only 0 of 4 workers joined"):
+        AsyncPolicy().start(SimpleNamespace(config=config, client=gone))
+

@@ -4,11 +4,13 @@ sync), and for sync the torchrun process group and the dense step on every rank.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -23,9 +25,11 @@ from tether.worker.training.run_record import RunRecord
 from tether.worker.training.table_rules import dense_torch_optimizer
 
 __all__ = [
-    "AsyncPolicy", "RowCombiner", "SSPPolicy", "SyncPolicy", "TrainerView", "init_sync", "policy_class", "policy_for", "restart_count",
-    "sync_device",
+    "RESTART_FILE_ENV", "AsyncPolicy", "RowCombiner", "SSPPolicy", "SyncPolicy", "TrainerView", "init_sync", "note_started", "policy_class",
+    "policy_for", "restart_count", "sync_device",
 ]
+
+log = logging.getLogger(__name__)
 
 # A step's row gradients (table -> (ids, grads)) -> those this worker pushes.
 RowCombiner = Callable[[dict[str, tuple[torch.Tensor, torch.Tensor]]], dict[str, tuple[torch.Tensor, torch.Tensor]]]
@@ -64,10 +68,11 @@ class AsyncPolicy:
         leave between two of this one's polls):
         the workers of a run start training together, in every mode, so that start-up is not
         counted as staleness and no one runs ahead of a worker that has not started yet. A
-        worker restarted into a running job (``TETHER_RESTART_COUNT`` > 0, set by ``tether
-        launch --max-restarts``) only joins and goes on: the others are under way, or done and
-        gone. So does a worker that finds another live worker's clock above 0 (the reply's
-        ``max_clock``; a pod restarted by Kubernetes has no ``TETHER_RESTART_COUNT``): no worker
+        worker restarted into a running job (``restart_count`` > 0: ``TETHER_RESTART_COUNT``, set
+        by ``tether launch --max-restarts``, or ``TETHER_RESTART_FILE``'s count of the starts
+        before, set in a Kubernetes pod) only joins and goes on: the others are under way, or done
+        and gone. So does a worker that finds another live worker's clock above 0 (the reply's
+        ``max_clock``; a pod replaced on another node has neither): no worker
         passes this barrier before all have joined, so a clock above 0 means the job is under
         way, while in a fresh job every joined worker waits here at clock 0. Either starts at the
         slowest other live worker's clock rather than at 0. Returns the clock this worker starts
@@ -85,6 +90,7 @@ class AsyncPolicy:
             # A clock above 0: a job under way (restarted by Kubernetes, not by tether launch).
             # Those that left since this worker joined count: they trained and finished between two polls.
             if restarted or reply.max_clock > 0 or reply.live_workers + reply.finished_workers >= cfg.num_workers:
+                note_started()
                 return reply.min_other_clock
             if time.monotonic() > deadline:
                 raise DeadlineExceeded(f"only {reply.live_workers} of {cfg.num_workers} workers joined within {cfg.wait_timeout_s:.0f}s")
@@ -308,16 +314,65 @@ class SyncPolicy(AsyncPolicy):
 
 
 def restart_count(environ: Mapping[str, str] = os.environ) -> int:
-    """How many times this worker was restarted (``TETHER_RESTART_COUNT``, which ``tether launch
-    --max-restarts`` sets; 0 when unset).
+    """How many times this worker was restarted into its job: ``TETHER_RESTART_COUNT``, which
+    ``tether launch --max-restarts`` sets; else, with ``TETHER_RESTART_FILE`` (the Kubernetes
+    manifests set it to a file on the pod's ``emptyDir``, which outlives a container that
+    Kubernetes restarts in place), how many earlier incarnations got past the start barrier, as
+    that file counts them (``note_started``); else 0.
 
     Raises:
-        UsageError: the variable is not an integer >= 0.
+        UsageError: a variable, or the file, that does not hold an integer >= 0.
     """
-    text = environ.get("TETHER_RESTART_COUNT", "0").strip() or "0"
+    text = environ.get("TETHER_RESTART_COUNT", "").strip()
+    if text:
+        if not text.isdigit():
+            raise UsageError(f"TETHER_RESTART_COUNT={text!r}: expected an integer >= 0 (the launcher's count of this worker's restarts)")
+        return int(text)
+    path = environ.get(RESTART_FILE_ENV, "").strip()
+    return _started_before(Path(path)) if path else 0
+
+
+# The variable naming the file that counts a worker's incarnations that got past the start barrier.
+RESTART_FILE_ENV = "TETHER_RESTART_FILE"
+
+
+def _started_before(path: Path) -> int:
+    """The count in ``path`` (0 when there is no file yet).
+
+    Raises:
+        UsageError: the file holds something else.
+    """
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        raise UsageError(f"{RESTART_FILE_ENV}={path}: cannot be read ({exc.strerror or exc})") from None
     if not text.isdigit():
-        raise UsageError(f"TETHER_RESTART_COUNT={text!r}: expected an integer >= 0 (the launcher's count of this worker's restarts)")
+        raise UsageError(f"{RESTART_FILE_ENV}={path}: holds {text[:40]!r}, expected the count of this worker's earlier starts")
     return int(text)
+
+
+def note_started(environ: Mapping[str, str] = os.environ) -> None:
+    """Count this incarnation in ``TETHER_RESTART_FILE``, when set (and ``TETHER_RESTART_COUNT``
+    is not): it got past the start barrier, so the next incarnation in this pod joins a job under
+    way and does not wait for every worker again. Written whole (a temporary file renamed); a
+    file that cannot be written is said once in the log and the worker goes on (a restart then
+    relies on the other workers' clocks, as without the file)."""
+    if environ.get("TETHER_RESTART_COUNT", "").strip():
+        return
+    text = environ.get(RESTART_FILE_ENV, "").strip()
+    if not text:
+        return
+    path = Path(text)
+    try:
+        count = _started_before(path) + 1
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(f"{count}\n")
+        os.replace(tmp, path)
+    except (OSError, UsageError) as exc:
+        log.warning("%s=%s: cannot count this start (%s); a restart will wait for the other workers unless their clocks show "
+                    "the job under way", RESTART_FILE_ENV, path, exc)
 
 
 def _fingerprint(params: list[nn.Parameter]) -> torch.Tensor:
