@@ -241,7 +241,7 @@ def compare(
         for mode in modes:
             runs.append(_run_one(template, mode, repeat, repeats, num_shards, out_dir, str(spec), timeout_s, echo, printer,
                                  program, metric))
-            printer(_progress_line(runs, repeats, target_loss, target_fraction))
+            printer(_progress_line(runs, repeats, target_loss))
     baseline = _baseline(runs)
     if target_loss is None and baseline is not None and all(r["final_eval_loss"] is not None for r in runs):
         # From the runs themselves (the worst final loss), so every run reaches it.
@@ -294,8 +294,10 @@ def _baseline(runs: Sequence[dict[str, Any]]) -> float | None:
     return float(runs[0]["summary"]["baseline_loss"])
 
 
-def _progress_line(runs: Sequence[dict[str, Any]], repeats: int, target_loss: float | None, target_fraction: float) -> str:
-    """The line printed as the newest run of ``runs`` finishes."""
+def _progress_line(runs: Sequence[dict[str, Any]], repeats: int, target_loss: float | None) -> str:
+    """The line printed as the newest run of ``runs`` finishes. Its time to target only with a
+    target given (``--target-loss``): a target taken from the runs (the worst final loss) is known
+    once every run is done, and a target from the runs so far would differ from the table's."""
     run = runs[-1]
     head = f"tether compare: {run['mode']}" + (f" repeat {run['repeat'] + 1}/{repeats}" if repeats > 1 else "")
     tail = (f"training wall {run['train_wall_s']:.1f}s, {run['samples_per_sec']:,.0f} samples/s, "
@@ -303,12 +305,11 @@ def _progress_line(runs: Sequence[dict[str, Any]], repeats: int, target_loss: fl
     if "initial_eval_loss" in run and run["final_eval_loss"] is None:
         train = run["final_train_loss"]
         return f"{head}: final train loss {'-' if train is None else f'{train:.4f}'} (no eval loss reported), {tail}"
-    base = _baseline(runs)
-    losses = [r["final_eval_loss"] for r in runs if r["final_eval_loss"] is not None]
-    so_far = target_loss if target_loss is not None or base is None else base - target_fraction * (base - max(losses))
-    ttt = time_to_target(run["curve"], so_far) if so_far is not None else None
-    return (f"{head}: final loss {run['final_eval_loss']:.4f}, to {'target' if target_loss is not None else 'target so far'} "
-            + (f"{so_far:.4f}: {'never' if ttt is None else f'{ttt:.1f}s'}" if so_far is not None else "unknown") + f", {tail}")
+    if target_loss is None:
+        return f"{head}: final loss {run['final_eval_loss']:.4f}, {tail}"
+    ttt = time_to_target(run["curve"], target_loss)
+    reached = "never" if ttt is None else f"{ttt:.1f}s"
+    return f"{head}: final loss {run['final_eval_loss']:.4f}, to target {target_loss:.4f}: {reached}, {tail}"
 
 
 def _write_curves(path: Path, runs: Sequence[dict[str, Any]]) -> None:
