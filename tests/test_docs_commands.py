@@ -218,3 +218,18 @@ def test_the_docs_python_is_the_suites_interpreter(tmp_path: Path) -> None:
     import tether.worker
 
     assert out.stdout.split("\n")[:2] == [sys.prefix, tether.worker.__path__[0]], out.stdout
+
+
+def test_the_readme_sample_progress_line_names_the_metrics_the_job_prints() -> None:
+    """The README's sample final line shows the held-out metrics under the names a worker prints
+    (``tether.worker.evaluation.evaluate``'s keys), not shortened ones."""
+    import torch
+
+    from tether.worker.data import Batch
+    from tether.worker.evaluation import evaluate
+
+    (line,) = [ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("[worker-0]") and "eval_loss" in ln]
+    shown = re.findall(r" ([a-z_]+) \d\.\d{4}", line.split(" elapsed ", 1)[1])
+    printed = evaluate(lambda dense, sparse: dense[:, 0], Batch(torch.tensor([[0.1], [0.9]]), torch.zeros(2, 1, dtype=torch.int64),
+                                                                 torch.tensor([0.0, 1.0])))
+    assert shown == list(printed), (shown, list(printed))

@@ -535,3 +535,10 @@ def test_one_row_group_from_pandas_names_how_to_write_more(tmp_path: Path) -> No
     df.to_parquet(several, row_group_size=25)  # what the message says
     ranks = [np.concatenate([b["u"].numpy() for b in ParquetStream(several, 10, ids=["u"], rank=r, world_size=2)]) for r in (0, 1)]
     assert sorted(np.concatenate(ranks).tolist()) == list(range(100))
+
+
+def test_a_column_of_the_wrong_type_is_named_with_its_role_in_plain_words(files: list[Path]) -> None:
+    with pytest.raises(DataError, match=r"column 'x' is double, but an id column must be integer or string"):
+        ParquetStream(files, 8, ids=["x"])
+    with pytest.raises(DataError, match=r"column 'user' is string, but a dense column must be"):
+        ParquetStream(files, 8, dense=["user"])

@@ -186,7 +186,8 @@ def check_schema(
         t = schema.field(name).type
         check, expected = _ROLES[role]
         if not check(t):
-            raise DataError(f"{path}: column {name!r} is {t}, but a {role} column must be {expected}")
+            article = "an" if role[0] in "aeiou" else "a"  # an id column, a label column
+            raise DataError(f"{path}: column {name!r} is {t}, but {article} {role} column must be {expected}")
         if first_types is not None and name in first_types and _kind(t) != _kind(first_types[name]):
             raise DataError(f"{path}: column {name!r} is {t}, but {first} has it as {first_types[name]}")
 
