@@ -125,8 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     for width in (int(w) for w in a.widths.split(",")):
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
         plain = float(_run([sys.executable, __file__, "--_plain", str(width), "--steps", str(a.steps)], env).split()[-1])
+        # Local mode takes one torch thread unless OMP_NUM_THREADS says otherwise (as tether launch's
+        # workers do): here it gets every core, as the plain torch run does.
         local = json.loads(_run([sys.executable, __file__, "--_worker", str(width), "--steps", str(a.steps)],
-                                {**env, "TETHER_LOCAL": "1"}).splitlines()[-1])["samples_per_sec"]
+                                {**env, "TETHER_LOCAL": "1", "OMP_NUM_THREADS": str(os.cpu_count() or 1)}).splitlines()[-1])["samples_per_sec"]
         row = [width, f"{plain:,.0f}", f"{local:,.0f} ({local / plain:.2f}x)"]
         for workers in (1, 2):
             with tempfile.TemporaryDirectory() as tmp:

@@ -26,7 +26,7 @@ def _pump(stream: IO[str], prefix: str, sink: IO[str] | None, echo: bool) -> Non
             if sink is not None:
                 sink.write(line)
                 sink.flush()
-            if echo:
+            if echo and line.strip():  # a blank line echoed would be a bare "[name] "
                 sys.stdout.write(f"{prefix}{line}")
                 sys.stdout.flush()
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
@@ -43,7 +44,7 @@ def _launch(argv: Sequence[str]) -> int:
                    help="restart an async or ssp worker that dies (any exit but a usage error or Ctrl-C) up to N times, as a new "
                    "incarnation, for the steps it had not reported done; the others train on meanwhile (0: the first failure ends "
                    "the job). Not for --mode sync, where a rank that dies ends the job naming it")
-    _add_program_flags(p, "the workers")
+    _add_program_flags(p, "the workers", "; it trains until its data ends unless --steps (or its own code) sets a step count")
     # The job's flags, from --steps on (the help says this command's own are those before it).
     fields.add_flags(p, WorkerConfig, groups=(JOB, MODEL))
     add_shard_flags(p)
@@ -62,6 +63,11 @@ def _launch(argv: Sequence[str]) -> int:
                 raise ValueError(f"--max-restarts {a.max_restarts}: sync ranks are not restarted (a rank that dies ends the job, "
                                  "naming it); use --mode async or ssp:S")
             program = _program(a)
+            if program is not None and not _steps_given(argv):
+                # --steps' default (2000) is the built-in job's: a user's program runs until its data
+                # ends unless --steps (or TETHER_STEPS, or its own code) says otherwise, and its
+                # progress shows no made-up total or ETA.
+                program = replace(program, steps_from_job=False)
             shard_args = shard_argv(a)
         # A UsageError from here on is a worker's own one line (a malformed data line found mid-run).
         summary = run_job(template, a.num_shards, out=a.out, timeout_s=a.job_timeout, metrics=a.metrics,
@@ -73,15 +79,22 @@ def _launch(argv: Sequence[str]) -> int:
     return run_command("tether launch", body, failures=(ClusterError,), say_interrupted=True)
 
 
-def _add_program_flags(p: argparse.ArgumentParser, who: str) -> None:
+def _add_program_flags(p: argparse.ArgumentParser, who: str, steps_note: str = "") -> None:
     """``--script``/``--entry`` and ``--script-args``: the user's own training program."""
     own = p.add_mutually_exclusive_group()
     own.add_argument("--script", default=None, help=f"run this Python training script as {who} (it reads its place in the job with "
-                     "TrainingConfig.from_env(); under --mode sync torchrun runs it) instead of the built-in CTR model")
+                     f"TrainingConfig.from_env(); under --mode sync torchrun runs it) instead of the built-in CTR model{steps_note}")
     own.add_argument("--entry", default=None, metavar="MODULE:FUNCTION", help="like --script, for a function of an importable module")
     p.add_argument("--script-args", default="", metavar="ARGS",
                    help="arguments for --script or --entry, as one shell-quoted string (one that starts with a dash is taken "
                    "as is: --script-args --eval-first, or --script-args '--data x.dat --eval-first')")
+
+
+def _steps_given(argv: Sequence[str]) -> bool:
+    """Whether the user set the job's step count: ``--steps`` on the command line or ``TETHER_STEPS``."""
+    if os.environ.get("TETHER_STEPS", "").strip():
+        return True
+    return any(arg == "--steps" or arg.startswith("--steps=") for arg in _joined_script_args(argv))
 
 
 def _joined_script_args(argv: Sequence[str]) -> list[str]:

@@ -48,6 +48,16 @@ class Program:
     mode ``torchrun`` runs it and sets ``RANK``/``WORLD_SIZE`` as well."""
 
     argv: tuple[str, ...]
+    # Whether the job's step count (``--steps``, its default too) is the program's: without it the
+    # program's workers get no ``TETHER_STEPS`` and train until their data ends, or as their code says.
+    steps_from_job: bool = True
+
+    def env(self, cfg: WorkerConfig) -> dict[str, str]:
+        """The ``TETHER_*`` environment that tells a worker of this program ``cfg``."""
+        env = to_env(cfg)
+        if not self.steps_from_job:
+            env["TETHER_STEPS"] = ""  # empty: no step limit (TrainingConfig.from_env)
+        return env
 
     @classmethod
     def script(cls, path: str, args: Sequence[str] = ()) -> Program:
@@ -270,7 +280,7 @@ class LocalCluster:
             if program is not None:
                 # torchrun parses every argument after the program too (a script's --n would be its
                 # --nnodes): the shim gets the program's argv in the environment instead.
-                env = {**no_port, **to_env(cfg), **program_env(program.argv)}
+                env = {**no_port, **program.env(cfg), **program_env(program.argv)}
                 self.workers.append(spawn(self.log_dir, "torchrun", [*argv, "-m", "tether.deploy.run_program"], echo=echo, env=env))
                 return
             config = self.log_dir / "torchrun.config.json"
@@ -285,14 +295,14 @@ class LocalCluster:
                 self.metrics_ports[f"worker-{i}"] = port = free_port(self.host)
                 cfg = replace(cfg, metrics_port=port)
             if program is not None:
-                child = spawn(self.log_dir, f"worker-{i}", list(program.argv), echo=echo, env={**no_port, **to_env(cfg)})
+                child = spawn(self.log_dir, f"worker-{i}", list(program.argv), echo=echo, env={**no_port, **program.env(cfg)})
             else:
                 # A restart reads the same file, with --steps beside it for the steps left (Supervision).
                 config = self.log_dir / f"worker-{i}.config.json"
                 config.write_text(to_json(cfg))
                 child = spawn(self.log_dir, f"worker-{i}", ["-m", "tether.worker", "--config", str(config), *extra_args], echo=echo,
                               env=no_port)
-            child.steps = template.steps
+            child.steps = template.steps if program is None or program.steps_from_job else None
             with self._lock:
                 self.workers.append(child)
 

@@ -65,6 +65,14 @@ def test_ranks_whose_data_ends_at_different_steps_stop_together(tmp_path: Path) 
     assert [r["steps"] for r in ranks] == [10, 10, 10]
     assert [len(r["seen"]) for r in ranks] == [80, 80, 80]
     assert "stopping at step 10 with data left: another rank's data ended there" in proc.stdout
+    # The script set no step count and --steps was not given: its progress shows no total or ETA
+    # (the built-in job's default --steps 2000 was shown: "step 10/2000 ... eta").
+    progress = [line for line in proc.stdout.splitlines() if re.search(r"worker \d/3 step \d+", line)]
+    assert len(progress) >= 3 and not any(re.search(r"step \d+/|eta ", line) for line in progress), progress
+    # The ranks share torchrun's stdout: each line whole, none glued to another, no empty one.
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[torchrun]")]
+    assert all(line.strip() != "[torchrun]" for line in lines), lines
+    assert all(len(re.findall(r"worker \d/3[ :]", line)) <= 1 for line in lines), lines
 
 
 @pytest.mark.slow  # a minute on a loaded machine; tests/test_run_program.py checks the shim in seconds

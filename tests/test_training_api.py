@@ -195,7 +195,7 @@ def test_endless_data_without_a_step_limit_is_said_once(cluster: LocalCluster) -
 
 def test_making_a_trainer_tunes_malloc(monkeypatch: pytest.MonkeyPatch) -> None:
     from tether.common import allocator
-    from tether.worker.training import trainer as training
+    from tether.worker.training.trainer import trainer as training
 
     calls: list[bool] = []
     monkeypatch.setattr(training, "tune_malloc", lambda: calls.append(allocator.tune_malloc()) or calls[-1])
@@ -264,3 +264,72 @@ def test_a_worker_whose_data_ends_before_steps_says_where_it_stopped(mode: str) 
             record = trainer.fit(_batches(batches), background=False)
         assert record.steps == batches
         assert [line for line in lines if "stopping" in line] == said
+
+
+def test_a_progress_line_is_one_write_so_ranks_sharing_stdout_do_not_glue_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's ranks share one stdout, unbuffered under tether launch: print's two writes (the
+    text, then the newline) let another rank's line in between ("...eta 0:43worker 1/2 step 300",
+    then an empty line). The Trainer's default printer writes a line at once."""
+    import io
+    import sys
+
+    from tether.worker.training.trainer import print_line
+
+    writes: list[str] = []
+
+    class Recorder(io.StringIO):
+        def write(self, s: str) -> int:
+            writes.append(s)
+            return len(s)
+
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    torch.manual_seed(0)
+    config = TrainingConfig(local=True, steps=3, log_every=1, device="cpu")
+    with Trainer(MF(lambda name, dim: ShardedEmbeddingBag(name, dim)), config, loss=_loss, sparse=_ids) as trainer:
+        trainer.fit(_batches(3), background=False)
+    assert Trainer.__init__.__kwdefaults__["printer"] is print_line
+    progress = [w for w in writes if " step " in w]
+    assert len(progress) == 3 and all(w.endswith("\n") and w.count("\n") == 1 for w in progress), writes
+    assert "\n" not in writes and "" not in writes
+
+
+def test_a_finite_stream_without_a_length_is_not_called_endless(tmp_path) -> None:
+    """A ParquetStream of one epoch ends: no 'forever'; one with epochs=None is said endless."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from tether.worker.data.parquet import ParquetStream
+
+    path = tmp_path / "ratings.parquet"
+    pq.write_table(pa.table({"user": list(range(64)), "item": [2**40 + i % 7 for i in range(64)], "label": [0.5] * 64}), path)
+    said: dict[object, list[str]] = {}
+    for epochs in (1, None):
+        torch.manual_seed(0)
+        lines: list[str] = []
+        config = TrainingConfig(local=True, device="cpu", log_every=100, steps=None)
+        with Trainer(MF(lambda name, dim: ShardedEmbeddingBag(name, dim)), config, loss=lambda m, b: nn.functional.mse_loss(m(b), b["label"]),
+                     sparse=_ids, printer=lines.append) as trainer:
+            trainer.fit(ParquetStream(path, 16, ids=["user", "item"], epochs=epochs, max_batches=6), background=False)
+        said[epochs] = [line for line in lines if "no step limit" in line or "forever" in line]
+    assert said[1] == [], said[1]
+    assert len(said[None]) == 1 and "endless (epochs=None)" in said[None][0] and "forever" not in said[None][0]
+
+
+def test_local_mode_computes_with_one_torch_thread_as_a_launched_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(2)
+        lines: list[str] = []
+        with Trainer(MF(lambda name, dim: ShardedEmbeddingBag(name, dim)), TrainingConfig(local=True, steps=1, device="cpu"),
+                     loss=_loss, sparse=_ids, printer=lines.append) as trainer:
+            assert torch.get_num_threads() == 1
+            trainer.fit(_batches(1), background=False)
+        assert "1 torch thread (as tether launch's workers; OMP_NUM_THREADS=N for N)" in lines[0]
+        # OMP_NUM_THREADS set: the user's choice stands, as under tether launch.
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        with Trainer(MF(lambda name, dim: ShardedEmbeddingBag(name, dim)), TrainingConfig(local=True, steps=1, device="cpu"),
+                     loss=_loss, sparse=_ids, printer=lambda line: None):
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -24,12 +24,13 @@ def run(config: WorkerConfig) -> int:
     """
     # The job, with torch, imported here: --help and a bad flag end before it is needed.
     from tether.worker.ctr.job import train
+    from tether.worker.training.trainer import print_line
 
     # Steps free and allocate tensors of MiBs: keep them in the heap (tether.common.allocator);
     # before the data is opened (the Trainer tunes it too, once per process).
     tune_malloc()
     try:
-        train(config, printer=lambda line: print(line, flush=True))
+        train(config, printer=print_line)
     except TetherError as exc:
         print(f"tether worker {config.worker_index}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return FAILED

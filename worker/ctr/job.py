@@ -30,7 +30,7 @@ from tether.worker.training.evaluation import constant_baseline_loss, evaluate
 from tether.worker.metrics import WorkerRecorder
 from tether.worker.ctr.model import CTRModel
 from tether.worker.training.run_record import RunRecord
-from tether.worker.training.trainer import Trainer
+from tether.worker.training.trainer import Trainer, print_line
 
 __all__ = [
     "Dataset",
@@ -192,7 +192,7 @@ def _ctr_metrics(model: nn.Module, batch: Batch) -> dict[str, float]:
 
 
 def ctr_trainer(
-    cfg: WorkerConfig, ds: Dataset, metrics: WorkerRecorder | None = None, printer: Callable[[str], None] = print
+    cfg: WorkerConfig, ds: Dataset, metrics: WorkerRecorder | None = None, printer: Callable[[str], None] = print_line
 ) -> Trainer[Batch]:
     """A ``Trainer`` of the CTR model on the shards of ``cfg`` (rows init ``init_scale``, seeded)."""
     model = build_model(cfg, ds)
@@ -203,7 +203,7 @@ def ctr_trainer(
     return Trainer(model, cfg, loss=ctr_loss, sparse=ctr_sparse, tables=tables, metrics=metrics, printer=printer)
 
 
-def train(cfg: WorkerConfig, metrics: WorkerRecorder | None = None, printer: Callable[[str], None] = print) -> RunRecord:
+def train(cfg: WorkerConfig, metrics: WorkerRecorder | None = None, printer: Callable[[str], None] = print_line) -> RunRecord:
     """Run one worker of the CTR job and return its record (also written to ``cfg.out``).
 
     Raises:

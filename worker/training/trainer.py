@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, replace
@@ -56,6 +57,15 @@ __all__ = ["Trainer", "TrainingConfig"]
 log = logging.getLogger(__name__)
 
 B = TypeVar("B")
+_UNKNOWN = object()
+
+
+def print_line(line: str) -> None:
+    """Print ``line`` to stdout in one write and flush: the ranks of one ``torchrun`` share its
+    stdout, and ``print``'s two writes (the text, then the newline; unbuffered under ``tether
+    launch``) let another rank's line land between them, gluing two lines and leaving an empty one."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 # -- the trainer ------------------------------------------------------------------------------------
@@ -81,7 +91,7 @@ class Trainer(Generic[B]):
         metrics: where to record steps and calls (``WorkerMetrics`` for Prometheus), or None:
             with ``config.metrics_port`` set the Trainer serves a ``WorkerMetrics`` of its own at
             ``/metrics`` on that port (``metrics_port`` says which it got) until it closes.
-        printer: where progress lines go.
+        printer: where progress lines go (default: stdout, a line in one write; ``print_line``).
         batch_size: ``batch_size(batch)`` -> samples, for the counts and samples/s (default: the
             leading length most of the batch's tensors share, with one warning if they differ;
             see ``tether.worker.training.batches.count_samples``).
@@ -105,7 +115,7 @@ class Trainer(Generic[B]):
         sparse: Callable[[B], Mapping[str, torch.Tensor | Sequence[torch.Tensor]]],
         tables: Sequence[TableConfig] | None = None,
         metrics: WorkerRecorder | None = None,
-        printer: Callable[[str], None] = print,
+        printer: Callable[[str], None] = print_line,
         batch_size: Callable[[B], int] | None = None,
     ) -> None:
         # A worker process: each step's MiB-sized tensors reuse freed heap rather than fresh pages
@@ -117,6 +127,13 @@ class Trainer(Generic[B]):
         if device.type == "cuda" and device.index is not None:
             # Streams, events and device="cuda" allocations (the user's too) land on this worker's GPU, not cuda:0.
             torch.cuda.set_device(device)
+        # Local mode (one process, the baseline) computes with the one torch thread a launched
+        # worker has (tether launch sets OMP_NUM_THREADS=1 unless it is set): torch's default of a
+        # thread per core ran 20-60x slower on a busy 2-core machine, and made a poor baseline.
+        self._threads_note = ""
+        if config.local and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > 1:
+            torch.set_num_threads(1)
+            self._threads_note = ", 1 torch thread (as tether launch's workers; OMP_NUM_THREADS=N for N)"
         self.config = config
         self.device = device
         self.policy = policy
@@ -227,8 +244,15 @@ class Trainer(Generic[B]):
                 "pass a list or a re-iterable dataset (an object whose __iter__ starts over)"
             )
         if self.config.steps is None and not hasattr(data, "__len__"):
-            self.printer(f"{self.name}: no step limit (TrainingConfig.steps, env TETHER_STEPS) and the data has no length: "
-                         "training runs until the data ends, forever on an endless stream")
+            # A stream that says how many epochs it runs (ParquetStream, CriteoStream) is finite
+            # unless that is None; of other data without a length nothing is known.
+            epochs = getattr(data, "epochs", _UNKNOWN)
+            if epochs is None:
+                self.printer(f"{self.name}: no step limit (TrainingConfig.steps, env TETHER_STEPS) and the data is endless "
+                             "(epochs=None): training runs until it is stopped")
+            elif epochs is _UNKNOWN:
+                self.printer(f"{self.name}: no step limit (TrainingConfig.steps, env TETHER_STEPS) and the data has no length: "
+                             "training runs until the data ends (forever, if it never does)")
         self._position_of = _position_of(data)
         producer = in_background(iter(data)) if background else None
         try:
@@ -245,7 +269,7 @@ class Trainer(Generic[B]):
         cfg, policy = self.config, self.policy
         evaluating = eval_data is not None and cfg.worker_index == 0
         held_out: Iterable[B] = eval_data if eval_data is not None else ()
-        where = "local (in-process tables)" if cfg.local else f"{len(cfg.shards)} shard(s)"
+        where = f"local (in-process tables{self._threads_note})" if cfg.local else f"{len(cfg.shards)} shard(s)"
         self.printer(f"{self.name}: mode {cfg.mode}, {where}, device {self.device}"
                      + (f", {cfg.steps} steps" if cfg.steps else ", until the data ends"))
         history: list[dict[str, Any]] = []
