@@ -222,11 +222,11 @@ def test_the_docs_python_is_the_suites_interpreter(tmp_path: Path) -> None:
 
 def test_the_readme_sample_progress_line_names_the_metrics_the_job_prints() -> None:
     """The README's sample final line shows the held-out metrics under the names a worker prints
-    (``tether.worker.evaluation.evaluate``'s keys), not shortened ones."""
+    (``tether.worker.training.evaluation.evaluate``'s keys), not shortened ones."""
     import torch
 
-    from tether.worker.data import Batch
-    from tether.worker.evaluation import evaluate
+    from tether.worker.data.synthetic import Batch
+    from tether.worker.training.evaluation import evaluate
 
     (line,) = [ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("[worker-0]") and "eval_loss" in ln]
     shown = re.findall(r" ([a-z_]+) \d\.\d{4}", line.split(" elapsed ", 1)[1])

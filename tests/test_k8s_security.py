@@ -388,8 +388,8 @@ def test_a_worker_pod_restarted_in_place_joins_the_job_under_way(tmp_path: Path,
     from types import SimpleNamespace
 
     from tether.protos.errors import DeadlineExceeded
-    from tether.worker.policies import AsyncPolicy, restart_count
-    from tether.worker.results import ClockReply
+    from tether.worker.training.policies import AsyncPolicy, restart_count
+    from tether.worker.client.results import ClockReply
 
     (workload, _, pod, c), = [w for w in _containers() if w[0] == "Job/tether-worker-async"]
     assert pod["spec"]["restartPolicy"] == "OnFailure", "restarts happen in place, keeping the pod's emptyDirs"
