@@ -149,3 +149,30 @@ def test_no_module_imports_another_modules_private_name() -> None:
 
 def test_the_circle_finder_finds_a_circle() -> None:
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_each_hop_the_layout_page_follows_a_flag_through_exists() -> None:
+    """docs/layout.md's walks of --mode and --cache-bound name real functions (``room/module:Class.method``)."""
+    import importlib
+    import re
+
+    text = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
+    walk = text[text.index("## How a flag travels"):]
+    hops = set(re.findall(r"([a-z_]+(?:/[a-z_]+)?):([A-Za-z_][\w.]*)", " ".join(re.findall(r"`([^`]+)`", walk))))
+    hops -= {("module", "function"), ("ssp", "S")}  # the page's notation and a mode, not hops
+    assert len(hops) > 25
+    missing = []
+    for path, attrs in sorted(hops):
+        suffix = "." + path.replace("/", ".")
+        found = False
+        for mod in (m for m in MODULES if m.endswith(suffix)):
+            obj: object = importlib.import_module(mod)
+            try:
+                for a in attrs.split("."):
+                    obj = getattr(obj, a)
+            except AttributeError:
+                continue
+            found = True
+        if not found:
+            missing.append(f"{path}:{attrs}")
+    assert missing == []
