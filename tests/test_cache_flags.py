@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tether.deploy import compare as compare_module
-from tether.worker.config import WorkerConfig
+from tether.worker.config import TrainingConfig, WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,3 +61,19 @@ def test_compare_runs_sync_without_the_cache_and_says_so(monkeypatch: pytest.Mon
     assert (sync.mode.kind, sync.cache_rows, sync.cache_bound, sync.cache_policy) == ("sync", 0, 0, "lru")
     assert (async_.mode.kind, async_.cache_rows, async_.cache_bound, async_.cache_policy) == ("async", 100, 3, "lfu")
     assert "no row cache" in lines[0] and "no row cache" not in lines[1], lines
+
+
+@pytest.mark.parametrize("fields", [{"cache_bound": 3}, {"cache_write_bound": 2}, {"cache_bound": 2, "cache_policy": "lfu"}])
+def test_cache_bounds_without_cache_rows_are_refused(fields: dict) -> None:
+    """`tether launch --script s.py --cache-bound 5` trained with no cache (wanted rows ==
+    pulled rows in the record) and said nothing: a bound asked for with no cache to bound."""
+    with pytest.raises(ValueError, match="cache.rows"):
+        TrainingConfig(shards=("127.0.0.1:1",), **fields)
+
+
+def test_a_row_cache_in_sync_is_refused_like_delay_compensation() -> None:
+    """`tether launch --mode sync --cache-rows 1000 --cache-bound 2` ran without a cache (same loss
+    as without, every row pulled) and exited 0; `tether compare --modes sync,async --cache-rows ...`
+    printed sync's B/sample beside async's with nothing saying sync had no cache."""
+    with pytest.raises(ValueError, match="sync"):
+        TrainingConfig(shards=("127.0.0.1:1",), mode="sync", cache_rows=1000, cache_bound=2)

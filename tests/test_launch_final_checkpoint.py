@@ -95,3 +95,18 @@ def test_the_end_of_job_checkpoint_is_one_id_and_restores_onto_another_shard_cou
     # The relaunch ends with its own complete checkpoint, of 3 shards.
     newest = {k: v for k, v in _parts(out / "checkpoints").items() if k != final_id}
     assert list(newest.values()) == [{(0, 3), (1, 3), (2, 3)}], newest
+
+
+@pytest.mark.slow
+def test_launch_checkpoint_every_steps_alone_writes_checkpoints_or_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tether.deploy.cli", "launch", "--num-workers", "1", "--num-shards", "1", "--steps", "20",
+         "--checkpoint-every-steps", "10", "--eval-samples", "500", "--out", str(out)],
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
+    )
+    if proc.returncode == 2:  # refused up front: one line naming what to add
+        assert len(proc.stderr.strip().splitlines()) == 1 and "--checkpoint-every" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / "checkpoints" / "step-10").is_dir(), proc.stdout[-2000:] + proc.stderr[-2000:]

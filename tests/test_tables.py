@@ -46,7 +46,9 @@ def test_push_sgd_exact() -> None:
     assert rows.tolist() == [[-9.0, -12.0], [-3.0, -6.0]]
 
 
-def test_lookup_is_vectorised_for_a_million_rows() -> None:
+def test_a_table_of_200k_rows_pulls_a_batch_and_snapshots_every_id_sorted() -> None:
+    """200k rows created by one pull (the id index grown on the way), then a batch of them pulled
+    again, and a snapshot that holds each id once, in order (what a checkpoint writes)."""
     table = EmbeddingTable(TableConfig("big", 4, OptimizerConfig("sgd", 1.0)))
     ids = np.random.default_rng(0).choice(2**62, 200_000, replace=False).astype(np.int64)
     table.pull(ids)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tether.deploy.launch import LocalCluster
+from tether.protos.errors import InvalidArgument
 from tether.worker.training.batches import batch_size_of, to_device
 from tether.worker.training.embedding import ShardedEmbeddingBag
 from tether.worker.training.run_record import RunRecord
@@ -146,7 +147,7 @@ def test_a_table_the_model_does_not_have_is_a_clear_error(cluster: LocalCluster)
     model = MF(lambda name, dim: ShardedEmbeddingBag(name, dim))
     config = TrainingConfig(shards=tuple(addresses), device="cpu")
     with Trainer(model, config, loss=_loss, sparse=lambda b: {"nope": b["user"]}, printer=lambda line: None) as trainer:
-        with pytest.raises(Exception, match="nope"):
+        with pytest.raises(InvalidArgument, match="nope"):
             trainer.fit(_batches(2), background=False)
 
 
@@ -195,7 +196,7 @@ def test_endless_data_without_a_step_limit_is_said_once(cluster: LocalCluster) -
 
 def test_making_a_trainer_tunes_malloc(monkeypatch: pytest.MonkeyPatch) -> None:
     from tether.common import allocator
-    from tether.worker.training.trainer import trainer as training
+    from tether.worker.training import trainer as training
 
     calls: list[bool] = []
     monkeypatch.setattr(training, "tune_malloc", lambda: calls.append(allocator.tune_malloc()) or calls[-1])

@@ -1,5 +1,5 @@
-"""Today's per-table rules, schedules and DC-ASGD as an outsider meets them: a model of their own
-(tests/scripts/outsider_rules.py: two tables of different widths, negative 64-bit ids, a
+"""Per-table rules, schedules and DC-ASGD in real jobs, as a team meets them with a model of its own
+(tests/scripts/two_table_model.py: two tables of different widths, negative 64-bit ids, a
 two-head dense tower, dataclass batches) through ``TrainingConfig`` and ``tether launch
 --script``, and the rules' edge cases that surfaced there."""
 
@@ -21,7 +21,7 @@ from tether.protos.specs import TableConfig
 from tether.server.storage.tables import EmbeddingTable
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "scripts" / "outsider_rules.py"
+SCRIPT = ROOT / "tests" / "scripts" / "two_table_model.py"
 
 
 def _run_script(tmp_path: Path, env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
