@@ -18,6 +18,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import sys
 import threading
 
 __all__ = ["MMAP_THRESHOLD", "TOP_PAD", "TRIM_THRESHOLD", "tune_malloc"]
@@ -69,3 +70,17 @@ def _apply() -> bool:
     if not ok:
         log.debug("mallopt refused tether's thresholds; glibc's defaults stay")
     return ok
+
+
+def one_thread_unless_asked() -> bool:
+    """One compute thread for torch in this process (as ``tether launch`` gives its workers with
+    ``OMP_NUM_THREADS=1``), unless ``OMP_NUM_THREADS`` is set. Torch-free: sets the variable for a
+    torch imported later, and torch's own count where it is imported already. Returns whether it
+    changed anything."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return False
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+    return True

@@ -3,6 +3,10 @@ model trained in one process with the matching torch optimizer."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import json
 
 import pytest
@@ -194,15 +198,30 @@ def test_endless_data_without_a_step_limit_is_said_once(cluster: LocalCluster) -
     assert sum("no step limit" in line for line in lines) == 1
 
 
-def test_making_a_trainer_tunes_malloc(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tether.common import allocator
-    from tether.worker.training import trainer as training
-
-    calls: list[bool] = []
-    monkeypatch.setattr(training, "tune_malloc", lambda: calls.append(allocator.tune_malloc()) or calls[-1])
-    Trainer(MF(lambda name, dim: ShardedEmbeddingBag(name, dim)), TrainingConfig(shards=(), local=True, device="cpu"),
-            loss=_loss, sparse=_ids).close()
-    assert len(calls) == 1 and allocator._applied is not None  # applied (or found not to apply) for this process
+def test_a_trainer_changes_nothing_process_wide_and_from_env_makes_a_worker_process() -> None:
+    """Trainer installs no hook, malloc setting or thread count; TrainingConfig.from_env (what a
+    launched program calls) does: the one-line error hook, malloc, one thread in local mode."""
+    code = """
+import os, sys, torch
+from tether.common import allocator
+from tether import ShardedEmbeddingBag, Trainer, TrainingConfig
+torch.set_num_threads(2)
+hook = sys.excepthook
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = ShardedEmbeddingBag("t", 2)
+    def forward(self, b):
+        return self.t(b).sum(1)
+Trainer(M(), TrainingConfig(local=True, device="cpu"), loss=lambda m, b: m(b).sum(), sparse=lambda b: {"t": b}).close()
+print(sys.excepthook is hook, allocator._applied is None, torch.get_num_threads(), "OMP_NUM_THREADS" in os.environ)
+TrainingConfig.from_env()
+print(sys.excepthook is hook, allocator._applied is None, torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS"))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_") and k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "TETHER_LOCAL": "1"}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["True True 2 False", "False False 1 1"]
 
 
 def test_from_env_knows_the_rank_under_torchrun_and_names_a_missing_shard_list(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -315,22 +334,19 @@ def test_a_finite_stream_without_a_length_is_not_called_endless(tmp_path) -> Non
     assert len(said[None]) == 1 and "endless (epochs=None)" in said[None][0] and "forever" not in said[None][0]
 
 
-def test_local_mode_computes_with_one_torch_thread_as_a_launched_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_mode_says_how_many_torch_threads_it_computes_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Trainer leaves torch's thread count alone (from_env sets one thread in local mode) and
+    says it, with a hint when it is more than one."""
     before = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     try:
-        torch.set_num_threads(2)
-        lines: list[str] = []
-        with Trainer(MF(lambda name, dim: ShardedEmbeddingBag(name, dim)), TrainingConfig(local=True, steps=1, device="cpu"),
-                     loss=_loss, sparse=_ids, printer=lines.append) as trainer:
-            assert torch.get_num_threads() == 1
-            trainer.fit(_batches(1), background=False)
-        assert "1 torch thread (as tether launch's workers; OMP_NUM_THREADS=N for N)" in lines[0]
-        # OMP_NUM_THREADS set: the user's choice stands, as under tether launch.
-        torch.set_num_threads(2)
-        monkeypatch.setenv("OMP_NUM_THREADS", "2")
-        with Trainer(MF(lambda name, dim: ShardedEmbeddingBag(name, dim)), TrainingConfig(local=True, steps=1, device="cpu"),
-                     loss=_loss, sparse=_ids, printer=lambda line: None):
-            assert torch.get_num_threads() == 2
+        for threads, said in ((2, "2 torch threads (OMP_NUM_THREADS=1 is often much faster on a busy machine)"), (1, "1 torch thread)")):
+            torch.set_num_threads(threads)
+            lines: list[str] = []
+            with Trainer(MF(lambda name, dim: ShardedEmbeddingBag(name, dim)), TrainingConfig(local=True, steps=1, device="cpu"),
+                         loss=_loss, sparse=_ids, printer=lines.append) as trainer:
+                assert torch.get_num_threads() == threads
+                trainer.fit(_batches(1), background=False)
+            assert said in lines[0], lines[0]
     finally:
         torch.set_num_threads(before)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 # it is used.
 from tether.common import choices
 from tether.common import settings as fields
+from tether.common.allocator import one_thread_unless_asked, tune_malloc
 from tether.common.exits import end_usage_errors_in_one_line, usage_checks
 from tether.common.settings import default_of, derived, optional_int, optional_str, override, setting
 from tether.common.choices import or_names as _names
@@ -197,15 +198,24 @@ class TrainingConfig:
         with ``overrides`` winning. Under torchrun in sync mode the rank and world size come
         from ``RANK`` and ``WORLD_SIZE``.
 
-        A ``UsageError`` this process leaves uncaught from here on ends it with one line and
-        exit code 2, as ``tether worker`` does (``end_usage_errors_in_one_line``).
+        Asking for the environment's config makes this process a tether worker, as ``tether
+        worker`` is (``Trainer`` itself changes nothing process-wide): a ``UsageError`` or
+        ``TetherError`` it leaves uncaught from here on ends it with one line (exit code 2 or 1,
+        ``end_usage_errors_in_one_line``), its malloc keeps freed MiB-sized tensors in the heap
+        (``tune_malloc``), and in local mode torch computes with one thread, as a launched worker
+        does, unless ``OMP_NUM_THREADS`` says otherwise (torch's thread per core ran 20-60x slower
+        on a busy 2-core machine).
 
         Raises:
             UsageError: a bad value, named.
         """
         end_usage_errors_in_one_line()
+        tune_malloc()
         with usage_checks():
-            return cls._from_env(overrides)
+            config = cls._from_env(overrides)
+        if config.local:
+            one_thread_unless_asked()
+        return config
 
     @classmethod
     def _from_env(cls: type[T], overrides: Mapping[str, object]) -> T:

@@ -34,8 +34,6 @@ from prometheus_client import CollectorRegistry
 import torch
 from torch import nn
 
-from tether.common.allocator import tune_malloc
-from tether.common.exits import end_usage_errors_in_one_line
 from tether.protos.errors import FailedPrecondition, UsageError
 from tether.protos.specs import TableConfig
 from tether.worker.client.ps_client import PSClient
@@ -73,7 +71,8 @@ def print_line(line: str) -> None:
 
 class Trainer(Generic[B]):
     """One worker of a job: binds ``model`` to the shards and trains it on batches. Making one
-    tunes this process's malloc (``tether.common.allocator.tune_malloc``, once per process).
+    changes nothing process-wide: no hook, malloc setting or thread count (``TrainingConfig.from_env``
+    is what makes a process a tether worker).
 
     Args:
         model: any module; its ``ShardedEmbeddingBag`` modules' rows and (outside ``sync``) its
@@ -96,10 +95,10 @@ class Trainer(Generic[B]):
             leading length most of the batch's tensors share, with one warning if they differ;
             see ``tether.worker.training.batches.count_samples``).
 
-    A ``UsageError`` of tether's that the program leaves uncaught ends it with one line and exit
-    code 2, a ``TetherError`` (shards that cannot be reached: ``Unavailable`` once
-    ``call_deadline_s`` is spent) with one line and exit code 1
-    (``tether.common.exits.end_usage_errors_in_one_line``); other exceptions are untouched.
+    In a process whose config came from ``TrainingConfig.from_env`` (every program ``tether
+    launch`` runs), a ``UsageError`` of tether's left uncaught ends it with one line and exit code
+    2, a ``TetherError`` (shards that cannot be reached: ``Unavailable`` once ``call_deadline_s``
+    is spent) with one line and exit code 1; other exceptions are untouched.
 
     Raises:
         UsageError: ``sync`` outside torchrun, or CUDA asked for and missing.
@@ -118,22 +117,16 @@ class Trainer(Generic[B]):
         printer: Callable[[str], None] = print_line,
         batch_size: Callable[[B], int] | None = None,
     ) -> None:
-        # A worker process: each step's MiB-sized tensors reuse freed heap rather than fresh pages
-        # (once per process; TETHER_MALLOC=default keeps glibc's settings).
-        tune_malloc()
-        # A UsageError the user's program leaves uncaught ends it with one line and exit code 2.
-        end_usage_errors_in_one_line()
         config, device, policy = policy_for(config, pick_device(config.device))
         if device.type == "cuda" and device.index is not None:
             # Streams, events and device="cuda" allocations (the user's too) land on this worker's GPU, not cuda:0.
             torch.cuda.set_device(device)
-        # Local mode (one process, the baseline) computes with the one torch thread a launched
-        # worker has (tether launch sets OMP_NUM_THREADS=1 unless it is set): torch's default of a
-        # thread per core ran 20-60x slower on a busy 2-core machine, and made a poor baseline.
-        self._threads_note = ""
-        if config.local and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > 1:
-            torch.set_num_threads(1)
-            self._threads_note = ", 1 torch thread (as tether launch's workers; OMP_NUM_THREADS=N for N)"
+        # Local mode (one process, the baseline): say how many threads torch computes with. A
+        # launched worker has one (OMP_NUM_THREADS=1, or TrainingConfig.from_env in local mode);
+        # torch's default of a thread per core ran 20-60x slower on a busy 2-core machine.
+        threads = torch.get_num_threads()
+        self._threads_note = f", {threads} torch thread{'s' if threads > 1 else ''}" + (
+            " (OMP_NUM_THREADS=1 is often much faster on a busy machine)" if threads > 1 else "")
         self.config = config
         self.device = device
         self.policy = policy
