@@ -235,7 +235,10 @@ def test_the_cache_on_a_gpu_worker_trains_as_on_the_cpu(monkeypatch: pytest.Monk
     one more of the worker's own updates)."""
     from fake_cuda import FakeCuda, on_fake_cuda
 
+    from tether.worker.cache.device import DeviceRowCache
+
     monkeypatch.setattr(RowCache, "use_tables", lambda self, tables: None)
+    monkeypatch.setattr(DeviceRowCache, "use_tables", lambda self, tables: None)  # the GPU worker's cache is on its device
 
     batches = _batches(12)
 
@@ -252,6 +255,7 @@ def test_the_cache_on_a_gpu_worker_trains_as_on_the_cpu(monkeypatch: pytest.Monk
                      batch_size=lambda b: len(b["rating"]), printer=lambda line: None) as trainer:
             trainer.fit(batches, background=False)
             assert trainer.ps.rows.cache is not None and sum(trainer.ps.rows.cache.hits.values()) > 0
+            assert isinstance(trainer.ps.rows.cache, DeviceRowCache) == (fake is not None)
             final = trainer.client.pull(ids, ["dense"]).result(30)
         return {**final.rows, "dense": final.dense["dense"]}
 

@@ -80,7 +80,8 @@ def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
     miss), and per part (hits, cached rows missed: refreshed). Hits' rows go into ``out`` (part
     k's answer at ``row_offs[k]``) and their read versions into ``oldest[k, shard]`` (the
     minimum). Cached ids are marked used at ``now``; a cached row pulled again starts its
-    ``fresh`` local changes from its held (``mine``) ones: what the answer will lack."""
+    ``fresh`` local changes from its held (``mine``) ones: what the answer will lack. Also returns
+    each id's slot (-1: not cached; the device cache's gathers, ``tether.worker.cache.device``)."""
     n = len(ids)
     code = np.zeros(n, np.int8)
     found = np.empty(n, np.int64)
@@ -113,7 +114,7 @@ def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
             elif s >= 0:
                 counts[k, 1] += 1
                 fr[s, :] = mi[s, :]
-    return code, counts
+    return code, counts, found
 
 
 @compiled(inline="always")
@@ -151,9 +152,10 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
     shard and that shard's version ``versions[k, shard]``); new ids take a free slot, evicted
     ones first (``free[:nfree[g]]``, taken from the end) then unused ones (from ``top[g]``),
     while there are any. The answer gets every row as stored (as pulled where no slot was left).
-    Returns (the indexes in ``keys`` of the ids no slot was left for, the slots placed, and per
-    part how many were placed)."""
+    Returns (the indexes in ``keys`` of the ids no slot was left for, the slots placed, per
+    part how many were placed, and each key's slot, -1 where none was left)."""
     n = len(keys)
+    stored = np.full(n, -1, np.int64)
     unplaced = np.empty(n, np.int64)
     placed = np.empty(n, np.int64)
     found = np.empty(n, np.int64)
@@ -190,6 +192,7 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
                 placed[q] = s
                 q += 1
                 nplaced[k] += 1
+            stored[i] = s
             for j in range(dim):
                 vals[s, j] = got[src + j] + fresh[s, j]
                 out[dst + j] = vals[s, j]
@@ -197,7 +200,7 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
             sh = shard_of(key, num_shards)
             shard[s] = sh
             rv[s] = versions[k, sh]
-    return unplaced[:u], placed[:q], nplaced
+    return unplaced[:u], placed[:q], nplaced, stored
 
 
 @_jit
@@ -250,7 +253,8 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
                 x = g[src + j]
                 pend[s, j] += x
                 square += x * x
-            pend[s, dim] += square / np.float32(dim)
+            if dim > 0:  # 0: the device cache's host columns (its sums are on the device)
+                pend[s, dim] += square / np.float32(dim)
             pend[s, dim + 1] += np.float32(1.0)
             if since[s] == NONE:
                 since[s] = clock
@@ -297,8 +301,8 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
     sum of mean(g * g) where ``kinds[g, c]`` is 0, the count of gradients where 1; -1 first in a
     row of one gradient: ``UpdateRule.combined_stats``); each row's sum of mean(g * g) and count
     (the two columns held past the sum); each row's shard; and per table the number of rows,
-    whether its ids ascend, whether any row sums several gradients, and the oldest read version
-    per shard."""
+    whether its ids ascend, whether any row sums several gradients, the oldest read version
+    per shard, and each row's slot (the device cache gathers its sums by them)."""
     nt = len(cells_l)
     n = len(slots)
     count = np.zeros(nt, np.int64)
@@ -331,6 +335,7 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
     square = np.empty(rows, np.float32)
     grads = np.empty(rows, np.float32)
     shards = np.empty(rows, np.int64)
+    out_slots = np.empty(rows, np.int64)
     ascending = np.ones(nt, np.bool_)
     many = np.zeros(nt, np.bool_)
     oldest = np.full((nt, num_shards), NONE, np.int64)
@@ -350,6 +355,7 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
         if r > start[t] and out_ids[r - 1] >= key:
             ascending[t] = False
         out_ids[r] = key
+        out_slots[r] = s
         for j in range(dim):
             sums[f + j] = pend[s, j]
         sq, k = pend[s, dim], pend[s, dim + 1]
@@ -370,7 +376,7 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
             oldest[t, shards[r]] = meta[s, PV]
         meta[s, PS] = NONE
         meta[s, PV] = NONE
-    return out_ids, sums, stats, square, grads, shards, count, ascending, many, oldest
+    return out_ids, sums, stats, square, grads, shards, count, ascending, many, oldest, out_slots
 
 
 @_jit

@@ -22,12 +22,16 @@ POLICIES = CACHE_POLICIES  # eviction policies, declared once in tether.common.c
 class RowCacheConfig:
     """``rows``: rows cached per table (0: no cache); ``bound``: read bound R in this worker's
     clocks (0: every pull reads the shards); ``write_bound``: W, clocks a row's gradients may be
-    held before they are pushed (None: the same as ``bound``); ``policy``: eviction, lru or lfu."""
+    held before they are pushed (None: the same as ``bound``); ``policy``: eviction, lru or lfu;
+    ``on_device``: where the cached rows live (``tether.worker.cache.device``): None, on the
+    training device when it is a GPU (else in host memory); True, on the training device
+    whatever it is (the CPU too: how CI tests the device cache); False, in host memory."""
 
     rows: int = 0
     bound: int = 0
     write_bound: int | None = None
     policy: str = CACHE_POLICIES[0]
+    on_device: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("rows", "bound"):
@@ -92,7 +96,8 @@ def fill(result: PullResult, plan: Plan, lacking: Mapping[str, torch.Tensor], pu
     for t, ids in lacking.items():
         k = plan.names.index(t)
         pos = np.searchsorted(plan.ids[plan.offs[k]: plan.offs[k + 1]], ids.numpy())
-        result.rows[t][torch.from_numpy(pos)] = pulled.rows[t].to(result.rows[t].dtype)
+        into = result.rows[t]  # on the training device with a device cache (tether.worker.cache.device)
+        into[torch.from_numpy(pos).to(into.device)] = pulled.rows[t].to(into.device, into.dtype)
         for key, v in pulled.table_versions.items():
             if key[1] == t:
                 result.table_versions[key] = min(v, result.table_versions.get(key, v))

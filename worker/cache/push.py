@@ -63,16 +63,30 @@ class PushSide:
         """The held sums due at ``clock`` (``flush``: every one), per table (``Taken``: ids, the
         push's part, whether the ids ascend, each row's two statistics columns), and the oldest
         read version per table and shard."""
+        due = self._ready(clock, flush)
+        if due is None:
+            return {}, None
+        tables, slots, since = due
+        ids, sums, stats, square, grads, shards, count, ascending, many, oldest, _ = take_all(*self._columns(), tables, slots, since,
+                                                                                           self.num_shards, self._kinds)
+        return self._taken(ids, sums, stats, square, grads, shards, count, ascending, many), oldest
+
+    def _ready(self, clock: int, flush: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The held rows due at ``clock`` (``flush``: every one), out of the queue: their tables,
+        slots and first held clocks (``take_all`` takes those still held since then); None if none."""
         writes = self.config.writes
         ready = [e for e in self._queue if flush or clock - e[0] >= writes]
         if not ready:
-            return {}, None
+            return None
         self._queue = [e for e in self._queue if not (flush or clock - e[0] >= writes)]
         slots = ready[0][1] if len(ready) == 1 else np.concatenate([e[1] for e in ready])
         tables = ready[0][2] if len(ready) == 1 else np.concatenate([e[2] for e in ready])
         since = np.concatenate([np.full(len(e[1]), e[0], np.int64) for e in ready])
-        ids, sums, stats, square, grads, shards, count, ascending, many, oldest = take_all(*self._columns(), tables, slots, since,
-                                                                                           self.num_shards, self._kinds)
+        return tables, slots, since
+
+    def _taken(self, ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, square: np.ndarray, grads: np.ndarray, shards: np.ndarray,
+               count: np.ndarray, ascending: np.ndarray, many: np.ndarray) -> dict[str, Taken]:
+        """``take_all``'s rows per table as a push's parts (``Taken``), split by their known shards."""
         # The push's split, from the rows' known shards, and each shard's rows one after another.
         order, bounds, gids, gsums, gstats = by_shard(shards, count, self.num_shards, ids, sums, stats, self._dims, self._kinds)
         self._holding -= count
@@ -91,7 +105,7 @@ class PushSide:
             part = ShardedPart(part, order[at: at + n], bounds[g], grouped)
             out[self._names[g]] = Taken(ids_g, part, bool(ascending[g]), square[at: at + n], grads[at: at + n])
             at, flat, sflat = at + n, flat + n * d, sflat + n * k
-        return out, oldest
+        return out
 
     def _hold(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]], clock: int, versions: PullResult | None, due: Due) -> None:
         """Add the step's gradients to their rows' pending sums and apply them to the cached rows

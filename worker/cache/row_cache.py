@@ -161,7 +161,7 @@ class RowCache(PushSide):
         bound = self.config.bound
         with self._lock:
             flights, foffs = self._flights(now) if bound > 0 else (NO_IDS, NO_FLIGHTS)
-            code, done = plan_all(*self._columns(), parts, ids, offs, now, bound, flights, foffs, out.numpy(), row_offs, oldest)
+            code, done, _ = plan_all(*self._columns(), parts, ids, offs, now, bound, flights, foffs, out.numpy(), row_offs, oldest)
             miss = np.flatnonzero(code == 0)
             later = np.flatnonzero(code == 2) if bound > 0 else NO_IDS
             miss_offs = np.searchsorted(miss, offs)
@@ -246,7 +246,7 @@ class RowCache(PushSide):
                     set_cells(self._columns().cells, g, self._tabs[g].cells)
             top = np.array([tab.top for tab in self._tabs], np.int64)
             nfree = np.array([tab.nfree for tab in self._tabs], np.int64)
-            unplaced, placed, nplaced = store_all(*self._columns(), parts, keys, koffs, pos, flat, got_offs, got_row, versions, plan.now,
+            unplaced, placed, nplaced, _ = store_all(*self._columns(), parts, keys, koffs, pos, flat, got_offs, got_row, versions, plan.now,
                                                   self.num_shards, top, nfree, plan.out.numpy(), plan.row_offs, plan.offs)
             self._placed(parts, top, nfree, placed, nplaced)
             if not len(unplaced) or attempt:
@@ -299,9 +299,19 @@ class CachedClient:
     """A ``ShardClient``'s pull, push and push_pull through a ``RowCache`` (or straight through,
     with none), counting rows and bytes moved per table (``TrafficMeter``)."""
 
-    def __init__(self, inner: ShardClient, config: RowCacheConfig, dims: Mapping[str, int], meter: TrafficMeter) -> None:
+    def __init__(self, inner: ShardClient, config: RowCacheConfig, dims: Mapping[str, int], meter: TrafficMeter,
+                 device: torch.device | None = None) -> None:
         self.inner = inner
-        self.cache = RowCache(config, dims, inner.num_shards) if config.active else None
+        self.cache: RowCache | None = None
+        if config.active:
+            # On a GPU worker (``device``: the training device) the rows live on the GPU.
+            on_device = config.on_device if config.on_device is not None else device is not None and device.type == "cuda"
+            if on_device and device is not None:
+                from tether.worker.cache.device import DeviceRowCache
+
+                self.cache = DeviceRowCache(config, dims, inner.num_shards, device)
+            else:
+                self.cache = RowCache(config, dims, inner.num_shards)
         self.meter = meter
         self.clock = 0  # the last clock pushed: the "now" of the next pull
 

@@ -13,7 +13,7 @@ from torch import nn
 from tether.protos.errors import UsageError
 from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.client.results import Handle, PullResult
-from tether.worker.training.transfer import Prefetch, Staged, flat_grads, pinned
+from tether.worker.training.transfer import Prefetch, Staged, device_joined, flat_grads, pinned
 
 __all__ = ["CudaSteps"]
 
@@ -36,7 +36,8 @@ class CudaSteps:
     _groups: list[tuple[torch.Tensor, Slices]]
     _checks: Checks | None
     _collected: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]] | None
-    _copying: tuple[Any, list[torch.Tensor], list[tuple[int, Slices]], int | None, Checks] | None
+    _copying: tuple[Any, list[torch.Tensor], list[tuple[int, Slices]], int | None, Checks, list[tuple[torch.Tensor, Slices]]] | None
+    _rows_on_device: bool
     _columns: torch.Tensor | None
     _inverse: torch.Tensor | None
     _unique_ids: torch.Tensor | None
@@ -75,10 +76,15 @@ class CudaSteps:
         if inverse is not None:
             host_ids[n:].view(inverse.shape[1], inverse.shape[0]).copy_(inverse.t())
         flat = pulled.dense.get(self.FLAT)
+        # Rows a device cache answered are on the device already (its bank's answer, which it
+        # wrote on this thread's stream): joined there; the others copied from pinned memory.
+        widths = self._by_width(prefetch, pulled)
+        groups = [(tables, device_joined([pulled.rows[t] for t in tables])) for tables in widths
+                  if pulled.rows[tables[0]].device.type == "cuda"]
         with torch.cuda.device(self._index), torch.cuda.stream(self._side):
-            groups = [
+            groups += [
                 (tables, pinned([pulled.rows[t] for t in tables]).to(self.device, non_blocking=True))
-                for tables in self._by_width(prefetch, pulled)
+                for tables in widths if pulled.rows[tables[0]].device.type != "cuda"
             ]
             on_device = host_ids.to(self.device, non_blocking=True)
             dense = None if flat is None else pinned([flat]).to(self.device, non_blocking=True)
@@ -129,8 +135,11 @@ class CudaSteps:
             wire = torch.float32 if exact else self.client.config.wire_dtype
             sources: list[torch.Tensor] = []
             grouped = []
+            kept = []  # a device cache's row gradients: they stay on the device (tether.worker.cache.device)
             for rows, slices in self._groups:
-                if rows.grad is not None:
+                if rows.grad is not None and self._rows_on_device:
+                    kept.append((rows.grad.detach(), slices))
+                elif rows.grad is not None:
                     grouped.append((len(sources), slices))
                     sources.append(rows.grad.detach().to(wire))
             dense_at = None
@@ -145,16 +154,17 @@ class CudaSteps:
                 h.copy_(t, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(self._index))
-            self._copying = (copied, host, grouped, dense_at, checks)
+            self._copying = (copied, host, grouped, dense_at, checks, kept)
         if not wait:
             return
-        copied, host, grouped, dense_at, checks = self._copying
+        copied, host, grouped, dense_at, checks, kept = self._copying
         self._copying = None
         if not copied.query():
             copied.synchronize()
         if checks and not bool(host[-1][0]):
             self._unnamed(checks)
         sparse = {t: (ids, host[i][a:b]) for i, slices in grouped for t, ids, a, b in slices}
+        sparse.update({t: (ids, grad[a:b]) for grad, slices in kept for t, ids, a, b in slices})
         self._collected = (sparse, {} if dense_at is None else {self.FLAT: host[dense_at]})
 
     @staticmethod

@@ -128,7 +128,8 @@ class PSModel(CudaSteps):
         self._collected: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]] | None = None
         # The gradients' copies to the host once queued and not yet waited for (``collect``).
         self._copying: tuple[Any, list[torch.Tensor], list[tuple[int, list[tuple[str, torch.Tensor, int, int]]]], int | None,
-                             list[tuple[ShardedEmbeddingBag | None, torch.Tensor, torch.Tensor]]] | None = None
+                             list[tuple[ShardedEmbeddingBag | None, torch.Tensor, torch.Tensor]],
+                             list[tuple[torch.Tensor, list[tuple[str, torch.Tensor, int, int]]]]] | None = None
         self._fused_ok: bool | None = None
         self._executor: ThreadPoolExecutor | None = None
         if self._cuda:
@@ -145,7 +146,9 @@ class PSModel(CudaSteps):
         dims = {t: bags[0].dim for t, bags in self.bags.items()}
         wire = getattr(client.config, "wire_dtype", torch.float32)
         self.meter = TrafficMeter(dims, wire.itemsize, metrics, reuse=metrics is not None and not isinstance(metrics, NullWorkerMetrics))
-        self.rows = CachedClient(client, cache or RowCacheConfig(), dims, self.meter)
+        self.rows = CachedClient(client, cache or RowCacheConfig(), dims, self.meter, device=device)
+        # A cache on the device (tether.worker.cache.device): the row gradients stay there (``collect``).
+        self._rows_on_device = self.rows.cache is not None and hasattr(self.rows.cache, "banks")
         self._eval_warned = False
         if hasattr(model, "fused_lookup"):
             setattr(model, "fused_lookup", self.lookup)  # noqa: B010 - an attribute torch's Module typing does not know

@@ -15,7 +15,8 @@ from torch import nn
 
 from tether.worker.client.results import Handle, PullResult, PushAck
 
-__all__ = ["Chained", "Prefetch", "Staged", "columns_of", "first", "flat_grads", "pinned", "pulled_of", "split_flat", "unique_columns"]
+__all__ = ["Chained", "Prefetch", "Staged", "columns_of", "device_joined", "first", "flat_grads", "pinned", "pulled_of", "split_flat",
+           "unique_columns"]
 
 
 @dataclass
@@ -92,6 +93,17 @@ def pinned(parts: Sequence[torch.Tensor]) -> torch.Tensor:
         return first.as_strided((n, *first.shape[1:]), first.stride(), first.storage_offset())
     out = torch.empty((n, *first.shape[1:]), dtype=first.dtype, pin_memory=True)
     return torch.cat(list(parts), out=out) if len(parts) > 1 else out.copy_(first)
+
+
+def device_joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``parts`` (on one device) joined along dim 0: a view where they lie back to back in one
+    buffer (a device row cache's answer), else one copy there."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if _back_to_back(parts):
+        return first.as_strided((sum(p.shape[0] for p in parts), *first.shape[1:]), first.stride(), first.storage_offset())
+    return torch.cat(list(parts))
 
 
 def unique_columns(ids: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor]:
