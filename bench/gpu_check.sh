@@ -2,7 +2,8 @@
 # The GPU check of issue 26, as one script for a lent GPU machine (or any CUDA host):
 #   bash bench/gpu_check.sh [OUTDIR]
 # 1. tests/test_gpu.py (several workers, sync over NCCL, variable-length bags, a bf16 wire, the
-#    GPU preset) and tests/test_gpu_overlap.py;
+#    GPU preset), tests/test_gpu_overlap.py, and the row cache on the device (tests/test_device_cache.py;
+#    tests/test_gpu_cache.py runs it in real jobs, a few minutes more: run it by hand);
 # 2. bench/model_throughput.py --preset gpu --device cuda, 3 separate invocations (the target:
 #    the parameter server's share of a CUDA step <= 20%, and samples/s against the same model in
 #    one process on that GPU);
@@ -26,7 +27,7 @@ $PY -c "import tether" 2>/dev/null || $PY -m pip install -q --no-index --no-deps
 } 2>&1 | tee "$OUTDIR/machine.txt"
 
 echo "== tests"
-timeout "${TESTS_S:-300}" $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_overlap.py 2>&1 | tee "$OUTDIR/tests.log"
+timeout "${TESTS_S:-300}" $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_overlap.py tests/test_device_cache.py 2>&1 | tee "$OUTDIR/tests.log"
 
 for i in 1 2 3; do
     echo "== preset gpu, invocation $i"
