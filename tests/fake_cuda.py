@@ -301,15 +301,17 @@ class FakeCuda(TorchFunctionMode):
 
     def _later(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """A non-blocking copy from the device into pinned memory: lands when something waits."""
+        # The garbage is written before the copy is queued, under the lock: another thread's wait
+        # that lands the copy must not be overwritten by it.
         with self._lock:
+            if dst.is_floating_point():
+                torch.Tensor.fill_(dst, float("nan"))
+            elif dst.dtype == torch.bool:
+                torch.Tensor.fill_(dst, False)
+            else:
+                torch.Tensor.fill_(dst, -7777)
             self._pending.append((self._seq, dst, torch.Tensor.clone(src)))
             self._seq += 1
-        if dst.is_floating_point():
-            torch.Tensor.fill_(dst, float("nan"))
-        elif dst.dtype == torch.bool:
-            torch.Tensor.fill_(dst, False)
-        else:
-            torch.Tensor.fill_(dst, -7777)
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = dict(kwargs or {})
