@@ -257,3 +257,19 @@ def test_a_gpu_workers_steps_of_cached_rows_copy_no_row_values(monkeypatch: pyte
     # The first pull's rows up (one copy), the flush's sums down (one copy: one bank of 8-wide rows).
     assert [c.direction for c in rows] == ["h2d", "d2h"], rows
     assert record.steps == 12  # type: ignore[attr-defined]
+
+
+def test_rows_cached_before_the_rules_are_known_keep_their_held_sums() -> None:
+    """``use_tables`` after rows were cached and gradients held: the held sums stay, the local
+    rule starts from its initial state (as on the host)."""
+    pushed = []
+    for on_device in (False, True):
+        config = RowCacheConfig(10, 3)
+        cache = DeviceRowCache(config, {"t": 2}, 1, "cpu") if on_device else RowCache(config, {"t": 2}, 1)
+        ids = torch.tensor([1, 2])
+        pulled, _ = cache.merge(cache.plan({"t": ids}, 0), PullResult({"t": torch.zeros(2, 2)}, {}, {(0, "t"): 0}, {}))
+        cache.accumulate({"t": (ids, torch.ones(2, 2))}, 1, pulled)
+        cache.use_tables([TableConfig(name="t", dim=2, optimizer=OptimizerConfig(name="adagrad", lr=0.1))])
+        cache.accumulate({"t": (ids, torch.ones(2, 2))}, 2, pulled)
+        pushed.append(cache.accumulate({}, 9, None, flush=True)[0]["t"])
+    assert torch.equal(pushed[0][1], pushed[1][1]) and torch.equal(pushed[1][1], torch.full((2, 2), 2.0))

@@ -17,7 +17,7 @@ that width (a "bank": table g's slot s is row ``base[g] + s`` of its bank):
 Per step only int64 indices go to the device (one copy per pass: positions in the answer and
 bank rows), and the work is a few torch index ops per bank: a hit is gathered on the device into
 the step's answer (``index_select``), the step's gradients are added to the held sums
-(``index_add_``) and the local rule is applied there (its torch form, ``UpdateRule.apply``).
+(``_add_rows``) and the local rule is applied there (its torch form, ``UpdateRule.apply``).
 Rows missed or refreshed come from the host (the pull's answer, copied once to the device on a
 side stream on CUDA) into their slots; held sums go to the host only when they are due (or
 their row is evicted), one copy per bank. On the CPU the same code runs on CPU tensors.
@@ -95,10 +95,11 @@ class _Bank:
     def __init__(self, width: int, tables: list[int], capacity: int, device: torch.device) -> None:
         self.width, self.tables = width, tables
         n = max(len(tables) * max(capacity, 1), 1)
+        # Unset (memory never touched until used): a slot's rows are set when a row is placed in it.
         self.values = torch.empty(n, width, device=device)
-        self.pend = torch.zeros(n, width + 2, device=device)
-        self.mine = torch.zeros(n, width, device=device)
-        self.fresh = torch.zeros(n, width, device=device)
+        self.pend = torch.empty(n, width + 2, device=device)
+        self.mine = torch.empty(n, width, device=device)
+        self.fresh = torch.empty(n, width, device=device)
         # The local rules (``use_tables``): (rule, its optimizer, its state over the bank's rows,
         # the initial values), one per distinct optimizer of the bank's tables.
         self.rules: list[tuple[Any, OptimizerConfig, dict[str, torch.Tensor], dict[str, float]]] = []
@@ -202,10 +203,13 @@ class DeviceRowCache(RowCache):
                         continue
                     r = rule(opt.name)
                     initial = r.initial_state(opt)
-                    state = {k: torch.full((n, *shape), float(initial.get(k, 0.0)), device=self.device)
-                             for k, shape in r.state_shapes(bank.width).items()}
+                    state = {k: torch.empty((n, *shape), device=self.device) for k, shape in r.state_shapes(bank.width).items()}
                     self._rule_of[g] = len(bank.rules)
                     bank.rules.append((r, opt, state, initial))
+            # Rows cached before the rules were known start from the rules' initial state.
+            for g, tab in enumerate(self._tabs):
+                if tab.top:
+                    self._reset(self._base[g] + np.arange(tab.top, dtype=np.int64), np.full(tab.top, g, np.int64), state_only=True)
 
     # -- pulls ---------------------------------------------------------------------------------------
 
@@ -367,8 +371,9 @@ class DeviceRowCache(RowCache):
             where = where[unplaced]
         self._write_pulled(plan, pulled, slots)
 
-    def _reset(self, rows: np.ndarray, tables: np.ndarray) -> None:
-        """Bank rows of new slots: nothing held, no local changes, the rule's initial state."""
+    def _reset(self, rows: np.ndarray, tables: np.ndarray, state_only: bool = False) -> None:
+        """Bank rows of new slots: nothing held, no local changes, the rule's initial state
+        (``state_only``: that state alone)."""
         if not len(rows):
             return
         banks = self._bank_of[tables]
@@ -377,7 +382,7 @@ class DeviceRowCache(RowCache):
         sent = send.send()
         for b, i, tabs in jobs:
             bank = self.banks[b]
-            for t in (bank.pend, bank.mine, bank.fresh):
+            for t in () if state_only else (bank.pend, bank.mine, bank.fresh):
                 t.index_fill_(0, sent[i], 0.0)
             for r, (_, _, state, initial) in enumerate(bank.rules):
                 mine = self._rule_of[tabs] == r
@@ -499,7 +504,7 @@ class DeviceRowCache(RowCache):
                 add[:, : bank.width] = g
                 add[:, bank.width] = (g * g).mean(1)
                 add[:, bank.width + 1] = 1.0
-                bank.pend.index_add_(0, sent[s], add)
+                _add_rows(bank.pend, sent[s], add)
                 self._local_steps(bank, sent[s], g, tabs, clock)
             if len(lost):
                 self._lost(rows, lost, b, parts, names, offs, starts, ids, missing, missing_shards, read, due)
@@ -527,8 +532,8 @@ class DeviceRowCache(RowCache):
             for k, s in state.items():
                 s.index_copy_(0, idx, st[k])
             change = w.sub_(before)
-            bank.mine.index_add_(0, idx, change)
-            bank.fresh.index_add_(0, idx, change)
+            _add_rows(bank.mine, idx, change)
+            _add_rows(bank.fresh, idx, change)
 
     def _lost(self, rows: torch.Tensor, lost: np.ndarray, b: int, parts: np.ndarray, names: list[str], offs: np.ndarray,
               starts: np.ndarray, ids: np.ndarray, missing: np.ndarray, missing_shards: np.ndarray, read: np.ndarray, due: Due) -> None:
@@ -610,6 +615,12 @@ class DeviceRowCache(RowCache):
                 4 * int(np.prod(s.shape[1:])) for _, _, state, _ in bank.rules for s in state.values())
             out[t] = tab.size * (per_row + 8 * 9) + tab.index_entries() * 16
         return out
+
+
+def _add_rows(t: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
+    """``t[idx] += rows`` for unique ``idx``: ``index_add_``'s sums (one float add each), as a
+    gather, an add and a scatter (the CPU's ``index_add_`` into a large tensor takes ~50 ms)."""
+    t.index_copy_(0, idx, t.index_select(0, idx).add_(rows))
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
