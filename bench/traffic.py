@@ -13,6 +13,7 @@ median of 3 runs): what the cache costs a step before any wire time it saves.
 
     python bench/traffic.py                      # default CTR job, MovieLens-format, Criteo-format
     python bench/traffic.py --steps 200 --bounds 1,5,20 --source ctr
+    python bench/traffic.py --preset gpu --steps 150 --bounds 1,5,20 --no-timing   # the CTR job at --preset gpu's sizes
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ from typing import Any
 import torch
 
 from tether.protos.specs import TableConfig
-from tether.worker.data.criteo import CRITEO_SPARSE, CriteoStream, write_criteo_sample
-from tether.worker.data.synthetic import SyntheticClickLog, SyntheticConfig
-from tether.worker.client.results import Handle, PullResult, PushAck
 from tether.worker.cache.row_cache import CachedClient, RowCacheConfig
 from tether.worker.cache.slots import warm_up
+from tether.worker.client.results import Handle, PullResult, PushAck
 from tether.worker.client.traffic import REUSE_WINDOWS, TrafficMeter
+from tether.worker.config import MODEL_PRESETS
+from tether.worker.data.criteo import CRITEO_SPARSE, CriteoStream, write_criteo_sample
+from tether.worker.data.synthetic import SyntheticClickLog, SyntheticConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "movielens_two_tower"))
 from movielens import rating_batches, read_ratings, write_ratings  # noqa: E402
@@ -86,7 +88,8 @@ def run(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: Ro
     """The async loop's calls for these steps (table -> unique ids each) through a CachedClient
     (``reuse``: the meter counts the rows wanted within S steps, as a worker with metrics does)."""
     meter = TrafficMeter(dims, 4, reuse=reuse)
-    client = CachedClient(StandIn(dims), cache, dims, meter)  # type: ignore[arg-type]
+    # ``on_device``: the cache on the training device (tether.worker.device_cache), here the CPU's tensors.
+    client = CachedClient(StandIn(dims), cache, dims, meter, device=torch.device("cpu"))  # type: ignore[arg-type]
     client.use_tables([TableConfig(name=t, dim=d) for t, d in dims.items()])  # the cache's local updates (default rule: adagrad)
     pending = [client.pull(steps[0]), client.pull(steps[1])] if len(steps) > 1 else [client.pull(steps[0])]
     for t in range(len(steps)):
@@ -115,10 +118,16 @@ def _unique(sparse: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {t: torch.unique(ids.reshape(-1)) for t, ids in sparse.items()}
 
 
-def ctr_steps(n: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, int], str]:
-    gen = SyntheticClickLog(SyntheticConfig())
-    out = [_unique({f"cat_{j}": b.sparse[:, j] for j in range(b.sparse.shape[1])}) for b in gen.batches(BATCH, n, RANK, WORKERS)]
-    return out, {f"cat_{j}": 16 for j in range(gen.config.num_sparse)}, "default CTR job (synthetic Zipf 1.1, 100k ids x 8 fields, dim 16)"
+# ``--preset``: the built-in model's sizes (``tether.worker.config.MODEL_PRESETS``) for the CTR job.
+PRESETS = {name: (v["batch_size"], v["num_sparse"], v["embedding_dim"]) for name, v in MODEL_PRESETS.items()}
+
+
+def ctr_steps(n: int, preset: str = "default") -> tuple[list[dict[str, torch.Tensor]], dict[str, int], str]:
+    batch, fields, dim = PRESETS[preset]
+    gen = SyntheticClickLog(SyntheticConfig(num_sparse=fields))
+    out = [_unique({f"cat_{j}": b.sparse[:, j] for j in range(b.sparse.shape[1])}) for b in gen.batches(batch, n, RANK, WORKERS)]
+    label = "default CTR job" if preset == "default" else f"CTR job at --preset {preset} (batch {batch})"
+    return out, {f"cat_{j}": dim for j in range(fields)}, f"{label} (synthetic Zipf 1.1, 100k ids x {fields} fields, dim {dim})"
 
 
 def movielens_steps(n: int, folder: Path) -> tuple[list[dict[str, torch.Tensor]], dict[str, int], str]:
@@ -147,12 +156,12 @@ def criteo_steps(n: int, folder: Path) -> tuple[list[dict[str, torch.Tensor]], d
 
 
 def report(name: str, steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], bounds: Sequence[tuple[int, int]], rows: int,
-           policy: str) -> list[str]:
-    samples = len(steps) * BATCH
+           policy: str, batch: int = BATCH, timed: bool = True, on_device: bool = False) -> list[str]:
+    samples = len(steps) * batch
     base = run(steps, dims, RowCacheConfig())
-    ms0 = _ms(steps, dims, RowCacheConfig())
+    ms0 = _ms(steps, dims, RowCacheConfig()) if timed else float("nan")
     tot = base.totals()
-    lines = [f"## {name}", f"worker {RANK} of {WORKERS}, batch {BATCH}, {len(steps)} steps, float32 wire", "",
+    lines = [f"## {name}", f"worker {RANK} of {WORKERS}, batch {batch}, {len(steps)} steps, float32 wire", "",
              "| table | dim | rows pulled/sample | rows pushed/sample | bytes pulled/sample | bytes pushed/sample | "
              + " | ".join(f"wanted within {w}" for w in REUSE_WINDOWS) + " |",
              "|---|---|---|---|---|---|" + "---|" * len(REUSE_WINDOWS)]
@@ -165,14 +174,15 @@ def report(name: str, steps: list[dict[str, torch.Tensor]], dims: Mapping[str, i
     moved0 = sum(v["pulled_rows"] + v["pushed_rows"] for v in tot.values())
     bytes0 = sum(v["pulled_bytes"] + v["pushed_bytes"] for v in tot.values())
     lines += ["", "all tables: ceiling (rows wanted within S steps) " + ", ".join(f"S={w} {c:.0%}" for w, c in ceiling.items()),
-              "", f"| bound R/W (read/write) | rows moved/sample (pull + push) | saved | bytes/sample | saved | cache rows/table {rows}, {policy}: "
+              "", f"| bound R/W (read/write) | rows moved/sample (pull + push) | saved | bytes/sample | saved | cache rows/table {rows}, {policy}"
+              f"{' (on the device: CPU tensors)' if on_device else ''}: "
               "worker-side ms/step (the client's calls, no shard, no reuse counting; median of 3) |",
               "|---|---|---|---|---|---|",
               f"| no cache | {moved0 / samples:.3f} | - | {bytes0 / samples:.0f} | - | {ms0:.2f} |"]
     for r, w in bounds:
-        config = RowCacheConfig(rows=rows, bound=r, write_bound=w, policy=policy)
+        config = RowCacheConfig(rows=rows, bound=r, write_bound=w, policy=policy, on_device=on_device or None)
         m = run(steps, dims, config, reuse=False).totals()
-        ms = _ms(steps, dims, config)
+        ms = _ms(steps, dims, config) if timed else float("nan")
         moved = sum(v["pulled_rows"] + v["pushed_rows"] for v in m.values())
         nbytes = sum(v["pulled_bytes"] + v["pushed_bytes"] for v in m.values())
         lines.append(f"| {r}/{w} | {moved / samples:.3f} | {1 - moved / moved0:.0%} | {nbytes / samples:.0f} | {1 - nbytes / bytes0:.0%} | {ms:.2f} |")
@@ -185,7 +195,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bounds", default="1,2,5,10,20,20/2,20/5", help="cache bounds to run: R (read = write bound) or R/W, comma list")
     p.add_argument("--cache-rows", type=int, default=100_000, help="cache capacity per table (default 100000)")
     p.add_argument("--cache-policy", default="lru", choices=("lru", "lfu"))
+    p.add_argument("--on-device", action="store_true",
+                   help="the cache a GPU worker uses (rows in device tensors: tether.worker.device_cache), here on the CPU's tensors")
     p.add_argument("--source", action="append", choices=("ctr", "movielens", "criteo"), help="repeatable; default all three")
+    p.add_argument("--no-timing", action="store_true", help="leave out the ms/step column (3 more runs per bound)")
+    p.add_argument("--preset", choices=tuple(PRESETS), default="default",
+                   help="the CTR job's sizes (tether worker --preset): gpu is batch 8,192, 26 fields, 128-wide rows (implies --source ctr)")
     a = p.parse_args(argv)
     if a.steps < 3:
         p.error("--steps must be >= 3")
@@ -199,11 +214,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     warm_up()  # the cache's compiled kernels loaded once, outside the timed runs (a worker loads them when its cache is made)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        makers = {"ctr": lambda: ctr_steps(a.steps), "movielens": lambda: movielens_steps(a.steps, folder),
+        makers = {"ctr": lambda: ctr_steps(a.steps, a.preset), "movielens": lambda: movielens_steps(a.steps, folder),
                   "criteo": lambda: criteo_steps(a.steps, folder)}
-        for source in a.source or list(makers):
+        sources = a.source or (["ctr"] if a.preset != "default" else list(makers))
+        for source in sources:
             steps, dims, name = makers[source]()
-            print("\n".join(report(name, steps, dims, bounds, a.cache_rows, a.cache_policy)), flush=True)
+            batch = PRESETS[a.preset][0] if source == "ctr" else BATCH
+            print("\n".join(report(name, steps, dims, bounds, a.cache_rows, a.cache_policy, batch, not a.no_timing, a.on_device)),
+                  flush=True)
     return 0
 
 
