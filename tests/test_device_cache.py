@@ -273,3 +273,14 @@ def test_rows_cached_before_the_rules_are_known_keep_their_held_sums() -> None:
         cache.accumulate({"t": (ids, torch.ones(2, 2))}, 2, pulled)
         pushed.append(cache.accumulate({}, 9, None, flush=True)[0]["t"])
     assert torch.equal(pushed[0][1], pushed[1][1]) and torch.equal(pushed[1][1], torch.full((2, 2), 2.0))
+
+
+def test_the_capacity_on_a_gpu_is_capped_by_its_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tether.worker.device_cache import FREE_SHARE, device_capacity
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10_000_000, 80_000_000))
+    per_row = sum(4 * (6 * d + 3) for d in DIMS.values())  # values, held sums (+2), two local changes, Adam's state
+    assert device_capacity(1_000_000, DIMS, torch.device("cuda", 0)) == int(FREE_SHARE * 10_000_000 // per_row)
+    assert device_capacity(100, DIMS, torch.device("cuda", 0)) == 100
+    assert device_capacity(1_000_000, DIMS, torch.device("cpu")) == 1_000_000
