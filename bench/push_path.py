@@ -41,7 +41,8 @@ from tether.worker.cache import row_cache  # noqa: E402
 from tether.worker.client.config import ClientConfig  # noqa: E402
 from tether.worker.client.results import Handle, PullResult, PushAck  # noqa: E402
 from tether.worker.client.router import Router  # noqa: E402
-from tether.worker.cache.row_cache import CachedClient, RowCacheConfig  # noqa: E402
+from tether.worker.cache.client import CachedClient
+from tether.worker.cache.parts import RowCacheConfig# noqa: E402
 from tether.worker.cache.slots import warm_up  # noqa: E402
 from tether.worker.client.traffic import TrafficMeter  # noqa: E402
 

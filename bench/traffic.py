@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from tether.protos.specs import TableConfig
-from tether.worker.cache.row_cache import CachedClient, RowCacheConfig
+from tether.worker.cache.client import CachedClient
+from tether.worker.cache.parts import RowCacheConfig
 from tether.worker.cache.slots import warm_up
 from tether.worker.client.results import Handle, PullResult, PushAck
 from tether.worker.client.traffic import REUSE_WINDOWS, TrafficMeter

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tether.worker.cache.row_cache import CachedClient, RowCacheConfig
+from tether.worker.cache.client import CachedClient
+from tether.worker.cache.parts import RowCacheConfig
 from tether.worker.client.api import Client, ShardClient
 from tether.worker.client.config import ClientConfig
 from tether.worker.client.local import LocalClient

@@ -19,7 +19,9 @@ from tether.worker.config import TrainingConfig
 from tether.worker.cache.device import DeviceRowCache
 from tether.worker.client.local import LocalClient
 from tether.worker.client.results import PullResult
-from tether.worker.cache.row_cache import CachedClient, RowCache, RowCacheConfig
+from tether.worker.cache.client import CachedClient
+from tether.worker.cache.parts import RowCacheConfig
+from tether.worker.cache.row_cache import RowCache
 from tether.worker.client.traffic import TrafficMeter
 
 DIMS = {"a": 4, "b": 4, "c": 2}  # two widths: two banks

@@ -16,7 +16,8 @@ from tether.worker.cache.split import by_shard
 from tether.worker.client.config import ClientConfig
 from tether.worker.client.results import PullResult
 from tether.worker.client.router import Router, ShardedPart
-from tether.worker.cache.row_cache import RowCache, RowCacheConfig
+from tether.worker.cache.parts import RowCacheConfig
+from tether.worker.cache.row_cache import RowCache
 
 _DIMS = {"a": 4, "b": 2}
 

@@ -11,7 +11,8 @@ import torch
 from tether.rules.optimizers import OptimizerConfig
 from tether.protos.specs import TableConfig
 from tether.worker.client.results import PullResult
-from tether.worker.cache.row_cache import RowCache, RowCacheConfig
+from tether.worker.cache.parts import RowCacheConfig
+from tether.worker.cache.row_cache import RowCache
 
 _DIMS = {"a": 4, "b": 2}
 

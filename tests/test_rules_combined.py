@@ -22,7 +22,8 @@ from tether.server.storage.shard import Shard, SparseUpdate
 from tether.server.storage.tables import EmbeddingTable
 from tether.worker.client.local import LocalClient
 from tether.worker.client.local_table import LocalTable
-from tether.worker.cache.row_cache import CachedClient, RowCacheConfig
+from tether.worker.cache.client import CachedClient
+from tether.worker.cache.parts import RowCacheConfig
 from tether.worker.client.traffic import TrafficMeter
 from conftest import make_client
 

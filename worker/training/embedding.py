@@ -17,6 +17,7 @@ runs on the calling thread as it always did.
 
 from __future__ import annotations
 
+import math
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +35,8 @@ from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.metrics import NullWorkerMetrics
 from tether.worker.client.router import JOIN_ELEMENTS, Router
 from tether.rules.push_hooks import finite
-from tether.worker.cache.row_cache import CachedClient, RowCacheConfig
+from tether.worker.cache.client import CachedClient
+from tether.worker.cache.parts import RowCacheConfig
 from tether.worker.client.traffic import TrafficMeter
 from tether.worker.training.transfer import Chained, Prefetch, Staged, columns_of, first, flat_grads, pulled_of, split_flat, unique_columns
 
