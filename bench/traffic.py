@@ -89,7 +89,7 @@ def run(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: Ro
     """The async loop's calls for these steps (table -> unique ids each) through a CachedClient
     (``reuse``: the meter counts the rows wanted within S steps, as a worker with metrics does)."""
     meter = TrafficMeter(dims, 4, reuse=reuse)
-    # ``on_device``: the cache on the training device (tether.worker.device_cache), here the CPU's tensors.
+    # ``on_device``: the cache on the training device (tether.worker.cache.device), here the CPU's tensors.
     client = CachedClient(StandIn(dims), cache, dims, meter, device=torch.device("cpu"))  # type: ignore[arg-type]
     client.use_tables([TableConfig(name=t, dim=d) for t, d in dims.items()])  # the cache's local updates (default rule: adagrad)
     pending = [client.pull(steps[0]), client.pull(steps[1])] if len(steps) > 1 else [client.pull(steps[0])]
@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cache-rows", type=int, default=100_000, help="cache capacity per table (default 100000)")
     p.add_argument("--cache-policy", default="lru", choices=("lru", "lfu"))
     p.add_argument("--on-device", action="store_true",
-                   help="the cache a GPU worker uses (rows in device tensors: tether.worker.device_cache), here on the CPU's tensors")
+                   help="the cache a GPU worker uses (rows in device tensors: tether.worker.cache.device), here on the CPU's tensors")
     p.add_argument("--source", action="append", choices=("ctr", "movielens", "criteo"), help="repeatable; default all three")
     p.add_argument("--no-timing", action="store_true", help="leave out the ms/step column (3 more runs per bound)")
     p.add_argument("--preset", choices=tuple(PRESETS), default="default",

@@ -278,7 +278,7 @@ def test_rows_cached_before_the_rules_are_known_keep_their_held_sums() -> None:
 
 
 def test_the_capacity_on_a_gpu_is_capped_by_its_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tether.worker.device_cache import FREE_SHARE, device_capacity
+    from tether.worker.cache.device import FREE_SHARE, device_capacity
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10_000_000, 80_000_000))

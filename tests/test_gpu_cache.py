@@ -2,7 +2,7 @@
 moves fewer rows (issue 29 on the GPU path: the plans, merges and held gradients of a CUDA
 worker's steps go through its transfer thread).
 
-On CUDA the cache keeps its rows on the GPU (tether.worker.device_cache, issue 41). Skipped on
+On CUDA the cache keeps its rows on the GPU (tether.worker.cache.device, issue 41). Skipped on
 machines without CUDA (CI has none); what CPU-only CI can check of the same code is
 tests/test_device_cache.py (CPU tensors and the fake ``cuda:0``) and tests/test_row_cache.py's
 fake ``cuda:0`` run."""
