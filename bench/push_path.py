@@ -36,7 +36,6 @@ import traffic  # noqa: E402
 
 from tether.protos import framing as dp  # noqa: E402
 from tether.protos.specs import TableConfig  # noqa: E402
-from tether.worker.cache import push as cache_push
 from tether.worker.cache import row_cache  # noqa: E402
 from tether.worker.client.config import ClientConfig  # noqa: E402
 from tether.worker.client.results import Handle, PullResult, PushAck  # noqa: E402
@@ -64,8 +63,8 @@ def _timed(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _hook() -> None:
-    for cls, names in ((Router, ("push_requests", "pull_requests", "_split")), (row_cache.RowCache, ("accumulate", "plan", "merge")),
-                       (cache_push.PushSide, ("_hold", "_take"))):
+    for cls, names in ((Router, ("push_requests", "pull_requests", "_split")),
+                       (row_cache.RowCache, ("accumulate", "plan", "merge", "_hold", "_take"))):
         for n in names:
             if hasattr(cls, n):
                 setattr(cls, n, _timed(f"{cls.__name__}.{n}", getattr(cls, n)))

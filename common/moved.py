@@ -62,7 +62,7 @@ MOVED: dict[str, str] = {
     "tether.worker.cache_batch": "tether.worker.cache.batch",
     "tether.worker.cache_kernels": "tether.worker.cache.kernels",
     "tether.worker.cache_parts": "tether.worker.cache.parts",
-    "tether.worker.cache_push": "tether.worker.cache.push",
+    "tether.worker.cache_push": "tether.worker.cache.row_cache",
     "tether.worker.cache_split": "tether.worker.cache.split",
     "tether.worker.channel": "tether.worker.client.channel",
     "tether.worker.client": "tether.worker.client.ps_client",

@@ -1,4 +1,4 @@
-"""The row cache's push side (tether.worker.cache.push): what a combined push carries per table
+"""The row cache's push side (tether.worker.cache.row_cache: RowCache.accumulate): what a combined push carries per table
 (the sums, and the rule's statistics with -1 in rows of one gradient), taken in the layout the
 wire takes (one buffer of sums and one of statistics for all tables), and a slot's int64 columns
 in one cache-line row."""

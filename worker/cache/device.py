@@ -457,7 +457,7 @@ class DeviceRowCache(RowCache):
 
     def accumulate(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]], clock: int,
                    versions: PullResult | None, flush: bool = False) -> tuple[Pushed, dict[tuple[int, str], int]]:
-        """``PushSide.accumulate`` with the gradients on the device (rows of tables not cached,
+        """``RowCache.accumulate`` with the gradients on the device (rows of tables not cached,
         and held sums due, come to the host)."""
         due: Due = {}
         with self._lock:
@@ -470,7 +470,7 @@ class DeviceRowCache(RowCache):
         return coalesce(due, taken, oldest, self._names, self.tables)
 
     def _hold(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]], clock: int, versions: PullResult | None, due: Due) -> None:
-        """``PushSide._hold``: the sums, statistics and local rule's steps on the device."""
+        """``RowCache._hold``: the sums, statistics and local rule's steps on the device."""
         names, parts = self._split(list(grads))
         arrays = [as_ids(grads[t][0]) for t in names]
         ids = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
@@ -552,7 +552,7 @@ class DeviceRowCache(RowCache):
                                                  shards[sel], read[k][shards[sel]]))
 
     def _take(self, clock: int, flush: bool) -> tuple[dict[str, Taken], np.ndarray | None]:
-        """``PushSide._take``: the due sums gathered on the device and copied to the host (one copy
+        """``RowCache._take``: the due sums gathered on the device and copied to the host (one copy
         per bank), their slots' held sums and local changes cleared there."""
         ready = self._ready(clock, flush)
         if ready is None:

@@ -35,12 +35,13 @@ oldest read version of the rows it combines, so shards count its staleness from 
 A pull whose table version for a shard went back (a restarted shard, a reset table) marks every
 cached row of that shard and table stale: they are refreshed by the next pull that wants them.
 
-``CachedClient`` puts the cache in front of a ``PSClient`` (pull, push, push_pull, flush) and
-counts the traffic (``tether.worker.client.traffic``); with no cache it passes calls through unchanged.
+``CachedClient`` (``tether.worker.cache.client``) puts the cache in front of a client (pull, push,
+push_pull, flush) and counts the traffic (``tether.worker.client.traffic``); with no cache it
+passes calls through unchanged.
 Each table's slots and id index (a compiled hash table) are ``tether.worker.cache.slots.Table``;
 each step's passes (plan, store, hold with the local rule's changes, take) are compiled loops
 over all tables at once, one call each (``tether.worker.cache.batch``); the push side (hold,
-take) is ``tether.worker.cache.push``. ``take_all`` writes a push's sums and its combined
+take) is the second half of ``RowCache``. ``take_all`` writes a push's sums and its combined
 statistics in the layout the wire takes (one buffer each; a table's part is a view of them), so
 what stays per table in Python is the local rule's step (one compiled call per table).
 """
@@ -60,13 +61,17 @@ from tether.worker.client.results import PullResult
 from tether.worker.cache.parts import (NO_FLIGHTS, NO_IDS, NO_ROWS, Plan, RowCacheConfig, as_ids, offsets,
                                       read_versions)
 from tether.worker.cache.batch import later_all, plan_all, store_all
-from tether.worker.cache.push import PushSide
 from tether.worker.cache.kernels import Columns, columns, set_cells
 from tether.worker.cache.slots import NONE, STALE, Table, start_warm_up, wait_warm_up
+from tether.worker.cache.batch import deltas_all, hold_all, take_all
+from tether.worker.cache.parts import Pushed
+from tether.worker.cache.split import by_shard
+from tether.worker.client.router import ShardedPart
+from tether.worker.cache.slots import Due, Taken, coalesce
 
 __all__ = ["RowCache"]
 
-class RowCache(PushSide):
+class RowCache:
     """Cached rows of every table with their read clocks, versions and pending gradients
     (see the module docstring). Thread-safe: on CUDA the transfer thread calls it too."""
 
@@ -290,3 +295,109 @@ class RowCache(PushSide):
         changes held and in flight, the local rule's state, their columns; the id index)."""
         return {t: tab.size * ((tab.dim * 4 + 2) * 4 + sum(a[0].nbytes for a in tab.state.values()) + 8 * 9) + tab.index_entries() * 16
                 for t, tab in self.tables.items()}
+
+    # -- the push side: a step's gradients held, the due sums taken ---------------------------------
+
+    def accumulate(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]], clock: int,
+                   versions: PullResult | None, flush: bool = False) -> tuple[Pushed, dict[tuple[int, str], int]]:
+        """Add a step's row gradients (pushed at ``clock``) to the pending sums and return what
+        is due now (``flush``: everything held), with the read version per shard and table: per
+        table ``(ids, sums)``, or ``(ids, sums, stats)`` where rows combine several gradients
+        (``Table.combined``)."""
+        due: Due = {}
+        with self._lock:
+            if grads:
+                self._hold(grads, clock, versions, due)
+            for t, e_ids, e_grads, e_shards, e_read in self._evicted:
+                due.setdefault(t, []).append((e_ids, e_grads, e_shards, e_read))
+            self._evicted.clear()
+            taken, oldest = self._take(clock, flush)
+        return coalesce(due, taken, oldest, self._names, self.tables)
+
+    def _take(self, clock: int, flush: bool) -> tuple[dict[str, Taken], np.ndarray | None]:
+        """The held sums due at ``clock`` (``flush``: every one), per table (``Taken``: ids, the
+        push's part, whether the ids ascend, each row's two statistics columns), and the oldest
+        read version per table and shard."""
+        due = self._ready(clock, flush)
+        if due is None:
+            return {}, None
+        tables, slots, since = due
+        ids, sums, stats, square, grads, shards, count, ascending, many, oldest, _ = take_all(*self._columns(), tables, slots, since,
+                                                                                           self.num_shards, self._kinds)
+        return self._taken(ids, sums, stats, square, grads, shards, count, ascending, many), oldest
+
+    def _ready(self, clock: int, flush: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The held rows due at ``clock`` (``flush``: every one), out of the queue: their tables,
+        slots and first held clocks (``take_all`` takes those still held since then); None if none."""
+        writes = self.config.writes
+        ready = [e for e in self._queue if flush or clock - e[0] >= writes]
+        if not ready:
+            return None
+        self._queue = [e for e in self._queue if not (flush or clock - e[0] >= writes)]
+        slots = ready[0][1] if len(ready) == 1 else np.concatenate([e[1] for e in ready])
+        tables = ready[0][2] if len(ready) == 1 else np.concatenate([e[2] for e in ready])
+        since = np.concatenate([np.full(len(e[1]), e[0], np.int64) for e in ready])
+        return tables, slots, since
+
+    def _taken(self, ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, square: np.ndarray, grads: np.ndarray, shards: np.ndarray,
+               count: np.ndarray, ascending: np.ndarray, many: np.ndarray) -> dict[str, Taken]:
+        """``take_all``'s rows per table as a push's parts (``Taken``), split by their known shards."""
+        # The push's split, from the rows' known shards, and each shard's rows one after another.
+        order, bounds, gids, gsums, gstats = by_shard(shards, count, self.num_shards, ids, sums, stats, self._dims, self._kinds)
+        self._holding -= count
+        out: dict[str, Taken] = {}
+        at = flat = sflat = 0
+        for g, n in enumerate(count.tolist()):
+            if not n:
+                continue
+            d, k = self._dim_list[g], self._nstats[g]
+            ids_g = ids[at: at + n]
+            part: tuple[torch.Tensor, ...] = (torch.from_numpy(ids_g), torch.from_numpy(sums[flat: flat + n * d].reshape(n, d)))
+            grouped: tuple[np.ndarray, ...] = (gids[at: at + n], gsums[flat: flat + n * d].reshape(n, d))
+            if k and many[g]:
+                part = (*part, torch.from_numpy(stats[sflat: sflat + n * k].reshape(n, k)))
+                grouped = (*grouped, gstats[sflat: sflat + n * k].reshape(n, k))
+            part = ShardedPart(part, order[at: at + n], bounds[g], grouped)
+            out[self._names[g]] = Taken(ids_g, part, bool(ascending[g]), square[at: at + n], grads[at: at + n])
+            at, flat, sflat = at + n, flat + n * d, sflat + n * k
+        return out
+
+    def _hold(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]], clock: int, versions: PullResult | None, due: Due) -> None:
+        """Add the step's gradients to their rows' pending sums and apply them to the cached rows
+        by the tables' rules (rows not cached: due at once)."""
+        names, parts = self._split(list(grads))
+        arrays = [as_ids(grads[t][0]) for t in names]
+        rows = [np.ascontiguousarray(grads[t][1].detach().float().numpy()) for t in names]
+        ids = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        flat = rows[0].reshape(-1) if len(rows) == 1 else np.concatenate([r.reshape(-1) for r in rows])
+        offs = offsets([len(a) for a in arrays])
+        g_offs = offsets([r.size for r in rows])
+        read = read_versions(versions, names, self.num_shards)
+        local = self._local[parts]
+        before = np.empty(len(flat), np.float32) if local.any() else NO_ROWS
+        slots, where, first, missing, missing_shards, counts = hold_all(*self._columns(), parts, ids, offs, flat, g_offs, read, clock,
+                                                                        self.num_shards, local, before)
+        if len(first):
+            self._holding[parts] += counts[:, 1]
+            self._queue.append((clock, first, np.repeat(parts, counts[:, 1])))
+        if len(missing):  # not cached (the table was full): pushed at once, each row one gradient
+            self._unheld(names, offs, rows, ids, missing, missing_shards, read, due)
+        if local.any():
+            soffs = offsets(counts[:, 0])
+            for k in np.flatnonzero(local).tolist():
+                a, b = int(soffs[k]), int(soffs[k + 1])
+                if a < b:
+                    g = rows[k] if b - a == len(rows[k]) else rows[k][where[a:b] - offs[k]]
+                    self._tabs[int(parts[k])].step(slots[a:b], g, clock)
+            deltas_all(*self._columns(), parts, slots, soffs, before, g_offs, local)
+
+    def _unheld(self, names: list[str], offs: np.ndarray, rows: list[np.ndarray], ids: np.ndarray, missing: np.ndarray,
+                missing_shards: np.ndarray, read: np.ndarray, due: Due) -> None:
+        """Gradients of rows not cached, due at once with their statistics (one gradient each)."""
+        at = np.searchsorted(offs, missing, side="right") - 1
+        for k in np.unique(at).tolist():
+            mine = missing[at == k]
+            g = rows[k][mine - offs[k]]
+            extra = np.stack([(g * g).mean(1), np.ones(len(g), np.float32)], 1)
+            shards = missing_shards[at == k]
+            due.setdefault(names[k], []).append((ids[mine], torch.from_numpy(np.concatenate([g, extra], 1)), shards, read[k][shards]))

@@ -1,4 +1,4 @@
-"""The row cache's push split by its rows' known shards (``tether.worker.cache.push``): the rows
+"""The row cache's push split by its rows' known shards (``RowCache._take``): the rows
 ``cache_batch.take_all`` takes, grouped per table by the shard each row's ``Table.shard`` column
 names, so that ``Router.push_requests`` sends them as they are (``router.ShardedPart``): no id
 hashed again, no row gathered. Compiled like the cache's other passes (``cache_batch.warm_up``
