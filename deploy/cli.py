@@ -51,6 +51,7 @@ def _launch(argv: Sequence[str]) -> int:
     a = p.parse_args(_joined_script_args(argv))
 
     def body() -> int:
+        # Start-up cost: the tether command's help and usage errors run without torch (tests/test_cli_torch_free.py).
         from tether.deploy.job import run_job
 
         # Every flag is checked here, before any process starts (the data file included).
@@ -114,6 +115,7 @@ def _program(a: argparse.Namespace) -> Any:
     Raises:
         ValueError: no such script or module, or unbalanced quotes in --script-args, named.
     """
+    # Start-up cost: the tether command's help and usage errors run without torch (tests/test_cli_torch_free.py).
     from tether.deploy.launch import Program
 
     if a.script_args and not (a.script or a.entry):
@@ -239,6 +241,7 @@ def _comparison(command: str, argv: Sequence[str]) -> int:
 
 def _run_comparison(a: argparse.Namespace, sweep: bool) -> int:
     """``tether compare`` or ``sweep`` with its parsed flags; the exit code."""
+    # Start-up cost: the tether command's help and usage errors run without torch (tests/test_cli_torch_free.py).
     from tether.deploy.compare import check_arguments, compare, format_table
     from tether.deploy.compare import sweep as run_sweep
 
@@ -302,6 +305,7 @@ def _export(argv: Sequence[str]) -> int:
                    help="a function of no arguments (package.module:function or file.py:function) that builds the model the job trained: "
                    "each dense parameter is written as dense.<name> with its shape (default: the shards' one flat vector dense.dense)")
     a = p.parse_args(argv)
+    # Start-up cost: the tether command's help and usage errors run without torch (tests/test_cli_torch_free.py).
     from tether.deploy.export import export_checkpoint, load_model
 
     try:
@@ -309,6 +313,7 @@ def _export(argv: Sequence[str]) -> int:
         model = load_model(a.model) if a.model is not None else None
         ckpt_id = a.id
         if a.shards is not None:
+            # Start-up cost: the tether command's help and usage errors run without torch (tests/test_cli_torch_free.py).
             from tether.worker.client.ps_client import PSClient
             from tether.worker.client.config import ClientConfig
 
@@ -329,6 +334,7 @@ def _export(argv: Sequence[str]) -> int:
 
 
 def _convert(argv: Sequence[str]) -> int:
+    # Start-up cost: the tether command's help and usage errors run without torch (tests/test_cli_torch_free.py).
     from tether.worker.data.parquet import CONVERT_ROW_GROUP_ROWS, write_criteo_parquet
 
     p = argparse.ArgumentParser(
@@ -392,10 +398,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return DONE if argv and argv[0] in ("-h", "--help") else USAGE
     command, rest = argv[0], argv[1:]
     if command == "server":
+        # Start-up cost: the tether command's help and usage errors run without torch (tests/test_cli_torch_free.py).
         from tether.server.__main__ import main as server_main
 
         return server_main(rest)
     if command == "worker":
+        # Start-up cost: the tether command's help and usage errors run without torch (tests/test_cli_torch_free.py).
         from tether.worker.__main__ import main as worker_main
 
         return worker_main(rest)

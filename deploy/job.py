@@ -116,6 +116,7 @@ def run_job(
 def _evaluate_builtin(template: WorkerConfig, addresses: Sequence[str], workers: Sequence[RunRecord]) -> dict[str, float]:
     """The built-in CTR job's held-out figures. Imported here, with torch: a launcher of the
     user's own program reads its workers' records and needs none of it."""
+    # Start-up cost: the launcher loads torch only once a job runs, not for its help or a refused flag.
     from tether.worker.ctr.job import evaluate_job, open_dataset, reference_losses
     from tether.worker.training.policies import policy_class
 
@@ -131,6 +132,7 @@ def _final_checkpoint(template: WorkerConfig, addresses: Sequence[str], root: Pa
     no complete checkpoint, and a relaunch onto another shard count would refuse them; with one
     id they are one, restored onto any count. The shutdown then writes none: nothing changed since.
     A shard that cannot write it is one line; each shard's own shutdown checkpoint then follows."""
+    # Start-up cost: the launcher loads torch only once a job runs, not for its help or a refused flag.
     from tether.protos.errors import TetherError
     from tether.worker.client.ps_client import PSClient
 

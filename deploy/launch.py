@@ -79,6 +79,7 @@ class Program:
         Raises:
             ValueError: not ``module:function``, no such module or function, or its import failed.
         """
+        # Start-up cost: the worker side (torch) only where an --entry is given.
         from tether.protos.errors import UsageError
         from tether.worker.entry import on_path, resolve
 

@@ -42,6 +42,7 @@ __all__ = ["JOB", "MODEL", "MODEL_PRESETS", "PLACE", "PROCESS", "TrainingConfig"
 def parse_entries(text: str) -> tuple[str, ...]:
     """``tether.worker.training.table_rules.parse_entries`` (named as it is in argparse's message),
     imported with torch when a ``--table-optimizer`` is given."""
+    # Start-up cost: torch with it; this module stays torch-free for the launcher's help and usage errors.
     from tether.worker.training.table_rules import parse_entries as parse
 
     return parse(text)
@@ -260,6 +261,7 @@ class TrainingConfig:
     @property
     def row_cache(self) -> RowCacheConfig:
         """The row cache the cache_* fields describe."""
+        # Start-up cost: torch with it; this module stays torch-free for the launcher's help and usage errors.
         from tether.worker.cache.parts import RowCacheConfig
 
         return RowCacheConfig(rows=self.cache_rows, bound=self.cache_bound, write_bound=self.cache_write_bound, policy=self.cache_policy)
@@ -371,6 +373,7 @@ class TrainingConfig:
     @functools.cached_property
     def table_rules(self) -> TableRules:
         """The per-table rules (``table_optimizers``, ``optimizer_config``, ``optimizer``, ``lr``)."""
+        # Start-up cost: torch with it; this module stays torch-free for the launcher's help and usage errors.
         from tether.worker.training.table_rules import TableRules
 
         return TableRules.of(self.table_optimizers, self.optimizer_config, self.optimizer, self.lr)

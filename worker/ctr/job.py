@@ -120,6 +120,7 @@ def _parquet_dataset(cfg: WorkerConfig) -> Dataset:
     Raises:
         DataError: see ``ParquetStream``.
     """
+    # Optional dependency: pyarrow (tether[parquet]), only for a Parquet source.
     from tether.worker.data.parquet import HoldOut, ParquetStream, criteo_parquet_columns, parquet_files
 
     files = parquet_files(cfg.data)

@@ -14,6 +14,7 @@ def check_criteo_data(data: str) -> None:
     Raises:
         ValueError: no path, nothing matches, not a file, or not readable.
     """
+    # Start-up cost and an optional dependency: the reader (torch; pyarrow for Parquet) only for the source named.
     from tether.worker.data.criteo import criteo_files
 
     path = data.split(":", 1)[1]
@@ -37,6 +38,7 @@ def check_parquet_data(data: str, num_workers: int) -> None:
     Raises:
         ValueError: one line naming the file and the column (or what else is wrong).
     """
+    # Start-up cost and an optional dependency: the reader (torch; pyarrow for Parquet) only for the source named.
     from tether.worker.data.parquet import check_parquet
 
     path = data.split(":", 1)[1]
