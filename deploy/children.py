@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+import socket
 
 from tether.deploy.errors import ClusterError
 
@@ -98,6 +99,7 @@ def child_command(argv: Sequence[str]) -> list[str]:
 
 def gpu_count() -> int:
     """CUDA devices torch sees on this host (0 without CUDA)."""
+    # Start-up cost: the launcher imports torch only where a job may spread workers over GPUs.
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -124,8 +126,6 @@ def tail(path: Path, lines: int = 20) -> str:
 
 
 def free_port(host: str) -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -139,8 +139,6 @@ def free_ports(host: str, count: int, tries: int = 100) -> int:
     Raises:
         ClusterError: no such run of ports found in ``tries`` tries.
     """
-    import socket
-
     for _ in range(tries):
         base = free_port(host)
         if base + count - 1 > 65535:

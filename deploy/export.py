@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from safetensors.torch import save_file
 
 import torch
 from torch import nn
@@ -136,8 +137,6 @@ def export_checkpoint(
             a model whose parameters are not those the checkpoint holds.
         ChecksumMismatch: a checkpoint file whose bytes are not those its manifest records.
     """
-    from safetensors.torch import save_file
-
     if ckpt_id is not None:
         plan = next((p for p in complete_checkpoints(Path(checkpoint_dir)) if p.id == ckpt_id), None)
         if plan is None:

@@ -53,6 +53,7 @@ def write_plot(
     of the second half; and clock staleness over time. Written to ``path`` (PNG); returns the
     figure (closed: its axes and lines say what was drawn). ``baseline_label`` names the
     horizontal line at ``baseline`` (a user's script: its initial model's eval loss)."""
+    # Start-up cost: matplotlib only when a figure is drawn (and its backend chosen before pyplot).
     import matplotlib
 
     matplotlib.use("Agg")

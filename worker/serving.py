@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from safetensors.torch import load_file
 
 import torch
 import torch.nn.functional as F
@@ -229,8 +230,6 @@ def load_export(path: str | Path) -> Export:
         FileNotFoundError: no export there.
         ValueError: a manifest of another format, or files that disagree with it.
     """
-    from safetensors.torch import load_file
-
     path = Path(path)
     manifest = json.loads((path / MANIFEST).read_text())
     if manifest.get("format") not in READABLE_FORMATS:

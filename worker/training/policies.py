@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tether.protos.errors import DeadlineExceeded, UsageError
@@ -159,8 +160,6 @@ class SyncPolicy(AsyncPolicy):
     dense_on_shards = False
 
     def __init__(self, world: int, rank: int, device: torch.device) -> None:
-        import torch.distributed as dist
-
         self.dist = dist
         self.world = world
         self.rank = rank
@@ -403,8 +402,6 @@ def _hex(prints: torch.Tensor) -> list[str]:
 def init_sync(cfg: TrainingConfig, device: torch.device) -> TrainingConfig:
     """Join the torchrun process group (NCCL when every rank has CUDA, else gloo), unless the
     caller already did; the config takes its rank and world size."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise UsageError(
