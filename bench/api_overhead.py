@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import markdown_table  # noqa: E402
+from _common import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.95

@@ -47,7 +47,7 @@ def _job_args(job: str, config: str, a: argparse.Namespace, data: dict[str, Path
     if job == "ctr":
         return args + (["--vocab-size", str(a.ceiling_vocab)] if config == "free cache" else [])
     ratings = data["free" if config == "free cache" else "real"]
-    return args + ["--script", str(ROOT / "examples" / "movielens_two_tower" / "train.py"), "--script-args", f"--data {ratings}"]
+    return [*args, "--script", str(ROOT / "examples" / "movielens_two_tower" / "train.py"), "--script-args", f"--data {ratings}"]
 
 
 def _run(args: list[str], steps: int, out: Path) -> tuple[float, int, float, float]:

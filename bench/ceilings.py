@@ -20,7 +20,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
+from _common import (
     MIB,
     QUICK_SIZES,
     SIZES,

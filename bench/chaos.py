@@ -55,7 +55,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import markdown_table  # noqa: E402
+from _common import markdown_table
 
 LEDGER = "chaos_ledger"
 # Ledger row ids: writer index, life (incarnation count) and sequence number in separate bits.
@@ -70,15 +70,14 @@ TARGETS = ("shard", "worker", "ledger")
 def ledger_main(argv: list[str]) -> int:
     """``chaos.py _ledger ADDRESSES JOURNAL INDEX LIFE RATE STOPFILE``: push one fresh row per push
     until STOPFILE exists, journaling each push (S: about to send, A: acknowledged, F: failed)."""
+    import logging
+
     import torch
 
     from tether.protos.errors import TetherError
     from tether.protos.specs import OptimizerConfig, TableConfig
-    from tether.worker.client.ps_client import PSClient
     from tether.worker.client.config import ClientConfig
-
-    import logging
-
+    from tether.worker.client.ps_client import PSClient
     from tether.worker.metrics import NullWorkerMetrics
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -391,7 +390,7 @@ class Chaos:
         for name, (pid, fut) in futures.items():
             try:
                 info = fut.result(timeout=2.0)
-            except Exception:  # noqa: BLE001 - down, restarting or stopped: the next sample sees
+            except Exception:
                 continue
             obs.shard_info.setdefault(name, {})[pid] = {
                 "applied_pushes": int(info.applied_pushes), "duplicate_pushes": int(info.duplicate_pushes),
@@ -400,7 +399,7 @@ class Chaos:
         for name, (pid, sfut) in scrapes.items():
             try:
                 values = sfut.result(timeout=2.0)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 continue
             obs.worker_metrics.setdefault(name, {})[pid] = values
             last = values.get("tether_worker_last_step_timestamp_seconds", 0.0)
@@ -564,8 +563,8 @@ class Chaos:
 
         from tether.protos.partition import shard_of_ids
         from tether.protos.specs import OptimizerConfig, TableConfig
-        from tether.worker.client.ps_client import PSClient
         from tether.worker.client.config import ClientConfig
+        from tether.worker.client.ps_client import PSClient
 
         sent: dict[int, float] = {}
         acked: dict[int, float] = {}
@@ -586,7 +585,7 @@ class Chaos:
             for at in range(0, len(ids), 20_000):
                 chunk = torch.tensor(ids[at : at + 20_000], dtype=torch.int64)
                 rows = client.pull({LEDGER: chunk}).result(120).rows[LEDGER]
-                values.update(zip(chunk.tolist(), (-rows[:, 0]).tolist()))
+                values.update(zip(chunk.tolist(), (-rows[:, 0]).tolist(), strict=False))
         finally:
             client.close()
         restores = {s: _restores(self.cluster.log_dir / f"shard-{s}.log") for s in range(num_shards)}
@@ -595,7 +594,7 @@ class Chaos:
                      for _ in range(num_shards)]
         owners = shard_of_ids(torch.tensor(ids, dtype=torch.int64).numpy(), num_shards) if ids else []
         bad: list[dict[str, Any]] = []
-        for rid, shard in zip(ids, owners):
+        for rid, shard in zip(ids, owners, strict=False):
             row = per_shard[int(shard)]
             v = values.get(rid, 0.0)
             times = round(v)

@@ -63,7 +63,7 @@ def main() -> int:
         as_torch.combined_rows = None
 
         def part(the_rule: UpdateRule) -> Callable[[], None]:
-            return lambda: apply_rows(the_rule, cfg, update, w, state, slots, grads, lr, stats)
+            return lambda: apply_rows(the_rule, cfg, update, w, state, slots, grads, lr, stats)  # noqa: B023 - called in this iteration
 
         sides: dict[str, list[float]] = {"compiled": [], "torch": []}
         for _ in range(args.rounds):

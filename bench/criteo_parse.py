@@ -123,7 +123,7 @@ def _new_rate(path: Path, batch_size: int) -> float:
 def _check_equal(path: Path, lines: int) -> None:
     old = next(OldCriteoTSV(path).batches(lines))
     new = next(iter(CriteoStream(path, lines)))
-    for name, a, b in zip(Batch._fields, old, new):
+    for name, a, b in zip(Batch._fields, old, new, strict=False):
         if not torch.equal(a, b):
             raise SystemExit(f"the new reader's {name} differ from the old parser's")
 

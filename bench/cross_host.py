@@ -55,7 +55,7 @@ sys.path.insert(0, str(_HERE))
 
 from _common import MIB, free_port, markdown_table  # noqa: E402
 
-__all__ = ["LINKS", "Place", "TARGETS", "main", "measure_link", "netns_link", "parse_link", "start_shards"]
+__all__ = ["LINKS", "TARGETS", "Place", "main", "measure_link", "netns_link", "parse_link", "start_shards"]
 
 LINKS = ["loopback", "veth", "10gbit:100us", "25gbit:50us"]
 # DESIGN.md / issue 17 targets: tether / peer-on-TCP (medians), and dense as a share of a shaped link.
@@ -391,8 +391,9 @@ def measure_link(place: Place, metrics: Sequence[str], seconds: float, repeats: 
         (tj, tk, tn, tu), (pj, pk, pn, pu) = _pairs(seconds)[metric]
         t_runs, p_runs = [], []
         for r in range(repeats):
-            sides = [("tether", lambda: tu(run_tether(place, tj, tk, tn, timeout, log)), t_runs),
-                     ("peer", lambda: pu(run_peer(place, pj, pk, pn, timeout, log)), p_runs)]
+            # Both called in this iteration: the loop's values are the ones meant.
+            sides = [("tether", lambda: tu(run_tether(place, tj, tk, tn, timeout, log)), t_runs),  # noqa: B023
+                     ("peer", lambda: pu(run_peer(place, pj, pk, pn, timeout, log)), p_runs)]  # noqa: B023
             for _, fn, sink in (sides if r % 2 else sides[::-1]):
                 sink.append(float(fn()))
             say(f"[cross-host] {place.name} {metric}: tether {t_runs[-1]:,.0f} peer {p_runs[-1]:,.0f}")

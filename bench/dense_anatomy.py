@@ -27,11 +27,11 @@ from pathlib import Path
 
 os.environ["OMP_NUM_THREADS"] = "1"
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run_all import copy_gb_per_s, cpu_times  # noqa: E402
+from run_all import copy_gb_per_s, cpu_times
 
 __all__ = ["main", "sample"]
 
@@ -67,11 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--mib", type=int, default=4)
     a = p.parse_args(argv)
+    from tether.common.allocator import tune_malloc
     from tether.deploy.launch import LocalCluster
     from tether.protos.specs import OptimizerConfig
-    from tether.common.allocator import tune_malloc
-    from tether.worker.client.ps_client import PSClient
     from tether.worker.client.config import ClientConfig
+    from tether.worker.client.ps_client import PSClient
 
     tune_malloc()  # what tether's own worker processes do at start-up
 

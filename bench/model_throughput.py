@@ -26,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import markdown_table  # noqa: E402
+from _common import markdown_table
 
-from tether.worker.config import MODEL_PRESETS  # noqa: E402
+from tether.worker.config import MODEL_PRESETS
 
 # DESIGN.md: one worker and one shard reach >= 90% of the model trained in one process.
 TARGET = 0.90
@@ -43,8 +43,8 @@ def in_process(steps: int, size: dict[str, int], device: str, warmup: int = 20, 
     import torch
     import torch.nn.functional as F
 
-    from tether.worker.data.synthetic import SyntheticClickLog, SyntheticConfig, in_background
     from tether.worker.ctr.model import CTRModel, LocalHashEmbedding
+    from tether.worker.data.synthetic import SyntheticClickLog, SyntheticConfig, in_background
 
     dev = torch.device(device)
     data = SyntheticConfig(num_sparse=size["num_sparse"])

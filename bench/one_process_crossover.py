@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import markdown_table  # noqa: E402
+from _common import markdown_table
 
 BATCH, USERS, ITEMS, BAG, DIM, DENSE = 512, 50_000, 50_000, 4, 32, 16
 
@@ -44,7 +44,7 @@ def batches(steps: int, seed: int) -> list[dict]:
     return out
 
 
-def build(width: int, embedding):  # noqa: ANN001, ANN201 - the bench's own factory
+def build(width: int, embedding):
     import torch
     from torch import nn
 
@@ -61,7 +61,7 @@ def build(width: int, embedding):  # noqa: ANN001, ANN201 - the bench's own fact
     return Model()
 
 
-def loss_of(model, b):  # noqa: ANN001, ANN201
+def loss_of(model, b):
     import torch.nn.functional as F
 
     return F.binary_cross_entropy_with_logits(model(b), b["label"])

@@ -39,8 +39,8 @@ import pyarrow as pa  # type: ignore[import-untyped]
 import pyarrow.parquet as pq  # type: ignore[import-untyped]
 import torch
 
-from tether.worker.data.synthetic import SyntheticClickLog, SyntheticConfig
 from tether.worker.data.parquet import CONVERT_ROW_GROUP_ROWS, HoldOut, ParquetStream
+from tether.worker.data.synthetic import SyntheticClickLog, SyntheticConfig
 
 BATCH = 4096
 SHUFFLE = 65_536

@@ -44,10 +44,10 @@ _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*):(?P<line>\d+)\)$")
 def _client_loop(workload: str, addresses: list[str], seconds: float) -> None:
     import torch
 
-    from tether.protos.specs import OptimizerConfig, TableConfig
     from tether.common.allocator import tune_malloc
-    from tether.worker.client.ps_client import PSClient
+    from tether.protos.specs import OptimizerConfig, TableConfig
     from tether.worker.client.config import ClientConfig
+    from tether.worker.client.ps_client import PSClient
 
     tune_malloc()  # what tether's own worker processes do at start-up
 

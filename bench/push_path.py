@@ -32,18 +32,18 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import traffic  # noqa: E402
+import traffic
 
-from tether.protos import framing as dp  # noqa: E402
-from tether.protos.specs import TableConfig  # noqa: E402
-from tether.worker.cache import row_cache  # noqa: E402
-from tether.worker.client.config import ClientConfig  # noqa: E402
-from tether.worker.client.results import Handle, PullResult, PushAck  # noqa: E402
-from tether.worker.client.router import Router  # noqa: E402
+from tether.protos import framing as dp
+from tether.protos.specs import TableConfig
+from tether.worker.cache import row_cache
 from tether.worker.cache.client import CachedClient
-from tether.worker.cache.parts import RowCacheConfig# noqa: E402
-from tether.worker.cache.slots import warm_up  # noqa: E402
-from tether.worker.client.traffic import TrafficMeter  # noqa: E402
+from tether.worker.cache.parts import RowCacheConfig
+from tether.worker.cache.slots import warm_up
+from tether.worker.client.config import ClientConfig
+from tether.worker.client.results import Handle, PullResult, PushAck
+from tether.worker.client.router import Router
+from tether.worker.client.traffic import TrafficMeter
 
 SHARDS = 2
 CPU: collections.Counter[str] = collections.Counter()

@@ -29,7 +29,7 @@ import torch.distributed.rpc as rpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
+from _common import (
     QUICK_SIZES,
     SIZES,
     ChildProcess,

@@ -54,9 +54,9 @@ def measure(name: str, rows: int, dim: int) -> dict[str, Any]:
     """Fill one table with the rule ``name`` in this process; its bytes by part."""
     import torch
 
-    from tether.rules.optimizers import OptimizerConfig
     from tether.protos.specs import TableConfig
     from tether.rules import row_kernels
+    from tether.rules.optimizers import OptimizerConfig
     from tether.server.storage.tables import EmbeddingTable
 
     torch.set_num_threads(1)
@@ -85,12 +85,12 @@ def measure(name: str, rows: int, dim: int) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     resident = _rss() - before
     assert table.rows == rows
-    values = table._weights[: table.rows].nbytes  # noqa: SLF001 - a bench reads the table's parts
-    state = sum(t[: table.rows].nbytes for t in table._state.values())  # noqa: SLF001
-    books = table._versions.nbytes + (table._touched.nbytes if table._touched is not None else 0)  # noqa: SLF001
+    values = table._weights[: table.rows].nbytes
+    state = sum(t[: table.rows].nbytes for t in table._state.values())
+    books = table._versions.nbytes + (table._touched.nbytes if table._touched is not None else 0)
     return {
-        "rule": name, "rows": rows, "dim": dim, "values": values, "state": state, "index": table._index.nbytes,  # noqa: SLF001
-        "cells": 4 * table._index.cells, "keys": 8 * rows, "books": books,  # noqa: SLF001
+        "rule": name, "rows": rows, "dim": dim, "values": values, "state": state, "index": table._index.nbytes,
+        "cells": 4 * table._index.cells, "keys": 8 * rows, "books": books,
         "allocated": table.memory_bytes, "resident": resident, "seconds": seconds,
     }
 

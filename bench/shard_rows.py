@@ -23,11 +23,11 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from tether.protos.specs import OptimizerConfig, TableConfig  # noqa: E402
-from tether.server.storage.shard import Shard, SparseUpdate  # noqa: E402
+from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.server.storage.shard import Shard, SparseUpdate
 
 
 def run(rows: int, dim: int, batch: int, rounds: int) -> dict[str, float]:

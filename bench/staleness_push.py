@@ -20,11 +20,11 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from tether.protos.specs import OptimizerConfig, TableConfig  # noqa: E402
-from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate  # noqa: E402
+from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
 
 
 def run(workers: int, ids: int, dense: int, rounds: int, vocab: int, seed: int = 0) -> tuple[float, float]:

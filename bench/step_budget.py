@@ -33,7 +33,7 @@ from typing import Any
 
 os.environ["OMP_NUM_THREADS"] = "1"
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -56,12 +56,12 @@ class _Setup:
     """A real shard process (for the end-to-end step), plus an in-process shard and servicer."""
 
     def __init__(self) -> None:
+        from tether.common.allocator import tune_malloc
         from tether.deploy.launch import LocalCluster
         from tether.server.serving.handler import RequestHandler
         from tether.server.storage.shard import Shard
-        from tether.common.allocator import tune_malloc
-        from tether.worker.client.ps_client import PSClient
         from tether.worker.client.config import ClientConfig
+        from tether.worker.client.ps_client import PSClient
 
         tune_malloc()  # what tether's own worker processes do at start-up
 
@@ -240,8 +240,7 @@ def budget_model(steps: int, cprofile: bool) -> None:
 
     from tether.deploy.launch import LocalCluster
     from tether.worker.config import WorkerConfig
-    from tether.worker.ctr.job import ctr_sparse
-    from tether.worker.ctr.job import ctr_trainer, open_dataset
+    from tether.worker.ctr.job import ctr_sparse, ctr_trainer, open_dataset
 
     torch.set_num_threads(1)
     with LocalCluster(grace_s=5.0) as cluster:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import markdown_table  # noqa: E402
+from _common import markdown_table
 
 SPEEDUP_TARGET = 1.5
 LOSS_TOLERANCE = 0.01

@@ -44,11 +44,11 @@ from typing import Any
 # before torch is imported so this process and every child (shards, client) inherit it.
 os.environ["OMP_NUM_THREADS"] = "1"
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
+from _common import (
     QUICK_SIZES,
     SIZES,
     ChildProcess,
@@ -155,8 +155,8 @@ def _client(addresses: list[str], wire: str = "float32", chunk_elems: int | None
     ``expect`` (how every shard must be reached, checked after the measurement)."""
     from tether.common.allocator import tune_malloc
     from tether.common.security import ClientSecurity
-    from tether.worker.client.ps_client import PSClient
     from tether.worker.client.config import ClientConfig
+    from tether.worker.client.ps_client import PSClient
 
     tune_malloc()  # what tether's own worker processes do at start-up
     conn = conn or {}

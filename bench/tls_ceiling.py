@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import make_certificates  # noqa: E402
+from _common import make_certificates
 
 __all__ = ["echo_mib_per_s", "main"]
 

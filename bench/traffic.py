@@ -40,7 +40,7 @@ from tether.worker.data.criteo import CRITEO_SPARSE, CriteoStream, write_criteo_
 from tether.worker.data.synthetic import SyntheticClickLog, SyntheticConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "movielens_two_tower"))
-from movielens import rating_batches, read_ratings, write_ratings  # noqa: E402
+from movielens import rating_batches, read_ratings, write_ratings
 
 WORKERS, RANK, BATCH, SHARDS = 4, 0, 256, 2
 
@@ -187,7 +187,7 @@ def report(name: str, steps: list[dict[str, torch.Tensor]], dims: Mapping[str, i
         moved = sum(v["pulled_rows"] + v["pushed_rows"] for v in m.values())
         nbytes = sum(v["pulled_bytes"] + v["pushed_bytes"] for v in m.values())
         lines.append(f"| {r}/{w} | {moved / samples:.3f} | {1 - moved / moved0:.0%} | {nbytes / samples:.0f} | {1 - nbytes / bytes0:.0%} | {ms:.2f} |")
-    return lines + [""]
+    return [*lines, ""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -140,7 +140,7 @@ def _presets(cls: type) -> Presets | None:
 def setting(
     default: Any,
     *,
-    help: str,  # noqa: A002 - argparse's name
+    help: str,
     flag: str | None,
     env: str | None = None,
     parse: Callable[[str], Any] | None = None,
@@ -153,7 +153,7 @@ def setting(
     unset: bool = False,
     old_flag: str | None = None,
     separator: str | None = None,
-    repr: bool = True,  # noqa: A002 - dataclasses' name
+    repr: bool = True,
 ) -> Any:
     """A dataclass field with its default, flag, variable (``TETHER_`` + the flag's name unless
     given), help and text form. ``parse`` defaults by the default's type (a bool makes a switch).
@@ -195,7 +195,7 @@ def derived(
     compute: Callable[[Mapping[str, Any], Mapping[str, str]], Any],
     default: Any = None,
     *,
-    repr: bool = True,  # noqa: A002 - dataclasses' name
+    repr: bool = True,
 ) -> Any:
     """A field no flag sets: loading computes it as ``compute(values, environ)`` from the other
     values (its own override wins), as the bearer token is read from the token file's field."""

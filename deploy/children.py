@@ -5,6 +5,7 @@ launcher, its output pumped to its log and, echoed, to stdout), the record kept 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -12,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
-import socket
 
 from tether.deploy.errors import ClusterError
 

@@ -13,12 +13,12 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from tether.common import settings as fields
+from tether.common.cli_args import DeprecatedAlias, HelpFormatter
 from tether.common.exits import DONE, USAGE, run_command, usage_checks
 from tether.deploy.errors import ClusterError
 from tether.deploy.shard_args import add_shard_flags, shard_argv
 from tether.protos.errors import TetherError, report_usage_error
-from tether.common.cli_args import DeprecatedAlias, HelpFormatter
-from tether.common import settings as fields
 from tether.worker.config import JOB, MODEL, WorkerConfig
 from tether.worker.flags import config_from_args
 from tether.worker.training.mode import Mode
@@ -314,8 +314,8 @@ def _export(argv: Sequence[str]) -> int:
         ckpt_id = a.id
         if a.shards is not None:
             # Start-up cost: the tether command's help and usage errors run without torch (tests/test_cli_torch_free.py).
-            from tether.worker.client.ps_client import PSClient
             from tether.worker.client.config import ClientConfig
+            from tether.worker.client.ps_client import PSClient
 
             addresses = tuple(x.strip() for x in a.shards.split(",") if x.strip())
             for address in addresses or (a.shards,):

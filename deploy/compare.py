@@ -131,7 +131,7 @@ def _with_total_samples(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
         if int(point["step"]) == 0 or "time" not in point:
             point["total_samples"] = int(point["samples"]) * len(records) if int(point["step"]) else 0
         else:
-            point["total_samples"] = int(round(sum(float(np.interp(float(point["time"]), t, n)) for t, n in tracks)))
+            point["total_samples"] = round(sum(float(np.interp(float(point["time"]), t, n)) for t, n in tracks))
         curve.append(point)
     return curve
 

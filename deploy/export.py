@@ -21,15 +21,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from safetensors.torch import save_file
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from tether.server.checkpoints.checkpoint_files import Manifest, RestorePlan, load_state
 from tether.server.checkpoints.restore import complete_checkpoints, list_manifests
-from tether.worker.training.embedding import PSModel
 from tether.worker.serving import EXPORT_FORMAT, FLAT, MANIFEST, PARAMETERS, WEIGHTS, split_dense
+from tether.worker.training.embedding import PSModel
 
 __all__ = ["export_checkpoint", "load_model"]
 

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tether.common.exits import USAGE, interrupted
 from tether.common.config_file import to_json
+from tether.common.exits import USAGE, interrupted
 from tether.common.settings import to_env
 from tether.deploy.children import SPREAD_DEVICES, Child, child_command, free_port, free_ports, gpu_count, spawn, tail, worker_device
 from tether.deploy.errors import ClusterError, Interrupted
@@ -190,7 +190,7 @@ class LocalCluster:
             self.shards.extend(started)
         deadline = time.monotonic() + timeout_s
         self.addresses = []
-        for child, pf in zip(started, port_files):
+        for child, _port_file in zip(started, port_files, strict=False):
             port = self._await_port(child, deadline, timeout_s)
             # A restart must come back where the workers look for it.
             port_at = child.argv.index("--port") + 1

@@ -77,7 +77,8 @@ def write_plot(
             points = _evals(mode_runs[0]["curve"])
             ax.plot([float(p[x]) for p in points], [float(p["eval_loss"]) for p in points], "o", ms=2.5, color=colors[mode])
             x_end = max(x_end, float(grid[-1]))
-            tail += [float(v) for v, g in zip(np.concatenate([low, high]), np.concatenate([grid, grid])) if g >= 0.5 * grid[-1]]
+            both = zip(np.concatenate([low, high]), np.concatenate([grid, grid]), strict=True)
+            tail += [float(v) for v, g in both if g >= 0.5 * grid[-1]]
         for target_ax in (ax, inset):
             target_ax.axhline(target, color="grey", ls="--", lw=1, label="target" if target_ax is ax else None)
             if best_possible is not None:
@@ -86,11 +87,11 @@ def write_plot(
         ax.axhline(baseline, color="black", ls=":", lw=1, label=baseline_label)
         lows = [best_possible] if best_possible is not None else []
         everything = [float(p["eval_loss"]) for mode_runs in runs.values() for r in mode_runs for p in _evals(r["curve"])]
-        bottom, top = min(everything + lows), max(everything + [baseline])
+        bottom, top = min(everything + lows), max([*everything, baseline])
         pad = 0.04 * (top - bottom)
         ax.set_ylim(bottom - pad, top + pad)
         if tail:
-            lo, hi = min(tail + [target]), max(tail + [target])
+            lo, hi = min([*tail, target]), max([*tail, target])
             span = max(hi - lo, 1e-4)
             inset.set_xlim(0.5 * x_end, x_end)
             inset.set_ylim(lo - 0.15 * span, hi + 0.15 * span)

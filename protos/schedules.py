@@ -28,7 +28,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-
 from tether.protos import tether_pb2 as pb
 
 __all__ = ["DECAYS", "SCHEDULE_KEYS", "Schedule", "step_of_clock"]

@@ -216,7 +216,7 @@ def _file_hash(path: str) -> bytes:
     return _hash_file(path, st.st_mtime_ns, st.st_size)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hash_file(path: str, mtime_ns: int, size: int) -> bytes:
     """The sha256 of the file (memoised on its stamp: a file changed while running is read again)."""
     with open(path, "rb") as f:

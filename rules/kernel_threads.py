@@ -11,6 +11,7 @@ model's, a few thousand) run on the calling thread, as before.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -70,7 +71,7 @@ def in_parts(run: Callable[[int, int], None], rows: int, per_row: int) -> None:
         return
     bounds = [rows * i // threads for i in range(threads + 1)]
     pool = _executor(threads)
-    futures = [pool.submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
+    futures = [pool.submit(run, a, b) for a, b in itertools.pairwise(bounds[1:])]
     try:
         run(bounds[0], bounds[1])
     finally:

@@ -70,13 +70,22 @@ on within 1e-5 in ``tests/test_local_mode.py``).
 
 from __future__ import annotations
 
-from tether.rules.ctr_rules import Ftrl, RowwiseAdagrad
 from tether.protos.names import OPTIMIZERS, check_optimizer
 from tether.protos.specs import OptimizerConfig
+from tether.rules.ctr_rules import Ftrl, RowwiseAdagrad
 from tether.rules.update_rules import SGD, Adagrad, Adam, RuleOptimizer, UpdateRule
 
 __all__ = [
-    "OPTIMIZERS", "Adagrad", "Adam", "Ftrl", "OptimizerConfig", "RowwiseAdagrad", "RuleOptimizer", "SGD", "UpdateRule", "rule",
+    "OPTIMIZERS",
+    "SGD",
+    "Adagrad",
+    "Adam",
+    "Ftrl",
+    "OptimizerConfig",
+    "RowwiseAdagrad",
+    "RuleOptimizer",
+    "UpdateRule",
+    "rule",
 ]
 
 

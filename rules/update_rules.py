@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from tether.protos.schedules import Schedule
     from tether.protos.specs import OptimizerConfig
 
-__all__ = ["Adagrad", "Adam", "RuleOptimizer", "SGD", "UpdateRule", "adam_factors", "adam_moments", "follow_schedule", "spread_squares"]
+__all__ = ["SGD", "Adagrad", "Adam", "RuleOptimizer", "UpdateRule", "adam_factors", "adam_moments", "follow_schedule", "spread_squares"]
 
 @kernel_helper
 def adam_factors(beta1: np.float64, beta2: np.float64) -> tuple[np.float32, np.float32, np.float64, np.float32, np.float32, np.float64]:

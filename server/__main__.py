@@ -11,12 +11,12 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
-from tether.common.metrics_http import serve_metrics
+from tether.common.allocator import tune_malloc
 from tether.common.exits import DONE, FAILED, exit_process, run_command, usage_checks
+from tether.common.metrics_http import serve_metrics
 from tether.protos.errors import TetherError, UsageError
 from tether.rules import row_kernels
 from tether.server.config import ShardConfig, load_config
-from tether.common.allocator import tune_malloc
 from tether.server.metrics import NullShardMetrics, ShardMetrics, ShardRecorder
 from tether.server.serving.serve import start_shard
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tether.common import settings as fields
-from tether.common.settings import derived, optional_float, optional_int, optional_str, setting
 from tether.common.cli_args import HelpFormatter
 from tether.common.security import TOKEN_ENV, check_token, resolve_token
+from tether.common.settings import derived, optional_float, optional_int, optional_str, setting
 
 # Set to 1, a shard process exits between a checkpoint's data file and its manifest (tests).
 CRASH_BEFORE_MANIFEST_ENV = "TETHER_TEST_CRASH_BEFORE_MANIFEST"

@@ -8,8 +8,8 @@ from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tether.protos.errors import REJECT_REASONS as _ERROR_REASONS
 from tether.common.metrics_http import register_process_metrics
+from tether.protos.errors import REJECT_REASONS as _ERROR_REASONS
 
 __all__ = [
     "CHECKPOINT_BUCKETS",

@@ -9,8 +9,8 @@ import pytest
 from tether.deploy.launch import LocalCluster
 from tether.server.config import ShardConfig
 from tether.server.serving.serve import RunningShard, start_shard
-from tether.worker.client.ps_client import PSClient
 from tether.worker.client.config import ClientConfig
+from tether.worker.client.ps_client import PSClient
 
 
 @pytest.fixture

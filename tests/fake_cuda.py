@@ -37,12 +37,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from typing_extensions import Self
-
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
+from typing_extensions import Self
 
 __all__ = ["Copy", "FakeCuda", "FakeEvent", "FakeStream", "OnCuda", "on_fake_cuda"]
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import make_client
 from torch import nn
 
 from tether.deploy.launch import LocalCluster
@@ -19,8 +20,6 @@ from tether.server.config import ShardConfig
 from tether.server.serving.serve import RunningShard, start_shard
 from tether.worker.training.embedding import ShardedEmbeddingBag
 from tether.worker.training.trainer import Trainer, TrainingConfig
-
-from conftest import make_client
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 SGD = OptimizerConfig("sgd", 1.0)

@@ -9,14 +9,13 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from conftest import make_client
 
 from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.codec import encode_ids, encode_tensor
 from tether.protos.partition import shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
-
-from conftest import make_client
 
 IDS = np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.int64)
 
@@ -127,7 +126,7 @@ def test_mixed_push_applies_nothing_when_one_block_is_bad(shard) -> None:
 
 
 def test_bad_pull_and_declare(shard) -> None:
-    addresses, client = shard
+    addresses, _client = shard
     stub = _stub(addresses[0])
     with pytest.raises(grpc.RpcError) as err:
         stub.Pull(pb.PullRequest(sparse=[pb.SparseBlock(table="emb", ids=b"\0" * 9)]), timeout=10)
@@ -148,7 +147,7 @@ def test_bad_pull_and_declare(shard) -> None:
 
 
 def test_shard_still_serves_and_counts_rejections(shard) -> None:
-    addresses, client = shard
+    _addresses, client = shard
     ids = torch.from_numpy(IDS)
     before = client.pull({"emb": ids}).result(10).rows["emb"]
     client.push({"emb": (ids, torch.ones(len(IDS), 4))}).result(10)

@@ -8,10 +8,10 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.metrics import ShardMetrics
-from tether.server.storage.shard import Shard, SparseUpdate
-from tether.server.storage.admission import CountMinSketch
 from tether.rules.initial import init_rows
+from tether.server.metrics import ShardMetrics
+from tether.server.storage.admission import CountMinSketch
+from tether.server.storage.shard import Shard, SparseUpdate
 from tether.server.storage.tables import EmbeddingTable
 
 SGD = OptimizerConfig("sgd", 1.0)
@@ -24,7 +24,7 @@ def test_endless_new_ids_stay_within_capacity_and_hot_ids_survive() -> None:
     rng = np.random.default_rng(0)
     memory = []
     steps = 200
-    for step in range(steps):
+    for _step in range(steps):
         cold = rng.choice(2**62, 500, replace=False).astype(np.int64) + 2**40  # never the hot ids
         ids = np.concatenate([hot, cold])
         table.pull(ids)

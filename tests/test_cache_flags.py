@@ -67,7 +67,7 @@ def test_compare_runs_sync_without_the_cache_and_says_so(monkeypatch: pytest.Mon
 def test_cache_bounds_without_cache_rows_are_refused(fields: dict) -> None:
     """`tether launch --script s.py --cache-bound 5` trained with no cache (wanted rows ==
     pulled rows in the record) and said nothing: a bound asked for with no cache to bound."""
-    with pytest.raises(ValueError, match="cache.rows"):
+    with pytest.raises(ValueError, match=r"cache.rows"):
         TrainingConfig(shards=("127.0.0.1:1",), **fields)
 
 

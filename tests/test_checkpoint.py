@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from conftest import make_client
 from prometheus_client import CollectorRegistry
 
 from tether.protos import tether_pb2 as pb
@@ -30,8 +31,6 @@ from tether.server.metrics import ShardMetrics
 from tether.server.serving.serve import RunningShard, start_shard
 from tether.server.storage.dedup import dedup_key
 from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
-
-from conftest import make_client
 
 ADAM = OptimizerConfig("adam", 0.01)
 ADAGRAD = OptimizerConfig("adagrad", 0.1)

@@ -68,7 +68,7 @@ def test_the_modules_with_torch_take_the_torch_free_declarations() -> None:
     from tether.rules import optimizers
     from tether.worker.client.config import ClientConfig
 
-    assert optimizers.OPTIMIZERS is names.OPTIMIZERS and tuple(optimizers._RULES) == names.OPTIMIZERS  # noqa: SLF001
+    assert optimizers.OPTIMIZERS is names.OPTIMIZERS and tuple(optimizers._RULES) == names.OPTIMIZERS
     assert optimizers.OptimizerConfig is specs.OptimizerConfig
     assert default_of(specs.OptimizerConfig, "lr") is names.OPTIMIZER_LR
     assert default_of(specs.TableConfig, "init_scale") is names.INIT_SCALE

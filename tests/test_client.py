@@ -6,6 +6,7 @@ import time
 import grpc
 import pytest
 import torch
+from conftest import make_client
 
 from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
@@ -13,8 +14,6 @@ from tether.protos.codec import encode_ids, encode_tensor
 from tether.protos.errors import InvalidArgument, NotFound, Unavailable
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.client.config import ClientConfig
-
-from conftest import make_client
 
 SGD = OptimizerConfig("sgd", 1.0)
 
@@ -88,7 +87,7 @@ def test_client_side_validation(two_shards: list[str]) -> None:
     with pytest.raises(InvalidArgument, match="was not declared"):
         client.pull({"nope": torch.tensor([1])})
     client.declare([TableConfig("e", 2, SGD)])
-    with pytest.raises(InvalidArgument, match="ids must be integers, got a torch.float32 tensor"):
+    with pytest.raises(InvalidArgument, match=r"ids must be integers, got a torch.float32 tensor"):
         client.pull({"e": torch.tensor([1.0])})
     with pytest.raises(InvalidArgument, match=r"gradient shape \(1, 3\)"):
         client.push({"e": (torch.tensor([1]), torch.ones(1, 3))})

@@ -114,8 +114,8 @@ def test_workers_that_trained_and_left_while_one_waited_at_start_count_for_it() 
 def test_the_start_barrier_counts_finished_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
-    from tether.worker.training.policies import AsyncPolicy
     from tether.worker.client.results import ClockReply
+    from tether.worker.training.policies import AsyncPolicy
 
     replies = iter([ClockReply(0, 0, 3, True), ClockReply(0, 0, 2, True, 0, 2)])
     trainer = SimpleNamespace(config=SimpleNamespace(num_workers=4, wait_timeout_s=5.0),
@@ -160,8 +160,8 @@ def test_a_late_worker_of_a_fresh_job_still_waits_for_every_worker(monkeypatch: 
 
 def test_the_handler_sets_the_clock_gauges_for_the_clock_call_of_the_service() -> None:
     """``RequestHandler.update_clock_gauges``: a push with a clock and the Clock call set them."""
-    from tether.server.serving.handler import RequestHandler
     from tether.server.metrics import NullShardMetrics
+    from tether.server.serving.handler import RequestHandler
     from tether.server.storage.shard import Shard
 
     class Gauges(NullShardMetrics):

@@ -82,7 +82,7 @@ def test_bad_dtype_and_shape() -> None:
         decode_tensor(pb.Tensor(dtype=pb.FLOAT32, shape=[-1, 2], data=b""))
     with pytest.raises(CodecError, match="cannot be sent"):
         encode_tensor(torch.ones(2, dtype=torch.float64))
-    with pytest.raises(CodecError, match="expected a torch.float32"):
+    with pytest.raises(CodecError, match=r"expected a torch.float32"):
         decode_tensor(encode_tensor(torch.ones(2, dtype=torch.int64)), torch.float32)
 
 

@@ -143,7 +143,7 @@ def test_plot_has_bands_insets_and_a_staleness_panel(tmp_path: Path) -> None:
         # Each mode's band spans its runs' spread: 0.002 between repeat 0 and repeat 2.
         bands = [c for c in ax.collections if len(c.get_paths())]
         assert len(bands) == 2
-        for band, slope in zip(bands, (0.6, 0.5)):
+        for band, slope in zip(bands, (0.6, 0.5), strict=False):
             at_end = sorted({round(float(vy), 9) for vx, vy in band.get_paths()[0].vertices if abs(vx - end) < 1e-9})
             assert at_end == pytest.approx([0.45 + 0.24 * slope ** 10, 0.45 + 0.24 * slope ** 10 + 0.002])
         inset = ax.child_axes[0]

@@ -11,8 +11,8 @@ import pytest
 
 from tether.deploy import compare as compare_module
 from tether.deploy import compare_report
-from tether.worker.training import mode as worker_mode
 from tether.worker.config import WorkerConfig
+from tether.worker.training import mode as worker_mode
 from tether.worker.training.mode import Mode
 
 

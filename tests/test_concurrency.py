@@ -6,11 +6,10 @@ import threading
 
 import numpy as np
 import torch
+from conftest import make_client
 
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.storage.tables import EmbeddingTable
-
-from conftest import make_client
 
 THREADS = 16
 PUSHES = 40

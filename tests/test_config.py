@@ -16,18 +16,19 @@ from typing import Any
 
 import pytest
 
-from tether.common.settings import to_argv as worker_argv, to_env as job_env
 from tether.common import settings as fields
 from tether.common.cli_args import DeprecatedAlias
+from tether.common.settings import to_argv as worker_argv
+from tether.common.settings import to_env as job_env
 from tether.protos.codec import WIRE_DTYPES
-from tether.rules.optimizers import OptimizerConfig
 from tether.protos.specs import TableConfig
+from tether.rules.optimizers import OptimizerConfig
 from tether.server import config as server_config
 from tether.server.config import ShardConfig
 from tether.worker import flags as worker_flags
-from tether.worker.config import TrainingConfig, WorkerConfig
 from tether.worker.client.config import ClientConfig
 from tether.worker.client.local import LocalClient
+from tether.worker.config import TrainingConfig, WorkerConfig
 
 # Flags a parser has that are no config field: help, the preset that fills three fields, and the
 # file of field values a launcher hands a worker.
@@ -405,8 +406,8 @@ def test_the_mode_is_parsed_once_per_process(tmp_path: Path, monkeypatch: pytest
     and every copy and reader shares it); a worker started from the file parses it once and
     trains (local mode, so no shard is needed) without parsing it again."""
     from tether.deploy import cli, job
-    from tether.worker.training import mode as worker_mode
     from tether.worker.ctr.job import train
+    from tether.worker.training import mode as worker_mode
 
     calls: list[object] = []
     parse = worker_mode.parse_mode

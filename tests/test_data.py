@@ -19,7 +19,7 @@ def test_synthetic_is_deterministic_and_ranks_are_disjoint() -> None:
     a = list(gen.batches(64, 3, rank=0, world_size=2))
     b = list(SyntheticClickLog(SyntheticConfig(seed=3)).batches(64, 3, rank=0, world_size=2))
     other = list(gen.batches(64, 3, rank=1, world_size=2))
-    for x, y, z in zip(a, b, other):
+    for x, y, z in zip(a, b, other, strict=False):
         assert torch.equal(x.sparse, y.sparse) and torch.equal(x.labels, y.labels)
         assert not torch.equal(x.dense, z.dense)
     batch = a[0]
@@ -178,7 +178,7 @@ def _line(label: str, ints: list[str], cats: list[str]) -> str:
 
 def _read_all(path: Path, num_dense: int = 13, num_sparse: int = 26) -> Batch:
     parts = list(CriteoStream(path, 1 << 16, num_dense=num_dense, num_sparse=num_sparse))
-    return Batch(*(torch.cat(ts) for ts in zip(*parts)))
+    return Batch(*(torch.cat(ts) for ts in zip(*parts, strict=False)))
 
 
 def test_criteo_values_by_hand(tmp_path: Path) -> None:
@@ -234,9 +234,9 @@ def test_criteo_batches_split_lines_between_ranks(tmp_path: Path) -> None:
 def test_criteo_empty_and_missing_files(tmp_path: Path) -> None:
     empty = tmp_path / "empty.tsv"
     empty.write_text("")
-    with pytest.raises(DataError, match="empty.tsv"):
+    with pytest.raises(DataError, match=r"empty.tsv"):
         list(CriteoStream(empty, 10))
-    with pytest.raises(DataError, match="nope.tsv: no such file"):
+    with pytest.raises(DataError, match=r"nope.tsv: no such file"):
         criteo_files(tmp_path / "nope.tsv")
 
 
@@ -252,7 +252,7 @@ def test_in_background_keeps_order_and_matches_the_stream() -> None:
     direct = list(gen.batches(32, 6))
     ahead = list(in_background(gen.batches(32, 6), depth=2))
     assert len(ahead) == 6
-    for a, b in zip(ahead, direct):
+    for a, b in zip(ahead, direct, strict=False):
         assert torch.equal(a.sparse, b.sparse) and torch.equal(a.dense, b.dense) and torch.equal(a.labels, b.labels)
 
 

@@ -15,6 +15,7 @@ import grpc
 import msgpack
 import pytest
 import torch
+from conftest import make_client
 
 from tether.deploy.launch import LocalCluster
 from tether.protos import framing as dp
@@ -26,8 +27,6 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
 from tether.server.serving.serve import start_shard
 from tether.worker.client import data_channel as worker_dataplane
-
-from conftest import make_client
 
 TABLE = TableConfig("emb", dim=4, optimizer=OptimizerConfig("sgd", lr=1.0), init_scale=0.0)
 SGD = OptimizerConfig("sgd", lr=1.0)
@@ -121,7 +120,7 @@ def test_bad_input_over_the_data_plane_is_refused_and_changes_nothing(cluster: L
         ids = torch.arange(4, dtype=torch.int64)
         bad = torch.ones(4, 4)
         bad[2, 1] = float("nan")
-        with pytest.raises(InvalidArgument, match="finite|NaN|nan"):
+        with pytest.raises(InvalidArgument, match=r"finite|NaN|nan"):
             client.push({"emb": (ids, bad)}).result(10)
         client.router.dims["nope"] = 4  # a table this shard never heard of
         with pytest.raises(NotFound):

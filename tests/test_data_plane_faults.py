@@ -26,16 +26,15 @@ import grpc
 import msgpack
 import pytest
 import torch
+from conftest import make_client
 
+from tether.common.security import ClientSecurity
 from tether.deploy.launch import LocalCluster
 from tether.protos import framing as dp
 from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.codec import encode_ids
-from tether.common.security import ClientSecurity
 from tether.protos.specs import OptimizerConfig, TableConfig
-
-from conftest import make_client
 
 TABLE = TableConfig("emb", dim=4, optimizer=OptimizerConfig("sgd", lr=1.0), init_scale=0.0)
 TOKEN = "data-plane-token_0123456789"
@@ -180,7 +179,7 @@ def test_a_sealed_region_cannot_be_truncated_and_an_unsealed_one_is_refused(clus
             answer = _hello(s, [fd], shm_size=1 * MiB)
             assert answer["shm"] is False and "not sealed" in answer["shm_error"]
             os.ftruncate(fd, 0)
-            method, status, body = _shm_push(s, memoryview(bytearray(1 * MiB)), 1000)
+            _method, status, body = _shm_push(s, memoryview(bytearray(1 * MiB)), 1000)
             assert status == INVALID_ARGUMENT and b"no region" in body
     finally:
         os.close(fd)
@@ -474,7 +473,7 @@ def test_big_frames_are_released_when_idle_and_bounded_for_all_connections(clust
     time.sleep(0.5)
     s = socks[2]
     s.sendall(dp.HEADER.pack(dp.MAGIC, dp.PUSH, 0, 0, len(meta), 60 * MiB, 0))
-    method, status, body = _answer(s)
+    _method, status, body = _answer(s)
     assert status == RESOURCE_EXHAUSTED, body
     text = body.decode()
     assert str(128 * MiB) in text and str(dp.align(len(meta)) + 60 * MiB) in text, text

@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import make_client
 
 from tether.protos.errors import InvalidArgument
-from tether.rules.optimizers import OptimizerConfig
 from tether.protos.specs import TableConfig
+from tether.rules.optimizers import OptimizerConfig
 from tether.server.serving.serve import RunningShard
 from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
-from conftest import make_client
 from tether.worker.training.trainer import TrainingConfig
 
 LR, LAM = 0.5, 0.7

@@ -577,7 +577,7 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
         name = c["name"]
 
         def effective(field: str) -> Any:
-            return sc.get(field, psc.get(field))
+            return sc.get(field, psc.get(field))  # noqa: B023 - called in this iteration
 
         if sc.get("privileged"):
             bad.append(f"{name}: privileged")

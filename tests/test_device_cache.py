@@ -13,16 +13,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tether.rules.optimizers import OptimizerConfig
 from tether.protos.specs import TableConfig
-from tether.worker.config import TrainingConfig
-from tether.worker.cache.device import DeviceRowCache
-from tether.worker.client.local import LocalClient
-from tether.worker.client.results import PullResult
+from tether.rules.optimizers import OptimizerConfig
 from tether.worker.cache.client import CachedClient
+from tether.worker.cache.device import DeviceRowCache
 from tether.worker.cache.parts import RowCacheConfig
 from tether.worker.cache.row_cache import RowCache
+from tether.worker.client.local import LocalClient
+from tether.worker.client.results import PullResult
 from tether.worker.client.traffic import TrafficMeter
+from tether.worker.config import TrainingConfig
 
 DIMS = {"a": 4, "b": 4, "c": 2}  # two widths: two banks
 SPACE = 200
@@ -77,7 +77,7 @@ def test_the_device_cache_moves_and_trains_as_the_host_cache(optimizer: str, row
     dev = _run(True, optimizer, rows, bound, write_bound)
     assert isinstance(dev[3].cache, DeviceRowCache) and not isinstance(host[3].cache, DeviceRowCache)
     assert dev[2] == host[2]  # the same rows pulled and pushed, table by table
-    for a, b in zip(host[0], dev[0]):
+    for a, b in zip(host[0], dev[0], strict=False):
         for t in a:
             # The local rule's step is its torch form on the device (the compiled kernel on the host).
             assert torch.allclose(a[t], b[t], rtol=1e-5, atol=1e-6), t
@@ -92,7 +92,7 @@ def test_bound_zero_on_the_device_is_exactly_no_cache(optimizer: str) -> None:
     plain = _run(False, optimizer, rows=0, bound=0)
     dev = _run(True, optimizer, rows=50, bound=0)
     assert isinstance(dev[3].cache, DeviceRowCache)
-    for a, b in zip(plain[0], dev[0]):
+    for a, b in zip(plain[0], dev[0], strict=False):
         for t in a:
             assert torch.equal(a[t], b[t]), t
     for t in DIMS:
@@ -147,7 +147,7 @@ def test_the_cache_on_fake_cuda_answers_as_on_the_cpu() -> None:
         gpu = _run(True, "adagrad", 12, 4, 2, device="cuda")
         assert all(b.values.device.type == "cuda" for b in gpu[3].cache.banks)  # type: ignore[union-attr]
     assert cpu[2] == gpu[2]
-    for a, b in zip(cpu[0], gpu[0]):
+    for a, b in zip(cpu[0], gpu[0], strict=False):
         for t in a:
             assert torch.equal(a[t], b[t]), t
     for t in DIMS:
@@ -204,9 +204,9 @@ def test_a_cuda_worker_chooses_the_device_cache(monkeypatch: pytest.MonkeyPatch)
 def _trainer_run(monkeypatch: pytest.MonkeyPatch, on_device: bool | None, batches: list, fake: object = None,
                  **cache: object) -> tuple[dict[str, torch.Tensor], object]:
     """tests/test_row_cache.py's two-tower model trained through ``Trainer`` (local mode)."""
+    from fake_cuda import on_fake_cuda
     from test_row_cache import TwoTower, _loss
 
-    from fake_cuda import on_fake_cuda
     from tether.worker.training.trainer import Trainer
 
     plain = TrainingConfig.row_cache.fget  # type: ignore[attr-defined]

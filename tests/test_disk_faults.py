@@ -29,13 +29,13 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.checkpoints import checkpoint as checkpoint_module
 from tether.server.checkpoints import checkpoint_files
 from tether.server.checkpoints.checkpoint import Checkpointer, RestoreError
+from tether.server.checkpoints.restore import list_manifests
 from tether.server.config import ShardConfig
 from tether.server.metrics import ShardMetrics
-from tether.server.checkpoints.restore import list_manifests
 from tether.server.serving.serve import RunningShard, start_shard
 from tether.server.storage.shard import Shard, SparseUpdate
-from tether.worker.client.ps_client import PSClient
 from tether.worker.client.config import ClientConfig
+from tether.worker.client.ps_client import PSClient
 
 TABLE = TableConfig("t", 64, OptimizerConfig("adagrad", 0.1), init_scale=0.0)
 EVERY_S = 0.25
@@ -209,7 +209,7 @@ def test_a_vanished_directory_is_created_again_and_a_vanished_parent_is_a_failur
 
 def _failing_writes(monkeypatch: pytest.MonkeyPatch, err: int, after_bytes: int = 4096) -> None:
     """Data-file writes fail with ``err`` once ``after_bytes`` went through (inside torch.save)."""
-    real = checkpoint_files._HashingWriter.write  # noqa: SLF001
+    real = checkpoint_files._HashingWriter.write
     written = [0]
 
     def write(self: object, data: bytes) -> int:
@@ -218,7 +218,7 @@ def _failing_writes(monkeypatch: pytest.MonkeyPatch, err: int, after_bytes: int 
             raise OSError(err, os.strerror(err))
         return real(self, data)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(checkpoint_files._HashingWriter, "write", write)  # noqa: SLF001
+    monkeypatch.setattr(checkpoint_files._HashingWriter, "write", write)
 
 
 @pytest.mark.parametrize("err, reason", [(errno.ENOSPC, "no_space"), (errno.EDQUOT, "no_space"), (errno.EROFS, "read_only"),
@@ -257,7 +257,7 @@ def test_a_manifest_that_cannot_be_written_leaves_no_data_file(tmp_path: Path, m
     _push(shard, 1, np.arange(50, dtype=np.int64))
     ckpt = Checkpointer(shard, tmp_path)
     ckpt.checkpoint("a")
-    real = checkpoint_files._write_temporary  # noqa: SLF001
+    real = checkpoint_files._write_temporary
 
     def no_room_for_the_manifest(path: Path, write):  # type: ignore[no-untyped-def]
         if path.name.endswith(".manifest.json"):

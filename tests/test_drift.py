@@ -20,8 +20,8 @@ from tether.server.checkpoints.checkpoint import Checkpointer, RestoreError
 from tether.server.config import ShardConfig
 from tether.server.serving.serve import RunningShard, start_shard
 from tether.server.storage.shard import Shard, SparseUpdate
-from tether.worker.client.ps_client import PSClient
 from tether.worker.client.config import ClientConfig
+from tether.worker.client.ps_client import PSClient
 
 ADAGRAD = OptimizerConfig("adagrad", 0.1)
 TABLE = TableConfig("user", 8, ADAGRAD, init_scale=0.0)

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from conftest import make_client
 
 from tether.protos.errors import InvalidArgument, UsageError
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.training.embedding import PSModel, ShardedEmbeddingBag
-
-from conftest import make_client
 
 SGD = OptimizerConfig("sgd", 1.0)
 
@@ -31,7 +30,7 @@ def test_backward_collects_row_gradients_and_push_applies_them(inproc_shard) -> 
     pulled = ps.install(ps.prefetch({"e": ids}))
     assert set(pulled.rows) == {"e"} and pulled.dense["dense"].tolist() == [1.0]
     model(ids).backward()
-    sparse, dense = ps.gradients()
+    sparse, _dense = ps.gradients()
     got_ids, grads = sparse["e"]
     assert got_ids.tolist() == [5, 7, 9]
     assert grads.tolist() == [[2.0, 2.0], [1.0, 1.0], [1.0, 1.0]]
@@ -70,7 +69,7 @@ def test_unique_columns_matches_torch_unique() -> None:
 
     ids = torch.randint(0, 40, (5, 300), generator=torch.Generator().manual_seed(0))
     unique, counts, inverse = unique_columns(ids)
-    for row, part in zip(ids, torch.split(unique, counts)):
+    for row, part in zip(ids, torch.split(unique, counts), strict=False):
         assert torch.equal(part, torch.unique(row))
     assert torch.equal(unique[inverse], ids)
 

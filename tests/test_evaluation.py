@@ -6,18 +6,17 @@ import math
 import numpy as np
 import pytest
 import torch
+from fake_cuda import FakeCuda, on_fake_cuda
+from torch import nn
 
 from tether.worker.data.synthetic import Batch
 from tether.worker.training.evaluation import auc, constant_baseline_loss, evaluate, log_loss
-from torch import nn
-
-from fake_cuda import FakeCuda, on_fake_cuda
 
 
 def _pairwise_auc(scores: list[float], labels: list[int]) -> float:
     """AUC by definition: P(score of a positive > score of a negative), ties counting half."""
-    pos = [s for s, y in zip(scores, labels) if y]
-    neg = [s for s, y in zip(scores, labels) if not y]
+    pos = [s for s, y in zip(scores, labels, strict=False) if y]
+    neg = [s for s, y in zip(scores, labels, strict=False) if not y]
     wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p, n in itertools.product(pos, neg))
     return wins / (len(pos) * len(neg))
 
@@ -74,7 +73,7 @@ def test_constant_baseline_matches_log_loss_of_a_constant_logit() -> None:
     assert constant_baseline_loss(p, labels) == pytest.approx(log_loss(torch.full((8,), math.log(p / (1 - p)), dtype=torch.float64), labels), abs=1e-12)
     # p = 0 with a positive label is clamped: large and finite, not inf.
     assert constant_baseline_loss(0.0, labels) == pytest.approx(-math.log(1e-7) * 3 / 8, rel=1e-6)
-    with pytest.raises(ValueError, match="p must be a probability, got 1.5"):
+    with pytest.raises(ValueError, match=r"p must be a probability, got 1.5"):
         constant_baseline_loss(1.5, labels)
     with pytest.raises(ValueError, match="labels must be non-empty"):
         constant_baseline_loss(0.5, torch.zeros(0))

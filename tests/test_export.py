@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_client
+from fake_cuda import FakeCuda, on_fake_cuda
 from safetensors import safe_open
 from torch import nn
 
@@ -21,12 +23,9 @@ from tether.deploy.launch import LocalCluster
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
 from tether.server.serving.serve import start_shard
-from tether.worker.training.embedding import PSModel, ShardedEmbeddingBag
 from tether.worker.ctr.model import CTRModel
 from tether.worker.serving import RowLookupBag, load_export
-
-from conftest import make_client
-from fake_cuda import FakeCuda, on_fake_cuda
+from tether.worker.training.embedding import PSModel, ShardedEmbeddingBag
 
 NUM_DENSE, NUM_SPARSE, DIM = 4, 3, 8
 
@@ -98,7 +97,7 @@ def test_row_lookup_bag_matches_torch_embedding_bag_and_reads_unknown_ids_as_zer
     assert torch.equal(bag(torch.tensor([999])), torch.zeros(1, 5))
     # Narrower integer ids are widened (as ShardedEmbeddingBag does); float ids are refused.
     assert torch.equal(bag(torch.tensor([7, 3], dtype=torch.int32)), rows[[3, 1]])
-    with pytest.raises(ValueError, match="ids must be integers, got torch.float32"):
+    with pytest.raises(ValueError, match=r"ids must be integers, got torch.float32"):
         bag(torch.tensor([7.0]))
 
 

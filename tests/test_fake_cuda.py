@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from fake_cuda import FakeCuda, OnCuda, on_fake_cuda
+from torch import nn
 
 
 def test_mixing_devices_raises_and_moves_copy() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from conftest import make_client
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tether.deploy.launch import LocalCluster
@@ -21,8 +22,6 @@ from tether.protos.errors import DeadlineExceeded, Unavailable
 from tether.protos.partition import shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.checkpoints.restore import choose_restore, list_manifests
-
-from conftest import make_client
 
 SGD = OptimizerConfig("sgd", 1.0)
 TABLE = TableConfig("emb", 4, SGD, init_scale=0.0)

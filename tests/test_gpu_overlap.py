@@ -24,21 +24,20 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_client
+from fake_cuda import FakeCuda, on_fake_cuda
 from torch import nn
 
-from fake_cuda import FakeCuda, on_fake_cuda
 from tether.protos.errors import UsageError
 from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.worker.client.local import LocalClient
+from tether.worker.client.router import PullAnswer, Router
+from tether.worker.ctr.model import CTRModel
 from tether.worker.data.synthetic import Batch, SyntheticClickLog, SyntheticConfig
 from tether.worker.training.embedding import PSModel, ShardedEmbeddingBag
-from tether.worker.client.local import LocalClient
-from tether.worker.ctr.model import CTRModel
 from tether.worker.training.policies import SyncPolicy
-from tether.worker.client.router import PullAnswer, Router
 from tether.worker.training.run_record import RunRecord
 from tether.worker.training.trainer import Trainer, TrainingConfig
-
-from conftest import make_client
 
 SGD = OptimizerConfig("sgd", 1.0)
 STEP = "-- step --"  # marks the start of a step in FakeCuda.syncs
@@ -396,7 +395,7 @@ def test_sync_digests_are_read_from_the_gpu_once_at_the_end() -> None:
         twin = nn.Linear(3, 2)
         on_fake_cuda(twin)
         with torch.no_grad():
-            for p, q in zip(twin.parameters(), layer.parameters()):
+            for p, q in zip(twin.parameters(), layer.parameters(), strict=False):
                 p.copy_(q)
         other = SyncPolicy(2, 1, torch.device("cuda"))
         other.bind(list(twin.parameters()), None, {})

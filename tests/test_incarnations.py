@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from conftest import make_client
 from prometheus_client import CollectorRegistry
 
 from tether.deploy.launch import LocalCluster
@@ -24,8 +25,6 @@ from tether.protos.codec import encode_ids, encode_tensor
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.storage.shard import Shard, SparseUpdate
 from tether.worker.metrics import WorkerMetrics
-
-from conftest import make_client
 
 TABLE = TableConfig("emb", 4, OptimizerConfig("sgd", 1.0), init_scale=0.5)
 ROW = 7
@@ -40,7 +39,7 @@ from tether.worker.client.config import ClientConfig
 address, n = sys.argv[1], int(sys.argv[2])
 client = PSClient(ClientConfig(addresses=(address,), worker_id="worker-0", timeout_s=10.0, retries=20, backoff_s=0.05, max_backoff_s=0.5))
 client.declare([TableConfig("emb", 4, OptimizerConfig("sgd", 1.0), init_scale=0.5)])
-ids = torch.tensor([%d])
+ids = torch.tensor([ROW])
 applied = duplicates = 0
 for _ in range(n):
     ack = client.push({"emb": (ids, torch.ones(1, 4))}).result(60)
@@ -48,7 +47,7 @@ for _ in range(n):
     applied += 1 - ack.duplicates
 client.close()
 print(json.dumps({"applied": applied, "duplicates": duplicates, "incarnation": client.incarnation}))
-""" % ROW
+""".replace("ROW", str(ROW))
 
 
 def _run_worker(address: str, n: int) -> dict[str, int]:

@@ -51,7 +51,7 @@ def test_long_probe_chains() -> None:
     query = np.concatenate([present[::-1], absent, others[:50]])
     want = [*range(359, 299, -1), *[-1] * 20, *range(50)]
     assert index.lookup(query).tolist() == want
-    keys, slots = index.items()
+    keys, _slots = index.items()
     assert len(keys) == 360 and np.array_equal(np.sort(keys), np.sort(np.concatenate([others, present])))
 
 
@@ -81,7 +81,7 @@ def test_lookups_in_big_batches_match_one_at_a_time() -> None:
     index = IdIndex(capacity=16)
     perm = rng.permutation(15_000)
     index.insert(ids[:15_000], perm)
-    slot_of = dict(zip(ids[:15_000].tolist(), perm.tolist()))
+    slot_of = dict(zip(ids[:15_000].tolist(), perm.tolist(), strict=False))
     query = np.concatenate([ids, ids[::-3]])  # present and absent, some twice
     rng.shuffle(query)
     batch = index.lookup(query)
@@ -156,7 +156,7 @@ def test_negative_ids_survive_growth_and_removal() -> None:
     index.insert(again, np.arange(len(again)) + len(ids))
     assert np.array_equal(index.lookup(again), np.arange(len(again)) + len(ids))
     assert index.size == len(ids)
-    keys, slots = index.items()
+    keys, _slots = index.items()
     assert np.all(np.diff(keys) > 0) and len(keys) == len(ids) and keys[0] == INT64_MIN and keys[-1] == INT64_MAX
 
 

@@ -228,7 +228,7 @@ def test_tls_config_names_real_flags_and_the_mounted_files() -> None:
     variables = {d.env: d.flag for cls in (shard_config.ShardConfig, WorkerConfig) for _, d in fields.declared(cls)}
     for name, path in tls["data"].items():
         assert variables.get(name) in ("--tls-cert", "--tls-key", "--tls-client-ca", "--tls-ca"), name
-        folder, _, file = path.rpartition("/")
+        _folder, _, file = path.rpartition("/")
         assert file in TLS_FILES, path
         for workload, role, pod, c in _containers():
             volume, inside = _mount_of(pod, c, path)
@@ -364,7 +364,7 @@ def test_kubernetes_doc_names_every_manifest_and_the_secrets() -> None:
     assert not missing, f"docs/kubernetes.md does not say how to apply {missing}"
     token_cmds = [ln for ln in page.splitlines() if f"kubectl create secret generic {TOKEN_SECRET} " in ln]
     assert token_cmds and all(f"--from-literal={TOKEN_KEY}=" in ln and f"-n {NAMESPACE}" in ln for ln in token_cmds), token_cmds
-    for role, secret in TLS_SECRETS.items():
+    for _role, secret in TLS_SECRETS.items():
         (cmd,) = [ln for ln in page.replace("\\\n", " ").splitlines() if f"kubectl create secret generic {secret} " in ln]
         assert sorted(re.findall(r"--from-file=([\w.]+)=", cmd)) == sorted(TLS_FILES), cmd
     for label in ("kubernetes.io/metadata.name", "monitoring", "app.kubernetes.io/name: prometheus"):
@@ -388,8 +388,8 @@ def test_a_worker_pod_restarted_in_place_joins_the_job_under_way(tmp_path: Path,
     from types import SimpleNamespace
 
     from tether.protos.errors import DeadlineExceeded
-    from tether.worker.training.policies import AsyncPolicy, restart_count
     from tether.worker.client.results import ClockReply
+    from tether.worker.training.policies import AsyncPolicy, restart_count
 
     (workload, _, pod, c), = [w for w in _containers() if w[0] == "Job/tether-worker-async"]
     assert pod["spec"]["restartPolicy"] == "OnFailure", "restarts happen in place, keeping the pod's emptyDirs"

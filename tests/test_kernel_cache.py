@@ -92,8 +92,7 @@ def _double(x: np.ndarray) -> np.ndarray:
 def test_the_digest_follows_helpers_and_the_constants_they_name() -> None:
     base = kernel_cache.sources_digest(_double)
     assert base == kernel_cache.sources_digest(_double)
-    from tether.rules import index_kernels
-    from tether.rules import row_kernels
+    from tether.rules import index_kernels, row_kernels
     init = kernel_cache.sources_digest(row_kernels.init_rows_into.py_func)
     # mix64's constants are globals of index_kernels that init_rows_into reaches through mix64.
     saved = index_kernels._M1
@@ -118,8 +117,7 @@ def test_an_unknown_numba_cache_compiles_in_memory(monkeypatch: pytest.MonkeyPat
 
 
 def test_tethers_kernels_are_keyed_by_their_sources() -> None:
-    from tether.rules import index_kernels
-    from tether.rules import row_kernels
+    from tether.rules import index_kernels, row_kernels
     from tether.rules.optimizers import rule
     assert isinstance(index_kernels.mix64._cache, kernel_cache.SourceKeyedCache)
     assert isinstance(row_kernels.gather_rows._cache, kernel_cache.SourceKeyedCache)

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_client
 
 from tether.deploy.job import _final_checkpoint
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
 from tether.server.serving.serve import start_shard
 from tether.worker.config import WorkerConfig
-
-from conftest import make_client
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLES = [TableConfig("t", 4, OptimizerConfig("sgd", 0.5), init_scale=0.1)]

@@ -13,6 +13,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from conftest import make_client
+from test_cli_help import _clean_env, option_blocks
 
 from tether.common import settings as fields
 from tether.deploy import cli
@@ -23,9 +25,6 @@ from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.codec import encode_ids, encode_tensor
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig, build_parser
-
-from conftest import make_client
-from test_cli_help import _clean_env, option_blocks
 
 
 def _shard_flags() -> list[str]:

@@ -12,11 +12,11 @@ from torch import nn
 
 from tether.deploy.launch import LocalCluster
 from tether.protos.errors import FailedPrecondition, InvalidArgument, UsageError
+from tether.protos.specs import TableConfig
 from tether.rules.initial import init_rows
 from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig
-from tether.protos.specs import TableConfig
-from tether.worker.training.embedding import ShardedEmbeddingBag
 from tether.worker.client.local import LocalClient, LocalTable
+from tether.worker.training.embedding import ShardedEmbeddingBag
 from tether.worker.training.trainer import Trainer, TrainingConfig
 
 USERS, ITEMS, DENSE = 25, 60, 3

@@ -132,8 +132,8 @@ def test_names_types_and_labels(cls: type, spec: dict[str, tuple[str, str, tuple
     assert _families(registry) == {_family(name, kind): kind for name, kind, _ in spec.values()} | PROCESS_FAMILIES
     for attr, (name, kind, labels) in spec.items():
         metric = getattr(metrics, attr)
-        assert metric._name == _family(name, kind), attr  # noqa: SLF001 - the name is the contract
-        assert tuple(metric._labelnames) == labels, attr  # noqa: SLF001
+        assert metric._name == _family(name, kind), attr
+        assert tuple(metric._labelnames) == labels, attr
 
 
 def test_two_instances_use_private_registries() -> None:

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tether.worker.ctr.model import CTRModel, LocalHashEmbedding
 from tether.worker.data.synthetic import SyntheticClickLog, SyntheticConfig
 from tether.worker.training.evaluation import constant_baseline_loss, evaluate
-from tether.worker.ctr.model import CTRModel, LocalHashEmbedding
 
 
 class _Recorder(nn.Module):

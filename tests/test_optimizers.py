@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from tether.rules.optimizers import OPTIMIZERS, SGD, OptimizerConfig, RuleOptimizer, UpdateRule, rule
 from tether.rules import row_kernels
+from tether.rules.optimizers import OPTIMIZERS, SGD, OptimizerConfig, RuleOptimizer, UpdateRule, rule
 from tether.server.storage.tables import EmbeddingTable, TableConfig
 
 # Rules whose dense form is the rule itself (row-wise Adagrad steps dense values as Adagrad).
@@ -144,7 +144,7 @@ def test_a_tables_compiled_row_update_is_its_torch_optimizer_row_by_row(name: st
     params = [torch.nn.Parameter(w0[i].clone()) for i in range(len(ids))]
     scales = np.array([1.0, 0.5, 0.25, 1.0])
     opts = [rule(name).torch_optimizer(OptimizerConfig(name=name, lr=0.05 * s, eps=1e-8, weight_decay=weight_decay), [p])
-            for p, s in zip(params, scales)]
+            for p, s in zip(params, scales, strict=False)]
     for step in range(4):
         grads = torch.randn(len(ids), 8)
         # Row 77 sits out the second step: its own step count (Adam) and state stay behind.
@@ -271,7 +271,7 @@ def test_a_rule_torch_lacks_still_has_a_torch_optimizer(name: str) -> None:
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     opt_ours, opt_theirs = RuleOptimizer(rule(name), cfg, ours), rule(name).torch_optimizer(cfg, theirs)
     for step in range(5):
-        for a, b in zip(ours, theirs):
+        for a, b in zip(ours, theirs, strict=False):
             a.grad = torch.randn(a.shape, generator=gen)
             b.grad = a.grad.clone()
         if step == 3:
@@ -279,5 +279,5 @@ def test_a_rule_torch_lacks_still_has_a_torch_optimizer(name: str) -> None:
                 o.param_groups[0]["lr"] = 0.02
         opt_ours.step()
         opt_theirs.step()
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=False):
         assert torch.allclose(a.detach(), b.detach(), atol=1e-6)

@@ -19,8 +19,8 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from tether.worker.data.criteo import CriteoStream, criteo_eval_set, write_criteo_sample  # noqa: E402
-from tether.worker.data.synthetic import Batch, DataError  # noqa: E402
 from tether.worker.data.parquet import HoldOut, ParquetStream, hash_strings, parquet_files, write_criteo_parquet  # noqa: E402
+from tether.worker.data.synthetic import Batch, DataError  # noqa: E402
 
 
 def _table(n: int, seed: int = 0, start: int = 0) -> Any:
@@ -63,7 +63,7 @@ def _stream(files: list[Path], bs: int = 64, **kw: Any) -> ParquetStream:
 
 
 def _same(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> bool:
-    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b, strict=False))
 
 
 # -- files, columns and batches ----------------------------------------------------------------------
@@ -76,7 +76,7 @@ def test_files_by_folder_glob_and_list(files: list[Path], tmp_path: Path) -> Non
     with pytest.raises(DataError, match="no file matches"):
         parquet_files(str(tmp_path / "nothing-*.parquet"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="no .parquet file"):
+    with pytest.raises(DataError, match=r"no .parquet file"):
         parquet_files(str(tmp_path / "empty"))
 
 
@@ -91,7 +91,7 @@ def test_columns_become_tensors_bags_become_ids_and_offsets(files: list[Path]) -
     # The bags, cut back at the offsets, are the lists of the table.
     hist = table.column("hist").to_pylist()
     for batch in batches:
-        offsets = batch["hist_offsets"].tolist() + [len(batch["hist"])]
+        offsets = [*batch["hist_offsets"].tolist(), len(batch["hist"])]
         for i, r in enumerate(batch["row"].tolist()):
             assert batch["hist"][offsets[i] : offsets[i + 1]].tolist() == hist[r]
     assert np.allclose(np.concatenate([b["dense"][:, 0].numpy() for b in batches]), table.column("x").to_numpy().astype(np.float32))
@@ -101,7 +101,7 @@ def test_bags_survive_shuffle_and_holdout(files: list[Path]) -> None:
     table = pa.concat_tables([pq.read_table(f) for f in files])
     hist = table.column("hist").to_pylist()
     for batch in _stream(files, bs=50, shuffle_rows=300, seed=5, holdout=HoldOut.every_nth(4)):
-        offsets = batch["hist_offsets"].tolist() + [len(batch["hist"])]
+        offsets = [*batch["hist_offsets"].tolist(), len(batch["hist"])]
         for i, r in enumerate(batch["row"].tolist()):
             assert r % 4 != 3
             assert batch["hist"][offsets[i] : offsets[i + 1]].tolist() == hist[r]
@@ -144,10 +144,10 @@ def test_ctr_layout_is_the_criteo_readers_batches(tmp_path: Path) -> None:
     ours = list(ParquetStream(out, 256, ctr=True, holdout=HoldOut.every_nth(10)))
     theirs = list(CriteoStream(tsv, 256, holdout_every=10))
     assert len(ours) == len(theirs) and all(isinstance(b, Batch) for b in ours)
-    for a, b in zip(ours, theirs):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for a, b in zip(ours, theirs, strict=False):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=False))
     held = next(iter(ParquetStream(out, 250, ctr=True, holdout=HoldOut.every_nth(10), held_out=True)))
-    assert all(torch.equal(x, y) for x, y in zip(held, criteo_eval_set(tsv, 250, holdout_every=10)))
+    assert all(torch.equal(x, y) for x, y in zip(held, criteo_eval_set(tsv, 250, holdout_every=10), strict=False))
 
 
 # -- ranks, shuffle, epochs, held out ----------------------------------------------------------------
@@ -168,7 +168,7 @@ def test_ranks_read_disjoint_row_groups_that_cover_every_row(files: list[Path]) 
 def test_too_few_row_groups_for_the_ranks(tmp_path: Path) -> None:
     path = tmp_path / "one.parquet"
     pq.write_table(_table(50), path)
-    with pytest.raises(DataError, match="1 non-empty row group.* for 2 workers: worker 1 would read nothing"):
+    with pytest.raises(DataError, match=r"1 non-empty row group.* for 2 workers: worker 1 would read nothing"):
         ParquetStream(path, 8, rank=0, world_size=2)
 
 
@@ -245,7 +245,7 @@ def test_position_after_the_batches_a_consumer_took(files: list[Path]) -> None:
         next(it)
     position = stream.state_dict(batches=9)
     assert _same(list(_stream(files, resume=position, **settings)), whole[9:])
-    with pytest.raises(ValueError, match="keeps the positions after batches 0..12"):
+    with pytest.raises(ValueError, match=r"keeps the positions after batches 0..12"):
         stream.state_dict(batches=13)
     assert stream.state_dict(batches=0)["epoch"] == 0
     # Past the end: a resumed stream has nothing left.
@@ -406,7 +406,7 @@ def test_dlrm_example_trains_from_parquet_and_leaves_each_workers_position(tmp_p
         for _ in range(steps):
             next(whole)
         resumed = next(iter(ParquetStream(pattern, 256, resume=position, **settings)))
-        assert all(torch.equal(a, b) for a, b in zip(next(whole), resumed))
+        assert all(torch.equal(a, b) for a, b in zip(next(whole), resumed, strict=False))
 
 
 def test_the_trainer_records_the_streams_position_and_writes_it_beside_checkpoints(files: list[Path], tmp_path: Path) -> None:

@@ -67,7 +67,7 @@ def running_job(cluster):
     cluster.start_workers(cfg, echo=False, metrics=True)
     ports = dict(cluster.metrics_ports)
     for name, port in ports.items():
-        _wait_for(lambda: "tether_" in _get(f"http://127.0.0.1:{port}/metrics"), 60, f"{name} metrics")
+        _wait_for(lambda: "tether_" in _get(f"http://127.0.0.1:{port}/metrics"), 60, f"{name} metrics")  # noqa: B023 - waited on here
     _wait_for(lambda: "tether_worker_samples_total 0.0" not in _get(f"http://127.0.0.1:{ports['worker-0']}/metrics"), 60, "training")
     return ports
 

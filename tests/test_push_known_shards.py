@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from tether.protos import tether_pb2 as pb
-from tether.rules.optimizers import OptimizerConfig
 from tether.protos.partition import shard_of_ids, split_ids
 from tether.protos.specs import TableConfig
+from tether.rules.optimizers import OptimizerConfig
+from tether.worker.cache.parts import RowCacheConfig
+from tether.worker.cache.row_cache import RowCache
 from tether.worker.cache.split import by_shard
 from tether.worker.client.config import ClientConfig
 from tether.worker.client.results import PullResult
 from tether.worker.client.router import Router, ShardedPart
-from tether.worker.cache.parts import RowCacheConfig
-from tether.worker.cache.row_cache import RowCache
 
 _DIMS = {"a": 4, "b": 2}
 
@@ -61,7 +61,7 @@ def test_by_shard_finds_split_ids_split_and_each_shards_rows(num_shards: int) ->
         assert sharded.fits(num_shards, n) and not sharded.fits(num_shards + 1, n) and not sharded.fits(num_shards, n + 1)
         got, want = sharded.split(), split_ids(part, num_shards)
         assert len(got) == num_shards and bounds[g, -1] == n
-        for (pos, sub, own), (wpos, wsub) in zip(got, want):
+        for (pos, sub, own), (wpos, wsub) in zip(got, want, strict=False):
             assert pos.tolist() == wpos.tolist() and sub.tolist() == wsub.tolist()
             assert torch.equal(own[0], torch.from_numpy(rows[wpos])) and torch.equal(own[1], torch.from_numpy(extra[wpos]))
         at, flat, sflat = at + n, flat + n * d, sflat + n * k
@@ -70,7 +70,7 @@ def test_by_shard_finds_split_ids_split_and_each_shards_rows(num_shards: int) ->
 def _cached_push(num_shards: int) -> tuple[dict[str, tuple[torch.Tensor, ...]], PullResult]:
     """A combined push of the row cache (adam on "a", adagrad on "b"), its rows held 3 clocks."""
     cache = RowCache(RowCacheConfig(rows=500, bound=3), _DIMS, num_shards)
-    cache.use_tables([TableConfig(name=t, dim=d, optimizer=OptimizerConfig(name=r, lr=0.1)) for (t, d), r in zip(_DIMS.items(), ("adam", "adagrad"))])
+    cache.use_tables([TableConfig(name=t, dim=d, optimizer=OptimizerConfig(name=r, lr=0.1)) for (t, d), r in zip(_DIMS.items(), ("adam", "adagrad"), strict=False)])
     gen = torch.Generator().manual_seed(num_shards)
     ids = {t: torch.unique(torch.randint(0, 1 << 40, (120,), generator=gen)) for t in _DIMS}
     plan = cache.plan(ids, 0)

@@ -15,11 +15,11 @@ from torch import nn
 
 from tether.protos.errors import InvalidArgument, TooStale, UsageError
 from tether.server.serving.serve import RunningShard
+from tether.worker.client.results import Handle, PullResult, PushAck
 from tether.worker.config import TrainingConfig
 from tether.worker.training.embedding import ShardedEmbeddingBag
-from tether.worker.training.policies import AsyncPolicy, SSPPolicy
-from tether.worker.client.results import Handle, PullResult, PushAck
 from tether.worker.training.mode import check_window
+from tether.worker.training.policies import AsyncPolicy, SSPPolicy
 from tether.worker.training.step import Step, StepContext
 from tether.worker.training.transfer import Prefetch, first
 
@@ -266,5 +266,5 @@ def test_a_shards_error_on_a_pipelined_push_ends_fit(inproc_shard: RunningShard,
 
 
 def test_a_nan_gradient_is_refused_on_the_worker_before_any_pipelined_push(inproc_shard: RunningShard) -> None:
-    with pytest.raises(UsageError, match="step .*NaN or Inf.*before the step's push"):
+    with pytest.raises(UsageError, match=r"step .*NaN or Inf.*before the step's push"):
         _shard_job(inproc_shard, 3, _data(12, nan_at=4))

@@ -19,8 +19,8 @@ from tether.protos.errors import OVERLOADED, ResourceExhausted, Unavailable, ret
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
 from tether.server.serving.serve import RunningShard, start_shard
-from tether.worker.client.ps_client import PSClient
 from tether.worker.client.config import ClientConfig
+from tether.worker.client.ps_client import PSClient
 from tether.worker.metrics import NullWorkerMetrics
 
 TABLE = TableConfig("emb", 4, OptimizerConfig("sgd", 1.0), init_scale=0.0)
@@ -144,7 +144,7 @@ class _Draining(pb_grpc.ParameterServerServicer):
         self.cancelled = cancelled
         self.calls = 0
 
-    def Clock(self, request: pb.ClockRequest, context: grpc.ServicerContext) -> pb.ClockResponse:  # noqa: N802
+    def Clock(self, request: pb.ClockRequest, context: grpc.ServicerContext) -> pb.ClockResponse:
         self.calls += 1
         if self.calls <= self.cancelled:
             context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")

@@ -11,18 +11,18 @@ import pytest
 import torch
 from torch import nn
 
-from tether.rules.optimizers import OptimizerConfig, rule
 from tether.protos.specs import TableConfig
-from tether.worker.config import TrainingConfig
-from tether.worker.training.embedding import ShardedEmbeddingBag
-from tether.worker.client.local import LocalClient
-from tether.worker.client.results import PullResult
+from tether.rules.optimizers import OptimizerConfig, rule
 from tether.worker.cache.client import CachedClient
 from tether.worker.cache.parts import RowCacheConfig
 from tether.worker.cache.row_cache import RowCache
 from tether.worker.cache.slots import NONE
-from tether.worker.training.run_record import RunRecord
+from tether.worker.client.local import LocalClient
+from tether.worker.client.results import PullResult
 from tether.worker.client.traffic import TrafficMeter
+from tether.worker.config import TrainingConfig
+from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.run_record import RunRecord
 from tether.worker.training.trainer import Trainer
 
 USERS, ITEMS = 40, 300

@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tether.rules.optimizers import OptimizerConfig
 from tether.protos.specs import TableConfig
-from tether.worker.client.results import PullResult
+from tether.rules.optimizers import OptimizerConfig
 from tether.worker.cache.parts import RowCacheConfig
 from tether.worker.cache.row_cache import RowCache
+from tether.worker.client.results import PullResult
 
 _DIMS = {"a": 4, "b": 2}
 

@@ -15,8 +15,8 @@ from tether.protos.errors import ResourceExhausted
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
 from tether.server.serving.serve import start_shard
-from tether.worker.client.ps_client import PSClient
 from tether.worker.client.config import ClientConfig
+from tether.worker.client.ps_client import PSClient
 from tether.worker.metrics import NullWorkerMetrics
 
 

@@ -11,21 +11,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import make_client
 
 from tether.protos.errors import InvalidArgument
-from tether.rules.optimizers import OptimizerConfig, rule
-from tether.rules.update_rules import spread_squares
 from tether.protos.specs import TableConfig
+from tether.rules.optimizers import OptimizerConfig, rule
 from tether.rules.row_kernels import combined_update
+from tether.rules.update_rules import spread_squares
 from tether.server.serving.serve import RunningShard
 from tether.server.storage.shard import Shard, SparseUpdate
 from tether.server.storage.tables import EmbeddingTable
-from tether.worker.client.local import LocalClient
-from tether.worker.client.local_table import LocalTable
 from tether.worker.cache.client import CachedClient
 from tether.worker.cache.parts import RowCacheConfig
+from tether.worker.client.local import LocalClient
+from tether.worker.client.local_table import LocalTable
 from tether.worker.client.traffic import TrafficMeter
-from conftest import make_client
 
 DIM, ROWS, K = 8, 6, 5
 # Relative error of a combined push's weight change against the k separate steps', for k = 5
@@ -173,7 +173,7 @@ def test_bad_statistics_are_refused_and_change_nothing() -> None:
         LocalClient_push_bad()
 
 
-def LocalClient_push_bad() -> None:  # noqa: N802 - local mode refuses as a shard does, from the handle
+def LocalClient_push_bad() -> None:
     local = LocalClient()
     local.declare([TableConfig("t", 2, optimizer=OptimizerConfig("adam", lr=0.1))])
     local.push({"t": (torch.tensor([1]), torch.ones(1, 2), torch.tensor([[0.5, 1.0]]))}).result(5)

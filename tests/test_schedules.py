@@ -14,12 +14,12 @@ from torch import nn
 from torch.optim import lr_scheduler as S
 
 from tether.deploy.launch import LocalCluster
-from tether.rules.optimizers import OptimizerConfig, rule
 from tether.protos.schedules import Schedule, step_of_clock
 from tether.protos.specs import TableConfig
+from tether.rules.optimizers import OptimizerConfig, rule
 from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
-from tether.worker.training.embedding import ShardedEmbeddingBag
 from tether.worker.client.local import LocalClient
+from tether.worker.training.embedding import ShardedEmbeddingBag
 from tether.worker.training.table_rules import dense_torch_optimizer
 from tether.worker.training.trainer import Trainer, TrainingConfig
 
@@ -180,7 +180,7 @@ def _reference(start: dict[str, torch.Tensor], ids: dict[str, torch.Tensor], den
     torch.manual_seed(0)
     ref = _MF(lambda name: _Rows(ids[name], start[name]))
     with torch.no_grad():
-        for p, v in zip(ref.scale.parameters(), dense0):
+        for p, v in zip(ref.scale.parameters(), dense0, strict=False):
             p.copy_(v)
     groups = [
         (torch.optim.SGD([ref.user.weight], lr=0.25), lambda o: S.SequentialLR(

@@ -8,7 +8,6 @@ the stranger.
 from __future__ import annotations
 
 import re
-
 import shutil
 import subprocess
 import threading
@@ -20,23 +19,22 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from conftest import make_client
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from tether.deploy.launch import LocalCluster
+from tether.common.metrics_http import serve_metrics
+from tether.common.security import ClientSecurity, resolve_token
 from tether.common.settings import to_argv as worker_argv
+from tether.deploy.launch import LocalCluster
 from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.errors import ResourceExhausted, Unauthenticated, Unavailable
-from tether.common.metrics_http import serve_metrics
-from tether.common.security import ClientSecurity, resolve_token
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig, load_config
 from tether.server.metrics import ShardMetrics
 from tether.server.serving.serve import RunningShard, start_shard
 from tether.worker.flags import load_config as load_worker_config
-
-from conftest import make_client
 
 TOKEN = "s3cret-token_0123456789abcdef"
 SGD = OptimizerConfig("sgd", 1.0)
@@ -265,7 +263,7 @@ def test_the_tls_data_port_refuses_what_the_grpc_port_refuses(secured, certs, cl
     from tether.worker.client.data_channel import DataPlaneStatus
 
     running, _ = secured
-    with pytest.raises(DataPlaneStatus, match="TLS with the data plane of 127.0.0.1") as err:
+    with pytest.raises(DataPlaneStatus, match=r"TLS with the data plane of 127.0.0.1") as err:
         _data_connection(running, certs, client=client, ca=ca)
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and why in err.value.details.lower()
     assert running.shard.tables == {}

@@ -11,6 +11,7 @@ import logging
 import grpc
 import pytest
 import torch
+from conftest import make_client
 from prometheus_client import CollectorRegistry
 
 from tether.protos import tether_pb2 as pb
@@ -20,8 +21,6 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
 from tether.server.metrics import ShardMetrics
 from tether.server.serving.serve import RunningShard, start_shard
-
-from conftest import make_client
 
 TABLE = TableConfig("emb", dim=4, optimizer=OptimizerConfig("sgd", lr=1.0), init_scale=0.0)
 IDS = torch.tensor([1, 2, 3], dtype=torch.int64)

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from tether.rules.initial import column_steps, salt, init_rows
-from tether.rules.optimizers import OptimizerConfig, rule
 from tether.protos.specs import TableConfig
-from tether.rules import kernel_threads
-from tether.rules import row_kernels
+from tether.rules import kernel_threads, row_kernels
+from tether.rules.initial import column_steps, init_rows, salt
+from tether.rules.optimizers import OptimizerConfig, rule
 from tether.server.serving.data_port import gather_rows
 from tether.server.storage.tables import EmbeddingTable
 from tether.server.storage.zeroed import MAPPED_BYTES, RESERVE_FACTOR, float_rows, grow_rows
@@ -43,13 +42,13 @@ def test_a_table_grows_in_its_reserved_room_without_moving_its_rows() -> None:
     table = EmbeddingTable(TableConfig("t", 128, OptimizerConfig("adagrad", 0.1), init_scale=0.05, seed=3))
     ids = np.arange(1, 40_001, dtype=np.int64) * 7919
     table.pull(ids[:3000])  # past its first 1,024 rows (plain memory): storage with room reserved
-    first = table._weights  # noqa: SLF001
+    first = table._weights
     rows, _ = table.pull(ids)
-    grown = table._weights  # noqa: SLF001
+    grown = table._weights
     assert grown.shape[0] >= 40_000 > first.shape[0]
     assert grown.data_ptr() == first.data_ptr()  # a longer view of the same pages: nothing copied
     assert torch.equal(rows, init_rows(ids, 128, 3, "t", 0.05))
-    assert not grown[40_000:].any() and not table._state["sum"][40_000:].any()  # noqa: SLF001
+    assert not grown[40_000:].any() and not table._state["sum"][40_000:].any()
     assert torch.equal(first, grown[: first.shape[0]])
 
 
@@ -126,18 +125,18 @@ def test_the_generators_compiled_zipf_ranks_are_searchsorted_exactly() -> None:
 
     for kw in ({}, {"vocab_size": 2, "zipf_exponent": 0.5}, {"vocab_size": 1000, "zipf_exponent": 3.0}):
         gen = SyntheticClickLog(SyntheticConfig(**kw))  # type: ignore[arg-type]
-        cdf = gen._cdf  # noqa: SLF001
+        cdf = gen._cdf
         u = np.concatenate([np.random.default_rng(5).random(100_000), [0.0, 1 - 2**-53, 0.5, 2**-16, 1 - 2**-16], cdf[:50], cdf[-50:],
                             np.nextafter(cdf[:50], 0), np.nextafter(cdf[:50], 1)])
         u = u[u < 1]
         out = np.empty(len(u), np.int64)
-        _zipf_ranks(u, cdf, gen._starts, out)  # noqa: SLF001
+        _zipf_ranks(u, cdf, gen._starts, out)
         assert np.array_equal(out, np.searchsorted(cdf, u))
 
 
 def test_tables_rows_received_back_to_back_are_joined_without_a_copy() -> None:
-    from tether.worker.training.embedding import joined_rows
     from tether.worker.client.router import JOIN_ELEMENTS
+    from tether.worker.training.embedding import joined_rows
 
     buffer = torch.arange(float(JOIN_ELEMENTS)).view(-1, 128)  # a large pull's buffer
     n = len(buffer)
@@ -160,8 +159,8 @@ def test_a_large_cpu_pull_is_received_into_one_buffer_per_width_and_a_small_one_
     router = Router(ClientConfig(addresses=("127.0.0.1:1",), worker_id="w"), incarnation=1)
     router.dims = {"a": 128, "b": 128, "c": 16}
     big = {"a": np.arange(JOIN_ELEMENTS // 128), "b": np.arange(5), "c": np.arange(3)}
-    rows = router._row_buffers(big)  # noqa: SLF001
+    rows = router._row_buffers(big)
     assert rows["b"].data_ptr() == rows["a"].data_ptr() + JOIN_ELEMENTS * 4  # back to back in one buffer
     assert [tuple(rows[t].shape) for t in "abc"] == [(JOIN_ELEMENTS // 128, 128), (5, 128), (3, 16)]
-    small = router._row_buffers({"a": np.arange(10), "b": np.arange(5)})  # noqa: SLF001
+    small = router._row_buffers({"a": np.arange(10), "b": np.arange(5)})
     assert small["b"].untyped_storage().data_ptr() != small["a"].untyped_storage().data_ptr()

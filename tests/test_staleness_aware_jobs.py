@@ -58,7 +58,7 @@ def _sync_rank(rank: int, addresses: list[str], tmp: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    for variant, address in zip(VARIANTS, addresses):
+    for variant, address in zip(VARIANTS, addresses, strict=False):
         dist.init_process_group("gloo", init_method=f"file://{tmp}/init-{variant}", rank=rank, world_size=WORLD)
         torch.manual_seed(0)
         model = _Model()

@@ -2,6 +2,7 @@
 workers (plain, gzip, many files), held-out lines never trained on, bad lines named."""
 
 import gzip
+import itertools
 import re
 import subprocess
 import sys
@@ -24,7 +25,7 @@ def sample(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _cat(batches: list[Batch]) -> Batch:
-    return Batch(*(torch.cat(ts) for ts in zip(*batches)))
+    return Batch(*(torch.cat(ts) for ts in zip(*batches, strict=False)))
 
 
 def _rows(batch: Batch) -> list[tuple]:
@@ -48,8 +49,8 @@ def test_gzip_and_plain_give_identical_batches(sample: Path, tmp_path: Path) -> 
         plain = list(CriteoStream(sample, 64, **kwargs))
         packed = list(CriteoStream(gz, 64, **kwargs))
         assert len(plain) == len(packed) > 1
-        for a, b in zip(plain, packed):
-            for x, y in zip(a, b):
+        for a, b in zip(plain, packed, strict=False):
+            for x, y in zip(a, b, strict=False):
                 assert torch.equal(x, y)
 
 
@@ -64,7 +65,7 @@ def test_workers_together_see_every_line_once_per_epoch(sample: Path, tmp_path: 
     else:
         cuts = [0, 300, 301, 997]  # a one-line file in the middle
         names = []
-        for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        for k, (a, b) in enumerate(itertools.pairwise(cuts)):
             p = tmp_path / f"part_{k}.tsv"
             p.write_bytes(b"".join(lines[a:b]))
             names.append(str(_gzip(p, tmp_path / f"day_{k}.gz")) if layout == "glob of gzips" else str(p))
@@ -111,7 +112,7 @@ def test_eval_set_reads_only_what_it_needs(tmp_path: Path, sample: Path) -> None
     path = tmp_path / "head_only.tsv"
     path.write_bytes(sample.read_bytes() * 5 + b"garbage\n" * 100_000)
     assert criteo_eval_set(path, 20, holdout_every=10).labels.numel() == 20
-    with pytest.raises(MalformedLineError, match="head_only.tsv:4986: expected 40"):
+    with pytest.raises(MalformedLineError, match=r"head_only.tsv:4986: expected 40"):
         list(CriteoStream(path, 64))
 
 
@@ -121,14 +122,16 @@ def test_bad_line_names_file_and_line(tmp_path: Path, sample: Path, gzipped: boo
     cols = lines[600].split(b"\t")
     cols[20] = b"xyz"  # categorical column 6
     path = tmp_path / "bad.tsv"
-    path.write_bytes(b"".join(lines[:600] + [b"\t".join(cols)] + lines[601:]))
+    path.write_bytes(b"".join([*lines[:600], b"\t".join(cols), *lines[601:]]))
     if gzipped:
         path = _gzip(path, tmp_path / "bad.tsv.gz")
     with pytest.raises(MalformedLineError, match=rf"^{re.escape(str(path))}:601: categorical column 7 is not hex \(1-16 digits\): 'xyz'$"):
         list(CriteoStream(path, 64, block_bytes=8192))
     # A reader whose share does not hold the line is not stopped by it (it skips it unparsed).
     assert sum(b.labels.numel() for b in CriteoStream(path, 64, rank=1, world_size=2)) == 498
-    err = pytest.raises(MalformedLineError, lambda: list(CriteoStream(path, 64, rank=0, world_size=2))).value
+    with pytest.raises(MalformedLineError) as raised:
+        list(CriteoStream(path, 64, rank=0, world_size=2))
+    err = raised.value
     assert isinstance(err, UsageError) and isinstance(err, ValueError) and "\n" not in str(err)
 
 
@@ -198,7 +201,7 @@ def test_sources_and_arguments(tmp_path: Path, sample: Path) -> None:
         criteo_eval_set(a, 0)
     tiny = tmp_path / "tiny.tsv"
     tiny.write_bytes(sample.read_bytes().splitlines(keepends=True)[0])
-    with pytest.raises(DataError, match="tiny.tsv: no samples for rank 1 of 2"):
+    with pytest.raises(DataError, match=r"tiny.tsv: no samples for rank 1 of 2"):
         next(iter(CriteoStream(tiny, 8, rank=1, world_size=2, epochs=None)))  # not a silent endless loop
     with pytest.raises(DataError, match=r"no held-out samples \(holdout_every=3\)"):
         criteo_eval_set(tiny, 5, holdout_every=3)
@@ -208,7 +211,7 @@ def test_damaged_gzip_and_missing_newline(tmp_path: Path, sample: Path) -> None:
     gz = _gzip(sample, tmp_path / "s.gz")
     cut = tmp_path / "cut.gz"
     cut.write_bytes(gz.read_bytes()[: gz.stat().st_size // 2])
-    with pytest.raises(DataError, match="cut.gz: damaged gzip data"):
+    with pytest.raises(DataError, match=r"cut.gz: damaged gzip data"):
         list(CriteoStream(cut, 64))
     no_nl = tmp_path / "no_newline.tsv"
     no_nl.write_bytes(sample.read_bytes().rstrip(b"\n").replace(b"\n", b"\r\n"))  # CRLF, no final newline
@@ -220,7 +223,7 @@ def test_a_file_gone_before_reading_is_one_line(tmp_path: Path, sample: Path) ->
     path.write_bytes(sample.read_bytes())
     stream = CriteoStream(path, 64)
     path.unlink()
-    with pytest.raises(DataError, match="gone.tsv: No such file or directory"):
+    with pytest.raises(DataError, match=r"gone.tsv: No such file or directory"):
         list(stream)
 
 

@@ -11,16 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import make_client
 from torch import nn
 
-from tether.common.settings import to_argv as worker_argv, to_env as job_env
+from tether.common.settings import to_argv as worker_argv
+from tether.common.settings import to_env as job_env
 from tether.protos.errors import FailedPrecondition, UsageError
-from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig
 from tether.protos.schedules import Schedule
 from tether.protos.specs import TableConfig
+from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig
 from tether.server.serving.serve import RunningShard
 from tether.server.storage.shard import DenseDecl, Shard
-from conftest import make_client
 from tether.worker import flags as worker_flags
 from tether.worker.training.embedding import ShardedEmbeddingBag
 from tether.worker.training.table_rules import TableRules, parse_entry
@@ -72,7 +73,7 @@ def test_precedence_entry_then_star_then_the_code_then_the_job_default(tmp_path:
         (tmp_path / "bad.json").write_text(body)
         with pytest.raises(ValueError, match=f"--optimizer-config {tmp_path / 'bad.json'}: .*{match}"):
             TrainingConfig(local=True, optimizer_config=str(tmp_path / "bad.json"))
-    with pytest.raises(ValueError, match="--optimizer-config /nonexistent.json: .*No such file"):
+    with pytest.raises(ValueError, match=r"--optimizer-config /nonexistent.json: .*No such file"):
         TrainingConfig(local=True, optimizer_config="/nonexistent.json")
 
 

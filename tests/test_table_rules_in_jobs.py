@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from tether.rules.optimizers import OptimizerConfig, rule
 from tether.protos.schedules import Schedule
 from tether.protos.specs import TableConfig
+from tether.rules.optimizers import OptimizerConfig, rule
 from tether.server.storage.tables import EmbeddingTable
 
 ROOT = Path(__file__).resolve().parents[1]

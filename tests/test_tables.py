@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.storage.dense import DenseChunk
 from tether.rules.initial import init_rows
+from tether.server.storage.dense import DenseChunk
 from tether.server.storage.tables import EmbeddingTable
 
 
@@ -161,7 +161,7 @@ def test_row_versions_past_their_int32_span_keep_staleness_exact_for_recent_read
         table.push(busy, torch.ones(1, 2))
         # The busy row missed exactly the one update since each read; the quiet row none.
         assert table.staleness(np.array([1, 2], np.int64), read).tolist() == [0, 1]
-    assert table._versions.base > oldest and table._versions.array.max() <= 15  # noqa: SLF001
+    assert table._versions.base > oldest and table._versions.array.max() <= 15
     assert table.staleness(np.array([1, 2], np.int64), table.version - 3).tolist() == [0, 3]
     # A read older than the base (and the log): rows last updated before the base read as "any
     # time since", so every row counts as updated by every update since the read: the quiet
@@ -227,7 +227,7 @@ def test_a_table_holds_about_20_bytes_a_row_beyond_its_rows_and_state() -> None:
     for a in range(0, len(ids), 5000):
         part = np.sort(ids[a : a + 5000])
         table.push(part, torch.ones(len(part), 16), 1.0, table.pulled(part))
-    index = table._index  # noqa: SLF001
+    index = table._index
     assert index.size == 50_000 and 0.59 <= index.size / index.cells <= 0.7
     assert 4 * index.cells + 8 * index.size + 4 * table.rows <= 20.7 * table.rows
     assert table.pull(ids[:3])[0].shape == (3, 16) and table.snapshot()["ids"].tolist() == np.sort(ids).tolist()

@@ -73,7 +73,7 @@ def test_a_real_run_writes_the_logged_scalars(cluster: LocalCluster, tmp_path: P
     scalars = _scalars(board / "worker-0")
     loss = scalars["train/loss"]
     assert [step for step, _ in loss] == [4, 6, 8, 12]
-    for (_, value), h in zip(loss, history):
+    for (_, value), h in zip(loss, history, strict=False):
         assert value == pytest.approx(h["train_loss"], rel=1e-5)
     history = record.history
     assert scalars["eval/loss"] == [(h["step"], pytest.approx(h["eval_loss"], rel=1e-5)) for h in history if "eval_loss" in h]

@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-
-from tether.worker.metrics import WorkerMetrics
-from tether.worker.client.traffic import ReuseTracker, TrafficMeter
-from tether.worker.training.trainer import Trainer, TrainingConfig
-
 from test_row_cache import TwoTower, _batches, _loss
+
+from tether.worker.client.traffic import ReuseTracker, TrafficMeter
+from tether.worker.metrics import WorkerMetrics
+from tether.worker.training.trainer import Trainer, TrainingConfig
 
 
 def _ids(*v: int) -> torch.Tensor:

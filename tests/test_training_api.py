@@ -3,11 +3,10 @@ model trained in one process with the matching torch optimizer."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-
-import json
 
 import pytest
 import torch
@@ -89,7 +88,7 @@ def test_one_worker_equals_torch_optimizer_in_process(cluster: LocalCluster, opt
     torch.manual_seed(0)
     ref = MF(lambda name, dim: _Local(user_ids, start.rows["users"]) if name == "users" else _Local(item_ids, start.rows["items"]))
     with torch.no_grad():
-        for p, v in zip(ref.scale.parameters(), initial_dense):
+        for p, v in zip(ref.scale.parameters(), initial_dense, strict=False):
             p.copy_(v)
     params = list(ref.parameters())
     opt = torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.Adagrad(params, lr=lr, eps=1e-8)
@@ -235,7 +234,7 @@ def test_from_env_knows_the_rank_under_torchrun_and_names_a_missing_shard_list(m
     assert TrainingConfig.from_env(worker_index=1).worker_index == 1  # overrides still win
     assert TrainingConfig.from_env(mode="async").worker_index == 0  # RANK means nothing outside sync
     monkeypatch.delenv("TETHER_SHARDS")
-    with pytest.raises(ValueError, match="no shards: set TETHER_SHARDS=host:port,... \\(flag --shards\\), or TETHER_LOCAL=1"):
+    with pytest.raises(ValueError, match=r"no shards: set TETHER_SHARDS=host:port,... \(flag --shards\), or TETHER_LOCAL=1"):
         TrainingConfig.from_env()
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tether.protos.errors import InvalidArgument
-from tether.rules.optimizers import OptimizerConfig, rule
 from tether.protos.specs import TableConfig
+from tether.rules.optimizers import OptimizerConfig, rule
 from tether.server.storage.dense import DenseChunk
 from tether.server.storage.shard import Shard, SparseUpdate
 from tether.server.storage.tables import EmbeddingTable
@@ -266,9 +266,9 @@ def _read(client, ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def test_both_rules_through_shards_checkpoint_restore_onto_three_shards_and_export(tmp_path) -> None:
+    from conftest import make_client
     from safetensors.torch import load_file
 
-    from conftest import make_client
     from tether.deploy.export import export_checkpoint
     from tether.server.config import ShardConfig
     from tether.server.serving.serve import start_shard

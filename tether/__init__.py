@@ -96,8 +96,16 @@ moved.install()
 if TYPE_CHECKING:
     from tether.common.security import ClientSecurity
     from tether.protos.errors import (
-        DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, TetherError, TooStale, Unauthenticated,
-        Unavailable, UsageError,
+        DeadlineExceeded,
+        FailedPrecondition,
+        InvalidArgument,
+        NotFound,
+        ResourceExhausted,
+        TetherError,
+        TooStale,
+        Unauthenticated,
+        Unavailable,
+        UsageError,
     )
     from tether.protos.specs import OptimizerConfig, TableConfig
     from tether.worker.client.config import ClientConfig

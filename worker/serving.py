@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from safetensors.torch import load_file
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 from tether.worker.training.embedding import PSModel, ShardedEmbeddingBag
@@ -53,7 +53,7 @@ def split_dense(flat: torch.Tensor, model: nn.Module) -> dict[str, torch.Tensor]
     # Copies, not views of ``flat``: safetensors refuses tensors that share memory.
     return {
         name: part.reshape(p.shape).clone()
-        for (name, p), part in zip(params.items(), torch.split(flat, [p.numel() for p in params.values()]))
+        for (name, p), part in zip(params.items(), torch.split(flat, [p.numel() for p in params.values()]), strict=False)
     }
 
 

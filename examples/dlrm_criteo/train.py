@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tether import CriteoStream, OptimizerConfig, ShardedEmbeddingBag, TableConfig, Trainer, TrainingConfig, constant_baseline_loss
+
 # The built-in CTR model and its Criteo helpers (internal modules: this example trains tether's own model).
 from tether.worker.ctr.job import ctr_loss, ctr_sparse
 from tether.worker.ctr.model import CTRModel

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["read_ratings", "rating_batches", "write_ratings"]
+__all__ = ["rating_batches", "read_ratings", "write_ratings"]
 
 
 def write_ratings(path: str | Path, num_ratings: int, num_users: int = 2000, num_movies: int = 1500, rank: int = 4, seed: int = 0) -> None:
@@ -30,7 +30,7 @@ def write_ratings(path: str | Path, num_ratings: int, num_users: int = 2000, num
     rating = np.clip(np.rint(score), 1, 5).astype(int)
     stamps = 978_300_000 + rng.integers(0, 10_000_000, num_ratings)
     with open(path, "w") as f:
-        for row in zip(u + 1, m + 1, rating, stamps):
+        for row in zip(u + 1, m + 1, rating, stamps, strict=False):
             f.write("::".join(str(int(x)) for x in row) + "\n")
 
 

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from movielens import rating_batches, read_ratings, write_ratings  # noqa: E402
+from movielens import rating_batches, read_ratings, write_ratings
 
-from tether import ShardedEmbeddingBag, Trainer, TrainingConfig  # noqa: E402
+from tether import ShardedEmbeddingBag, Trainer, TrainingConfig
 
 
 class TwoTower(nn.Module):

@@ -57,7 +57,7 @@ class Sessions:
         lengths = rng.integers(1, MAX_HISTORY + 1, size)
         taste = rng.integers(0, self.TOPICS, size)
         # 70% of a history is the user's topic, the rest random items.
-        own = np.concatenate([rng.choice(self.by_topic[t], n) for t, n in zip(taste, lengths)])
+        own = np.concatenate([rng.choice(self.by_topic[t], n) for t, n in zip(taste, lengths, strict=False)])
         other = rng.integers(0, NUM_ITEMS, lengths.sum())
         history = np.where(rng.random(lengths.sum()) < 0.7, own, other)
         weights = np.concatenate([0.9 ** np.arange(n)[::-1] for n in lengths]).astype(np.float32)

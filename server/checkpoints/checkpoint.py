@@ -23,8 +23,8 @@ from tether.server.checkpoints.checkpoint_files import (
     validate_id,
     write_checkpoint,
 )
-from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.checkpoints.restore import layout_drift, list_manifests, restore_candidates
+from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.storage.shard import Shard
 
 __all__ = ["Checkpointer", "RestoreError"]
@@ -287,13 +287,13 @@ class Checkpointer:
             if not self.dirty:
                 continue
             try:
-                self.checkpoint(f"auto-{int(round(boundary * 1000))}")
+                self.checkpoint(f"auto-{round(boundary * 1000)}")
             except FailedPrecondition:
                 pass  # a disk fault: logged by checkpoint() when it starts or changes; the shard is
                 # still dirty, so the next interval tries again
             except TetherError as exc:
                 log.error("periodic checkpoint failed: %s", exc)
-            except Exception:  # noqa: BLE001 - the loop outlives any one checkpoint
+            except Exception:
                 log.exception("periodic checkpoint failed; trying again at the next interval")
 
     def stop(self, timeout_s: float = 60.0) -> None:

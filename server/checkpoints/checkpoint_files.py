@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, IO, cast
+from typing import IO, Any, cast
 
 import numpy as np
 import torch
@@ -41,9 +41,9 @@ from tether.server.storage.shard_records import DenseState, ShardState, TableSta
 
 __all__ = [
     "CHECKSUM",
+    "FAILURE_REASONS",
     "FORMAT",
     "ID_PATTERN",
-    "FAILURE_REASONS",
     "CheckpointInfo",
     "ChecksumMismatch",
     "Manifest",
@@ -287,7 +287,7 @@ def write_checkpoint(
             "num_shards": num_shards,
             "created": created,
             "data": {"file": data_path.name, "bytes": data_bytes, "checksum": checksum},
-            "tables": {t.config.name: int(len(t.ids)) for t in state.tables},
+            "tables": {t.config.name: len(t.ids) for t in state.tables},
             "dense_chunks": len(state.dense),
             "seconds": time.perf_counter() - start,
         }

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import grpc
 
-from tether.protos import tether_pb2 as pb
 from tether.common.security import AUTH_METADATA_KEY, bearer, check_token
+from tether.protos import tether_pb2 as pb
 
 __all__ = ["OPEN_METHOD_PREFIXES", "TokenAuthInterceptor"]
 

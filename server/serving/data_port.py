@@ -41,9 +41,9 @@ from tether.protos import framing as dp
 from tether.protos import tether_pb2 as pb
 from tether.protos.errors import OVERLOADED
 from tether.rules import row_kernels
+from tether.rules.kernel_threads import in_parts
 from tether.server.serving.connection import Connection, Refuse, close_all, drain, readable
 from tether.server.serving.data_handshake import Handshakes
-from tether.rules.kernel_threads import in_parts
 
 if TYPE_CHECKING:
     from tether.server.serving.handler import RequestHandler

@@ -13,8 +13,8 @@ import torch
 
 from tether.protos import tether_pb2 as pb
 from tether.protos.codec import decode_ids, decode_tensor, encode_tensor, torch_dtype
-from tether.protos.framing import PayloadWriter
 from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherError, reject_reason, status_of
+from tether.protos.framing import PayloadWriter
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.protos.ssp import MAX_CLOCK_HOLD_S
 from tether.server.checkpoints.checkpoint import Checkpointer
@@ -129,7 +129,7 @@ class RequestHandler:
             raise InvalidArgument(str(exc)) from None
         dense = [
             DenseDecl(name=d.name, index=d.index, init=decode_tensor(d.init), optimizer=optimizer)
-            for d, optimizer in zip(request.dense, optimizers)
+            for d, optimizer in zip(request.dense, optimizers, strict=False)
         ]
         self.shard.declare(tables, dense)
         self._watch_new_tables()
@@ -147,13 +147,13 @@ class RequestHandler:
         self.metrics.pulled([(name, ids.size) for name, ids in sparse])
         response = pb.PullResponse()
         encode = encode_tensor if out is None else out.add
-        for (name, _), (source, index, version) in zip(sparse, rows):
+        for (name, _), (source, index, version) in zip(sparse, rows, strict=False):
             msg = response.sparse.add(table=name, read_version=version).values
             if out is None:
                 encode_tensor(source if index is None else source.index_select(0, index), msg, dtype=wire)
             else:  # gathered straight into the reply when it is written
                 out.add(source, msg, dtype=wire, rows=index)
-        for (name, index), (v, version) in zip(dense, values):
+        for (name, index), (v, version) in zip(dense, values, strict=False):
             encode(v, response.dense.add(name=name, index=index, read_version=version).value, dtype=wire)
         return response
 

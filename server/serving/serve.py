@@ -10,13 +10,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tether.common.security import server_credentials, server_ssl_context
-from tether.server.serving.auth import TokenAuthInterceptor
 from tether.server.checkpoints.checkpoint import Checkpointer
 from tether.server.checkpoints.checkpoint_files import CheckpointInfo
 from tether.server.config import ShardConfig
+from tether.server.metrics import NullShardMetrics, ShardRecorder
+from tether.server.serving.auth import TokenAuthInterceptor
 from tether.server.serving.data_port import DataPlaneServer
 from tether.server.serving.handler import RequestHandler
-from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.serving.service import SERVICE_NAME, ShardServicer, add_servicer
 from tether.server.storage.shard import Shard
 

@@ -19,16 +19,16 @@ import numpy as np
 import torch
 
 from tether.protos.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, TooStale
-from tether.rules.optimizers import rule
 from tether.protos.partition import dense_shard, shard_of_ids
 from tether.protos.specs import TableConfig, optimizer_conflict, table_conflict
 from tether.protos.ssp import COORDINATOR_SHARD
+from tether.rules.optimizers import rule
+from tether.rules.push_hooks import adjusted, check_combined, check_compensation, check_dense, check_read, check_rows, has_duplicates
+from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.storage.clocks import WorkerClocks
 from tether.server.storage.dedup import AppliedPushes
 from tether.server.storage.dense import DenseChunk
 from tether.server.storage.gate import Gate
-from tether.server.metrics import NullShardMetrics, ShardRecorder
-from tether.rules.push_hooks import adjusted, check_combined, check_compensation, check_dense, check_read, check_rows, has_duplicates
 from tether.server.storage.shard_records import DenseDecl, DenseState, DenseUpdate, PushResult, ShardState, SparseUpdate, TableState
 from tether.server.storage.tables import EmbeddingTable, Pulled
 
@@ -151,7 +151,7 @@ class Shard:
         """
         with self._declare_lock, self._gate.exclusive():
             tables = []
-            for name, table in sorted(self.tables.items()):
+            for _name, table in sorted(self.tables.items()):
                 snap = table.snapshot()
                 tables.append(TableState(table.config, snap["ids"], snap["weights"], snap["state"], snap["version"]))
             dense = []
@@ -254,7 +254,7 @@ class Shard:
         chunks = [self._chunk(n, i) for n, i in dense]
         for (name, ids) in sparse:
             self._check_ids(name, ids, unique=False)
-        rows = [table.locate(ids) for table, (_, ids) in zip(tables, sparse)]
+        rows = [table.locate(ids) for table, (_, ids) in zip(tables, sparse, strict=False)]
         values = [chunk.pull() for chunk in chunks]
         return rows, values
 
@@ -302,8 +302,8 @@ class Shard:
         # by one only for --staleness-aware; otherwise only the push's largest staleness is
         # wanted (hard limit, metric, ack), and a table's updates since the read bound every
         # row's, so a table whose count does not exceed what the push has shown is skipped.
-        intervals = [max(t.version - u.read_version, 0) for (t, _), u in zip(checked, sparse)]
-        intervals += [max(c.version - u.read_version, 0) for c, u in zip(chunks, dense)]
+        intervals = [max(t.version - u.read_version, 0) for (t, _), u in zip(checked, sparse, strict=False)]
+        intervals += [max(c.version - u.read_version, 0) for c, u in zip(chunks, dense, strict=False)]
         stale: list[int | np.ndarray | None] = [None] * len(sparse)
         stale += intervals[len(sparse):]
         staleness = max(intervals[len(sparse):], default=0)
@@ -331,11 +331,11 @@ class Shard:
             clock_lag = self.clocks.lag(clock) if clock and self.shard_index == COORDINATOR_SHARD else 0
             # (table or chunk, ids or None, gradient, the slots found of ids that are all rows)
             blocks: list[tuple[Any, np.ndarray | None, torch.Tensor, Pulled | None]] = [
-                (t, u.ids, u.grads, p) for (t, p), u in zip(checked, sparse)
-            ] + [(c, None, u.grad, None) for c, u in zip(chunks, dense)]
+                (t, u.ids, u.grads, p) for (t, p), u in zip(checked, sparse, strict=False)
+            ] + [(c, None, u.grad, None) for c, u in zip(chunks, dense, strict=False)]
             reads = [u.read_values for u in sparse] + [u.read_value for u in dense]
             combined = [u.combined for u in sparse] + [None] * len(dense)
-            for (target, ids, grad, pulled), s, n, read, stats in zip(blocks, stale, intervals, reads, combined):
+            for (target, ids, grad, pulled), s, n, read, stats in zip(blocks, stale, intervals, reads, combined, strict=False):
                 # The typical staleness of this table or chunk: a running mean of its updates
                 # between a push's read and its apply, over every push (a racy update loses at
                 # most one sample).

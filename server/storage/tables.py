@@ -25,14 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from tether.rules.optimizers import rule
 from tether.protos.specs import TableConfig
-from tether.server.storage.admission import CountMinSketch, sketch_width
 from tether.rules import row_kernels
-from tether.server.storage.index import IdIndex
-from tether.rules.push_hooks import apply_rows
 from tether.rules.initial import column_steps, init_rows
 from tether.rules.initial import salt as initial_salt
+from tether.rules.optimizers import rule
+from tether.rules.push_hooks import apply_rows
+from tether.server.storage.admission import CountMinSketch, sketch_width
+from tether.server.storage.index import IdIndex
 from tether.server.storage.update_log import RowVersions, UpdateLog
 from tether.server.storage.zeroed import float_rows, grow_rows, zeros
 

@@ -49,7 +49,7 @@ batches = []
 for start in range(0, len(mine), 8):
     s = mine[start : start + 8]
     lengths = (s % 3) + 1
-    tags = torch.cat([torch.arange(int(n)) + int(i) % 7 for i, n in zip(s, lengths)])
+    tags = torch.cat([torch.arange(int(n)) + int(i) % 7 for i, n in zip(s, lengths, strict=False)])
     offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), lengths[:-1]]), 0)
     batches.append({"sid": s, "user": user[s], "tags": tags, "offsets": offsets, "label": label[s]})
 seen: list[int] = []

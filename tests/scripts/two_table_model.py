@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tether.rules.optimizers import OptimizerConfig
 from tether.protos.specs import TableConfig
+from tether.rules.optimizers import OptimizerConfig
 from tether.worker.training.embedding import ShardedEmbeddingBag
 from tether.worker.training.trainer import Trainer, TrainingConfig
 

@@ -30,8 +30,28 @@ import numpy as np
 
 from tether.rules.index_kernels import EMPTY_SLOT, mix64, prefetch
 from tether.rules.kernel_cache import compiled
-from tether.worker.cache.kernels import (FLOATS, FRESH, IDS, LU, META, MINE, NONE, PEND, PS, PV, RC, RV, SHARD, USES, VALS, Columns,
-                                         columns, probe_from, shard_of, slot_of)
+from tether.worker.cache.kernels import (
+    FLOATS,
+    FRESH,
+    IDS,
+    LU,
+    META,
+    MINE,
+    NONE,
+    PEND,
+    PS,
+    PV,
+    RC,
+    RV,
+    SHARD,
+    USES,
+    VALS,
+    Columns,
+    columns,
+    probe_from,
+    shard_of,
+    slot_of,
+)
 from tether.worker.cache.split import by_shard
 
 __all__ = ["deltas_all", "hold_all", "later_all", "plan_all", "store_all", "take_all", "warm_up"]
@@ -426,7 +446,7 @@ def _example() -> tuple[Columns, np.ndarray]:
 
 def warm_up() -> None:
     """Load (or compile, the first time) every kernel here for the types the cache passes."""
-    c, cells = _example()
+    c, _cells = _example()
     none = np.zeros(0, np.int64)
     zero, one = np.int64(0), np.int64(1)
     part, offs = np.zeros(1, np.int64), np.zeros(2, np.int64)

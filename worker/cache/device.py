@@ -38,14 +38,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from tether.rules.optimizers import rule
 from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.rules.optimizers import rule
 from tether.worker.cache.batch import hold_all, later_all, plan_all, store_all, take_all
 from tether.worker.cache.kernels import set_cells
 from tether.worker.cache.parts import NO_FLIGHTS, NO_IDS, NO_ROWS, Plan, Pushed, RowCacheConfig, as_ids, offsets, read_versions
-from tether.worker.client.results import PullResult
 from tether.worker.cache.row_cache import RowCache
 from tether.worker.cache.slots import NONE, Due, Taken, coalesce
+from tether.worker.client.results import PullResult
 from tether.worker.training.transfer import pinned
 
 __all__ = ["DeviceRowCache", "device_capacity"]
@@ -154,7 +154,7 @@ class DeviceRowCache(RowCache):
             config = RowCacheConfig(capacity, config.bound, config.write_bound, config.policy, config.on_device)
         # The host's tables hold no floats (width 0): their compiled passes do the bookkeeping only.
         super().__init__(config, dict.fromkeys(dims, 0), num_shards)
-        for tab, d in zip(self._tabs, dims.values()):
+        for tab, d in zip(self._tabs, dims.values(), strict=False):
             tab.dim = d
         self._dims = np.array(list(dims.values()), np.int64)
         self._dim_list = [int(d) for d in dims.values()]
@@ -163,7 +163,7 @@ class DeviceRowCache(RowCache):
         self._base = np.zeros(len(dims), np.int64)
         self.banks: list[_Bank] = []
         cap = max(config.rows, 1)
-        for b, w in enumerate(widths):
+        for w in widths:
             members = [g for g in range(len(dims)) if self._dim_list[g] == w]
             self._base[members] = np.arange(len(members), dtype=np.int64) * cap
             self.banks.append(_Bank(w, members, config.rows, self.device))
@@ -255,7 +255,7 @@ class DeviceRowCache(RowCache):
                 table_offs = np.zeros(len(self._tabs) + 1, np.int64)
                 table_offs[parts + 1] = np.diff(miss_offs)
                 self._inflight.append((id(outs), now, miss_ids, np.cumsum(table_offs)))
-            for t, (hit, refreshed) in zip(names, done.tolist()):
+            for t, (hit, refreshed) in zip(names, done.tolist(), strict=False):
                 self.hits[t] += hit
                 self.refreshed[t] += refreshed
             hits = np.flatnonzero(code == 1)
@@ -314,7 +314,7 @@ class DeviceRowCache(RowCache):
                         lacking[names[k]] = torch.from_numpy(plan.ids[plan.later[gone[at == k]]])
         rows: dict[str, torch.Tensor] = {}
         counts = np.diff(plan.offs).tolist()
-        for k, (t, g) in enumerate(zip(names, parts.tolist())):
+        for k, (t, g) in enumerate(zip(names, parts.tolist(), strict=False)):
             got = pulled.rows.get(t)
             a = int(plan.starts[k])
             part = plan.outs[int(self._bank_of[g])][a: a + counts[k]]
@@ -351,7 +351,7 @@ class DeviceRowCache(RowCache):
         slots = np.full(len(keys), -1, np.int64)
         zeros = np.zeros(len(names) + 1, np.int64)
         for attempt in range(2):
-            for g, n in zip(parts.tolist(), np.diff(koffs).tolist()):
+            for g, n in zip(parts.tolist(), np.diff(koffs).tolist(), strict=False):
                 if self._tabs[g].room(n):
                     set_cells(self._columns().cells, g, self._tabs[g].cells)
             top = np.array([tab.top for tab in self._tabs], np.int64)

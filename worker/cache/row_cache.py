@@ -54,20 +54,15 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-
-from tether.rules.optimizers import rule
 from tether.protos.specs import TableConfig
-from tether.worker.client.results import PullResult
-from tether.worker.cache.parts import (NO_FLIGHTS, NO_IDS, NO_ROWS, Plan, RowCacheConfig, as_ids, offsets,
-                                      read_versions)
-from tether.worker.cache.batch import later_all, plan_all, store_all
+from tether.rules.optimizers import rule
+from tether.worker.cache.batch import deltas_all, hold_all, later_all, plan_all, store_all, take_all
 from tether.worker.cache.kernels import Columns, columns, set_cells
-from tether.worker.cache.slots import NONE, STALE, Table, start_warm_up, wait_warm_up
-from tether.worker.cache.batch import deltas_all, hold_all, take_all
-from tether.worker.cache.parts import Pushed
+from tether.worker.cache.parts import NO_FLIGHTS, NO_IDS, NO_ROWS, Plan, Pushed, RowCacheConfig, as_ids, offsets, read_versions
+from tether.worker.cache.slots import NONE, STALE, Due, Table, Taken, coalesce, start_warm_up, wait_warm_up
 from tether.worker.cache.split import by_shard
+from tether.worker.client.results import PullResult
 from tether.worker.client.router import ShardedPart
-from tether.worker.cache.slots import Due, Taken, coalesce
 
 __all__ = ["RowCache"]
 
@@ -148,7 +143,7 @@ class RowCache:
         if len(self._inflight) == 1:
             return self._inflight[0][2], self._inflight[0][3].reshape(1, -1)
         base = np.cumsum([0] + [len(e[2]) for e in self._inflight[:-1]])
-        return np.concatenate([e[2] for e in self._inflight]), np.stack([e[3] + b for e, b in zip(self._inflight, base)])
+        return np.concatenate([e[2] for e in self._inflight]), np.stack([e[3] + b for e, b in zip(self._inflight, base, strict=False)])
 
     def plan(self, sparse: Mapping[str, torch.Tensor], now: int) -> Plan:
         """Split a pull of ``sparse`` (table -> sorted unique ids) at clock ``now``."""
@@ -172,7 +167,7 @@ class RowCache:
                 table_offs = np.zeros(len(self._tabs) + 1, np.int64)
                 table_offs[parts + 1] = np.diff(miss_offs)
                 self._inflight.append((id(out), now, miss_ids, np.cumsum(table_offs)))
-            for t, (hit, refreshed) in zip(names, done.tolist()):
+            for t, (hit, refreshed) in zip(names, done.tolist(), strict=False):
                 self.hits[t] += hit
                 self.refreshed[t] += refreshed
         plan = Plan(now, names, parts, ids, offs, out, row_offs, oldest, later, miss, miss_offs)
@@ -202,7 +197,7 @@ class RowCache:
                         lacking[names[k]] = torch.from_numpy(plan.ids[plan.later[gone[at == k]]])
         rows: dict[str, torch.Tensor] = {}
         offs, row_offs = plan.offs.tolist(), plan.row_offs.tolist()
-        for k, (t, g) in enumerate(zip(names, parts.tolist())):
+        for k, (t, g) in enumerate(zip(names, parts.tolist(), strict=False)):
             got = pulled.rows.get(t)
             part = torch.from_numpy(out[row_offs[k]: row_offs[k + 1]].reshape(offs[k + 1] - offs[k], self._dim_list[g]))
             rows[t] = part if got is None or got.dtype == torch.float32 else part.to(got.dtype)
@@ -243,7 +238,7 @@ class RowCache:
         got_row = np.arange(len(keys), dtype=np.int64) - np.repeat(moffs[:-1], np.diff(moffs))
         koffs = moffs
         for attempt in range(2):
-            for g, n in zip(parts.tolist(), np.diff(koffs).tolist()):
+            for g, n in zip(parts.tolist(), np.diff(koffs).tolist(), strict=False):
                 if self._tabs[g].room(n):
                     set_cells(self._columns().cells, g, self._tabs[g].cells)
             top = np.array([tab.top for tab in self._tabs], np.int64)

@@ -22,12 +22,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from tether.rules.index_kernels import EMPTY_SLOT, REMOVED_SLOT, index_cells, index_lookup, index_place
 from tether.rules.optimizers import OptimizerConfig, rule
+from tether.rules.row_kernels import row_kernel
 from tether.worker.cache.batch import warm_up as warm_up_batch
 from tether.worker.cache.kernels import META, oldest_per_shard
 from tether.worker.cache.kernels import warm_up as warm_up_cache
-from tether.rules.index_kernels import EMPTY_SLOT, REMOVED_SLOT, index_cells, index_lookup, index_place
-from tether.rules.row_kernels import row_kernel
 
 __all__ = ["NONE", "STALE", "Due", "Table", "Taken", "coalesce", "start_warm_up", "wait_warm_up", "warm_up"]
 
@@ -275,7 +275,7 @@ def coalesce(due: Due, taken: Mapping[str, Taken], oldest: np.ndarray | None, na
     grads: dict[str, tuple[torch.Tensor, ...]] = {}
     versions: dict[tuple[int, str], int] = {}
     if oldest is not None:
-        for g, s in zip(*np.nonzero(oldest != NONE)):
+        for g, s in zip(*np.nonzero(oldest != NONE), strict=False):
             versions[(int(s), names[g])] = int(oldest[g, s])
     for t, got in taken.items():
         if t in due or not got.ascending:

@@ -33,8 +33,8 @@ from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.errors import Unavailable, error_from_status, retryable
 from tether.worker.client.config import ClientConfig
 from tether.worker.client.data_channel import DataConnection, DataPlane, DataPlaneStatus
-from tether.worker.metrics import WorkerRecorder
 from tether.worker.client.results import Pending
+from tether.worker.metrics import WorkerRecorder
 
 __all__ = ["Answer", "Call", "DataCall", "ShardChannel", "channel_options", "time_left"]
 

@@ -9,7 +9,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tether.common.choices import (
-    CLIENT_CALL_DEADLINE_S, CLIENT_STALENESS_AWARE, CLIENT_TIMEOUT_S, CLIENT_TRANSPORT, CLIENT_WIRE_DTYPE, or_names,
+    CLIENT_CALL_DEADLINE_S,
+    CLIENT_STALENESS_AWARE,
+    CLIENT_TIMEOUT_S,
+    CLIENT_TRANSPORT,
+    CLIENT_WIRE_DTYPE,
+    or_names,
 )
 from tether.common.security import ClientSecurity
 from tether.protos.codec import WIRE_DTYPES

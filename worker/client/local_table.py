@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from tether.protos.errors import UsageError
+from tether.protos.specs import TableConfig
 from tether.rules.initial import init_rows
 from tether.rules.optimizers import OptimizerConfig, UpdateRule, rule
-from tether.protos.specs import TableConfig
 from tether.rules.push_hooks import combine_rows
 
 __all__ = ["LocalDense", "LocalTable"]

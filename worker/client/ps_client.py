@@ -26,9 +26,9 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.protos.ssp import COORDINATOR_SHARD, MAX_CLOCK_HOLD_S
 from tether.worker.client.channel import Call, DataCall, ShardChannel, time_left
 from tether.worker.client.config import ClientConfig
-from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
 from tether.worker.client.results import CheckpointResult, ClockReply, Handle, Pending, PullResult, PushAck
 from tether.worker.client.router import PullAnswer, Router
+from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
 
 __all__ = ["PSClient"]
 
@@ -117,7 +117,7 @@ class PSClient:
             start = functools.partial(self._start, channel, call, deadline)
             # A shard applies one client's pushes in the order they were started (ShardChannel.push_in_order).
             pending.append(channel.push_in_order(start, call, deadline, self._pool) if call.method in _PUSHES else start())
-        return Handle(pending, lambda answers: combine(dict(zip(shards, answers))))
+        return Handle(pending, lambda answers: combine(dict(zip(shards, answers, strict=False))))
 
     def _start(self, channel: ShardChannel, call: Call, deadline: float) -> Pending:
         """Start ``call``: sent on a data connection from this thread, else made by a pool thread over gRPC."""

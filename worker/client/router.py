@@ -128,7 +128,7 @@ class Router:
             chunks = tuple((i, a, min(a + step, flat.numel())) for i, a in enumerate(range(0, flat.numel(), step)))
             owners = tuple(dense_shard(name, index, self.num_shards) for index, _, _ in chunks)
             layouts[name] = DenseLayout(tuple(tensor.shape), flat.numel(), chunks, owners)
-            for (index, a, b), s in zip(chunks, owners):
+            for (index, a, b), s in zip(chunks, owners, strict=False):
                 d = requests[s].dense.add(name=name, index=index, optimizer=opt)
                 encode_tensor(flat[a:b], d.init)
         return requests, layouts
@@ -178,7 +178,7 @@ class Router:
                     plan.response_bytes[s] = plan.response_bytes.get(s, 0) + dp.align(part.size * self.dims[table] * itemsize)
         for name in dense:
             layout = layouts[name]
-            for (index, a, b), s in zip(layout.chunks, layout.owners):
+            for (index, a, b), s in zip(layout.chunks, layout.owners, strict=False):
                 req(s).dense.add(name=name, index=index)
                 plan.response_bytes[s] = plan.response_bytes.get(s, 0) + dp.align((b - a) * itemsize)
         return requests, plan
@@ -326,7 +326,7 @@ class Router:
             flat = grad.detach().reshape(-1).to("cpu")
             seen = versions.dense.get(name) if versions and self.config.delay_compensation else None
             seen = seen.detach().reshape(-1).to("cpu") if seen is not None and seen.numel() == flat.numel() else None
-            for (index, a, b), s in zip(layout.chunks, layout.owners):
+            for (index, a, b), s in zip(layout.chunks, layout.owners, strict=False):
                 rv = versions.dense_versions.get((name, index), 0) if versions else 0
                 d = req(s).dense.add(name=name, index=index, read_version=rv)
                 payloads[s].add(flat[a:b], d.value, wire)

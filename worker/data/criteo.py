@@ -84,7 +84,7 @@ def _open(path: Path) -> BinaryIO:
         DataError: it cannot be (gone since ``criteo_files`` looked, no permission).
     """
     try:
-        return open(path, "rb")  # noqa: SIM115 (the caller closes it)
+        return open(path, "rb")
     except OSError as exc:
         raise DataError(f"{path}: {exc.strerror or exc}") from exc
 
@@ -280,7 +280,7 @@ class CriteoStream(torch.utils.data.IterableDataset):
                 seen += part[0].size
                 if have < bs:
                     continue
-                labels, dense, ids = (np.concatenate(x) if len(parts) > 1 else x[0] for x in zip(*parts))
+                labels, dense, ids = (np.concatenate(x) if len(parts) > 1 else x[0] for x in zip(*parts, strict=False))
                 full = have - have % bs
                 for s in range(0, full, bs):
                     yield Batch(
@@ -292,7 +292,7 @@ class CriteoStream(torch.utils.data.IterableDataset):
                 raise DataError(self._describe(self.rank, self.world_size))
             epoch += 1
         if have and not self.drop_last:
-            labels, dense, ids = (np.concatenate(x) for x in zip(*parts))
+            labels, dense, ids = (np.concatenate(x) for x in zip(*parts, strict=False))
             yield Batch(torch.from_numpy(dense), torch.from_numpy(ids), torch.from_numpy(labels))
 
 

@@ -117,7 +117,7 @@ class CriteoParser:
             ok &= _all_digits(w).all(1)
             counts += _decimal8(w) * _U64(100_000_000)
         if longest > 16:  # beyond 16 digits: rare enough for Python ints
-            for i, j in zip(*np.nonzero(digits > 16)):
+            for i, j in zip(*np.nonzero(digits > 16), strict=False):
                 text = bytes(a[d_end[i, j] - d_len[i, j] : d_end[i, j]])
                 if _INT.fullmatch(text):
                     counts[i, j] = min(max(int(text), 0), _DENSE_CAP)
@@ -156,7 +156,7 @@ class CriteoParser:
             MalformedLineError: always.
         """
         lines = block.split(b"\n")[:-1]
-        for line, lineno in zip(lines, linenos.tolist()):
+        for line, lineno in zip(lines, linenos.tolist(), strict=False):
             problem = self._problem(line)
             if problem:
                 raise MalformedLineError(f"{path}:{lineno}: {problem}")

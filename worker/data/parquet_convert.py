@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tether.worker.data.criteo import CRITEO_DENSE, CRITEO_SPARSE, CriteoStream
-from tether.worker.data.synthetic import DataError
 from tether.worker.data.parquet_schema import load_pyarrow
+from tether.worker.data.synthetic import DataError
 
 __all__ = ["CONVERT_ROW_GROUP_ROWS", "write_criteo_parquet"]
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from tether.worker.data.synthetic import DataError
 from tether.worker.data.parquet_schema import open_file
+from tether.worker.data.synthetic import DataError
 
 __all__ = ["DENSE_NULLS", "DenseNulls"]
 

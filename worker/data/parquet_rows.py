@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from tether.protos.partition import mix64, mix64_
-from tether.worker.data.synthetic import ID_MASK, DataError
 from tether.worker.data.parquet_nulls import DenseNulls
 from tether.worker.data.parquet_schema import load_pyarrow
+from tether.worker.data.synthetic import ID_MASK, DataError
 
 __all__ = ["Decoder", "HoldOut", "Pos", "Rows", "hash_strings"]
 

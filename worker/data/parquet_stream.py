@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tether.worker.data.synthetic import ID_MASK, Batch, DataError, check_stream
 from tether.worker.data.parquet_nulls import DenseNulls
-from tether.worker.data.parquet_rows import HoldOut, Decoder, Pos, Rows, hash_strings
-from tether.worker.data.parquet_schema import check_schema, deal, infer, open_file, load_pyarrow, Unit, group_units, parquet_files
+from tether.worker.data.parquet_rows import Decoder, HoldOut, Pos, Rows, hash_strings
+from tether.worker.data.parquet_schema import Unit, check_schema, deal, group_units, infer, load_pyarrow, open_file, parquet_files
+from tether.worker.data.synthetic import ID_MASK, Batch, DataError, check_stream
 
 __all__ = ["PARQUET_READ_ROWS", "ParquetStream"]
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from tether.protos.errors import UsageError
-from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.client.results import Handle, PullResult
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.training.transfer import Prefetch, Staged, device_joined, flat_grads, pinned
 
 __all__ = ["CudaSteps"]
@@ -105,7 +105,8 @@ class CudaSteps:
         for t in staged.tensors():
             # Made on the side stream, used on this one: not to be reused before this one is done.
             t.record_stream(stream)
-        ids = dict(zip(prefetch.ids, torch.split(staged.ids, [len(i) for i in prefetch.ids.values()]))) if prefetch.ids else {}
+        split = torch.split(staged.ids, [len(i) for i in prefetch.ids.values()])
+        ids = dict(zip(prefetch.ids, split, strict=True)) if prefetch.ids else {}
         self._checks = [] if train else None
         self._bind(prefetch, staged.groups, ids, train)
         self._columns, self._inverse, self._unique_ids = None, staged.inverse, staged.ids
@@ -150,7 +151,7 @@ class CudaSteps:
             if checks:
                 sources.append(torch.stack([found.all() for _, _, found in checks]).all().reshape(1))
             host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in sources]
-            for h, t in zip(host, sources):
+            for h, t in zip(host, sources, strict=False):
                 h.copy_(t, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(self._index))

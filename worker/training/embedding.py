@@ -17,8 +17,8 @@ runs on the calling thread as it always did.
 
 from __future__ import annotations
 
-import math
 import logging
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -28,16 +28,16 @@ from torch import nn
 
 from tether.protos.codec import int64_ids, is_id_dtype
 from tether.protos.errors import InvalidArgument, UsageError
-from tether.worker.client.api import ShardClient
-from tether.worker.client.results import Handle, PullResult
-from tether.worker.training.cuda_steps import CudaSteps
-from tether.worker.training.embedding_bag import ShardedEmbeddingBag
-from tether.worker.metrics import NullWorkerMetrics
-from tether.worker.client.router import JOIN_ELEMENTS, Router
 from tether.rules.push_hooks import finite
 from tether.worker.cache.client import CachedClient
 from tether.worker.cache.parts import RowCacheConfig
+from tether.worker.client.api import ShardClient
+from tether.worker.client.results import Handle, PullResult
+from tether.worker.client.router import JOIN_ELEMENTS, Router
 from tether.worker.client.traffic import TrafficMeter
+from tether.worker.metrics import NullWorkerMetrics
+from tether.worker.training.cuda_steps import CudaSteps
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.training.transfer import Chained, Prefetch, Staged, columns_of, first, flat_grads, pulled_of, split_flat, unique_columns
 
 __all__ = ["PSModel", "Prefetch", "ShardedEmbeddingBag", "flat_grads", "split_flat", "unique_columns"]
@@ -200,7 +200,7 @@ class PSModel(CudaSteps):
         if columns is None:
             return {t: torch.unique(self.bags[t][0].wanted(ids.cpu())) for t, ids in joined.items()}, None, None
         unique, counts, inverse = unique_columns(columns)
-        return dict(zip(joined, torch.split(unique, counts))), columns, inverse
+        return dict(zip(joined, torch.split(unique, counts), strict=False)), columns, inverse
 
     def _unique(
         self, sparse: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
@@ -288,7 +288,7 @@ class PSModel(CudaSteps):
     def _load_dense(self, flat: torch.Tensor) -> None:
         params = list(self.dense.values())
         with torch.no_grad():
-            for p, value in zip(params, split_flat(flat, params)):
+            for p, value in zip(params, split_flat(flat, params), strict=False):
                 p.copy_(value)
 
     def release(self) -> None:

@@ -214,7 +214,7 @@ class SyncPolicy(AsyncPolicy):
         self.dist.all_reduce(flat)
         go_on = int(flat[-1].item()) == self.world
         flat = flat[:-1].div_(self.world)
-        for p, grad in zip(self.params, split_flat(flat, self.params)):
+        for p, grad in zip(self.params, split_flat(flat, self.params), strict=False):
             p.grad = grad
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -240,7 +240,7 @@ class SyncPolicy(AsyncPolicy):
         parts: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {t: ([], []) for t in tables}
         for r in range(self.world):
             id_at = grad_at = 0
-            for t, n, width in zip(tables, every[r].tolist(), widths.tolist()):
+            for t, n, width in zip(tables, every[r].tolist(), widths.tolist(), strict=False):
                 parts[t][0].append(all_ids[r, id_at:id_at + n])
                 parts[t][1].append(all_grads[r, grad_at:grad_at + n * width].view(n, width))
                 id_at, grad_at = id_at + n, grad_at + n * width

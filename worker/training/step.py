@@ -37,7 +37,7 @@ from tether.worker.client.api import ShardClient
 from tether.worker.client.results import Handle, PullResult, PushAck
 from tether.worker.config import TrainingConfig
 from tether.worker.training.batches import to_device
-from tether.worker.training.embedding import PSModel, Prefetch
+from tether.worker.training.embedding import Prefetch, PSModel
 from tether.worker.training.mode import check_window
 from tether.worker.training.policies import AsyncPolicy
 from tether.worker.training.stragglers import delay_factor
@@ -182,7 +182,7 @@ class Step(Generic[B]):
         if self.evaluates and (self.last or (self.eval_every > 0 and (step + 1) % self.eval_every == 0)):
             self.finish()  # worker 0 evaluates next: with every push of its own landed
         t3 = time.perf_counter()
-        return dict(zip(PHASES, (tw - t0, t1 - tw, t2 - t1, t3 - t2)))
+        return dict(zip(PHASES, (tw - t0, t1 - tw, t2 - t1, t3 - t2), strict=False))
 
     def advance(self) -> None:
         """Move on to the next batch."""

@@ -36,12 +36,12 @@ import torch
 from torch import nn
 
 from tether.protos.errors import UsageError
-from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig, rule
-from tether.rules.update_rules import follow_schedule
 from tether.protos.schedules import SCHEDULE_KEYS, Schedule
 from tether.protos.specs import TableConfig
+from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig, rule
+from tether.rules.update_rules import follow_schedule
 
-__all__ = ["ALL", "DENSE", "RuleEntry", "TableRules", "dense_torch_optimizer", "parse_entry", "parse_entries", "rule_keys"]
+__all__ = ["ALL", "DENSE", "RuleEntry", "TableRules", "dense_torch_optimizer", "parse_entries", "parse_entry", "rule_keys"]
 
 # The entry of the dense parameters, and the one of every table and dense parameter without its own.
 DENSE, ALL = "dense", "*"

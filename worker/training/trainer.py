@@ -30,24 +30,24 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from prometheus_client import CollectorRegistry
 import torch
+from prometheus_client import CollectorRegistry
 from torch import nn
 
+from tether.common.metrics_http import serve_metrics
 from tether.protos.errors import FailedPrecondition, UsageError
 from tether.protos.specs import TableConfig
+from tether.worker.client.local import LocalClient
 from tether.worker.client.ps_client import PSClient
-from tether.worker.training.batches import count_samples, pick_device, to_device
 from tether.worker.config import TrainingConfig
 from tether.worker.data.synthetic import in_background
-from tether.worker.training.embedding import PSModel
-from tether.worker.client.local import LocalClient
-from tether.worker.training.table_rules import apply_rules
-from tether.common.metrics_http import serve_metrics
 from tether.worker.metrics import NullWorkerMetrics, WorkerMetrics, WorkerRecorder
+from tether.worker.training.batches import count_samples, pick_device, to_device
+from tether.worker.training.embedding import PSModel
 from tether.worker.training.policies import policy_for
-from tether.worker.training.step import PHASES, Step, StepContext
 from tether.worker.training.run_record import POINT_KEYS, Point, RunRecord
+from tether.worker.training.step import PHASES, Step, StepContext
+from tether.worker.training.table_rules import apply_rules
 from tether.worker.training.tensorboard_writer import TensorBoardRecorder
 
 __all__ = ["Trainer", "TrainingConfig"]
@@ -460,7 +460,7 @@ def _position_of(data: object) -> Callable[[int], dict[str, Any]] | None:
 
 def _clock(seconds: float) -> str:
     """``seconds`` as m:ss (h:mm:ss past an hour)."""
-    s = int(round(seconds))
+    s = round(seconds)
     h, rem = divmod(s, 3600)
     m, sec = divmod(rem, 60)
     return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"

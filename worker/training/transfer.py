@@ -147,4 +147,4 @@ def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
 
 def split_flat(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
     """Views of ``flat`` shaped like each of ``params`` (the inverse of the concatenation)."""
-    return [part.view_as(p) for part, p in zip(torch.split(flat, [p.numel() for p in params]), params)]
+    return [part.view_as(p) for part, p in zip(torch.split(flat, [p.numel() for p in params]), params, strict=False)]
