@@ -14,7 +14,9 @@ every row (so each row's optimizer state is written). Per row it prints what the
 - ``resident``: the process's resident memory after the table was filled minus before it was
   created, each read after ``malloc_trim`` (pages never written, such as the room beyond the
   rows, are not resident). This is what the table holds; the update log (the last updates'
-  slots, for per-row staleness: at most 1 MiB) is in it too.
+  slots, for per-row staleness: at most 1 MiB) is in it too. ``--maps`` names the mappings it
+  grew in (``/proc/self/smaps``: rows and state, then the ids, cells and row versions, in
+  mappings of their own; the update log in the heap).
 
 Each call goes the way a shard's does: a pull is ``locate`` (where the rows are: the shard copies
 them into its reply, memory of the call's size, not the table's), a push ``pulled``,
@@ -51,6 +53,27 @@ def _rss() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
+def _mappings() -> dict[str, int]:
+    """Resident bytes of this process by what is mapped: a file, ``[heap]``, ``[anon]`` (every
+    anonymous mapping together: the table's large arrays each have their own)."""
+    out: dict[str, int] = {}
+    what = ""
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                what = head[5] if len(head) > 5 else "[anon]"
+            elif head[0] == "Rss:":
+                out[what] = out.get(what, 0) + int(head[1]) * 1024
+    return out
+
+
+def _grown(before: dict[str, int], after: dict[str, int]) -> list[tuple[int, str]]:
+    """What moved by more than 64 KiB, largest first."""
+    moved = [(after.get(k, 0) - before.get(k, 0), k) for k in after.keys() | before.keys()]
+    return sorted(((d, k) for d, k in moved if abs(d) > 64 << 10), reverse=True)
+
+
 def measure(name: str, rows: int, dim: int) -> dict[str, Any]:
     """Fill one table with the rule ``name`` in this process; its bytes by part."""
     import torch
@@ -78,6 +101,7 @@ def measure(name: str, rows: int, dim: int) -> dict[str, Any]:
         warm.staleness(part, 0, warm.pulled(part))
     del warm, part, pulled
     before = _rss()
+    maps = _mappings()
     table = EmbeddingTable(TableConfig("t", dim, OptimizerConfig(name, lr=0.01)))
     start = time.perf_counter()
     for a in range(0, rows, _BATCH):
@@ -88,6 +112,7 @@ def measure(name: str, rows: int, dim: int) -> dict[str, Any]:
         table.push(batch, grads[: len(batch)], 1.0, pulled)
     seconds = time.perf_counter() - start
     resident = _rss() - before
+    grown = _grown(maps, _mappings())
     assert table.rows == rows
     values = table._weights[: table.rows].nbytes
     state = sum(t[: table.rows].nbytes for t in table._state.values())
@@ -95,7 +120,7 @@ def measure(name: str, rows: int, dim: int) -> dict[str, Any]:
     return {
         "rule": name, "rows": rows, "dim": dim, "values": values, "state": state, "index": table._index.nbytes,
         "cells": 4 * table._index.cells, "keys": 8 * rows, "books": books,
-        "allocated": table.memory_bytes, "resident": resident, "seconds": seconds,
+        "allocated": table.memory_bytes, "resident": resident, "seconds": seconds, "grown": grown,
     }
 
 
@@ -104,6 +129,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--json", action="store_true", help="print one JSON object per rule")
+    parser.add_argument("--maps", action="store_true", help="also print, per rule, the mappings whose resident bytes grew")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process: measure one rule
     args = parser.parse_args()
     if args.one:
@@ -134,6 +160,10 @@ def main() -> int:
             f"{r['resident'] / n:>8.1f} {r['resident'] / raw:>6.3f}x{r['resident'] / (r['values'] + r['state']):>14.3f}x"
             f"{r['seconds']:>8.1f}"
         )
+    if args.maps:
+        for r in results:
+            parts = ", ".join(f"{d / 1e6:.3f} MB {what}" for d, what in r["grown"])
+            print(f"{r['rule']}: {parts}")
     return 0
 
 
