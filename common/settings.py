@@ -115,7 +115,9 @@ class Setting:
 class Presets:
     """``--preset NAME``: a named set of values for a config's ``unset`` fields (a model's sizes),
     a flag given for one of them winning. A config class declares one as its ``PRESETS``;
-    ``add_flags`` adds the flag first in its group, and ``values_from_args`` fills those fields."""
+    ``add_flags`` adds the flag first in its group, and ``values_from_args`` fills those fields.
+    A preset's value may be a function of the config's other values (the flags' over the
+    defaults), for a field whose preset value depends on them (a push window only in async)."""
 
     flag: str
     help: str
@@ -350,8 +352,10 @@ def values_from_args(
             values[f.name] = value
     presets = _presets(cls)
     if presets is not None and hasattr(namespace, presets.dest):
+        view = {**_defaults(cls), **values}
         for name, value in presets.values[getattr(namespace, presets.dest)].items():
-            values.setdefault(name, value)  # a flag given for the field wins
+            if name not in values:  # a flag given for the field wins
+                values[name] = value(view) if callable(value) else value
     _derive(cls, values, {}, environ)
     return values
 

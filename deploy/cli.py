@@ -18,6 +18,7 @@ from tether.common.cli_args import DeprecatedAlias, HelpFormatter
 from tether.common.exits import DONE, USAGE, run_command, usage_checks
 from tether.deploy.errors import ClusterError
 from tether.deploy.shard_args import add_shard_flags, shard_argv
+from tether.deploy.shard_count import ShardCount
 from tether.protos.errors import TetherError, report_usage_error
 from tether.worker.config import JOB, MODEL, WorkerConfig
 from tether.worker.flags import config_from_args
@@ -34,7 +35,10 @@ def _launch(argv: Sequence[str]) -> int:
         + " The shard flags (their own section) are given to every shard, as in 'tether server'.",
         formatter_class=HelpFormatter,
     )
-    _add_counts(p, shards=2, workers=2, per="")
+    _add_counts(p, shards=None, workers=2, per="",
+                shards_help="shard processes (default: 2 where the workers train on the CPU; where they train on GPUs, one per core "
+                "the GPU workers leave, 2 each for their main and transfer threads, at least 2 and at most 16, their kernel threads "
+                "given the cores left over: the start line says what it chose; docs/gpu.md)")
     p.add_argument("--out", default=None, help="write summary.json, worker-<i>.json and logs/ here")
     p.add_argument("--job-timeout", type=float, default=3600.0, metavar="SECONDS", help="give up after this many seconds")
     p.add_argument("--metrics", action="store_true", help="give every process a Prometheus /metrics port")
@@ -70,14 +74,27 @@ def _launch(argv: Sequence[str]) -> int:
                 # progress shows no made-up total or ETA.
                 program = replace(program, steps_from_job=False)
             shard_args = shard_argv(a)
+            shards = _shard_count(a.num_shards, template)
         # A UsageError from here on is a worker's own one line (a malformed data line found mid-run).
-        summary = run_job(template, a.num_shards, out=a.out, timeout_s=a.job_timeout, metrics=a.metrics,
+        summary = run_job(template, shards.num_shards, out=a.out, timeout_s=a.job_timeout, metrics=a.metrics,
                           checkpoint_every=a.checkpoint_every, shard_args=shard_args,
-                          program=program, max_restarts=a.max_restarts)
+                          program=program, max_restarts=a.max_restarts,
+                          shard_env=shards.env(), shards_why=shards.why if shards.for_gpus else None)
         print(_result_lines(summary, a.out, program is not None))
         return DONE
 
     return run_command("tether launch", body, failures=(ClusterError,), say_interrupted=True)
+
+
+def _shard_count(given: int | None, template: WorkerConfig) -> ShardCount:
+    """``tether launch``'s shards: ``--num-shards`` when given, else as many as the host's cores
+    allow its GPU workers (``tether.deploy.shard_count``; on a host without GPU workers, 2)."""
+    from tether.deploy import shard_count
+    from tether.deploy.children import gpu_count
+
+    gpus = gpu_count() if given is None and template.device != "cpu" else 0
+    return shard_count.choose_shards(given, gpus=gpus, cores=shard_count.host_cores(), num_workers=template.num_workers,
+                                     device=template.device)
 
 
 def _add_program_flags(p: argparse.ArgumentParser, who: str, steps_note: str = "") -> None:
@@ -160,7 +177,7 @@ def _check_job_flags(a: argparse.Namespace) -> None:
     Raises:
         ValueError: a bad value, named.
     """
-    if a.num_shards < 1:
+    if a.num_shards is not None and a.num_shards < 1:
         raise ValueError(f"--num-shards must be >= 1, got {a.num_shards}")
     if a.num_workers < 1:
         raise ValueError(f"--num-workers must be >= 1, got {a.num_workers}")
@@ -180,10 +197,11 @@ _PER_INVOCATION = (
 )
 
 
-def _add_counts(p: argparse.ArgumentParser, shards: int, workers: int, per: str) -> None:
+def _add_counts(p: argparse.ArgumentParser, shards: int | None, workers: int, per: str, shards_help: str | None = None) -> None:
     """``--num-shards`` and ``--num-workers`` (counts of processes; ``--shards`` is a list of
-    addresses in ``tether worker`` and ``export``), and their old spellings for one release."""
-    p.add_argument("--num-shards", type=int, default=shards, metavar="N", help=f"shard processes{per}")
+    addresses in ``tether worker`` and ``export``), and their old spellings for one release.
+    ``shards`` None: the command chooses (``shards_help`` says how)."""
+    p.add_argument("--num-shards", type=int, default=shards, metavar="N", help=shards_help or f"shard processes{per}")
     p.add_argument("--num-workers", type=int, default=workers, metavar="N", help=f"worker processes{per}")
     p.add_argument("--shards", dest="num_shards", type=int, action=DeprecatedAlias, new="--num-shards", default=argparse.SUPPRESS,
                    metavar="N", help="deprecated spelling of --num-shards, removed in the next release")

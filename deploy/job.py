@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -45,6 +45,8 @@ def run_job(
     max_restarts: int = 0,
     shard_restarts: int = 5,
     during: Callable[[LocalCluster], AbstractContextManager[object]] | None = None,
+    shard_env: Mapping[str, str] | None = None,
+    shards_why: str | None = None,
 ) -> dict[str, Any]:
     """Run a whole job locally, evaluate the result, and write ``summary.json`` to ``out``.
 
@@ -58,6 +60,8 @@ def run_job(
         shard_restarts: restart a shard that dies up to this many times.
         during: a context entered once the workers have started and left once they have all
             finished, before the evaluation (a fault schedule, for one).
+        shard_env: extra environment variables of every shard (``tether.deploy.shard_count``'s kernel threads).
+        shards_why: how ``num_shards`` was chosen, said in the start line (None: it was given).
 
     Raises:
         UsageError: a worker found a mistake in what it was asked (a malformed data line).
@@ -84,8 +88,9 @@ def run_job(
                 extra += ["--checkpoint-dir", str(checkpoints)]
             if checkpoint_every is not None:
                 extra += ["--checkpoint-every", repr(checkpoint_every)]
-            addresses = cluster.start_shards(num_shards, extra_args=extra, metrics=metrics)
-            print(f"tether: {num_shards} shard(s) at {', '.join(addresses)}; starting {template.num_workers} worker(s)", flush=True)
+            addresses = cluster.start_shards(num_shards, extra_args=extra, metrics=metrics, env=dict(shard_env) if shard_env else None)
+            chosen = f" ({shards_why})" if shards_why else ""
+            print(f"tether: {num_shards} shard(s){chosen} at {', '.join(addresses)}; starting {template.num_workers} worker(s)", flush=True)
             t0 = time.perf_counter()
             cluster.start_workers(template, echo=echo, metrics=metrics, program=program)
             with during(cluster) if during is not None else nullcontext():

@@ -162,13 +162,15 @@ def test_real_worker_help_output(clean_env: None) -> None:
 # -- process counts: --num-shards / --num-workers, the old spellings for one release ---------------
 
 
-@pytest.mark.parametrize("command, workers", [("launch", 2), ("compare", 4), ("sweep", 4)])
-def test_num_shards_and_num_workers(command: str, workers: int, monkeypatch: pytest.MonkeyPatch, clean_env: None,
+# launch's shard count is chosen when not given (None here: 2 on a CPU host, the host's cores for
+# GPU workers; tests/test_shard_count.py).
+@pytest.mark.parametrize("command, shards, workers", [("launch", None, 2), ("compare", 2, 4), ("sweep", 2, 4)])
+def test_num_shards_and_num_workers(command: str, shards: int | None, workers: int, monkeypatch: pytest.MonkeyPatch, clean_env: None,
                                     capsys: pytest.CaptureFixture[str]) -> None:
     parser = parser_of(command, monkeypatch)
     base = ["--out", "x"] if command != "launch" else []
     a = parser.parse_args(base)
-    assert (a.num_shards, a.num_workers) == (2, workers)
+    assert (a.num_shards, a.num_workers) == (shards, workers)
     a = parser.parse_args([*base, "--num-shards", "3", "--num-workers", "5"])
     assert (a.num_shards, a.num_workers) == (3, 5)
     assert capsys.readouterr().err == ""
@@ -182,6 +184,8 @@ def test_num_shards_and_num_workers(command: str, workers: int, monkeypatch: pyt
     blocks = option_blocks(parser.format_help())
     assert "deprecated" in blocks["--shards"] and "--num-shards" in blocks["--shards"]
     assert "deprecated" in blocks["--workers"] and "--num-workers" in blocks["--workers"]
+    if command == "launch":
+        assert "one per core the GPU workers leave" in " ".join(blocks["--num-shards"].split())
 
 
 def test_old_spelling_still_checked_under_the_new_name() -> None:

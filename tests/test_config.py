@@ -465,6 +465,30 @@ def test_presets_old_spellings_and_repeatable_flags_are_declared(capsys: pytest.
         parse(["--size", "huge"], {})
 
 
+@dataclasses.dataclass(frozen=True)
+class _Windowed:
+    PRESETS = fields.Presets(flag="--size", group="m", help="sizes by name",
+                             values={"default": {}, "big": {"rows": 64, "window": lambda v: 2 if v["kind"] == "fast" else 1}})
+
+    rows: int = fields.setting(4, flag="--rows", unset=True, group="m", help="rows")
+    kind: str = fields.setting("fast", flag="--kind", group="m", help="kind")
+    window: int = fields.setting(1, flag="--window", unset=True, group="m", help="window")
+
+
+def test_a_preset_value_may_depend_on_the_other_values() -> None:
+    """A preset's value may be a function of the flags' values over the defaults (--preset gpu's
+    push window is 2 in async only); a flag given for the field still wins."""
+    def parse(argv: list[str]) -> _Windowed:
+        parser = argparse.ArgumentParser(prog="t")
+        fields.add_flags(parser, _Windowed, environ={})
+        return _Windowed(**fields.values_from_args(_Windowed, parser.parse_args(argv), environ={}))
+
+    assert parse([]) == _Windowed()
+    assert parse(["--size", "big"]) == _Windowed(rows=64, window=2)
+    assert parse(["--size", "big", "--kind", "slow"]).window == 1
+    assert parse(["--size", "big", "--window", "5"]).window == 5
+
+
 def test_data_files_are_checked_once_at_the_entry_point_not_at_every_replace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tether.worker import config as worker_config
     from tether.worker import flags as worker_flags

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tether.protos.errors import UsageError
 from tether.worker.config import MODEL_PRESETS
 from tether.worker.flags import load_config
 
@@ -32,3 +33,53 @@ def test_an_unknown_preset_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
         load_config(["--shards", "127.0.0.1:1", "--preset", "huge"])
     assert exc.value.code == 2
     assert "invalid choice: 'huge'" in capsys.readouterr().err
+
+
+def _window(argv: list[str]) -> int:
+    return load_config(["--shards", "127.0.0.1:1", *argv]).push_window
+
+
+def test_the_gpu_preset_hides_a_round_trip_behind_two_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--preset gpu`` in async (with prefetching) keeps 2 pushes in flight: a step's push carries
+    the pull of the batch two steps on. ssp, sync and --no-prefetch land every push before the next
+    pull (K > 1 is refused there), so the preset leaves them at 1; a flag or variable given wins."""
+    for name in ("TETHER_PRESET", "TETHER_PUSH_WINDOW", "TETHER_MODE", "TETHER_PREFETCH", "TETHER_NO_PREFETCH"):
+        monkeypatch.delenv(name, raising=False)
+    assert _window([]) == 1
+    assert _window(["--preset", "gpu"]) == 2
+    assert _window(["--preset", "gpu", "--mode", "async"]) == 2
+    for refused in (["--mode", "ssp:2"], ["--mode", "ssp:0"], ["--mode", "sync"], ["--no-prefetch"]):
+        assert _window(["--preset", "gpu", *refused]) == 1, refused
+    # A flag given wins, also when it equals the default's value.
+    assert _window(["--preset", "gpu", "--push-window", "1"]) == 1
+    assert _window(["--preset", "gpu", "--push-window", "3"]) == 3
+    assert _window(["--push-window", "2"]) == 2
+    monkeypatch.setenv("TETHER_PUSH_WINDOW", "1")
+    assert _window(["--preset", "gpu"]) == 1
+    monkeypatch.delenv("TETHER_PUSH_WINDOW")
+    monkeypatch.setenv("TETHER_PRESET", "gpu")
+    assert _window([]) == 2
+    # The preset's window is still checked as a flag's is: K > 1 given outright in ssp is refused.
+    with pytest.raises(UsageError, match="--push-window 2: pushes in flight are for async"):
+        _window(["--mode", "ssp:1", "--push-window", "2"])
+
+
+def test_the_gpu_preset_window_reaches_a_launched_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tether launch --preset gpu``'s template, which every worker's config file is written
+    from, holds the window; the sizes stay MODEL_PRESETS' alone."""
+    import tether.deploy.job
+    from tether.deploy import cli
+
+    for name in ("TETHER_PRESET", "TETHER_PUSH_WINDOW", "TETHER_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    seen = {}
+
+    def run_job(template: object, num_shards: int, **kw: object) -> dict:
+        seen["template"] = template
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tether.deploy.job, "run_job", run_job)
+    cli.main(["launch", "--preset", "gpu", "--num-shards", "1", "--num-workers", "1", "--steps", "1", "--device", "cpu"])
+    t = seen["template"]
+    assert (t.push_window, t.batch_size, t.num_sparse, t.embedding_dim) == (2, 8192, 26, 128)
+    assert set(MODEL_PRESETS["gpu"]) == {"batch_size", "num_sparse", "embedding_dim"}

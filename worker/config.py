@@ -388,16 +388,38 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 _SIZES = MODEL_PRESETS["default"]
 
 
+def gpu_push_window(values: Mapping[str, Any]) -> int:
+    """``--preset gpu``'s push window: 2 where pushes in flight mean something (async with
+    prefetching), else 1. A step's push carries the pull of the batch two steps on, so the
+    round trip (the shards' apply and gather of ~68k 128-wide rows each way) has two steps of
+    GPU compute to come back in instead of one; a step's rows may then miss this worker's last
+    2 updates. ssp, sync and ``--no-prefetch`` land every push before the next pull (K > 1 is
+    refused there), so the preset leaves them at 1. (``values``: the config's values so far.)"""
+    prefetch_async = str(values.get("mode", "")).split(":")[0] == "async" and bool(values.get("prefetch", True))
+    return GPU_PUSH_WINDOW if prefetch_async else 1
+
+
+# Pushes in flight at --preset gpu (async with prefetching): two steps of compute hide a round trip.
+GPU_PUSH_WINDOW = 2
+# What --preset sets beyond the model's sizes: a value, or a function of the other values.
+JOB_PRESETS: dict[str, dict[str, Any]] = {"default": {}, "gpu": {"push_window": gpu_push_window}}
+
+
 @dataclass(frozen=True)
 class WorkerConfig(TrainingConfig):
     """``tether worker``: a ``TrainingConfig`` for the built-in CTR model and its data."""
 
     # --preset (tether.common.settings.Presets): batch size, fields and width by name.
     PRESETS: ClassVar[fields.Presets] = fields.Presets(
-        flag="--preset", group=MODEL, values=MODEL_PRESETS,
+        flag="--preset", group=MODEL, values={name: {**MODEL_PRESETS[name], **JOB_PRESETS[name]} for name in MODEL_PRESETS},
         help="model and batch size: default (batch 256, 8 fields, 16-wide rows: CPU-sized) or gpu (batch 8,192, 26 fields as in Criteo, "
-        "128-wide rows: a CUDA step not bound by kernel launches); --batch-size, --num-sparse and --embedding-dim override it",
+        "128-wide rows: a CUDA step not bound by kernel launches; in async also --push-window 2, so a pull's round trip has two "
+        "steps of compute to come back in); --batch-size, --num-sparse, --embedding-dim and --push-window override it",
     )
+    push_window: int = override(TrainingConfig, "push_window", 1, unset=True,
+                                help="async: up to K of this worker's pushes in flight, so a step's rows may miss its last K "
+                                "updates (default: the preset's: 1, or 2 with --preset gpu in async; 1 with ssp, sync or "
+                                "--no-prefetch, where K > 1 is refused)")
 
     steps: int = override(TrainingConfig, "steps", 2000, help="training steps per worker")
     # The built-in model and its data. Batch size, fields and width: unset flags take the
