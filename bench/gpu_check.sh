@@ -4,9 +4,10 @@
 # 1. tests/test_gpu.py (several workers, sync over NCCL, variable-length bags, a bf16 wire, the
 #    GPU preset), tests/test_gpu_overlap.py, and the row cache on the device (tests/test_device_cache.py;
 #    tests/test_gpu_cache.py runs it in real jobs, a few minutes more: run it by hand);
-# 2. bench/model_throughput.py --preset gpu --device cuda, 3 separate invocations (the target:
-#    the parameter server's share of a CUDA step <= 20%, and samples/s against the same model in
-#    one process on that GPU);
+# 2. bench/model_throughput.py --preset gpu --device cuda --num-shards auto, 3 separate invocations
+#    (the target: the parameter server's share of a CUDA step <= 20%, and samples/s against the
+#    same model in one process on that GPU), with the shards tether launch starts on this host for
+#    one GPU worker and the preset's push window (2); SHARDS=1 measures one shard as before;
 # 3. the default model on cuda once, against the figures of 572805c in bench/RESULTS.md.
 # Each part is bounded by `timeout`, and its output goes to OUTDIR (default: runs/gpu-check).
 # On a machine with no package index, wheels in .whl/ (grpcio, protobuf, grpcio-health-checking)
@@ -31,7 +32,7 @@ timeout "${TESTS_S:-300}" $PY -m pytest -q -p no:cacheprovider -rs tests/test_gp
 
 for i in 1 2 3; do
     echo "== preset gpu, invocation $i"
-    timeout "${GPU_BENCH_S:-90}" $PY bench/model_throughput.py --preset gpu --device cuda --steps "${GPU_STEPS:-150}" 2>&1 | tee "$OUTDIR/preset-gpu-$i.log"
+    timeout "${GPU_BENCH_S:-90}" $PY bench/model_throughput.py --preset gpu --device cuda --steps "${GPU_STEPS:-150}" --num-shards "${SHARDS:-auto}" 2>&1 | tee "$OUTDIR/preset-gpu-$i.log"
 done
 
 echo "== default model on cuda"

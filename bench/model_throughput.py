@@ -2,9 +2,13 @@
 model trained in one process with no parameter server (the ceiling), side by side.
 
     python bench/model_throughput.py [--quick] [--steps N] [--preset default|gpu] [--batch-size B] [--device cpu|cuda]
+                                     [--num-shards N|auto] [--push-window K]
 
 ``--preset gpu`` is the model ``tether worker --preset gpu`` trains (batch 8,192, 26 fields,
-128-wide rows): a CUDA step large enough that kernel launches do not bound it.
+128-wide rows): a CUDA step large enough that kernel launches do not bound it, with its push
+window (2; ``--push-window`` overrides it). ``--num-shards auto`` starts the shards ``tether
+launch`` would start for one worker on this host (``tether.deploy.shard_count``: on a GPU host
+one per core the worker leaves, with their kernel threads); the default is 1 shard.
 
 Both sides get one intra-op thread per process (as ``tether launch`` gives its children), the
 same batches, model, seed and optimizer (Adagrad). The tether side is a real shard process and
@@ -28,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _common import markdown_table
 
-from tether.worker.config import MODEL_PRESETS
+from tether.worker.config import MODEL_PRESETS, gpu_push_window
 
 # DESIGN.md: one worker and one shard reach >= 90% of the model trained in one process.
 TARGET = 0.90
@@ -72,14 +76,28 @@ def in_process(steps: int, size: dict[str, int], device: str, warmup: int = 20, 
     return steps * batch_size / (time.perf_counter() - start)
 
 
-def through_tether(steps: int, size: dict[str, int], device: str, shards: int = 1, workers: int = 1) -> dict:
+def through_tether(steps: int, size: dict[str, int], device: str, shards: int = 1, workers: int = 1, window: int = 1,
+                   shard_env: dict[str, str] | None = None) -> dict:
     """Samples/s of the same model through a local tether cluster (real processes)."""
     from tether.deploy.job import run_job
     from tether.worker.config import WorkerConfig
 
-    cfg = WorkerConfig(shards=("pending:0",), num_workers=workers, steps=steps, eval_samples=2000, device=device, log_every=steps, **size)
+    cfg = WorkerConfig(shards=("pending:0",), num_workers=workers, steps=steps, eval_samples=2000, device=device, log_every=steps,
+                       push_window=window, **size)
     with tempfile.TemporaryDirectory() as tmp:
-        return run_job(cfg, shards, out=tmp, echo=False)
+        return run_job(cfg, shards, out=tmp, echo=False, shard_env=shard_env)
+
+
+def shard_choice(text: str, device: str) -> tuple[int, dict[str, str], str]:
+    """``--num-shards``: a count as given, or ``auto``: what ``tether launch`` chooses for one
+    worker on ``device`` here; with the shards' environment and a note for the table."""
+    if text != "auto":
+        return int(text), {}, ""
+    from tether.deploy.children import gpu_count
+    from tether.deploy.shard_count import choose_shards, host_cores
+
+    count = choose_shards(None, gpus=gpu_count() if device != "cpu" else 0, cores=host_cores(), num_workers=1, device=device)
+    return count.num_shards, count.env(), f" (as tether launch chooses: {count.why})"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preset", choices=tuple(MODEL_PRESETS), default="default", help="model size (tether worker --preset)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per step (default: the preset's)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--num-shards", default="1", help="shards of the tether side: N, or auto (what tether launch chooses here)")
+    p.add_argument("--push-window", type=int, default=None, help="the tether worker's push window (default: the preset's)")
     p.add_argument("--_inprocess", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_pregenerated", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -109,18 +129,20 @@ def main(argv: list[str] | None = None) -> None:
 
     local = ceiling()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    summary = through_tether(steps, size, a.device)
+    shards, shard_env, chosen = shard_choice(a.num_shards, a.device)
+    window = a.push_window or (gpu_push_window({"mode": "async", "prefetch": True}) if a.preset == "gpu" else 1)
+    summary = through_tether(steps, size, a.device, shards=shards, window=window, shard_env=shard_env)
     pregenerated = ceiling("--_pregenerated")
     ratio = summary["samples_per_sec"] / local
     phases = summary["workers"][0]["phase_seconds"]
     busy = sum(phases.values())
     rows = [
         ["in one process, no parameter server", local, "1.00"],
-        ["tether: 1 worker + 1 shard", summary["samples_per_sec"], f"{ratio:.2f}"],
+        [f"tether: 1 worker + {shards} shard(s), push window {window}", summary["samples_per_sec"], f"{ratio:.2f}"],
         ["in one process, every batch made before the clock (reference)", pregenerated, f"{summary['samples_per_sec'] / pregenerated:.2f}"],
     ]
     print(f"CTR model, preset {a.preset} ({size['num_sparse']} fields, dim {size['embedding_dim']}), batch {size['batch_size']}, "
-          f"{steps} steps, device {a.device}\n")
+          f"{steps} steps, device {a.device}{chosen}\n")
     print(markdown_table(["setup", "samples/s", "ratio"], rows))
     print("\nworker step time: " + ", ".join(f"{k} {v / busy:.0%}" for k, v in phases.items() if v))
     # DESIGN.md's GPU target: the parameter server's share of a worker's step (all but compute).
