@@ -147,14 +147,18 @@ def _run_one(
     # Nor with the row cache: sync reads every row fresh (the option refuses it); the run's line says so.
     no_cache = mode == "sync" and template.cache_rows > 0
     cache: dict[str, Any] = {"cache_rows": 0, "cache_bound": 0, "cache_write_bound": None, "cache_policy": "lru"} if no_cache else {}
-    cfg = replace(template, mode=mode, data_seed=template.data_seed + repeat, delay_compensation=dc, **cache)
+    # Pushes in flight (--push-window, or --preset gpu's 2) are async's: ssp:S and sync land every
+    # push before the next pull (the option refuses more there), so their runs push one at a time.
+    window: dict[str, Any] = {"push_window": 1} if template.push_window > 1 and Mode.of(mode).kind != "async" else {}
+    cfg = replace(template, mode=mode, data_seed=template.data_seed + repeat, delay_compensation=dc, **cache, **window)
     if template.tensorboard:  # one run per mode under one root, so TensorBoard overlays them
         board = Path(template.tensorboard) / _mode_dir(mode)
         cfg = replace(cfg, tensorboard=str(board / f"repeat-{repeat}" if repeats > 1 else board))
     run_dir = out_dir / _mode_dir(mode) / f"repeat-{repeat}" if repeats > 1 else out_dir / _mode_dir(mode)
     printer(f"tether compare: running {mode}" + (f" repeat {repeat + 1}/{repeats}" if repeats > 1 else "")
             + f" ({cfg.num_workers} workers, {num_shards} shards, straggler {spec}"
-            + ("; no row cache: sync reads every row fresh)" if no_cache else ")"))
+            + ("; no row cache: sync reads every row fresh" if no_cache else "")
+            + (f"; push window 1, not {template.push_window}: {mode} lands every push before the next pull" if window else "") + ")")
     summary = run_job(cfg, num_shards, out=run_dir, timeout_s=timeout_s, echo=echo, program=program)
     records = [RunRecord.load(run_dir / f"worker-{w}.json") for w in range(cfg.num_workers)]
     curve = _with_total_samples(records)

@@ -83,3 +83,29 @@ def test_the_gpu_preset_window_reaches_a_launched_worker(monkeypatch: pytest.Mon
     t = seen["template"]
     assert (t.push_window, t.batch_size, t.num_sparse, t.embedding_dim) == (2, 8192, 26, 128)
     assert set(MODEL_PRESETS["gpu"]) == {"batch_size", "num_sparse", "embedding_dim"}
+
+
+def test_compare_runs_the_presets_window_in_async_only(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    """``tether compare --preset gpu`` (or ``--push-window 2``) builds one template for every mode:
+    its async runs keep the window, its ssp:S and sync runs push one at a time (a window above 1
+    is refused there) and their line says so."""
+    from pathlib import Path
+
+    import tether.deploy.compare as compare
+    from tether.worker.config import WorkerConfig
+    from tether.worker.training.mode import Mode
+
+    seen: list[object] = []
+
+    def run_job(cfg: object, num_shards: int, **kw: object) -> dict:
+        seen.append(cfg)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compare, "run_job", run_job)
+    template = WorkerConfig(shards=("pending:0",), steps=1, push_window=2)
+    lines: list[str] = []
+    for mode in ("async", "ssp:1", "sync"):
+        with pytest.raises(KeyboardInterrupt):
+            compare._run_one(template, Mode(mode), 0, 1, 1, Path(str(tmp_path)), "none", 60.0, False, lines.append)
+    assert [(c.mode, c.push_window) for c in seen] == [("async", 2), ("ssp:1", 1), ("sync", 1)]  # type: ignore[attr-defined]
+    assert "push window" not in lines[0] and "push window 1, not 2: ssp:1 lands every push" in lines[1]
