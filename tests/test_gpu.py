@@ -109,15 +109,23 @@ def test_bf16_wire_trains_on_cuda(tmp_path: Path) -> None:
 
 
 def test_gpu_preset_trains_through_the_cli(tmp_path: Path) -> None:
-    # batch 8,192, 26 fields, 128-wide rows: ~33 MiB of rows pulled and of gradients pushed a step.
+    # batch 8,192, 26 fields, 128-wide rows: ~33 MiB of rows pulled and of gradients pushed a step;
+    # no --num-shards: the launcher gives the shards the cores the GPU worker leaves, and the
+    # preset keeps 2 pushes in flight.
+    from tether.deploy.shard_count import choose_shards, host_cores
+
     out = tmp_path / "gpu"
-    proc = _tether(["launch", "--preset", "gpu", "--device", "cuda", "--num-shards", "2", "--num-workers", "1", "--steps", "30",
+    proc = _tether(["launch", "--preset", "gpu", "--device", "cuda", "--num-workers", "1", "--steps", "30",
                     "--log-every", "10", "--vocab-size", "20000", "--eval-samples", "8000", "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (record,) = _records(out, 1)
     preset = MODEL_PRESETS["gpu"]
     assert record["device"].startswith("cuda")
     assert {k: record["config"][k] for k in preset} == preset
+    assert record["config"]["push_window"] == 2
+    chosen = choose_shards(None, gpus=_gpus(), cores=host_cores(), num_workers=1, device="cuda").num_shards
+    assert json.loads((out / "summary.json").read_text())["num_shards"] == chosen
+    assert f"tether: {chosen} shard(s) (one per core that 1 GPU worker(s) leave" in proc.stdout, proc.stdout[:2000]
     assert record["samples"] == 30 * preset["batch_size"]
     assert set(record["phase_seconds"]) >= {"pull_wait", "compute", "push"}
     summary = json.loads((out / "summary.json").read_text())
