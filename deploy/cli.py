@@ -16,6 +16,7 @@ from typing import Any
 from tether.common import settings as fields
 from tether.common.cli_args import DeprecatedAlias, HelpFormatter
 from tether.common.exits import DONE, USAGE, run_command, usage_checks
+from tether.deploy import children, shard_count
 from tether.deploy.errors import ClusterError
 from tether.deploy.shard_args import add_shard_flags, shard_argv
 from tether.deploy.shard_count import ShardCount
@@ -89,10 +90,7 @@ def _launch(argv: Sequence[str]) -> int:
 def _shard_count(given: int | None, template: WorkerConfig) -> ShardCount:
     """``tether launch``'s shards: ``--num-shards`` when given, else as many as the host's cores
     allow its GPU workers (``tether.deploy.shard_count``; on a host without GPU workers, 2)."""
-    from tether.deploy import shard_count
-    from tether.deploy.children import gpu_count
-
-    gpus = gpu_count() if given is None and template.device != "cpu" else 0
+    gpus = children.gpu_count() if given is None and template.device != "cpu" else 0
     return shard_count.choose_shards(given, gpus=gpus, cores=shard_count.host_cores(), num_workers=template.num_workers,
                                      device=template.device)
 
