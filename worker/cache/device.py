@@ -40,9 +40,9 @@ import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.rules.optimizers import rule
-from tether.worker.cache.batch import hold_all, later_all, plan_all, store_all, take_all
+from tether.worker.cache.batch import hold_all, later_all, store_all, take_all
 from tether.worker.cache.kernels import set_cells
-from tether.worker.cache.parts import NO_FLIGHTS, NO_IDS, NO_ROWS, Plan, Pushed, RowCacheConfig, as_ids, offsets, read_versions
+from tether.worker.cache.parts import NO_IDS, NO_ROWS, Plan, Pushed, RowCacheConfig, as_ids, offsets, read_versions
 from tether.worker.cache.row_cache import RowCache
 from tether.worker.cache.slots import NONE, Due, Taken, coalesce
 from tether.worker.client.results import PullResult
@@ -243,21 +243,8 @@ class DeviceRowCache(RowCache):
         outs = {b: torch.empty(n, self.banks[b].width, device=self.device) for b, n in sizes.items()}
         oldest = np.full((len(names), self.num_shards), NONE, np.int64)
         zeros = np.zeros(len(names) + 1, np.int64)
-        bound = self.config.bound
         with self._lock:
-            flights, foffs = self._flights(now) if bound > 0 else (NO_IDS, NO_FLIGHTS)
-            code, done, found = plan_all(*self._columns(), parts, ids, offs, now, bound, flights, foffs, NO_ROWS, zeros, oldest)
-            miss = np.flatnonzero(code == 0)
-            later = np.flatnonzero(code == 2) if bound > 0 else NO_IDS
-            miss_offs = np.searchsorted(miss, offs)
-            miss_ids = ids[miss]
-            if bound > 0:
-                table_offs = np.zeros(len(self._tabs) + 1, np.int64)
-                table_offs[parts + 1] = np.diff(miss_offs)
-                self._inflight.append((id(outs), now, miss_ids, np.cumsum(table_offs)))
-            for t, (hit, refreshed) in zip(names, done.tolist(), strict=False):
-                self.hits[t] += hit
-                self.refreshed[t] += refreshed
+            code, miss, later, miss_offs, miss_ids, found = self._plan_ids(names, parts, ids, offs, now, NO_ROWS, zeros, oldest, id(outs))
             hits = np.flatnonzero(code == 1)
             again = miss[found[miss] >= 0]
             if len(hits) or len(again):

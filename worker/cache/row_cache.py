@@ -155,24 +155,36 @@ class RowCache:
         row_offs = offsets(counts * self._dims[parts])
         out = torch.empty(int(row_offs[-1]))
         oldest = np.full((len(names), self.num_shards), NONE, np.int64)
-        bound = self.config.bound
         with self._lock:
-            flights, foffs = self._flights(now) if bound > 0 else (NO_IDS, NO_FLIGHTS)
-            code, done, _ = plan_all(*self._columns(), parts, ids, offs, now, bound, flights, foffs, out.numpy(), row_offs, oldest)
-            miss = np.flatnonzero(code == 0)
-            later = np.flatnonzero(code == 2) if bound > 0 else NO_IDS
-            miss_offs = np.searchsorted(miss, offs)
-            miss_ids = ids[miss]
-            if bound > 0:
-                table_offs = np.zeros(len(self._tabs) + 1, np.int64)
-                table_offs[parts + 1] = np.diff(miss_offs)
-                self._inflight.append((id(out), now, miss_ids, np.cumsum(table_offs)))
-            for t, (hit, refreshed) in zip(names, done.tolist(), strict=False):
-                self.hits[t] += hit
-                self.refreshed[t] += refreshed
+            _, miss, later, miss_offs, miss_ids, _ = self._plan_ids(names, parts, ids, offs, now, out.numpy(), row_offs, oldest, id(out))
         plan = Plan(now, names, parts, ids, offs, out, row_offs, oldest, later, miss, miss_offs)
         plan.miss = {t: torch.from_numpy(miss_ids[miss_offs[k]: miss_offs[k + 1]]) for k, t in enumerate(names)}
         return plan
+
+    def _plan_ids(
+        self, names: list[str], parts: np.ndarray, ids: np.ndarray, offs: np.ndarray, now: int, out: np.ndarray, row_offs: np.ndarray,
+        oldest: np.ndarray, key: int,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``plan_all`` over a pull's ids (under the lock): each id's code, the positions of the
+        misses and of the ``later`` rows, where each table's misses start, the missed ids and each
+        id's slot (-1: not cached); the misses are noted as in flight under ``key`` (within the
+        read bound) and the hits and refreshes counted per table. Cached rows go into ``out`` at
+        ``row_offs`` (the host cache; the device cache passes no floats)."""
+        bound = self.config.bound
+        flights, foffs = self._flights(now) if bound > 0 else (NO_IDS, NO_FLIGHTS)
+        code, done, found = plan_all(*self._columns(), parts, ids, offs, now, bound, flights, foffs, out, row_offs, oldest)
+        miss = np.flatnonzero(code == 0)
+        later = np.flatnonzero(code == 2) if bound > 0 else NO_IDS
+        miss_offs = np.searchsorted(miss, offs)
+        miss_ids = ids[miss]
+        if bound > 0:
+            table_offs = np.zeros(len(self._tabs) + 1, np.int64)
+            table_offs[parts + 1] = np.diff(miss_offs)
+            self._inflight.append((key, now, miss_ids, np.cumsum(table_offs)))
+        for t, (hit, refreshed) in zip(names, done.tolist(), strict=True):
+            self.hits[t] += hit
+            self.refreshed[t] += refreshed
+        return code, miss, later, miss_offs, miss_ids, found
 
     def merge(self, plan: Plan, pulled: PullResult) -> tuple[PullResult, dict[str, torch.Tensor]]:
         """The pull's answer for every id of the plan (cached rows and pulled ones), and the
