@@ -234,11 +234,7 @@ class DeviceRowCache(RowCache):
 
     def plan(self, sparse: Mapping[str, torch.Tensor], now: int) -> DevicePlan:
         """``RowCache.plan``; the hits are gathered on the device into the answer."""
-        names, parts = self._split(list(sparse))
-        arrays = [as_ids(sparse[t]) for t in names]
-        ids = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else NO_IDS
-        counts = np.array([len(a) for a in arrays], np.int64)
-        offs = offsets(counts)
+        names, parts, ids, counts, offs = self._pull_ids(sparse)
         starts, sizes = self._starts(parts, counts)
         outs = {b: torch.empty(n, self.banks[b].width, device=self.device) for b, n in sizes.items()}
         oldest = np.full((len(names), self.num_shards), NONE, np.int64)

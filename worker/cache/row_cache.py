@@ -147,11 +147,7 @@ class RowCache:
 
     def plan(self, sparse: Mapping[str, torch.Tensor], now: int) -> Plan:
         """Split a pull of ``sparse`` (table -> sorted unique ids) at clock ``now``."""
-        names, parts = self._split(list(sparse))
-        arrays = [as_ids(sparse[t]) for t in names]
-        ids = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else NO_IDS
-        counts = np.array([len(a) for a in arrays], np.int64)
-        offs = offsets(counts)
+        names, parts, ids, counts, offs = self._pull_ids(sparse)
         row_offs = offsets(counts * self._dims[parts])
         out = torch.empty(int(row_offs[-1]))
         oldest = np.full((len(names), self.num_shards), NONE, np.int64)
@@ -160,6 +156,15 @@ class RowCache:
         plan = Plan(now, names, parts, ids, offs, out, row_offs, oldest, later, miss, miss_offs)
         plan.miss = {t: torch.from_numpy(miss_ids[miss_offs[k]: miss_offs[k + 1]]) for k, t in enumerate(names)}
         return plan
+
+    def _pull_ids(self, sparse: Mapping[str, torch.Tensor]) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """A pull's tables (names, their parts), all its ids in one array, each table's count and
+        where each table's ids start."""
+        names, parts = self._split(list(sparse))
+        arrays = [as_ids(sparse[t]) for t in names]
+        ids = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else NO_IDS
+        counts = np.array([len(a) for a in arrays], np.int64)
+        return names, parts, ids, counts, offsets(counts)
 
     def _plan_ids(
         self, names: list[str], parts: np.ndarray, ids: np.ndarray, offs: np.ndarray, now: int, out: np.ndarray, row_offs: np.ndarray,
