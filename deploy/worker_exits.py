@@ -71,17 +71,48 @@ def _raise_usage_line(name: str, log_path: Path) -> None:
 RANK_LOGS = "ranks"
 
 
+# A rank's last line that says only that another rank went away (gloo's and NCCL's words for it):
+# a consequence of the failure, never its cause.
+_PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|remote (worker|process) (crashing|exited)|"
+                        r"NCCL communicator was aborted")
+_RANK_ENTRY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
 def root_cause(torchrun_log: Path) -> tuple[str, int, Path] | None:
-    """``(rank N, its exit code, its stderr file)`` of the rank torchrun's summary names as the
-    root cause, or None when the log or the file does not say."""
+    """``(rank N, its exit code, its stderr file)`` of the rank whose failure caused the others,
+    or None when the log or the files do not say.
+
+    torchrun names the first failure it observed (its "Root Cause"), which is not always the
+    cause: a rank that raised can be slower to exit than the ranks whose collective then failed
+    with "connection closed by peer" (torchrun then stops it with SIGTERM). So where the rank
+    torchrun names ended on such a line, the first other failed rank (in torchrun's list) whose
+    error is its own is the cause."""
     try:
         text = torchrun_log.read_text(errors="replace")
     except OSError:
         return None
-    _, _, cause = text.rpartition("Root Cause")
-    found = re.search(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)", cause)
-    if found is None:
+    before, _, cause = text.rpartition("Root Cause")
+    named = _RANK_ENTRY.search(cause)
+    if named is None:
         return None
-    rank, local_rank, code = (int(g) for g in found.groups())
-    files = sorted(torchrun_log.parent.glob(f"{RANK_LOGS}/*/attempt_*/{local_rank}/stderr.log"), key=lambda f: f.stat().st_mtime)
-    return (f"rank {rank}", code, files[-1]) if files else None
+    _, _, failures = before.rpartition("Failures:")
+    entries = [named, *_RANK_ENTRY.finditer(failures)]
+    found: list[tuple[str, int, Path]] = []
+    for entry in entries:
+        rank, local_rank, code = (int(g) for g in entry.groups())
+        files = sorted(torchrun_log.parent.glob(f"{RANK_LOGS}/*/attempt_*/{local_rank}/stderr.log"), key=lambda f: f.stat().st_mtime)
+        if files:
+            found.append((f"rank {rank}", code, files[-1]))
+    for candidate in found:
+        if not _PEER_GONE.search(_last_line(candidate[2])):
+            return candidate
+    return found[0] if found else None
+
+
+def _last_line(path: Path) -> str:
+    """The last non-empty line of ``path`` ("" when it cannot be read)."""
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""

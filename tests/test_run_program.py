@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tether.deploy.run_program import program_env
 from tether.deploy.worker_exits import root_cause
 
@@ -65,3 +67,50 @@ def test_under_torchrun_the_scripts_flags_reach_it_and_its_exit_code_is_the_rank
     assert '"argv": [' + json.dumps(script) + ', "--n", "5", "3"]' in proc.stdout
     found = root_cause(tmp_path / "torchrun.log")
     assert found is not None and found[:2] == ("rank 0", 3)
+
+
+_SUMMARY = """
+[rank1]: RuntimeError: user error on purpose in rank 1
+============================================================
+failed
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-06_15:38:48
+  host      : box
+  rank      : 1 (local_rank: 1)
+  exitcode  : -15 (pid: 14149)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 14149
+[2]:
+  time      : 2026-12-06_15:38:48
+  host      : box
+  rank      : 2 (local_rank: 2)
+  exitcode  : 1 (pid: 14150)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-06_15:38:48
+  host      : box
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 14148)
+============================================================
+"""
+_GONE = "[rank{r}]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:13513. This is typically caused by a remote worker crashing."
+
+
+@pytest.mark.parametrize(("rank1_last", "cause"), [
+    ("[rank1]: RuntimeError: user error on purpose in rank 1", ("rank 1", -15)),  # the rank that raised, though torchrun saw it last
+    (_GONE.format(r=1), ("rank 0", 1)),  # every rank only saw another go: torchrun's own choice stands
+])
+def test_the_root_cause_is_the_rank_whose_error_is_its_own(tmp_path: Path, rank1_last: str, cause: tuple[str, int]) -> None:
+    """A rank that raised can exit after the ranks whose all-reduce then failed with 'connection
+    closed by peer'; torchrun names the first to exit, the launcher the one that caused it."""
+    (tmp_path / "torchrun.log").write_text(_SUMMARY)
+    for rank, last in ((0, _GONE.format(r=0)), (1, rank1_last), (2, _GONE.format(r=2))):
+        folder = tmp_path / "ranks" / "run" / "attempt_0" / str(rank)
+        folder.mkdir(parents=True)
+        (folder / "stderr.log").write_text(f"[rank{rank}]: Traceback (most recent call last):\n{last}\n")
+    found = root_cause(tmp_path / "torchrun.log")
+    assert found is not None and found[:2] == cause
+    assert found[2] == tmp_path / "ranks" / "run" / "attempt_0" / cause[0].split()[1] / "stderr.log"
