@@ -48,6 +48,7 @@ from tether.worker.cache.kernels import (
     VALS,
     Columns,
     columns,
+    fetch_row,
     probe_from,
     shard_of,
     slot_of,
@@ -113,8 +114,12 @@ def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
         rv, sh, v = meta_l[g][:, RV], meta_l[g][:, SHARD], floats[VALS * nt + g]
         mi, fr = floats[MINE * nt + g], floats[FRESH * nt + g]
         dim = v.shape[1]
+        meta_flat, v_flat, width = meta_l[g].reshape(-1), v.reshape(-1), meta_l[g].shape[1]
         _lookup(cells, ids, offs[k], offs[k + 1], found)
         for i in range(offs[k], offs[k + 1]):
+            if i + _AHEAD < offs[k + 1] and found[i + _AHEAD] >= 0:
+                fetch_row(meta_flat, found[i + _AHEAD], width)
+                fetch_row(v_flat, found[i + _AHEAD], dim)
             key = ids[i]
             s = found[i]
             if s >= 0:
@@ -189,8 +194,14 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
                                               meta_l[g][:, PS], meta_l[g][:, PV])
         pend, mine, shard, rv = floats[PEND * nt + g], floats[MINE * nt + g], meta_l[g][:, SHARD], meta_l[g][:, RV]
         dim = vals.shape[1]
+        meta_flat, v_flat, f_flat, width = meta_l[g].reshape(-1), vals.reshape(-1), fresh.reshape(-1), meta_l[g].shape[1]
         _lookup(cells, keys, koffs[k], koffs[k + 1], found)  # a part's keys are unique: placing one moves no other's slot
         for i in range(koffs[k], koffs[k + 1]):
+            if i + _AHEAD < koffs[k + 1] and found[i + _AHEAD] >= 0:
+                ahead = found[i + _AHEAD]
+                fetch_row(meta_flat, ahead, width)
+                fetch_row(v_flat, ahead, dim)
+                fetch_row(f_flat, ahead, dim)
             key = keys[i]
             src = got_offs[k] + got_row[i] * dim
             dst = row_offs[k] + (pos[i] - offs[k]) * dim
@@ -250,8 +261,15 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
         cells, pend, since, pv = cells_l[t], floats[PEND * nt + t], meta_l[t][:, PS], meta_l[t][:, PV]
         shard, vals = meta_l[t][:, SHARD], floats[VALS * nt + t]
         dim = vals.shape[1]
+        meta_flat, p_flat, v_flat, width = meta_l[t].reshape(-1), pend.reshape(-1), vals.reshape(-1), meta_l[t].shape[1]
         _lookup(cells, ids, offs[k], offs[k + 1], found)
         for i in range(offs[k], offs[k + 1]):
+            if i + _AHEAD < offs[k + 1] and found[i + _AHEAD] >= 0:
+                ahead = found[i + _AHEAD]
+                fetch_row(meta_flat, ahead, width)
+                fetch_row(p_flat, ahead, dim + 2)
+                if local[k]:
+                    fetch_row(v_flat, ahead, dim)
             s = found[i]
             if s < 0:
                 missing[m] = i
@@ -301,7 +319,12 @@ def deltas_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any,
         nt = len(cells_l)
         vals, mine, fresh = floats[VALS * nt + t], floats[MINE * nt + t], floats[FRESH * nt + t]
         dim = vals.shape[1]
+        v_flat, m_flat, f_flat = vals.reshape(-1), mine.reshape(-1), fresh.reshape(-1)
         for r in range(soffs[k], soffs[k + 1]):
+            if r + _AHEAD < soffs[k + 1]:
+                fetch_row(v_flat, slots[r + _AHEAD], dim)
+                fetch_row(m_flat, slots[r + _AHEAD], dim)
+                fetch_row(f_flat, slots[r + _AHEAD], dim)
             s = slots[r]
             base = g_offs[k] + (r - soffs[k]) * dim
             for j in range(dim):
@@ -329,10 +352,13 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
     valid = np.zeros(n, np.bool_)
     t = -1
     meta = meta_l[0]
+    width = meta.shape[1]
     for i in range(n):
         if tables[i] != t:
             t = tables[i]
             meta = meta_l[t]
+        if i + _AHEAD < n and tables[i + _AHEAD] == t:
+            fetch_row(meta.reshape(-1), slots[i + _AHEAD], width)
         if meta[slots[i], PS] == since[i]:
             valid[i] = True
             count[t] += 1
@@ -370,6 +396,9 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
             t = tables[i]
             meta, pend, mine = meta_l[t], floats[PEND * nt + t], floats[MINE * nt + t]
         dim = pend.shape[1] - 2
+        if i + _AHEAD < n and tables[i + _AHEAD] == t:  # the first loop brought the meta rows
+            fetch_row(pend.reshape(-1), slots[i + _AHEAD], dim + 2)
+            fetch_row(mine.reshape(-1), slots[i + _AHEAD], dim)
         r, f, q = at[t], flat[t], sflat[t]
         key = meta[s, IDS]
         if r > start[t] and out_ids[r - 1] >= key:

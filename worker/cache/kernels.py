@@ -14,11 +14,11 @@ from typing import Any, NamedTuple
 import numpy as np
 from numba.typed import List
 
-from tether.rules.index_kernels import cell_from, mix64
+from tether.rules.index_kernels import cell_from, mix64, prefetch
 from tether.rules.kernel_cache import compiled
 
 __all__ = ["FLOATS", "FRESH", "IDS", "LU", "META", "MINE", "NONE", "PEND", "PS", "PV", "RC", "RV", "SHARD", "USES", "VALS", "Columns",
-           "columns", "oldest_per_shard", "probe_from", "set_cells", "shard_of", "slot_of", "warm_up"]
+           "columns", "fetch_row", "oldest_per_shard", "probe_from", "set_cells", "shard_of", "slot_of", "warm_up"]
 
 _jit = compiled()
 NONE = np.iinfo(np.int64).max
@@ -92,6 +92,18 @@ def probe_from(cells: np.ndarray, key: np.int64, p: np.int64) -> np.int64:
     """``slot_of``'s probe from cell ``p``, the key's home cell (``index_kernels.cell_from``)."""
     c = cell_from(cells, key, p, np.uint64(len(cells) - 1))
     return np.int64(-1) if c < 0 else cells[c, 1]
+
+
+@compiled(inline="always")
+def fetch_row(flat: np.ndarray, s: np.int64, width: np.int64) -> None:
+    """Ask for row ``s`` of a C-contiguous 2-d array of rows ``width`` long, seen flat (``flat``:
+    its ``reshape(-1)``): a line every 16 items and its last item (a row may straddle two
+    lines). A pass asks for the rows some ids ahead of the one it works on, so that the
+    rows of a step, scattered over the cache, arrive several at a time (no effect on results)."""
+    start = s * width
+    for k in range(0, width, 16):
+        prefetch(flat, start + k)
+    prefetch(flat, start + width - 1)
 
 
 @compiled(inline="always")
