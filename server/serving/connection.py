@@ -4,7 +4,6 @@ data-plane server uses."""
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import select
@@ -15,6 +14,7 @@ from collections.abc import Callable
 
 import grpc
 
+from tether.common.pages import anonymous
 from tether.protos import framing as dp
 
 __all__ = ["Connection", "Refuse", "anonymous", "close_all", "drain", "peer", "readable"]
@@ -23,7 +23,6 @@ __all__ = ["Connection", "Refuse", "anonymous", "close_all", "drain", "peer", "r
 _DRAIN_BYTES = 256 * 1024
 _DRAIN_S = 0.5
 # Buffers from this size on ask for transparent huge pages.
-_HUGE = 2 << 20
 
 
 class Refuse(Exception):
@@ -71,28 +70,6 @@ def readable(conn: socket.socket, timeout_s: float) -> bool:
     poller = select.poll()
     poller.register(conn, select.POLLIN | select.POLLPRI)
     return bool(poller.poll(timeout_s * 1000))
-
-
-def anonymous(n: int) -> tuple[mmap.mmap, int]:
-    """``n`` bytes of anonymous memory, in transparent huge pages where the system allows them:
-    the mapping and the offset in it where the ``n`` bytes start.
-
-    A buffer of megabytes is then faulted in a few 2 MiB pages instead of 4 KiB at a time (a
-    4 MiB frame after an idle release: 1,025 page faults before, 3 with THP on ``madvise``)
-    and costs fewer TLB misses while the frame is received and applied.
-    """
-    if n < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return mmap.mmap(-1, n), 0
-    # Private (shared anonymous memory is shmem: no huge pages unless shmem THP is on), one huge
-    # page longer so that the bytes used can start on a huge-page boundary (only touched pages
-    # cost memory).
-    buf = mmap.mmap(-1, n + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-        return buf, 0  # no THP here: 4 KiB pages, as before
-    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    return buf, -address % _HUGE
 
 
 def close_all(fds: list[int]) -> None:

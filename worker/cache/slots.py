@@ -8,9 +8,10 @@ cells, n a power of two kept at least twice the cells in use): a lookup of a ste
 compiled loop, an eviction marks its cells removed (tombstones), and the index is rebuilt from
 the live slots when live rows and tombstones fill half of it.
 
-The slot arrays are allocated for the whole capacity at once but uninitialised (``np.empty``,
-``torch.empty``: pages the cache never uses are never touched) and each slot's columns are set
-when a row is placed in it, so growing the cache copies nothing.
+The slot arrays are allocated for the whole capacity at once but uninitialised (anonymous
+memory, in huge pages where the system allows: ``tether.common.pages``; pages the cache never
+uses are never touched) and each slot's columns are set when a row is placed in it, so growing
+the cache copies nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from tether.common import pages
 from tether.rules.index_kernels import EMPTY_SLOT, REMOVED_SLOT, index_cells, index_lookup, index_place
 from tether.rules.optimizers import OptimizerConfig, rule
 from tether.rules.row_kernels import row_kernel
@@ -87,7 +89,7 @@ def wait_warm_up(timeout: float = WARM_UP_TIMEOUT_S) -> None:
 def _lines(n: int, width: int) -> np.ndarray:
     """An uninitialised [n, width] int64 array whose rows start on 64-byte boundaries (width 8:
     one cache line each)."""
-    buf = np.empty(n * width + 8, np.int64)
+    buf = pages.empty(n * width + 8, np.int64)
     skip = (-buf.ctypes.data % 64) // 8
     return buf[skip: skip + n * width].reshape(n, width)
 
@@ -96,7 +98,9 @@ def _cells_for(entries: int) -> np.ndarray:
     n = 1024
     while n < 4 * entries:
         n <<= 1
-    return np.full((n, 2), EMPTY_SLOT, np.int64)
+    cells = pages.empty((n, 2), np.int64)
+    cells.fill(EMPTY_SLOT)
+    return cells
 
 
 class Table:
@@ -117,16 +121,18 @@ class Table:
         (self.ids, self.shard, self.read_clock, self.read_version, self.last_used, self.uses, self.pending_since,
          self.pending_version) = (self.meta[:, c] for c in range(len(META)))
         self.used = np.zeros(n, bool)
-        self.values = torch.empty(n, dim)  # the rows as read, with the worker's own changes
+        # The per-slot arrays are in huge pages where the system allows (``tether.common.pages``):
+        # a step's passes read them at scattered rows.
+        self.values = torch.from_numpy(pages.empty((n, dim), np.float32))  # the rows as read, with the worker's own changes
         # The sums of the gradients held (zeroed when placed), and two more columns: the sum of
         # their mean(g * g) and their count (``cache_batch.hold_all``; a combined push's statistics).
-        self.pending = torch.empty(n, dim + 2)
+        self.pending = torch.from_numpy(pages.empty((n, dim + 2), np.float32))
         self.vals, self.pend = self.values.numpy(), self.pending.numpy()  # the same memory
         # The local rule's changes to each row (read-your-own-writes; zeroed when placed): ``mine``,
         # those of the gradients held (not pushed yet); ``fresh``, those the answer of the row's
         # refresh in flight lacks (the held ones when it was planned, and every one since).
-        self.mine = np.empty((n, dim), np.float32)
-        self.fresh = np.empty((n, dim), np.float32)
+        self.mine = pages.empty((n, dim), np.float32)
+        self.fresh = pages.empty((n, dim), np.float32)
         self.cells = _cells_for(min(capacity, 1024))
         self.filled = 0  # cells holding a row or a tombstone
         # Local updates (``local_rule``): the table's rule, its constants and its state per slot.
@@ -142,7 +148,7 @@ class Table:
         r = rule(optimizer.name)
         n = max(self.capacity, 1)
         self.optimizer = optimizer
-        self.state = {k: np.empty((n, *shape), np.float32) for k, shape in r.state_shapes(self.dim).items()}
+        self.state = {k: pages.empty((n, *shape), np.float32) for k, shape in r.state_shapes(self.dim).items()}
         # The rule's compiled row update called as ``row_update`` would, with its arguments made once.
         self.update = row_kernel(r)
         self._args = (np.empty(self.dim, np.float32), *self.state.values(), *r.kernel_constants(optimizer))
