@@ -1,10 +1,12 @@
 """Per-step pull and push of ``--preset gpu`` through one real shard, with a trivial compute,
 side by side with the same gathers and updates done in one process with torch (the ceiling).
 
-    python bench/gpu_pull.py [--steps 130] [--warm-from 100] [--preset gpu] [--profile DIR]
+    python bench/gpu_pull.py [--steps 130] [--warm-from 100] [--preset gpu] [--cache 20/20] [--cache-rows N] [--profile DIR]
 
 The worker side is the real one (``ctr_trainer``: ``PSModel`` over a ``PSClient`` on the CPU,
-the row cache off) driven as an async worker with prefetching drives it: install the step's
+the row cache off; with ``--cache R/W`` the same run again beside it with the row cache at read
+bound R and write bound W, ``--cache-rows`` rows a table, on the host: the CPU stand-in for a
+GPU worker's cache) driven as an async worker with prefetching drives it: install the step's
 rows (``pull_wait``: the previous step's ``push_pull`` answered and its rows bound), a trivial
 compute (the loss is the rows' sum times a constant, so every pulled row gets a gradient of the
 real size, 33 MiB a step at ``--preset gpu``), then ``push_pull`` (the gradients and the next
@@ -88,7 +90,10 @@ def _summary(label: str, xs: list[float]) -> str:
     return f"{label} {statistics.median(xs) * 1e3:7.1f}" if xs else f"{label}     -"
 
 
-def run(steps: int, warm_from: int, preset: str, profile: str | None) -> None:
+def run(steps: int, warm_from: int, preset: str, profile: str | None, cache: tuple[int, int] | None = None,
+        cache_rows: int = 0) -> list[str]:
+    """One run (a shard and a worker, ``cache``: the row cache's read/write bounds, None: off):
+    its table lines, cold and warm, and the ceiling's line."""
     from tether.deploy.launch import LocalCluster
     from tether.worker.config import MODEL_PRESETS, WorkerConfig
     from tether.worker.ctr.job import ctr_sparse, ctr_trainer, open_dataset
@@ -103,11 +108,12 @@ def run(steps: int, warm_from: int, preset: str, profile: str | None) -> None:
     with LocalCluster(grace_s=5.0) as cluster, tempfile.TemporaryDirectory() as tmp:
         addresses = cluster.start_shards(1, timeout_s=90)
         shard_pid = cluster.shards[0].proc.pid
-        cfg = WorkerConfig(shards=tuple(addresses), num_workers=1, steps=steps, eval_samples=100, device="cpu", out=tmp, **size)
+        caching = {} if cache is None else {"cache_rows": cache_rows, "cache_bound": cache[0], "cache_write_bound": cache[1]}
+        cfg = WorkerConfig(shards=tuple(addresses), num_workers=1, steps=steps, eval_samples=100, device="cpu", out=tmp, **size, **caching)
         with ctr_trainer(cfg, open_dataset(cfg), printer=lambda line: None) as trainer:
             ps = trainer.ps
             pending = ps.prefetch(ctr_sparse(batches[0]))
-            waits, pushes, computes, shard_cpu, worker_cpu = [], [], [], [], []
+            waits, pushes, computes, shard_cpu, worker_cpu, moved = [], [], [], [], [], []
             spies: list[subprocess.Popen] = []
             for step in range(steps):
                 if profile and step == warm_from:
@@ -116,6 +122,7 @@ def run(steps: int, warm_from: int, preset: str, profile: str | None) -> None:
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                              for name, pid in (("shard", shard_pid), ("worker", os.getpid()))]
                     time.sleep(1.0)
+                m0 = sum(ps.meter.pulled_rows.values()) + sum(ps.meter.pushed_rows.values())
                 c0, w0 = _cpu_s(shard_pid), time.process_time()
                 t0 = time.perf_counter()
                 pulled = ps.install(pending, train=True, timeout=120)
@@ -130,6 +137,7 @@ def run(steps: int, warm_from: int, preset: str, profile: str | None) -> None:
                 pushes.append(t3 - t2)
                 shard_cpu.append(_cpu_s(shard_pid) - c0)
                 worker_cpu.append(w1 - w0 + w3 - w2)
+                moved.append((sum(ps.meter.pulled_rows.values()) + sum(ps.meter.pushed_rows.values()) - m0) * 1e-3)  # thousands
             ps.install(pending, train=False, timeout=120)
             for spy in spies:
                 spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
@@ -137,15 +145,19 @@ def run(steps: int, warm_from: int, preset: str, profile: str | None) -> None:
     ceiling_ms, memcpy_ms = _ceiling(batches, min(steps, 30), size["embedding_dim"])
     cold = slice(0, min(10, steps))
     warm = slice(warm_from, steps)
-    print(f"preset {preset}: batch {size['batch_size']}, {size['num_sparse']} tables x {size['embedding_dim']} wide, "
-          f"{uniques:,.0f} unique ids a step ({uniques * size['embedding_dim'] * 4 / 2**20:.1f} MiB of rows), {steps} steps")
-    print(f"data generator: {gen_ms:.1f} ms a batch (made before the clock here)")
-    print("ms per step (medians)         pull_wait   push   compute  shard CPU  worker CPU")
+    name = "no cache" if cache is None else f"cache {cache[0]}/{cache[1]}"
+    lines = [f"preset {preset}: batch {size['batch_size']}, {size['num_sparse']} tables x {size['embedding_dim']} wide, "
+             f"{uniques:,.0f} unique ids a step ({uniques * size['embedding_dim'] * 4 / 2**20:.1f} MiB of rows), {steps} steps",
+             f"data generator: {gen_ms:.1f} ms a batch (made before the clock here)"]
     for label, part in (("cold (steps 0-9)", cold), (f"warm (steps {warm_from}-{steps - 1})", warm)):
         cols = [waits[part], pushes[part], computes[part], shard_cpu[part], worker_cpu[part]]
-        print(f"{label:28s} " + "  ".join(_summary("", c) for c in cols))
-    print(f"ceiling, one process (torch gathers + Adagrad updates of the same rows): {ceiling_ms:.1f} ms; "
-          f"memcpy of the step's rows + gradients: {memcpy_ms:.1f} ms")
+        lines.append(f"{name + ', ' + label:38s} " + "  ".join(_summary("", c) for c in cols)
+                     + f"  {statistics.median(moved[part]):10.1f}k")
+    lines.append(f"ceiling, one process (torch gathers + Adagrad updates of the same rows): {ceiling_ms:.1f} ms; "
+                 f"memcpy of the step's rows + gradients: {memcpy_ms:.1f} ms")
+    lines.append(f"{name}: warm round trip (pull_wait + push) {statistics.median(waits[warm]) * 1e3 + statistics.median(pushes[warm]) * 1e3:.1f} ms"
+                 f" = {(statistics.median(waits[warm]) + statistics.median(pushes[warm])) * 1e3 / memcpy_ms:.1f}x the memcpy")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -154,10 +166,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warm-from", type=int, default=100)
     p.add_argument("--preset", default="gpu")
     p.add_argument("--profile", default=None, help="folder for py-spy flame graphs of the warm steps")
+    p.add_argument("--cache", default=None, metavar="R/W", help="also run with the row cache at read bound R and write bound W, side by side")
+    p.add_argument("--cache-rows", type=int, default=300_000, help="the cache's rows per table (default 300,000)")
     a = p.parse_args(argv)
     if not 0 < a.warm_from < a.steps:
         sys.exit("--warm-from must be in (0, --steps)")
-    run(a.steps, a.warm_from, a.preset, a.profile)
+    cache = None
+    if a.cache is not None:
+        try:
+            r, w = (int(x) for x in (a.cache.split("/") if "/" in a.cache else (a.cache, a.cache)))
+        except ValueError:
+            sys.exit(f"--cache must be R/W (two integers >= 0), got {a.cache!r}")
+        if min(r, w) < 0 or r == 0:
+            sys.exit(f"--cache must be R/W with R >= 1 and W >= 0, got {a.cache!r}")
+        cache = (r, w)
+    lines = run(a.steps, a.warm_from, a.preset, a.profile)
+    if cache is not None:
+        lines += run(a.steps, a.warm_from, a.preset, None, cache, a.cache_rows)
+    header = "ms per step (medians)                  pull_wait   push   compute  shard CPU  worker CPU  rows moved"
+    print("\n".join(lines[:2] + [header] + [x for x in lines if x.startswith(("no cache", "cache"))]
+                    + [lines[-2]]))
 
 
 if __name__ == "__main__":
