@@ -1,0 +1,98 @@
+"""A shard's CPU per row of a row cache's combined push against a plain push (issue 41 item 3),
+side by side: ``Shard.push`` in this process, thread CPU time.
+
+W simulated async workers take turns on one shard holding CTR-sized tables (``--tables`` tables
+of dim 16, Adagrad, ids Zipf-distributed over ``--vocab``). Each round every worker pushes
+``--rows`` rows a table:
+
+* **plain**: each row one gradient, read when the worker last pulled (the W - 1 pushes of the
+  round before it overtook it), as a worker without the cache pushes;
+* **combined**: each row the sum of ``--held`` gradients with its statistics (Adagrad's sum of
+  mean(g * g)), its read version the oldest of them, ``--held`` rounds back (W x held pushes
+  overtook it), as the row cache at write bound ``--held`` pushes.
+
+Neither ``--staleness-aware`` nor a hard limit is set: the shard needs only each push's largest
+staleness (metric, ack). Prints thread CPU microseconds per row of each kind (median over rounds
+after the first tenth) and their ratio; the issue's target is a ratio of at most 1.0.
+
+    python bench/combined_push.py [--workers 4] [--tables 8] [--rows 80] [--held 20] [--rounds 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np
+import torch
+
+from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.server.storage.shard import Shard, SparseUpdate
+
+
+def _zipf_ids(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
+    """``n`` distinct sorted ids, Zipf(1.1)-distributed over ``[0, vocab)``."""
+    out: set[int] = set()
+    while len(out) < n:
+        out.update(int(x) % vocab for x in rng.zipf(1.1, 2 * n))
+    return np.array(sorted(out)[:n], np.int64)
+
+
+def run(combined: bool, workers: int, tables: int, rows: int, held: int, rounds: int, vocab: int, seed: int = 0) -> float:
+    """CPU microseconds per row of ``Shard.push`` (median over rounds of the round's mean)."""
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(seed)
+    shard = Shard()
+    opt = OptimizerConfig("adagrad", lr=0.05)
+    names = [f"t{k}" for k in range(tables)]
+    shard.declare([TableConfig(name=t, dim=16, optimizer=opt) for t in names], [])
+    grads = torch.full((rows, 16), 1e-3)
+    stats = torch.full((rows, 1), float(held) * 1e-6)
+    versions: list[dict[str, int]] = []  # per round: each table's version at the round's start
+    per_round = []
+    seq = 0
+    for r in range(rounds):
+        batches = [{t: _zipf_ids(rng, rows, vocab) for t in names} for _ in range(workers)]
+        for b in batches:  # rows exist (a pull admits them), as in a job
+            shard.pull([(t, ids) for t, ids in b.items()], [])
+        versions.append({t: shard.tables[t].version for t in names})
+        read = versions[max(0, r - held)] if combined else versions[-1]
+        spent = 0.0
+        for w, b in enumerate(batches):
+            seq += 1
+            updates = [SparseUpdate(t, ids, grads[: ids.size], read[t], combined=stats[: ids.size] if combined else None)
+                       for t, ids in b.items()]
+            t0 = time.thread_time()
+            shard.push(f"w{w}", seq, updates, [], incarnation=1)
+            spent += time.thread_time() - t0
+        per_round.append(spent / (workers * tables * rows) * 1e6)
+    return statistics.median(per_round[max(rounds // 10, held):])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=80, help="rows a table in each push (default 80: CTR's, one of 2 shards)")
+    p.add_argument("--held", type=int, default=20, help="gradients summed in a combined row, rounds its read is old (default 20)")
+    p.add_argument("--rounds", type=int, default=200)
+    p.add_argument("--vocab", type=int, default=100_000)
+    p.add_argument("--repeats", type=int, default=3, help="alternating plain and combined runs (default 3)")
+    a = p.parse_args()
+    plain, comb = [], []
+    for _ in range(a.repeats):
+        plain.append(run(False, a.workers, a.tables, a.rows, a.held, a.rounds, a.vocab))
+        comb.append(run(True, a.workers, a.tables, a.rows, a.held, a.rounds, a.vocab))
+    p_us, c_us = statistics.median(plain), statistics.median(comb)
+    print(f"{a.workers} workers, {a.tables} tables x {a.rows} rows a push, combined rows of {a.held} gradients read {a.held} rounds back; "
+          f"thread CPU us per row, median of {a.repeats} alternating runs")
+    print(f"plain {p_us:.3f} ({', '.join(f'{x:.3f}' for x in plain)}); combined {c_us:.3f} ({', '.join(f'{x:.3f}' for x in comb)}); "
+          f"combined / plain {c_us / p_us:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
