@@ -272,42 +272,32 @@ class DeviceRowCache(RowCache):
                 else:
                     outs[b].index_copy_(0, sent[r], bank.values.index_select(0, sent[s]))
 
-    def merge(self, plan: Plan, pulled: PullResult) -> tuple[PullResult, dict[str, torch.Tensor]]:
-        """``RowCache.merge``: the answer's rows are device tensors (views of the bank's answer)."""
+    # ``RowCache.merge``'s parts: the answer's rows are device tensors (views of the bank's answer).
+
+    def _flight_key(self, plan: Plan) -> int:
         assert isinstance(plan, DevicePlan)
-        versions = dict(pulled.table_versions)
-        lacking: dict[str, torch.Tensor] = {}
-        names, parts, oldest = plan.names, plan.parts, plan.oldest
-        with self._lock:
-            if len(plan.miss_pos):
-                self._store(plan, pulled)
-            if self.config.bound > 0:
-                self._inflight[:] = [e for e in self._inflight if e[0] != id(plan.outs)]
-            if len(plan.later):
-                loffs = np.searchsorted(plan.later, plan.offs)
-                zeros = np.zeros(len(names) + 1, np.int64)
-                gone = later_all(*self._columns(), parts, plan.ids, plan.offs, plan.later, loffs, plan.now - self.config.bound, NO_ROWS,
-                                 zeros, oldest)
-                keep = np.ones(len(plan.later), bool)
-                keep[gone] = False
-                self._gather_later(plan, plan.later[keep])
-                if len(gone):
-                    at = np.searchsorted(loffs, gone, side="right") - 1
-                    for k in np.unique(at).tolist():
-                        lacking[names[k]] = torch.from_numpy(plan.ids[plan.later[gone[at == k]]])
+        return id(plan.outs)
+
+    def _later(self, plan: Plan, loffs: np.ndarray) -> np.ndarray:
+        assert isinstance(plan, DevicePlan)
+        zeros = np.zeros(len(plan.names) + 1, np.int64)
+        gone = later_all(*self._columns(), plan.parts, plan.ids, plan.offs, plan.later, loffs, plan.now - self.config.bound, NO_ROWS,
+                         zeros, plan.oldest)
+        keep = np.ones(len(plan.later), bool)
+        keep[gone] = False
+        self._gather_later(plan, plan.later[keep])
+        return gone
+
+    def _answer_rows(self, plan: Plan, pulled: PullResult) -> dict[str, torch.Tensor]:
+        assert isinstance(plan, DevicePlan)
         rows: dict[str, torch.Tensor] = {}
         counts = np.diff(plan.offs).tolist()
-        for k, (t, g) in enumerate(zip(names, parts.tolist(), strict=False)):
+        for k, (t, g) in enumerate(zip(plan.names, plan.parts.tolist(), strict=False)):
             got = pulled.rows.get(t)
             a = int(plan.starts[k])
             part = plan.outs[int(self._bank_of[g])][a: a + counts[k]]
             rows[t] = part if got is None or got.dtype == torch.float32 else part.to(got.dtype)
-        for k, row in enumerate(oldest.tolist()):
-            for sh, v in enumerate(row):
-                if v != NONE:
-                    key = (sh, names[k])
-                    versions[key] = min(v, versions.get(key, v))
-        return PullResult(rows, pulled.dense, versions, pulled.dense_versions, pulled.ack), lacking
+        return rows
 
     def _gather_later(self, plan: DevicePlan, at: np.ndarray) -> None:
         """The rows another pull refreshed (positions ``at``, found read recently enough) from the cache."""

@@ -198,32 +198,49 @@ class RowCache:
         that never came back): the caller pulls those and ``fill``s them in."""
         versions = dict(pulled.table_versions)
         lacking: dict[str, torch.Tensor] = {}
-        names, parts, oldest, out = plan.names, plan.parts, plan.oldest, plan.out.numpy()
+        names = plan.names
         with self._lock:
             if len(plan.miss_pos):
                 self._store(plan, pulled)
             if self.config.bound > 0:
-                self._inflight[:] = [e for e in self._inflight if e[0] != id(plan.out)]
+                flight = self._flight_key(plan)
+                self._inflight[:] = [e for e in self._inflight if e[0] != flight]
             if len(plan.later):
                 loffs = np.searchsorted(plan.later, plan.offs)
-                gone = later_all(*self._columns(), parts, plan.ids, plan.offs, plan.later, loffs, plan.now - self.config.bound, out,
-                                 plan.row_offs, oldest)
+                gone = self._later(plan, loffs)
                 if len(gone):
                     at = np.searchsorted(loffs, gone, side="right") - 1
                     for k in np.unique(at).tolist():
                         lacking[names[k]] = torch.from_numpy(plan.ids[plan.later[gone[at == k]]])
-        rows: dict[str, torch.Tensor] = {}
-        offs, row_offs = plan.offs.tolist(), plan.row_offs.tolist()
-        for k, (t, g) in enumerate(zip(names, parts.tolist(), strict=False)):
-            got = pulled.rows.get(t)
-            part = torch.from_numpy(out[row_offs[k]: row_offs[k + 1]].reshape(offs[k + 1] - offs[k], self._dim_list[g]))
-            rows[t] = part if got is None or got.dtype == torch.float32 else part.to(got.dtype)
-        for k, row in enumerate(oldest.tolist()):
+        rows = self._answer_rows(plan, pulled)
+        for k, row in enumerate(plan.oldest.tolist()):
             for sh, v in enumerate(row):
                 if v != NONE:
                     key = (sh, names[k])
                     versions[key] = min(v, versions.get(key, v))
         return PullResult(rows, pulled.dense, versions, pulled.dense_versions, pulled.ack), lacking
+
+    # ``merge``'s parts that depend on where the answer's rows are (the device cache's differ).
+
+    def _flight_key(self, plan: Plan) -> int:
+        """The key ``plan``'s pull was noted in flight under (``_plan_ids``): its answer buffer's id."""
+        return id(plan.out)
+
+    def _later(self, plan: Plan, loffs: np.ndarray) -> np.ndarray:
+        """The ``later`` rows (part k's ``loffs[k]:loffs[k + 1]``) into the answer from the cache
+        where it holds them recently enough (``later_all``); the indexes in ``plan.later`` of the others."""
+        return later_all(*self._columns(), plan.parts, plan.ids, plan.offs, plan.later, loffs, plan.now - self.config.bound,
+                         plan.out.numpy(), plan.row_offs, plan.oldest)
+
+    def _answer_rows(self, plan: Plan, pulled: PullResult) -> dict[str, torch.Tensor]:
+        """The answer's rows per table (views of the plan's buffer), in the pulled rows' dtype."""
+        rows: dict[str, torch.Tensor] = {}
+        out, offs, row_offs = plan.out.numpy(), plan.offs.tolist(), plan.row_offs.tolist()
+        for k, (t, g) in enumerate(zip(plan.names, plan.parts.tolist(), strict=False)):
+            got = pulled.rows.get(t)
+            part = torch.from_numpy(out[row_offs[k]: row_offs[k + 1]].reshape(offs[k + 1] - offs[k], self._dim_list[g]))
+            rows[t] = part if got is None or got.dtype == torch.float32 else part.to(got.dtype)
+        return rows
 
     def _went_back(self, pulled: PullResult, names: Sequence[str], parts: np.ndarray) -> None:
         """A shard whose table version went back (restarted from a checkpoint, or reset): the
