@@ -7,9 +7,10 @@ order an async worker's steps make their calls (the first two batches pulled at 
 one push_pull per step carrying its gradients and the pull of the batch after next), against a
 stand-in client that answers at once. No shard, no training: the rows moved are exactly what the
 worker would send; held-out loss and samples/s need real runs (bench/RESULTS.md). The one
-machine-dependent column, worker-side ms/step, is the time those calls take in this process (the
+machine-dependent column, worker-side ms/step, is the CPU time those calls take in this process (the
 cache's bookkeeping; the meter without its reuse counting, as in a worker without metrics; the
-median of 3 runs): what the cache costs a step before any wire time it saves.
+median of 3 runs): what the cache costs a step before any wire time it saves. CPU time, not
+wall time: on a shared machine the other processes' load changes wall time far more.
 
     python bench/traffic.py                      # default CTR job, MovieLens-format, Criteo-format
     python bench/traffic.py --steps 200 --bounds 1,5,20 --source ctr
@@ -109,9 +110,9 @@ def _ms(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: Ro
     metrics): the median of 3 runs."""
     times = []
     for _ in range(3):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         run(steps, dims, cache, reuse=False)
-        times.append((time.perf_counter() - t0) / len(steps) * 1e3)
+        times.append((time.process_time() - t0) / len(steps) * 1e3)
     return statistics.median(times)
 
 
@@ -177,7 +178,7 @@ def report(name: str, steps: list[dict[str, torch.Tensor]], dims: Mapping[str, i
     lines += ["", "all tables: ceiling (rows wanted within S steps) " + ", ".join(f"S={w} {c:.0%}" for w, c in ceiling.items()),
               "", f"| bound R/W (read/write) | rows moved/sample (pull + push) | saved | bytes/sample | saved | cache rows/table {rows}, {policy}"
               f"{' (on the device: CPU tensors)' if on_device else ''}: "
-              "worker-side ms/step (the client's calls, no shard, no reuse counting; median of 3) |",
+              "worker-side CPU ms/step (the client's calls, no shard, no reuse counting; process CPU, median of 3) |",
               "|---|---|---|---|---|---|",
               f"| no cache | {moved0 / samples:.3f} | - | {bytes0 / samples:.0f} | - | {ms0:.2f} |"]
     for r, w in bounds:
