@@ -7,7 +7,9 @@
 # 2. bench/model_throughput.py --preset gpu --device cuda --num-shards auto, 3 separate invocations
 #    (the target: the parameter server's share of a CUDA step <= 20%, and samples/s against the
 #    same model in one process on that GPU), with the shards tether launch starts on this host for
-#    one GPU worker and the preset's push window (2); SHARDS=1 measures one shard as before;
+#    one GPU worker and the preset's push window (2); SHARDS=1 measures one shard as before; each
+#    invocation also runs the job with the row cache on the GPU at CACHE (default 20/20, the bound
+#    bench/RESULTS.md recommends; CACHE= leaves it out), its share and ratio in the same table;
 # 3. the default model on cuda once, against the figures of 572805c in bench/RESULTS.md.
 # Each part is bounded by `timeout`, and its output goes to OUTDIR (default: runs/gpu-check).
 # On a machine with no package index, wheels in .whl/ (grpcio, protobuf, grpcio-health-checking)
@@ -30,9 +32,13 @@ $PY -c "import tether" 2>/dev/null || $PY -m pip install -q --no-index --no-deps
 echo "== tests"
 timeout "${TESTS_S:-300}" $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_overlap.py tests/test_device_cache.py 2>&1 | tee "$OUTDIR/tests.log"
 
+CACHE=${CACHE-20/20}
+CACHE_ARGS=()
+if [ -n "$CACHE" ]; then CACHE_ARGS=(--cache "$CACHE"); fi
 for i in 1 2 3; do
     echo "== preset gpu, invocation $i"
-    timeout "${GPU_BENCH_S:-90}" $PY bench/model_throughput.py --preset gpu --device cuda --steps "${GPU_STEPS:-150}" --num-shards "${SHARDS:-auto}" 2>&1 | tee "$OUTDIR/preset-gpu-$i.log"
+    timeout "${GPU_BENCH_S:-150}" $PY bench/model_throughput.py --preset gpu --device cuda --steps "${GPU_STEPS:-150}" --num-shards "${SHARDS:-auto}" \
+        "${CACHE_ARGS[@]}" 2>&1 | tee "$OUTDIR/preset-gpu-$i.log"
 done
 
 echo "== default model on cuda"

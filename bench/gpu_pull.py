@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preset", default="gpu")
     p.add_argument("--profile", default=None, help="folder for py-spy flame graphs of the warm steps")
     p.add_argument("--cache", default=None, metavar="R/W", help="also run with the row cache at read bound R and write bound W, side by side")
-    p.add_argument("--cache-rows", type=int, default=300_000, help="the cache's rows per table (default 300,000)")
+    p.add_argument("--cache-rows", type=int, default=100_000, help="the cache's rows per table (default 100,000: every id of the synthetic data)")
     a = p.parse_args(argv)
     if not 0 < a.warm_from < a.steps:
         sys.exit("--warm-from must be in (0, --steps)")

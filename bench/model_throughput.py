@@ -2,13 +2,16 @@
 model trained in one process with no parameter server (the ceiling), side by side.
 
     python bench/model_throughput.py [--quick] [--steps N] [--preset default|gpu] [--batch-size B] [--device cpu|cuda]
-                                     [--num-shards N|auto] [--push-window K]
+                                     [--num-shards N|auto] [--push-window K] [--cache R/W [--cache-rows N]]
 
 ``--preset gpu`` is the model ``tether worker --preset gpu`` trains (batch 8,192, 26 fields,
 128-wide rows): a CUDA step large enough that kernel launches do not bound it, with its push
 window (2; ``--push-window`` overrides it). ``--num-shards auto`` starts the shards ``tether
 launch`` would start for one worker on this host (``tether.deploy.shard_count``: on a GPU host
-one per core the worker leaves, with their kernel threads); the default is 1 shard.
+one per core the worker leaves, with their kernel threads); the default is 1 shard. ``--cache R/W``
+adds a row: the same tether job with the worker row cache at read bound R and write bound W
+(``--cache-rows`` rows a table), on the training device as a CUDA worker keeps it
+(``tether.worker.cache.device``), with its own share of the step.
 
 Both sides get one intra-op thread per process (as ``tether launch`` gives its children), the
 same batches, model, seed and optimizer (Adagrad). The tether side is a real shard process and
@@ -77,13 +80,14 @@ def in_process(steps: int, size: dict[str, int], device: str, warmup: int = 20, 
 
 
 def through_tether(steps: int, size: dict[str, int], device: str, shards: int = 1, workers: int = 1, window: int = 1,
-                   shard_env: dict[str, str] | None = None) -> dict:
-    """Samples/s of the same model through a local tether cluster (real processes)."""
+                   shard_env: dict[str, str] | None = None, cache: dict[str, int] | None = None) -> dict:
+    """Samples/s of the same model through a local tether cluster (real processes); ``cache``:
+    the row cache's settings (``cache_rows``, ``cache_bound``, ``cache_write_bound``)."""
     from tether.deploy.job import run_job
     from tether.worker.config import WorkerConfig
 
     cfg = WorkerConfig(shards=("pending:0",), num_workers=workers, steps=steps, eval_samples=2000, device=device, log_every=steps,
-                       push_window=window, **size)
+                       push_window=window, **size, **(cache or {}))
     with tempfile.TemporaryDirectory() as tmp:
         return run_job(cfg, shards, out=tmp, echo=False, shard_env=shard_env)
 
@@ -109,10 +113,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-shards", default="1", help="shards of the tether side: N, or auto (what tether launch chooses here)")
     p.add_argument("--push-window", type=int, default=None, help="the tether worker's push window (default: the preset's)")
+    p.add_argument("--cache", default=None, metavar="R/W", help="also run the tether job with the row cache at read/write bounds R/W")
+    p.add_argument("--cache-rows", type=int, default=100_000, help="the row cache's rows per table (default 100,000: every id of the synthetic data)")
     p.add_argument("--_inprocess", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_pregenerated", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     size = {**MODEL_PRESETS[a.preset], **({"batch_size": a.batch_size} if a.batch_size else {})}
+    cache = None
+    if a.cache is not None:
+        try:
+            r, w = (int(x) for x in (a.cache.split("/") if "/" in a.cache else (a.cache, a.cache)))
+        except ValueError:
+            p.error(f"--cache must be R/W (two integers), got {a.cache!r}")
+        if r < 1 or w < 0:
+            p.error(f"--cache must be R/W with R >= 1 and W >= 0, got {a.cache!r}")
+        cache = {"cache_rows": a.cache_rows, "cache_bound": r, "cache_write_bound": w}
     steps = a.steps or (200 if a.quick else 1500)
     if a._inprocess:
         print(in_process(steps, size, a.device, pregenerated=a._pregenerated))
@@ -132,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     shards, shard_env, chosen = shard_choice(a.num_shards, a.device)
     window = a.push_window or (gpu_push_window({"mode": "async", "prefetch": True}) if a.preset == "gpu" else 1)
     summary = through_tether(steps, size, a.device, shards=shards, window=window, shard_env=shard_env)
+    cached = through_tether(steps, size, a.device, shards=shards, window=window, shard_env=shard_env, cache=cache) if cache else None
     pregenerated = ceiling("--_pregenerated")
     ratio = summary["samples_per_sec"] / local
     phases = summary["workers"][0]["phase_seconds"]
@@ -139,14 +155,23 @@ def main(argv: list[str] | None = None) -> None:
     rows = [
         ["in one process, no parameter server", local, "1.00"],
         [f"tether: 1 worker + {shards} shard(s), push window {window}", summary["samples_per_sec"], f"{ratio:.2f}"],
-        ["in one process, every batch made before the clock (reference)", pregenerated, f"{summary['samples_per_sec'] / pregenerated:.2f}"],
     ]
+    if cached is not None and cache is not None:
+        rows.append([f"tether, row cache {cache['cache_bound']}/{cache['cache_write_bound']} ({cache['cache_rows']:,} rows a table)",
+                     cached["samples_per_sec"], f"{cached['samples_per_sec'] / local:.2f}"])
+    rows.append(["in one process, every batch made before the clock (reference)", pregenerated,
+                 f"{summary['samples_per_sec'] / pregenerated:.2f}"])
     print(f"CTR model, preset {a.preset} ({size['num_sparse']} fields, dim {size['embedding_dim']}), batch {size['batch_size']}, "
           f"{steps} steps, device {a.device}{chosen}\n")
     print(markdown_table(["setup", "samples/s", "ratio"], rows))
     print("\nworker step time: " + ", ".join(f"{k} {v / busy:.0%}" for k, v in phases.items() if v))
     # DESIGN.md's GPU target: the parameter server's share of a worker's step (all but compute).
     print(f"parameter server's share of the worker's step: {1 - phases.get('compute', 0.0) / busy:.0%} (GPU target <= 20%)")
+    if cached is not None:
+        cphases = cached["workers"][0]["phase_seconds"]
+        cbusy = sum(cphases.values())
+        print("with the row cache: worker step time: " + ", ".join(f"{k} {v / cbusy:.0%}" for k, v in cphases.items() if v)
+              + f"; the parameter server's share {1 - cphases.get('compute', 0.0) / cbusy:.0%}")
     print(f"\ntether / in-process = {ratio:.2f} (target >= {TARGET:.2f}: {'met' if ratio >= TARGET else 'NOT met'})")
 
 
