@@ -98,8 +98,8 @@ class RouterStandIn:
         rows = {t: (ids.to(torch.float32)[:, None] * 1e-6 + torch.arange(self.dims[t]) * 1e-3) for t, ids in sparse.items()}
         return PullResult(rows, {}, {(s, t): self.clock for t in sparse for s in range(SHARDS)}, {})
 
-    def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = ()) -> Handle[PullResult]:
-        requests, _ = self.router.pull_requests(sparse or {}, dense)
+    def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = (), splits: Any = None) -> Handle[PullResult]:
+        requests, _ = self.router.pull_requests(sparse or {}, dense, splits)
         self._send(requests, {})
         return Handle([traffic._Done(self._answer(sparse))], lambda a: a[0])
 
@@ -109,9 +109,9 @@ class RouterStandIn:
         return Handle([traffic._Done(PushAck(0, 0, 0))], lambda a: a[0])
 
     def push_pull(self, push_sparse: Any = None, push_dense: Any = None, pull_sparse: Mapping[str, torch.Tensor] | None = None,
-                  pull_dense: Sequence[str] = (), clock: int = 0, versions: Any = None) -> Handle[PullResult]:
+                  pull_dense: Sequence[str] = (), clock: int = 0, versions: Any = None, pull_splits: Any = None) -> Handle[PullResult]:
         self.push(push_sparse, push_dense, clock, versions)
-        return self.pull(pull_sparse, pull_dense)
+        return self.pull(pull_sparse, pull_dense, pull_splits)
 
 
 def run(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: RowCacheConfig) -> tuple[dict[str, float], str]:

@@ -75,14 +75,14 @@ class StandIn:
         versions = {(s, t): 0 for t in sparse for s in range(SHARDS)}
         return PullResult({t: torch.zeros(len(ids), self.dims[t]) for t, ids in sparse.items()}, {}, versions, {})
 
-    def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = ()) -> Handle[PullResult]:
+    def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = (), splits: Any = None) -> Handle[PullResult]:
         return Handle([_Done(self._rows(sparse))], lambda a: a[0])
 
     def push(self, sparse: Any = None, dense: Any = None, clock: int = 0, versions: Any = None) -> Handle[PushAck]:
         return Handle([_Done(PushAck(0, 0, 0))], lambda a: a[0])
 
     def push_pull(self, push_sparse: Any = None, push_dense: Any = None, pull_sparse: Mapping[str, torch.Tensor] | None = None,
-                  pull_dense: Sequence[str] = (), clock: int = 0, versions: Any = None) -> Handle[PullResult]:
+                  pull_dense: Sequence[str] = (), clock: int = 0, versions: Any = None, pull_splits: Any = None) -> Handle[PullResult]:
         return self.pull(pull_sparse)
 
 

@@ -14,7 +14,7 @@ from tether.protos.specs import TableConfig
 from tether.rules.optimizers import OptimizerConfig
 from tether.worker.cache.parts import RowCacheConfig
 from tether.worker.cache.row_cache import RowCache
-from tether.worker.cache.split import by_shard
+from tether.worker.cache.split import by_shard, group_ids
 from tether.worker.client.config import ClientConfig
 from tether.worker.client.results import PullResult
 from tether.worker.client.router import Router, ShardedPart
@@ -125,3 +125,42 @@ def test_a_known_split_sends_what_a_hashed_one_sends_in_bfloat16_with_the_values
     assert hashed == [] and got == want
     blocks = [b for meta, _ in got.values() for b in pb.PushRequest.FromString(meta).sparse]
     assert blocks and all(b.read_values.payload_bytes == b.values.payload_bytes > 0 for b in blocks)
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 5])
+def test_group_ids_finds_split_ids_split_of_each_part(num_shards: int) -> None:
+    rng = np.random.default_rng(10 + num_shards)
+    parts = [np.unique(rng.integers(-(1 << 62), 1 << 62, n)) for n in (0, 1, 40, 300)]
+    ids = np.concatenate(parts)
+    offs = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int64)
+    order, bounds, grouped = group_ids(ids, offs, num_shards)
+    for k, part in enumerate(parts):
+        a = int(offs[k])
+        for s, (pos, want) in enumerate(split_ids(part, num_shards)):
+            lo, hi = a + int(bounds[k, s]), a + int(bounds[k, s + 1])
+            assert np.array_equal(order[lo:hi], pos) and np.array_equal(grouped[lo:hi], want)
+        assert bounds[k, num_shards] == len(part)
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3])
+def test_a_cached_pull_sends_what_hashing_sends_and_hashes_nothing(num_shards: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row cache's plan splits its misses by shard (``Plan.splits``); ``Router.pull_requests``
+    takes that split and builds the very requests a split by hashing builds."""
+    rng = np.random.default_rng(num_shards)
+    cache = RowCache(RowCacheConfig(rows=1000, bound=2), _DIMS, num_shards)
+    cache.plan({"a": torch.from_numpy(np.unique(rng.integers(0, 500, 60)))}, 1)  # some rows cached, so misses are a subset
+    sparse = {t: torch.from_numpy(np.unique(rng.integers(0, 500, 80))) for t in _DIMS}
+    plan = cache.plan(sparse, 2)
+    ask = {t: ids for t, ids in plan.miss.items() if len(ids)}
+    hashed = _router(num_shards).pull_requests(ask, [])[0]
+    router = _router(num_shards)
+    calls: list[str] = []
+    real = router._split
+    monkeypatch.setattr(router, "_split", lambda table, arr: calls.append(table) or real(table, arr))
+    known = router.pull_requests(ask, [], plan.splits)[0]
+    assert calls == []
+    assert {s: r.SerializeToString() for s, r in known.items()} == {s: r.SerializeToString() for s, r in hashed.items()}
+    # A split made for another shard count does not fit: those ids are hashed.
+    other = _router(num_shards + 1)
+    assert {s: r.SerializeToString() for s, r in other.pull_requests(ask, [], plan.splits)[0].items()} == \
+        {s: r.SerializeToString() for s, r in _router(num_shards + 1).pull_requests(ask, [])[0].items()}

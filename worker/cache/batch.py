@@ -53,7 +53,7 @@ from tether.worker.cache.kernels import (
     shard_of,
     slot_of,
 )
-from tether.worker.cache.split import by_shard
+from tether.worker.cache.split import by_shard, group_ids
 
 __all__ = ["deltas_all", "hold_all", "later_all", "plan_all", "store_all", "take_all", "warm_up"]
 
@@ -489,3 +489,4 @@ def warm_up() -> None:
     deltas_all(*c, part, none, offs, f32, part, flags)
     take_all(*c, none, none, none, one, np.full((2, 1), -1, np.int64))
     by_shard(none, part, one, none, f32, f32, part, np.full((1, 1), -1, np.int64))
+    group_ids(none, offs, one)

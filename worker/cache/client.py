@@ -15,7 +15,7 @@ from tether.worker.cache.device import DeviceRowCache
 from tether.worker.cache.parts import Plan, RowCacheConfig, fill
 from tether.worker.cache.row_cache import RowCache
 from tether.worker.client.api import ShardClient
-from tether.worker.client.results import Handle, PullResult, PushAck
+from tether.worker.client.results import Handle, PullResult, PushAck, Splits
 from tether.worker.client.traffic import TrafficMeter
 
 __all__ = ["CachedClient"]
@@ -92,10 +92,14 @@ class CachedClient:
         # Combined gradients: their oldest read versions; no read values (DC-ASGD is not applied to them).
         return grads, PullResult({}, {}, table_versions, dict(versions.dense_versions) if versions else {})
 
-    def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = ()) -> Handle[PullResult]:
+    def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = (),
+             splits: Splits | None = None) -> Handle[PullResult]:
+        """``Client.pull`` through the cache (``splits`` unused: the cache splits the ids it pulls, ``Plan.splits``)."""
         plan = self._plan(sparse or {})
-        ask = dict(sparse or {}) if plan is None else {t: ids for t, ids in plan.miss.items() if len(ids)}
-        return self._answer(plan, self.inner.pull(ask, dense))
+        if plan is None:
+            return self._answer(plan, self.inner.pull(dict(sparse or {}), dense))
+        ask = {t: ids for t, ids in plan.miss.items() if len(ids)}
+        return self._answer(plan, self.inner.pull(ask, dense, splits=plan.splits))
 
     def push(self, sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
              dense: Mapping[str, torch.Tensor] | None = None, clock: int = 0, versions: PullResult | None = None) -> Handle[PushAck]:
@@ -105,12 +109,15 @@ class CachedClient:
 
     def push_pull(self, push_sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
                   push_dense: Mapping[str, torch.Tensor] | None = None, pull_sparse: Mapping[str, torch.Tensor] | None = None,
-                  pull_dense: Sequence[str] = (), clock: int = 0, versions: PullResult | None = None) -> Handle[PullResult]:
+                  pull_dense: Sequence[str] = (), clock: int = 0, versions: PullResult | None = None,
+                  pull_splits: Splits | None = None) -> Handle[PullResult]:
+        """``Client.push_pull`` through the cache (``pull_splits`` unused, as ``pull``'s ``splits``)."""
         self.clock = max(self.clock, clock)
         grads, read = self._due(push_sparse, clock, versions)
         plan = self._plan(pull_sparse or {})
         ask = dict(pull_sparse or {}) if plan is None else {t: ids for t, ids in plan.miss.items() if len(ids)}
-        return self._answer(plan, self.inner.push_pull(grads, push_dense, ask, pull_dense, clock=clock, versions=read))
+        return self._answer(plan, self.inner.push_pull(grads, push_dense, ask, pull_dense, clock=clock, versions=read,
+                                                       pull_splits=plan.splits if plan is not None else None))
 
     def flush(self, clock: int | None = None) -> Handle[PushAck] | None:
         """Push every held gradient now (at ``clock``; None: the last clock pushed), or None

@@ -247,6 +247,7 @@ class DeviceRowCache(RowCache):
                 self._gather_hits(parts, offs, starts, outs, hits, found[hits], again, found[again])
         plan = DevicePlan(now, names, parts, ids, offs, torch.empty(0), zeros, oldest, later, miss, miss_offs, outs=outs, starts=starts)
         plan.miss = {t: torch.from_numpy(miss_ids[miss_offs[k]: miss_offs[k + 1]]) for k, t in enumerate(names)}
+        plan.splits = self._miss_splits(names, miss_ids, miss_offs)
         return plan
 
     def _gather_hits(self, parts: np.ndarray, offs: np.ndarray, starts: np.ndarray, outs: dict[int, torch.Tensor], hits: np.ndarray,

@@ -73,6 +73,9 @@ class Plan:
     miss_pos: np.ndarray
     miss_offs: np.ndarray
     miss: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Per table, ``miss`` split by shard as ``protos.partition.split_ids`` splits it (positions,
+    # ids per shard): the pull's split, which ``Router.pull_requests`` takes as it is.
+    splits: dict[str, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
 
 
 Pushed = dict[str, tuple[torch.Tensor, ...]]  # per table: ids, summed gradients (and a combined push's statistics)

@@ -60,7 +60,7 @@ from tether.worker.cache.batch import deltas_all, hold_all, later_all, plan_all,
 from tether.worker.cache.kernels import Columns, columns, set_cells
 from tether.worker.cache.parts import NO_FLIGHTS, NO_IDS, NO_ROWS, Plan, Pushed, RowCacheConfig, as_ids, offsets, read_versions
 from tether.worker.cache.slots import NONE, STALE, Due, Table, Taken, coalesce, start_warm_up, wait_warm_up
-from tether.worker.cache.split import by_shard
+from tether.worker.cache.split import by_shard, group_ids
 from tether.worker.client.results import PullResult
 from tether.worker.client.router import ShardedPart
 
@@ -155,7 +155,23 @@ class RowCache:
             _, miss, later, miss_offs, miss_ids, _ = self._plan_ids(names, parts, ids, offs, now, out.numpy(), row_offs, oldest, id(out))
         plan = Plan(now, names, parts, ids, offs, out, row_offs, oldest, later, miss, miss_offs)
         plan.miss = {t: torch.from_numpy(miss_ids[miss_offs[k]: miss_offs[k + 1]]) for k, t in enumerate(names)}
+        plan.splits = self._miss_splits(names, miss_ids, miss_offs)
         return plan
+
+    def _miss_splits(self, names: Sequence[str], miss_ids: np.ndarray,
+                     miss_offs: np.ndarray) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
+        """Each table's missed ids (``miss_ids[miss_offs[k]:miss_offs[k + 1]]``) split by shard as
+        ``split_ids`` splits them (``split.group_ids``, one compiled pass for all tables), so that the
+        router hashes none of them (``Plan.splits``)."""
+        order, bounds, grouped = group_ids(miss_ids, miss_offs, self.num_shards)
+        out: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        offs, b = miss_offs.tolist(), bounds.tolist()
+        for k, t in enumerate(names):
+            a = offs[k]
+            if offs[k + 1] > a:
+                row = b[k]
+                out[t] = [(order[a + row[s]: a + row[s + 1]], grouped[a + row[s]: a + row[s + 1]]) for s in range(self.num_shards)]
+        return out
 
     def _pull_ids(self, sparse: Mapping[str, torch.Tensor]) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """A pull's tables (names, their parts), all its ids in one array, each table's count and

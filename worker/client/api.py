@@ -16,7 +16,7 @@ import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.client.config import ClientConfig
-from tether.worker.client.results import CheckpointResult, ClockReply, Handle, PullResult, PushAck
+from tether.worker.client.results import CheckpointResult, ClockReply, Handle, PullResult, PushAck, Splits
 from tether.worker.metrics import WorkerRecorder
 
 __all__ = ["Client", "ShardClient"]
@@ -31,8 +31,11 @@ class Client(Protocol):
         """Deadlines and wire settings (callers size their waits with them)."""
         ...
 
-    def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = ()) -> Handle[PullResult]:
-        """Rows of ``sparse`` (table -> unique int64 ids) and the dense values named."""
+    def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = (),
+             splits: Splits | None = None) -> Handle[PullResult]:
+        """Rows of ``sparse`` (table -> unique int64 ids) and the dense values named; ``splits``:
+        per table, the ids already split by shard as ``protos.partition.split_ids`` would (a row
+        cache knows them), which a client over shards may take instead of hashing the ids."""
         ...
 
     def push(
@@ -54,8 +57,10 @@ class Client(Protocol):
         pull_dense: Sequence[str] = (),
         clock: int = 0,
         versions: PullResult | None = None,
+        pull_splits: Splits | None = None,
     ) -> Handle[PullResult]:
-        """A push, then a pull in the same round trip (the answer carries the push's ack)."""
+        """A push, then a pull in the same round trip (the answer carries the push's ack;
+        ``pull_splits``: the pull's, as ``pull``'s ``splits``)."""
         ...
 
 

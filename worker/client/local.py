@@ -42,7 +42,7 @@ from tether.rules.optimizers import OptimizerConfig
 from tether.rules.push_hooks import check_combined, check_dense, check_rows
 from tether.worker.client.config import ClientConfig
 from tether.worker.client.local_table import LocalDense, LocalTable
-from tether.worker.client.results import CheckpointResult, ClockReply, Handle, PullResult, PushAck
+from tether.worker.client.results import CheckpointResult, ClockReply, Handle, PullResult, PushAck, Splits
 from tether.worker.config import TrainingConfig
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
 
@@ -243,9 +243,10 @@ class LocalClient:
             rows, values, {(0, t.config.name): t.version for t, _ in checked}, {(name, 0): d.version for name, d in params}
         )
 
-    def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = ()) -> Handle[PullResult]:
+    def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = (),
+             splits: Splits | None = None) -> Handle[PullResult]:
         """Rows of ``sparse`` (table -> ids, any int64 value, narrower integers widened; missing
-        rows are created) and dense values.
+        rows are created) and dense values. ``splits`` (by shard) is unused: the tables are here.
 
         Raises:
             InvalidArgument: undeclared table or tensor, or ids that are not a 1-D integer tensor.
@@ -343,8 +344,10 @@ class LocalClient:
         pull_dense: Sequence[str] = (),
         clock: int = 0,
         versions: PullResult | None = None,
+        pull_splits: Splits | None = None,
     ) -> Handle[PullResult]:
-        """Push, then pull what the push left (a shard applies the push before it reads).
+        """Push, then pull what the push left (a shard applies the push before it reads);
+        ``pull_splits`` (by shard) is unused: the tables are here.
 
         Returns:
             A handle whose result is a ``PullResult`` whose ``ack`` is the push's.

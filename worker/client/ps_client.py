@@ -26,7 +26,7 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.protos.ssp import COORDINATOR_SHARD, MAX_CLOCK_HOLD_S
 from tether.worker.client.channel import Call, DataCall, ShardChannel, time_left
 from tether.worker.client.config import ClientConfig
-from tether.worker.client.results import CheckpointResult, ClockReply, Handle, Pending, PullResult, PushAck
+from tether.worker.client.results import CheckpointResult, ClockReply, Handle, Pending, PullResult, PushAck, Splits
 from tether.worker.client.router import PullAnswer, Router
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
 
@@ -148,9 +148,10 @@ class PSClient:
                 data.set_port(a.data_port, a.data_socket)
         self.router.declared(tables, layouts)
 
-    def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = ()) -> Handle[PullResult]:
+    def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = (),
+             splits: Splits | None = None) -> Handle[PullResult]:
         """Start pulling rows of ``sparse`` (table -> unique ids, any int64 value; narrower integer
-        tensors are widened) and dense tensors.
+        tensors are widened) and dense tensors (``splits``: ``Router.pull_requests``').
 
         Returns:
             A handle whose result is a ``PullResult``.
@@ -158,7 +159,7 @@ class PSClient:
         Raises:
             InvalidArgument: undeclared table or tensor, or ids that are not a 1-D integer tensor.
         """
-        requests, plan = self.router.pull_requests(sparse or {}, dense)
+        requests, plan = self.router.pull_requests(sparse or {}, dense, splits)
         answer = PullAnswer(self.router, plan)
         calls = {
             s: Call("Pull", r, dp.PayloadWriter(), plan.response_bytes.get(s, 0), functools.partial(answer, s),
@@ -216,14 +217,16 @@ class PSClient:
         pull_dense: Sequence[str] = (),
         clock: int = 0,
         versions: PullResult | None = None,
+        pull_splits: Splits | None = None,
     ) -> Handle[PullResult]:
-        """Push gradients and pull parameters in one round trip per shard.
+        """Push gradients and pull parameters in one round trip per shard (``pull_splits``: the
+        pull's ``Router.pull_requests`` splits).
 
         Returns:
             A handle whose result is a ``PullResult`` whose ``ack`` is the push's.
         """
         pushes, payloads = self.router.push_requests(push_sparse or {}, push_dense or {}, clock, versions)
-        pulls, plan = self.router.pull_requests(pull_sparse or {}, pull_dense)
+        pulls, plan = self.router.pull_requests(pull_sparse or {}, pull_dense, pull_splits)
         requests = {}
         for s in set(pushes) | set(pulls):
             push = pushes.get(s) or pb.PushRequest(

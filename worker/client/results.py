@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+import numpy as np
 import torch
 
-__all__ = ["CheckpointResult", "ClockReply", "Handle", "Pending", "PullResult", "PushAck"]
+__all__ = ["CheckpointResult", "ClockReply", "Handle", "Pending", "PullResult", "PushAck", "Splits"]
+
+# A pull's ids already split by shard, per table: (positions, ids) for each shard, as
+# ``protos.partition.split_ids`` gives them (a row cache knows them: ``Plan.splits``).
+Splits = Mapping[str, Sequence[tuple[np.ndarray, np.ndarray]]]
 
 T = TypeVar("T")
 

@@ -18,7 +18,7 @@ from tether.protos.errors import InvalidArgument
 from tether.protos.partition import dense_shard, split_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.client.config import ClientConfig
-from tether.worker.client.results import PullResult
+from tether.worker.client.results import PullResult, Splits
 
 __all__ = ["JOIN_ELEMENTS", "DenseLayout", "PullAnswer", "PullPlan", "Router", "ShardedPart"]
 
@@ -149,8 +149,13 @@ class Router:
             raise InvalidArgument(f"table {table!r}: ids must be a 1-D tensor, got shape {tuple(ids.shape)}")
         return int64_ids(ids.detach(), table).cpu().numpy()
 
-    def pull_requests(self, sparse: Mapping[str, torch.Tensor], dense: Sequence[str]) -> tuple[dict[int, pb.PullRequest], PullPlan]:
+    def pull_requests(self, sparse: Mapping[str, torch.Tensor], dense: Sequence[str],
+                      splits: Splits | None = None) -> tuple[dict[int, pb.PullRequest], PullPlan]:
         """One ``PullRequest`` per shard that owns something asked for, and the plan of the result.
+
+        ``splits``: per table, its ids split by shard as ``split_ids`` would (a row cache's, which
+        knows them: ``Plan.splits``), taken as they are where they fit the ids (one part per
+        shard, as many ids in all); a table without one is split by hashing its ids.
 
         Raises:
             InvalidArgument: undeclared table or tensor, or ids that are not a 1-D integer tensor.
@@ -171,7 +176,9 @@ class Router:
             return requests[s]
 
         for table, arr in arrays.items():
-            for s, (pos, part) in enumerate(self._split(table, arr)):
+            known = splits.get(table) if splits else None
+            fits = known is not None and len(known) == self.num_shards and sum(len(p) for _, p in known) == arr.size
+            for s, (pos, part) in enumerate(known if fits and known is not None else self._split(table, arr)):
                 if part.size:
                     req(s).sparse.add(table=table, ids=encode_ids(part))
                     plan.positions[(s, table)] = None if part.size == arr.size else pos
