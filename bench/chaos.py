@@ -729,6 +729,7 @@ def run_once(template: Any, shards: int, work: Path, faults: list[Fault], checkp
              timeout_s: float) -> dict[str, Any]:
     """One job with the harness around it; what it printed goes to work/launch.log."""
     from tether.deploy.job import run_job
+    from tether.server.config import ShardConfig
 
     chaos = Chaos(work / "chaos", faults, steps=template.steps)
     marker = str(work.resolve())
@@ -737,7 +738,7 @@ def run_once(template: Any, shards: int, work: Path, faults: list[Fault], checkp
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     started = time.time()
     summary = run_job(template, shards, out=work, timeout_s=timeout_s, echo=False, metrics=True, checkpoint_every=checkpoint_every,
-                      shard_args=["--lease-seconds", repr(lease_s)], max_restarts=10_000, shard_restarts=10_000, during=chaos)
+                      shard=ShardConfig(lease_seconds=lease_s), max_restarts=10_000, shard_restarts=10_000, during=chaos)
     wall = time.time() - started
     # Processes of the job still alive once run_job returned: every pid seen (same start time),
     # and anything naming the job's folder.

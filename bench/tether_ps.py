@@ -385,6 +385,7 @@ def tether_job_samples_per_s(
         phase, summed over workers).
     """
     from tether.deploy.job import run_job
+    from tether.server.config import load_config as load_shard_config
     from tether.worker.config import WorkerConfig
 
     cfg = WorkerConfig(
@@ -392,9 +393,9 @@ def tether_job_samples_per_s(
         eval_samples=2000, device="cpu", log_every=steps, wire_dtype=wire, transport=transport, tls_ca=str(tls["ca.crt"]) if tls else None,
         tls_cert=str(tls["client.crt"]) if tls and mutual else None, tls_key=str(tls["client.key"]) if tls and mutual else None,
     )
-    shard_args = tls_shard_args(tls, mutual) if tls else []
+    shard = load_shard_config(tls_shard_args(tls, mutual)) if tls else None
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp, contextlib.redirect_stdout(io.StringIO()):
-        summary = run_job(cfg, shards, out=tmp, echo=False, timeout_s=max(600.0, steps * workers), shard_args=shard_args)
+        summary = run_job(cfg, shards, out=tmp, echo=False, timeout_s=max(600.0, steps * workers), shard=shard)
     phases: dict[str, float] = {}
     for w in summary["workers"]:
         for k, v in w["phase_seconds"].items():

@@ -39,6 +39,7 @@ __all__ = [
     "to_env",
     "told",
     "values_from_args",
+    "variables",
 ]
 
 C = TypeVar("C")
@@ -372,16 +373,23 @@ def _from_variable(name: str, decl: Setting, environ: Mapping[str, str]) -> dict
         raise ValueError(f"{decl.env}={text!r}: {exc}") from None
 
 
-def env_values(cls: type, overrides: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+def env_values(
+    cls: type,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    base: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """``cls``'s fields from the ``TETHER_*`` environment (each unset variable leaves its
-    field's default), with ``overrides`` winning and derived fields filled.
+    field's value in ``base``, a config file's, else its default), with ``overrides`` winning and
+    derived fields filled.
 
     Raises:
         ValueError: a variable that does not parse, named with its value.
     """
     environ = os.environ if environ is None else environ
     overrides = dict(overrides or {})
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = dict(base or {})
     for f, decl in declared(cls):
         if f.name not in overrides:
             values.update(_from_variable(f.name, decl, environ))
@@ -408,9 +416,10 @@ def _texts(cfg: Any, exclude: Collection[str] = ()) -> Iterator[tuple[str, str, 
         yield str(decl.flag), decl.env, None if decl.switch else decl.show(getattr(cfg, f.name))
 
 
-def told(cfg: Any, exclude: Collection[str] = ()) -> Iterator[tuple[dataclasses.Field[Any], Setting]]:
-    """The flagged fields of ``cfg`` a child must be told (``_texts``' rule; ``to_json``'s too)."""
-    cls = type(cfg)
+def told(cfg: Any, exclude: Collection[str] = (), cls: type | None = None) -> Iterator[tuple[dataclasses.Field[Any], Setting]]:
+    """The flagged fields of ``cfg`` a child must be told (``_texts``' rule; ``to_json``'s too):
+    those ``cls`` declares (a base class of ``type(cfg)`` the child reads; by default ``type(cfg)``)."""
+    cls = type(cfg) if cls is None else cls
     for f, decl in declared(cls):
         if decl.flag is None or f.name in exclude:
             continue
@@ -428,6 +437,14 @@ def to_argv(cfg: Any, exclude: Collection[str] = ()) -> list[str]:
     return argv
 
 
-def to_env(cfg: Any) -> dict[str, str]:
-    """The ``TETHER_*`` variables that describe ``cfg`` (``1`` for a switch that is on)."""
-    return {name: "1" if text is None else text for _, name, text in _texts(cfg)}
+def variables(cls: type, names: Collection[str]) -> list[str]:
+    """The variables that set the fields ``names`` of ``cls`` (each field's, then its fallbacks):
+    those a launcher takes out of a child's inherited environment when the child's config file
+    holds the fields, so the file, not the launcher's shell, says what they are."""
+    return [name for f, decl in declared(cls) if f.name in names for name in (decl.env, *decl.fallback_env)]
+
+
+def to_env(cfg: Any, exclude: Collection[str] = ()) -> dict[str, str]:
+    """The ``TETHER_*`` variables that describe ``cfg`` (``1`` for a switch that is on), but
+    those of the fields named in ``exclude``."""
+    return {name: "1" if text is None else text for _, name, text in _texts(cfg, exclude)}

@@ -47,6 +47,8 @@ class Child:
     log_path: Path
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] | None = None
+    # Variables taken out of what it inherits (those its config file holds).
+    unset: tuple[str, ...] = ()
     port_file: Path | None = None
     # Where this incarnation's output starts in its (appended) log.
     log_offset: int = 0
@@ -56,11 +58,16 @@ class Child:
     steps_done: int = 0
 
 
-def spawn(log_dir: Path, name: str, argv: list[str], echo: bool, env: dict[str, str] | None = None, append: bool = False) -> Child:
+def spawn(
+    log_dir: Path, name: str, argv: list[str], echo: bool, env: dict[str, str] | None = None, append: bool = False,
+    unset: Sequence[str] = (),
+) -> Child:
     """Start ``python argv...`` as child ``name``: its output goes to ``log_dir/<name>.log``
-    (appended to, for a restart), and to stdout with a ``[name]`` prefix when ``echo``."""
+    (appended to, for a restart), and to stdout with a ``[name]`` prefix when ``echo``. It
+    inherits this process's environment but the variables ``unset``, with ``env`` over it."""
     log_path = log_dir / f"{name}.log"
     offset = log_path.stat().st_size if append and log_path.exists() else 0
+    inherited = {k: v for k, v in os.environ.items() if k not in unset} if unset else os.environ
     proc = subprocess.Popen(
         child_command(argv),
         stdout=subprocess.PIPE,
@@ -68,12 +75,12 @@ def spawn(log_dir: Path, name: str, argv: list[str], echo: bool, env: dict[str, 
         text=True,
         # One intra-op thread per process unless the user says otherwise: several processes
         # share the cores, and OpenMP spin-waiting under oversubscription halves throughput.
-        env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        env={"OMP_NUM_THREADS": "1", **inherited, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     sink = log_path.open("a" if append else "w")
     pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{name}] ", sink, echo), daemon=True)
     pump.start()
-    return Child(name, proc, pump, log_path, list(argv), env, log_offset=offset)
+    return Child(name, proc, pump, log_path, list(argv), env, tuple(unset), log_offset=offset)
 
 
 # A child of the launcher asks Linux to SIGTERM it when the launcher dies (so a killed launcher

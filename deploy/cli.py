@@ -18,7 +18,7 @@ from tether.common.cli_args import DeprecatedAlias, HelpFormatter
 from tether.common.exits import DONE, USAGE, run_command, usage_checks
 from tether.deploy import children, shard_count
 from tether.deploy.errors import ClusterError
-from tether.deploy.shard_args import add_shard_flags, shard_argv
+from tether.deploy.shard_args import add_shard_flags, shard_config
 from tether.deploy.shard_count import ShardCount
 from tether.protos.errors import TetherError, report_usage_error
 from tether.worker.config import JOB, MODEL, WorkerConfig
@@ -74,11 +74,11 @@ def _launch(argv: Sequence[str]) -> int:
                 # ends unless --steps (or TETHER_STEPS, or its own code) says otherwise, and its
                 # progress shows no made-up total or ETA.
                 program = replace(program, steps_from_job=False)
-            shard_args = shard_argv(a)
+            shard = shard_config(a)
             shards = _shard_count(a.num_shards, template)
         # A UsageError from here on is a worker's own one line (a malformed data line found mid-run).
         summary = run_job(template, shards.num_shards, out=a.out, timeout_s=a.job_timeout, metrics=a.metrics,
-                          checkpoint_every=a.checkpoint_every, shard_args=shard_args,
+                          checkpoint_every=a.checkpoint_every, shard=shard,
                           program=program, max_restarts=a.max_restarts,
                           shard_env=shards.env(), shards_why=shards.why if shards.for_gpus else None)
         print(_result_lines(summary, a.out, program is not None))

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tether.deploy.launch import ClusterError, Interrupted, LocalCluster, Program
+from tether.server.config import ShardConfig
 from tether.worker.config import WorkerConfig
 from tether.worker.training.run_record import RunRecord
 
@@ -41,7 +42,7 @@ def run_job(
     metrics: bool = False,
     checkpoint_every: float | None = None,
     program: Program | None = None,
-    shard_args: Sequence[str] = (),
+    shard: ShardConfig | None = None,
     max_restarts: int = 0,
     shard_restarts: int = 5,
     during: Callable[[LocalCluster], AbstractContextManager[object]] | None = None,
@@ -51,8 +52,9 @@ def run_job(
     """Run a whole job locally, evaluate the result, and write ``summary.json`` to ``out``.
 
     With a ``program`` the workers are the user's code; the result is what its workers
-    recorded (worker 0's final held-out metrics, when it evaluated). ``shard_args``: extra
-    ``tether server`` flags (TLS files, for one; the workers' own come from ``template``).
+    recorded (worker 0's final held-out metrics, when it evaluated). ``shard``: every shard's
+    settings (TLS files, for one; the workers' own come from ``template``; default: those the
+    ``TETHER_*`` environment describes), each shard handed its own as a config file.
 
     Args:
         max_restarts: restart an async or ssp worker that dies up to this many times (see
@@ -79,16 +81,16 @@ def run_job(
         with cluster:
             workdir = out_dir or cluster.log_dir
             template = replace(template, out=str(workdir))
-            extra = list(shard_args)
+            shards = shard if shard is not None else ShardConfig.from_env()
             # The shards checkpoint to OUT/checkpoints when asked to: every checkpoint_every seconds,
             # and at every worker's --checkpoint-every-steps (which asks the shards for step-<n>).
             asked = checkpoint_every is not None or template.checkpoint_every_steps > 0
             checkpoints = Path(workdir, "checkpoints").resolve() if asked else None
             if checkpoints:
-                extra += ["--checkpoint-dir", str(checkpoints)]
+                shards = replace(shards, checkpoint_dir=str(checkpoints))
             if checkpoint_every is not None:
-                extra += ["--checkpoint-every", repr(checkpoint_every)]
-            addresses = cluster.start_shards(num_shards, extra_args=extra, metrics=metrics, env=dict(shard_env) if shard_env else None)
+                shards = replace(shards, checkpoint_every_s=checkpoint_every)
+            addresses = cluster.start_shards(num_shards, config=shards, metrics=metrics, env=dict(shard_env) if shard_env else None)
             chosen = f" ({shards_why})" if shards_why else ""
             print(f"tether: {num_shards} shard(s){chosen} at {', '.join(addresses)}; starting {template.num_workers} worker(s)", flush=True)
             t0 = time.perf_counter()

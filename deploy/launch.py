@@ -25,14 +25,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tether.common.config_file import to_json
+from tether.common.config_file import CONFIG_ENV, json_values, to_json
 from tether.common.exits import USAGE, interrupted
-from tether.common.settings import to_env
+from tether.common.settings import declared, to_env, variables
 from tether.deploy.children import SPREAD_DEVICES, Child, child_command, free_port, free_ports, gpu_count, spawn, tail, worker_device
 from tether.deploy.errors import ClusterError, Interrupted
 from tether.deploy.run_program import program_env
 from tether.deploy.worker_exits import RANK_LOGS, raise_worker_failure, steps_reported
-from tether.worker.config import WorkerConfig
+from tether.server.config import ShardConfig
+from tether.worker.config import TrainingConfig, WorkerConfig
 
 # child_command and worker_device are used from here (bench/chaos.py, tests) too.
 __all__ = ["ClusterError", "Interrupted", "LocalCluster", "Program", "child_command", "worker_device"]
@@ -44,20 +45,27 @@ log = logging.getLogger(__name__)
 class Program:
     """A user's training program run as the workers instead of ``tether worker``: what comes
     after ``python`` (``script.py args...`` or ``-m module args...``). Each worker learns its
-    place in the job from the ``TETHER_*`` environment (``TrainingConfig.from_env``); in sync
-    mode ``torchrun`` runs it and sets ``RANK``/``WORLD_SIZE`` as well."""
+    place in the job from its config file, which ``TETHER_CONFIG`` names (``TrainingConfig.from_env``);
+    in sync mode ``torchrun`` runs it and sets ``RANK``/``WORLD_SIZE`` as well."""
 
     argv: tuple[str, ...]
     # Whether the job's step count (``--steps``, its default too) is the program's: without it the
-    # program's workers get no ``TETHER_STEPS`` and train until their data ends, or as their code says.
+    # program's workers are told no step count and train until their data ends, or as their code says.
     steps_from_job: bool = True
 
-    def env(self, cfg: WorkerConfig) -> dict[str, str]:
-        """The ``TETHER_*`` environment that tells a worker of this program ``cfg``."""
-        env = to_env(cfg)
-        if not self.steps_from_job:
-            env["TETHER_STEPS"] = ""  # empty: no step limit (TrainingConfig.from_env)
-        return env
+    def hand_over(self, cfg: WorkerConfig, path: Path) -> tuple[dict[str, str], list[str]]:
+        """Write ``cfg`` for a worker of this program to ``path``: the ``TrainingConfig`` fields
+        the program reads (``TrainingConfig.from_env``), as ``tether worker``'s file holds them.
+        Returns the environment that names the file (``TETHER_CONFIG``) and also holds the job's
+        other flags (the built-in model's: ``TETHER_BATCH_SIZE``, ..., for a program that takes
+        its own defaults from them), and the variables to take out of what the worker inherits:
+        those of the fields the file holds, which the launcher has read already (``from_env``
+        lets a ``TETHER_*`` variable win over the file, for one set by hand)."""
+        changes = {} if self.steps_from_job else {"steps": None}  # null: no step limit
+        path.write_text(to_json(cfg, TrainingConfig, changes))
+        held = {*json_values(cfg, TrainingConfig), *changes}
+        training = {f.name for f, _ in declared(TrainingConfig)}
+        return {**to_env(cfg, exclude=training), CONFIG_ENV: str(path)}, variables(TrainingConfig, held)
 
     @classmethod
     def script(cls, path: str, args: Sequence[str] = ()) -> Program:
@@ -162,39 +170,46 @@ class LocalCluster:
         metrics: bool = False,
         timeout_s: float = 60.0,
         env: dict[str, str] | None = None,
+        config: ShardConfig | None = None,
     ) -> list[str]:
-        """Start ``num_shards`` shard processes and wait until each serves.
+        """Start ``num_shards`` shard processes and wait until each serves: ``tether server
+        --config FILE``, each shard's config as a JSON file in the log folder
+        (``shard-<i>.config.json``: ``config`` with the shard's own address, port file, index and
+        count), read as it is.
 
         Args:
+            extra_args: ``tether server`` flags beside the file (a flag wins over the file).
             env: extra environment variables of the shard processes.
+            config: every shard's settings (default: those the ``TETHER_*`` environment describes).
 
         Raises:
             ClusterError: a shard exited or did not report its port within ``timeout_s``.
+            ValueError: a bad value in the environment, named.
         """
-        port_files = []
+        template = config if config is not None else ShardConfig.from_env()
         started = []
         for i in range(num_shards):
             pf = self.log_dir / f"shard-{i}.port"
             pf.unlink(missing_ok=True)
-            port_files.append(pf)
-            argv = ["-m", "tether.server", "--host", self.host, "--port", "0", "--port-file", str(pf),
-                    "--shard-index", str(i), "--num-shards", str(num_shards), *extra_args]
+            shard = replace(template, host=self.host, port=0, port_file=str(pf), shard_index=i, num_shards=num_shards)
             if metrics:
                 port = free_port(self.host)
                 self.metrics_ports[f"shard-{i}"] = port
-                argv += ["--metrics-port", str(port)]
-            child = spawn(self.log_dir, f"shard-{i}", argv, echo=False, env=env)
+                shard = replace(shard, metrics_port=port)
+            file = self.log_dir / f"shard-{i}.config.json"
+            file.write_text(to_json(shard))
+            child = spawn(self.log_dir, f"shard-{i}", ["-m", "tether.server", "--config", str(file), *extra_args], echo=False, env=env)
             child.port_file = pf
             started.append(child)
         with self._lock:
             self.shards.extend(started)
         deadline = time.monotonic() + timeout_s
         self.addresses = []
-        for child, _port_file in zip(started, port_files, strict=False):
+        for child in started:
             port = self._await_port(child, deadline, timeout_s)
-            # A restart must come back where the workers look for it.
-            port_at = child.argv.index("--port") + 1
-            child.argv[port_at] = str(port)
+            # A restart must come back where the workers look for it: it reads the same file, with
+            # the port it got beside it (a flag wins over the file).
+            child.argv += ["--port", str(port)]
             self.addresses.append(f"{self.host}:{port}")
         if self.restart and self._supervisor is None:
             self._supervisor = threading.Thread(target=self._supervise, name="tether-supervisor", daemon=True)
@@ -258,7 +273,7 @@ class LocalCluster:
         """Start ``template.num_workers`` worker processes against the running shards:
         ``tether worker --config FILE`` (each worker's config as a JSON file in the log folder,
         ``<name>.config.json``: read as it is, no flags rendered and parsed again), or the user's
-        ``program`` configured through the ``TETHER_*`` environment (``TrainingConfig.from_env``).
+        ``program`` with ``TETHER_CONFIG=FILE``, the same file (``TrainingConfig.from_env``).
 
         In sync mode the workers are the ranks of one ``torchrun``.
         """
@@ -281,8 +296,10 @@ class LocalCluster:
             if program is not None:
                 # torchrun parses every argument after the program too (a script's --n would be its
                 # --nnodes): the shim gets the program's argv in the environment instead.
-                env = {**no_port, **program.env(cfg), **program_env(program.argv)}
-                self.workers.append(spawn(self.log_dir, "torchrun", [*argv, "-m", "tether.deploy.run_program"], echo=echo, env=env))
+                told, unset = program.hand_over(cfg, self.log_dir / "torchrun.config.json")
+                env = {**no_port, **told, **program_env(program.argv)}
+                self.workers.append(spawn(self.log_dir, "torchrun", [*argv, "-m", "tether.deploy.run_program"], echo=echo, env=env,
+                                          unset=unset))
                 return
             config = self.log_dir / "torchrun.config.json"
             config.write_text(to_json(cfg))
@@ -295,11 +312,12 @@ class LocalCluster:
             if metrics:
                 self.metrics_ports[f"worker-{i}"] = port = free_port(self.host)
                 cfg = replace(cfg, metrics_port=port)
+            # A restart reads the same file, with the steps left beside it (--steps, or TETHER_STEPS for a program).
+            config = self.log_dir / f"worker-{i}.config.json"
             if program is not None:
-                child = spawn(self.log_dir, f"worker-{i}", list(program.argv), echo=echo, env={**no_port, **program.env(cfg)})
+                told, unset = program.hand_over(cfg, config)
+                child = spawn(self.log_dir, f"worker-{i}", list(program.argv), echo=echo, env={**no_port, **told}, unset=unset)
             else:
-                # A restart reads the same file, with --steps beside it for the steps left (Supervision).
-                config = self.log_dir / f"worker-{i}.config.json"
                 config.write_text(to_json(cfg))
                 child = spawn(self.log_dir, f"worker-{i}", ["-m", "tether.worker", "--config", str(config), *extra_args], echo=echo,
                               env=no_port)
@@ -469,15 +487,15 @@ class LocalCluster:
             remaining = max(child.steps - done, 1)
             if "--steps" in argv:
                 argv[argv.index("--steps") + 1] = str(remaining)
-            elif "TETHER_STEPS" in env:
-                env["TETHER_STEPS"] = str(remaining)
             elif "--config" in argv:  # a flag beside the worker's config file wins over the file
                 argv += ["--steps", str(remaining)]
+            elif "TETHER_STEPS" in env or CONFIG_ENV in env:  # and a variable over a program's
+                env["TETHER_STEPS"] = str(remaining)
         count = self.worker_restarts.get(child.name, 0) + 1
         env["TETHER_RESTART_COUNT"] = str(count)
         log.warning("%s exited with code %s; restart %d of %d%s", child.name, code, count, self.max_worker_restarts,
                     f", for the {remaining} of its {child.steps} steps not reported done" if remaining is not None else "")
-        fresh = spawn(self.log_dir, child.name, argv, echo=self._echo, env=env, append=True)
+        fresh = spawn(self.log_dir, child.name, argv, echo=self._echo, env=env, unset=child.unset, append=True)
         fresh.steps, fresh.steps_done = child.steps, done
         with self._lock:
             self.worker_restarts[child.name] = count

@@ -1,7 +1,7 @@
-"""The ``tether server`` flags ``tether launch`` gives every shard of its local cluster, made
-from ``ShardConfig``'s declarations (``tether.common.settings``): a field declared there is a
-launch flag too, unless it is one of ``LAUNCHER_SET``, which the launcher sets per shard or
-itself, or which would need the workers told as well."""
+"""The shard flags of ``tether launch``, which it gives every shard of its local cluster (in each
+shard's config file), made from ``ShardConfig``'s declarations (``tether.common.settings``): a
+field declared there is a launch flag too, unless it is one of ``LAUNCHER_SET``, which the
+launcher sets per shard or itself, or which would need the workers told as well."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import argparse
 from tether.common import settings as fields
 from tether.server.config import ShardConfig
 
-__all__ = ["LAUNCHER_SET", "add_shard_flags", "shard_argv"]
+__all__ = ["LAUNCHER_SET", "add_shard_flags", "shard_config"]
 
 # ShardConfig fields that are not launch flags: each shard's own address, ports and files, its
 # index and the count (the launcher gives them), its metrics port (--metrics), checkpoints (under
@@ -30,12 +30,12 @@ def add_shard_flags(parser: argparse.ArgumentParser) -> None:
     fields.add_flags(group, ShardConfig, exclude=LAUNCHER_SET)
 
 
-def shard_argv(namespace: argparse.Namespace) -> list[str]:
-    """The ``tether server`` flags for every shard, from the parsed shard flags (all of them:
-    what the launcher's environment set included).
+def shard_config(namespace: argparse.Namespace) -> ShardConfig:
+    """Every shard's config from the parsed shard flags (all of them: what the launcher's
+    environment set included); the fields of ``LAUNCHER_SET`` at their defaults, for the launcher
+    to set (``LocalCluster.start_shards``).
 
     Raises:
         ValueError: a value the shard would refuse, named as ``tether server`` names it.
     """
-    config = ShardConfig(**fields.values_from_args(ShardConfig, namespace, exclude=LAUNCHER_SET))
-    return fields.to_argv(config, exclude=LAUNCHER_SET)
+    return ShardConfig(**fields.values_from_args(ShardConfig, namespace, exclude=LAUNCHER_SET))

@@ -10,6 +10,7 @@ from typing import Any
 
 from tether.common import settings as fields
 from tether.common.cli_args import HelpFormatter
+from tether.common.config_file import parse_with_config
 from tether.common.security import TOKEN_ENV, check_token, resolve_token
 from tether.common.settings import derived, optional_float, optional_int, optional_str, setting
 
@@ -176,20 +177,28 @@ class ShardConfig:
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """Flags of ``tether server``; each falls back to a ``TETHER_*`` environment variable."""
+    """Flags of ``tether server``; each falls back to a ``TETHER_*`` environment variable, and
+    ``--config FILE`` (what ``tether launch`` hands each shard) stands in for them all."""
     p = parser or argparse.ArgumentParser(
         prog="tether server",
         description="Run one parameter-server shard. Every flag falls back to the TETHER_* environment variable its help names.",
         formatter_class=HelpFormatter,
     )
     fields.add_flags(p, ShardConfig)
+    # No TETHER_CONFIG fallback: that variable names a worker's file (a user's program's), and a
+    # shard inherits the same shell as the workers beside it.
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="the shard as a JSON object of field values, as tether launch writes each shard's "
+                   "(OUT/logs/shard-<i>.config.json): they replace the flags' defaults and TETHER_* variables; "
+                   "a flag given beside it wins")
     return p
 
 
 def load_config(argv: Sequence[str] | None = None) -> ShardConfig:
-    """Parse flags (with env fallbacks) into a validated ``ShardConfig``.
+    """Parse flags (with env fallbacks), or ``--config FILE`` and the flags beside it, into a
+    validated ``ShardConfig``: the shard's one parse.
 
     Raises:
-        ValueError: a bad value, named.
+        ValueError: a bad value, or a file that cannot be read or holds no shard config, named.
     """
-    return ShardConfig(**fields.values_from_args(ShardConfig, build_parser().parse_args(argv)))
+    return ShardConfig(**fields.values_from_args(ShardConfig, parse_with_config(build_parser(), argv, ShardConfig)))

@@ -18,6 +18,7 @@ import pytest
 
 from tether.common import settings as fields
 from tether.common.cli_args import DeprecatedAlias
+from tether.common.config_file import to_json
 from tether.common.settings import to_argv as worker_argv
 from tether.common.settings import to_env as job_env
 from tether.protos.codec import WIRE_DTYPES
@@ -265,13 +266,16 @@ def test_the_round_trips_cover_every_field() -> None:
 
 def test_launch_gives_every_shard_each_cluster_wide_setting(tmp_path: Path, clean_env: None) -> None:
     """``tether launch``'s shard flags: every ShardConfig field but those the launcher sets per
-    shard, each away from its default, reaches the shard's own parser unchanged."""
-    from tether.deploy.shard_args import LAUNCHER_SET, add_shard_flags, shard_argv
+    shard, each away from its default, reaches the shard's own parser unchanged, through the
+    config file the launcher hands each shard."""
+    from tether.deploy.shard_args import LAUNCHER_SET, add_shard_flags, shard_config
 
     cfg = _shard_config(tmp_path)
     parser = argparse.ArgumentParser()
     add_shard_flags(parser)
-    again = server_config.load_config(shard_argv(parser.parse_args(fields.to_argv(cfg, exclude=LAUNCHER_SET))))
+    file = tmp_path / "shard-0.config.json"
+    file.write_text(to_json(shard_config(parser.parse_args(fields.to_argv(cfg, exclude=LAUNCHER_SET)))))
+    again = server_config.load_config(["--config", str(file)])
     passed = [f.name for f, d in fields.declared(ShardConfig) if d.flag is not None and f.name not in LAUNCHER_SET]
     assert len(passed) >= 10
     for name in passed:
@@ -321,9 +325,13 @@ class _Spawned:
 
     def __init__(self) -> None:
         self.argv: dict[str, list[str]] = {}
+        self.env: dict[str, dict[str, str]] = {}
+        self.unset: dict[str, tuple[str, ...]] = {}
 
-    def __call__(self, log_dir: Path, name: str, argv: list[str], echo: bool, env: dict[str, str] | None = None) -> Any:
-        self.argv[name] = list(argv)
+    def __call__(
+        self, log_dir: Path, name: str, argv: list[str], echo: bool, env: dict[str, str] | None = None, unset: Any = (),
+    ) -> Any:
+        self.argv[name], self.env[name], self.unset[name] = list(argv), dict(env or {}), tuple(unset)
         return SimpleNamespace(name=name, argv=argv, env=env, steps=None)
 
 
@@ -502,3 +510,140 @@ def test_data_files_are_checked_once_at_the_entry_point_not_at_every_replace(tmp
     assert calls == [(data, 1)] and config.steps == 12
     with pytest.raises(ValueError, match=r"--data criteo:.*no file matches"):
         worker_flags.config_from_args(worker_flags.build_parser().parse_args(["--data", f"criteo:{tmp_path}/none-*.tsv", "--local"]))
+
+
+def test_an_optimizer_config_file_is_read_once_for_a_config_and_its_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--optimizer-config``'s file is parsed when the config is made, and not again by each
+    ``dataclasses.replace`` (a job makes several copies); a file changed since is read again."""
+    from tether.worker.training import table_rules
+
+    reads: list[str] = []
+    read = table_rules._read_file
+    monkeypatch.setattr(table_rules, "_read_file", lambda path: reads.append(path) or read(path))
+    path = tmp_path / "rules.json"
+    path.write_text('{"u": {"rule": "adagrad", "lr": 0.2}}')
+    config = TrainingConfig(local=True, optimizer_config=str(path))
+    for i in range(8):
+        config = dataclasses.replace(config, steps=10 + i, lr=0.01 * (i + 1))
+    assert reads == [str(path)] and config.table_rules.optimizer("u").lr == 0.2
+    path.write_text('{"u": {"rule": "sgd", "lr": 0.25}}')  # another size: read again
+    assert dataclasses.replace(config, steps=3).table_rules.optimizer("u") == OptimizerConfig("sgd", lr=0.25)
+    assert reads == [str(path)] * 2
+
+
+# -- every child gets its config as one file: shards, workers, a user's program ---------------------
+
+
+def test_a_shard_config_round_trips_through_its_config_file(tmp_path: Path, clean_env: None) -> None:
+    """``tether server --config FILE``: every field away from its default is read back as it was
+    (the token is never written: the shard reads it from its file again); a flag beside the file wins."""
+    cfg = _shard_config(tmp_path)
+    file = tmp_path / "shard.config.json"
+    file.write_text(to_json(cfg))
+    assert "s3cret-token" not in file.read_text()
+    assert server_config.load_config(["--config", str(file)]) == cfg
+    again = server_config.load_config(["--config", str(file), "--port", "7007", "--data-port", "off"])
+    assert (again.port, again.data_port, again.lease_seconds) == (7007, None, cfg.lease_seconds)
+    file.write_text(to_json(dataclasses.replace(cfg, data_port=None)))  # null where the default is a number
+    assert server_config.load_config(["--config", str(file)]).data_port is None
+
+
+def test_a_bad_shard_config_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], clean_env: None) -> None:
+    from tether.server.__main__ import main
+
+    bad = {"missing.json": None, "broken.json": '{"port": ', "unknown.json": '{"shards": "a:1"}', "typed.json": '{"threads": "8"}'}
+    for name, text in bad.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        assert main(["--config", str(tmp_path / name), "--port-file", str(tmp_path / "port")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"tether server: error: --config {tmp_path / name}: "), err
+        assert {"missing.json": "No such file", "broken.json": "not JSON", "unknown.json": "ShardConfig has no field shards",
+                "typed.json": "threads: expected int, got '8'"}[name] in err, err
+    assert not (tmp_path / "port").exists()  # no shard started
+
+
+def _training_config(tmp_path: Path) -> TrainingConfig:
+    """Every TrainingConfig field away from its default (local mode gets its own check)."""
+    special = {
+        "shards": ("127.0.0.1:1", "127.0.0.1:2"),
+        "mode": "ssp:3",
+        "device": "cpu",
+        "straggler": "transient:0.5:3",
+        "auth_token_file": _token_file(tmp_path),
+        "table_optimizers": ("t=sgd:lr=0.1", "dense=adam:weight_decay=0.001"),
+        "optimizer_config": _optimizer_file(tmp_path),
+    }
+    return TrainingConfig(**non_default(TrainingConfig, special, keep=("local", "push_window")), auth_token="s3cret-token")
+
+
+def test_from_env_reads_the_file_tether_config_names_with_variables_over_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_env: None
+) -> None:
+    cfg = _training_config(tmp_path)
+    file = tmp_path / "worker-0.config.json"
+    file.write_text(to_json(cfg))
+    monkeypatch.setenv("TETHER_CONFIG", str(file))
+    got = TrainingConfig.from_env()
+    for f in dataclasses.fields(TrainingConfig):
+        assert getattr(got, f.name) == getattr(cfg, f.name), f.name
+        assert type(getattr(got, f.name)) is type(getattr(cfg, f.name)), f.name
+    # A variable set by hand wins over the file, and the code's override over both.
+    monkeypatch.setenv("TETHER_LR", "0.125")
+    monkeypatch.setenv("TETHER_MODE", "async")
+    assert (lambda c: (c.lr, c.mode.kind, c.seed))(TrainingConfig.from_env()) == (0.125, "async", cfg.seed)
+    assert TrainingConfig.from_env(lr=0.5).lr == 0.5
+    # The file's worker in local mode.
+    file.write_text('{"local": true, "num_workers": 1, "steps": 4}')
+    assert (lambda c: (c.local, c.shards, c.steps, c.lr))(TrainingConfig.from_env()) == (True, (), 4, 0.125)
+
+
+def test_a_bad_tether_config_file_is_one_line_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_env: None) -> None:
+    from tether.protos.errors import UsageError
+
+    bad = {"missing.json": None, "broken.json": "{", "unknown.json": '{"batch_size": 64}', "typed.json": '{"local": "yes"}'}
+    for name, text in bad.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        monkeypatch.setenv("TETHER_CONFIG", str(tmp_path / name))
+        with pytest.raises(UsageError) as info:
+            TrainingConfig.from_env()
+        line = str(info.value)
+        assert len(line.splitlines()) == 1 and line.startswith(f"TETHER_CONFIG={tmp_path / name}: "), line
+        assert {"missing.json": "No such file", "broken.json": "not JSON", "unknown.json": "TrainingConfig has no field batch_size",
+                "typed.json": "local: expected bool, got 'yes'"}[name] in line, line
+
+
+@pytest.mark.parametrize("steps_from_job", [True, False])
+def test_a_launched_program_reads_its_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_env: None, steps_from_job: bool
+) -> None:
+    """``tether launch --script``: each worker gets ``TETHER_CONFIG`` naming its config file (the
+    TrainingConfig fields, as ``tether worker``'s file holds them), and the job's other flags as
+    variables for the program's own use. What the launcher's shell set is out of the worker's
+    environment for the fields the file holds (the launcher read them), so it cannot win over the file."""
+    from tether.deploy import launch
+
+    cfg = WorkerConfig(shards=("pending:0",), num_workers=2, mode="ssp:2", lr=0.3, batch_size=64, steps=7)
+    spawned = _Spawned()
+    monkeypatch.setattr(launch, "spawn", spawned)
+    cluster = launch.LocalCluster(log_dir=tmp_path / "logs")
+    cluster.addresses = ["127.0.0.1:7001"]
+    cluster.start_workers(cfg, echo=False, program=launch.Program(("train.py",), steps_from_job=steps_from_job))
+    monkeypatch.setenv("TETHER_MODE", "async")  # the launcher's shell
+    monkeypatch.setenv("TETHER_STEPS", "99")
+    for i in range(2):
+        env, unset = spawned.env[f"worker-{i}"], spawned.unset[f"worker-{i}"]
+        assert spawned.argv[f"worker-{i}"] == ["train.py"]
+        assert env["TETHER_CONFIG"] == str(tmp_path / "logs" / f"worker-{i}.config.json") and env["TETHER_BATCH_SIZE"] == "64"
+        assert not {"TETHER_SHARDS", "TETHER_MODE", "TETHER_LR", "TETHER_WORKER_INDEX"} & set(env)  # those are in the file
+        assert {"TETHER_MODE", "TETHER_STEPS", "TETHER_WORKER_INDEX", "JOB_COMPLETION_INDEX"} <= set(unset)
+        with monkeypatch.context() as child:  # the worker's environment, as spawn makes it
+            for name in unset:
+                child.delenv(name, raising=False)
+            for name, value in env.items():
+                child.setenv(name, value)
+            got = TrainingConfig.from_env()
+        assert (got.shards, got.worker_index, got.num_workers, got.mode.kind, got.mode.bound, got.lr) == (
+            ("127.0.0.1:7001",), i, 2, "ssp", 2, 0.3)
+        assert got.steps == (7 if steps_from_job else None)

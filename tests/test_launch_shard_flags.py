@@ -1,12 +1,14 @@
 """``tether launch`` takes the shard's flags (made from ``ShardConfig``'s declarations, but those
-the launcher sets per shard) and passes them to every shard it starts."""
+the launcher sets per shard) and passes them to every shard it starts, in the shard's config file."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -17,6 +19,7 @@ from conftest import make_client
 from test_cli_help import _clean_env, option_blocks
 
 from tether.common import settings as fields
+from tether.common.config_file import to_json
 from tether.deploy import cli
 from tether.deploy.launch import LocalCluster
 from tether.deploy.shard_args import LAUNCHER_SET
@@ -24,7 +27,7 @@ from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.codec import encode_ids, encode_tensor
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.config import ShardConfig, build_parser
+from tether.server.config import ShardConfig, load_config
 
 
 def _shard_flags() -> list[str]:
@@ -58,15 +61,16 @@ def _launch(argv: list[str], monkeypatch: pytest.MonkeyPatch, run_job: Any) -> i
     return cli.main(["launch", "--num-shards", "1", "--num-workers", "1", "--steps", "1", "--device", "cpu", *argv])
 
 
-def test_launch_passes_max_staleness_to_its_shards(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    """The launcher's own path, up to the shards: run_job's shard processes get --max-staleness 0,
-    and a push one update stale is refused (ABORTED) by the shard."""
+def test_launch_passes_max_staleness_to_its_shards(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The launcher's own path, up to the shards: run_job's shard processes get max_staleness 0 in
+    their config files, and a push one update stale is refused (ABORTED) by the shard."""
     seen: dict[str, Any] = {}
 
-    def run_job(template: Any, num_shards: int, shard_args: Any = (), **kw: Any) -> dict[str, Any]:
-        seen["shard_args"] = list(shard_args)
+    def run_job(template: Any, num_shards: int, shard: ShardConfig | None = None, **kw: Any) -> dict[str, Any]:
+        seen["shard"] = shard
         with LocalCluster(log_dir=tmp_path, grace_s=5) as cluster:
-            address = cluster.start_shards(num_shards, extra_args=shard_args)[0]
+            address = cluster.start_shards(num_shards, config=shard)[0]
+            seen["argv"], seen["address"] = cluster.shards[0].argv, address
             client = make_client([address])
             client.declare([TableConfig("emb", 4, OptimizerConfig("sgd", 1.0))])
             client.close()
@@ -84,8 +88,12 @@ def test_launch_passes_max_staleness_to_its_shards(monkeypatch: pytest.MonkeyPat
         raise KeyboardInterrupt  # what was to be seen is seen: end as Ctrl-C would, without workers
 
     assert _launch(["--max-staleness", "0", "--lease-seconds", "3"], monkeypatch, run_job) == 130
-    args = seen["shard_args"]
-    assert args[args.index("--max-staleness") + 1] == "0" and args[args.index("--lease-seconds") + 1] == "3.0"
+    assert (seen["shard"].max_staleness, seen["shard"].lease_seconds) == (0, 3.0)
+    # The shard was handed its config file (and, once serving, the port it got beside it, for a restart).
+    argv = seen["argv"]
+    assert argv[:3] == ["-m", "tether.server", "--config"] and argv[4:] == ["--port", seen["address"].rpartition(":")[2]], argv
+    handed = json.loads(Path(argv[3]).read_text())
+    assert (handed["max_staleness"], handed["lease_seconds"], handed["port"], handed["shard_index"]) == (0, 3.0, 0, 0)
     assert seen["codes"] == [grpc.StatusCode.OK, grpc.StatusCode.ABORTED]
 
 
@@ -99,16 +107,17 @@ def test_shard_flags_are_checked_before_anything_starts(monkeypatch: pytest.Monk
     assert "data_buffer_bytes must be >= max_message_bytes" in capsys.readouterr().err
 
 
-def test_unset_shard_flags_pass_the_shards_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unset_shard_flags_pass_the_shards_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for name in [n for n in os.environ if n.startswith("TETHER_")]:
         monkeypatch.delenv(name)
     seen: dict[str, Any] = {}
 
-    def run_job(template: Any, num_shards: int, shard_args: Any = (), **kw: Any) -> dict[str, Any]:
-        seen["shard_args"] = list(shard_args)
+    def run_job(template: Any, num_shards: int, shard: ShardConfig | None = None, **kw: Any) -> dict[str, Any]:
+        seen["shard"] = shard
         raise KeyboardInterrupt
 
     assert _launch([], monkeypatch, run_job) == 130
-    # What each shard parses from them is ShardConfig's defaults, field for field.
-    parsed = ShardConfig(**fields.values_from_args(ShardConfig, build_parser().parse_args(seen["shard_args"])))
-    assert dataclasses.asdict(parsed) == dataclasses.asdict(ShardConfig())
+    # What each shard reads from its file is ShardConfig's defaults, field for field.
+    file = tmp_path / "shard.config.json"
+    file.write_text(to_json(seen["shard"]))
+    assert dataclasses.asdict(load_config(["--config", str(file)])) == dataclasses.asdict(ShardConfig())

@@ -21,6 +21,7 @@ from tether.common import choices
 from tether.common import settings as fields
 from tether.common.allocator import one_thread_unless_asked, tune_malloc
 from tether.common.choices import or_names as _names
+from tether.common.config_file import CONFIG_ENV, read_values
 from tether.common.exits import end_usage_errors_in_one_line, usage_checks
 from tether.common.security import TOKEN_ENV, ClientSecurity, resolve_token
 from tether.common.settings import default_of, derived, optional_int, optional_str, override, setting
@@ -194,10 +195,12 @@ class TrainingConfig:
 
     @classmethod
     def from_env(cls: type[T], **overrides: object) -> T:
-        """The config the ``TETHER_*`` environment describes (what ``tether launch`` and the
-        Kubernetes manifests give a worker; ``tether worker --help`` lists the variables),
-        with ``overrides`` winning. Under torchrun in sync mode the rank and world size come
-        from ``RANK`` and ``WORLD_SIZE``.
+        """The config the environment describes: the JSON file ``TETHER_CONFIG`` names, if set
+        (what ``tether launch`` gives each worker of a user's program: the worker's config, read
+        as it is), then the ``TETHER_*`` variables over it (what the Kubernetes manifests give a
+        worker, or a user sets by hand; ``tether worker --help`` lists them), with ``overrides``
+        winning. Under torchrun in sync mode the rank and world size come from ``RANK`` and
+        ``WORLD_SIZE``.
 
         Asking for the environment's config makes this process a tether worker, as ``tether
         worker`` is (``Trainer`` itself changes nothing process-wide): a ``UsageError`` or
@@ -208,7 +211,7 @@ class TrainingConfig:
         on a busy 2-core machine).
 
         Raises:
-            UsageError: a bad value, named.
+            UsageError: a bad value, or a config file that cannot be read or holds no config, named.
         """
         end_usage_errors_in_one_line()
         tune_malloc()
@@ -220,7 +223,9 @@ class TrainingConfig:
 
     @classmethod
     def _from_env(cls: type[T], overrides: Mapping[str, object]) -> T:
-        values = fields.env_values(cls, overrides)
+        path = os.environ.get(CONFIG_ENV, "")
+        base = read_values(cls, path, f"{CONFIG_ENV}={path}") if path else None
+        values = fields.env_values(cls, overrides, base=base)
         # ``sync`` is the whole mode (no bound follows it), so this needs no parse_mode.
         if values.get("mode", default_of(cls, "mode")) == "sync" and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             # A torchrun rank knows its place from torchrun before any process group exists, so

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from pathlib import Path
 
 from tether.common import settings as fields
 from tether.common.cli_args import HelpFormatter, env
-from tether.common.config_file import namespace_from_json
+from tether.common.config_file import CONFIG_ENV, parse_with_config
 from tether.worker.config import JOB, MODEL, PLACE, PROCESS, WorkerConfig
 
 __all__ = ["build_parser", "config_from_args", "load_config"]
@@ -27,10 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     fields.add_flags(p, WorkerConfig, groups=(PLACE, PROCESS, JOB, MODEL))
-    p.add_argument("--config", metavar="FILE", default=env("TETHER_CONFIG", None),
+    p.add_argument("--config", metavar="FILE", default=env(CONFIG_ENV, None),
                    help="the job as a JSON object of field values, as tether launch writes each worker's "
                    "(OUT/logs/worker-<i>.config.json): they replace the flags' defaults and TETHER_* variables; "
-                   "a flag given beside it wins (env TETHER_CONFIG)")
+                   f"a flag given beside it wins (env {CONFIG_ENV})")
     return p
 
 
@@ -53,22 +52,4 @@ def load_config(argv: Sequence[str] | None = None) -> WorkerConfig:
     Raises:
         ValueError: a bad value, or a file that cannot be read or holds no config, named.
     """
-    parser = build_parser()
-    a = parser.parse_args(argv)
-    if a.config is not None:
-        a = parser.parse_args(argv, namespace=_config_file(a.config))
-    return config_from_args(a)
-
-
-def _config_file(path: str) -> argparse.Namespace:
-    """The parsed flags ``--config FILE`` holds.
-
-    Raises:
-        ValueError: the file cannot be read, or holds no ``WorkerConfig``, naming it.
-    """
-    try:
-        return namespace_from_json(WorkerConfig, Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"--config {path}: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise ValueError(f"--config {path}: {exc}") from None
+    return config_from_args(parse_with_config(build_parser(), argv, WorkerConfig))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -171,12 +172,34 @@ def _toml(text: str) -> Any:
     raise ValueError("reading TOML needs Python 3.11 or the tomli package (pip install tomli); a .json file needs neither")
 
 
-def load_file(path: str) -> list[RuleEntry]:
-    """The entries of a JSON or TOML (``.toml``) config file.
+# Each --optimizer-config file's entries by path, with the file's identity, size and modification
+# time when it was read. A config's copies (``dataclasses.replace`` runs ``__post_init__`` again,
+# and a job makes several) find the file here instead of reading and parsing it again; a file
+# changed since (another size or time) is read again.
+_LOADED: dict[str, tuple[tuple[int, int, int, int], tuple[RuleEntry, ...]]] = {}
+
+
+def load_file(path: str) -> tuple[RuleEntry, ...]:
+    """The entries of a JSON or TOML (``.toml``) config file, read once while it is unchanged.
 
     Raises:
         ValueError: unreadable, not JSON/TOML, or a bad entry: one line naming the file.
     """
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise ValueError(f"--optimizer-config {path}: {exc.strerror or exc}") from None
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    known = _LOADED.get(path)
+    if known is not None and known[0] == key:
+        return known[1]
+    entries = _read_file(path)
+    _LOADED[path] = (key, entries)
+    return entries
+
+
+def _read_file(path: str) -> tuple[RuleEntry, ...]:
+    """Raises: ValueError: unreadable, not JSON/TOML, or a bad entry: one line naming the file."""
     try:
         text = Path(path).read_text()
         data = _toml(text) if path.endswith(".toml") else json.loads(text)
@@ -192,7 +215,7 @@ def load_file(path: str) -> list[RuleEntry]:
             entries.append(_entry(name, body["rule"], {k: v for k, v in body.items() if k != "rule"}))
         except ValueError as exc:
             raise ValueError(f"--optimizer-config {path}: {exc}") from None
-    return entries
+    return tuple(entries)
 
 
 @dataclass(frozen=True)
@@ -206,7 +229,7 @@ class TableRules:
     @classmethod
     def of(cls, flags: Sequence[str], file: str | None, optimizer: str, lr: float) -> TableRules:
         """Raises: ValueError: a bad entry or file, one line."""
-        entries = {e.name: e for e in (load_file(file) if file else [])}
+        entries = {e.name: e for e in (load_file(file) if file else ())}
         entries.update({e.name: e for e in map(parse_entry, flags)})
         for e in entries.values():
             e.config(lr)  # an lr out of range only shows with --lr
