@@ -91,8 +91,9 @@ def worker(width: int, steps: int) -> None:
     """One tether worker (launched, or local with TETHER_LOCAL=1): the same model through the public API."""
     import torch
 
-    from tether.worker.training.embedding import ShardedEmbeddingBag
-    from tether.worker.training.trainer import Trainer, TrainingConfig
+    from tether.worker.config import TrainingConfig
+    from tether.worker.training.embedding_bag import ShardedEmbeddingBag
+    from tether.worker.training.trainer import Trainer
 
     config = TrainingConfig.from_env(steps=steps, log_every=steps, device="cpu")
     torch.manual_seed(config.seed)

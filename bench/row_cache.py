@@ -73,7 +73,8 @@ def _movielens_on_shards(addresses: list[str], workers: int, ratings: Path) -> f
     from torch import nn
     from train import TwoTower
 
-    from tether.worker.training.trainer import Trainer, TrainingConfig
+    from tether.worker.config import TrainingConfig
+    from tether.worker.training.trainer import Trainer
 
     train, held_out = read_ratings(ratings, 0, workers)
     model = TwoTower(16, float(train["rating"].mean()))

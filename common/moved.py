@@ -7,7 +7,9 @@ import runs first) puts a finder on ``sys.meta_path`` that answers only the old 
 ``MOVED``: the old name becomes the new module itself (one module object, one set of classes),
 and the import warns once where the user's code made it. Three old modules have a package of the
 same name now (``tether.worker.client``, ``.data``, ``.training``); those packages forward the old
-module's names with ``forward_names``. New code imports ``tether`` (the stable surface) or the new
+module's names with ``forward_names``. A name an old module re-exported from another module is no
+longer in the module that replaced it: that module gives it from its home with a warning
+(``RE_EXPORTED``, ``old_names``). New code imports ``tether`` (the stable surface) or the new
 paths.
 """
 
@@ -23,7 +25,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["MOVED", "forward_names", "install"]
+__all__ = ["MOVED", "RE_EXPORTED", "forward_names", "install", "old_names"]
 
 # Each old dotted name and the module that is there now.
 MOVED: dict[str, str] = {
@@ -101,6 +103,15 @@ MOVED: dict[str, str] = {
     "tether.worker.transfer": "tether.worker.training.transfer",
 }
 
+# Names an old module re-exported from another module, by the module that is there now, with the
+# module each lives in: the new module no longer holds them, and gives them from there with a
+# warning (``old_names``; a package of an old module's name too, ``forward_names``).
+RE_EXPORTED: dict[str, dict[str, str]] = {
+    # tether.worker.training (now .trainer) gave the config; tether.worker.embedding (now .embedding) the module.
+    "tether.worker.training.trainer": {"TrainingConfig": "tether.worker.config"},
+    "tether.worker.training.embedding": {"ShardedEmbeddingBag": "tether.worker.training.embedding_bag"},
+}
+
 # Old names that are packages now: the package forwards the old module's names (``forward_names``).
 _NOW_PACKAGES = frozenset(old for old in MOVED if any(new.startswith(old + ".") for new in MOVED.values()))
 
@@ -152,14 +163,35 @@ def install() -> None:
 
 def forward_names(package: str) -> Callable[[str], Any]:
     """A package's ``__getattr__`` that gives the names of the old module of the same name, with a
-    warning (``tether.worker.training.Trainer`` as before, from ``tether.worker.training.trainer``)."""
+    warning (``tether.worker.training.Trainer`` as before, from ``tether.worker.training.trainer``;
+    a name that old module re-exported from its home, ``RE_EXPORTED``)."""
     new = MOVED[package]
 
     def __getattr__(name: str) -> Any:
+        home = RE_EXPORTED.get(new, {}).get(name)
+        if home is not None:
+            _warn(f"{package}.{name}", f"{home}.{name}")
+            return getattr(importlib.import_module(home), name)
         module = importlib.import_module(new)
         if name.startswith("__") or not hasattr(module, name):
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         _warn(f"{package}.{name}", f"{new}.{name}")
         return getattr(module, name)
+
+    return __getattr__
+
+
+def old_names(module: str) -> Callable[[str], Any]:
+    """A module's ``__getattr__`` that gives the names its old module re-exported (``RE_EXPORTED``)
+    from their homes, with a warning: ``from tether.worker.embedding import ShardedEmbeddingBag``
+    as before, from ``tether.worker.training.embedding_bag``, with no re-export in the module."""
+    homes = RE_EXPORTED[module]
+
+    def __getattr__(name: str) -> Any:
+        home = homes.get(name)
+        if home is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        _warn(f"{module}.{name}", f"{home}.{name}")
+        return getattr(importlib.import_module(home), name)
 
     return __getattr__

@@ -18,8 +18,9 @@ from tether.protos.errors import UsageError
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.config import ShardConfig
 from tether.server.serving.serve import RunningShard, start_shard
-from tether.worker.training.embedding import ShardedEmbeddingBag
-from tether.worker.training.trainer import Trainer, TrainingConfig
+from tether.worker.config import TrainingConfig
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
+from tether.worker.training.trainer import Trainer
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 SGD = OptimizerConfig("sgd", 1.0)

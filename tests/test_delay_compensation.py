@@ -15,7 +15,7 @@ from tether.protos.specs import TableConfig
 from tether.rules.optimizers import OptimizerConfig
 from tether.server.serving.serve import RunningShard
 from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
-from tether.worker.training.trainer import TrainingConfig
+from tether.worker.config import TrainingConfig
 
 LR, LAM = 0.5, 0.7
 

@@ -6,7 +6,8 @@ from conftest import make_client
 
 from tether.protos.errors import InvalidArgument, UsageError
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.worker.training.embedding import PSModel, ShardedEmbeddingBag
+from tether.worker.training.embedding import PSModel
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 
 SGD = OptimizerConfig("sgd", 1.0)
 
@@ -65,7 +66,7 @@ def test_bag_modes() -> None:
 
 
 def test_unique_columns_matches_torch_unique() -> None:
-    from tether.worker.training.embedding import unique_columns
+    from tether.worker.training.transfer import unique_columns
 
     ids = torch.randint(0, 40, (5, 300), generator=torch.Generator().manual_seed(0))
     unique, counts, inverse = unique_columns(ids)
@@ -342,7 +343,8 @@ def test_a_nan_in_a_dense_feature_stops_training_naming_the_step_and_table(prefe
     """A NaN in a batch's dense features makes the loss and every gradient NaN: training stops at
     that step with one UsageError naming the step, the table and the likely cause, raised on the
     worker before the push (not a shard's 'gradients contain NaN or Inf' a step later)."""
-    from tether.worker.training.trainer import Trainer, TrainingConfig
+    from tether.worker.config import TrainingConfig
+    from tether.worker.training.trainer import Trainer
 
     batches = [{"ids": torch.tensor([[1, 2], [3, 4]]), "dense": torch.ones(2, 3)} for _ in range(5)]
     batches[2]["dense"][1, 0] = float("nan")

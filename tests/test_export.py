@@ -25,7 +25,8 @@ from tether.server.config import ShardConfig
 from tether.server.serving.serve import start_shard
 from tether.worker.ctr.model import CTRModel
 from tether.worker.serving import RowLookupBag, load_export
-from tether.worker.training.embedding import PSModel, ShardedEmbeddingBag
+from tether.worker.training.embedding import PSModel
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 
 NUM_DENSE, NUM_SPARSE, DIM = 4, 3, 8
 

@@ -32,12 +32,14 @@ from tether.protos.errors import UsageError
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.client.local import LocalClient
 from tether.worker.client.router import PullAnswer, Router
+from tether.worker.config import TrainingConfig
 from tether.worker.ctr.model import CTRModel
 from tether.worker.data.synthetic import Batch, SyntheticClickLog, SyntheticConfig
-from tether.worker.training.embedding import PSModel, ShardedEmbeddingBag
+from tether.worker.training.embedding import PSModel
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.training.policies import SyncPolicy
 from tether.worker.training.run_record import RunRecord
-from tether.worker.training.trainer import Trainer, TrainingConfig
+from tether.worker.training.trainer import Trainer
 
 SGD = OptimizerConfig("sgd", 1.0)
 STEP = "-- step --"  # marks the start of a step in FakeCuda.syncs

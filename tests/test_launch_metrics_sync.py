@@ -19,8 +19,9 @@ from torch import nn
 
 import tether.deploy.children as children
 from tether.deploy.children import free_ports
-from tether.worker.training.embedding import ShardedEmbeddingBag
-from tether.worker.training.trainer import Trainer, TrainingConfig
+from tether.worker.config import TrainingConfig
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
+from tether.worker.training.trainer import Trainer
 
 
 def test_sync_metrics_ports_skip_a_base_whose_neighbour_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:

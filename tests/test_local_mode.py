@@ -16,8 +16,9 @@ from tether.protos.specs import TableConfig
 from tether.rules.initial import init_rows
 from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig
 from tether.worker.client.local import LocalClient, LocalTable
-from tether.worker.training.embedding import ShardedEmbeddingBag
-from tether.worker.training.trainer import Trainer, TrainingConfig
+from tether.worker.config import TrainingConfig
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
+from tether.worker.training.trainer import Trainer
 
 USERS, ITEMS, DENSE = 25, 60, 3
 

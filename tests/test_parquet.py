@@ -415,8 +415,9 @@ def test_the_trainer_records_the_streams_position_and_writes_it_beside_checkpoin
     reads on from the batch after."""
     from torch import nn
 
-    from tether.worker.training.embedding import ShardedEmbeddingBag
-    from tether.worker.training.trainer import Trainer, TrainingConfig
+    from tether.worker.config import TrainingConfig
+    from tether.worker.training.embedding_bag import ShardedEmbeddingBag
+    from tether.worker.training.trainer import Trainer
 
     settings: dict[str, Any] = dict(bs=64, shuffle_rows=300, seed=3)
     whole = list(_stream(files, **settings))

@@ -70,3 +70,24 @@ def test_the_new_paths_import_without_a_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         importlib.import_module("tether.worker.training.step")
+
+
+@pytest.mark.parametrize(("module", "name", "home"), [
+    ("tether.worker.training", "TrainingConfig", "tether.worker.config"),  # the old module tether.worker.training's
+    ("tether.worker.training.trainer", "TrainingConfig", "tether.worker.config"),
+    ("tether.worker.embedding", "ShardedEmbeddingBag", "tether.worker.training.embedding_bag"),  # the old module's
+    ("tether.worker.training.embedding", "ShardedEmbeddingBag", "tether.worker.training.embedding_bag"),
+])
+def test_a_name_an_old_module_re_exported_comes_from_its_home_with_a_warning(module: str, name: str, home: str) -> None:
+    """The modules that replaced ``tether.worker.training`` and ``tether.worker.embedding`` hold
+    no name of another module's: what the old modules re-exported is given from its home, warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the old module path's own warning
+        where = importlib.import_module(module)
+    for key in [k for k in moved._warned if k.endswith(f".{name}")]:
+        moved._warned.discard(key)
+    with pytest.warns(DeprecationWarning, match=rf"\.{name} moved to {home}\.{name}"):
+        value = getattr(where, name)
+    assert value is getattr(importlib.import_module(home), name)
+    for new in moved.RE_EXPORTED:
+        assert name not in vars(importlib.import_module(new)) or name not in moved.RE_EXPORTED[new], (new, name)

@@ -17,7 +17,7 @@ from tether.protos.errors import InvalidArgument, TooStale, UsageError
 from tether.server.serving.serve import RunningShard
 from tether.worker.client.results import Handle, PullResult, PushAck
 from tether.worker.config import TrainingConfig
-from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.training.mode import check_window
 from tether.worker.training.policies import AsyncPolicy, SSPPolicy
 from tether.worker.training.step import Step, StepContext

@@ -21,7 +21,7 @@ from tether.worker.client.local import LocalClient
 from tether.worker.client.results import PullResult
 from tether.worker.client.traffic import TrafficMeter
 from tether.worker.config import TrainingConfig
-from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.training.run_record import RunRecord
 from tether.worker.training.trainer import Trainer
 

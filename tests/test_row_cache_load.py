@@ -28,7 +28,7 @@ _SCRIPT = textwrap.dedent("""
     from tether.worker.cache import batch as cache_batch
     from tether.worker.cache import kernels as cache_kernels
     from tether.worker.cache import slots as row_slots
-    from tether.worker.training.embedding import ShardedEmbeddingBag
+    from tether.worker.training.embedding_bag import ShardedEmbeddingBag
     from tether.worker.config import TrainingConfig
     from tether.worker.training.trainer import Trainer
 

@@ -19,9 +19,10 @@ from tether.protos.specs import TableConfig
 from tether.rules.optimizers import OptimizerConfig, rule
 from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
 from tether.worker.client.local import LocalClient
-from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.config import TrainingConfig
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.training.table_rules import dense_torch_optimizer
-from tether.worker.training.trainer import Trainer, TrainingConfig
+from tether.worker.training.trainer import Trainer
 
 LR = 0.5
 

@@ -22,9 +22,9 @@ from torch import nn
 from tether.deploy.job import run_job
 from tether.deploy.launch import LocalCluster
 from tether.rules.initial import init_rows
-from tether.worker.config import WorkerConfig
-from tether.worker.training.embedding import ShardedEmbeddingBag
-from tether.worker.training.trainer import Trainer, TrainingConfig
+from tether.worker.config import TrainingConfig, WorkerConfig
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
+from tether.worker.training.trainer import Trainer
 
 # -- sync: the flag changes nothing ----------------------------------------------------------------
 

@@ -23,9 +23,10 @@ from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig
 from tether.server.serving.serve import RunningShard
 from tether.server.storage.shard import DenseDecl, Shard
 from tether.worker import flags as worker_flags
-from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.config import TrainingConfig
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.training.table_rules import TableRules, parse_entry
-from tether.worker.training.trainer import Trainer, TrainingConfig
+from tether.worker.training.trainer import Trainer
 
 
 def test_rules_and_keys_come_from_the_registry() -> None:

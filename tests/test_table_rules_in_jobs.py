@@ -101,7 +101,7 @@ def test_table_optimizers_in_code_take_a_text_a_list_or_a_path(tmp_path: Path) -
     ``optimizer_config=Path(...)``: the text used to be read one character per entry ('i':
     expected NAME=RULE), the Path failed with AttributeError ('endswith'), and a list made the
     config unhashable. Each is now held as the flags hold it."""
-    from tether.worker.training.trainer import TrainingConfig
+    from tether.worker.config import TrainingConfig
 
     file = tmp_path / "rules.toml"
     file.write_text('[ctx]\nrule = "ftrl"\nlr = 0.2\n')
@@ -229,8 +229,9 @@ def test_a_table_spec_in_code_with_another_dim_than_the_module_is_one_line() -> 
     from torch import nn
 
     from tether.protos.errors import UsageError
-    from tether.worker.training.embedding import ShardedEmbeddingBag
-    from tether.worker.training.trainer import Trainer, TrainingConfig
+    from tether.worker.config import TrainingConfig
+    from tether.worker.training.embedding_bag import ShardedEmbeddingBag
+    from tether.worker.training.trainer import Trainer
 
     class Model(nn.Module):
         def __init__(self) -> None:

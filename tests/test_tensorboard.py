@@ -16,10 +16,11 @@ from torch import nn
 from tether.deploy import cli
 from tether.deploy.launch import LocalCluster
 from tether.protos.errors import UsageError
+from tether.worker.config import TrainingConfig
 from tether.worker.training import tensorboard_writer
-from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.training.tensorboard_writer import MISSING, TensorBoardRecorder
-from tether.worker.training.trainer import Trainer, TrainingConfig
+from tether.worker.training.trainer import Trainer
 
 SKIP = "the tensorboard package is not installed (pip install 'tether[tensorboard]'; the test extra has it)"
 

@@ -10,8 +10,9 @@ from prometheus_client import CollectorRegistry
 from test_row_cache import TwoTower, _batches, _loss
 
 from tether.worker.client.traffic import ReuseTracker, TrafficMeter
+from tether.worker.config import TrainingConfig
 from tether.worker.metrics import WorkerMetrics
-from tether.worker.training.trainer import Trainer, TrainingConfig
+from tether.worker.training.trainer import Trainer
 
 
 def _ids(*v: int) -> torch.Tensor:

@@ -14,10 +14,11 @@ from torch import nn
 
 from tether.deploy.launch import LocalCluster
 from tether.protos.errors import InvalidArgument
+from tether.worker.config import TrainingConfig
 from tether.worker.training.batches import batch_size_of, to_device
-from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.training.run_record import RunRecord
-from tether.worker.training.trainer import Trainer, TrainingConfig
+from tether.worker.training.trainer import Trainer
 
 DIM, USERS, ITEMS = 4, 30, 40
 

@@ -364,8 +364,9 @@ def test_a_worker_sums_an_ids_lookups_into_one_rowwise_step() -> None:
 
     from tether.server.config import ShardConfig
     from tether.server.serving.serve import start_shard
-    from tether.worker.training.embedding import ShardedEmbeddingBag
-    from tether.worker.training.trainer import Trainer, TrainingConfig
+    from tether.worker.config import TrainingConfig
+    from tether.worker.training.embedding_bag import ShardedEmbeddingBag
+    from tether.worker.training.trainer import Trainer
 
     class Sum(nn.Module):
         def __init__(self) -> None:

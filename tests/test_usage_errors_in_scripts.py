@@ -16,8 +16,9 @@ import pytest
 SCRIPT = '''
 import sys, torch
 from torch import nn
-from tether.worker.training.embedding import ShardedEmbeddingBag
-from tether.worker.training.trainer import Trainer, TrainingConfig
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
+from tether.worker.config import TrainingConfig
+from tether.worker.training.trainer import Trainer
 
 class M(nn.Module):
     def __init__(self):

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from tether.protos.errors import UsageError
-from tether.worker.training.embedding import ShardedEmbeddingBag
-from tether.worker.training.trainer import Trainer, TrainingConfig
+from tether.worker.config import TrainingConfig
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
+from tether.worker.training.trainer import Trainer
 
 
 class _Tiny(nn.Module):

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from tether.worker.training.embedding import PSModel, ShardedEmbeddingBag
+from tether.worker.training.embedding import PSModel
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 
 __all__ = ["EXPORT_FORMAT", "Export", "RowLookupBag", "load_export", "split_dense"]
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tether.worker.training.embedding import ShardedEmbeddingBag
-from tether.worker.training.trainer import Trainer, TrainingConfig
+from tether.worker.config import TrainingConfig
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
+from tether.worker.training.trainer import Trainer
 
 p = argparse.ArgumentParser()
 p.add_argument("--samples", type=int, default=384)

@@ -27,7 +27,7 @@ from tether.worker.ctr.model import CTRModel
 from tether.worker.data.criteo import CRITEO_DENSE, CRITEO_SPARSE, CriteoStream, criteo_eval_set, criteo_files
 from tether.worker.data.synthetic import Batch, SyntheticClickLog, SyntheticConfig
 from tether.worker.metrics import WorkerRecorder
-from tether.worker.training.embedding import ShardedEmbeddingBag
+from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.training.evaluation import constant_baseline_loss, evaluate
 from tether.worker.training.run_record import RunRecord
 from tether.worker.training.trainer import Trainer, print_line

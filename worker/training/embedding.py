@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tether.common.moved import old_names
 from tether.protos.codec import int64_ids, is_id_dtype
 from tether.protos.errors import InvalidArgument, UsageError
 from tether.rules.push_hooks import finite
@@ -36,11 +37,14 @@ from tether.worker.client.results import Handle, PullResult
 from tether.worker.client.router import JOIN_ELEMENTS, Router
 from tether.worker.client.traffic import TrafficMeter
 from tether.worker.metrics import NullWorkerMetrics
+from tether.worker.training import embedding_bag
 from tether.worker.training.cuda_steps import CudaSteps
-from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.training.transfer import Chained, Prefetch, Staged, columns_of, first, flat_grads, pulled_of, split_flat, unique_columns
 
-__all__ = ["PSModel", "Prefetch", "ShardedEmbeddingBag", "flat_grads", "split_flat", "unique_columns"]
+__all__ = ["PSModel"]
+
+# tether.worker.embedding.ShardedEmbeddingBag, as the old module gave it, until tether 0.2 (with a DeprecationWarning).
+__getattr__ = old_names(__name__)
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +110,9 @@ class PSModel(CudaSteps):
         # False in sync mode: dense parameters stay on the workers and are all-reduced.
         self.dense_on_shards = dense_on_shards
         # Every module of each table (features that share a table each have their own).
-        self.bags: dict[str, list[ShardedEmbeddingBag]] = {}
+        self.bags: dict[str, list[embedding_bag.ShardedEmbeddingBag]] = {}
         for m in model.modules():
-            if isinstance(m, ShardedEmbeddingBag):
+            if isinstance(m, embedding_bag.ShardedEmbeddingBag):
                 same = self.bags.setdefault(m.table, [])
                 if same and (same[0].dim, same[0].padding_id) != (m.dim, m.padding_id):
                     raise ValueError(
@@ -130,11 +134,11 @@ class PSModel(CudaSteps):
         # against), this training step's unread lookup checks, its gradients on the host once
         # collected, and whether the fused lookup matched the first training step's ids.
         self._unique_ids: torch.Tensor | None = None
-        self._checks: list[tuple[ShardedEmbeddingBag | None, torch.Tensor, torch.Tensor]] | None = None
+        self._checks: list[tuple[embedding_bag.ShardedEmbeddingBag | None, torch.Tensor, torch.Tensor]] | None = None
         self._collected: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]] | None = None
         # The gradients' copies to the host once queued and not yet waited for (``collect``).
         self._copying: tuple[Any, list[torch.Tensor], list[tuple[int, list[tuple[str, torch.Tensor, int, int]]]], int | None,
-                             list[tuple[ShardedEmbeddingBag | None, torch.Tensor, torch.Tensor]],
+                             list[tuple[embedding_bag.ShardedEmbeddingBag | None, torch.Tensor, torch.Tensor]],
                              list[tuple[torch.Tensor, list[tuple[str, torch.Tensor, int, int]]]]] | None = None
         self._fused_ok: bool | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -159,7 +163,7 @@ class PSModel(CudaSteps):
         if hasattr(model, "fused_lookup"):
             setattr(model, "fused_lookup", self.lookup)  # noqa: B010 - an attribute torch's Module typing does not know
 
-    def _all_bags(self) -> Iterator[ShardedEmbeddingBag]:
+    def _all_bags(self) -> Iterator[embedding_bag.ShardedEmbeddingBag]:
         return (bag for same in self.bags.values() for bag in same)
 
     # All dense parameters travel as one flat tensor: one block per request instead of one per

@@ -21,9 +21,10 @@ from tether.protos.errors import DeadlineExceeded, UsageError
 from tether.rules.optimizers import OptimizerConfig
 from tether.worker.client.api import ShardClient
 from tether.worker.config import TrainingConfig
-from tether.worker.training.embedding import PSModel, flat_grads, split_flat
+from tether.worker.training.embedding import PSModel
 from tether.worker.training.run_record import RunRecord
 from tether.worker.training.table_rules import dense_torch_optimizer
+from tether.worker.training.transfer import flat_grads, split_flat
 
 __all__ = [
     "RESTART_FILE_ENV", "AsyncPolicy", "RowCombiner", "SSPPolicy", "SyncPolicy", "TrainerView", "init_sync", "note_started", "policy_class",

@@ -37,11 +37,11 @@ from tether.worker.client.api import ShardClient
 from tether.worker.client.results import Handle, PullResult, PushAck
 from tether.worker.config import TrainingConfig
 from tether.worker.training.batches import to_device
-from tether.worker.training.embedding import Prefetch, PSModel
+from tether.worker.training.embedding import PSModel
 from tether.worker.training.mode import check_window
 from tether.worker.training.policies import AsyncPolicy
 from tether.worker.training.stragglers import delay_factor
-from tether.worker.training.transfer import first
+from tether.worker.training.transfer import Prefetch, first
 
 __all__ = ["PHASES", "Acks", "Step", "StepContext"]
 

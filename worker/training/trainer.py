@@ -28,18 +28,18 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from prometheus_client import CollectorRegistry
 from torch import nn
 
 from tether.common.metrics_http import serve_metrics
+from tether.common.moved import old_names
 from tether.protos.errors import FailedPrecondition, UsageError
 from tether.protos.specs import TableConfig
 from tether.worker.client.local import LocalClient
 from tether.worker.client.ps_client import PSClient
-from tether.worker.config import TrainingConfig
 from tether.worker.data.synthetic import in_background
 from tether.worker.metrics import NullWorkerMetrics, WorkerMetrics, WorkerRecorder
 from tether.worker.training.batches import count_samples, pick_device, to_device
@@ -50,7 +50,13 @@ from tether.worker.training.step import PHASES, Step, StepContext
 from tether.worker.training.table_rules import apply_rules
 from tether.worker.training.tensorboard_writer import TensorBoardRecorder
 
-__all__ = ["Trainer", "TrainingConfig"]
+if TYPE_CHECKING:
+    from tether.worker.config import TrainingConfig
+
+__all__ = ["Trainer"]
+
+# tether.worker.training.TrainingConfig, as the old module gave it, until tether 0.2 (with a DeprecationWarning).
+__getattr__ = old_names(__name__)
 
 log = logging.getLogger(__name__)
 
