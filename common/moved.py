@@ -168,6 +168,10 @@ def forward_names(package: str) -> Callable[[str], Any]:
     new = MOVED[package]
 
     def __getattr__(name: str) -> Any:
+        if importlib.util.find_spec(f"{package}.{name}") is not None:
+            # A submodule not imported yet (``from tether.worker.training import embedding_bag``):
+            # the import system imports it, without the old module being loaded first.
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
         home = RE_EXPORTED.get(new, {}).get(name)
         if home is not None:
             _warn(f"{package}.{name}", f"{home}.{name}")
