@@ -91,3 +91,13 @@ def test_a_name_an_old_module_re_exported_comes_from_its_home_with_a_warning(mod
     assert value is getattr(importlib.import_module(home), name)
     for new in moved.RE_EXPORTED:
         assert name not in vars(importlib.import_module(new)) or name not in moved.RE_EXPORTED[new], (new, name)
+
+
+def test_a_module_of_a_package_with_an_old_name_imports_first_and_alone() -> None:
+    """``tether.worker.training.embedding`` imported first in a process (its own import of the
+    ``embedding_bag`` submodule must not load the old module ``tether.worker.training`` forwards to)."""
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "import tether.worker.training.embedding as e\n"
+            "from tether.worker.training import embedding_bag\n"
+            "assert 'ShardedEmbeddingBag' not in vars(e) and embedding_bag.ShardedEmbeddingBag\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
