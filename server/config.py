@@ -9,15 +9,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from tether.common import settings as fields
-from tether.common.cli_args import HelpFormatter
+from tether.common.cli_args import HelpFormatter, env
 from tether.common.config_file import parse_with_config
 from tether.common.security import TOKEN_ENV, check_token, resolve_token
 from tether.common.settings import derived, optional_float, optional_int, optional_str, setting
 
+# The variable ``tether server --config`` falls back to: a file of the shard's config.
+SHARD_CONFIG_ENV = "TETHER_SHARD_CONFIG"
+
 # Set to 1, a shard process exits between a checkpoint's data file and its manifest (tests).
 CRASH_BEFORE_MANIFEST_ENV = "TETHER_TEST_CRASH_BEFORE_MANIFEST"
 
-__all__ = ["CRASH_BEFORE_MANIFEST_ENV", "ShardConfig", "load_config"]
+__all__ = ["CRASH_BEFORE_MANIFEST_ENV", "SHARD_CONFIG_ENV", "ShardConfig", "load_config"]
 
 
 MIB = 1024 * 1024
@@ -185,12 +188,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         formatter_class=HelpFormatter,
     )
     fields.add_flags(p, ShardConfig)
-    # No TETHER_CONFIG fallback: that variable names a worker's file (a user's program's), and a
-    # shard inherits the same shell as the workers beside it.
-    p.add_argument("--config", metavar="FILE", default=None,
+    # Not TETHER_CONFIG: that variable names a worker's file (a user's program's), and a shard
+    # inherits the same shell as the workers beside it.
+    p.add_argument("--config", metavar="FILE", default=env(SHARD_CONFIG_ENV, None),
                    help="the shard as a JSON object of field values, as tether launch writes each shard's "
                    "(OUT/logs/shard-<i>.config.json): they replace the flags' defaults and TETHER_* variables; "
-                   "a flag given beside it wins")
+                   f"a flag given beside it wins (env {SHARD_CONFIG_ENV})")
     return p
 
 

@@ -534,14 +534,19 @@ def test_an_optimizer_config_file_is_read_once_for_a_config_and_its_copies(tmp_p
 # -- every child gets its config as one file: shards, workers, a user's program ---------------------
 
 
-def test_a_shard_config_round_trips_through_its_config_file(tmp_path: Path, clean_env: None) -> None:
-    """``tether server --config FILE``: every field away from its default is read back as it was
-    (the token is never written: the shard reads it from its file again); a flag beside the file wins."""
+def test_a_shard_config_round_trips_through_its_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_env: None) -> None:
+    """``tether server --config FILE`` (or ``TETHER_SHARD_CONFIG``): every field away from its
+    default is read back as it was (the token is never written: the shard reads it from its file
+    again); a flag beside the file wins."""
     cfg = _shard_config(tmp_path)
     file = tmp_path / "shard.config.json"
     file.write_text(to_json(cfg))
     assert "s3cret-token" not in file.read_text()
     assert server_config.load_config(["--config", str(file)]) == cfg
+    with monkeypatch.context() as m:
+        m.setenv(server_config.SHARD_CONFIG_ENV, str(file))
+        m.setenv("TETHER_THREADS", "3")  # the file's value wins over a variable, as for a worker
+        assert server_config.load_config([]) == cfg
     again = server_config.load_config(["--config", str(file), "--port", "7007", "--data-port", "off"])
     assert (again.port, again.data_port, again.lease_seconds) == (7007, None, cfg.lease_seconds)
     file.write_text(to_json(dataclasses.replace(cfg, data_port=None)))  # null where the default is a number

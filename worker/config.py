@@ -2,8 +2,8 @@
 (frozen dataclasses, validated in ``__post_init__``). Each field a user can set declares its flag,
 ``TETHER_*`` variable, help and default once, here (``tether.common.settings``): the flags of
 ``tether worker`` and the launchers (``tether.worker.flags``), ``from_env`` and what a launcher
-hands a worker (a JSON file of the values, or ``TETHER_*`` variables for a user's program) are made
-from those declarations."""
+hands a worker (a JSON file of the values: ``tether worker --config FILE``, ``TETHER_CONFIG=FILE``
+for a user's program; ``tether.common.config_file``) are made from those declarations."""
 
 from __future__ import annotations
 
