@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from tether.common.exits import usage_checks
 from tether.deploy.launch import ClusterError, Interrupted, LocalCluster, Program
 from tether.server.config import ShardConfig
 from tether.worker.config import WorkerConfig
@@ -66,7 +67,8 @@ def run_job(
         shards_why: how ``num_shards`` was chosen, said in the start line (None: it was given).
 
     Raises:
-        UsageError: a worker found a mistake in what it was asked (a malformed data line).
+        UsageError: a worker found a mistake in what it was asked (a malformed data line), or a
+            ``TETHER_*`` variable of the shards' is bad (without ``shard``).
         ClusterError: a process failed or the job ran past ``timeout_s``.
         Interrupted: Ctrl-C; every process was stopped.
     """
@@ -81,16 +83,18 @@ def run_job(
         with cluster:
             workdir = out_dir or cluster.log_dir
             template = replace(template, out=str(workdir))
-            shards = shard if shard is not None else ShardConfig.from_env()
+            if shard is None:
+                with usage_checks():  # a bad TETHER_* variable is the user's mistake: one line, before a shard starts
+                    shard = ShardConfig.from_env()
             # The shards checkpoint to OUT/checkpoints when asked to: every checkpoint_every seconds,
             # and at every worker's --checkpoint-every-steps (which asks the shards for step-<n>).
             asked = checkpoint_every is not None or template.checkpoint_every_steps > 0
             checkpoints = Path(workdir, "checkpoints").resolve() if asked else None
             if checkpoints:
-                shards = replace(shards, checkpoint_dir=str(checkpoints))
+                shard = replace(shard, checkpoint_dir=str(checkpoints))
             if checkpoint_every is not None:
-                shards = replace(shards, checkpoint_every_s=checkpoint_every)
-            addresses = cluster.start_shards(num_shards, config=shards, metrics=metrics, env=dict(shard_env) if shard_env else None)
+                shard = replace(shard, checkpoint_every_s=checkpoint_every)
+            addresses = cluster.start_shards(num_shards, config=shard, metrics=metrics, env=dict(shard_env) if shard_env else None)
             chosen = f" ({shards_why})" if shards_why else ""
             print(f"tether: {num_shards} shard(s){chosen} at {', '.join(addresses)}; starting {template.num_workers} worker(s)", flush=True)
             t0 = time.perf_counter()

@@ -652,3 +652,17 @@ def test_a_launched_program_reads_its_config_file(
         assert (got.shards, got.worker_index, got.num_workers, got.mode.kind, got.mode.bound, got.lr) == (
             ("127.0.0.1:7001",), i, 2, "ssp", 2, 0.3)
         assert got.steps == (7 if steps_from_job else None)
+
+
+def test_a_bad_shard_variable_stops_a_job_in_one_line_before_a_shard_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_env: None
+) -> None:
+    """``run_job`` without a shard config (``compare``, ``sweep``) reads the shards' from the
+    environment, once, in the launcher: a bad variable is the user's one-line mistake there."""
+    from tether.deploy import job, launch
+    from tether.protos.errors import UsageError
+
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("a process was started"))
+    monkeypatch.setenv("TETHER_LEASE_SECONDS", "soon")
+    with pytest.raises(UsageError, match="TETHER_LEASE_SECONDS='soon'"):
+        job.run_job(WorkerConfig(shards=("pending:0",)), 1, out=tmp_path / "out", echo=False)
