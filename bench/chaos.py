@@ -331,7 +331,7 @@ class Chaos:
         self._threads.append(t)
 
     def _start_ledger(self, ledger: _Ledger) -> None:
-        from tether.deploy.launch import child_command
+        from tether.deploy.children import child_command
 
         argv = [str(Path(__file__).resolve()), "_ledger", ",".join(self.cluster.addresses), str(ledger.journal), str(ledger.index),
                 str(ledger.life), repr(self.ledger_rate), str(self.stop_file)]
@@ -511,7 +511,7 @@ class Chaos:
         f.ended = time.time()
 
     def _restart_shard(self, f: Fault) -> None:
-        from tether.deploy.launch import ClusterError
+        from tether.deploy.errors import ClusterError
 
         try:
             self.cluster.restart_shard(int(f.target.rpartition("-")[2]))

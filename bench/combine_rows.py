@@ -25,9 +25,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig, UpdateRule, rule
+from tether.protos.names import OPTIMIZERS
+from tether.protos.specs import OptimizerConfig
+from tether.rules.optimizers import rule
 from tether.rules.push_hooks import apply_rows
 from tether.rules.row_kernels import row_update
+from tether.rules.update_rules import UpdateRule
 
 
 def per_call(fn: Callable[[], None], calls: int) -> float:

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.storage.shard import Shard, SparseUpdate
+from tether.server.storage.shard import Shard
+from tether.server.storage.shard_records import SparseUpdate
 
 
 def _zipf_ids(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:

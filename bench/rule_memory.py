@@ -78,9 +78,8 @@ def measure(name: str, rows: int, dim: int) -> dict[str, Any]:
     """Fill one table with the rule ``name`` in this process; its bytes by part."""
     import torch
 
-    from tether.protos.specs import TableConfig
+    from tether.protos.specs import OptimizerConfig, TableConfig
     from tether.rules import row_kernels
-    from tether.rules.optimizers import OptimizerConfig
     from tether.server.storage.tables import EmbeddingTable
 
     torch.set_num_threads(1)
@@ -135,7 +134,7 @@ def main() -> int:
     if args.one:
         print(json.dumps(measure(args.one, args.rows, args.dim)))
         return 0
-    from tether.rules.optimizers import OPTIMIZERS
+    from tether.protos.names import OPTIMIZERS
 
     results = []
     for name in OPTIMIZERS:

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.storage.shard import Shard, SparseUpdate
+from tether.server.storage.shard import Shard
+from tether.server.storage.shard_records import SparseUpdate
 
 
 def run(rows: int, dim: int, batch: int, rounds: int) -> dict[str, float]:

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
+from tether.server.storage.shard import Shard
+from tether.server.storage.shard_records import DenseDecl, DenseUpdate, SparseUpdate
 
 
 def run(workers: int, ids: int, dense: int, rounds: int, vocab: int, seed: int = 0) -> tuple[float, float]:

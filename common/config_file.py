@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tether.common.settings import Setting, declared, default_of, optional_float, optional_int, optional_str, told
+from tether.common.cli_args import optional_float, optional_int, optional_str
+from tether.common.settings import Setting, declared, default_of, told
 
 T = TypeVar("T")
 

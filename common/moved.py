@@ -103,13 +103,23 @@ MOVED: dict[str, str] = {
     "tether.worker.transfer": "tether.worker.training.transfer",
 }
 
-# Names an old module re-exported from another module, by the module that is there now, with the
-# module each lives in: the new module no longer holds them, and gives them from there with a
-# warning (``old_names``; a package of an old module's name too, ``forward_names``).
+# Names an old module (or a module still there) re-exported from another module, by the module that
+# is there now, with the module each lives in: the new module no longer holds them, and gives them
+# from there with a warning (``old_names``; a package of an old module's name too, ``forward_names``).
+# Only names a user could have imported are here: a server's internal records, say, are not.
 RE_EXPORTED: dict[str, dict[str, str]] = {
     # tether.worker.training (now .trainer) gave the config; tether.worker.embedding (now .embedding) the module.
     "tether.worker.training.trainer": {"TrainingConfig": "tether.worker.config"},
     "tether.worker.training.embedding": {"ShardedEmbeddingBag": "tether.worker.training.embedding_bag"},
+    # The rules' registry (and tether.protos.optimizers before it) gave the rules, their config and their names.
+    "tether.rules.optimizers": {
+        "OptimizerConfig": "tether.protos.specs",
+        "OPTIMIZERS": "tether.protos.names",
+        **dict.fromkeys(("SGD", "Adagrad", "Adam", "RuleOptimizer", "UpdateRule"), "tether.rules.update_rules"),
+        **dict.fromkeys(("RowwiseAdagrad", "Ftrl"), "tether.rules.ctr_rules"),
+    },
+    # The local launcher gave the errors a LocalCluster raises.
+    "tether.deploy.launch": dict.fromkeys(("ClusterError", "Interrupted"), "tether.deploy.errors"),
 }
 
 # Old names that are packages now: the package forwards the old module's names (``forward_names``).

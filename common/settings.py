@@ -5,7 +5,7 @@ from it here: the parser's flags and their environment fallbacks (``add_flags``)
 values from parsed flags (``values_from_args``) or from the environment (``env_values``,
 ``from_env``), and the argv or environment that gives a child process the same config
 (``to_argv``, ``to_env``; the JSON file of its typed values: ``tether.common.config_file``).
-A field's text parsers (``optional_int``, ...) are ``tether.common.cli_args``', re-exported.
+A field's text parsers (``optional_int``, ...) live in ``tether.common.cli_args``.
 
 Shard and worker both use it (``protos`` is the one package both import)."""
 
@@ -18,21 +18,17 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from tether.common.cli_args import DeprecatedAlias, comma_list, optional_float, optional_int, optional_str
+from tether.common.cli_args import DeprecatedAlias, comma_list
 
 __all__ = [
     "Presets",
     "Setting",
     "add_flags",
-    "comma_list",
     "declared",
     "default_of",
     "derived",
     "env_values",
     "from_env",
-    "optional_float",
-    "optional_int",
-    "optional_str",
     "override",
     "setting",
     "to_argv",

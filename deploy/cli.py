@@ -258,8 +258,9 @@ def _comparison(command: str, argv: Sequence[str]) -> int:
 def _run_comparison(a: argparse.Namespace, sweep: bool) -> int:
     """``tether compare`` or ``sweep`` with its parsed flags; the exit code."""
     # Start-up cost: the tether command's help and usage errors run without torch (tests/test_cli_torch_free.py).
-    from tether.deploy.compare import check_arguments, compare, format_table
+    from tether.deploy.compare import check_arguments, compare
     from tether.deploy.compare import sweep as run_sweep
+    from tether.deploy.compare_report import format_table
 
     # Every flag is checked here, before any process starts (modes, bounds, the data file).
     with usage_checks():

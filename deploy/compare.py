@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from tether.deploy.compare_program import no_eval_loss, program_mode_figures, program_run_figures
-from tether.deploy.compare_report import format_table, recommend
+from tether.deploy.compare_report import recommend
 from tether.deploy.job import run_job, staleness_summary
 from tether.deploy.launch import Program
 from tether.deploy.plot import write_plot
@@ -37,7 +37,7 @@ from tether.worker.training.mode import Mode
 from tether.worker.training.run_record import RunRecord
 from tether.worker.training.stragglers import StragglerSpec, parse_straggler
 
-__all__ = ["check_arguments", "compare", "format_table", "recommend", "sweep", "time_to_target"]
+__all__ = ["check_arguments", "compare", "sweep", "time_to_target"]
 
 CSV_FIELDS = ("mode", "repeat", "worker", "step", "samples", "total_samples", "wall_s", "train_loss", "eval_loss", "staleness_mean")
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from tether.common.exits import usage_checks
-from tether.deploy.launch import ClusterError, Interrupted, LocalCluster, Program
+from tether.deploy.errors import ClusterError, Interrupted
+from tether.deploy.launch import LocalCluster, Program
 from tether.server.config import ShardConfig
 from tether.worker.config import WorkerConfig
 from tether.worker.training.run_record import RunRecord

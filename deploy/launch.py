@@ -27,16 +27,20 @@ from pathlib import Path
 
 from tether.common.config_file import CONFIG_ENV, json_values, to_json
 from tether.common.exits import USAGE, interrupted
+from tether.common.moved import old_names
 from tether.common.settings import declared, to_env, variables
-from tether.deploy.children import SPREAD_DEVICES, Child, child_command, free_port, free_ports, gpu_count, spawn, tail, worker_device
-from tether.deploy.errors import ClusterError, Interrupted
+from tether.deploy import errors
+from tether.deploy.children import SPREAD_DEVICES, Child, free_port, free_ports, gpu_count, spawn, tail, worker_device
 from tether.deploy.run_program import program_env
 from tether.deploy.worker_exits import RANK_LOGS, raise_worker_failure, steps_reported
 from tether.server.config import ShardConfig
 from tether.worker.config import TrainingConfig, WorkerConfig
 
-# child_command and worker_device are used from here (bench/chaos.py, tests) too.
-__all__ = ["ClusterError", "Interrupted", "LocalCluster", "Program", "child_command", "worker_device"]
+__all__ = ["LocalCluster", "Program"]
+
+# tether.deploy.launch.ClusterError and .Interrupted (what a LocalCluster raises, tether.deploy.errors'),
+# as this module gave them, until tether 0.2 (with a DeprecationWarning).
+__getattr__ = old_names(__name__)
 
 log = logging.getLogger(__name__)
 
@@ -219,12 +223,13 @@ class LocalCluster:
     def _await_port(self, child: Child, deadline: float, timeout_s: float) -> int:
         pf = child.port_file
         if pf is None:
-            raise ClusterError(f"{child.name} reports no port")
+            raise errors.ClusterError(f"{child.name} reports no port")
         while not pf.exists():
             if child.proc.poll() is not None:
-                raise ClusterError(f"{child.name} exited with code {child.proc.returncode}; see {child.log_path}:\n{tail(child.log_path)}")
+                raise errors.ClusterError(
+                    f"{child.name} exited with code {child.proc.returncode}; see {child.log_path}:\n{tail(child.log_path)}")
             if time.monotonic() > deadline:
-                raise ClusterError(f"{child.name} did not start within {timeout_s:.0f}s; see {child.log_path}")
+                raise errors.ClusterError(f"{child.name} did not start within {timeout_s:.0f}s; see {child.log_path}")
             time.sleep(0.05)
         return int(pf.read_text())
 
@@ -242,7 +247,8 @@ class LocalCluster:
             if pf is not None and pf.exists() and child.proc.poll() is None:
                 return f"{self.host}:{int(pf.read_text())}"
             if time.monotonic() > deadline:
-                raise ClusterError(f"{child.name} is not serving after {timeout_s:.0f}s; see {child.log_path}:\n{tail(child.log_path)}")
+                raise errors.ClusterError(
+                    f"{child.name} is not serving after {timeout_s:.0f}s; see {child.log_path}:\n{tail(child.log_path)}")
             time.sleep(0.05)
 
     def signal_shard(self, index: int, signum: int = signal.SIGKILL) -> int:
@@ -354,7 +360,7 @@ class LocalCluster:
                 else:
                     raise_worker_failure(child, code, self.worker_restarts.get(child.name, 0), self.max_worker_restarts)
             if time.monotonic() > deadline:
-                raise ClusterError(f"job did not finish within {timeout_s:.0f}s ({running[0].name} still running)")
+                raise errors.ClusterError(f"job did not finish within {timeout_s:.0f}s ({running[0].name} still running)")
             time.sleep(0.05)
 
     def _may_restart(self, child: Child, code: int, finished: Sequence[str]) -> bool:
@@ -461,7 +467,7 @@ class LocalCluster:
             self.shards[index] = fresh
             self.restarts[index] = self.restarts.get(index, 0) + 1
         if late:
-            raise ClusterError(f"{child.name} did not stop within {timeout_s:.0f}s of SIGTERM; killed and restarted")
+            raise errors.ClusterError(f"{child.name} did not stop within {timeout_s:.0f}s of SIGTERM; killed and restarted")
         return fresh.proc.pid
 
     def restart_counts(self) -> dict[str, int]:

@@ -48,7 +48,6 @@ import torch
 
 from tether.protos import tether_pb2 as pb
 from tether.protos.codec import wire_dtype
-from tether.protos.names import TRANSPORTS
 
 __all__ = [
     "ALIGN",
@@ -58,7 +57,6 @@ __all__ = [
     "MAGIC",
     "METHODS",
     "SEALS",
-    "TRANSPORTS",
     "FrameError",
     "PayloadWriter",
     "SharedRegion",

@@ -1,8 +1,8 @@
 """Specs of tables and their update rules: the contract's dataclasses and their wire form.
 
 ``OptimizerConfig`` (an update rule's hyper-parameters) lives here rather than beside the rules
-(``tether.rules.optimizers``, which re-exports it) so that a config can be made and checked
-without the rules' torch code."""
+(``tether.rules.optimizers``) so that a config can be made and checked without the rules' torch
+code."""
 
 from __future__ import annotations
 
@@ -10,12 +10,10 @@ import math
 from dataclasses import dataclass, field, fields, is_dataclass
 
 from tether.protos import tether_pb2 as pb
-from tether.protos.names import INIT_SCALE, OPTIMIZER, OPTIMIZER_LR, OPTIMIZERS, check_optimizer
+from tether.protos.names import INIT_SCALE, OPTIMIZER, OPTIMIZER_LR, check_optimizer
 from tether.protos.schedules import Schedule
 
-# A table's spec names its update rule: the contract's page shows the rules' names too (declared
-# in tether.protos.names; the rules themselves are in tether.rules.optimizers).
-__all__ = ["MAX_MIN_COUNT", "OPTIMIZERS", "OptimizerConfig", "TableConfig", "optimizer_conflict", "table_conflict"]
+__all__ = ["MAX_MIN_COUNT", "OptimizerConfig", "TableConfig", "optimizer_conflict", "table_conflict"]
 
 # Admission counts live in 16-bit saturating counters.
 MAX_MIN_COUNT = 65535

@@ -23,15 +23,17 @@ A rule is the one home of everything about its optimizer:
 
 The rules live in ``tether.rules.update_rules`` (the base class and the three with a
 ``torch.optim`` twin) and ``tether.rules.ctr_rules`` (row-wise Adagrad and FTRL-Proximal);
-this module is the registry, and every name is importable from here. The hyper-parameters
-(``OptimizerConfig``, in ``tether.protos.specs``) and the rules' names (``OPTIMIZERS``, in
-``tether.protos.names``) are declared without torch, so a launcher makes and checks a job's
-config without importing the rules. Adding a rule is one subclass, its entry in the registry
-and its name in ``tether.protos.names`` (plus, for a constant no rule took before, a field of
-``OptimizerConfig`` and of its wire form); ``tests/test_optimizers.py``
-checks every registered rule's kernel against its torch form, and its torch form against its
-torch optimizer, and ``tests/test_rules_combined_kernels.py`` every registered rule's
-``combined_rows`` (where it has one) against its ``apply_combined``. Nothing else names a rule.
+this module is the registry, and ``rule`` is its one name: import a rule's class from its module
+(this module's old re-exports of them, of ``OptimizerConfig`` and of ``OPTIMIZERS`` still work until
+tether 0.2, with a ``DeprecationWarning``). The hyper-parameters (``OptimizerConfig``, in
+``tether.protos.specs``) and the rules' names (``OPTIMIZERS``, in ``tether.protos.names``) are
+declared without torch, so a launcher makes and checks a job's config without importing the
+rules. Adding a rule is one subclass, its entry in the registry and its name in
+``tether.protos.names`` (plus, for a constant no rule took before, a field of ``OptimizerConfig``
+and of its wire form); ``tests/test_optimizers.py`` checks every registered rule's kernel against
+its torch form, and its torch form against its torch optimizer, and
+``tests/test_rules_combined_kernels.py`` every registered rule's ``combined_rows`` (where it has
+one) against its ``apply_combined``. Nothing else names a rule.
 
 The rules, with ``g`` the gradient plus ``weight_decay * w`` (L2, added to the gradient as
 ``torch.optim`` does; not AdamW's decoupled decay) and ``lr`` the configured rate times the
@@ -70,37 +72,31 @@ on within 1e-5 in ``tests/test_local_mode.py``).
 
 from __future__ import annotations
 
-from tether.protos.names import OPTIMIZERS, check_optimizer
-from tether.protos.specs import OptimizerConfig
-from tether.rules.ctr_rules import Ftrl, RowwiseAdagrad
-from tether.rules.update_rules import SGD, Adagrad, Adam, RuleOptimizer, UpdateRule
+from tether.common.moved import old_names
+from tether.protos import names
+from tether.rules import ctr_rules, update_rules
 
-__all__ = [
-    "OPTIMIZERS",
-    "SGD",
-    "Adagrad",
-    "Adam",
-    "Ftrl",
-    "OptimizerConfig",
-    "RowwiseAdagrad",
-    "RuleOptimizer",
-    "UpdateRule",
-    "rule",
-]
+__all__ = ["rule"]
 
+# The names this module re-exported (the rules' classes, OptimizerConfig, OPTIMIZERS), from their
+# modules, until tether 0.2 (with a DeprecationWarning): the registry uses the classes, it does not hold them.
+__getattr__ = old_names(__name__)
 
-_RULES: dict[str, UpdateRule] = {r.name: r for r in (SGD(), Adagrad(), Adam(), RowwiseAdagrad(), Ftrl())}
+_RULES: dict[str, update_rules.UpdateRule] = {
+    r.name: r
+    for r in (update_rules.SGD(), update_rules.Adagrad(), update_rules.Adam(), ctr_rules.RowwiseAdagrad(), ctr_rules.Ftrl())
+}
 # The names OptimizerConfig.name (and --optimizer) may take are declared without torch
 # (tether.protos.names): a rule registered here is one of them, in their order.
-if tuple(_RULES) != OPTIMIZERS:
-    raise ImportError(f"the registered rules {tuple(_RULES)} are not tether.protos.names.OPTIMIZERS {OPTIMIZERS}")
+if tuple(_RULES) != names.OPTIMIZERS:
+    raise ImportError(f"the registered rules {tuple(_RULES)} are not tether.protos.names.OPTIMIZERS {names.OPTIMIZERS}")
 
 
-def rule(name: str) -> UpdateRule:
+def rule(name: str) -> update_rules.UpdateRule:
     """The update rule called ``name``.
 
     Raises:
         ValueError: no rule has that name.
     """
-    check_optimizer(name)
+    names.check_optimizer(name)
     return _RULES[name]

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from tether.protos.errors import InvalidArgument
-from tether.rules.optimizers import OptimizerConfig, UpdateRule
+from tether.protos.specs import OptimizerConfig
 from tether.rules.row_kernels import CombinedUpdate, RowUpdate, combined_update
+from tether.rules.update_rules import UpdateRule
 
 __all__ = [
     "adjusted", "apply_rows", "check_combined", "check_compensation", "check_dense", "check_read", "check_rows", "combine_rows",

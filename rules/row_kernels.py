@@ -23,12 +23,15 @@ from typing import Any
 import numba.extending
 import numpy as np
 
+from tether.protos.names import OPTIMIZERS
+from tether.protos.specs import OptimizerConfig
 from tether.rules import index_kernels
 from tether.rules.index_kernels import mix64, prefetch
 from tether.rules.kernel_cache import compiled
 from tether.rules.kernel_helpers import KERNEL_HELPERS
 from tether.rules.kernel_threads import PARALLEL_ELEMENTS, in_parts
-from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig, UpdateRule, rule
+from tether.rules.optimizers import rule
+from tether.rules.update_rules import UpdateRule
 
 __all__ = ["CombinedUpdate", "RowUpdate", "combined_update", "gather_rows", "init_rows_into", "row_kernel", "row_update", "warm_up"]
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tether.common import settings as fields
-from tether.common.cli_args import HelpFormatter, env
+from tether.common.cli_args import HelpFormatter, env, optional_float, optional_int, optional_str
 from tether.common.config_file import parse_with_config
 from tether.common.security import TOKEN_ENV, check_token, resolve_token
-from tether.common.settings import derived, optional_float, optional_int, optional_str, setting
+from tether.common.settings import derived, setting
 
 # The variable ``tether server --config`` falls back to: a file of the shard's config.
 SHARD_CONFIG_ENV = "TETHER_SHARD_CONFIG"

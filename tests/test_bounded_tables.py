@@ -11,7 +11,8 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.rules.initial import init_rows
 from tether.server.metrics import ShardMetrics
 from tether.server.storage.admission import CountMinSketch
-from tether.server.storage.shard import Shard, SparseUpdate
+from tether.server.storage.shard import Shard
+from tether.server.storage.shard_records import SparseUpdate
 from tether.server.storage.tables import EmbeddingTable
 
 SGD = OptimizerConfig("sgd", 1.0)

@@ -30,7 +30,8 @@ from tether.server.config import CRASH_BEFORE_MANIFEST_ENV, ShardConfig
 from tether.server.metrics import ShardMetrics
 from tether.server.serving.serve import RunningShard, start_shard
 from tether.server.storage.dedup import dedup_key
-from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
+from tether.server.storage.shard import Shard
+from tether.server.storage.shard_records import DenseDecl, DenseUpdate, SparseUpdate
 
 ADAM = OptimizerConfig("adam", 0.01)
 ADAGRAD = OptimizerConfig("adagrad", 0.1)

@@ -60,7 +60,8 @@ def test_local_mode_refuses_a_push_in_the_shards_own_words(ids: list[int], grads
 
     from tether.protos.errors import InvalidArgument
     from tether.protos.specs import OptimizerConfig, TableConfig
-    from tether.server.storage.shard import Shard, SparseUpdate
+    from tether.server.storage.shard import Shard
+    from tether.server.storage.shard_records import SparseUpdate
 
     spec = TableConfig("t", 2, OptimizerConfig("sgd", lr=0.5))
     shard = Shard()

@@ -13,7 +13,8 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from tether.deploy.compare import _with_job_end, format_table, recommend, time_to_target
+from tether.deploy.compare import _with_job_end, time_to_target
+from tether.deploy.compare_report import format_table, recommend
 from tether.deploy.plot import DPI, SIZE, write_plot
 from tether.protos.errors import UsageError
 from tether.worker.config import TrainingConfig

@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 
+from tether.common import cli_args
 from tether.common import settings as fields
 from tether.common.cli_args import DeprecatedAlias
 from tether.common.config_file import to_json
 from tether.common.settings import to_argv as worker_argv
 from tether.common.settings import to_env as job_env
 from tether.protos.codec import WIRE_DTYPES
-from tether.protos.specs import TableConfig
-from tether.rules.optimizers import OptimizerConfig
+from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server import config as server_config
 from tether.server.config import ShardConfig
 from tether.worker import flags as worker_flags
@@ -64,11 +64,11 @@ def non_default(cls: type, special: Mapping[str, Any], keep: tuple[str, ...] = (
             value = default * 2 + 0.5
         elif isinstance(default, int):
             value = default + 3
-        elif decl.parse is fields.optional_int:
+        elif decl.parse is cli_args.optional_int:
             value = 7
-        elif decl.parse is fields.optional_float:
+        elif decl.parse is cli_args.optional_float:
             value = 2.5
-        elif decl.parse is fields.optional_str:
+        elif decl.parse is cli_args.optional_str:
             value = f"/tmp/tether-{f.name}"
         else:
             raise AssertionError(f"{cls.__name__}.{f.name}: give it a value that is not its default in this test's special values")
@@ -224,8 +224,8 @@ def test_a_launched_worker_gets_every_setting_through_flags_and_environment(
 
 @dataclasses.dataclass(frozen=True)
 class _Job:
-    limit: int | None = fields.setting(5, flag="--limit", parse=fields.optional_int, help="a limit; empty: none")
-    name: str | None = fields.setting(None, flag="--name", parse=fields.optional_str, help="a name")
+    limit: int | None = fields.setting(5, flag="--limit", parse=cli_args.optional_int, help="a limit; empty: none")
+    name: str | None = fields.setting(None, flag="--name", parse=cli_args.optional_str, help="a name")
 
 
 def test_unset_values_travel_too() -> None:

@@ -11,10 +11,10 @@ import torch
 from conftest import make_client
 
 from tether.protos.errors import InvalidArgument
-from tether.protos.specs import TableConfig
-from tether.rules.optimizers import OptimizerConfig
+from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.serving.serve import RunningShard
-from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
+from tether.server.storage.shard import Shard
+from tether.server.storage.shard_records import DenseDecl, DenseUpdate, SparseUpdate
 from tether.worker.config import TrainingConfig
 
 LR, LAM = 0.5, 0.7

@@ -13,8 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tether.protos.specs import TableConfig
-from tether.rules.optimizers import OptimizerConfig
+from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.cache.client import CachedClient
 from tether.worker.cache.device import DeviceRowCache
 from tether.worker.cache.parts import RowCacheConfig

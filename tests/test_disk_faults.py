@@ -33,7 +33,8 @@ from tether.server.checkpoints.restore import list_manifests
 from tether.server.config import ShardConfig
 from tether.server.metrics import ShardMetrics
 from tether.server.serving.serve import RunningShard, start_shard
-from tether.server.storage.shard import Shard, SparseUpdate
+from tether.server.storage.shard import Shard
+from tether.server.storage.shard_records import SparseUpdate
 from tether.worker.client.config import ClientConfig
 from tether.worker.client.ps_client import PSClient
 

@@ -23,7 +23,8 @@ from tether.protos import tether_pb2 as pb
 from tether.protos import tether_pb2_grpc as pb_grpc
 from tether.protos.codec import encode_ids, encode_tensor
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.server.storage.shard import Shard, SparseUpdate
+from tether.server.storage.shard import Shard
+from tether.server.storage.shard_records import SparseUpdate
 from tether.worker.metrics import WorkerMetrics
 
 TABLE = TableConfig("emb", 4, OptimizerConfig("sgd", 1.0), init_scale=0.5)

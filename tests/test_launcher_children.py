@@ -10,7 +10,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tether.deploy.launch import child_command
+from tether.deploy.children import child_command
 
 
 def test_children_start_while_grpc_calls_are_in_flight() -> None:

@@ -12,10 +12,11 @@ from torch import nn
 
 from tether.deploy.launch import LocalCluster
 from tether.protos.errors import FailedPrecondition, InvalidArgument, UsageError
-from tether.protos.specs import TableConfig
+from tether.protos.names import OPTIMIZERS
+from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.rules.initial import init_rows
-from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig
-from tether.worker.client.local import LocalClient, LocalTable
+from tether.worker.client.local import LocalClient
+from tether.worker.client.local_table import LocalTable
 from tether.worker.config import TrainingConfig
 from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.training.trainer import Trainer

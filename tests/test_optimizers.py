@@ -5,9 +5,12 @@ import numpy as np
 import pytest
 import torch
 
+from tether.protos.names import OPTIMIZERS
+from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.rules import row_kernels
-from tether.rules.optimizers import OPTIMIZERS, SGD, OptimizerConfig, RuleOptimizer, UpdateRule, rule
-from tether.server.storage.tables import EmbeddingTable, TableConfig
+from tether.rules.optimizers import rule
+from tether.rules.update_rules import SGD, RuleOptimizer, UpdateRule
+from tether.server.storage.tables import EmbeddingTable
 
 # Rules whose dense form is the rule itself (row-wise Adagrad steps dense values as Adagrad).
 _SAME_ON_DENSE = tuple(n for n in OPTIMIZERS if rule(n).dense_rule() is rule(n))

@@ -65,6 +65,7 @@ def test_the_new_paths_import_without_a_warning() -> None:
             "from tether import Trainer, ShardedEmbeddingBag\n"
             "from tether.worker.training.trainer import Trainer as T\n"
             "from tether.rules.optimizers import rule\n"
+            "from tether.deploy.launch import LocalCluster\n"
             "assert T is Trainer\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     with warnings.catch_warnings():
@@ -74,13 +75,16 @@ def test_the_new_paths_import_without_a_warning() -> None:
 
 @pytest.mark.parametrize(("module", "name", "home"), [
     ("tether.worker.training", "TrainingConfig", "tether.worker.config"),  # the old module tether.worker.training's
-    ("tether.worker.training.trainer", "TrainingConfig", "tether.worker.config"),
     ("tether.worker.embedding", "ShardedEmbeddingBag", "tether.worker.training.embedding_bag"),  # the old module's
-    ("tether.worker.training.embedding", "ShardedEmbeddingBag", "tether.worker.training.embedding_bag"),
+    ("tether.protos.optimizers", "OptimizerConfig", "tether.protos.specs"),  # the old module's, now tether.rules.optimizers
+    ("tether.protos.optimizers", "Adagrad", "tether.rules.update_rules"),
+    # Each name the module now there gives from its home.
+    *[(new, name, home) for new, names in sorted(moved.RE_EXPORTED.items()) for name, home in sorted(names.items())],
 ])
 def test_a_name_an_old_module_re_exported_comes_from_its_home_with_a_warning(module: str, name: str, home: str) -> None:
-    """The modules that replaced ``tether.worker.training`` and ``tether.worker.embedding`` hold
-    no name of another module's: what the old modules re-exported is given from its home, warning."""
+    """The modules that replaced ``tether.worker.training`` and ``tether.worker.embedding``, the
+    rules' registry and the local launcher hold no name of another module's: what they re-exported
+    is given from its home, warning."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # the old module path's own warning
         where = importlib.import_module(module)

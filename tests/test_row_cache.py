@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from tether.protos.specs import TableConfig
-from tether.rules.optimizers import OptimizerConfig, rule
+from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.rules.optimizers import rule
 from tether.worker.cache.client import CachedClient
 from tether.worker.cache.parts import RowCacheConfig
 from tether.worker.cache.row_cache import RowCache

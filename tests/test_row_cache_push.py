@@ -8,8 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tether.protos.specs import TableConfig
-from tether.rules.optimizers import OptimizerConfig
+from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.cache.parts import RowCacheConfig
 from tether.worker.cache.row_cache import RowCache
 from tether.worker.client.results import PullResult

@@ -14,12 +14,13 @@ import torch
 from conftest import make_client
 
 from tether.protos.errors import InvalidArgument
-from tether.protos.specs import TableConfig
-from tether.rules.optimizers import OptimizerConfig, rule
+from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.rules.optimizers import rule
 from tether.rules.row_kernels import combined_update
 from tether.rules.update_rules import spread_squares
 from tether.server.serving.serve import RunningShard
-from tether.server.storage.shard import Shard, SparseUpdate
+from tether.server.storage.shard import Shard
+from tether.server.storage.shard_records import SparseUpdate
 from tether.server.storage.tables import EmbeddingTable
 from tether.worker.cache.client import CachedClient
 from tether.worker.cache.parts import RowCacheConfig

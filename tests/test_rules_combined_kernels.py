@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig, UpdateRule, rule
+from tether.protos.names import OPTIMIZERS
+from tether.protos.specs import OptimizerConfig
+from tether.rules.optimizers import rule
 from tether.rules.push_hooks import apply_rows
 from tether.rules.row_kernels import combined_update, row_update
+from tether.rules.update_rules import UpdateRule
 
 WITH_KERNEL = [name for name in OPTIMIZERS if rule(name).combined_rows is not None]
 ROWS, DIM = 50, 16

@@ -15,9 +15,10 @@ from torch.optim import lr_scheduler as S
 
 from tether.deploy.launch import LocalCluster
 from tether.protos.schedules import Schedule, step_of_clock
-from tether.protos.specs import TableConfig
-from tether.rules.optimizers import OptimizerConfig, rule
-from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
+from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.rules.optimizers import rule
+from tether.server.storage.shard import Shard
+from tether.server.storage.shard_records import DenseDecl, DenseUpdate, SparseUpdate
 from tether.worker.client.local import LocalClient
 from tether.worker.config import TrainingConfig
 from tether.worker.training.embedding_bag import ShardedEmbeddingBag

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from tether.protos.specs import TableConfig
+from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.rules import kernel_threads, row_kernels
 from tether.rules.initial import column_steps, init_rows, salt
-from tether.rules.optimizers import OptimizerConfig, rule
+from tether.rules.optimizers import rule
 from tether.server.serving.data_port import gather_rows
 from tether.server.storage.tables import EmbeddingTable
 from tether.server.storage.zeroed import MAPPED_BYTES, RESERVE_FACTOR, float_rows, grow_rows

@@ -18,7 +18,8 @@ import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.storage import shard as shard_module
-from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate, staleness_scale
+from tether.server.storage.shard import Shard, staleness_scale
+from tether.server.storage.shard_records import DenseDecl, DenseUpdate, SparseUpdate
 from tether.server.storage.tables import EmbeddingTable
 
 DIM = 20

@@ -17,11 +17,12 @@ from torch import nn
 from tether.common.settings import to_argv as worker_argv
 from tether.common.settings import to_env as job_env
 from tether.protos.errors import FailedPrecondition, UsageError
+from tether.protos.names import OPTIMIZERS
 from tether.protos.schedules import Schedule
-from tether.protos.specs import TableConfig
-from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig
+from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.serving.serve import RunningShard
-from tether.server.storage.shard import DenseDecl, Shard
+from tether.server.storage.shard import Shard
+from tether.server.storage.shard_records import DenseDecl
 from tether.worker import flags as worker_flags
 from tether.worker.config import TrainingConfig
 from tether.worker.training.embedding_bag import ShardedEmbeddingBag

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tether.protos.schedules import Schedule
-from tether.protos.specs import TableConfig
-from tether.rules.optimizers import OptimizerConfig, rule
+from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.rules.optimizers import rule
 from tether.server.storage.tables import EmbeddingTable
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -109,7 +109,8 @@ def test_push_after_pull_lands_on_the_right_rows_also_after_a_restore() -> None:
 
 def test_a_push_of_pulled_ids_checks_uniqueness_on_slots() -> None:
     from tether.protos.errors import InvalidArgument
-    from tether.server.storage.shard import Shard, SparseUpdate
+    from tether.server.storage.shard import Shard
+    from tether.server.storage.shard_records import SparseUpdate
 
     shard = Shard(0, 1)
     shard.declare([TableConfig("t", 2, OptimizerConfig("sgd", 1.0), init_scale=0.0)], [])

@@ -240,7 +240,7 @@ def test_from_env_knows_the_rank_under_torchrun_and_names_a_missing_shard_list(m
 
 
 def test_gpus_are_dealt_one_per_worker_and_one_per_sync_rank() -> None:
-    from tether.deploy.launch import worker_device
+    from tether.deploy.children import worker_device
     from tether.protos.errors import UsageError
     from tether.worker.training.policies import sync_device
 

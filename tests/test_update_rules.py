@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from tether.protos.errors import InvalidArgument
-from tether.protos.specs import TableConfig
-from tether.rules.optimizers import OptimizerConfig, rule
+from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.rules.optimizers import rule
 from tether.server.storage.dense import DenseChunk
-from tether.server.storage.shard import Shard, SparseUpdate
+from tether.server.storage.shard import Shard
+from tether.server.storage.shard_records import SparseUpdate
 from tether.server.storage.tables import EmbeddingTable
 
 DIM, POOL, STEPS = 8, 60, 8

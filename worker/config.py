@@ -21,10 +21,11 @@ from tether.common import choices
 from tether.common import settings as fields
 from tether.common.allocator import one_thread_unless_asked, tune_malloc
 from tether.common.choices import or_names as _names
+from tether.common.cli_args import optional_int, optional_str
 from tether.common.config_file import CONFIG_ENV, read_values
 from tether.common.exits import end_usage_errors_in_one_line, usage_checks
 from tether.common.security import TOKEN_ENV, ClientSecurity, resolve_token
-from tether.common.settings import default_of, derived, optional_int, optional_str, override, setting
+from tether.common.settings import default_of, derived, override, setting
 from tether.protos.names import INIT_SCALE, OPTIMIZER, OPTIMIZER_LR, OPTIMIZERS, TRANSPORTS, WIRE_DTYPE_NAMES, check_optimizer
 from tether.worker.data.checks import check_criteo_data, check_parquet_data
 from tether.worker.training.mode import Mode, check_window

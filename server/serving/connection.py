@@ -17,7 +17,7 @@ import grpc
 from tether.common.pages import anonymous
 from tether.protos import framing as dp
 
-__all__ = ["Connection", "Refuse", "anonymous", "close_all", "drain", "peer", "readable"]
+__all__ = ["Connection", "Refuse", "close_all", "drain", "peer", "readable"]
 
 # Bytes read and thrown away after a refusal, so the answer is not lost to a reset.
 _DRAIN_BYTES = 256 * 1024

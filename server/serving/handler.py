@@ -19,7 +19,8 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.protos.ssp import MAX_CLOCK_HOLD_S
 from tether.server.checkpoints.checkpoint import Checkpointer
 from tether.server.metrics import NullShardMetrics, ShardRecorder
-from tether.server.storage.shard import DenseDecl, DenseUpdate, PushResult, Shard, SparseUpdate
+from tether.server.storage.shard import Shard
+from tether.server.storage.shard_records import DenseDecl, DenseUpdate, PushResult, SparseUpdate
 from tether.server.storage.tables import EmbeddingTable
 
 __all__ = ["RequestHandler", "Unparsable"]

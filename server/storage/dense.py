@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from tether.protos.errors import InvalidArgument
-from tether.rules.optimizers import OptimizerConfig, rule
+from tether.protos.specs import OptimizerConfig
+from tether.rules.optimizers import rule
 
 __all__ = ["DenseChunk"]
 

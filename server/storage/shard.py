@@ -32,7 +32,7 @@ from tether.server.storage.gate import Gate
 from tether.server.storage.shard_records import DenseDecl, DenseState, DenseUpdate, PushResult, ShardState, SparseUpdate, TableState
 from tether.server.storage.tables import EmbeddingTable, Pulled
 
-__all__ = ["DenseDecl", "DenseState", "DenseUpdate", "PushResult", "Shard", "ShardState", "SparseUpdate", "TableState", "staleness_scale"]
+__all__ = ["Shard", "staleness_scale"]
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from tether.server.storage.index import IdIndex
 from tether.server.storage.update_log import RowVersions, UpdateLog
 from tether.server.storage.zeroed import float_rows, grow_rows, zeros
 
-__all__ = ["EmbeddingTable", "Pulled", "TableConfig"]
+__all__ = ["EmbeddingTable", "Pulled"]
 
 log = logging.getLogger(__name__)
 

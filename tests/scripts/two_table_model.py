@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tether.protos.specs import TableConfig
-from tether.rules.optimizers import OptimizerConfig
+from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.config import TrainingConfig
 from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.training.trainer import Trainer

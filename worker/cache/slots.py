@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from tether.common import pages
+from tether.protos.specs import OptimizerConfig
 from tether.rules.index_kernels import EMPTY_SLOT, REMOVED_SLOT, index_cells, index_lookup, index_place
-from tether.rules.optimizers import OptimizerConfig, rule
+from tether.rules.optimizers import rule
 from tether.rules.row_kernels import row_kernel
 from tether.worker.cache.batch import warm_up as warm_up_batch
 from tether.worker.cache.kernels import META, oldest_per_shard

@@ -37,8 +37,7 @@ import torch
 from tether.protos import tether_pb2 as pb
 from tether.protos.codec import int64_ids
 from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherError, UsageError
-from tether.protos.specs import TableConfig, table_conflict
-from tether.rules.optimizers import OptimizerConfig
+from tether.protos.specs import OptimizerConfig, TableConfig, table_conflict
 from tether.rules.push_hooks import check_combined, check_dense, check_rows
 from tether.worker.client.config import ClientConfig
 from tether.worker.client.local_table import LocalDense, LocalTable
@@ -46,7 +45,7 @@ from tether.worker.client.results import CheckpointResult, ClockReply, Handle, P
 from tether.worker.config import TrainingConfig
 from tether.worker.metrics import NullWorkerMetrics, WorkerRecorder
 
-__all__ = ["LocalClient", "LocalClientConfig", "LocalTable"]
+__all__ = ["LocalClient", "LocalClientConfig"]
 
 log = logging.getLogger(__name__)
 

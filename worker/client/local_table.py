@@ -9,10 +9,11 @@ import numpy as np
 import torch
 
 from tether.protos.errors import UsageError
-from tether.protos.specs import TableConfig
+from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.rules.initial import init_rows
-from tether.rules.optimizers import OptimizerConfig, UpdateRule, rule
+from tether.rules.optimizers import rule
 from tether.rules.push_hooks import combine_rows
+from tether.rules.update_rules import UpdateRule
 
 __all__ = ["LocalDense", "LocalTable"]
 

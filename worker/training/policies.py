@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tether.protos.errors import DeadlineExceeded, UsageError
-from tether.rules.optimizers import OptimizerConfig
+from tether.protos.specs import OptimizerConfig
 from tether.worker.client.api import ShardClient
 from tether.worker.config import TrainingConfig
 from tether.worker.training.embedding import PSModel

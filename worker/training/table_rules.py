@@ -37,9 +37,10 @@ import torch
 from torch import nn
 
 from tether.protos.errors import UsageError
+from tether.protos.names import OPTIMIZERS
 from tether.protos.schedules import SCHEDULE_KEYS, Schedule
-from tether.protos.specs import TableConfig
-from tether.rules.optimizers import OPTIMIZERS, OptimizerConfig, rule
+from tether.protos.specs import OptimizerConfig, TableConfig
+from tether.rules.optimizers import rule
 from tether.rules.update_rules import follow_schedule
 
 __all__ = ["ALL", "DENSE", "RuleEntry", "TableRules", "dense_torch_optimizer", "parse_entries", "parse_entry", "rule_keys"]
