@@ -5,6 +5,8 @@ importing them."""
 from __future__ import annotations
 
 import ast
+import functools
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -144,6 +146,101 @@ def test_no_module_imports_another_modules_private_name() -> None:
         for target, name, _, line in _imports(path):
             if name.startswith("_") and _owner(target) != mod:
                 wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target}.{name}")
+    assert wrong == []
+
+
+# Modules whose job is to gather other modules' names, each listing them in ``__all__`` on purpose;
+# every other module lists only names it defines, and nothing imports a name from a module that
+# only imported it.
+GATHERERS = {
+    "tether": "the stable surface (tether/__init__.py): the names a training script needs, from their modules",
+    "tether.worker.data.parquet": "Parquet's public names, gathered from the five parquet_* modules that hold the code",
+}
+
+
+@functools.cache
+def _bound_names(path: Path) -> dict[str, str | None]:
+    """The names a module binds outside its functions and classes, each with where it comes from:
+    the tether module it imports it from (a module it imports: that module's name), or None where
+    the module defines it or imports it from outside tether."""
+    names: dict[str, str | None] = {}
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names[child.name] = None
+                continue
+            if isinstance(child, ast.ImportFrom):
+                home = child.module or ""
+                tether_home = home if child.level == 0 and home.split(".")[0] == "tether" else None
+                for a in child.names:
+                    names[a.asname or a.name] = f"{home}.{a.name}" if f"{home}.{a.name}" in MODULES else tether_home
+            elif isinstance(child, ast.Import):
+                for a in child.names:
+                    bound = a.asname or a.name.split(".")[0]
+                    names[bound] = a.name if a.asname and a.name.split(".")[0] == "tether" else None
+            elif isinstance(child, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                for target in child.targets if isinstance(child, ast.Assign) else [child.target]:
+                    for n in ast.walk(target):
+                        if isinstance(n, ast.Name):
+                            names.setdefault(n.id, None)
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    return names
+
+
+def _all_of(path: Path) -> list[str]:
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    return []
+
+
+PACKAGE = {**MODULES, "tether": ROOT / "tether" / "__init__.py"}
+
+
+def test_a_module_lists_in_all_only_the_names_it_defines() -> None:
+    """No re-exports: a name in ``__all__`` is the module's own, not one it imports from another
+    tether module (save the gatherers'). An old path of a name a module re-exported is kept by
+    tether.common.moved, with a DeprecationWarning, not by the module holding the name."""
+    wrong, gathered = [], set()
+    for mod, path in PACKAGE.items():
+        bound = _bound_names(path)
+        borrowed = [f"{name} (from {bound[name]})" for name in _all_of(path) if bound.get(name) not in (None, f"{mod}.{name}")]
+        if mod in GATHERERS and borrowed:
+            gathered.add(mod)
+        elif borrowed:
+            wrong.append(f"{path.relative_to(ROOT)}: {', '.join(borrowed)}")
+    assert wrong == []
+    assert gathered == set(GATHERERS), "a gatherer that gathers nothing leaves GATHERERS"
+
+
+def _python_sources() -> list[tuple[str, str]]:
+    """(where, source) of every Python file of the tree's package, tests, benchmarks and examples,
+    and of each ```python block of the docs."""
+    sources = [(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8")) for p in sorted(PACKAGE.values())]
+    for folder in ("tests", "bench", "examples"):
+        sources += [(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8")) for p in sorted((ROOT / folder).rglob("*.py"))]
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for i, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S)):
+            sources.append((f"{page.relative_to(ROOT)} block {i + 1}", block))
+    return sources
+
+
+def test_each_name_is_imported_from_the_module_that_defines_it() -> None:
+    """``from tether.x import Name`` names Name's own module (or a gatherer, or a package's
+    submodule), anywhere in the tree: in tests, benchmarks, examples and the docs' code too."""
+    bound = {mod: _bound_names(path) for mod, path in PACKAGE.items()}
+    wrong = []
+    for where, source in _python_sources():
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.ImportFrom) or node.level or node.module not in bound or node.module in GATHERERS:
+                continue
+            for a in node.names:
+                home = bound[node.module].get(a.name)
+                if home is not None and home != f"{node.module}.{a.name}":
+                    wrong.append(f"{where}:{node.lineno} imports {a.name} from {node.module}, not from {home}")
     assert wrong == []
 
 
