@@ -3,7 +3,8 @@ schedule SIGKILLs, SIGSTOPs (then SIGCONTs) and restarts random shards and worke
 job undisturbed beside it.
 
     python bench/chaos.py [--seconds 60] [--modes ssp:2,async] [--seed 1] [--workers 4] [--shards 3]
-                          [--steps N] [--checkpoint-every 3] [--no-baseline] [--out DIR] [--json FILE]
+                          [--steps N] [--checkpoint-every 3] [--data synthetic|parquet] [--resume-data]
+                          [--no-baseline] [--out DIR] [--json FILE]
 
 What it reports, per mode, chaos and undisturbed side by side:
 
@@ -24,6 +25,15 @@ What it reports, per mode, chaos and undisturbed side by side:
   descriptors and memfd regions (fds and mappings) with every client gone, against the shard's
   own count before the workers connected, and files left in /dev/shm;
 * the largest RSS of each process (VmHWM, sampled every 0.5 s; the maximum over incarnations).
+
+``--data parquet`` trains on a Parquet file instead of the endless synthetic stream: the same
+synthetic click log (the job's seed, vocabulary and fields) written once per invocation to
+``OUT/data/``, one epoch with every worker's steps (every 10th row held out, as the job holds out
+Parquet rows), and every worker saves its stream position every ``log_every`` steps
+(``--checkpoint-every-steps``, so worker 0 also asks the shards for a checkpoint ``step-<clock>``
+that often, in both jobs). With ``--resume-data`` a restarted worker reads on from its last
+saved position (``tether worker --resume-data``) instead of from the start of its share, so the
+chaos job sees as many distinct samples as the undisturbed one.
 
 Worker faults stop once a worker is 80% through its steps: a worker restarted after another
 finished would wait for every worker to join (``AsyncPolicy.start``) and is not restarted.
@@ -282,8 +292,13 @@ class Chaos:
     """The ``during`` context of ``run_job``: ledger writers, a sampler, and (unless ``faults`` is
     empty) the fault schedule, from the workers' start until they have all finished."""
 
-    def __init__(self, work: Path, faults: list[Fault], ledgers: int = 2, ledger_rate: float = 20.0, steps: int = 0) -> None:
+    def __init__(self, work: Path, faults: list[Fault], ledgers: int = 2, ledger_rate: float = 20.0, steps: int = 0,
+                 positions: Path | None = None) -> None:
         self.work = work
+        # With a folder of saved stream positions (the workers' OUT/positions), a restarted
+        # worker reads on from its last one (``_resume_from_positions``).
+        self.positions = positions
+        self.resumed: list[dict[str, Any]] = []  # per restart: worker, the position's step (of its incarnation), or none
         self.faults = faults
         self.steps = steps
         self.ledgers = [_Ledger(i, work / f"ledger-{i}.journal") for i in range(ledgers)]
@@ -317,6 +332,8 @@ class Chaos:
         for ledger in self.ledgers:
             ledger.journal.unlink(missing_ok=True)
             self._start_ledger(ledger)
+        if self.positions is not None:
+            self._resume_from_positions(cluster)
         self._spawn(self._sample_loop, "chaos-sampler")
         if self.faults:
             self._spawn(self._nemesis, "chaos-nemesis")
@@ -324,6 +341,57 @@ class Chaos:
             yield
         finally:
             self._finish()
+
+    def _resume_from_positions(self, cluster: Any) -> None:
+        """Before the launcher starts a dead worker again, give the restart ``--resume-data`` of
+        a folder holding that worker's newest saved position, so it reads on from there rather
+        than from the start of its share (the launcher runs it for the steps not reported done;
+        positions are saved at the same steps as the progress lines that report them). The
+        launcher has no hook for this: its restart is wrapped on this cluster object only."""
+        restart = cluster._restart_worker
+
+        def restart_from_position(child: Any, code: int) -> None:
+            argv = list(child.argv)
+            if "--resume-data" in argv:
+                at = argv.index("--resume-data")
+                del argv[at : at + 2]
+            folder, step = self._newest_position(child.name)
+            if folder is not None:
+                argv += ["--resume-data", str(folder)]
+            child.argv = argv
+            self.resumed.append({"worker": child.name, "at": time.time(), "position_step": step})
+            restart(child, code)
+
+        cluster._restart_worker = restart_from_position
+
+    def _newest_position(self, name: str) -> tuple[Path | None, int | None]:
+        """(a folder holding worker ``name``'s newest readable position as ``worker-<i>.json``,
+        the step of its incarnation it was saved at), or (None, None) before the first. The
+        folders ``step-<n>`` are numbered by each incarnation's own steps, so a restarted
+        worker writes into its predecessors' folders: the newest file is the newest position.
+        A file cut short by a SIGKILL is passed over for the one before it."""
+        assert self.positions is not None
+        index = name.rpartition("-")[2]
+        files = []
+        for path in self.positions.glob(f"step-*/worker-{index}.json"):
+            try:
+                files.append((path.stat().st_mtime_ns, path))
+            except OSError:
+                continue
+        for _, path in sorted(files, reverse=True):
+            try:
+                doc = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if not isinstance(doc, dict) or not isinstance(doc.get("position"), dict):
+                continue
+            folder = self.work / "resume" / name
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / f".worker-{index}.json.tmp"
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, folder / f"worker-{index}.json")
+            return folder, doc.get("step")
+        return None, None
 
     def _spawn(self, target: Any, name: str) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)
@@ -676,6 +744,7 @@ def _last_ack(path: Path) -> tuple[int, float]:
 
 
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
+_CHECKPOINT_WRITTEN = re.compile(r" checkpoint (\S+): \d+ bytes in ([0-9.]+)s ")
 
 
 def _restores(log: Path) -> list[tuple[float, float | None]]:
@@ -683,6 +752,10 @@ def _restores(log: Path) -> list[tuple[float, float | None]]:
     checkpoint was begun; None when it restored nothing)."""
     out: list[tuple[float, float | None]] = []
     restored: float | None = None
+    # Checkpoints named by the workers (step-<clock>, from --checkpoint-every-steps) carry no
+    # time: when they were begun is the time of the shard's line "checkpoint ID: N bytes in S s"
+    # less S (and 0.01 s for the rounding of S and of the log's milliseconds).
+    written: dict[str, float] = {}
     try:
         lines = log.read_text(errors="replace").splitlines()
     except OSError:
@@ -692,10 +765,15 @@ def _restores(log: Path) -> list[tuple[float, float | None]]:
         if m is None:
             continue
         t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
-        if " restored checkpoint " in line:
+        done = _CHECKPOINT_WRITTEN.search(line)
+        if done:
+            written[done.group(1)] = t - float(done.group(2)) - 0.01
+        elif " restored checkpoint " in line:
             ckpt = line.split(" restored checkpoint ", 1)[1].split()[0]
             begun = re.fullmatch(r"(?:auto|final)-(\d+)", ckpt)
-            restored = int(begun.group(1)) / 1000 if begun else t
+            # A checkpoint of unknown begin counts as begun when it was restored: every push
+            # acknowledged before then and missing is called lost.
+            restored = int(begun.group(1)) / 1000 if begun else written.get(ckpt, t)
         elif " serving on " in line:
             out.append((t, restored))
             restored = None
@@ -726,12 +804,13 @@ def _lost_by_design(shard: int, applied_from: float, acked_at: float, kills: lis
 
 
 def run_once(template: Any, shards: int, work: Path, faults: list[Fault], checkpoint_every: float, lease_s: float,
-             timeout_s: float) -> dict[str, Any]:
-    """One job with the harness around it; what it printed goes to work/launch.log."""
+             timeout_s: float, resume: bool = False) -> dict[str, Any]:
+    """One job with the harness around it; what it printed goes to work/launch.log. ``resume``:
+    restarted workers read on from their last saved stream position (``Chaos.positions``)."""
     from tether.deploy.job import run_job
     from tether.server.config import ShardConfig
 
-    chaos = Chaos(work / "chaos", faults, steps=template.steps)
+    chaos = Chaos(work / "chaos", faults, steps=template.steps, positions=work / "positions" if resume else None)
     marker = str(work.resolve())
     fds_before = _fds(os.getpid())
     targets_before = _fd_targets(os.getpid())
@@ -785,22 +864,83 @@ def run_once(template: Any, shards: int, work: Path, faults: list[Fault], checkp
         "peak_rss_mib": {name: round(kib / 1024, 1) for name, kib in sorted(obs.peak_rss_kib.items())},
         "launcher_peak_rss_mib": round(_hwm_kib(os.getpid()) / 1024, 1),
         "incarnations": {name: len(pids) for name, pids in sorted(obs.incarnations.items())},
+        "resumed": chaos.resumed,
     }
 
 
-def run_mode(mode: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
+# Steps between a worker's progress lines, and (--data parquet) between its saved stream positions.
+LOG_EVERY = 25
+PARQUET_ROW_GROUP_ROWS = 65_536
+HOLDOUT_EVERY = 10  # the job holds out Parquet row i when i % 10 == 9
+
+
+def parquet_rows(a: argparse.Namespace) -> int:
+    """Rows of the ``--data parquet`` table: whole row groups, enough that each worker's share
+    (row groups dealt round the workers, every 10th row held out) holds its steps' samples
+    with 3% to spare, in one epoch."""
+    train_per_worker = a.steps * a.batch_size * 1.03
+    groups_per_worker = math.ceil(train_per_worker / (PARQUET_ROW_GROUP_ROWS * (1 - 1 / HOLDOUT_EVERY)))
+    return groups_per_worker * a.workers * PARQUET_ROW_GROUP_ROWS
+
+
+def write_parquet(path: Path, rows: int, num_sparse: int, vocab_size: int, seed: int) -> None:
+    """The built-in job's synthetic click log (``SyntheticClickLog``: the job's seed, fields and
+    vocabulary) as a Criteo-shaped table: ``label``, dense ``I1..`` (float32) and id ``C1..``
+    (int64) columns, row groups of ``PARQUET_ROW_GROUP_ROWS``. Written to a temporary name and
+    renamed, so a file at ``path`` is whole."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tether.worker.data.synthetic import SyntheticClickLog, SyntheticConfig
+
+    gen = SyntheticClickLog(SyntheticConfig(num_sparse=num_sparse, vocab_size=vocab_size, seed=seed))
+    num_dense = gen.config.num_dense
+    schema = pa.schema([("label", pa.float32())] + [(f"I{j + 1}", pa.float32()) for j in range(num_dense)]
+                       + [(f"C{j + 1}", pa.int64()) for j in range(num_sparse)])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with pq.ParquetWriter(tmp, schema) as w:
+        for b in gen.batches(PARQUET_ROW_GROUP_ROWS, rows // PARQUET_ROW_GROUP_ROWS):
+            dense, sparse = b.dense.numpy(), b.sparse.numpy()
+            arrays = ([pa.array(b.labels.numpy())] + [pa.array(dense[:, j]) for j in range(num_dense)]
+                      + [pa.array(sparse[:, j]) for j in range(num_sparse)])
+            w.write_batch(pa.record_batch(arrays, schema=schema), row_group_size=PARQUET_ROW_GROUP_ROWS)
+    os.replace(tmp, path)
+
+
+def job_data(a: argparse.Namespace, out: Path) -> str:
+    """The jobs' ``--data``: ``synthetic``, or ``parquet:PATH`` of the table ``write_parquet``
+    writes (once per invocation, shared by every mode and job)."""
+    if a.data == "synthetic":
+        return "synthetic"
+    rows = parquet_rows(a)
+    path = out / "data" / f"ctr-seed{a.seed}-vocab{a.vocab_size}-{rows}.parquet"
+    if not path.exists():
+        started = time.time()
+        print(f"writing {rows:,} rows of the synthetic click log to {path} ...", flush=True)
+        write_parquet(path, rows, num_sparse=8, vocab_size=a.vocab_size, seed=a.seed)
+        print(f"  {path.stat().st_size / 2**20:,.0f} MiB in {time.time() - started:.0f}s", flush=True)
+    return f"parquet:{path}"
+
+
+def run_mode(mode: str, a: argparse.Namespace, out: Path, data: str = "synthetic") -> dict[str, Any]:
     from tether.worker.config import WorkerConfig
 
+    # A Parquet stream has a position: every worker saves it at its progress lines' steps
+    # (worker 0 then also asks the shards for a checkpoint), in both jobs alike.
+    positions = LOG_EVERY if data != "synthetic" else 0
     template = WorkerConfig(shards=("pending:0",), num_workers=a.workers, steps=a.steps, batch_size=a.batch_size, vocab_size=a.vocab_size,
-                            eval_samples=a.eval_samples, log_every=25, mode=mode, seed=a.seed)
+                            eval_samples=a.eval_samples, log_every=LOG_EVERY, mode=mode, seed=a.seed, data=data,
+                            checkpoint_every_steps=positions)
     faults = schedule(a.seed, a.seconds, a.warmup, a.mean_gap, a.shards, a.workers, 2)
-    result: dict[str, Any] = {"mode": mode, "planned_faults": len(faults)}
+    result: dict[str, Any] = {"mode": mode, "planned_faults": len(faults), "data": data, "resume_data": a.resume_data}
     if a.baseline:
         print(f"[{mode}] undisturbed job ...", flush=True)
         result["undisturbed"] = run_once(template, a.shards, out / mode.replace(":", "") / "undisturbed", [], a.checkpoint_every, a.lease,
                                          a.job_timeout)
     print(f"[{mode}] chaos job: {len(faults)} faults planned over {a.seconds:.0f}s ...", flush=True)
-    result["chaos"] = run_once(template, a.shards, out / mode.replace(":", "") / "chaos", faults, a.checkpoint_every, a.lease, a.job_timeout)
+    result["chaos"] = run_once(template, a.shards, out / mode.replace(":", "") / "chaos", faults, a.checkpoint_every, a.lease, a.job_timeout,
+                               resume=a.resume_data)
     return result
 
 
@@ -808,9 +948,12 @@ def run_mode(mode: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 def report(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
+    data = (f"a Parquet table of the synthetic click log ({parquet_rows(a):,} rows, one epoch), positions saved every {LOG_EVERY} steps, "
+            + ("restarted workers resume theirs (--resume-data)" if a.resume_data else "restarted workers read their share from its start")
+            if a.data == "parquet" else "the synthetic stream (restarted workers read their share from its start)")
     lines = [f"chaos: seed {a.seed}, {a.workers} workers x {a.shards} shards, {a.steps} steps x batch {a.batch_size} per worker, "
              f"faults over {a.seconds:.0f}s (mean gap {a.mean_gap:g}s), checkpoints every {a.checkpoint_every:g}s, lease {a.lease:g}s, "
-             f"{os.cpu_count()} CPU(s)"]
+             f"{os.cpu_count()} CPU(s); data: {data}"]
     for r in results:
         c = r["chaos"]
         u = r.get("undisturbed")
@@ -847,6 +990,10 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
         for f in done:
             if f["kind"] in ("kill", "restart"):
                 injected[f["target"]] = injected.get(f["target"], 0) + 1
+        if a.resume_data:
+            resumed = c.get("resumed", [])
+            lines += ["", f"worker restarts: {len(resumed)}, {sum(r['position_step'] is not None for r in resumed)} resumed from a saved "
+                          f"position (the rest died before saving one and read from the start)"]
         restarts = {**c["summary"]["restarts"], **c["ledger"]["writer_restarts"]}
         lines += ["", "restarts (of which injected): " + ", ".join(
             f"{n} {k} ({injected.get(n, 0)})" for n, k in sorted(restarts.items()) if k or injected.get(n))
@@ -922,6 +1069,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lease", type=float, default=4.0, help="shards' --lease-seconds: a stopped ssp worker stops holding the others back after this")
     p.add_argument("--warmup", type=float, default=3.0, help="the first fault comes this many seconds after every worker has made a step")
     p.add_argument("--mean-gap", type=float, default=4.0, help="mean seconds between faults")
+    p.add_argument("--data", choices=("synthetic", "parquet"), default="synthetic",
+                   help="the endless synthetic stream, or the same click log written to a Parquet file first (one epoch; "
+                   "workers save their stream positions)")
+    p.add_argument("--resume-data", action="store_true",
+                   help="with --data parquet: a restarted worker reads on from its last saved position, not from the start of its share")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the undisturbed job")
     p.add_argument("--job-timeout", type=float, default=3600.0)
     p.add_argument("--out", default=None, help="keep every job's logs, checkpoints and journals here (default: a temporary folder)")
@@ -933,9 +1085,12 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if any(m == "sync" for m in modes):
         p.error("--modes: sync ranks are not restarted (a rank that dies ends the job); use async or ssp:S")
+    if a.resume_data and a.data != "parquet":
+        p.error("--resume-data: only a Parquet stream has a position to resume; add --data parquet")
     with tempfile.TemporaryDirectory(prefix="tether-chaos-") as tmp:
         out = Path(a.out) if a.out else Path(tmp)
-        results = [run_mode(mode, a, out) for mode in modes]
+        data = job_data(a, out)
+        results = [run_mode(mode, a, out, data) for mode in modes]
     text = report(results, a)
     print(text)
     problems = verdict(results)
