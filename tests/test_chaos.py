@@ -8,6 +8,7 @@ descriptors and memfd regions, /dev/shm."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -86,3 +87,66 @@ def test_the_ledger_tells_a_loss_by_design_from_a_lost_push(tmp_path: Path) -> N
     # The same push retried after a failed attempt at 8.1: the next incarnation applied it.
     assert not chaos._lost_by_design(0, t0 + 8.1, t0 + 8.3, kills, restores)
     assert not chaos._lost_by_design(1, t0 + 6.5, t0 + 7.0, kills, restores)  # another shard, never killed
+
+
+def test_a_step_checkpoint_is_dated_from_its_shards_log_line(tmp_path: Path) -> None:
+    """--data parquet: worker 0 asks for checkpoints step-<clock> (they save the stream positions),
+    whose ids carry no time; the ledger dates them from the shard's "checkpoint ID: N bytes in S s"
+    line, less S, rather than calling every push acknowledged before the restore lost."""
+    chaos = _chaos_module()
+    log = tmp_path / "shard-0.log"
+    log.write_text(
+        "2030-01-01 00:00:00,000 tether.server INFO shard 0/2 serving on 127.0.0.1:1 (plaintext)\n"
+        "2030-01-01 00:00:06,250 tether.server.checkpoints.checkpoint INFO checkpoint step-75: 1234 bytes in 0.25s (/x/step-75)\n"
+        "2030-01-01 00:00:09,500 tether.server.checkpoints.checkpoint INFO restored checkpoint step-75 (complete, 1 part(s)): ...\n"
+        "2030-01-01 00:00:09,600 tether.server INFO shard 0/2 serving on 127.0.0.1:1 (plaintext)\n"
+        "2030-01-01 00:00:12,000 tether.server.checkpoints.checkpoint INFO restored checkpoint step-99 (complete, 1 part(s)): ...\n"
+        "2030-01-01 00:00:12,100 tether.server INFO shard 0/2 serving on 127.0.0.1:1 (plaintext)\n"
+    )
+    restores = chaos._restores(log)
+    t0 = restores[0][0]
+    assert abs(restores[1][1] - (t0 + 5.99)) < 1e-6  # begun 6.25 - 0.25 s, less 0.01 s for rounding
+    assert restores[2][1] == t0 + 12.0  # no line for it: dated at its restore, so nothing before it is excused
+    kills = [(0, t0 + 8.0)]
+    assert chaos._lost_by_design(0, t0 + 6.5, t0 + 7.0, kills, {0: restores})
+    assert not chaos._lost_by_design(0, t0 + 4.8, t0 + 5.0, kills, {0: restores})
+
+
+def test_a_restarted_worker_resumes_from_its_newest_whole_position(tmp_path: Path) -> None:
+    """--resume-data: the restart gets the worker's newest saved position (by time: a restarted
+    incarnation numbers its step-<n> folders from 0 again), passing over one cut short."""
+    chaos = _chaos_module()
+    positions = tmp_path / "positions"
+    harness = chaos.Chaos(tmp_path / "chaos", [], positions=positions)
+    assert harness._newest_position("worker-1") == (None, None)
+    for n, (step, text) in enumerate([(50, None), (100, None), (25, None), (50, '{"step": 5')]):
+        path = positions / f"step-{step}" / "worker-1.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text or json.dumps({"step": step, "clock": step, "position": {"skip": 256 * (step + n)}}))
+        os.utime(path, ns=(10**18 + n, 10**18 + n))
+    (positions / "step-100" / "worker-2.json").write_text(json.dumps({"step": 100, "position": {"skip": 1}}))
+    # step-50 was overwritten last, but cut short by a SIGKILL: the one before it, step-25 of the restarted incarnation.
+    folder, step = harness._newest_position("worker-1")
+    assert step == 25 and folder is not None
+    assert json.loads((folder / "worker-1.json").read_text())["position"] == {"skip": 256 * 27}
+
+
+def test_the_parquet_table_holds_every_workers_steps_in_one_epoch(tmp_path: Path, monkeypatch) -> None:
+    """--data parquet: the synthetic click log as a Criteo-shaped table the job reads, with
+    row groups enough that each of the workers' shares holds its steps' samples."""
+    chaos = _chaos_module()
+    monkeypatch.setattr(chaos, "PARQUET_ROW_GROUP_ROWS", 500)
+    import argparse
+
+    from tether.worker.data.parquet import HoldOut, ParquetStream, criteo_parquet_columns
+
+    a = argparse.Namespace(steps=10, batch_size=64, workers=3)
+    rows = chaos.parquet_rows(a)
+    assert rows % (500 * 3) == 0
+    path = tmp_path / "ctr.parquet"
+    chaos.write_parquet(path, rows, num_sparse=3, vocab_size=100, seed=1)
+    dense, ids = criteo_parquet_columns(path)
+    assert (len(dense), ids) == (13, ["C1", "C2", "C3"])
+    for rank in range(3):
+        stream = ParquetStream(path, 64, rank=rank, world_size=3, epochs=1, dense=dense, ids=ids, ctr=True, holdout=HoldOut.every_nth(10))
+        assert sum(1 for _ in stream) >= a.steps
