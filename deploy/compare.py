@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from tether.deploy.compare_program import no_eval_loss, program_mode_figures, program_run_figures
-from tether.deploy.compare_report import recommend
+from tether.deploy.compare_report import difference_to, loss_spread, recommend
 from tether.deploy.job import run_job, staleness_summary
 from tether.deploy.launch import Program
 from tether.deploy.plot import write_plot
@@ -254,6 +254,7 @@ def compare(
     for run in runs:
         run["time_to_target_s"] = time_to_target(run["curve"], target_loss) if target_loss is not None else None
     results = [_mode_result(mode, [r for r in runs if r["mode"] == mode]) for mode in modes]
+    _add_difference_to_sync(results)
     _write_curves(out_dir / "curves.csv", runs)
     first = runs[0]["summary"]
     best_possible = float(first["bayes_loss"]) if "bayes_loss" in first else None
@@ -344,6 +345,8 @@ def _mode_result(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         # None when a script's runs report no eval loss (or AUC)
         "final_eval_loss": statistics.fmean(losses) if len(losses) == len(runs) else None,
         "final_eval_loss_std": _spread(losses) if len(losses) == len(runs) else None,
+        # The standard error of the mean final loss (None for one run, or when a run has no loss)
+        "final_eval_loss_sem": loss_spread(losses)["sem"] if losses and len(losses) == len(runs) else None,
         "final_eval_auc": statistics.fmean(aucs) if len(aucs) == len(runs) else None,
         "samples_per_sec": statistics.fmean(float(r["samples_per_sec"]) for r in runs),
         "train_wall_s": statistics.fmean(float(r["train_wall_s"]) for r in runs),
@@ -360,6 +363,25 @@ def _mode_result(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         ],
         **(program_mode_figures(runs) if "initial_eval_loss" in runs[0] else {}),
     }
+
+
+def _final_losses(result: dict[str, Any]) -> list[float] | None:
+    """A mode's runs' final losses (None when a run has none)."""
+    losses = [r["final_eval_loss"] for r in result["runs"]]
+    return None if not losses or any(v is None for v in losses) else [float(v) for v in losses]
+
+
+def _add_difference_to_sync(results: Sequence[dict[str, Any]]) -> None:
+    """Each other mode's ``vs_sync`` (``compare_report.difference_to``: its mean final loss minus
+    sync's, with a 95% interval), when sync is among the modes and both have final losses."""
+    sync = next((r for r in results if r["mode"] == "sync"), None)
+    reference = None if sync is None else _final_losses(sync)
+    if reference is None:
+        return
+    for result in results:
+        losses = _final_losses(result)
+        if result is not sync and losses is not None:
+            result["vs_sync"] = difference_to(losses, reference)
 
 
 def cache_settings(template: WorkerConfig) -> dict[str, Any]:

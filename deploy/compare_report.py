@@ -3,6 +3,8 @@ staleness bound the sweep's runs recommend (``tether.deploy.compare`` runs them)
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,7 +12,97 @@ from tether.deploy.compare_program import format_program_table
 from tether.protos.errors import UsageError
 from tether.worker.training.mode import Mode
 
-__all__ = ["format_table", "recommend"]
+__all__ = ["difference_to", "format_against_sync", "format_table", "loss_spread", "recommend", "t_quantile_975"]
+
+
+# Student's t, two-sided 95% (the 0.975 quantile) for 1..30 degrees of freedom, then 40, 60, 120.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+_T975_TAIL = ((40, 2.021), (60, 2.000), (120, 1.980))
+
+
+def t_quantile_975(df: float) -> float:
+    """Student's t 0.975 quantile (a two-sided 95% interval's factor) at ``df`` degrees of freedom,
+    rounded down to the table's next lower entry (so the interval errs wide); 1.96 beyond 120."""
+    if not df >= 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df!r}")
+    if df < 31:
+        return _T975[int(df) - 1]
+    factor = _T975[-1]
+    for at, t in _T975_TAIL:
+        if df >= at:
+            factor = t
+    return factor if df < math.inf else 1.96
+
+
+def loss_spread(losses: Sequence[float]) -> dict[str, float | None]:
+    """The final losses' mean, sample standard deviation and standard error of the mean
+    (``sd / sqrt(n)``; None for one run: its spread is unknown)."""
+    n = len(losses)
+    mean = statistics.fmean(losses)
+    sd = statistics.stdev(losses) if n > 1 else None
+    return {"mean": mean, "sd": sd, "sem": None if sd is None else sd / math.sqrt(n)}
+
+
+def difference_to(losses: Sequence[float], reference: Sequence[float]) -> dict[str, Any]:
+    """How far ``losses``' mean lies from ``reference``'s (sync's), with its uncertainty.
+
+    The difference of the means, and a 95% interval around it from the two standard errors:
+    ``+- t * sqrt(se1^2 + se2^2)``, ``t`` Student's at Welch-Satterthwaite's degrees of freedom
+    (rounded down). With one run on either side no interval can be given (``ci95`` None). The
+    verdict says whether the interval excludes 0.
+
+    Returns:
+        ``{"diff", "relative", "ci95", "relative_ci95", "df", "verdict"}`` (``relative``: the
+        difference over the reference mean).
+    """
+    a, b = loss_spread(losses), loss_spread(reference)
+    diff = float(a["mean"]) - float(b["mean"])  # type: ignore[arg-type]
+    ref = float(b["mean"])  # type: ignore[arg-type]
+    out: dict[str, Any] = {"diff": diff, "relative": diff / ref if ref else None, "ci95": None, "relative_ci95": None, "df": None}
+    if a["sem"] is None or b["sem"] is None:
+        out["verdict"] = "one run: no uncertainty can be given"
+        return out
+    va, vb = float(a["sem"]) ** 2, float(b["sem"]) ** 2
+    se = math.sqrt(va + vb)
+    if se == 0:
+        df = math.inf
+    else:
+        df = (va + vb) ** 2 / (va ** 2 / (len(losses) - 1) + vb ** 2 / (len(reference) - 1))
+    half = t_quantile_975(df) * se
+    out.update(ci95=half, relative_ci95=half / ref if ref else None, df=df)
+    if diff - half > 0:
+        out["verdict"] = "worse, beyond the uncertainty"
+    elif diff + half < 0:
+        out["verdict"] = "better, beyond the uncertainty"
+    else:
+        out["verdict"] = "within the uncertainty"
+    return out
+
+
+def format_against_sync(summary: dict[str, Any]) -> list[str]:
+    """The lines under a table: each mode's final loss against sync's (``vs_sync`` of a mode's
+    result), or why there are none."""
+    modes = summary["modes"]
+    others = [r for r in modes if r["mode"] != "sync"]
+    if not others:
+        return []
+    if not any(r["mode"] == "sync" for r in modes):
+        return ["final loss against sync: no sync run in this comparison (add sync to --modes)"]
+    lines = ["final loss against sync: difference of the means, 95% interval from both standard errors (Student's t, Welch)"]
+    for r in others:
+        d = r.get("vs_sync")
+        if d is None:
+            lines.append(f"{r['mode']:10s} no final loss to compare")
+            continue
+        rel = "" if d["relative"] is None else f" ({100 * d['relative']:+.1f}%"
+        if d["ci95"] is None:
+            lines.append(f"{r['mode']:10s} {d['diff']:+.4f}{rel + ')' if rel else ''}: {d['verdict']}")
+            continue
+        if rel:
+            rel += f" +- {100 * d['relative_ci95']:.1f}%)"
+        lines.append(f"{r['mode']:10s} {d['diff']:+.4f} +- {d['ci95']:.4f}{rel}: {d['verdict']}")
+    return lines
 
 
 def recommend(results: Sequence[dict[str, Any]], tolerance: float = 0.01) -> dict[str, Any]:
@@ -56,9 +148,12 @@ def recommend(results: Sequence[dict[str, Any]], tolerance: float = 0.01) -> dic
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    """The per-mode results as an aligned text table (mean +- standard deviation over repeats)."""
+    """The per-mode results as an aligned text table (mean +- standard deviation over repeats, the
+    standard error of the mean), and each mode's final loss against sync's with its uncertainty."""
     if "program" in summary:
-        return format_program_table(summary)
+        text = format_program_table(summary)
+        extra = format_against_sync(summary) if summary.get("target_loss") is not None else []
+        return "\n".join([text, *extra])
     repeats = int(summary.get("repeats", 1))
     pm = repeats > 1
 
@@ -68,24 +163,31 @@ def format_table(summary: dict[str, Any]) -> str:
         text = f"{float(mean):.{digits}f}" + (f" +-{float(std or 0):.{digits}f}" if pm else "")
         return f"{text:>{width}s}"
 
+    def sem(r: dict[str, Any]) -> str:
+        value = r.get("final_eval_loss_sem")
+        return f"{'-' if value is None else f'{float(value):.4f}':>7s}"
+
     tw, lw = (15, 17) if pm else (13, 10)
     head = (
-        f"{'mode':10s} {'to target (s)':>{tw}s} {'final loss':>{lw}s} {'AUC':>7s} {'samples/s':>10s} "
-        f"{'stale p50':>9s} {'p99':>5s} {'max':>5s}"
+        f"{'mode':10s} {'to target (s)':>{tw}s} {'final loss':>{lw}s}" + (f" {'s.e.':>7s}" if pm else "")
+        + f" {'AUC':>7s} {'samples/s':>10s} {'stale p50':>9s} {'p99':>5s} {'max':>5s}"
     )
     lines = [
         f"target eval loss {summary['target_loss']:.4f} (constant predictor {summary['baseline_loss']:.4f}"
         + (f", best possible {summary['bayes_loss']:.4f}" if "bayes_loss" in summary else "")
-        + f"); straggler {summary.get('straggler', 'none')}" + (f"; {repeats} runs per mode, mean +- standard deviation" if pm else ""),
+        + f"); straggler {summary.get('straggler', 'none')}"
+        + (f"; {repeats} runs per mode, mean +- standard deviation, s.e. the standard error of the mean" if pm else ""),
         "time to target: worker 0's training time, evaluations left out, interpolated between evaluations",
         head,
     ]
     for r in summary["modes"]:
         lines.append(
             f"{r['mode']:10s} {fmt(r['time_to_target_s'], r.get('time_to_target_s_std'), 1, tw)} "
-            f"{fmt(r['final_eval_loss'], r.get('final_eval_loss_std'), 4, lw)} {r['final_eval_auc']:7.4f} {r['samples_per_sec']:10,.0f}"
+            f"{fmt(r['final_eval_loss'], r.get('final_eval_loss_std'), 4, lw)}" + (f" {sem(r)}" if pm else "")
+            + f" {r['final_eval_auc']:7.4f} {r['samples_per_sec']:10,.0f}"
             f" {r['staleness_p50']:9.0f} {r['staleness_p99']:5.0f} {r['staleness_max']:5.0f}"
         )
+    lines.extend(format_against_sync(summary))
     if "recommendation" in summary:
         lines.append(str(summary["recommendation"]))
     return "\n".join(lines)
