@@ -142,15 +142,16 @@ def _run_one(
 ) -> dict[str, Any]:
     """One run of ``compare``: ``template`` (as ``program``'s workers, if given) under ``mode``
     with repeat ``repeat``'s data order, in its own folder; its summary, records, curve and figures."""
-    # The sync baseline runs without DC-ASGD: nothing in sync is stale (the option refuses it).
-    dc = 0.0 if mode == "sync" else template.delay_compensation
+    # The sync baseline runs without DC-ASGD, DC-ASGD-a or gap-aware: nothing in sync is stale
+    # (the options refuse it).
+    remedies: dict[str, Any] = {"delay_compensation": 0.0, "dc_adaptive": False, "gap_aware": False} if mode == "sync" else {}
     # Nor with the row cache: sync reads every row fresh (the option refuses it); the run's line says so.
     no_cache = mode == "sync" and template.cache_rows > 0
     cache: dict[str, Any] = {"cache_rows": 0, "cache_bound": 0, "cache_write_bound": None, "cache_policy": "lru"} if no_cache else {}
     # Pushes in flight (--push-window, or --preset gpu's 2) are async's: ssp:S and sync land every
     # push before the next pull (the option refuses more there), so their runs push one at a time.
     window: dict[str, Any] = {"push_window": 1} if template.push_window > 1 and Mode.of(mode).kind != "async" else {}
-    cfg = replace(template, mode=mode, data_seed=template.data_seed + repeat, delay_compensation=dc, **cache, **window)
+    cfg = replace(template, mode=mode, data_seed=template.data_seed + repeat, **remedies, **cache, **window)
     if template.tensorboard:  # one run per mode under one root, so TensorBoard overlays them
         board = Path(template.tensorboard) / _mode_dir(mode)
         cfg = replace(cfg, tensorboard=str(board / f"repeat-{repeat}" if repeats > 1 else board))

@@ -10,7 +10,10 @@ its registry's names are not these, in this order."""
 
 from __future__ import annotations
 
-__all__ = ["INIT_SCALE", "OPTIMIZER", "OPTIMIZERS", "OPTIMIZER_LR", "TRANSPORTS", "WIRE_DTYPE_NAMES", "check_optimizer"]
+__all__ = [
+    "INIT_SCALE", "OPTIMIZER", "OPTIMIZERS", "OPTIMIZER_LR", "REMEDY_DECAY", "TRANSPORTS", "WIRE_DTYPE_NAMES", "check_optimizer",
+    "check_remedies",
+]
 
 # The update rules' names (``OptimizerConfig.name``, ``--optimizer``), in the registry's order.
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "adam", "rowwise_adagrad", "ftrl")
@@ -24,9 +27,29 @@ INIT_SCALE = 0.05
 WIRE_DTYPE_NAMES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 # How a worker's pushes and pulls travel (ClientConfig.transport, --transport).
 TRANSPORTS: tuple[str, ...] = ("auto", "tcp", "grpc")
+# Decay m of the shard's running means behind DC-ASGD-a and gap-aware (PushRequest.remedy_decay,
+# --remedy-decay): mean = m * mean + (1 - m) * x; Zheng et al. 2017 use 0.95.
+REMEDY_DECAY = 0.95
 
 
 def check_optimizer(name: str) -> None:
     """Raises ValueError, naming the rules there are, unless ``name`` is one of ``OPTIMIZERS``."""
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
+
+
+def check_remedies(delay_compensation: float, dc_adaptive: bool, decay: float) -> None:
+    """The staleness remedies a push asks for (``PushRequest``'s ``delay_compensation``,
+    ``dc_adaptive``, ``remedy_decay``; the flags of the same names) fit together.
+
+    Raises:
+        ValueError: a lambda that is not a finite number >= 0, the adaptive variant without a
+            lambda0 > 0, or a decay outside (0, 1); naming the flag and the value.
+    """
+    value = delay_compensation
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")):
+        raise ValueError(f"--delay-compensation must be a finite number >= 0, got {value!r}")
+    if dc_adaptive and not delay_compensation > 0:
+        raise ValueError("--dc-adaptive needs --delay-compensation LAMBDA0 > 0 (DC-ASGD-a's lambda0; 2 in Zheng et al.'s runs)")
+    if not (isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 < decay < 1):
+        raise ValueError(f"--remedy-decay must be a number in (0, 1), got {decay!r}")

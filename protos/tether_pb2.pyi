@@ -179,7 +179,7 @@ class PullResponse(_message.Message):
     def __init__(self, sparse: _Optional[_Iterable[_Union[SparseBlock, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseBlock, _Mapping]]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("worker_id", "seq", "clock", "sparse", "dense", "staleness_aware", "incarnation", "delay_compensation")
+    __slots__ = ("worker_id", "seq", "clock", "sparse", "dense", "staleness_aware", "incarnation", "delay_compensation", "dc_adaptive", "gap_aware", "remedy_decay")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,9 @@ class PushRequest(_message.Message):
     STALENESS_AWARE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DELAY_COMPENSATION_FIELD_NUMBER: _ClassVar[int]
+    DC_ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    GAP_AWARE_FIELD_NUMBER: _ClassVar[int]
+    REMEDY_DECAY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     seq: int
     clock: int
@@ -196,7 +199,10 @@ class PushRequest(_message.Message):
     staleness_aware: bool
     incarnation: int
     delay_compensation: float
-    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., clock: _Optional[int] = ..., sparse: _Optional[_Iterable[_Union[SparseBlock, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseBlock, _Mapping]]] = ..., staleness_aware: _Optional[bool] = ..., incarnation: _Optional[int] = ..., delay_compensation: _Optional[float] = ...) -> None: ...
+    dc_adaptive: bool
+    gap_aware: bool
+    remedy_decay: float
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., clock: _Optional[int] = ..., sparse: _Optional[_Iterable[_Union[SparseBlock, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[DenseBlock, _Mapping]]] = ..., staleness_aware: _Optional[bool] = ..., incarnation: _Optional[int] = ..., delay_compensation: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., gap_aware: _Optional[bool] = ..., remedy_decay: _Optional[float] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("applied", "staleness", "clock_staleness")

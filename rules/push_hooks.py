@@ -1,8 +1,10 @@
 """What a push's update adds to the rule's step on a shard: the learning-rate schedule by the
-worker's clock and DC-ASGD's delay compensation (the maths is ``tether.protos.schedules``'s;
-local mode applies the same). ``tether.server.storage.shard`` calls ``adjusted`` per block, after the
-whole push was checked (``check_read``, ``check_combined``) and just before the table's or
-chunk's update. A table applies a block's rows with ``apply_rows``: the rule's compiled kernel,
+worker's clock (the maths is ``tether.protos.schedules``'s; local mode applies the same) and the
+staleness remedies that need the values a gradient was computed on (``Remedies``: DC-ASGD,
+DC-ASGD-a, gap-aware). ``tether.server.storage.shard`` calls ``adjusted`` per block, after the
+whole push was checked (``check_read``, ``check_combined``, ``check_remedies``) and just before
+the table's or chunk's update, and ``observe_step`` just after it (gap-aware's update size).
+A table applies a block's rows with ``apply_rows``: the rule's compiled kernel,
 and for the rows of a combined push (a worker's row cache summing several steps' gradients) the
 rule's combine (``combine_rows``: its compiled ``combined_rows`` where it has one, else its torch
 form; local mode calls it too)."""
@@ -12,19 +14,48 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tether.protos.errors import InvalidArgument
+from tether.protos.names import REMEDY_DECAY
+from tether.protos.names import check_remedies as _check_remedy_values
 from tether.protos.specs import OptimizerConfig
 from tether.rules.row_kernels import CombinedUpdate, RowUpdate, combined_update
 from tether.rules.update_rules import UpdateRule
 
 __all__ = [
-    "adjusted", "apply_rows", "check_combined", "check_compensation", "check_dense", "check_read", "check_rows", "combine_rows",
-    "delay_compensated", "finite", "has_duplicates",
+    "Remedies", "adjusted", "apply_rows", "check_combined", "check_compensation", "check_dense", "check_read", "check_remedies",
+    "check_rows", "combine_rows", "dc_adaptive_compensated", "delay_compensated", "finite", "gap_penalized", "has_duplicates",
+    "observe_step", "running_mean",
 ]
+
+# The shard's running means (``EmbeddingTable.running_means``, ``DenseChunk.running_means``):
+# DC-ASGD-a's mean square of the gradient, gap-aware's size of one update.
+MEAN_SQUARE = "dc_mean_square"
+STEP_SIZE = "gap_step"
+# DC-ASGD-a's epsilon under the square root (a row whose gradients were all 0 is not compensated).
+MS_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class Remedies:
+    """What a push asks the shard to do against staleness with the values its gradient was
+    computed on: DC-ASGD's ``lambda`` (``dc``; with ``dc_adaptive``, DC-ASGD-a's ``lambda0``),
+    gap-aware (``gap_aware``), and the decay of the running means DC-ASGD-a and gap-aware keep."""
+
+    dc: float = 0.0
+    dc_adaptive: bool = False
+    gap_aware: bool = False
+    decay: float = REMEDY_DECAY
+
+    @property
+    def on(self) -> bool:
+        """Whether any remedy is asked for (then a block's read values are used)."""
+        return self.dc > 0 or self.gap_aware
+
 
 
 def has_duplicates(ids: np.ndarray) -> bool:
@@ -81,6 +112,18 @@ def check_compensation(worker_id: str, lam: float) -> None:
         raise InvalidArgument(f"push from {worker_id!r}: delay_compensation must be a finite number >= 0, got {lam!r}")
 
 
+def check_remedies(worker_id: str, remedies: Remedies) -> None:
+    """A push's remedies fit together (``tether.protos.names.check_remedies``).
+
+    Raises:
+        InvalidArgument: naming the pushing worker and the bad value.
+    """
+    try:
+        _check_remedy_values(remedies.dc, remedies.dc_adaptive, remedies.decay)
+    except ValueError as exc:
+        raise InvalidArgument(f"push from {worker_id!r}: {exc}") from None
+
+
 def check_read(what: str, read: torch.Tensor | None, grad: torch.Tensor) -> None:
     """The values a block was read at (DC-ASGD's ``w_read``) match its gradient and are finite.
 
@@ -97,19 +140,64 @@ def check_read(what: str, read: torch.Tensor | None, grad: torch.Tensor) -> None
 
 def adjusted(
     target: object, optimizer: OptimizerConfig, ids: np.ndarray | None, grad: torch.Tensor, read: torch.Tensor | None,
-    scale: float | np.ndarray, clock: int, lam: float,
-) -> tuple[torch.Tensor, float | np.ndarray]:
-    """The gradient and learning-rate factor one block's update takes: ``scale`` times the
-    schedule's factor at ``clock``; with ``lam`` > 0 and the values the worker read, the
-    gradient compensated against the values now held (``target.pull(ids)`` for a table's rows,
-    ``target.value`` for a dense chunk)."""
+    scale: float | np.ndarray, clock: int, remedies: Remedies | float,
+) -> tuple[torch.Tensor, float | np.ndarray, torch.Tensor | None]:
+    """The gradient and learning-rate factor one block's update takes, and what ``observe_step``
+    needs after it: ``scale`` times the schedule's factor at ``clock``; with a remedy and the
+    values the worker read, the gradient compensated or penalised against the values now held
+    (``target.pull(ids)`` for a table's rows, ``target.value`` for a dense chunk).
+
+    ``remedies``: a ``Remedies``, or DC-ASGD's lambda alone. In that order: DC-ASGD
+    (``delay_compensated``) or DC-ASGD-a (``dc_adaptive_compensated``, its running mean square
+    updated with this gradient first), then gap-aware (``gap_penalized``). Returns the values
+    before the update when gap-aware needs them afterwards (else None)."""
+    if not isinstance(remedies, Remedies):
+        remedies = Remedies(dc=float(remedies))
     factor = optimizer.schedule.factor(optimizer.lr, clock)
     if factor != 1.0:
         scale = scale * factor
-    if lam > 0 and read is not None and grad.numel():
-        now = target.pull(ids)[0] if ids is not None else target.value  # type: ignore[attr-defined]
-        grad = delay_compensated(grad.to(torch.float32), now, read.to(torch.float32), lam)
-    return grad, scale
+    before = None
+    if remedies.on and read is not None and grad.numel():
+        now = target.pull(ids)[0] if ids is not None else target.value.clone()  # type: ignore[attr-defined]
+        g, r = grad.to(torch.float32), read.to(torch.float32)
+        if remedies.dc > 0 and remedies.dc_adaptive:
+            ms = _running_means(target, ids, MEAN_SQUARE, g * g, remedies.decay)
+            g = dc_adaptive_compensated(g, now, r, remedies.dc, ms)
+        elif remedies.dc > 0:
+            g = delay_compensated(g, now, r, remedies.dc)
+        if remedies.gap_aware:
+            g = gap_penalized(g, now, r, _running_means(target, ids, STEP_SIZE, None, remedies.decay))
+            before = now
+        grad = g
+    return grad, scale, before
+
+
+def observe_step(target: object, ids: np.ndarray | None, before: torch.Tensor | None, decay: float) -> None:
+    """Gap-aware's size of one update: the running mean (decay ``decay``) of ``|after - before|``,
+    per row (the mean over its elements) or per element of a dense chunk, taken after the update
+    ``adjusted`` returned ``before`` for (None: nothing to do)."""
+    if before is None:
+        return
+    after = target.pull(ids)[0] if ids is not None else target.value  # type: ignore[attr-defined]
+    _running_means(target, ids, STEP_SIZE, (after - before).abs(), decay)
+
+
+def _running_means(target: object, ids: np.ndarray | None, name: str, x: torch.Tensor | None, decay: float) -> torch.Tensor:
+    """The target's running mean ``name`` after taking ``x`` (None: as it is): per row of a table
+    (``x``'s row means; returned as a column, rows x 1) or per element of a dense chunk."""
+    if ids is None:
+        return target.running_means(name, x, decay)  # type: ignore[attr-defined]
+    per_row = None if x is None else x.mean(dim=1).numpy()
+    return torch.from_numpy(target.running_means(name, ids, per_row, decay)).unsqueeze(1)  # type: ignore[attr-defined]
+
+
+def running_mean(mean: np.ndarray, x: np.ndarray, decay: float) -> np.ndarray:
+    """``decay * mean + (1 - decay) * x``, where ``mean`` is -1 (nothing yet): ``x`` (float32).
+
+    Starting at the first value instead of 0 keeps the first steps' means from being ``1 - decay``
+    of their size (Adam's bias correction does the same for its moments)."""
+    x = np.asarray(x, np.float32)
+    return np.where(mean < 0, x, np.float32(decay) * mean + np.float32(1 - decay) * x).astype(np.float32)
 
 
 def check_combined(what: str, update_rule: UpdateRule, combined: torch.Tensor | None, rows: int) -> None:
@@ -196,3 +284,28 @@ def delay_compensated(g: torch.Tensor, w_now: torch.Tensor, w_read: torch.Tensor
     ``g + lam * g * g * (w_now - w_read)``, where ``w_read`` are the parameters the gradient
     was computed on and ``w_now`` the shard's current ones (a new tensor; float32)."""
     return torch.addcmul(g, g * g, w_now - w_read, value=lam)
+
+
+def dc_adaptive_compensated(
+    g: torch.Tensor, w_now: torch.Tensor, w_read: torch.Tensor, lam0: float, mean_square: torch.Tensor,
+) -> torch.Tensor:
+    """DC-ASGD-a's gradient (Zheng et al., ICML 2017, section 4, the adaptive lambda):
+    ``g + lam0 / sqrt(mean_square + eps) * g * g * (w_now - w_read)``, ``mean_square`` the running
+    mean of ``g * g`` (this gradient included), per row (a column) or per element. Relative to
+    ``g`` the term is about ``lam0 * |g| / rms(g) * (w_now - w_read)``: it does not shrink with the
+    gradient's scale as DC-ASGD's ``lam * g * g`` does. Per element, with this gradient in the mean
+    (decay m), it is at most ``lam0 / sqrt(1 - m) * |g| * |w_now - w_read|`` (a new tensor; float32)."""
+    return torch.addcmul(g, g * g * (lam0 / torch.sqrt(mean_square + MS_EPS)), w_now - w_read)
+
+
+def gap_penalized(g: torch.Tensor, w_now: torch.Tensor, w_read: torch.Tensor, step_size: torch.Tensor) -> torch.Tensor:
+    """Gap-aware's gradient (Barkai et al., ICLR 2020): each element divided by its gap in units
+    of one update, ``max(1, |w_now - w_read| / C)``, ``C`` the running mean size of one update
+    (per row, a column, or per element; <= 0: not known yet, no penalty). The paper's penalty is
+    ``1 + |gap| / C``; the floor at 1 instead leaves a gradient whose parameters moved less than
+    one typical update as it is (the ``1 +`` form cut every overtaken push, and cost at the
+    default rate in bench/RESULTS.md's measurement of it). A new tensor; float32."""
+    known = step_size > 0
+    gap = (w_now - w_read).abs() / torch.where(known, step_size, torch.ones_like(step_size))
+    penalty = torch.where(known, gap.clamp(min=1.0), torch.ones_like(gap))
+    return g / penalty

@@ -102,6 +102,7 @@ def _worker_config(tmp_path: Path) -> WorkerConfig:
     special = {
         "shards": ("127.0.0.1:1", "127.0.0.1:2"),
         "mode": "ssp:3",
+        "remedy_decay": 0.9,  # in (0, 1)
         "device": "cpu",
         "straggler": "transient:0.5:3",
         "data": f"parquet:{tmp_path / 'day.parquet'}",
@@ -218,7 +219,10 @@ def test_a_launched_worker_gets_every_setting_through_flags_and_environment(
     for f in dataclasses.fields(TrainingConfig):
         assert getattr(from_env, f.name) == getattr(cfg, f.name), f.name
     # Local mode (which takes no shards) the same way.
-    local = dataclasses.replace(cfg, shards=(), local=True, delay_compensation=0.0)  # DC needs shards
+    local = dataclasses.replace(cfg, shards=(), local=True, delay_compensation=0.0, dc_adaptive=False,
+                                gap_aware=False)  # DC and gap-aware need shards
+    for name in ("TETHER_DC_ADAPTIVE", "TETHER_GAP_AWARE"):  # a switch that is off has no flag: its variable would win
+        monkeypatch.delenv(name)
     assert worker_flags.config_from_args(worker_flags.build_parser().parse_args(worker_argv(local))) == local
 
 
@@ -384,7 +388,8 @@ def test_a_launched_worker_reads_every_field_from_its_config_file(
     monkeypatch.setenv("TETHER_WORKER_ID", "inherited")
     assert worker_flags.load_config(unnamed).worker_id == "inherited"
     # Sync: one file for torchrun's ranks (each takes its rank from torchrun).
-    sync = _start_workers(tmp_path, monkeypatch, dataclasses.replace(cfg, mode="sync", delay_compensation=0.0, cache_rows=0, cache_bound=0,
+    sync = _start_workers(tmp_path, monkeypatch, dataclasses.replace(cfg, mode="sync", delay_compensation=0.0, dc_adaptive=False,
+                                                                 gap_aware=False, cache_rows=0, cache_bound=0,
                                                                  cache_write_bound=None, cache_policy="lru"), addresses)
     assert (lambda m: (m.kind, m.bound))(worker_flags.load_config(sync["torchrun"]).mode) == ("sync", None)
 

@@ -26,7 +26,17 @@ from tether.common.config_file import CONFIG_ENV, read_values
 from tether.common.exits import end_usage_errors_in_one_line, usage_checks
 from tether.common.security import TOKEN_ENV, ClientSecurity, resolve_token
 from tether.common.settings import default_of, derived, override, setting
-from tether.protos.names import INIT_SCALE, OPTIMIZER, OPTIMIZER_LR, OPTIMIZERS, TRANSPORTS, WIRE_DTYPE_NAMES, check_optimizer
+from tether.protos.names import (
+    INIT_SCALE,
+    OPTIMIZER,
+    OPTIMIZER_LR,
+    OPTIMIZERS,
+    REMEDY_DECAY,
+    TRANSPORTS,
+    WIRE_DTYPE_NAMES,
+    check_optimizer,
+    check_remedies,
+)
 from tether.worker.data.checks import check_criteo_data, check_parquet_data
 from tether.worker.training.mode import Mode, check_window
 from tether.worker.training.stragglers import StragglerSpec, parse_straggler
@@ -158,6 +168,16 @@ class TrainingConfig:
     delay_compensation: float = setting(0.0, flag="--delay-compensation", metavar="LAMBDA", group=JOB,
                                         help="DC-ASGD (Zheng et al. 2017): the shard steps with g + LAMBDA * g * g * (w_now - w_read); "
                                         "async and ssp only; pushes carry the values read (0: off)")
+    dc_adaptive: bool = setting(False, flag="--dc-adaptive", group=JOB,
+                                help="DC-ASGD-a (Zheng et al. 2017, the adaptive variant): --delay-compensation's LAMBDA becomes "
+                                "LAMBDA / sqrt(ms), ms the shard's running mean of g * g per row and dense element (decay "
+                                "--remedy-decay), so the correction keeps its size when gradients are small; needs --delay-compensation")
+    gap_aware: bool = setting(False, flag="--gap-aware", group=JOB,
+                              help="gap-aware (Barkai et al. 2020): the shard divides each gradient element by "
+                              "max(1, |w_now - w_read| / C), C the running mean size of one update of its row or dense element "
+                              "(decay --remedy-decay); async and ssp only; pushes carry the values read")
+    remedy_decay: float = setting(REMEDY_DECAY, flag="--remedy-decay", metavar="M", group=JOB,
+                                  help="decay of the shard's running means behind --dc-adaptive and --gap-aware, in (0, 1)")
     # Straggler experiments (tether.worker.training.stragglers); empty: ``slowdown`` / ``slow_worker`` decide.
     straggler: str = setting("", flag="--straggler", group=JOB,
                              help="straggler experiments: persistent:K[:WORKER] (the last worker, or WORKER, K times slower), "
@@ -261,6 +281,9 @@ class TrainingConfig:
             # the other ranks' pushes of that step land first. So sync never asks for it.
             staleness_aware=self.staleness_aware and self.mode.kind != "sync",
             delay_compensation=self.delay_compensation,
+            dc_adaptive=self.dc_adaptive,
+            gap_aware=self.gap_aware,
+            remedy_decay=self.remedy_decay,
             security=self.security,
         )
 
@@ -356,11 +379,14 @@ class TrainingConfig:
         self.table_rules  # noqa: B018 - parses (and keeps) the per-table rules, reading the file
         if not 0 <= self.delay_compensation < math.inf:
             raise ValueError(f"delay_compensation must be a finite number >= 0, got {self.delay_compensation!r}")
-        if self.delay_compensation and (self.local or self.mode.kind == "sync"):
-            raise ValueError(
-                f"--delay-compensation is for async and ssp:S: {'local mode' if self.local else 'sync'} has no stale gradient to "
-                "compensate (leave it at 0)"
-            )
+        check_remedies(self.delay_compensation, self.dc_adaptive, self.remedy_decay)
+        for flag, on, off in (("--delay-compensation", self.delay_compensation, "leave it at 0"),
+                              ("--gap-aware", self.gap_aware, "leave it off")):
+            if on and (self.local or self.mode.kind == "sync"):
+                raise ValueError(
+                    f"{flag} is for async and ssp:S: {'local mode' if self.local else 'sync'} has no stale gradient to "
+                    f"compensate ({off})"
+                )
         if self.push_window != 1:  # refused here, at launch, not when the workers have joined
             check_window(self.push_window, self.prefetch and self.mode.kind == "async", self.mode)
 

@@ -15,6 +15,7 @@ from tether.protos import tether_pb2 as pb
 from tether.protos.codec import decode_ids, decode_tensor, encode_tensor, torch_dtype
 from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherError, reject_reason, status_of
 from tether.protos.framing import PayloadWriter
+from tether.protos.names import REMEDY_DECAY
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.protos.ssp import MAX_CLOCK_HOLD_S
 from tether.server.checkpoints.checkpoint import Checkpointer
@@ -176,7 +177,8 @@ class RequestHandler:
         ]
         result = self.shard.push(
             request.worker_id, request.seq, sparse, dense, clock=request.clock, staleness_aware=request.staleness_aware,
-            incarnation=request.incarnation, delay_compensation=request.delay_compensation,
+            incarnation=request.incarnation, delay_compensation=request.delay_compensation, dc_adaptive=request.dc_adaptive,
+            gap_aware=request.gap_aware, remedy_decay=request.remedy_decay or REMEDY_DECAY,
         )
         if not result.applied:
             self.metrics.reject("duplicate")

@@ -10,6 +10,7 @@ import torch
 from tether.protos.errors import InvalidArgument
 from tether.protos.specs import OptimizerConfig
 from tether.rules.optimizers import rule
+from tether.rules.push_hooks import running_mean
 
 __all__ = ["DenseChunk"]
 
@@ -32,6 +33,9 @@ class DenseChunk:
         self._rule = rule(optimizer.name).dense_rule()
         start = self._rule.initial_state(optimizer)
         self._state = {k: torch.full(s, start.get(k, 0.0)) for k, s in self._rule.state_shapes(init.numel()).items()}
+        # Per-element running means the push remedies keep (push_hooks: DC-ASGD-a, gap-aware), by
+        # name, made on first use; -1: none yet. Not in checkpoints (running statistics).
+        self._means: dict[str, torch.Tensor] = {}
 
     @property
     def numel(self) -> int:
@@ -48,6 +52,18 @@ class DenseChunk:
             self._rule.apply(self.optimizer, self.value, grad, self._state, lr_scale)
             self.version += 1
             return self.version
+
+    def running_means(self, name: str, x: torch.Tensor | None = None, decay: float = 0.95) -> torch.Tensor:
+        """A per-element running mean kept for a push remedy (``push_hooks``), -1 where none was
+        taken yet; with ``x`` (one value per element) it takes ``x`` first
+        (``push_hooks.running_mean``). Returns a copy (float32)."""
+        with self._lock:
+            means = self._means.get(name)
+            if means is None:
+                means = self._means[name] = torch.full((self.numel,), -1.0)
+            if x is not None:
+                means.copy_(torch.from_numpy(running_mean(means.numpy(), x.detach().reshape(-1).to(torch.float32).numpy(), decay)))
+            return means.clone()
 
     def snapshot(self) -> dict[str, Any]:
         """Value, optimizer state and version (copies)."""
@@ -69,4 +85,5 @@ class DenseChunk:
         with self._lock:
             self.value = value.to(torch.float32).clone()
             self._state = {k: t.to(torch.float32).clone() for k, t in state.items()}
+            self._means = {}
             self.version = int(version)

@@ -19,11 +19,23 @@ import numpy as np
 import torch
 
 from tether.protos.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, TooStale
+from tether.protos.names import REMEDY_DECAY
 from tether.protos.partition import dense_shard, shard_of_ids
 from tether.protos.specs import TableConfig, optimizer_conflict, table_conflict
 from tether.protos.ssp import COORDINATOR_SHARD
 from tether.rules.optimizers import rule
-from tether.rules.push_hooks import adjusted, check_combined, check_compensation, check_dense, check_read, check_rows, has_duplicates
+from tether.rules.push_hooks import (
+    Remedies,
+    adjusted,
+    check_combined,
+    check_compensation,
+    check_dense,
+    check_read,
+    check_remedies,
+    check_rows,
+    has_duplicates,
+    observe_step,
+)
 from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.storage.clocks import WorkerClocks
 from tether.server.storage.dedup import AppliedPushes
@@ -269,6 +281,9 @@ class Shard:
         *,
         incarnation: int,
         delay_compensation: float = 0.0,
+        dc_adaptive: bool = False,
+        gap_aware: bool = False,
+        remedy_decay: float = REMEDY_DECAY,
     ) -> PushResult:
         """Validate every block, check staleness, then apply them all.
 
@@ -281,6 +296,10 @@ class Shard:
             staleness_aware: damp the step of rows and chunks staler than usual (staleness_scale).
             delay_compensation: DC-ASGD's lambda for blocks that carry their read values (0: off);
                 each table's or chunk's schedule is followed by ``clock`` (push_hooks.adjusted).
+            dc_adaptive: DC-ASGD-a: ``delay_compensation`` is its lambda0, scaled per row and
+                element by the running root mean square of the gradient.
+            gap_aware: divide the gradient of blocks with read values by their gap (gap-aware).
+            remedy_decay: the decay of the running means the last two keep per row and element.
 
         Raises:
             NotFound, InvalidArgument, FailedPrecondition: malformed; nothing was applied.
@@ -292,6 +311,8 @@ class Shard:
             if not 0 < incarnation < 1 << 64:
                 raise InvalidArgument(f"push from {worker_id!r}: incarnation must be a non-zero 64-bit id, got {incarnation!r}")
             check_compensation(worker_id, delay_compensation)
+            remedies = Remedies(delay_compensation, bool(dc_adaptive), bool(gap_aware), remedy_decay)
+            check_remedies(worker_id, remedies)
             checked = [self._check_sparse(u) for u in sparse]
             chunks = [self._check_dense(u) for u in dense]
         except Exception:
@@ -346,11 +367,12 @@ class Shard:
                 if staleness_aware:
                     scale = staleness_scale(s, typical)
                 opt = target.config.optimizer if ids is not None else target.optimizer
-                grad, scale = adjusted(target, opt, ids, grad, read, scale, clock, delay_compensation)
+                grad, scale, before = adjusted(target, opt, ids, grad, read, scale, clock, remedies)
                 if ids is None:
                     target.push(grad, scale)
                 else:
                     target.push(ids, grad, scale, pulled, stats)
+                observe_step(target, ids, before, remedies.decay)
             if clock:
                 self.clocks.update(worker_id, clock, from_push=True)
             self.applied_pushes += 1

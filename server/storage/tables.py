@@ -30,7 +30,7 @@ from tether.rules import row_kernels
 from tether.rules.initial import column_steps, init_rows
 from tether.rules.initial import salt as initial_salt
 from tether.rules.optimizers import rule
-from tether.rules.push_hooks import apply_rows
+from tether.rules.push_hooks import apply_rows, running_mean
 from tether.server.storage.admission import CountMinSketch, sketch_width
 from tether.server.storage.index import IdIndex
 from tether.server.storage.update_log import RowVersions, UpdateLog
@@ -121,6 +121,9 @@ class EmbeddingTable:
         # last updates.
         self._versions = RowVersions(cap, _VERSION_SPAN)
         self._updates = UpdateLog(_LOG_UPDATES, _LOG_SLOTS)
+        # Per-row running means the push remedies keep (push_hooks: DC-ASGD-a, gap-aware), by
+        # name, made on first use; -1: none yet. Not in checkpoints (running statistics).
+        self._means: dict[str, np.ndarray] = {}
 
     @property
     def rows(self) -> int:
@@ -138,7 +141,7 @@ class EmbeddingTable:
             total += self._touched.nbytes
         if self._sketch is not None:
             total += self._sketch.nbytes
-        return total + sum(t.nbytes for t in self._state.values())
+        return total + sum(t.nbytes for t in self._state.values()) + sum(a.nbytes for a in self._means.values())
 
     def _grow(self, need: int) -> None:
         cap = self._weights.shape[0]
@@ -191,6 +194,8 @@ class EmbeddingTable:
             self._touched[slots] = self._tick
         # A reused slot's updates were the evicted row's: the new row was never updated.
         self._versions.array[slots] = 0
+        for means in self._means.values():
+            means[slots[slots < len(means)]] = -1
         self._index.insert(new_ids, slots)
         return slots
 
@@ -402,6 +407,29 @@ class EmbeddingTable:
             self._updates.record(self.version, slots)
             return self.version
 
+    def running_means(self, name: str, ids: np.ndarray, x: np.ndarray | None = None, decay: float = 0.95) -> np.ndarray:
+        """A per-row running mean kept beside the rows for a push remedy (``push_hooks``: DC-ASGD-a's
+        mean square of the gradient, gap-aware's size of one update), one float32 per id, -1 where
+        none was taken yet. With ``x`` (one value per id) each row's mean takes it first
+        (``push_hooks.running_mean``). Ids that are not rows get ``x`` (or -1) and keep nothing.
+        A new row, an evicted row's slot and a restore start again at -1 (not checkpointed)."""
+        with self._lock:
+            cap = self._weights.shape[0]
+            means = self._means.get(name)
+            if means is None or len(means) < cap:
+                grown = np.full(cap, -1, np.float32)
+                if means is not None:
+                    grown[: len(means)] = means
+                means = self._means[name] = grown
+            slots = self._index.lookup(np.ascontiguousarray(ids, np.int64))
+            present = slots >= 0
+            out = np.full(len(ids), -1, np.float32) if x is None else np.array(x, np.float32)
+            if x is None:
+                out[present] = means[slots[present]]
+            else:
+                out[present] = means[slots[present]] = running_mean(means[slots[present]], out[present], decay)
+            return out
+
     def snapshot(self) -> dict[str, Any]:
         """Ids, rows, optimizer state and version, sorted by id (for checkpoints and tests)."""
         with self._lock:
@@ -456,4 +484,5 @@ class EmbeddingTable:
             # Restored rows were not updated since the restore, for any read.
             self._versions.reset(n, int(version))
             self._updates.clear()
+            self._means = {}
             self.version = int(version)

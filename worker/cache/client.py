@@ -89,8 +89,11 @@ class CachedClient:
             # sums are never the step's own gradients, even where their ids are the step's (a
             # rule with no statistics, SGD, sends none to tell them apart).
             return grads, versions
-        # Combined gradients: their oldest read versions; no read values (DC-ASGD is not applied to them).
-        return grads, PullResult({}, {}, table_versions, dict(versions.dense_versions) if versions else {})
+        # Combined gradients: their oldest read versions and no read values, so DC-ASGD, DC-ASGD-a
+        # and gap-aware leave their rows as they are. The dense gradients are the step's own: the
+        # values they were computed on go along (what those remedies apply to).
+        return grads, PullResult({}, dict(versions.dense) if versions else {}, table_versions,
+                                 dict(versions.dense_versions) if versions else {})
 
     def pull(self, sparse: Mapping[str, torch.Tensor] | None = None, dense: Sequence[str] = (),
              splits: Splits | None = None) -> Handle[PullResult]:

@@ -18,7 +18,7 @@ from tether.common.choices import (
 )
 from tether.common.security import ClientSecurity
 from tether.protos.codec import WIRE_DTYPES
-from tether.protos.names import TRANSPORTS
+from tether.protos.names import REMEDY_DECAY, TRANSPORTS, check_remedies
 
 __all__ = ["ClientConfig"]
 
@@ -44,6 +44,11 @@ class ClientConfig:
     staleness_aware: bool = CLIENT_STALENESS_AWARE
     # DC-ASGD's lambda (0: off): pushes carry the values they were computed on.
     delay_compensation: float = 0.0
+    # DC-ASGD-a (delay_compensation its lambda0) and gap-aware (pushes carry the values read, as
+    # for DC-ASGD); the decay of the running means the shard keeps for them.
+    dc_adaptive: bool = False
+    gap_aware: bool = False
+    remedy_decay: float = REMEDY_DECAY
     security: ClientSecurity = field(default_factory=ClientSecurity)
     # HTTP/2 keepalive: a connection that stops answering pings this long plus a bit is
     # given up, so a partition or a dead shard is noticed without waiting for TCP.
@@ -83,3 +88,9 @@ class ClientConfig:
             raise ValueError(f"need 0 < backoff_s <= max_backoff_s, got {self.backoff_s!r}, {self.max_backoff_s!r}")
         if not (isinstance(self.call_deadline_s, (int, float)) and 0 < self.call_deadline_s < math.inf):
             raise ValueError(f"call_deadline_s must be a finite number of seconds > 0, got {self.call_deadline_s!r}")
+        check_remedies(self.delay_compensation, self.dc_adaptive, self.remedy_decay)
+
+    @property
+    def sends_read_values(self) -> bool:
+        """Whether pushes carry the values their gradients were computed on (a remedy needs them)."""
+        return self.delay_compensation > 0 or self.gap_aware

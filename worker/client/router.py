@@ -236,8 +236,8 @@ class Router:
         stats = entry[2].detach().to("cpu", torch.float32) if len(entry) > 2 else None
         if stats is not None and (stats.dim() != 2 or stats.shape[0] != arr.size):
             raise InvalidArgument(f"table {table!r}: combined statistics of shape {tuple(stats.shape)} for {arr.size} rows")
-        # DC-ASGD: the rows as read go along (the pull's, in the order of these ids).
-        read = versions.rows.get(table) if versions and self.config.delay_compensation else None
+        # DC-ASGD, DC-ASGD-a, gap-aware: the rows as read go along (the pull's, in the order of these ids).
+        read = versions.rows.get(table) if versions and self.config.sends_read_values else None
         read = read.detach().to("cpu") if read is not None and tuple(read.shape) == tuple(grads.shape) else None
         wire = self.config.wire_dtype
         split: list[tuple[np.ndarray, np.ndarray, list[torch.Tensor]]]
@@ -331,7 +331,7 @@ class Router:
             if tuple(grad.shape) != layout.shape:
                 raise InvalidArgument(f"dense {name!r}: gradient shape {tuple(grad.shape)} != {layout.shape}")
             flat = grad.detach().reshape(-1).to("cpu")
-            seen = versions.dense.get(name) if versions and self.config.delay_compensation else None
+            seen = versions.dense.get(name) if versions and self.config.sends_read_values else None
             seen = seen.detach().reshape(-1).to("cpu") if seen is not None and seen.numel() == flat.numel() else None
             for (index, a, b), s in zip(layout.chunks, layout.owners, strict=False):
                 rv = versions.dense_versions.get((name, index), 0) if versions else 0
@@ -347,6 +347,9 @@ class Router:
             r.seq = self.next_seq(s)
             r.staleness_aware = self.config.staleness_aware
             r.delay_compensation = self.config.delay_compensation
+            r.dc_adaptive = self.config.dc_adaptive
+            r.gap_aware = self.config.gap_aware
+            r.remedy_decay = self.config.remedy_decay
         return requests, payloads
 
 
