@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tether.protos.errors import InvalidArgument
-from tether.protos.specs import TableConfig
-from tether.rules.optimizers import OptimizerConfig
+from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.rules.push_hooks import dc_adaptive_compensated, gap_penalized, running_mean
-from tether.server.storage.shard import DenseDecl, DenseUpdate, Shard, SparseUpdate
-from tether.worker.training.trainer import TrainingConfig
+from tether.server.storage.shard import Shard
+from tether.server.storage.shard_records import DenseDecl, DenseUpdate, SparseUpdate
+from tether.worker.config import TrainingConfig
 
 LR = 0.5
 
@@ -196,7 +196,6 @@ def test_a_cached_workers_combined_push_carries_the_dense_values_read_and_no_row
     """With a write bound the row cache pushes sums of several steps' row gradients: no read values
     for them (the remedies leave those rows as they are), but the step's own dense gradient still
     goes with the values it was computed on."""
-    from tether.protos.specs import TableConfig as Spec
     from tether.worker.cache.client import CachedClient
     from tether.worker.cache.parts import RowCacheConfig
     from tether.worker.client.results import PullResult
@@ -214,7 +213,7 @@ def test_a_cached_workers_combined_push_carries_the_dense_values_read_and_no_row
 
     inner = Inner()
     client = CachedClient(inner, RowCacheConfig(rows=8, bound=2), {"t": 2}, TrafficMeter({"t": 2}, 4, None))  # type: ignore[arg-type]
-    client.use_tables([Spec("t", 2, optimizer=OptimizerConfig("sgd", LR))])
+    client.use_tables([TableConfig("t", 2, optimizer=OptimizerConfig("sgd", LR))])
     ids, dense = torch.tensor([1, 2]), torch.ones(3)
     read = PullResult({"t": torch.zeros(2, 2)}, {"d": dense}, {(0, "t"): 3}, {("d", 0): 5})
     client.push({"t": (ids, torch.ones(2, 2))}, {"d": torch.ones(3)}, clock=1, versions=read)
