@@ -578,6 +578,7 @@ def _training_config(tmp_path: Path) -> TrainingConfig:
     special = {
         "shards": ("127.0.0.1:1", "127.0.0.1:2"),
         "mode": "ssp:3",
+        "remedy_decay": 0.9,  # in (0, 1)
         "device": "cpu",
         "straggler": "transient:0.5:3",
         "auth_token_file": _token_file(tmp_path),
