@@ -14,19 +14,50 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from tether.common.kernel_notice import COMPILE_NOTICE
 from tether.deploy.errors import ClusterError
 
-__all__ = ["SPREAD_DEVICES", "Child", "child_command", "free_port", "free_ports", "gpu_count", "spawn", "tail", "worker_device"]
+__all__ = ["SPREAD_DEVICES", "Child", "Notices", "child_command", "free_port", "free_ports", "gpu_count", "spawn", "tail", "worker_device"]
 
 
-def _pump(stream: IO[str], prefix: str, sink: IO[str] | None, echo: bool) -> None:
+class Notices:
+    """The lines of a job's children that say they compile tether's kernels (``COMPILE_NOTICE``):
+    each distinct one is shown on the launcher's console once, whichever child says it first
+    (a shard's too, whose output is not echoed), so a first run on a machine says what it
+    compiles and how long that usually takes, once."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def first(self, line: str) -> str | None:
+        """The notice in ``line`` (from ``COMPILE_NOTICE`` on) the first time it is seen, else None."""
+        at = line.find(COMPILE_NOTICE)
+        if at < 0:
+            return None
+        text = line[at:].rstrip("\n")
+        with self._lock:
+            if text in self._seen:
+                return None
+            self._seen.add(text)
+        return text
+
+
+def _pump(stream: IO[str], prefix: str, sink: IO[str] | None, echo: bool, notices: Notices | None = None) -> None:
     """Copy a child's output to its log (and the launcher's stdout) until the child closes it,
-    then close the log and the pipe."""
+    then close the log and the pipe. With ``notices``, a compile notice goes to stdout the first
+    time the job's children say it, echoed or not, and never again."""
     try:
         for line in stream:
             if sink is not None:
                 sink.write(line)
                 sink.flush()
+            if notices is not None and COMPILE_NOTICE in line:
+                text = notices.first(line)
+                if text is not None:
+                    sys.stdout.write(f"{prefix}{text}\n")
+                    sys.stdout.flush()
+                continue
             if echo and line.strip():  # a blank line echoed would be a bare "[name] "
                 sys.stdout.write(f"{prefix}{line}")
                 sys.stdout.flush()
@@ -60,11 +91,12 @@ class Child:
 
 def spawn(
     log_dir: Path, name: str, argv: list[str], echo: bool, env: dict[str, str] | None = None, append: bool = False,
-    unset: Sequence[str] = (),
+    unset: Sequence[str] = (), notices: Notices | None = None,
 ) -> Child:
     """Start ``python argv...`` as child ``name``: its output goes to ``log_dir/<name>.log``
-    (appended to, for a restart), and to stdout with a ``[name]`` prefix when ``echo``. It
-    inherits this process's environment but the variables ``unset``, with ``env`` over it."""
+    (appended to, for a restart), and to stdout with a ``[name]`` prefix when ``echo`` (its
+    compile notices, echoed or not, once per job: ``notices``). It inherits this process's
+    environment but the variables ``unset``, with ``env`` over it."""
     log_path = log_dir / f"{name}.log"
     offset = log_path.stat().st_size if append and log_path.exists() else 0
     inherited = {k: v for k, v in os.environ.items() if k not in unset} if unset else os.environ
@@ -78,7 +110,7 @@ def spawn(
         env={"OMP_NUM_THREADS": "1", **inherited, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     sink = log_path.open("a" if append else "w")
-    pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{name}] ", sink, echo), daemon=True)
+    pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{name}] ", sink, echo, notices), daemon=True)
     pump.start()
     return Child(name, proc, pump, log_path, list(argv), env, tuple(unset), log_offset=offset)
 

@@ -30,7 +30,7 @@ from tether.common.exits import USAGE, interrupted
 from tether.common.moved import old_names
 from tether.common.settings import declared, to_env, variables
 from tether.deploy import errors
-from tether.deploy.children import SPREAD_DEVICES, Child, free_port, free_ports, gpu_count, spawn, tail, worker_device
+from tether.deploy.children import SPREAD_DEVICES, Child, Notices, free_port, free_ports, gpu_count, spawn, tail, worker_device
 from tether.deploy.run_program import program_env
 from tether.deploy.worker_exits import RANK_LOGS, raise_worker_failure, steps_reported
 from tether.server.config import ShardConfig
@@ -158,6 +158,8 @@ class LocalCluster:
         self._supervisor: threading.Thread | None = None
         # Whether workers' output is echoed (start_workers sets it; restarts keep it).
         self._echo = True
+        # The compile notices the job's children said, each shown once.
+        self._notices = Notices()
         # How many processes the last ``stop`` stopped.
         self.stopped = 0
 
@@ -202,7 +204,8 @@ class LocalCluster:
                 shard = replace(shard, metrics_port=port)
             file = self.log_dir / f"shard-{i}.config.json"
             file.write_text(to_json(shard))
-            child = spawn(self.log_dir, f"shard-{i}", ["-m", "tether.server", "--config", str(file), *extra_args], echo=False, env=env)
+            child = spawn(self.log_dir, f"shard-{i}", ["-m", "tether.server", "--config", str(file), *extra_args], echo=False, env=env,
+                          notices=self._notices)
             child.port_file = pf
             started.append(child)
         with self._lock:
@@ -305,12 +308,12 @@ class LocalCluster:
                 told, unset = program.hand_over(cfg, self.log_dir / "torchrun.config.json")
                 env = {**no_port, **told, **program_env(program.argv)}
                 self.workers.append(spawn(self.log_dir, "torchrun", [*argv, "-m", "tether.deploy.run_program"], echo=echo, env=env,
-                                          unset=unset))
+                                          unset=unset, notices=self._notices))
                 return
             config = self.log_dir / "torchrun.config.json"
             config.write_text(to_json(cfg))
             argv += ["-m", "tether.worker", "--config", str(config), *extra_args]
-            self.workers.append(spawn(self.log_dir, "torchrun", argv, echo=echo, env=no_port))
+            self.workers.append(spawn(self.log_dir, "torchrun", argv, echo=echo, env=no_port, notices=self._notices))
             return
         gpus = gpu_count() if template.device in SPREAD_DEVICES else 0
         for i in range(template.num_workers):
@@ -322,11 +325,12 @@ class LocalCluster:
             config = self.log_dir / f"worker-{i}.config.json"
             if program is not None:
                 told, unset = program.hand_over(cfg, config)
-                child = spawn(self.log_dir, f"worker-{i}", list(program.argv), echo=echo, env={**no_port, **told}, unset=unset)
+                child = spawn(self.log_dir, f"worker-{i}", list(program.argv), echo=echo, env={**no_port, **told}, unset=unset,
+                              notices=self._notices)
             else:
                 config.write_text(to_json(cfg))
                 child = spawn(self.log_dir, f"worker-{i}", ["-m", "tether.worker", "--config", str(config), *extra_args], echo=echo,
-                              env=no_port)
+                              env=no_port, notices=self._notices)
             child.steps = template.steps if program is None or program.steps_from_job else None
             with self._lock:
                 self.workers.append(child)
@@ -435,7 +439,7 @@ class LocalCluster:
                     child.pump.join(timeout=1)
                     if child.port_file is not None:
                         child.port_file.unlink(missing_ok=True)
-                    fresh = spawn(self.log_dir, child.name, child.argv, echo=False, env=child.env, append=True)
+                    fresh = spawn(self.log_dir, child.name, child.argv, echo=False, env=child.env, append=True, notices=self._notices)
                     fresh.port_file = child.port_file
                     self.shards[i] = fresh
 
@@ -462,7 +466,7 @@ class LocalCluster:
                 return self.shards[index].proc.pid if self.shards else child.proc.pid
             if child.port_file is not None:
                 child.port_file.unlink(missing_ok=True)
-            fresh = spawn(self.log_dir, child.name, child.argv, echo=False, env=child.env, append=True)
+            fresh = spawn(self.log_dir, child.name, child.argv, echo=False, env=child.env, append=True, notices=self._notices)
             fresh.port_file = child.port_file
             self.shards[index] = fresh
             self.restarts[index] = self.restarts.get(index, 0) + 1
@@ -501,7 +505,8 @@ class LocalCluster:
         env["TETHER_RESTART_COUNT"] = str(count)
         log.warning("%s exited with code %s; restart %d of %d%s", child.name, code, count, self.max_worker_restarts,
                     f", for the {remaining} of its {child.steps} steps not reported done" if remaining is not None else "")
-        fresh = spawn(self.log_dir, child.name, argv, echo=self._echo, env=env, unset=child.unset, append=True)
+        fresh = spawn(self.log_dir, child.name, argv, echo=self._echo, env=env, unset=child.unset, append=True,
+                      notices=self._notices)
         fresh.steps, fresh.steps_done = child.steps, done
         with self._lock:
             self.worker_restarts[child.name] = count

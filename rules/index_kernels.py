@@ -28,7 +28,7 @@ from tether.rules.kernel_cache import compiled
 
 __all__ = [
     "EMPTY_SLOT", "REMOVED_SLOT", "cell_from", "count_in", "index_cells", "index_lookup", "index_place", "mix64", "prefetch",
-    "slot_cells", "slot_lookup", "slot_place", "slot_rebuild", "warm_up",
+    "shard_loads", "slot_cells", "slot_lookup", "slot_place", "slot_rebuild", "warm_up",
 ]
 
 # A cell's state is its slot, so that every int64 is a valid key: a slot >= 0 is a row,
@@ -310,8 +310,34 @@ def count_in(values: np.ndarray, seen: np.ndarray) -> np.ndarray:
     return out
 
 
+def _load_slot_lookup() -> None:
+    ids = np.arange(2, dtype=np.int64)
+    wire = np.frombuffer(ids.tobytes(), np.int64)  # a request's ids: read-only, from its bytes
+    slot_lookup(np.full(16, _EMPTY, np.int32), ids.copy(), 1, wire)
+
+
+def _load_slot_place() -> None:
+    ids = np.arange(2, dtype=np.int64)
+    slot_place(np.full(16, _EMPTY, np.int32), 1, ids, ids.copy())
+
+
+def _load_slot_rebuild() -> None:
+    slot_rebuild(np.full(16, _EMPTY, np.int32), 1, np.full(16, _EMPTY, np.int32), 1, np.arange(2, dtype=np.int64))
+
+
+def _load_count_in() -> None:
+    count_in(np.arange(2, dtype=np.int64), np.zeros(4, np.int32))
+
+
+def shard_loads() -> list[Any]:
+    """Calls that load the kernels of the shard tables' index that a shard uses in every job,
+    for the types it calls them with (lookup, insert, a growing table's rebuild, and
+    ``count_in``: a push's per-row staleness); a removal's is loaded at its first use."""
+    return [_load_slot_lookup, _load_slot_place, _load_slot_rebuild, _load_count_in]
+
+
 def warm_up() -> None:
-    """Load (or compile, the first time) the index's kernels for the types the shard and the
+    """Load (or compile, the first time) every kernel here for the types the shard and the
     row cache use (``row_kernels.warm_up`` calls it)."""
     cells = np.full((16, 2), _EMPTY, np.int64)
     ids = np.arange(2, dtype=np.int64)

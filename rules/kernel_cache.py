@@ -18,27 +18,50 @@ imported (named in the kernel's module) before the kernel's first call, as usual
 
 Where numba's cache is not the one described (another numba's internals), the kernel is
 compiled in memory in every process instead, with one warning: slower to start, never stale.
+
+Compiled once per machine, not once per process: processes that start together (a job's shards,
+its workers) would each compile the same kernels at the same time, on the same cores, and each
+save the same entry. Here a kernel is compiled (or loaded) under a lock file beside its cache
+entry (``flock``), so the first process compiles it and the others wait and load it from disk;
+``load_kernels`` loads a group of kernels leaving each one another process is compiling for
+last, so processes starting together compile different kernels side by side and load the rest.
+The wait is bounded (``COMPILE_WAIT_S``: after it a process compiles the kernel itself). A
+process that compiles says so once, in one line naming what and how long it usually takes
+(``COMPILE_NOTICE``, logged as a warning by ``tether.kernels``; ``tether launch`` shows the
+first one on its console).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import sys
+import threading
+import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numba
 import numpy as np
-from numba.core import caching
+from numba.core import caching, sigutils
+from numba.core.compiler_lock import global_compiler_lock
 
-__all__ = ["SourceKeyedCache", "compiled", "sources_digest"]
+from tether.common.kernel_notice import COMPILE_NOTICE
+
+__all__ = ["COMPILE_NOTICE", "COMPILE_WAIT_S", "KernelBusy", "SourceKeyedCache", "compiled", "load_kernels", "sources_digest"]
 
 log = logging.getLogger("tether.server")
+notice_log = logging.getLogger("tether.kernels")
 _warned: set[str] = set()
+# How long a process waits for another one compiling a kernel before compiling it itself (a
+# compile that hangs or a process stopped while holding the lock must not stop this one).
+COMPILE_WAIT_S = 300.0
+_POLL_S = 0.02
 # Modules whose functions a kernel may name but whose sources are not followed (numba compiles
 # its own implementations of them, and they change only with an upgrade).
 _FOREIGN = frozenset({"numba", "numpy", "llvmlite", "builtins"}) | frozenset(sys.stdlib_module_names)
@@ -66,6 +89,7 @@ def compiled(**options: Any) -> Callable[[Callable[..., Any]], Any]:
             return numba.njit(cache=False, nogil=True, **options)(fn)
         if not _key_by_sources(kernel):
             return numba.njit(cache=False, nogil=True, **options)(fn)
+        _compile_once_per_machine(kernel)
         return kernel
 
     return decorate
@@ -105,11 +129,152 @@ class SourceKeyedCache(caching.FunctionCache):
 
     def load_overload(self, sig: Any, target_context: Any) -> Any:
         self._stamp()
-        return super().load_overload(sig, target_context)
+        loaded = super().load_overload(sig, target_context)
+        if loaded is None:  # numba compiles it next
+            _notice_compile(self._py_func)
+        return loaded
+
+    @property
+    def lock_path(self) -> str:
+        """The lock file beside this kernel's index (``<name>-<line>.pyXY.lock``)."""
+        index = self._cache_file._index_path  # noqa: SLF001 (numba has no public name for it)
+        return index[:-len(".nbi")] + ".lock" if index.endswith(".nbi") else index + ".lock"
 
     def save_overload(self, sig: Any, data: Any) -> None:
         self._stamp()
         super().save_overload(sig, data)
+
+
+class KernelBusy(Exception):
+    """Another process is compiling this kernel now (``load_kernels`` loads it after the others)."""
+
+
+# Per thread: the lock files held (a kernel compiled inside another's compile takes its own too),
+# whether a busy kernel is left for later (``load_kernels``' first pass), and the group loading.
+_local = threading.local()
+_announced: set[str] = set()
+_announced_lock = threading.Lock()
+
+
+def _compile_once_per_machine(kernel: Any) -> None:
+    """Make ``kernel`` (a dispatcher with a ``SourceKeyedCache``) compile or load each new
+    signature under its lock file, so that of the processes that need it at once one compiles
+    it and the others load it from the disk cache when it is saved."""
+    original = kernel.compile
+    cache: SourceKeyedCache = kernel._cache  # noqa: SLF001 (set by _key_by_sources)
+
+    def compile(sig: Any) -> Any:  # numba calls it by this name
+        try:
+            args, _ = sigutils.normalize_signature(sig)
+            if tuple(args) in kernel.overloads:  # in memory already: nothing to wait for
+                return original(sig)
+        except Exception:  # noqa: BLE001 - numba's own compile reports a bad signature
+            return original(sig)
+        with global_compiler_lock, _machine_lock(cache.lock_path):
+            return original(sig)
+
+    kernel.compile = compile
+
+
+def _held() -> list[str]:
+    held = getattr(_local, "held", None)
+    if held is None:
+        held = _local.held = []
+    return held
+
+
+@contextlib.contextmanager
+def _machine_lock(path: str) -> Iterator[None]:
+    """Hold ``path``'s ``flock`` (waiting up to ``COMPILE_WAIT_S`` for the process holding it);
+    where it cannot be opened, nothing is locked. Raises ``KernelBusy`` instead of waiting in
+    ``load_kernels``' first pass, for a kernel asked for directly (not from another's compile)."""
+    held = _held()
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError:
+        yield
+        return
+    try:
+        if not _try_lock(fd):
+            if getattr(_local, "try_only", False) and not held:
+                raise KernelBusy(path)
+            _wait_lock(fd, path)
+        held.append(path)
+        try:
+            yield
+        finally:
+            held.pop()
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:  # a file system without flock: compile unlocked, as numba does
+        return True
+    return True
+
+
+def _wait_lock(fd: int, path: str) -> None:
+    deadline = time.monotonic() + COMPILE_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+        if _try_lock(fd):
+            return
+    _warn_once(f"wait {path}", "another process has held %s for %.0f s: compiling the kernel here too", path, COMPILE_WAIT_S)
+
+
+def _notice_compile(py_func: Callable[..., Any]) -> None:
+    """Say that this process compiles: once per ``load_kernels`` group (its words); a kernel
+    compiled at its first use outside a group says so once per process (a warning: the first;
+    the others at info level)."""
+    group = getattr(_local, "group", None)
+    name = f"{py_func.__module__}.{py_func.__qualname__}"
+    with _announced_lock:
+        key = group[0] if group is not None else name
+        if key in _announced:
+            return
+        first_alone = group is None and "" not in _announced
+        _announced.update((key, "") if first_alone else (key,))
+    if group is not None:
+        what, usual_s = group
+        notice_log.warning("%s %s (once per machine: usually about %.0f s on 2 cores; later runs load them from the disk cache)",
+                           COMPILE_NOTICE, what, usual_s)
+    else:
+        notice_log.log(logging.WARNING if first_alone else logging.INFO,
+                       "%s %s%s at its first use (once per machine: about a second each; later runs load them from the disk cache)",
+                       COMPILE_NOTICE, name, " and any others" if first_alone else "")
+
+
+def load_kernels(what: str, usual_s: float, loads: Iterable[Callable[[], object]]) -> float:
+    """Load each kernel ``loads`` call (each calls one or a few kernels with the argument types
+    the program uses) from the disk cache, compiling the ones not there; the seconds it took.
+
+    A kernel another process is compiling now is left for the end and then loaded once that
+    process has saved it, so processes that start together compile different kernels side by
+    side instead of the same ones twice. If any is compiled, this process says so once:
+    ``compiling tether's kernels: <what> (once per machine: usually about <usual_s> s ...)``."""
+    started = time.perf_counter()
+    saved = getattr(_local, "group", None)
+    _local.group = (what, usual_s)
+    try:
+        later = []
+        for load in loads:
+            _local.try_only = True
+            try:
+                load()
+            except KernelBusy:
+                later.append(load)
+            finally:
+                _local.try_only = False
+        for load in later:
+            load()
+    finally:
+        _local.group = saved
+    return time.perf_counter() - started
 
 
 def sources_digest(fn: Callable[..., Any]) -> str:

@@ -16,6 +16,7 @@ them too (``tether.rules.kernel_cache``), so an edited helper compiles the kerne
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -27,13 +28,18 @@ from tether.protos.names import OPTIMIZERS
 from tether.protos.specs import OptimizerConfig
 from tether.rules import index_kernels
 from tether.rules.index_kernels import mix64, prefetch
-from tether.rules.kernel_cache import compiled
+from tether.rules.kernel_cache import compiled, load_kernels
 from tether.rules.kernel_helpers import KERNEL_HELPERS
 from tether.rules.kernel_threads import PARALLEL_ELEMENTS, in_parts
 from tether.rules.optimizers import rule
 from tether.rules.update_rules import UpdateRule
 
-__all__ = ["CombinedUpdate", "RowUpdate", "combined_update", "gather_rows", "init_rows_into", "row_kernel", "row_update", "warm_up"]
+__all__ = [
+    "RULE_USUAL_S", "SHARD_USUAL_S", "CombinedUpdate", "RowUpdate", "combined_update", "gather_rows", "init_rows_into",
+    "load_rule_in_background", "row_kernel", "row_update", "rule_loads", "shard_loads", "warm_up", "warm_up_shard",
+]
+
+log = logging.getLogger("tether.server")
 
 _jit = compiled()
 # Row arithmetic: the element-wise steps may be vectorised and contracted into fused multiply-adds
@@ -122,22 +128,95 @@ def combined_update(update_rule: UpdateRule, cfg: OptimizerConfig, dim: int) -> 
     return update
 
 
-def warm_up() -> None:
-    """Load (or compile, the first time) every kernel of the shard (the index's too) for the
-    types it uses, so that no request pays for it: ``tether server`` runs this in a thread while
-    the shard starts."""
-    index_kernels.warm_up()
-    ids = np.arange(2, dtype=np.int64)
-    gather_rows(np.zeros((2, 4), np.float32), ids, np.zeros((2, 4), np.float32))
-    init_rows_into(ids, np.uint64(1), np.ones(4, np.uint64), np.float32(1), np.float32(1), np.zeros((2, 4), np.float32))
-    for name in OPTIMIZERS:
-        r = rule(name)
-        w, g, lr = np.zeros((2, 4), np.float32), np.zeros((2, 4), np.float32), np.zeros(2, np.float32)
-        state = {k: np.zeros((2, *s), np.float32) for k, s in r.state_shapes(4).items()}
-        row_update(r, OptimizerConfig(name), 4)(w, state, ids, g, lr)
-        combine = combined_update(r, OptimizerConfig(name), 4)
+# What a first run on a machine compiles, and how long it usually takes on a quiet 2-core
+# machine (bench/first_run.py measures it): the kernels every shard calls (the id index's
+# lookup and insert, the gather of pulled rows, new rows' initial values), and each rule's.
+SHARD_USUAL_S = 4.0
+RULE_USUAL_S = {"sgd": 0.5, "adagrad": 0.7, "adam": 2.5, "rowwise_adagrad": 0.6, "ftrl": 2.0}
+
+
+def _example_ids() -> np.ndarray:
+    return np.arange(2, dtype=np.int64)
+
+
+def _load_gather() -> None:
+    gather_rows(np.zeros((2, 4), np.float32), _example_ids(), np.zeros((2, 4), np.float32))
+
+
+def _load_init() -> None:
+    steps = np.ones(4, np.uint64)
+    steps.flags.writeable = False  # a table's column steps are read-only (initial.column_steps)
+    init_rows_into(_example_ids(), np.uint64(1), steps, np.float32(1), np.float32(1), np.zeros((2, 4), np.float32))
+
+
+def shard_loads() -> list[Callable[[], object]]:
+    """Calls that load the kernels every shard uses, whatever its tables' rules (the id index's
+    lookup and insert, the gather of pulled rows, a new row's initial values)."""
+    return [*index_kernels.shard_loads(), _load_gather, _load_init]
+
+
+def rule_loads(update_rule: UpdateRule, combined: bool = False) -> list[Callable[[], object]]:
+    """Calls that load ``update_rule``'s row kernel (and, with ``combined``, its combined push's)."""
+    name = update_rule.name
+
+    def examples() -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+        state = {k: np.zeros((2, *s), np.float32) for k, s in update_rule.state_shapes(4).items()}
+        return np.zeros((2, 4), np.float32), state, _example_ids(), np.zeros((2, 4), np.float32), np.zeros(2, np.float32)
+
+    def load_rows() -> None:
+        w, state, ids, g, lr = examples()
+        row_update(update_rule, OptimizerConfig(name), 4)(w, state, ids, g, lr)
+
+    def load_combined() -> None:
+        combine = combined_update(update_rule, OptimizerConfig(name), 4)
         if combine is not None:
-            combine(w, state, ids, g, lr, np.ones((2, len(r.combined_stats)), np.float32))
+            w, state, ids, g, lr = examples()
+            combine(w, state, ids, g, lr, np.ones((2, len(update_rule.combined_stats)), np.float32))
+
+    return [load_rows, load_combined] if combined else [load_rows]
+
+
+def warm_up_shard() -> float:
+    """Load (or compile, the first time on this machine) the kernels every shard uses (not the
+    rules': ``load_rule_in_background`` loads a table's when it is made); the seconds it took.
+    ``tether server`` runs this in a thread while the shard starts."""
+    return load_kernels("the shard's id index and row passes", SHARD_USUAL_S, shard_loads())
+
+
+_rules_loading: dict[str, threading.Thread] = {}
+_rules_loading_lock = threading.Lock()
+
+
+def load_rule_in_background(update_rule: UpdateRule) -> None:
+    """Load (or compile) ``update_rule``'s row kernel in a thread, once per rule and process (a
+    table does when it is made, so that its first push finds it loaded); a combined push's
+    kernel is loaded at its first use. The thread is not a daemon: a process that ends at once
+    waits for it rather than ending inside a compile."""
+    with _rules_loading_lock:
+        if update_rule.name in _rules_loading:
+            return
+        thread = threading.Thread(target=_load_rule, args=(update_rule,), name=f"tether-kernels-{update_rule.name}")
+        _rules_loading[update_rule.name] = thread
+        thread.start()
+
+
+def _load_rule(update_rule: UpdateRule) -> None:
+    try:
+        load_kernels(f"the {update_rule.name} rule's row update", RULE_USUAL_S.get(update_rule.name, 2.0), rule_loads(update_rule))
+    except Exception:  # the first push then compiles it, and fails with the same error if it must
+        log.exception("the %s rule's row kernel could not be loaded or compiled in advance", update_rule.name)
+
+
+def warm_up() -> None:
+    """Load (or compile, the first time) every kernel of the shard (the index's too) and of
+    every rule (their combined pushes' too) for the types they use: what CI and the benchmarks
+    load before they time anything (a shard loads only its own: ``warm_up_shard``,
+    ``load_rule_in_background``)."""
+    index_kernels.warm_up()
+    loads = shard_loads()
+    for name in OPTIMIZERS:
+        loads += rule_loads(rule(name), combined=True)
+    load_kernels("every rule's row kernels", SHARD_USUAL_S + sum(RULE_USUAL_S.values()), loads)
 
 
 # How many rows on ``gather_rows`` asks for.

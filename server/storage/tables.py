@@ -99,6 +99,7 @@ class EmbeddingTable:
         self._state_shapes = self._rule.state_shapes(config.dim)
         self._initial_state = self._rule.initial_state(config.optimizer)
         self._update_rows = row_kernels.row_update(self._rule, config.optimizer, config.dim)
+        row_kernels.load_rule_in_background(self._rule)  # compiled the first time on this machine, while the first pull runs
         # Slots handed out so far; a slot below this is a row or sits in the free list.
         self._used = 0
         self._free = np.empty(0, np.int64)

@@ -24,6 +24,7 @@ Compiled on first use and cached on disk like the other kernels (``warm_up`` loa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -55,7 +56,7 @@ from tether.worker.cache.kernels import (
 )
 from tether.worker.cache.split import by_shard, group_ids
 
-__all__ = ["deltas_all", "hold_all", "later_all", "plan_all", "store_all", "take_all", "warm_up"]
+__all__ = ["deltas_all", "hold_all", "later_all", "loads", "plan_all", "store_all", "take_all", "warm_up"]
 
 _jit = compiled()
 
@@ -473,20 +474,32 @@ def _example() -> tuple[Columns, np.ndarray]:
     return columns(tables), tables[0].cells
 
 
-def warm_up() -> None:
-    """Load (or compile, the first time) every kernel here for the types the cache passes."""
-    c, _cells = _example()
+def loads() -> list[Callable[[], object]]:
+    """Calls that each load (or compile, the first time) one kernel here for the types the cache
+    passes (``row_slots.warm_up`` loads them as one group)."""
     none = np.zeros(0, np.int64)
     zero, one = np.int64(0), np.int64(1)
     part, offs = np.zeros(1, np.int64), np.zeros(2, np.int64)
     f32 = np.zeros(0, np.float32)
-    oldest = np.zeros((1, 1), np.int64)
-    plan_all(*c, part, none, offs, zero, one, none, np.zeros((0, 2), np.int64), f32, part, oldest)
-    store_all(*c, part, none, offs, none, f32, part, none, oldest, zero, one, part.copy(), part.copy(), f32, part, offs)
-    later_all(*c, part, none, offs, none, offs, zero, f32, part, oldest)
     flags = np.ones(1, np.bool_)
-    hold_all(*c, part, none, offs, f32, part, oldest, zero, one, flags, f32)
-    deltas_all(*c, part, none, offs, f32, part, flags)
-    take_all(*c, none, none, none, one, np.full((2, 1), -1, np.int64))
-    by_shard(none, part, one, none, f32, f32, part, np.full((1, 1), -1, np.int64))
-    group_ids(none, offs, one)
+
+    def oldest() -> np.ndarray:
+        return np.zeros((1, 1), np.int64)
+
+    return [
+        lambda: plan_all(*_example()[0], part, none, offs, zero, one, none, np.zeros((0, 2), np.int64), f32, part, oldest()),
+        lambda: store_all(*_example()[0], part, none, offs, none, f32, part, none, oldest(), zero, one, part.copy(), part.copy(), f32, part,
+                          offs),
+        lambda: later_all(*_example()[0], part, none, offs, none, offs, zero, f32, part, oldest()),
+        lambda: hold_all(*_example()[0], part, none, offs, f32, part, oldest(), zero, one, flags, f32),
+        lambda: deltas_all(*_example()[0], part, none, offs, f32, part, flags),
+        lambda: take_all(*_example()[0], none, none, none, one, np.full((2, 1), -1, np.int64)),
+        lambda: by_shard(none, part, one, none, f32, f32, part, np.full((1, 1), -1, np.int64)),
+        lambda: group_ids(none, offs, one),
+    ]
+
+
+def warm_up() -> None:
+    """Load (or compile, the first time) every kernel here for the types the cache passes."""
+    for load in loads():
+        load()

@@ -9,6 +9,7 @@ here too (``row_slots.warm_up`` loads them).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -18,7 +19,7 @@ from tether.rules.index_kernels import cell_from, mix64, prefetch
 from tether.rules.kernel_cache import compiled
 
 __all__ = ["FLOATS", "FRESH", "IDS", "LU", "META", "MINE", "NONE", "PEND", "PS", "PV", "RC", "RV", "SHARD", "USES", "VALS", "Columns",
-           "columns", "fetch_row", "oldest_per_shard", "probe_from", "set_cells", "shard_of", "slot_of", "warm_up"]
+           "columns", "fetch_row", "loads", "oldest_per_shard", "probe_from", "set_cells", "shard_of", "slot_of", "warm_up"]
 
 _jit = compiled()
 NONE = np.iinfo(np.int64).max
@@ -124,10 +125,20 @@ def oldest_per_shard(shards: np.ndarray, versions: np.ndarray, num_shards: np.in
     return out
 
 
+def loads() -> list[Callable[[], object]]:
+    """Calls that each load (or compile, the first time) kernels here for the types the cache
+    passes (``row_slots.warm_up`` loads them as one group)."""
+    ids = np.zeros(0, np.int64)
+    examples = (np.zeros((1, 2), np.int64), np.zeros(1, np.int64), np.zeros((1, 1), np.float32), np.zeros(1, np.bool_))
+    return [
+        lambda: oldest_per_shard(ids, ids, np.int64(1)),
+        # A typed list of each kind of column (``columns``).
+        *[(lambda e=e: _typed([e, e])) for e in examples],
+        lambda: set_cells(_typed([np.zeros((1, 2), np.int64)] * 2), np.int64(0), np.zeros((1, 2), np.int64)),
+    ]
+
+
 def warm_up() -> None:
     """Load (or compile, the first time) every kernel here for the types the cache passes."""
-    ids = np.zeros(0, np.int64)
-    oldest_per_shard(ids, ids, np.int64(1))
-    for example in (np.zeros((1, 2), np.int64), np.zeros(1, np.int64), np.zeros((1, 1), np.float32), np.zeros(1, np.bool_)):
-        _typed([example, example])  # a typed list of each kind of column (``columns``)
-    set_cells(_typed([np.zeros((1, 2), np.int64)] * 2), np.int64(0), np.zeros((1, 2), np.int64))
+    for load in loads():
+        load()

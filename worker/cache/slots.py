@@ -26,13 +26,14 @@ import torch
 from tether.common import pages
 from tether.protos.specs import OptimizerConfig
 from tether.rules.index_kernels import EMPTY_SLOT, REMOVED_SLOT, index_cells, index_lookup, index_place
+from tether.rules.kernel_cache import load_kernels
 from tether.rules.optimizers import rule
 from tether.rules.row_kernels import row_kernel
-from tether.worker.cache.batch import warm_up as warm_up_batch
+from tether.worker.cache.batch import loads as batch_loads
 from tether.worker.cache.kernels import META, oldest_per_shard
-from tether.worker.cache.kernels import warm_up as warm_up_cache
+from tether.worker.cache.kernels import loads as cache_loads
 
-__all__ = ["NONE", "STALE", "Due", "Table", "Taken", "coalesce", "start_warm_up", "wait_warm_up", "warm_up"]
+__all__ = ["CACHE_USUAL_S", "NONE", "STALE", "Due", "Table", "Taken", "coalesce", "start_warm_up", "wait_warm_up", "warm_up"]
 
 STALE = np.iinfo(np.int64).min // 2  # a read clock no bound reaches: refreshed on the next pull
 NONE = np.iinfo(np.int64).max  # no pending gradient / no read version yet
@@ -41,17 +42,25 @@ _NO_IDS = np.zeros(0, np.int64)
 Due = dict[str, list[tuple[np.ndarray, torch.Tensor, np.ndarray, np.ndarray]]]
 
 
-def warm_up() -> None:
-    """Load (or compile, the first time) the index kernels and the passes now, so that no step
-    pays for it (warm, from numba's disk cache: under a second on a quiet machine, most of it
-    numba's own start; compiling them the first time: 15-20 s)."""
+# How long compiling the row cache's kernels usually takes on a quiet 2-core machine, the
+# first time on a machine (bench/first_run.py); from the disk cache: under a second.
+CACHE_USUAL_S = 15.0
+
+
+def _load_index() -> None:
     cells = _cells_for(1)
     ids = np.arange(2, dtype=np.int64)
     index_place(cells, ids, ids.copy())
     index_cells(cells, ids)
     index_lookup(cells, ids)
-    warm_up_cache()
-    warm_up_batch()
+
+
+def warm_up() -> float:
+    """Load (or compile, the first time) the index kernels and the passes now, so that no step
+    pays for it (warm, from numba's disk cache: under a second on a quiet machine, most of it
+    numba's own start; compiling them the first time: ``CACHE_USUAL_S``, shared by the workers
+    that start together: ``kernel_cache.load_kernels``); the seconds it took."""
+    return load_kernels("the worker row cache's passes", CACHE_USUAL_S, [_load_index, *cache_loads(), *batch_loads()])
 
 
 WARM_UP_TIMEOUT_S = 900.0  # compiling them the first time on a loaded machine: a minute or two
