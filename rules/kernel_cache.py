@@ -245,7 +245,7 @@ def _notice_compile(py_func: Callable[..., Any]) -> None:
                            COMPILE_NOTICE, what, usual_s)
     else:
         notice_log.log(logging.WARNING if first_alone else logging.INFO,
-                       "%s %s%s at its first use (once per machine: about a second each; later runs load them from the disk cache)",
+                       "%s %s%s at first use (once per machine: about a second each; later runs load them from the disk cache)",
                        COMPILE_NOTICE, name, " and any others" if first_alone else "")
 
 

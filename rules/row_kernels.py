@@ -212,8 +212,7 @@ def warm_up() -> None:
     every rule (their combined pushes' too) for the types they use: what CI and the benchmarks
     load before they time anything (a shard loads only its own: ``warm_up_shard``,
     ``load_rule_in_background``)."""
-    index_kernels.warm_up()
-    loads = shard_loads()
+    loads = [index_kernels.warm_up, *shard_loads()]
     for name in OPTIMIZERS:
         loads += rule_loads(rule(name), combined=True)
     load_kernels("every rule's row kernels", SHARD_USUAL_S + sum(RULE_USUAL_S.values()), loads)

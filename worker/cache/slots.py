@@ -28,7 +28,7 @@ from tether.protos.specs import OptimizerConfig
 from tether.rules.index_kernels import EMPTY_SLOT, REMOVED_SLOT, index_cells, index_lookup, index_place
 from tether.rules.kernel_cache import load_kernels
 from tether.rules.optimizers import rule
-from tether.rules.row_kernels import row_kernel
+from tether.rules.row_kernels import load_rule_in_background, row_kernel
 from tether.worker.cache.batch import loads as batch_loads
 from tether.worker.cache.kernels import META, oldest_per_shard
 from tether.worker.cache.kernels import loads as cache_loads
@@ -159,8 +159,10 @@ class Table:
         n = max(self.capacity, 1)
         self.optimizer = optimizer
         self.state = {k: pages.empty((n, *shape), np.float32) for k, shape in r.state_shapes(self.dim).items()}
-        # The rule's compiled row update called as ``row_update`` would, with its arguments made once.
+        # The rule's compiled row update called as ``row_update`` would, with its arguments made once
+        # (loaded, or compiled the first time on this machine, in a thread while the worker starts).
         self.update = row_kernel(r)
+        load_rule_in_background(r)
         self._args = (np.empty(self.dim, np.float32), *self.state.values(), *r.kernel_constants(optimizer))
         self._lr = np.empty(n, np.float32)
         self.initial = r.initial_state(optimizer)
