@@ -56,11 +56,14 @@ _SHARD = textwrap.dedent("""
     for thread in list(row_kernels._rules_loading.values()):
         thread.join()
     loaded = compiled()
-    # As a request's: ids decoded from its bytes (read-only), enough new ones to grow the index.
+    # As a request's: ids decoded from its bytes (read-only), enough new ones to grow the index;
+    # and writable ones (as local mode's, or a push's after de-duplication).
     ids = np.frombuffer(np.arange(10, 5000, 7, dtype=np.int64).tobytes(), np.int64)
     table.pull(ids)
     table.push(ids, torch.ones(len(ids), 8))
     table.pull(ids)
+    table.pull(np.arange(3, 6000, 5, dtype=np.int64))
+    table.push(np.arange(3, 600, 5, dtype=np.int64), torch.ones(120, 8))
     print(json.dumps({"at_start": at_start, "loaded": loaded, "after": compiled()}))
 """)
 

@@ -66,6 +66,16 @@ def _cells(n: int) -> np.ndarray:
     return cells
 
 
+def _read_only(ids: np.ndarray) -> np.ndarray:
+    """``ids`` as a read-only array (a view where it is writable: no copy). A request's ids are
+    read-only (decoded from its bytes), others not; numba compiles a kernel once per kind, so
+    the lookup is always given one: one compile on a machine's first run, not two."""
+    if ids.flags.writeable:
+        ids = ids.view()
+        ids.flags.writeable = False
+    return ids
+
+
 class IdIndex:
     """Maps int64 ids (any value) to slots in [0, 2**31), at most one id per slot."""
 
@@ -93,7 +103,7 @@ class IdIndex:
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each id (int64), -1 where the id is absent."""
         cells, keys, bits = self._snap  # one snapshot, however the writer grows the index meanwhile
-        return index_kernels.slot_lookup(cells, keys, bits, np.ascontiguousarray(ids, np.int64))
+        return index_kernels.slot_lookup(cells, keys, bits, _read_only(np.ascontiguousarray(ids, np.int64)))
 
     def insert(self, ids: np.ndarray, new_slots: np.ndarray) -> None:
         """Add unique ids that are absent, with their slots (unique, and not any present id's
