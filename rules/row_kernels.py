@@ -202,9 +202,12 @@ def load_rule_in_background(update_rule: UpdateRule) -> None:
 
 def _load_rule(update_rule: UpdateRule) -> None:
     try:
-        load_kernels(f"the {update_rule.name} rule's row update", RULE_USUAL_S.get(update_rule.name, 2.0), rule_loads(update_rule))
+        seconds = load_kernels(f"the {update_rule.name} rule's row update", RULE_USUAL_S.get(update_rule.name, 2.0),
+                               rule_loads(update_rule))
     except Exception:  # the first push then compiles it, and fails with the same error if it must
         log.exception("the %s rule's row kernel could not be loaded or compiled in advance", update_rule.name)
+        return
+    log.info("compiled kernels of the %s rule ready in %.2fs", update_rule.name, seconds)
 
 
 def warm_up() -> None:

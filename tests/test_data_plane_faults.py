@@ -142,10 +142,11 @@ def _declared_shard(cluster: LocalCluster, *args: str) -> tuple[str, pb.InfoResp
         client.declare([TABLE])
     finally:
         client.close()
-    # The shard loads its compiled kernels in the background (tens of MiB): let it finish, so
-    # that memory measured from here on is the data plane's.
+    # The shard loads its compiled kernels in the background (tens of MiB), and its table's rule's
+    # when the table is declared: let both finish, so that memory measured from here on is the
+    # data plane's.
     log, deadline = cluster.log_dir / "shard-0.log", time.monotonic() + 60
-    while "compiled kernels ready" not in log.read_text(errors="replace"):
+    while not all(line in log.read_text(errors="replace") for line in ("compiled kernels ready", "compiled kernels of the ")):
         assert time.monotonic() < deadline, f"the shard did not load its kernels in 60 s:\n{log.read_text()}"
         time.sleep(0.05)
     return address, _info(address), cluster.shard_process(0)
