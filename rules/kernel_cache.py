@@ -53,7 +53,7 @@ from numba.core.compiler_lock import global_compiler_lock
 
 from tether.common.kernel_notice import COMPILE_NOTICE
 
-__all__ = ["COMPILE_NOTICE", "COMPILE_WAIT_S", "KernelBusy", "SourceKeyedCache", "compiled", "load_kernels", "sources_digest"]
+__all__ = ["COMPILE_WAIT_S", "KernelBusy", "SourceKeyedCache", "compiled", "load_kernels", "sources_digest"]
 
 log = logging.getLogger("tether.server")
 notice_log = logging.getLogger("tether.kernels")
