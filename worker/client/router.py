@@ -349,7 +349,10 @@ class Router:
             r.delay_compensation = self.config.delay_compensation
             r.dc_adaptive = self.config.dc_adaptive
             r.gap_aware = self.config.gap_aware
-            r.remedy_decay = self.config.remedy_decay
+            if self.config.dc_adaptive or self.config.gap_aware:
+                # Only where a remedy keeps running means: 0 (unset) costs no byte on the wire,
+                # and the shard reads it as its default.
+                r.remedy_decay = self.config.remedy_decay
         return requests, payloads
 
 
