@@ -268,3 +268,18 @@ def make_certificates(folder: Path, ips: Sequence[str] = ("127.0.0.1",)) -> dict
         if proc.returncode:
             raise RuntimeError(f"openssl {' '.join(args)} failed: {proc.stderr.strip()}")
     return {n: folder / n for n in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")}
+
+
+def cache_bounds(text: str) -> tuple[int, int]:
+    """``--cache R/W`` (or ``R``: both bounds R) as the row cache's (read, write) bounds.
+
+    Raises:
+        ValueError: not two integers, R < 1 or W < 0 (one line, for ``argparse``'s error).
+    """
+    try:
+        r, w = (int(x) for x in (text.split("/") if "/" in text else (text, text)))
+    except ValueError:
+        raise ValueError(f"--cache must be R/W (two integers), got {text!r}") from None
+    if r < 1 or w < 0:
+        raise ValueError(f"--cache must be R/W with R >= 1 and W >= 0, got {text!r}")
+    return r, w

@@ -41,6 +41,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import cache_bounds
+
 torch.set_num_threads(1)
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -174,12 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     cache = None
     if a.cache is not None:
         try:
-            r, w = (int(x) for x in (a.cache.split("/") if "/" in a.cache else (a.cache, a.cache)))
-        except ValueError:
-            sys.exit(f"--cache must be R/W (two integers >= 0), got {a.cache!r}")
-        if min(r, w) < 0 or r == 0:
-            sys.exit(f"--cache must be R/W with R >= 1 and W >= 0, got {a.cache!r}")
-        cache = (r, w)
+            cache = cache_bounds(a.cache)
+        except ValueError as exc:
+            p.error(str(exc))
     lines = run(a.steps, a.warm_from, a.preset, a.profile)
     if cache is not None:
         lines += run(a.steps, a.warm_from, a.preset, None, cache, a.cache_rows)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import markdown_table
+from _common import cache_bounds, markdown_table
 
 from tether.worker.config import MODEL_PRESETS, gpu_push_window
 
@@ -122,11 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     cache = None
     if a.cache is not None:
         try:
-            r, w = (int(x) for x in (a.cache.split("/") if "/" in a.cache else (a.cache, a.cache)))
-        except ValueError:
-            p.error(f"--cache must be R/W (two integers), got {a.cache!r}")
-        if r < 1 or w < 0:
-            p.error(f"--cache must be R/W with R >= 1 and W >= 0, got {a.cache!r}")
+            r, w = cache_bounds(a.cache)
+        except ValueError as exc:
+            p.error(str(exc))
         cache = {"cache_rows": a.cache_rows, "cache_bound": r, "cache_write_bound": w}
     steps = a.steps or (200 if a.quick else 1500)
     if a._inprocess:
