@@ -333,7 +333,7 @@ class _Spawned:
         self.unset: dict[str, tuple[str, ...]] = {}
 
     def __call__(
-        self, log_dir: Path, name: str, argv: list[str], echo: bool, env: dict[str, str] | None = None, unset: Any = (),
+        self, log_dir: Path, name: str, argv: list[str], echo: bool, env: dict[str, str] | None = None, unset: Any = (), notices: Any = None,
     ) -> Any:
         self.argv[name], self.env[name], self.unset[name] = list(argv), dict(env or {}), tuple(unset)
         return SimpleNamespace(name=name, argv=argv, env=env, steps=None)

@@ -114,7 +114,7 @@ def test_launch_restarts_a_killed_shard_from_its_checkpoint(tmp_path: Path) -> N
     runner.start()
 
     def shard_pid() -> int | None:
-        marker = str(out / "logs" / "shard-1.port").encode()
+        marker = str(out / "logs" / "shard-1.config.json").encode()  # a launched shard reads its config file (--config)
         for pid in os.listdir("/proc"):
             if pid.isdigit():
                 try:

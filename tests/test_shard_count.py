@@ -130,7 +130,8 @@ def test_run_job_starts_the_shards_with_their_kernel_threads_and_says_why(
         def __exit__(self, *exc: object) -> None:
             pass
 
-        def start_shards(self, num_shards: int, extra_args: Any = (), metrics: bool = False, env: Any = None) -> list[str]:
+        def start_shards(self, num_shards: int, extra_args: Any = (), metrics: bool = False, env: Any = None,
+                         config: Any = None) -> list[str]:
             seen.update(num_shards=num_shards, env=env)
             return [f"127.0.0.1:{1000 + i}" for i in range(num_shards)]
 
