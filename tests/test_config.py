@@ -89,6 +89,20 @@ def _optimizer_file(tmp_path: Path) -> str:
     return str(path)
 
 
+def _special(tmp_path: Path) -> dict[str, object]:
+    """Hand-picked non-default values for the fields an automatic change would not make valid,
+    shared by the worker's config and the script's (``TrainingConfig``)."""
+    return {
+        "shards": ("127.0.0.1:1", "127.0.0.1:2"),
+        "mode": "ssp:3",
+        "remedy_decay": 0.9,  # in (0, 1)
+        "device": "cpu",
+        "straggler": "transient:0.5:3",
+        "auth_token_file": _token_file(tmp_path),
+        "optimizer_config": _optimizer_file(tmp_path),
+    }
+
+
 def _worker_config(tmp_path: Path) -> WorkerConfig:
     """Every field away from its default: a Parquet table (row groups for 4 workers) and a
     folder of positions, since only a Parquet stream resumes."""
@@ -100,16 +114,10 @@ def _worker_config(tmp_path: Path) -> WorkerConfig:
     write_criteo_parquet(str(tmp_path / "day.tsv"), str(tmp_path / "day.parquet"), row_group_rows=50)
     (tmp_path / "positions").mkdir()
     special = {
-        "shards": ("127.0.0.1:1", "127.0.0.1:2"),
-        "mode": "ssp:3",
-        "remedy_decay": 0.9,  # in (0, 1)
-        "device": "cpu",
-        "straggler": "transient:0.5:3",
+        **_special(tmp_path),
         "data": f"parquet:{tmp_path / 'day.parquet'}",
         "resume_data": str(tmp_path / "positions"),
-        "auth_token_file": _token_file(tmp_path),
         "table_optimizers": ("t=sgd:lr=0.1,warmup_steps=5,decay=cosine,decay_steps=20", "dense=adam:weight_decay=0.001"),
-        "optimizer_config": _optimizer_file(tmp_path),
     }
     # Local mode and a shard list exclude each other: local gets its own round trip. Pushes in
     # flight (push_window > 1) need async with prefetching: test_a_push_window_travels_in_the_config_file.
@@ -576,14 +584,8 @@ def test_a_bad_shard_config_file_is_one_line(tmp_path: Path, capsys: pytest.Capt
 def _training_config(tmp_path: Path) -> TrainingConfig:
     """Every TrainingConfig field away from its default (local mode gets its own check)."""
     special = {
-        "shards": ("127.0.0.1:1", "127.0.0.1:2"),
-        "mode": "ssp:3",
-        "remedy_decay": 0.9,  # in (0, 1)
-        "device": "cpu",
-        "straggler": "transient:0.5:3",
-        "auth_token_file": _token_file(tmp_path),
+        **_special(tmp_path),
         "table_optimizers": ("t=sgd:lr=0.1", "dense=adam:weight_decay=0.001"),
-        "optimizer_config": _optimizer_file(tmp_path),
     }
     return TrainingConfig(**non_default(TrainingConfig, special, keep=("local", "push_window")), auth_token="s3cret-token")
 
