@@ -13,8 +13,8 @@ several tables (a pull's answer, gradients) as one flat float32 array with ``row
 - ``store_all``: write pulled rows into their slots, placing new ids in free slots (evicted ones
   first) while there are any, and answer the rows an earlier pull refreshed (``later``);
 - ``hold_all``: add a step's gradients to the held sums, noting each row's first held clock
-  and oldest read version, and copy the rows' values before the local rule's step;
-- ``deltas_all``: after the local steps, add each row's change to its local changes;
+  and oldest read version, and take the local rule's step on the cached rows (the rule's own
+  compiled kernel, ``row_kernels.rows_of_rule``), each row's change added to its local changes;
 - ``take_all``: the held sums that are due (per table, in table order), cleared, in the layout
   a push takes (sums, and a combined push's statistics, each in one buffer), with each row's
   shard (``cache_split.by_shard`` groups them by it: the push's split, no id hashed again).
@@ -31,6 +31,7 @@ import numpy as np
 
 from tether.rules.index_kernels import EMPTY_SLOT, mix64, prefetch
 from tether.rules.kernel_cache import compiled
+from tether.rules.row_kernels import MAX_CONSTANTS, rows_of_rule
 from tether.worker.cache.kernels import (
     FLOATS,
     FRESH,
@@ -53,10 +54,11 @@ from tether.worker.cache.kernels import (
     probe_from,
     shard_of,
     slot_of,
+    typed_list,
 )
 from tether.worker.cache.split import by_shard, group_ids
 
-__all__ = ["deltas_all", "hold_all", "later_all", "loads", "plan_all", "store_all", "take_all", "warm_up"]
+__all__ = ["hold_all", "later_all", "loads", "plan_all", "store_all", "take_all", "warm_up"]
 
 _jit = compiled()
 
@@ -237,16 +239,18 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
 
 @_jit
 def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, ids: np.ndarray, offs: np.ndarray,
-             g: np.ndarray,
-             g_offs: np.ndarray,
-             versions: np.ndarray, clock: np.int64, num_shards: np.int64, local: np.ndarray, before: np.ndarray) -> tuple[Any, ...]:
+             g: np.ndarray, g_offs: np.ndarray, versions: np.ndarray, clock: np.int64, num_shards: np.int64, rules: np.ndarray,
+             lrs: np.ndarray, states: Any, sbase: np.ndarray, consts: np.ndarray) -> tuple[Any, ...]:
     """Add gradient rows (part k's at ``g_offs[k]`` of ``g``, one per id) to the held sums of the
     cached ids (their oldest read version the minimum with ``versions[k, shard]``); ``pend``'s two
     columns past a row's hold its sum of mean(g * g) and its count of gradients (a combined
-    push's statistics). Where ``local[k]``, the rows' values are copied to ``before`` (part k's
-    cached rows at ``g_offs[k]``, in order) for ``deltas_all``. Returns (the slots of the cached
-    ids and their indexes in ``ids``, the slots first held now, the indexes of the ids not cached
-    and their shards, and per part the counts of those three)."""
+    push's statistics). Where ``rules[k] >= 0``, the local rule's step too, part by part while
+    its rows are in the CPU's caches: rule ``rules[k]`` (``row_kernels.rows_of_rule``, at rate
+    ``lrs[k]``, its state ``states[sbase[k]:]``, its constants ``consts[k]``) on the part's
+    cached rows from their gradients, and each row's change added to its ``mine`` and ``fresh``
+    local changes. Returns (the slots of the cached ids and their indexes in ``ids``, the slots
+    first held now, the indexes of the ids not cached and their shards, and per part the
+    counts of those three)."""
     n = len(ids)
     slots = np.empty(n, np.int64)
     where = np.empty(n, np.int64)
@@ -255,6 +259,12 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
     missing_shards = np.empty(n, np.int64)
     found = np.empty(n, np.int64)
     counts = np.zeros((len(tidx), 3), np.int64)
+    local = False
+    for k in range(len(tidx)):
+        local = local or rules[k] >= 0
+    # The local step's inputs: the cached rows' values before it, and their gradients, one after another.
+    before = np.empty(len(g) if local else 0, np.float32)
+    grads = np.empty(len(g) if local else 0, np.float32)
     h = f = m = 0
     for k in range(len(tidx)):
         t = tidx[k]
@@ -262,14 +272,16 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
         cells, pend, since, pv = cells_l[t], floats[PEND * nt + t], meta_l[t][:, PS], meta_l[t][:, PV]
         shard, vals = meta_l[t][:, SHARD], floats[VALS * nt + t]
         dim = vals.shape[1]
+        step = rules[k] >= 0
         meta_flat, p_flat, v_flat, width = meta_l[t].reshape(-1), pend.reshape(-1), vals.reshape(-1), meta_l[t].shape[1]
         _lookup(cells, ids, offs[k], offs[k + 1], found)
+        h0 = h
         for i in range(offs[k], offs[k + 1]):
             if i + _AHEAD < offs[k + 1] and found[i + _AHEAD] >= 0:
                 ahead = found[i + _AHEAD]
                 fetch_row(meta_flat, ahead, width)
                 fetch_row(p_flat, ahead, dim + 2)
-                if local[k]:
+                if step:
                     fetch_row(v_flat, ahead, dim)
             s = found[i]
             if s < 0:
@@ -279,10 +291,11 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
                 counts[k, 2] += 1
                 continue
             src = g_offs[k] + (i - offs[k]) * dim
-            if local[k]:
+            if step:
                 dst = g_offs[k] + counts[k, 0] * dim
                 for j in range(dim):
                     before[dst + j] = vals[s, j]
+                    grads[dst + j] = g[src + j]
             slots[h] = s
             where[h] = i
             h += 1
@@ -303,35 +316,20 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
             v = versions[k, shard[s]]
             if v < pv[s]:
                 pv[s] = v
+        rows = h - h0
+        if step and rows > 0:
+            a = g_offs[k]
+            rows_of_rule(rules[k], vals, slots[h0:h], grads[a: a + rows * dim].reshape(rows, dim), np.full(rows, lrs[k], np.float32),
+                         states, sbase[k], consts[k])
+            mine, fresh = floats[MINE * nt + t], floats[FRESH * nt + t]
+            for r in range(h0, h):
+                s = slots[r]
+                base = a + (r - h0) * dim
+                for j in range(dim):
+                    d = vals[s, j] - before[base + j]
+                    mine[s, j] += d
+                    fresh[s, j] += d
     return slots[:h], where[:h], first[:f], missing[:m], missing_shards[:m], counts
-
-
-@_jit
-def deltas_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, slots: np.ndarray, soffs: np.ndarray,
-               before: np.ndarray, g_offs: np.ndarray,
-               local: np.ndarray) -> None:
-    """After the local rule's steps of rows ``slots`` (part k's ``soffs[k]:soffs[k + 1]``, their
-    values before the step in ``before`` as ``hold_all`` left them): each row's change added to its
-    ``mine`` and ``fresh`` local changes."""
-    for k in range(len(tidx)):
-        if not local[k]:
-            continue
-        t = tidx[k]
-        nt = len(cells_l)
-        vals, mine, fresh = floats[VALS * nt + t], floats[MINE * nt + t], floats[FRESH * nt + t]
-        dim = vals.shape[1]
-        v_flat, m_flat, f_flat = vals.reshape(-1), mine.reshape(-1), fresh.reshape(-1)
-        for r in range(soffs[k], soffs[k + 1]):
-            if r + _AHEAD < soffs[k + 1]:
-                fetch_row(v_flat, slots[r + _AHEAD], dim)
-                fetch_row(m_flat, slots[r + _AHEAD], dim)
-                fetch_row(f_flat, slots[r + _AHEAD], dim)
-            s = slots[r]
-            base = g_offs[k] + (r - soffs[k]) * dim
-            for j in range(dim):
-                d = vals[s, j] - before[base + j]
-                mine[s, j] += d
-                fresh[s, j] += d
 
 
 @_jit
@@ -481,7 +479,6 @@ def loads() -> list[Callable[[], object]]:
     zero, one = np.int64(0), np.int64(1)
     part, offs = np.zeros(1, np.int64), np.zeros(2, np.int64)
     f32 = np.zeros(0, np.float32)
-    flags = np.ones(1, np.bool_)
 
     def oldest() -> np.ndarray:
         return np.zeros((1, 1), np.int64)
@@ -491,8 +488,8 @@ def loads() -> list[Callable[[], object]]:
         lambda: store_all(*_example()[0], part, none, offs, none, f32, part, none, oldest(), zero, one, part.copy(), part.copy(), f32, part,
                           offs),
         lambda: later_all(*_example()[0], part, none, offs, none, offs, zero, f32, part, oldest()),
-        lambda: hold_all(*_example()[0], part, none, offs, f32, part, oldest(), zero, one, flags, f32),
-        lambda: deltas_all(*_example()[0], part, none, offs, f32, part, flags),
+        lambda: hold_all(*_example()[0], part, none, offs, f32, part, oldest(), zero, one, part, np.zeros(1, np.float32),
+                         typed_list([np.zeros((1, 1), np.float32)]), part, np.zeros((1, MAX_CONSTANTS))),
         lambda: take_all(*_example()[0], none, none, none, one, np.full((2, 1), -1, np.int64)),
         lambda: by_shard(none, part, one, none, f32, f32, part, np.full((1, 1), -1, np.int64)),
         lambda: group_ids(none, offs, one),

@@ -167,6 +167,7 @@ class DeviceRowCache(RowCache):
             members = [g for g in range(len(dims)) if self._dim_list[g] == w]
             self._base[members] = np.arange(len(members), dtype=np.int64) * cap
             self.banks.append(_Bank(w, members, config.rows, self.device))
+        self._local = np.zeros(len(dims), np.bool_)  # per table: its rule applied to the cached rows (on the device)
         self._rule_of = np.full(len(dims), -1, np.int64)  # per table: its rule's index in its bank's ``rules``
         self._optimizers: list[OptimizerConfig | None] = [None] * len(dims)
         self._side = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
@@ -452,8 +453,10 @@ class DeviceRowCache(RowCache):
         offs = offsets(counts)
         read = read_versions(versions, names, self.num_shards)
         zeros = np.zeros(len(names) + 1, np.int64)
+        none = np.full(len(names), -1, np.int64)  # no local rule here: the device takes its steps
         slots, where, first, missing, missing_shards, got = hold_all(*self._columns(), parts, ids, offs, NO_ROWS, zeros, read, clock,
-                                                                     self.num_shards, np.zeros(len(names), np.bool_), NO_ROWS)
+                                                                     self.num_shards, none, NO_ROWS, self._states, zeros[:-1],
+                                                                     self._consts[parts])
         if len(first):
             self._holding[parts] += got[:, 1]
             self._queue.append((clock, first, np.repeat(parts, got[:, 1])))

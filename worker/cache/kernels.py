@@ -19,7 +19,7 @@ from tether.rules.index_kernels import cell_from, mix64, prefetch
 from tether.rules.kernel_cache import compiled
 
 __all__ = ["FLOATS", "FRESH", "IDS", "LU", "META", "MINE", "NONE", "PEND", "PS", "PV", "RC", "RV", "SHARD", "USES", "VALS", "Columns",
-           "columns", "fetch_row", "loads", "oldest_per_shard", "probe_from", "set_cells", "shard_of", "slot_of", "warm_up"]
+           "columns", "fetch_row", "loads", "oldest_per_shard", "probe_from", "set_cells", "shard_of", "slot_of", "typed_list", "warm_up"]
 
 _jit = compiled()
 NONE = np.iinfo(np.int64).max
@@ -61,7 +61,8 @@ def _append(items: Any, item: np.ndarray) -> None:
     items.append(item)
 
 
-def _typed(arrays: list[np.ndarray]) -> Any:
+def typed_list(arrays: list[np.ndarray]) -> Any:
+    """``arrays`` (one type, at least one) in a numba typed list, built by compiled appends."""
     items = _list_of(arrays[0])
     for a in arrays[1:]:
         _append(items, a)
@@ -70,9 +71,9 @@ def _typed(arrays: list[np.ndarray]) -> Any:
 
 def columns(tables: list[Any]) -> Columns:
     """The ``Columns`` of ``tables`` (``row_slots.Table``), in their order."""
-    return Columns(_typed([tab.cells for tab in tables]), _typed([tab.meta for tab in tables]),
-                   _typed([getattr(tab, c) for c in FLOATS for tab in tables]), _typed([tab.used for tab in tables]),
-                   _typed([tab.free for tab in tables]))
+    return Columns(typed_list([tab.cells for tab in tables]), typed_list([tab.meta for tab in tables]),
+                   typed_list([getattr(tab, c) for c in FLOATS for tab in tables]), typed_list([tab.used for tab in tables]),
+                   typed_list([tab.free for tab in tables]))
 
 
 @_jit
@@ -133,8 +134,8 @@ def loads() -> list[Callable[[], object]]:
     return [
         lambda: oldest_per_shard(ids, ids, np.int64(1)),
         # A typed list of each kind of column (``columns``).
-        *[(lambda e=e: _typed([e, e])) for e in examples],
-        lambda: set_cells(_typed([np.zeros((1, 2), np.int64)] * 2), np.int64(0), np.zeros((1, 2), np.int64)),
+        *[(lambda e=e: typed_list([e, e])) for e in examples],
+        lambda: set_cells(typed_list([np.zeros((1, 2), np.int64)] * 2), np.int64(0), np.zeros((1, 2), np.int64)),
     ]
 
 

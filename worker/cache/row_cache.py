@@ -54,10 +54,12 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from tether.protos.names import OPTIMIZERS
 from tether.protos.specs import TableConfig
 from tether.rules.optimizers import rule
-from tether.worker.cache.batch import deltas_all, hold_all, later_all, plan_all, store_all, take_all
-from tether.worker.cache.kernels import Columns, columns, set_cells
+from tether.rules.row_kernels import MAX_CONSTANTS, rule_constants, rule_states
+from tether.worker.cache.batch import hold_all, later_all, plan_all, store_all, take_all
+from tether.worker.cache.kernels import Columns, columns, set_cells, typed_list
 from tether.worker.cache.parts import NO_FLIGHTS, NO_IDS, NO_ROWS, Plan, Pushed, RowCacheConfig, as_ids, offsets, read_versions
 from tether.worker.cache.slots import NONE, STALE, Due, Table, Taken, coalesce, start_warm_up, wait_warm_up
 from tether.worker.cache.split import by_shard, group_ids
@@ -81,7 +83,12 @@ class RowCache:
         # Per table and shard: the largest table version seen (-1: none yet).
         self._max_version = np.full((len(dims), self.num_shards), -1, np.int64)
         self._holding = np.zeros(len(dims), np.int64)  # per table: slots whose gradients are held
-        self._local = np.zeros(len(dims), np.bool_)  # per table: its rule applied to the cached rows
+        # Per table: its rule's code (``row_kernels.rows_of_rule``) where it is applied to the
+        # cached rows, else -1; where its state arrays start in ``_states`` and its constants.
+        self._rules = np.full(len(dims), -1, np.int64)
+        self._sbase = np.zeros(len(dims), np.int64)
+        self._consts = np.zeros((len(dims), MAX_CONSTANTS))
+        self._states = typed_list([np.zeros((1, 1), np.float32)])  # every local rule's state arrays (one unused first)
         self._dim_list = [int(d) for d in dims.values()]
         # Per table: what its rule takes beside a combined sum (``take_all``'s kinds: 0 the sum of
         # mean(g * g), 1 the count, -1 none), and how many.
@@ -110,13 +117,23 @@ class RowCache:
                 if spec.name in self.tables:
                     self.tables[spec.name].combined_stats = rule(spec.optimizer.name).combined_stats
                     if self.config.bound > 0:
-                        self.tables[spec.name].local_rule(spec.optimizer)
-                        self._local[self._index[spec.name]] = True
+                        self._local_rule(spec)
             stats = [tab.combined_stats for tab in self._tabs]
             self._kinds = np.full((len(stats), max([1, *map(len, stats)])), -1, np.int64)
             for g, names in enumerate(stats):
                 self._kinds[g, : len(names)] = [1 if n == "count" else 0 for n in names]
             self._nstats = [len(names) for names in stats]
+
+    def _local_rule(self, spec: TableConfig) -> None:
+        """Table ``spec``'s rule applied to its cached rows from now on (``hold_all`` takes its step)."""
+        g, tab = self._index[spec.name], self.tables[spec.name]
+        tab.local_rule(spec.optimizer)
+        r = rule(spec.optimizer.name)
+        arrays = [self._states[i] for i in range(len(self._states))]
+        self._sbase[g] = len(arrays)
+        self._states = typed_list([*arrays, *rule_states(r, tab.state)])
+        self._consts[g] = rule_constants(r, spec.optimizer)
+        self._rules[g] = OPTIMIZERS.index(spec.optimizer.name)
 
     def _columns(self) -> Columns:
         """The tables' columns for the compiled passes, made once those are loaded (waits for
@@ -418,23 +435,17 @@ class RowCache:
         offs = offsets([len(a) for a in arrays])
         g_offs = offsets([r.size for r in rows])
         read = read_versions(versions, names, self.num_shards)
-        local = self._local[parts]
-        before = np.empty(len(flat), np.float32) if local.any() else NO_ROWS
-        slots, where, first, missing, missing_shards, counts = hold_all(*self._columns(), parts, ids, offs, flat, g_offs, read, clock,
-                                                                        self.num_shards, local, before)
+        rules = self._rules[parts]
+        lrs = np.array([self._tabs[g].rate(clock) if r >= 0 else 0.0 for g, r in zip(parts.tolist(), rules.tolist(), strict=True)],
+                       np.float32)
+        _, _, first, missing, missing_shards, counts = hold_all(*self._columns(), parts, ids, offs, flat, g_offs, read, clock,
+                                                                self.num_shards, rules, lrs, self._states, self._sbase[parts],
+                                                                self._consts[parts])
         if len(first):
             self._holding[parts] += counts[:, 1]
             self._queue.append((clock, first, np.repeat(parts, counts[:, 1])))
         if len(missing):  # not cached (the table was full): pushed at once, each row one gradient
             self._unheld(names, offs, rows, ids, missing, missing_shards, read, due)
-        if local.any():
-            soffs = offsets(counts[:, 0])
-            for k in np.flatnonzero(local).tolist():
-                a, b = int(soffs[k]), int(soffs[k + 1])
-                if a < b:
-                    g = rows[k] if b - a == len(rows[k]) else rows[k][where[a:b] - offs[k]]
-                    self._tabs[int(parts[k])].step(slots[a:b], g, clock)
-            deltas_all(*self._columns(), parts, slots, soffs, before, g_offs, local)
 
     def _unheld(self, names: list[str], offs: np.ndarray, rows: list[np.ndarray], ids: np.ndarray, missing: np.ndarray,
                 missing_shards: np.ndarray, read: np.ndarray, due: Due) -> None:

@@ -1,6 +1,6 @@
 """One table's rows in the worker's row cache (``tether.worker.cache.row_cache``): slots in arrays
 and an id -> slot hash index (each step's passes over them: ``tether.worker.cache.kernels``), and
-the local rule that applies the worker's own gradients to its cached rows (``local_rule``, ``step``).
+the local rule's state for the worker's own gradients applied to its cached rows (``local_rule``).
 
 The index is the shard's own compiled open-addressing table (``tether.server.kernels``:
 ``index_lookup``/``index_place``/``index_cells``, linear probing over [n, 2] int64 (id, slot)
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,7 +28,6 @@ from tether.protos.specs import OptimizerConfig
 from tether.rules.index_kernels import EMPTY_SLOT, REMOVED_SLOT, index_cells, index_lookup, index_place
 from tether.rules.kernel_cache import load_kernels
 from tether.rules.optimizers import rule
-from tether.rules.row_kernels import load_rule_in_background, row_kernel
 from tether.worker.cache.batch import loads as batch_loads
 from tether.worker.cache.kernels import META, oldest_per_shard
 from tether.worker.cache.kernels import loads as cache_loads
@@ -145,29 +144,30 @@ class Table:
         self.fresh = pages.empty((n, dim), np.float32)
         self.cells = _cells_for(min(capacity, 1024))
         self.filled = 0  # cells holding a row or a tombstone
-        # Local updates (``local_rule``): the table's rule, its constants and its state per slot.
-        self.update: Any = None
+        # Local updates (``local_rule``): the table's rule, its state per slot and its start.
         self.optimizer: OptimizerConfig | None = None
         self.combined_stats: tuple[str, ...] = ()  # what the table's rule takes beside a combined sum (``combined``)
         self.state: dict[str, np.ndarray] = {}
         self.initial: dict[str, float] = {}
 
     def local_rule(self, optimizer: OptimizerConfig) -> None:
-        """Apply ``optimizer``'s rule to the cached rows as the worker's gradients are held
-        (``step``), with a state of its own per slot (allocated for the capacity, unset)."""
+        """Apply ``optimizer``'s rule to the cached rows as the worker's gradients are held (by
+        ``cache_batch.hold_all``), with a state of its own per slot (allocated for the capacity,
+        unset: each row's is set to the rule's start when the row is placed)."""
         r = rule(optimizer.name)
         n = max(self.capacity, 1)
         self.optimizer = optimizer
         self.state = {k: pages.empty((n, *shape), np.float32) for k, shape in r.state_shapes(self.dim).items()}
-        # The rule's compiled row update called as ``row_update`` would, with its arguments made once
-        # (loaded, or compiled the first time on this machine, in a thread while the worker starts).
-        self.update = row_kernel(r)
-        load_rule_in_background(r)
-        self._args = (np.empty(self.dim, np.float32), *self.state.values(), *r.kernel_constants(optimizer))
-        self._lr = np.empty(n, np.float32)
         self.initial = r.initial_state(optimizer)
         if self.top:
             self.reset_state(np.arange(self.top, dtype=np.int64))
+
+    def rate(self, clock: int) -> float:
+        """The local rule's learning rate for the push carrying ``clock`` (the table's schedule)."""
+        opt = self.optimizer
+        if opt is None:
+            raise RuntimeError("no local rule: local_rule was not called")
+        return opt.lr * opt.schedule.factor(opt.lr, clock)
 
     def combined(self, ids: torch.Tensor, held: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A push's part of this table from ``held`` (the summed gradients with their two
@@ -211,17 +211,6 @@ class Table:
         """The local rule's state of ``slots`` back to the rule's start."""
         for k, a in self.state.items():
             a[slots] = self.initial.get(k, 0.0)
-
-    def step(self, slots: np.ndarray, grads: np.ndarray, clock: int) -> None:
-        """One local step of the rule on rows ``slots`` (unique) from ``grads`` (float32, one row
-        each) at the rate of the push carrying ``clock`` (the table's schedule). The caller adds
-        each row's change to its local changes (``cache_batch.hold_all``, ``deltas_all``)."""
-        if self.update is None or self.optimizer is None or not len(slots):
-            return
-        opt = self.optimizer
-        lr = self._lr[: len(slots)]
-        lr.fill(opt.lr * opt.schedule.factor(opt.lr, clock))
-        self.update(self.vals, slots, grads, lr, *self._args)
 
     @property
     def size(self) -> int:
