@@ -35,9 +35,21 @@ from tether.rules.optimizers import rule
 from tether.rules.update_rules import UpdateRule
 
 __all__ = [
-    "MAX_CONSTANTS", "RULE_USUAL_S", "SHARD_USUAL_S", "CombinedUpdate", "RowUpdate", "combined_update", "gather_rows", "init_rows_into",
-    "load_rule_in_background", "row_kernel", "row_update", "rows_of_rule", "rule_constants", "rule_loads", "rule_states", "shard_loads",
-    "warm_up", "warm_up_shard",
+    "RULE_USUAL_S",
+    "SHARD_USUAL_S",
+    "CombinedUpdate",
+    "RowUpdate",
+    "combined_update",
+    "gather_rows",
+    "init_rows_into",
+    "load_rule_in_background",
+    "row_kernel",
+    "row_update",
+    "rule_kernel",
+    "rule_loads",
+    "shard_loads",
+    "warm_up",
+    "warm_up_shard",
 ]
 
 log = logging.getLogger("tether.server")
@@ -56,7 +68,7 @@ _row_kernels_lock = threading.Lock()
 _helpers: set[Callable[..., Any]] = set()
 
 
-def _kernel(fn: Callable[..., None]) -> Any:
+def rule_kernel(fn: Callable[..., None]) -> Any:
     """The compiled form of a rule's kernel function (one per function for the process), the
     rules' shared pieces (``tether.rules.kernel_helpers``) registered with numba first."""
     with _row_kernels_lock:
@@ -72,7 +84,7 @@ def _kernel(fn: Callable[..., None]) -> Any:
 
 def row_kernel(update_rule: UpdateRule) -> Any:
     """The compiled form of ``update_rule.rows`` (one per rule for the process)."""
-    return _kernel(update_rule.rows)
+    return rule_kernel(update_rule.rows)
 
 
 # A rule's row update bound to a table's constants: (weights, state, slots, grads, lr) -> None.
@@ -118,7 +130,7 @@ def combined_update(update_rule: UpdateRule, cfg: OptimizerConfig, dim: int) -> 
     loaded from the disk cache, on its first call (or by ``warm_up``), as ``row_update``."""
     if update_rule.combined_rows is None:
         return None
-    kernel = _kernel(update_rule.combined_rows)
+    kernel = rule_kernel(update_rule.combined_rows)
     names = tuple(update_rule.state_shapes(dim))
     constants = update_rule.kernel_constants(cfg)
 
@@ -127,60 +139,6 @@ def combined_update(update_rule: UpdateRule, cfg: OptimizerConfig, dim: int) -> 
         kernel(weights, slots, grads, lr, stats, np.empty(dim, np.float32), *[state[k] for k in names], *constants)
 
     return update
-
-
-# Every rule's row kernel, for a pass over tables of several rules that calls the right one for
-# each (``rows_of_rule``: the worker row cache's hold, ``tether.worker.cache.batch.hold_all``).
-# Module globals, so that a kernel calling them is keyed by their sources (``kernel_cache``).
-_SGD_ROWS = _kernel(rule("sgd").rows)
-_ADAGRAD_ROWS = _kernel(rule("adagrad").rows)
-_ADAM_ROWS = _kernel(rule("adam").rows)
-_ROWWISE_ROWS = _kernel(rule("rowwise_adagrad").rows)
-_FTRL_ROWS = _kernel(rule("ftrl").rows)
-# A rule's code in ``rows_of_rule``: its index in ``OPTIMIZERS``.
-SGD_CODE, ADAGRAD_CODE, ADAM_CODE, ROWWISE_CODE, FTRL_CODE = (
-    OPTIMIZERS.index(n) for n in ("sgd", "adagrad", "adam", "rowwise_adagrad", "ftrl"))
-if len(OPTIMIZERS) != 5:
-    raise ImportError(f"rows_of_rule calls 5 rules' kernels, OPTIMIZERS names {len(OPTIMIZERS)}: {OPTIMIZERS}")
-MAX_CONSTANTS = 5  # the most constants a rule's kernel takes (FTRL's)
-
-
-def rule_constants(update_rule: UpdateRule, cfg: OptimizerConfig) -> np.ndarray:
-    """``update_rule.kernel_constants(cfg)`` as ``rows_of_rule`` takes them: float64, in order,
-    ``MAX_CONSTANTS`` long (a float32 constant goes back to the same float32 in the kernel)."""
-    out = np.zeros(MAX_CONSTANTS, np.float64)
-    constants = update_rule.kernel_constants(cfg)
-    out[: len(constants)] = [float(c) for c in constants]
-    return out
-
-
-def rule_states(update_rule: UpdateRule, state: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-    """A table's ``state`` arrays (by name) as ``rows_of_rule`` takes them: in the rule's
-    ``state_shapes`` order, each a [rows, k] view (a per-row scalar as one column)."""
-    return [state[k].reshape(len(state[k]), -1) for k in update_rule.state_shapes(1)]
-
-
-@_jit
-def rows_of_rule(code: np.int64, w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, states: Any, base: np.int64,
-                 constants: np.ndarray) -> None:
-    """Rule ``OPTIMIZERS[code]``'s row kernel (``UpdateRule.rows``) on rows ``slots`` of ``w``,
-    called as ``row_update`` calls it: its state arrays are ``states[base:]`` (a typed list of
-    ``rule_states``' views), its constants ``constants`` (``rule_constants``). The kernels keep
-    their own compile options, so the rows come out bit for bit as from ``row_update``."""
-    scratch = np.empty(w.shape[1], np.float32)
-    c = constants
-    if code == SGD_CODE:
-        _SGD_ROWS(w, slots, g, lr, scratch, np.float32(c[0]))
-    elif code == ADAGRAD_CODE:
-        _ADAGRAD_ROWS(w, slots, g, lr, scratch, states[base], np.float32(c[0]), np.float32(c[1]))
-    elif code == ADAM_CODE:
-        _ADAM_ROWS(w, slots, g, lr, scratch, states[base], states[base + 1], states[base + 2].reshape(-1), np.float32(c[0]), c[1], c[2],
-                   np.float32(c[3]))
-    elif code == ROWWISE_CODE:
-        _ROWWISE_ROWS(w, slots, g, lr, scratch, states[base].reshape(-1), np.float32(c[0]), np.float32(c[1]))
-    elif code == FTRL_CODE:
-        _FTRL_ROWS(w, slots, g, lr, scratch, states[base], states[base + 1], np.float32(c[0]), np.float32(c[1]), np.float32(c[2]),
-                   np.float32(c[3]), np.float32(c[4]))
 
 
 # What a first run on a machine compiles, and how long it usually takes on a quiet 2-core

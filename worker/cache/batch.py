@@ -31,7 +31,7 @@ import numpy as np
 
 from tether.rules.index_kernels import EMPTY_SLOT, mix64, prefetch
 from tether.rules.kernel_cache import compiled
-from tether.rules.row_kernels import MAX_CONSTANTS, rows_of_rule
+from tether.rules.rows_by_rule import MAX_CONSTANTS, rows_of_rule
 from tether.worker.cache.kernels import (
     FLOATS,
     FRESH,

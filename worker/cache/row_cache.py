@@ -54,10 +54,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from tether.protos.names import OPTIMIZERS
 from tether.protos.specs import TableConfig
 from tether.rules.optimizers import rule
-from tether.rules.row_kernels import MAX_CONSTANTS, rule_constants, rule_states
+from tether.rules.rows_by_rule import MAX_CONSTANTS, rule_code, rule_constants, rule_states
 from tether.worker.cache.batch import hold_all, later_all, plan_all, store_all, take_all
 from tether.worker.cache.kernels import Columns, columns, set_cells, typed_list
 from tether.worker.cache.parts import NO_FLIGHTS, NO_IDS, NO_ROWS, Plan, Pushed, RowCacheConfig, as_ids, offsets, read_versions
@@ -133,7 +132,7 @@ class RowCache:
         self._sbase[g] = len(arrays)
         self._states = typed_list([*arrays, *rule_states(r, tab.state)])
         self._consts[g] = rule_constants(r, spec.optimizer)
-        self._rules[g] = OPTIMIZERS.index(spec.optimizer.name)
+        self._rules[g] = rule_code(spec.optimizer.name)
 
     def _columns(self) -> Columns:
         """The tables' columns for the compiled passes, made once those are loaded (waits for
