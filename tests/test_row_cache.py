@@ -294,6 +294,41 @@ def test_the_worker_reads_its_own_updates_by_the_tables_rule(optimizer: str) -> 
     assert cached.meter.pulled_rows["t"] == 2  # every later read came from the cache
 
 
+def test_tables_of_different_rules_step_by_their_own_and_a_reused_slot_starts_at_its_rules_state() -> None:
+    """One hold over tables of several rules (one compiled call, ``rows_by_rule``): each table's
+    cached rows step by its own rule and state (against the rule's torch form), and a slot freed
+    by an eviction and given to another id starts at the rule's initial state, not the old row's."""
+    specs = [TableConfig(name="a", dim=4, optimizer=OptimizerConfig(name="adam", lr=0.1), seed=3),
+             TableConfig(name="b", dim=3, optimizer=OptimizerConfig(name="ftrl", lr=0.2), seed=4),
+             TableConfig(name="c", dim=2, optimizer=OptimizerConfig(name="rowwise_adagrad", lr=0.3, initial_accumulator=0.5), seed=5)]
+    local = LocalClient()
+    local.declare(specs)
+    dims = {s.name: s.dim for s in specs}
+    cached = CachedClient(local, RowCacheConfig(2, 5, 5), dims, TrafficMeter(dims, 4))
+    cached.use_tables(specs)
+    ids = _ids(5, 9)
+    start = cached.pull({t: ids for t in dims}).result().rows
+    want = {t: start[t].clone() for t in dims}
+    states = {s.name: {k: torch.full((2, *shape), rule(s.optimizer.name).initial_state(s.optimizer).get(k, 0.0))
+                       for k, shape in rule(s.optimizer.name).state_shapes(s.dim).items()} for s in specs}
+    for clock in (1, 2):
+        grads = {t: torch.randn(2, d, generator=torch.Generator().manual_seed(10 * clock + d)) for t, d in dims.items()}
+        pulled = cached.push_pull({t: (ids, grads[t]) for t in dims}, None, {t: ids for t in dims}, clock=clock).result()
+        for s in specs:
+            rule(s.optimizer.name).apply(s.optimizer, want[s.name], grads[s.name], states[s.name])
+            assert torch.allclose(pulled.rows[s.name], want[s.name], atol=1e-6), (s.name, clock)
+    assert cached.cache is not None
+    tab = cached.cache.tables["b"]
+    old = tab.slots_of(ids.numpy())
+    assert (old >= 0).all() and np.abs(tab.state["z"][old]).sum() > 0
+    cached.push({}, clock=3).result()
+    cached.pull({"b": _ids(11, 12)}).result()  # full (2 rows): 5 and 9 evicted, their slots reused
+    new = tab.slots_of(np.array([11, 12]))
+    assert sorted(new.tolist()) == sorted(old.tolist())
+    for k, a in tab.state.items():
+        assert (a[new] == tab.initial.get(k, 0.0)).all(), k
+
+
 def test_a_refresh_is_the_shards_value_plus_the_workers_own_held_changes() -> None:
     cached, local = _client(rows=10, bound=2, write_bound=10, optimizer="sgd")
     cached.use_tables([TableConfig(name="t", dim=4, optimizer=OptimizerConfig(name="sgd", lr=0.1), seed=3)])

@@ -172,15 +172,18 @@ def _place(cells: np.ndarray, s: np.int64, key: np.int64, now: np.int64, ids_col
 def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, keys: np.ndarray, koffs: np.ndarray,
               pos: np.ndarray, got: np.ndarray,
               got_offs: np.ndarray, got_row: np.ndarray, versions: np.ndarray, now: np.int64, num_shards: np.int64,
-              top: np.ndarray, nfree: np.ndarray, out: np.ndarray, row_offs: np.ndarray, offs: np.ndarray) -> tuple[Any, ...]:
+              top: np.ndarray, nfree: np.ndarray, out: np.ndarray, row_offs: np.ndarray, offs: np.ndarray, states: Any, sfirst: np.ndarray,
+              scount: np.ndarray, sinit: np.ndarray) -> tuple[Any, ...]:
     """Pulled rows into the cache: ``keys`` (per part ``koffs``) at positions ``pos`` of the
     pull's ids (per-part ``offs``: row ``pos - offs[k]`` of part k's answer at ``row_offs[k]`` of
     ``out``), their rows ``got_row`` of part k's pulled rows (``got`` at ``got_offs[k]``).
     Cached ids are refreshed (values plus their ``fresh`` local changes, read clock ``now``,
     shard and that shard's version ``versions[k, shard]``); new ids take a free slot, evicted
     ones first (``free[:nfree[g]]``, taken from the end) then unused ones (from ``top[g]``),
-    while there are any. The answer gets every row as stored (as pulled where no slot was left).
-    Returns (the indexes in ``keys`` of the ids no slot was left for, the slots placed, per
+    while there are any; a new id's local rule state (table g's ``scount[g]`` arrays from
+    ``states[sfirst[g]]``) starts at the rule's (``sinit``, per state array). ``got_row`` empty:
+    key i is row ``i - koffs[k]`` of its part's pulled rows. The answer gets every row as stored
+    (as pulled where no slot was left). Returns (the indexes in ``keys`` of the ids no slot was left for, the slots placed, per
     part how many were placed, and each key's slot, -1 where none was left)."""
     n = len(keys)
     stored = np.full(n, -1, np.int64)
@@ -206,7 +209,7 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
                 fetch_row(v_flat, ahead, dim)
                 fetch_row(f_flat, ahead, dim)
             key = keys[i]
-            src = got_offs[k] + got_row[i] * dim
+            src = got_offs[k] + (got_row[i] if len(got_row) else i - koffs[k]) * dim
             dst = row_offs[k] + (pos[i] - offs[k]) * dim
             s = found[i]
             if s < 0:
@@ -223,6 +226,8 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
                     u += 1
                     continue
                 _place(cells, s, key, now, ids_col, used, uses, lu, since, pv, pend, mine, fresh)
+                for c in range(sfirst[g], sfirst[g] + scount[g]):
+                    states[c][s, :] = sinit[c]
                 placed[q] = s
                 q += 1
                 nplaced[k] += 1
@@ -486,7 +491,7 @@ def loads() -> list[Callable[[], object]]:
     return [
         lambda: plan_all(*_example()[0], part, none, offs, zero, one, none, np.zeros((0, 2), np.int64), f32, part, oldest()),
         lambda: store_all(*_example()[0], part, none, offs, none, f32, part, none, oldest(), zero, one, part.copy(), part.copy(), f32, part,
-                          offs),
+                          offs, typed_list([np.zeros((1, 1), np.float32)]), part, part, np.zeros(1, np.float32)),
         lambda: later_all(*_example()[0], part, none, offs, none, offs, zero, f32, part, oldest()),
         lambda: hold_all(*_example()[0], part, none, offs, f32, part, oldest(), zero, one, part, np.zeros(1, np.float32),
                          typed_list([np.zeros((1, 1), np.float32)]), part, np.zeros((1, MAX_CONSTANTS))),

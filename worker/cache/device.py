@@ -317,8 +317,7 @@ class DeviceRowCache(RowCache):
         CUDA) and written into their slots (plus their ``fresh`` local changes) and the answer."""
         assert isinstance(plan, DevicePlan)
         names, parts, moffs = plan.names, plan.parts, plan.miss_offs
-        self._went_back(pulled, names, parts)
-        versions = read_versions(pulled, names, self.num_shards)
+        versions = self._read_versions(pulled, names)
         keys, pos = plan.ids[plan.miss_pos], plan.miss_pos
         got_row = np.arange(len(keys), dtype=np.int64) - np.repeat(moffs[:-1], np.diff(moffs))
         koffs = moffs
@@ -332,9 +331,10 @@ class DeviceRowCache(RowCache):
             top = np.array([tab.top for tab in self._tabs], np.int64)
             nfree = np.array([tab.nfree for tab in self._tabs], np.int64)
             unplaced, placed, nplaced, stored = store_all(*self._columns(), parts, keys, koffs, pos, NO_ROWS, zeros, got_row, versions,
-                                                          plan.now, self.num_shards, top, nfree, NO_ROWS, zeros, plan.offs)
+                                                          plan.now, self.num_shards, top, nfree, NO_ROWS, zeros, plan.offs, self._states,
+                                                          self._sbase, self._scount, self._sinit)
             slots[where] = stored
-            self._placed(parts, top, nfree, placed, nplaced)
+            self._placed(parts, top, nfree, nplaced)
             self._reset(self._base[np.repeat(parts, nplaced)] + placed, np.repeat(parts, nplaced))
             if not len(unplaced) or attempt:
                 break

@@ -86,6 +86,8 @@ class RowCache:
         # cached rows, else -1; where its state arrays start in ``_states`` and its constants.
         self._rules = np.full(len(dims), -1, np.int64)
         self._sbase = np.zeros(len(dims), np.int64)
+        self._scount = np.zeros(len(dims), np.int64)
+        self._sinit = np.zeros(1, np.float32)  # per state array of ``_states``: a new row's value
         self._consts = np.zeros((len(dims), MAX_CONSTANTS))
         self._states = typed_list([np.zeros((1, 1), np.float32)])  # every local rule's state arrays (one unused first)
         self._dim_list = [int(d) for d in dims.values()]
@@ -129,8 +131,10 @@ class RowCache:
         tab.local_rule(spec.optimizer)
         r = rule(spec.optimizer.name)
         arrays = [self._states[i] for i in range(len(self._states))]
-        self._sbase[g] = len(arrays)
-        self._states = typed_list([*arrays, *rule_states(r, tab.state)])
+        states = rule_states(r, tab.state)
+        self._sbase[g], self._scount[g] = len(arrays), len(states)
+        self._states = typed_list([*arrays, *states])
+        self._sinit = np.concatenate([self._sinit, np.array([tab.initial.get(k, 0.0) for k in tab.state], np.float32)])
         self._consts[g] = rule_constants(r, spec.optimizer)
         self._rules[g] = rule_code(spec.optimizer.name)
 
@@ -274,34 +278,41 @@ class RowCache:
             rows[t] = part if got is None or got.dtype == torch.float32 else part.to(got.dtype)
         return rows
 
-    def _went_back(self, pulled: PullResult, names: Sequence[str], parts: np.ndarray) -> None:
-        """A shard whose table version went back (restarted from a checkpoint, or reset): the
-        rows read from it before are refreshed on their next pull."""
+    def _read_versions(self, pulled: PullResult, names: Sequence[str]) -> np.ndarray:
+        """``read_versions(pulled, names, num_shards)``, noting each table version seen: where a
+        shard's went back (restarted from a checkpoint, or reset), the rows read from it before
+        are refreshed on their next pull."""
+        out = np.zeros((len(names), self.num_shards), np.int64)
+        where = {t: k for k, t in enumerate(names)}
+        seen = self._max_version
         for (s, t), v in pulled.table_versions.items():
-            g = self._index.get(t)
-            if g is None or t not in names or s >= self.num_shards:
+            k = where.get(t)
+            if k is None or s >= self.num_shards:
                 continue
-            if v < self._max_version[g, s]:
+            out[k, s] = v
+            g = self._index[t]
+            last = seen[g, s]
+            if v < last:
                 tab = self._tabs[g]
                 stale = np.flatnonzero(tab.used[: tab.top] & (tab.shard[: tab.top] == s))
                 tab.read_clock[stale] = STALE
                 self.invalidated[t] += len(stale)
-                self._max_version[g, s] = v
-            self._max_version[g, s] = max(v, self._max_version[g, s])
+            if v != last:
+                seen[g, s] = v
+        return out
 
     def _store(self, plan: Plan, pulled: PullResult) -> None:
         """The pulled rows into the cache: refreshed where cached, placed (evicting where the
         table is full) where not; the answer's rows of them as stored (with the worker's own
         changes the shard's answer lacks)."""
         names, parts, moffs = plan.names, plan.parts, plan.miss_offs
-        self._went_back(pulled, names, parts)
-        versions = read_versions(pulled, names, self.num_shards)
+        versions = self._read_versions(pulled, names)
         got = [np.ascontiguousarray(pulled.rows[t].float().numpy()).reshape(-1) if moffs[k + 1] > moffs[k] else NO_ROWS
                for k, t in enumerate(names)]
         flat = got[0] if len(got) == 1 else np.concatenate(got)
         got_offs = offsets([len(x) for x in got])
         keys, pos = plan.ids[plan.miss_pos], plan.miss_pos
-        got_row = np.arange(len(keys), dtype=np.int64) - np.repeat(moffs[:-1], np.diff(moffs))
+        got_row = NO_IDS  # key i is row i - moffs[k] of its part's pulled rows (store_all)
         koffs = moffs
         for attempt in range(2):
             for g, n in zip(parts.tolist(), np.diff(koffs).tolist(), strict=False):
@@ -309,9 +320,10 @@ class RowCache:
                     set_cells(self._columns().cells, g, self._tabs[g].cells)
             top = np.array([tab.top for tab in self._tabs], np.int64)
             nfree = np.array([tab.nfree for tab in self._tabs], np.int64)
-            unplaced, placed, nplaced, _ = store_all(*self._columns(), parts, keys, koffs, pos, flat, got_offs, got_row, versions, plan.now,
-                                                  self.num_shards, top, nfree, plan.out.numpy(), plan.row_offs, plan.offs)
-            self._placed(parts, top, nfree, placed, nplaced)
+            unplaced, _, nplaced, _ = store_all(*self._columns(), parts, keys, koffs, pos, flat, got_offs, got_row, versions, plan.now,
+                                                  self.num_shards, top, nfree, plan.out.numpy(), plan.row_offs, plan.offs, self._states,
+                                                  self._sbase, self._scount, self._sinit)
+            self._placed(parts, top, nfree, nplaced)
             if not len(unplaced) or attempt:
                 return
             # Full tables: evict rows the current pull does not want, then place the rest.
@@ -319,20 +331,17 @@ class RowCache:
             for k in np.unique(at).tolist():
                 g = int(parts[k])
                 self._evict(names[k], self._tabs[g], int((at == k).sum()), plan.ids[plan.offs[k]: plan.offs[k + 1]])
-            keys, pos, got_row, koffs = keys[unplaced], pos[unplaced], got_row[unplaced], np.searchsorted(unplaced, koffs)
+            got_row = (np.arange(len(keys), dtype=np.int64) - np.repeat(moffs[:-1], np.diff(moffs)))[unplaced]
+            keys, pos, koffs = keys[unplaced], pos[unplaced], np.searchsorted(unplaced, koffs)
 
-    def _placed(self, parts: np.ndarray, top: np.ndarray, nfree: np.ndarray, placed: np.ndarray, nplaced: np.ndarray) -> None:
-        """After ``store_all``: the tables' slot counters, index fill and new rows' rule state."""
-        at = 0
+    def _placed(self, parts: np.ndarray, top: np.ndarray, nfree: np.ndarray, nplaced: np.ndarray) -> None:
+        """After ``store_all``: the tables' slot counters and index fill (``store_all`` set the
+        new rows' local rule state)."""
         for k, n in enumerate(nplaced.tolist()):
-            if not n:
-                continue
-            tab = self._tabs[int(parts[k])]
-            tab.top, tab.nfree = int(top[parts[k]]), int(nfree[parts[k]])
-            tab.filled += n
-            if tab.state:
-                tab.reset_state(placed[at: at + n])
-            at += n
+            if n:
+                tab = self._tabs[int(parts[k])]
+                tab.top, tab.nfree = int(top[parts[k]]), int(nfree[parts[k]])
+                tab.filled += n
 
     def _evict(self, t: str, tab: Table, n: int, protected: np.ndarray) -> None:
         victims = tab.victims(n, protected, self.config.policy)
