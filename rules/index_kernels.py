@@ -281,11 +281,23 @@ def slot_rebuild(old: np.ndarray, old_bits: int, cells: np.ndarray, bits: int, k
 @_jit
 def count_in(values: np.ndarray, seen: np.ndarray) -> np.ndarray:
     """How many times each of ``values`` (int64) occurs in ``seen`` (int32): one pass over
-    ``seen`` against a hash of ``values``, in memory of the size of ``values`` only."""
+    ``seen`` against a hash of ``values``, in memory of the size of ``values`` only. An entry of
+    ``seen`` is first tested against a bitset of ``values``' low bits (64 bits per value, in the
+    CPU's first cache: ``seen`` is a log of slots, small integers, whose low bits spread them),
+    and only the few that pass are looked up in the hash: a push whose read is far back (a row
+    cache's combined push) scans a long log mostly of other rows."""
     n = 16
     while n < 2 * len(values):
         n *= 2
     mask = np.uint64(n - 1)
+    nbits = 1024
+    while nbits < 64 * len(values):
+        nbits *= 2
+    bmask = np.int64(nbits - 1)
+    bits = np.zeros(nbits // 64, np.uint64)
+    for i in range(len(values)):
+        b = values[i] & bmask
+        bits[b >> 6] |= np.uint64(1) << np.uint64(b & 63)
     where = np.full(n, -1, np.int64)
     first = np.empty(len(values), np.int64)
     for i in range(len(values)):
@@ -298,6 +310,9 @@ def count_in(values: np.ndarray, seen: np.ndarray) -> np.ndarray:
     counts = np.zeros(len(values), np.int64)
     for j in range(len(seen)):
         v = np.int64(seen[j])
+        b = v & bmask
+        if not (bits[b >> 6] >> np.uint64(b & 63)) & np.uint64(1):
+            continue
         p = np.int64(mix64(v) & mask)
         while where[p] >= 0:
             if values[where[p]] == v:
