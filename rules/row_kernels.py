@@ -141,6 +141,22 @@ def combined_update(update_rule: UpdateRule, cfg: OptimizerConfig, dim: int) -> 
     return update
 
 
+@_jit
+def combined_stats_fault(stats: np.ndarray, low: np.float32) -> np.int64:
+    """What is wrong with a combined push's statistics (float32, rows x columns): 1 a value not
+    finite, 2 a row's first column neither -1 nor >= ``low``, or another column < 0; 0 nothing
+    (``push_hooks.check_combined``'s checks in one pass)."""
+    fault = 0
+    for i in range(stats.shape[0]):
+        for j in range(stats.shape[1]):
+            x = stats[i, j]
+            if not np.isfinite(x):
+                return np.int64(1)
+            if (x != -1 and x < low) if j == 0 else x < 0:
+                fault = 2
+    return np.int64(fault)
+
+
 # What a first run on a machine compiles, and how long it usually takes on a quiet 2-core
 # machine (bench/first_run.py measures it): the kernels every shard calls (the id index's
 # lookup and insert, the gather of pulled rows, new rows' initial values), and each rule's.
