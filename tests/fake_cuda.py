@@ -25,6 +25,14 @@ It also stands in for what overlaps host and device work (issue 26):
   event recorded after it, or any host read of device values): until then its destination
   holds garbage (NaN, or -7777 for integers), so code that reads it too early fails here.
 
+- **registering host memory** (``torch.cuda.cudart().cudaHostRegister`` / ``cudaHostUnregister``,
+  in ``registered``): a registered range counts as pinned; ``FakeCuda(refuse_register=True)``
+  answers "operation not supported" (error 801) instead, as a platform that will not pin it does;
+- with ``FakeCuda(late_reads=True)``, **when a copy to the device reads its pinned source**: only
+  once something waits for it (as copies from the device land), and a source changed before
+  then is noted in ``overwritten`` (the device would have read the new bytes), while events
+  recorded after such a copy stay unfinished (``query`` false) until then.
+
 Threads started inside the ``with`` see the fake device too. ``FakeCuda(available=True)`` also
 makes ``torch.cuda.is_available()`` true (for code that picks its device by it).
 """
@@ -43,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
-__all__ = ["Copy", "FakeCuda", "FakeEvent", "FakeStream", "OnCuda", "on_fake_cuda"]
+__all__ = ["Copy", "FakeCuda", "FakeCudart", "FakeEvent", "FakeStream", "OnCuda", "on_fake_cuda"]
 
 CUDA = torch.device("cuda", 0)
 
@@ -172,12 +180,50 @@ _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.T
 _FACTORIES_PINNED = "pin_memory"
 
 
+class FakeCudart:
+    """``torch.cuda.cudart()`` of the fake device: registering host memory (see ``FakeCuda``)."""
+
+    NOT_SUPPORTED = 801
+
+    def __init__(self, fake: FakeCuda) -> None:
+        self._fake = fake
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        fake = self._fake
+        with fake._lock:
+            fake.register_calls.append(("register", ptr, size))
+            if fake.refuse_register:
+                return self.NOT_SUPPORTED
+            fake.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        fake = self._fake
+        with fake._lock:
+            fake.register_calls.append(("unregister", ptr, 0))
+            return 0 if fake.registered.pop(ptr, None) is not None else 712  # cudaErrorHostMemoryNotRegistered
+
+    def cudaGetErrorString(self, err: int) -> str:
+        return {self.NOT_SUPPORTED: "operation not supported", 712: "part or all of the requested memory range is not mapped"}.get(
+            err, f"error {err}")
+
+
 class FakeCuda(TorchFunctionMode):
     """Torch calls see ``OnCuda`` tensors as on another device than the CPU's."""
 
-    def __init__(self, available: bool = False) -> None:
+    def __init__(self, available: bool = False, refuse_register: bool = False, late_reads: bool = False) -> None:
         super().__init__()
         self.available = available
+        self.refuse_register = refuse_register
+        self.late_reads = late_reads
+        # Registered host memory (start -> bytes), and every register/unregister call (what, start, bytes).
+        self.registered: dict[int, int] = {}
+        self.register_calls: list[tuple[str, int, int]] = []
+        self.cudart = FakeCudart(self)
+        # Copies to the device whose pinned source was changed before anything waited for them.
+        self.overwritten: list[Copy] = []
+        # Copies to the device not waited for yet (late_reads): (sequence number, source, its bytes then, the copy).
+        self._reads: list[tuple[int, torch.Tensor, torch.Tensor, Copy]] = []
         self.syncs: list[str] = []
         self.copies: list[Copy] = []
         self.pin_calls = 0  # Tensor.pin_memory(): a host copy into pinned memory
@@ -206,7 +252,7 @@ class FakeCuda(TorchFunctionMode):
 
     def pending(self, mark: int) -> bool:
         with self._lock:
-            return any(seq < mark for seq, _, _ in self._pending)
+            return any(seq < mark for seq, _, _ in self._pending) or any(seq < mark for seq, _, _, _ in self._reads)
 
     def land(self, mark: int) -> None:
         """Finish the non-blocking copies queued before ``mark``."""
@@ -218,9 +264,28 @@ class FakeCuda(TorchFunctionMode):
                 else:
                     keep.append((seq, dst, src))
             self._pending = keep
+            reads = []
+            for seq, src, then, copy in self._reads:
+                if seq >= mark:
+                    reads.append((seq, src, then, copy))
+                elif not torch.Tensor.equal(src, then):
+                    self.overwritten.append(copy)
+            self._reads = reads
 
     def is_pinned(self, t: torch.Tensor) -> bool:
-        return not isinstance(t, OnCuda) and t.untyped_storage().data_ptr() in self._pinned
+        if isinstance(t, OnCuda):
+            return False
+        if t.untyped_storage().data_ptr() in self._pinned:
+            return True
+        ptr = t.data_ptr()
+        return any(start <= ptr < start + size for start, size in self.registered.items())
+
+    def _read_later(self, copy: Copy, src: torch.Tensor) -> None:
+        """With ``late_reads``: ``copy`` to the device reads ``src`` only once something waits for it."""
+        with self._lock:
+            if self.late_reads and copy.pinned and copy.non_blocking:
+                self._reads.append((self._seq, src, torch.Tensor.clone(src), copy))
+                self._seq += 1
 
     def current_stream(self) -> FakeStream:
         return getattr(self._local, "stream", None) or self.default_stream
@@ -274,6 +339,7 @@ class FakeCuda(TorchFunctionMode):
             "device": device,
             "current_device": lambda: 0,
             "synchronize": lambda device=None: fake.sync("torch.cuda.synchronize"),
+            "cudart": lambda: fake.cudart,
         }
         if self.available:
             replaced.update(is_available=lambda: True, device_count=lambda: 1)
@@ -293,10 +359,12 @@ class FakeCuda(TorchFunctionMode):
 
     # -- the mode -------------------------------------------------------------------------------
 
-    def _copy(self, direction: str, host: torch.Tensor, nbytes: int, dtype: torch.dtype, pinned: bool, non_blocking: bool) -> None:
+    def _copy(self, direction: str, host: torch.Tensor, nbytes: int, dtype: torch.dtype, pinned: bool, non_blocking: bool) -> Copy:
+        copy = Copy(direction, nbytes, dtype, pinned, non_blocking, self.current_stream().name, threading.current_thread().name,
+                    host.data_ptr())
         with self._lock:
-            self.copies.append(Copy(direction, nbytes, dtype, pinned, non_blocking, self.current_stream().name,
-                                    threading.current_thread().name, host.data_ptr()))
+            self.copies.append(copy)
+        return copy
 
     def _later(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """A non-blocking copy from the device into pinned memory: lands when something waits."""
@@ -342,7 +410,8 @@ class FakeCuda(TorchFunctionMode):
             dst, src = args[0], args[1]
             non_blocking = bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
             if isinstance(dst, OnCuda) and not isinstance(src, OnCuda):
-                self._copy("h2d", src, src.numel() * src.element_size(), src.dtype, self.is_pinned(src), non_blocking)
+                copy = self._copy("h2d", src, src.numel() * src.element_size(), src.dtype, self.is_pinned(src), non_blocking)
+                self._read_later(copy, src)
                 torch.Tensor.copy_(dst, src)
                 return dst
             if not isinstance(dst, OnCuda):
@@ -364,8 +433,9 @@ class FakeCuda(TorchFunctionMode):
         if func is torch.Tensor.cuda:
             if gpu:
                 return args[0]
-            self._copy("h2d", args[0], args[0].numel() * args[0].element_size(), args[0].dtype, self.is_pinned(args[0]),
-                       bool(kwargs.get("non_blocking", False)))
+            copy = self._copy("h2d", args[0], args[0].numel() * args[0].element_size(), args[0].dtype, self.is_pinned(args[0]),
+                              bool(kwargs.get("non_blocking", False)))
+            self._read_later(copy, args[0])
             return _mark(torch.Tensor.clone(args[0]))
         if func is torch.Tensor.to:
             src = args[0]
@@ -387,7 +457,7 @@ class FakeCuda(TorchFunctionMode):
                         self.sync("blocking copy to the host")
                         torch.Tensor.copy_(out, src)
                     return out
-                self._copy("h2d", src, nbytes, src.dtype, self.is_pinned(src), bool(non_blocking))
+                self._read_later(self._copy("h2d", src, nbytes, src.dtype, self.is_pinned(src), bool(non_blocking)), src)
                 return _mark(torch.Tensor.to(src, dtype=dtype or src.dtype, copy=True))
             out = torch.Tensor.to(src, dtype=dtype or src.dtype)
             return _mark(out) if src_gpu else out

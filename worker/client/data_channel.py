@@ -28,6 +28,7 @@ import grpc
 import msgpack
 
 from tether.protos import framing as dp
+from tether.worker.client import region_pins
 
 __all__ = ["SHM_MIN_BYTES", "DataConnection", "DataPlane", "DataPlaneStatus"]
 
@@ -196,9 +197,7 @@ class DataConnection:
             if region is not None:
                 region.close()
             raise
-        if self.region is not None:
-            self.region.close()
-            self.region = None
+        self._drop_region()
         if region is not None and isinstance(hello, dict) and hello.get("shm"):
             self.region = region
         elif region is not None:
@@ -264,6 +263,9 @@ class DataConnection:
         self._live.settimeout(timeout_s)
         self._use_region = self.shm and out.nbytes + response_bytes >= SHM_MIN_BYTES
         if self._use_region:
+            if self.region is not None:
+                # A GPU copy may still be reading the last answer from it (tether.worker.client.region_pins).
+                region_pins.settle(self.region.view)
             need = dp.align(out.nbytes) + response_bytes + dp.ALIGN
             if self.region is None or need > self.region.size:
                 self._hello(max(need * 2, _MIN_REGION), timeout_s)
@@ -299,15 +301,22 @@ class DataConnection:
         poller.register(self._live, select.POLLIN | select.POLLPRI)
         return bool(poller.poll(0))
 
+    def _drop_region(self) -> None:
+        """Unmap the region, once no GPU copy reads it any more (unregistering its pinned pages first)."""
+        if self.region is not None:
+            try:
+                region_pins.release(self.region.view)
+            finally:
+                self.region.close()
+                self.region = None
+
     def close(self) -> None:
         """Close the socket and unmap the region."""
         try:
             if self._sock is not None:
                 self._sock.close()
         finally:
-            if self.region is not None:
-                self.region.close()
-                self.region = None
+            self._drop_region()
 
 
 class DataPlane:

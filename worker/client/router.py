@@ -3,9 +3,10 @@ per shard, and the shards' answers placed back into one result."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +19,7 @@ from tether.protos.errors import InvalidArgument
 from tether.protos.partition import dense_shard, split_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.client.config import ClientConfig
+from tether.worker.client.device_pull import DevicePull, DeviceRows
 from tether.worker.client.results import PullResult, Splits
 
 __all__ = ["JOIN_ELEMENTS", "DenseLayout", "PullAnswer", "PullPlan", "Router", "ShardedPart"]
@@ -39,10 +41,13 @@ class PullPlan:
     response_bytes: dict[int, int] = field(default_factory=dict)
     table_versions: dict[tuple[int, str], int] = field(default_factory=dict)
     dense_versions: dict[tuple[str, int], int] = field(default_factory=dict)
+    # The rows that arrive in a registered shared region go to the device from there (``Router.rows_to``).
+    device: DevicePull | None = None
 
     def result(self) -> PullResult:
         dense = {name: flat.view(self.shapes[name]) for name, flat in self.flats.items()}
-        return PullResult(self.rows, dense, self.table_versions, self.dense_versions)
+        rows = self.rows if self.device is None else {**self.rows, **self.device.finish(self.rows, self.positions)}
+        return PullResult(rows, dense, self.table_versions, self.dense_versions)
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,21 @@ class Router:
         # another in one buffer (a CUDA worker's ``PSModel`` turns this on): its copy to the GPU
         # is then one asynchronous copy of what was received, with no host copy before it.
         self.pin_memory = False
+        # Per thread: where the pulls it starts put rows that arrive in a shared region (``rows_to``).
+        self._scope = threading.local()
+
+    @contextlib.contextmanager
+    def rows_to(self, sink: DeviceRows | None) -> Iterator[None]:
+        """Pulls (and push_pulls) this thread starts inside the block put the rows that arrive in a
+        shared region registered as pinned memory on ``sink``'s device, copied from the region
+        itself (``DevicePull``); their ``PullResult`` then holds those widths' rows on the device.
+        None: on the host, as outside the block."""
+        before = getattr(self._scope, "sink", None)
+        self._scope.sink = sink
+        try:
+            yield
+        finally:
+            self._scope.sink = before
 
     # -- declare -----------------------------------------------------------------------------
 
@@ -168,6 +188,9 @@ class Router:
             flats={name: torch.empty(layout.numel, pin_memory=self.pin_memory) for name, layout in layouts.items()},
             shapes={name: layout.shape for name, layout in layouts.items()},
         )
+        sink = getattr(self._scope, "sink", None)
+        if sink is not None:
+            plan.device = DevicePull(sink, {table: (self.dims[table], arr.size) for table, arr in arrays.items()})
         itemsize = self.config.wire_dtype.itemsize
 
         def req(s: int) -> pb.PullRequest:
@@ -275,9 +298,17 @@ class Router:
         self, plan: PullPlan, shard: int, response: pb.PullResponse, payload: memoryview | None, placed: frozenset = frozenset()
     ) -> None:
         """Copy one shard's pulled rows and chunks into the result (while ``payload`` is valid),
-        but for the blocks in ``placed``, received there already (``PullAnswer.direct``)."""
+        but for the blocks in ``placed``, received there already (``PullAnswer.direct``), and
+        the rows a ``DevicePull`` puts on the device straight from a shared region."""
+        device = plan.device
+        on_device = device.place(shard, response, payload, plan.positions) if device is not None and payload is not None else frozenset()
         for block in response.sparse:
             pos = plan.positions[(shard, block.table)]
+            if block.table in on_device:
+                plan.table_versions[(shard, block.table)] = block.read_version
+                continue
+            if device is not None:
+                device.placed_on_host(shard, block.table)
             if ("sparse", block.table) in placed:
                 pass
             elif pos is None:

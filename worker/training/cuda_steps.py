@@ -65,7 +65,8 @@ class CudaSteps:
     def _stage(self, prefetch: Prefetch, handle: Handle[PullResult], timeout: float | None = None) -> Staged:
         """Wait for a pull and copy it to the device on the side stream, from pinned memory: the
         rows of each width as received (one buffer when the router pinned them, else joined
-        into one), every table's ids and the batch's inverse in one buffer, the dense values."""
+        into one; none where the pull put them on the device from a shared region), every
+        table's ids and the batch's inverse in one buffer, the dense values."""
         pulled = handle.result(timeout)
         ids = list(prefetch.ids.values())
         n = sum(len(i) for i in ids)
@@ -76,8 +77,10 @@ class CudaSteps:
         if inverse is not None:
             host_ids[n:].view(inverse.shape[1], inverse.shape[0]).copy_(inverse.t())
         flat = pulled.dense.get(self.FLAT)
-        # Rows a device cache answered are on the device already (its bank's answer, which it
-        # wrote on this thread's stream): joined there; the others copied from pinned memory.
+        # Rows on the device already are joined there: a device cache's answer (its bank's, which
+        # it wrote on this thread's stream), or rows that came in a shard's shared region,
+        # copied from the region itself on the side stream (``Router.rows_to``), so the event
+        # below comes after them. The others are copied from pinned memory.
         widths = self._by_width(prefetch, pulled)
         groups = [(tables, device_joined([pulled.rows[t] for t in tables])) for tables in widths
                   if pulled.rows[tables[0]].device.type == "cuda"]

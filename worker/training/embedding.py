@@ -17,6 +17,7 @@ runs on the calling thread as it always did.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,6 +34,7 @@ from tether.rules.push_hooks import finite
 from tether.worker.cache.client import CachedClient
 from tether.worker.cache.parts import RowCacheConfig
 from tether.worker.client.api import ShardClient
+from tether.worker.client.device_pull import DeviceRows
 from tether.worker.client.results import Handle, PullResult
 from tether.worker.client.router import JOIN_ELEMENTS, Router
 from tether.worker.client.traffic import TrafficMeter
@@ -142,12 +144,13 @@ class PSModel(CudaSteps):
                              list[tuple[torch.Tensor, list[tuple[str, torch.Tensor, int, int]]]]] | None = None
         self._fused_ok: bool | None = None
         self._executor: ThreadPoolExecutor | None = None
+        router = getattr(client, "router", None)
+        self._router = router if isinstance(router, Router) else None
         if self._cuda:
             self._index = device.index if device.index is not None else torch.cuda.current_device()
             self._side = torch.cuda.Stream(device=self._index)
-            router = getattr(client, "router", None)
-            if isinstance(router, Router):
-                router.pin_memory = True
+            if self._router is not None:
+                self._router.pin_memory = True
         for bag in self._all_bags():
             bag.set_fetcher(self._fetch)
         # Training pulls and pushes go through the row cache (tether.worker.cache.row_cache; with none,
@@ -159,6 +162,11 @@ class PSModel(CudaSteps):
         self.rows = CachedClient(client, cache or RowCacheConfig(), dims, self.meter, device=device)
         # A cache on the device (tether.worker.cache.device): the row gradients stay there (``collect``).
         self._rows_on_device = self.rows.cache is not None and hasattr(self.rows.cache, "banks")
+        # CUDA without a row cache (which takes its misses on the host): rows that arrive in a
+        # shard's shared region go to the GPU from the region itself, on the side stream
+        # (``Router.rows_to``); ``_stage`` then finds them there.
+        self._pull_to = DeviceRows(torch.device("cuda", self._index), self._side) if (
+            self._cuda and self._router is not None and self.rows.cache is None) else None
         self._eval_warned = False
         if hasattr(model, "fused_lookup"):
             setattr(model, "fused_lookup", self.lookup)  # noqa: B010 - an attribute torch's Module typing does not know
@@ -234,7 +242,12 @@ class PSModel(CudaSteps):
             return Prefetch(unique, client.pull(unique, names), columns=columns, inverse=inverse, fresh=fresh)
         prefetch = Prefetch(unique, Handle([], first), columns=columns, inverse=inverse, fresh=fresh)
         # Sent from the transfer thread too, so it leaves after the pushes handed to it before.
-        prefetch.staged = self._transfers().submit(lambda: self._stage(prefetch, client.pull(unique, names)))
+        def send() -> Staged:
+            with self._pulls_to_device():
+                started = client.pull(unique, names)
+            return self._stage(prefetch, started)
+
+        prefetch.staged = self._transfers().submit(send)
         prefetch.handle = Handle([prefetch.staged], pulled_of)
         return prefetch
 
@@ -267,6 +280,12 @@ class PSModel(CudaSteps):
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t if self._host else t.to(self.device)
+
+    def _pulls_to_device(self) -> contextlib.AbstractContextManager[None]:
+        """Around the transfer thread's training pulls: rows in a shared region go to the GPU from there."""
+        if self._pull_to is None or self._router is None:
+            return contextlib.nullcontext()
+        return self._router.rows_to(self._pull_to)
 
     def _bind(self, prefetch: Prefetch, groups: list[tuple[list[str], torch.Tensor]], ids: dict[str, torch.Tensor], train: bool) -> None:
         """Bind every bag of the prefetch's tables to its slice of its width's rows, and the others to none."""
@@ -443,7 +462,8 @@ class PSModel(CudaSteps):
 
         def send() -> Staged:
             prefetch.ids, prefetch.columns, prefetch.inverse = self._unique_of(joined)
-            started = self.rows.push_pull(grads, dense, prefetch.ids, names, clock=clock, versions=versions)
+            with self._pulls_to_device():
+                started = self.rows.push_pull(grads, dense, prefetch.ids, names, clock=clock, versions=versions)
             return self._stage(prefetch, started)
 
         prefetch.staged = self._transfers().submit(send)
