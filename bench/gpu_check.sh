@@ -10,7 +10,10 @@
 #    one GPU worker and the preset's push window (2); SHARDS=1 measures one shard as before; each
 #    invocation also runs the job with the row cache on the GPU at CACHE (default 20/20, the bound
 #    bench/RESULTS.md recommends; CACHE= leaves it out), its share and ratio in the same table;
-# 3. the default model on cuda once, against the figures of 572805c in bench/RESULTS.md.
+# 3. the default model on cuda once, against the figures of 572805c in bench/RESULTS.md;
+# and, after the tests (which add tests/test_pinned_regions.py), bench/region_pull.py: whether the
+#    platform registers a shard's shared region as pinned memory, and a preset gpu pull onto the
+#    GPU straight from the region against one copy into pinned memory first (ms and worker CPU ms).
 # Each part is bounded by `timeout`, and its output goes to OUTDIR (default: runs/gpu-check).
 # On a machine with no package index, wheels in .whl/ (grpcio, protobuf, grpcio-health-checking)
 # are installed into /tmp/site first.
@@ -30,7 +33,11 @@ $PY -c "import tether" 2>/dev/null || $PY -m pip install -q --no-index --no-deps
 } 2>&1 | tee "$OUTDIR/machine.txt"
 
 echo "== tests"
-timeout "${TESTS_S:-300}" $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_overlap.py tests/test_device_cache.py 2>&1 | tee "$OUTDIR/tests.log"
+timeout "${TESTS_S:-300}" $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_overlap.py tests/test_device_cache.py \
+    tests/test_pinned_regions.py 2>&1 | tee "$OUTDIR/tests.log"
+
+echo "== a preset gpu pull onto the GPU: straight from the shared region, and with one copy into pinned memory"
+timeout "${REGION_BENCH_S:-120}" $PY bench/region_pull.py 2>&1 | tee "$OUTDIR/region-pull.log"
 
 CACHE=${CACHE-20/20}
 CACHE_ARGS=()

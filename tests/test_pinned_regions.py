@@ -286,3 +286,26 @@ def test_a_cpu_worker_registers_nothing_and_keeps_its_rows_on_the_host(local_sha
         assert client.transports() == ["shm"] and ps._pull_to is None
         assert all(r.device.type == "cpu" and not r.is_pinned() for r in pulled.rows.values())
         assert not region_pins._regions and region_pins.refused() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_real_gpu_the_rows_from_the_region_are_the_shards_rows(local_shard: str) -> None:
+    """Where the platform registers the region, the rows come from it; where it refuses, through
+    pinned memory; right either way (bench/gpu_check.sh prints which in bench/region_pull.py's line)."""
+    batches = [_batch(0), _batch(3000), _batch(0)]
+    expected = _expected(local_shard, batches)
+    device = torch.device("cuda", 0)
+    with make_client([local_shard]) as client:
+        client.router.pin_memory = True
+        _declare(client)
+        stream = torch.cuda.Stream(device=device)
+        for b, want in zip(batches, expected, strict=True):
+            with client.router.rows_to(DeviceRows(device, stream)):
+                got = client.pull(b).result(10)
+            stream.synchronize()
+            on = "cpu" if region_pins.refused() else "cuda"
+            for t in want:
+                assert got.rows[t].device.type == on and torch.equal(got.rows[t].cpu(), want[t]), t
+        assert client.transports() == ["shm"]
+        assert region_pins.registered() == (0 if region_pins.refused() else 1)
+    assert region_pins.registered() == 0

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Pinned", "fence", "pinned", "refused", "release", "settle"]
+__all__ = ["Pinned", "fence", "pinned", "refused", "registered", "release", "settle"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,12 @@ def _cuda_call(name: str, *args: int, device: torch.device | None = None) -> str
     thread.start()
     thread.join()
     return out[0] if out else f"{name} did not return"
+
+
+def registered() -> int:
+    """How many regions are registered now."""
+    with _lock:
+        return len(_regions)
 
 
 def refused() -> str | None:

@@ -282,8 +282,10 @@ class PSModel(CudaSteps):
         return t if self._host else t.to(self.device)
 
     def _pulls_to_device(self) -> contextlib.AbstractContextManager[None]:
-        """Around the transfer thread's training pulls: rows in a shared region go to the GPU from there."""
-        if self._pull_to is None or self._router is None:
+        """Around the transfer thread's training pulls: rows in a shared region go to the GPU from
+        there. Not with a remedy that sends the rows as read along with the push (DC-ASGD,
+        gap-aware): it reads them on the host, where they then already are."""
+        if self._pull_to is None or self._router is None or self.client.config.sends_read_values:
             return contextlib.nullcontext()
         return self._router.rows_to(self._pull_to)
 
