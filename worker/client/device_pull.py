@@ -85,6 +85,9 @@ class DevicePull:
         Returns:
             The tables whose rows were placed (the others are the caller's to place on the host).
         """
+        region = region_pins.pinned(payload, self.sink.device)
+        if region is None:  # the socket's buffer, or a region that cannot be registered
+            return frozenset()
         blocks = []
         for block in response.sparse:
             v, table = block.values, block.table
@@ -96,9 +99,6 @@ class DevicePull:
             if host.dtype in _WIRE and host.dim() == 2 and host.shape[1] == dim and host.shape[0] == (n if pos is None else len(pos)):
                 blocks.append((table, v.payload_offset, v.payload_bytes, host.dtype, tuple(host.shape), pos))
         if not blocks:
-            return frozenset()
-        region = region_pins.pinned(payload, self.sink.device)
-        if region is None:
             return frozenset()
         lo = min(b[1] for b in blocks)
         lo -= lo % dp.ALIGN  # every block then starts at a multiple of its element size in the device copy
