@@ -68,7 +68,6 @@ class DevicePull:
         self._on_device: set[tuple[int, str]] = set()  # (shard, table): its rows were placed from a region
         self._lock = threading.Lock()
         self._rows: dict[str, torch.Tensor] | None = None
-        self.from_regions = 0  # bytes copied to the device straight from a region
 
     def _buffer(self, dim: int) -> torch.Tensor:
         """The device buffer of width ``dim`` (made on the sink's stream at first need)."""
@@ -128,7 +127,6 @@ class DevicePull:
                     at += len(pos)
         with self._lock:
             self._on_device.update((shard, b[0]) for b in blocks)
-            self.from_regions += hi - lo
         return frozenset(b[0] for b in blocks)
 
     def placed_on_host(self, shard: int, table: str) -> None:
