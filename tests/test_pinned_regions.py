@@ -309,3 +309,25 @@ def test_on_a_real_gpu_the_rows_from_the_region_are_the_shards_rows(local_shard:
         assert client.transports() == ["shm"]
         assert region_pins.registered() == (0 if region_pins.refused() else 1)
     assert region_pins.registered() == 0
+
+
+def test_a_region_that_grows_is_unregistered_after_its_copy_and_the_new_one_registered(local_shard: str) -> None:
+    small, big = _batch(0), {"a": torch.arange(10_000, 19_000), "b": torch.arange(0, 10) * 7}  # 0.07 and 1.15 MiB
+    expected = _expected(local_shard, [small, big])
+    with FakeCuda(late_reads=True) as fake, make_client([local_shard]) as client:
+        _declare(client)
+        stream = torch.cuda.Stream()
+        results = []
+        for b in (small, big):
+            with client.router.rows_to(DeviceRows(CUDA, stream)):
+                results.append(client.pull(b).result(10))
+        # The 1 MiB region was registered, then waited for and unregistered when the connection
+        # offered a larger one for the big answer, which was registered in turn.
+        (r1, first, _), (u1, gone, _), (r2, second, size) = fake.register_calls
+        assert (r1, u1, r2) == ("register", "unregister", "register") and first == gone != second and size > 2 * (1 << 20)
+        assert fake.registered == {second: size} and fake.syncs.count("Event.synchronize") == 1
+        torch.cuda.synchronize()
+        assert fake.overwritten == []
+        for got, want in zip(results, expected, strict=True):
+            assert all(torch.equal(got.rows[t].cpu(), want[t]) for t in want)
+    assert not fake.registered
