@@ -105,7 +105,8 @@ def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
     k's answer at ``row_offs[k]``) and their read versions into ``oldest[k, shard]`` (the
     minimum). Cached ids are marked used at ``now``; a cached row pulled again starts its
     ``fresh`` local changes from its held (``mine``) ones: what the answer will lack. Also returns
-    each id's slot (-1: not cached; the device cache's gathers, ``tether.worker.cache.device``)."""
+    each id's slot (-1: not cached; the device cache's gathers, ``tether.worker.cache.device``),
+    the positions of the misses and of the refreshed-later rows, and where part k's misses start."""
     n = len(ids)
     code = np.zeros(n, np.int8)
     found = np.empty(n, np.int64)
@@ -142,7 +143,25 @@ def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
             elif s >= 0:
                 counts[k, 1] += 1
                 fr[s, :] = mi[s, :]
-    return code, counts, found
+    # The misses' and the later rows' positions, and where each part's misses start.
+    nmiss = nlater = 0
+    for i in range(n):
+        nmiss += code[i] == 0
+        nlater += code[i] == 2
+    miss = np.empty(nmiss, np.int64)
+    later = np.empty(nlater, np.int64)
+    miss_offs = np.zeros(len(tidx) + 1, np.int64)
+    a = b = 0
+    for k in range(len(tidx)):
+        for i in range(offs[k], offs[k + 1]):
+            if code[i] == 0:
+                miss[a] = i
+                a += 1
+            elif code[i] == 2:
+                later[b] = i
+                b += 1
+        miss_offs[k + 1] = a
+    return code, counts, found, miss, later, miss_offs
 
 
 @compiled(inline="always")

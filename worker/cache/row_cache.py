@@ -213,10 +213,8 @@ class RowCache:
         ``row_offs`` (the host cache; the device cache passes no floats)."""
         bound = self.config.bound
         flights, foffs = self._flights(now) if bound > 0 else (NO_IDS, NO_FLIGHTS)
-        code, done, found = plan_all(*self._columns(), parts, ids, offs, now, bound, flights, foffs, out, row_offs, oldest)
-        miss = np.flatnonzero(code == 0)
-        later = np.flatnonzero(code == 2) if bound > 0 else NO_IDS
-        miss_offs = np.searchsorted(miss, offs)
+        code, done, found, miss, later, miss_offs = plan_all(*self._columns(), parts, ids, offs, now, bound, flights, foffs, out, row_offs,
+                                                             oldest)
         miss_ids = ids[miss]
         if bound > 0:
             table_offs = np.zeros(len(self._tabs) + 1, np.int64)
