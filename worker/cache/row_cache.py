@@ -42,8 +42,10 @@ Each table's slots and id index (a compiled hash table) are ``tether.worker.cach
 each step's passes (plan, store, hold with the local rule's changes, take) are compiled loops
 over all tables at once, one call each (``tether.worker.cache.batch``); the push side (hold,
 take) is the second half of ``RowCache``. ``take_all`` writes a push's sums and its combined
-statistics in the layout the wire takes (one buffer each; a table's part is a view of them), so
-what stays per table in Python is the local rule's step (one compiled call per table).
+statistics in the layout the wire takes (one buffer each; a table's part is a view of them).
+The local rule's step is taken inside ``hold_all``, table by table while its rows are in the CPU's
+caches, by each rule's own compiled kernel (``tether.rules.rows_by_rule``); a new row's rule state
+is set as ``store_all`` places it.
 """
 
 from __future__ import annotations
