@@ -32,8 +32,10 @@ from tether.worker.cache.batch import loads as batch_loads
 from tether.worker.cache.kernels import META, oldest_per_shard
 from tether.worker.cache.kernels import loads as cache_loads
 
-__all__ = ["CACHE_USUAL_S", "NONE", "STALE", "Due", "Table", "Taken", "coalesce", "start_warm_up", "wait_warm_up", "warm_up"]
+__all__ = ["CACHE_USUAL_S", "EVICT_SHARE", "NONE", "STALE", "Due", "Table", "Taken", "coalesce", "start_warm_up", "wait_warm_up", "warm_up"]
 
+# A full table evicts at least this share of its capacity at once (``Table.victims``), as a shard's does.
+EVICT_SHARE = 16
 STALE = np.iinfo(np.int64).min // 2  # a read clock no bound reaches: refreshed on the next pull
 NONE = np.iinfo(np.int64).max  # no pending gradient / no read version yet
 _NO_IDS = np.zeros(0, np.int64)
@@ -187,8 +189,12 @@ class Table:
         return ids, sums, torch.from_numpy(stats)
 
     def victims(self, n: int, protected: np.ndarray, policy: str) -> np.ndarray:
-        """The slots of up to ``n`` rows to evict, none of ``protected`` (ids): the least recently
-        used (lru) or the least used, ties broken by recency (lfu), ties to the lowest slot."""
+        """The slots of up to ``n`` rows to evict, at least ``1 / EVICT_SHARE`` of the capacity
+        (a full table makes room in batches, as a shard's table does: finding victims scans every
+        row, so it runs once per that many placements, not at every pull), none of ``protected``
+        (ids): the least recently used (lru) or the least used, ties broken by recency (lfu), ties
+        to the lowest slot."""
+        n = max(n, self.capacity // EVICT_SHARE)
         mask = self.used[: self.top].copy()
         prot = self.slots_of(protected)
         mask[prot[prot >= 0]] = False
