@@ -238,12 +238,17 @@ def apply_rows(update_rule: UpdateRule, cfg: OptimizerConfig, update: RowUpdate,
         return
     # The masks in numpy: torch's compare and boolean index cost 15-20 us more per table part.
     stats = combined.to(torch.float32).numpy()
+    if not len(stats):
+        return
     many = stats[:, 0] != -1
+    nmany = int(np.count_nonzero(many))
+    if nmany == len(many):  # every row a sum (a row cache's push at its write bound): no row gathered
+        combine_rows(update_rule, cfg, weights, state, slots, grads, lr, torch.from_numpy(stats))
+        return
     one = ~many
-    if one.any():
-        update(weights.numpy(), {k: t.numpy() for k, t in state.items()}, np.ascontiguousarray(slots[one]),
-               np.ascontiguousarray(grads[one]), np.ascontiguousarray(lr[one]))
-    if many.any():
+    update(weights.numpy(), {k: t.numpy() for k, t in state.items()}, np.ascontiguousarray(slots[one]),
+           np.ascontiguousarray(grads[one]), np.ascontiguousarray(lr[one]))
+    if nmany:
         combine_rows(update_rule, cfg, weights, state, slots[many], grads[many], lr[many], torch.from_numpy(stats[many]))
 
 
