@@ -377,3 +377,54 @@ def test_the_trainer_hands_its_training_configs_cache_to_the_model() -> None:
         assert trainer.ps.rows.cache is not None and trainer.ps.rows.cache.config == config.row_cache
     with Trainer(One(), TrainingConfig(local=True), loss=lambda m, b: m(b).sum(), sparse=lambda b: {"t": b["t"]}) as trainer:
         assert trainer.ps.rows.cache is None
+
+
+_EARLY_TABLE = TableConfig(name="t", dim=4, optimizer=OptimizerConfig(name="adagrad", lr=0.1), seed=3)
+
+
+def _early_client(**early: object) -> tuple[CachedClient, LocalClient]:
+    local = LocalClient()
+    local.declare([_EARLY_TABLE])
+    return CachedClient(local, RowCacheConfig(10, 10, 10, **early), {"t": 4}, TrafficMeter({"t": 4}, 4)), local  # type: ignore[arg-type]
+
+
+def test_a_hot_row_is_pushed_before_its_write_bound_as_one_combined_push() -> None:
+    cached, local = _early_client(hot=2)
+    assert cached.cache is not None
+    hot, cold = _ids(5), _ids(7)
+    g = [torch.randn(1, 4, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    start = local.pull({"t": cold}).result().rows["t"].clone()
+    p = cached.pull({"t": _ids(5, 7)}).result()
+    cached.push({"t": (_ids(5, 7), torch.cat([g[0], torch.ones(1, 4)]))}, clock=1, versions=p).result()
+    cached.push({"t": (hot, g[1])}, clock=2, versions=p).result()
+    assert cached.cache.pending_rows() == 1  # row 5 held 2 gradients: pushed at clock 2; row 7 one, still held
+    assert torch.equal(local.pull({"t": cold}).result().rows["t"], start)
+    _, reference = _early_client()
+    reference.push({"t": (hot, g[0] + g[1])}).result()
+    assert torch.equal(local.pull({"t": hot}).result().rows["t"], reference.pull({"t": hot}).result().rows["t"])
+    cached.push({}, clock=11, versions=p).result()  # row 7's write bound; row 5's entry from clock 1 is no longer held
+    assert cached.cache.pending_rows() == 0
+
+
+@pytest.mark.parametrize(("threshold", "held"), [(1e-9, 0), (1e9, 2)])
+def test_a_significant_held_change_is_pushed_at_once(threshold: float, held: int) -> None:
+    cached, local = _early_client(significance=threshold)
+    assert cached.cache is not None
+    cached.cache.use_tables([_EARLY_TABLE])  # the local rule's change is what is weighed against the row
+    ids = _ids(5, 9)
+    p = cached.pull({"t": ids}).result()
+    cached.push({"t": (ids, torch.ones(2, 4))}, clock=1, versions=p).result()
+    assert cached.cache.pending_rows() == held
+    cached.push({"t": (ids, torch.ones(2, 4))}, clock=2, versions=p).result()
+    assert cached.cache.pending_rows() == held
+
+
+def test_early_push_flags() -> None:
+    config = TrainingConfig(local=True, cache_rows=100, cache_bound=3, cache_significance=0.5, cache_hot=4)
+    assert config.row_cache == RowCacheConfig(100, 3, None, "lru", None, 0.5, 4)
+    with pytest.raises(ValueError, match="--cache-significance"):
+        TrainingConfig(local=True, cache_rows=100, cache_significance=-1.0)
+    with pytest.raises(ValueError, match="--cache-hot"):
+        TrainingConfig(local=True, cache_rows=100, cache_hot=-1)
+    with pytest.raises(ValueError, match="without --cache-rows"):
+        TrainingConfig(local=True, cache_hot=2)

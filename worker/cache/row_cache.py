@@ -60,7 +60,7 @@ from tether.protos.specs import TableConfig
 from tether.rules.optimizers import rule
 from tether.rules.rows_by_rule import MAX_CONSTANTS, rule_code, rule_constants, rule_states
 from tether.worker.cache.batch import hold_all, later_all, plan_all, store_all, take_all
-from tether.worker.cache.kernels import Columns, columns, set_cells, typed_list
+from tether.worker.cache.kernels import MINE, PEND, PS, VALS, Columns, columns, set_cells, typed_list
 from tether.worker.cache.parts import NO_FLIGHTS, NO_IDS, NO_ROWS, Plan, Pushed, RowCacheConfig, as_ids, offsets, read_versions
 from tether.worker.cache.slots import NONE, STALE, Due, Table, Taken, coalesce, start_warm_up, wait_warm_up
 from tether.worker.cache.split import by_shard, group_ids
@@ -104,6 +104,8 @@ class RowCache:
         self._inflight: list[tuple[int, int, np.ndarray, np.ndarray]] = []
         # Rows first held at a clock: (clock, their slots, their tables), so what is due is found without a scan.
         self._queue: list[tuple[int, np.ndarray, np.ndarray]] = []
+        # Held rows due at the next take before their write bound (``_early``): (their first held clocks, slots, tables).
+        self._early: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._parts: dict[tuple[str, ...], tuple[list[str], np.ndarray]] = {}
         self.hits = dict.fromkeys(dims, 0)
         self.refreshed = dict.fromkeys(dims, 0)
@@ -401,12 +403,15 @@ class RowCache:
         slots and first held clocks (``take_all`` takes those still held since then); None if none."""
         writes = self.config.writes
         ready = [e for e in self._queue if flush or clock - e[0] >= writes]
-        if not ready:
+        early, self._early = self._early, []  # never also due by the bound (``_due_early``)
+        if not ready and not early:
             return None
         self._queue = [e for e in self._queue if not (flush or clock - e[0] >= writes)]
-        slots = ready[0][1] if len(ready) == 1 else np.concatenate([e[1] for e in ready])
-        tables = ready[0][2] if len(ready) == 1 else np.concatenate([e[2] for e in ready])
-        since = np.concatenate([np.full(len(e[1]), e[0], np.int64) for e in ready])
+        if flush:  # every held row is in ``ready``
+            early = []
+        slots = np.concatenate([*(e[1] for e in ready), *(e[1] for e in early)])
+        tables = np.concatenate([*(e[2] for e in ready), *(e[2] for e in early)])
+        since = np.concatenate([*(np.full(len(e[1]), e[0], np.int64) for e in ready), *(e[0] for e in early)])
         return tables, slots, since
 
     def _taken(self, ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, square: np.ndarray, grads: np.ndarray, shards: np.ndarray,
@@ -446,14 +451,43 @@ class RowCache:
         rules = self._rules[parts]
         lrs = np.array([self._tabs[g].rate(clock) if r >= 0 else 0.0 for g, r in zip(parts.tolist(), rules.tolist(), strict=True)],
                        np.float32)
-        _, _, first, missing, missing_shards, counts = hold_all(*self._columns(), parts, ids, offs, flat, g_offs, read, clock,
+        held, _, first, missing, missing_shards, counts = hold_all(*self._columns(), parts, ids, offs, flat, g_offs, read, clock,
                                                                 self.num_shards, rules, lrs, self._states, self._sbase[parts],
                                                                 self._consts[parts])
         if len(first):
             self._holding[parts] += counts[:, 1]
             self._queue.append((clock, first, np.repeat(parts, counts[:, 1])))
+        if (self.config.significance or self.config.hot) and len(held):
+            self._due_early(held, parts, counts[:, 0], clock, lrs)
         if len(missing):  # not cached (the table was full): pushed at once, each row one gradient
             self._unheld(names, offs, rows, ids, missing, missing_shards, read, due)
+
+    def _due_early(self, held: np.ndarray, parts: np.ndarray, counts: np.ndarray, clock: int, lrs: np.ndarray) -> None:
+        """Of the rows this step's gradients were held for (``held``: part k's ``counts[k]`` slots
+        one after another), queue for this clock's push those whose held change is significant
+        (``config.significance``: ||change held|| > significance * ||row||, Gaia's filter; the
+        change is the local rule's, else the rate times the held gradients' sum) or that hold
+        ``config.hot`` gradients or more; the write bound stays their ceiling."""
+        cells_l, meta_l, floats = self._columns()[:3]
+        nt, writes, at = len(cells_l), self.config.writes, 0
+        for k, n in enumerate(counts.tolist()):
+            s, at = held[at: at + n], at + n
+            if not n:
+                continue
+            t = int(parts[k])
+            since = meta_l[t][s, PS]
+            due = clock - since < writes  # those due by the bound now are taken anyway
+            dim = floats[VALS * nt + t].shape[1]
+            early = np.zeros(n, np.bool_)
+            if self.config.hot:
+                early |= floats[PEND * nt + t][s, dim + 1] >= self.config.hot
+            if self.config.significance and dim:
+                change = floats[MINE * nt + t][s] if self._rules[t] >= 0 else floats[PEND * nt + t][s, :dim] * lrs[k]
+                row = floats[VALS * nt + t][s]
+                early |= (change * change).sum(1) > np.float32(self.config.significance ** 2) * (row * row).sum(1)
+            due &= early
+            if due.any():
+                self._early.append((since[due], s[due], np.full(int(due.sum()), t, np.int64)))
 
     def _unheld(self, names: list[str], offs: np.ndarray, rows: list[np.ndarray], ids: np.ndarray, missing: np.ndarray,
                 missing_shards: np.ndarray, read: np.ndarray, due: Due) -> None:
