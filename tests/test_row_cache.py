@@ -408,7 +408,7 @@ def test_a_hot_row_is_pushed_before_its_write_bound_as_one_combined_push() -> No
 
 @pytest.mark.parametrize(("threshold", "held"), [(1e-9, 0), (1e9, 2)])
 def test_a_significant_held_change_is_pushed_at_once(threshold: float, held: int) -> None:
-    cached, local = _early_client(significance=threshold)
+    cached, _ = _early_client(significance=threshold)
     assert cached.cache is not None
     cached.cache.use_tables([_EARLY_TABLE])  # the local rule's change is what is weighed against the row
     ids = _ids(5, 9)
