@@ -406,24 +406,33 @@ def test_a_hot_row_is_pushed_before_its_write_bound_as_one_combined_push() -> No
     assert cached.cache.pending_rows() == 0
 
 
-@pytest.mark.parametrize(("threshold", "held"), [(1e-9, 0), (1e9, 2)])
-def test_a_significant_held_change_is_pushed_at_once(threshold: float, held: int) -> None:
-    cached, _ = _early_client(significance=threshold)
+@pytest.mark.parametrize(("hot", "held"), [(1, 0), (3, 2)])
+def test_hot_one_pushes_every_held_row_at_once_and_a_row_never_goes_twice(hot: int, held: int) -> None:
+    cached, local = _early_client(hot=hot)
     assert cached.cache is not None
-    cached.cache.use_tables([_EARLY_TABLE])  # the local rule's change is what is weighed against the row
+    cached.cache.use_tables([_EARLY_TABLE])
     ids = _ids(5, 9)
     p = cached.pull({"t": ids}).result()
-    cached.push({"t": (ids, torch.ones(2, 4))}, clock=1, versions=p).result()
+    for clock in (1, 2):
+        cached.push({"t": (ids, torch.ones(2, 4))}, clock=clock, versions=p).result()
+        assert cached.cache.pending_rows() == held
+    cached.push({}, clock=3, versions=p).result()  # no third gradient: held until the write bound
     assert cached.cache.pending_rows() == held
-    cached.push({"t": (ids, torch.ones(2, 4))}, clock=2, versions=p).result()
-    assert cached.cache.pending_rows() == held
+    cached.push({}, clock=11, versions=p).result()  # W = 10 clocks after clock 1
+    assert cached.cache.pending_rows() == 0
+    # Either way the shard saw both gradients once each: every step's ones pushed (hot 1), or their sum once.
+    _, reference = _early_client()
+    reference.push({"t": (ids, torch.ones(2, 4))}).result()
+    if hot == 1:
+        reference.push({"t": (ids, torch.ones(2, 4))}).result()
+        assert torch.allclose(local.pull({"t": ids}).result().rows["t"], reference.pull({"t": ids}).result().rows["t"])
+    else:
+        assert not torch.equal(local.pull({"t": ids}).result().rows["t"], reference.pull({"t": ids}).result().rows["t"])
 
 
 def test_early_push_flags() -> None:
-    config = TrainingConfig(local=True, cache_rows=100, cache_bound=3, cache_significance=0.5, cache_hot=4)
-    assert config.row_cache == RowCacheConfig(100, 3, None, "lru", None, 0.5, 4)
-    with pytest.raises(ValueError, match="--cache-significance"):
-        TrainingConfig(local=True, cache_rows=100, cache_significance=-1.0)
+    config = TrainingConfig(local=True, cache_rows=100, cache_bound=3, cache_hot=4)
+    assert config.row_cache == RowCacheConfig(100, 3, None, "lru", None, 4)
     with pytest.raises(ValueError, match="--cache-hot"):
         TrainingConfig(local=True, cache_rows=100, cache_hot=-1)
     with pytest.raises(ValueError, match="without --cache-rows"):

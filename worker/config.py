@@ -209,11 +209,9 @@ class TrainingConfig:
                                             "clocks old, or the row is evicted (default: --cache-bound)")
     cache_policy: str = setting(choices.CACHE_POLICIES[0], flag="--cache-policy", choices=choices.CACHE_POLICIES, group=JOB,
                                 help="which cached row goes when a table's cache is full: lru or lfu")
-    cache_significance: float = setting(0.0, flag="--cache-significance", metavar="X", group=JOB,
-                                        help="push a held row before its write bound once its held change is more than X times "
-                                        "the row (norms; Gaia's significance filter; 0: off)")
     cache_hot: int = setting(0, flag="--cache-hot", metavar="K", group=JOB,
-                             help="push a held row before its write bound once it holds K gradients (0: off)")
+                             help="push a held row before its write bound once it holds K of this worker's gradients, so the "
+                             "rows every worker trains on reach the others sooner (0: off, the default; host cache only)")
     # Pushes in flight per worker (PERSIA's embedding_staleness; tether.worker.training.step): async only.
     push_window: int = setting(1, flag="--push-window", metavar="K", group=JOB,
                                help="async: up to K of this worker's pushes in flight, so a step's rows may miss its last K "
@@ -299,7 +297,7 @@ class TrainingConfig:
         from tether.worker.cache.parts import RowCacheConfig
 
         return RowCacheConfig(rows=self.cache_rows, bound=self.cache_bound, write_bound=self.cache_write_bound, policy=self.cache_policy,
-                              significance=self.cache_significance, hot=self.cache_hot)
+                              hot=self.cache_hot)
 
     @property
     def worker_name(self) -> str:
@@ -401,7 +399,6 @@ class TrainingConfig:
         given = [flag for flag, value, default in (("--cache-bound", self.cache_bound, 0),
                                                    ("--cache-write-bound", self.cache_write_bound, None),
                                                    ("--cache-policy", self.cache_policy, choices.CACHE_POLICIES[0]),
-                                                   ("--cache-significance", self.cache_significance, 0.0),
                                                    ("--cache-hot", self.cache_hot, 0)) if value != default]
         if given and not self.cache_rows:
             raise ValueError(f"{', '.join(given)} without --cache-rows (cache_rows=0: no row cache) would do nothing: "

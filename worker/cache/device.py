@@ -148,8 +148,8 @@ class DeviceRowCache(RowCache):
     docstring). Thread-safe like ``RowCache``: on CUDA the transfer thread calls it."""
 
     def __init__(self, config: RowCacheConfig, dims: Mapping[str, int], num_shards: int, device: torch.device | str) -> None:
-        if config.significance or config.hot:
-            raise ValueError("--cache-significance / --cache-hot: the host row cache only (not on the device yet)")
+        if config.hot:
+            raise ValueError("--cache-hot: the host row cache only (not on the device yet)")
         self.device = torch.device(device)
         capacity = device_capacity(config.rows, dims, self.device)
         if capacity != config.rows:

@@ -32,7 +32,6 @@ class RowCacheConfig:
     write_bound: int | None = None
     policy: str = CACHE_POLICIES[0]
     on_device: bool | None = None
-    significance: float = 0.0
     hot: int = 0
 
     def __post_init__(self) -> None:
@@ -42,8 +41,6 @@ class RowCacheConfig:
                 raise ValueError(f"cache_{name} (--cache-{name}) must be an int >= 0, got {value!r}")
         if self.write_bound is not None and (not isinstance(self.write_bound, int) or self.write_bound < 0):
             raise ValueError(f"cache_write_bound (--cache-write-bound) must be empty or an int >= 0, got {self.write_bound!r}")
-        if isinstance(self.significance, bool) or not isinstance(self.significance, (int, float)) or not self.significance >= 0:
-            raise ValueError(f"cache_significance (--cache-significance) must be a number >= 0, got {self.significance!r}")
         if isinstance(self.hot, bool) or not isinstance(self.hot, int) or self.hot < 0:
             raise ValueError(f"cache_hot (--cache-hot) must be an int >= 0, got {self.hot!r}")
         if self.policy not in POLICIES:

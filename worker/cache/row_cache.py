@@ -60,7 +60,7 @@ from tether.protos.specs import TableConfig
 from tether.rules.optimizers import rule
 from tether.rules.rows_by_rule import MAX_CONSTANTS, rule_code, rule_constants, rule_states
 from tether.worker.cache.batch import hold_all, later_all, plan_all, store_all, take_all
-from tether.worker.cache.kernels import MINE, PEND, PS, VALS, Columns, columns, set_cells, typed_list
+from tether.worker.cache.kernels import PEND, PS, VALS, Columns, columns, set_cells, typed_list
 from tether.worker.cache.parts import NO_FLIGHTS, NO_IDS, NO_ROWS, Plan, Pushed, RowCacheConfig, as_ids, offsets, read_versions
 from tether.worker.cache.slots import NONE, STALE, Due, Table, Taken, coalesce, start_warm_up, wait_warm_up
 from tether.worker.cache.split import by_shard, group_ids
@@ -457,17 +457,17 @@ class RowCache:
         if len(first):
             self._holding[parts] += counts[:, 1]
             self._queue.append((clock, first, np.repeat(parts, counts[:, 1])))
-        if (self.config.significance or self.config.hot) and len(held):
-            self._due_early(held, parts, counts[:, 0], clock, lrs)
+        if self.config.hot and len(held):
+            self._due_early(held, parts, counts[:, 0], clock)
         if len(missing):  # not cached (the table was full): pushed at once, each row one gradient
             self._unheld(names, offs, rows, ids, missing, missing_shards, read, due)
 
-    def _due_early(self, held: np.ndarray, parts: np.ndarray, counts: np.ndarray, clock: int, lrs: np.ndarray) -> None:
+    def _due_early(self, held: np.ndarray, parts: np.ndarray, counts: np.ndarray, clock: int) -> None:
         """Of the rows this step's gradients were held for (``held``: part k's ``counts[k]`` slots
-        one after another), queue for this clock's push those whose held change is significant
-        (``config.significance``: ||change held|| > significance * ||row||, Gaia's filter; the
-        change is the local rule's, else the rate times the held gradients' sum) or that hold
-        ``config.hot`` gradients or more; the write bound stays their ceiling."""
+        one after another), queue for this clock's push those that hold ``config.hot`` gradients
+        or more (``--cache-hot``: the rows trained on every step reach the other workers within K
+        clocks, not W); the write bound stays everyone's ceiling. (A significance filter, Gaia's
+        ||held change|| > X ||row||, was measured and not kept: bench/RESULTS.md.)"""
         cells_l, meta_l, floats = self._columns()[:3]
         nt, writes, at = len(cells_l), self.config.writes, 0
         for k, n in enumerate(counts.tolist()):
@@ -478,14 +478,7 @@ class RowCache:
             since = meta_l[t][s, PS]
             due = clock - since < writes  # those due by the bound now are taken anyway
             dim = floats[VALS * nt + t].shape[1]
-            early = np.zeros(n, np.bool_)
-            if self.config.hot:
-                early |= floats[PEND * nt + t][s, dim + 1] >= self.config.hot
-            if self.config.significance and dim:
-                change = floats[MINE * nt + t][s] if self._rules[t] >= 0 else floats[PEND * nt + t][s, :dim] * lrs[k]
-                row = floats[VALS * nt + t][s]
-                early |= (change * change).sum(1) > np.float32(self.config.significance ** 2) * (row * row).sum(1)
-            due &= early
+            due &= floats[PEND * nt + t][s, dim + 1] >= self.config.hot  # the held gradients' count, past the sum and mean square
             if due.any():
                 self._early.append((since[due], s[due], np.full(int(due.sum()), t, np.int64)))
 
