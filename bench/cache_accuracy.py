@@ -8,7 +8,7 @@ The ratings are the example's synthetic MovieLens-format data at MovieLens-100k'
 ratings, 943 users, 1,682 movies; `movielens.write_ratings`), not the real data set.
 
     python bench/cache_accuracy.py --seeds 0,1,2 --bounds 20,20/0,5 --steps 300
-    python bench/cache_accuracy.py --seeds 0,1,2 --bounds 20 --extra "early 20=--cache-push-early 0.5" --json out.json
+    python bench/cache_accuracy.py --seeds 0,1,2 --bounds 20 --extra 'hot 8={"cache_bound": 20, "cache_hot": 8}' --json out.json
 
 Each (seed, configuration) is one `tether launch`-equivalent job (4 workers x 2 shards, async, the
 default Adagrad unless ``--optimizer``); the configurations' order alternates between seeds. The
