@@ -3,7 +3,7 @@ schedule SIGKILLs, SIGSTOPs (then SIGCONTs) and restarts random shards and worke
 job undisturbed beside it.
 
     python bench/chaos.py [--seconds 60] [--modes ssp:2,async] [--seed 1] [--workers 4] [--shards 3]
-                          [--steps N] [--checkpoint-every 3] [--data synthetic|parquet] [--resume-data]
+                          [--steps N] [--checkpoint-every 3] [--data synthetic|parquet] [--no-resume-data]
                           [--no-baseline] [--out DIR] [--json FILE]
 
 What it reports, per mode, chaos and undisturbed side by side:
@@ -31,9 +31,10 @@ synthetic click log (the job's seed, vocabulary and fields) written once per inv
 ``OUT/data/``, one epoch with every worker's steps (every 10th row held out, as the job holds out
 Parquet rows), and every worker saves its stream position every ``log_every`` steps
 (``--checkpoint-every-steps``, so worker 0 also asks the shards for a checkpoint ``step-<clock>``
-that often, in both jobs). With ``--resume-data`` a restarted worker reads on from its last
-saved position (``tether worker --resume-data``) instead of from the start of its share, so the
-chaos job sees as many distinct samples as the undisturbed one.
+that often, in both jobs). A restarted worker reads on from its newest saved position, as
+``tether launch --max-restarts`` restarts it (``LocalCluster.resume_workers``: the synthetic
+stream and Parquet alike), so the chaos job sees as many distinct samples as the undisturbed one;
+``--no-resume-data`` has it read its share from the start instead.
 
 Worker faults stop once a worker is 80% through its steps: a worker restarted after another
 finished would wait for every worker to join (``AsyncPolicy.start``) and is not restarted.
@@ -292,13 +293,8 @@ class Chaos:
     """The ``during`` context of ``run_job``: ledger writers, a sampler, and (unless ``faults`` is
     empty) the fault schedule, from the workers' start until they have all finished."""
 
-    def __init__(self, work: Path, faults: list[Fault], ledgers: int = 2, ledger_rate: float = 20.0, steps: int = 0,
-                 positions: Path | None = None) -> None:
+    def __init__(self, work: Path, faults: list[Fault], ledgers: int = 2, ledger_rate: float = 20.0, steps: int = 0) -> None:
         self.work = work
-        # With a folder of saved stream positions (the workers' OUT/positions), a restarted
-        # worker reads on from its last one (``_resume_from_positions``).
-        self.positions = positions
-        self.resumed: list[dict[str, Any]] = []  # per restart: worker, the position's step (of its incarnation), or none
         self.faults = faults
         self.steps = steps
         self.ledgers = [_Ledger(i, work / f"ledger-{i}.journal") for i in range(ledgers)]
@@ -332,8 +328,6 @@ class Chaos:
         for ledger in self.ledgers:
             ledger.journal.unlink(missing_ok=True)
             self._start_ledger(ledger)
-        if self.positions is not None:
-            self._resume_from_positions(cluster)
         self._spawn(self._sample_loop, "chaos-sampler")
         if self.faults:
             self._spawn(self._nemesis, "chaos-nemesis")
@@ -341,57 +335,6 @@ class Chaos:
             yield
         finally:
             self._finish()
-
-    def _resume_from_positions(self, cluster: Any) -> None:
-        """Before the launcher starts a dead worker again, give the restart ``--resume-data`` of
-        a folder holding that worker's newest saved position, so it reads on from there rather
-        than from the start of its share (the launcher runs it for the steps not reported done;
-        positions are saved at the same steps as the progress lines that report them). The
-        launcher has no hook for this: its restart is wrapped on this cluster object only."""
-        restart = cluster._restart_worker
-
-        def restart_from_position(child: Any, code: int) -> None:
-            argv = list(child.argv)
-            if "--resume-data" in argv:
-                at = argv.index("--resume-data")
-                del argv[at : at + 2]
-            folder, step = self._newest_position(child.name)
-            if folder is not None:
-                argv += ["--resume-data", str(folder)]
-            child.argv = argv
-            self.resumed.append({"worker": child.name, "at": time.time(), "position_step": step})
-            restart(child, code)
-
-        cluster._restart_worker = restart_from_position
-
-    def _newest_position(self, name: str) -> tuple[Path | None, int | None]:
-        """(a folder holding worker ``name``'s newest readable position as ``worker-<i>.json``,
-        the step of its incarnation it was saved at), or (None, None) before the first. The
-        folders ``step-<n>`` are numbered by each incarnation's own steps, so a restarted
-        worker writes into its predecessors' folders: the newest file is the newest position.
-        A file cut short by a SIGKILL is passed over for the one before it."""
-        assert self.positions is not None
-        index = name.rpartition("-")[2]
-        files = []
-        for path in self.positions.glob(f"step-*/worker-{index}.json"):
-            try:
-                files.append((path.stat().st_mtime_ns, path))
-            except OSError:
-                continue
-        for _, path in sorted(files, reverse=True):
-            try:
-                doc = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if not isinstance(doc, dict) or not isinstance(doc.get("position"), dict):
-                continue
-            folder = self.work / "resume" / name
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / f".worker-{index}.json.tmp"
-            tmp.write_text(json.dumps(doc))
-            os.replace(tmp, folder / f"worker-{index}.json")
-            return folder, doc.get("step")
-        return None, None
 
     def _spawn(self, target: Any, name: str) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)
@@ -804,20 +747,21 @@ def _lost_by_design(shard: int, applied_from: float, acked_at: float, kills: lis
 
 
 def run_once(template: Any, shards: int, work: Path, faults: list[Fault], checkpoint_every: float, lease_s: float,
-             timeout_s: float, resume: bool = False) -> dict[str, Any]:
+             timeout_s: float, resume: bool = True) -> dict[str, Any]:
     """One job with the harness around it; what it printed goes to work/launch.log. ``resume``:
-    restarted workers read on from their last saved stream position (``Chaos.positions``)."""
+    restarted workers read on from their newest saved stream position (``LocalCluster.resume_workers``)."""
     from tether.deploy.job import run_job
     from tether.server.config import ShardConfig
 
-    chaos = Chaos(work / "chaos", faults, steps=template.steps, positions=work / "positions" if resume else None)
+    chaos = Chaos(work / "chaos", faults, steps=template.steps)
     marker = str(work.resolve())
     fds_before = _fds(os.getpid())
     targets_before = _fd_targets(os.getpid())
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     started = time.time()
     summary = run_job(template, shards, out=work, timeout_s=timeout_s, echo=False, metrics=True, checkpoint_every=checkpoint_every,
-                      shard=ShardConfig(lease_seconds=lease_s), max_restarts=10_000, shard_restarts=10_000, during=chaos)
+                      shard=ShardConfig(lease_seconds=lease_s), max_restarts=10_000, shard_restarts=10_000, during=chaos,
+                      resume_workers=resume)
     wall = time.time() - started
     # Processes of the job still alive once run_job returned: every pid seen (same start time),
     # and anything naming the job's folder.
@@ -864,7 +808,7 @@ def run_once(template: Any, shards: int, work: Path, faults: list[Fault], checkp
         "peak_rss_mib": {name: round(kib / 1024, 1) for name, kib in sorted(obs.peak_rss_kib.items())},
         "launcher_peak_rss_mib": round(_hwm_kib(os.getpid()) / 1024, 1),
         "incarnations": {name: len(pids) for name, pids in sorted(obs.incarnations.items())},
-        "resumed": chaos.resumed,
+        "resumed": chaos.cluster.worker_resumes if chaos.cluster is not None else [],
     }
 
 
@@ -948,9 +892,9 @@ def run_mode(mode: str, a: argparse.Namespace, out: Path, data: str = "synthetic
 
 
 def report(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
-    data = (f"a Parquet table of the synthetic click log ({parquet_rows(a):,} rows, one epoch), positions saved every {LOG_EVERY} steps, "
-            + ("restarted workers resume theirs (--resume-data)" if a.resume_data else "restarted workers read their share from its start")
-            if a.data == "parquet" else "the synthetic stream (restarted workers read their share from its start)")
+    data = (f"a Parquet table of the synthetic click log ({parquet_rows(a):,} rows, one epoch), positions saved every {LOG_EVERY} steps"
+            if a.data == "parquet" else "the synthetic stream") + (
+            "; restarted workers resume their newest saved position" if a.resume_data else "; restarted workers read their share from its start")
     lines = [f"chaos: seed {a.seed}, {a.workers} workers x {a.shards} shards, {a.steps} steps x batch {a.batch_size} per worker, "
              f"faults over {a.seconds:.0f}s (mean gap {a.mean_gap:g}s), checkpoints every {a.checkpoint_every:g}s, lease {a.lease:g}s, "
              f"{os.cpu_count()} CPU(s); data: {data}"]
@@ -1072,8 +1016,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", choices=("synthetic", "parquet"), default="synthetic",
                    help="the endless synthetic stream, or the same click log written to a Parquet file first (one epoch; "
                    "workers save their stream positions)")
-    p.add_argument("--resume-data", action="store_true",
-                   help="with --data parquet: a restarted worker reads on from its last saved position, not from the start of its share")
+    p.add_argument("--resume-data", action=argparse.BooleanOptionalAction, default=True,
+                   help="a restarted worker reads on from its newest saved position (tether launch does), not from the start of its share")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the undisturbed job")
     p.add_argument("--job-timeout", type=float, default=3600.0)
     p.add_argument("--out", default=None, help="keep every job's logs, checkpoints and journals here (default: a temporary folder)")
@@ -1085,8 +1029,6 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if any(m == "sync" for m in modes):
         p.error("--modes: sync ranks are not restarted (a rank that dies ends the job); use async or ssp:S")
-    if a.resume_data and a.data != "parquet":
-        p.error("--resume-data: only a Parquet stream has a position to resume; add --data parquet")
     with tempfile.TemporaryDirectory(prefix="tether-chaos-") as tmp:
         out = Path(a.out) if a.out else Path(tmp)
         data = job_data(a, out)

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +88,10 @@ class Child:
     # incarnations reported done.
     steps: int | None = None
     steps_done: int = 0
+    # When this incarnation was started, and the first incarnation of it (time.time(); 0: this
+    # is the first): a file an incarnation wrote is no older than its start.
+    started: float = 0.0
+    first_started: float = 0.0
 
 
 def spawn(
@@ -98,6 +103,7 @@ def spawn(
     compile notices, echoed or not, once per job: ``notices``). It inherits this process's
     environment but the variables ``unset``, with ``env`` over it."""
     log_path = log_dir / f"{name}.log"
+    started = time.time()
     offset = log_path.stat().st_size if append and log_path.exists() else 0
     inherited = {k: v for k, v in os.environ.items() if k not in unset} if unset else os.environ
     proc = subprocess.Popen(
@@ -112,7 +118,7 @@ def spawn(
     sink = log_path.open("a" if append else "w")
     pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{name}] ", sink, echo, notices), daemon=True)
     pump.start()
-    return Child(name, proc, pump, log_path, list(argv), env, tuple(unset), log_offset=offset)
+    return Child(name, proc, pump, log_path, list(argv), env, tuple(unset), log_offset=offset, started=started)
 
 
 # A child of the launcher asks Linux to SIGTERM it when the launcher dies (so a killed launcher

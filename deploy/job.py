@@ -50,6 +50,7 @@ def run_job(
     during: Callable[[LocalCluster], AbstractContextManager[object]] | None = None,
     shard_env: Mapping[str, str] | None = None,
     shards_why: str | None = None,
+    resume_workers: bool = True,
 ) -> dict[str, Any]:
     """Run a whole job locally, evaluate the result, and write ``summary.json`` to ``out``.
 
@@ -62,6 +63,8 @@ def run_job(
         max_restarts: restart an async or ssp worker that dies up to this many times (see
             ``LocalCluster``); a sync rank that dies ends the job.
         shard_restarts: restart a shard that dies up to this many times.
+        resume_workers: a restarted worker reads on from its newest saved stream position
+            (``LocalCluster``); False: from the start of its share.
         during: a context entered once the workers have started and left once they have all
             finished, before the evaluation (a fault schedule, for one).
         shard_env: extra environment variables of every shard (``tether.deploy.shard_count``'s kernel threads).
@@ -79,7 +82,7 @@ def run_job(
     # A shard that dies is restarted on its port; with checkpoint_every it comes back from its
     # last checkpoint (without, it comes back empty).
     cluster = LocalCluster(log_dir=out_dir / "logs" if out_dir else None, restart=True, max_restarts=shard_restarts,
-                           max_worker_restarts=max_restarts)
+                           max_worker_restarts=max_restarts, resume_workers=resume_workers)
     try:
         with cluster:
             workdir = out_dir or cluster.log_dir
@@ -106,6 +109,7 @@ def run_job(
             metrics_ports = dict(cluster.metrics_ports)
             restarts = cluster.restart_counts()
             steps_before = cluster.steps_before_restarts()
+            resumed = sum(r["position_step"] is not None for r in cluster.worker_resumes)
             records = [workdir / f"worker-{i}.json" for i in range(template.num_workers)]
             workers = [RunRecord.load(r) for r in records if r.exists()]
             if program is not None:
@@ -119,7 +123,7 @@ def run_job(
     except KeyboardInterrupt:
         # Leaving the with block stopped every process.
         raise Interrupted(cluster.stopped) from None
-    summary = _summary(template, num_shards, workers, evaluation, wall, metrics_ports, restarts, steps_before, max_restarts)
+    summary = _summary(template, num_shards, workers, evaluation, wall, metrics_ports, restarts, steps_before, max_restarts, resumed)
     if out_dir:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -170,6 +174,7 @@ def _samples_of(steps: int, record: RunRecord) -> int:
 def _summary(
     template: WorkerConfig, num_shards: int, workers: Sequence[RunRecord], evaluation: dict[str, float], wall: float,
     metrics_ports: dict[str, int], restarts: dict[str, int], steps_before: dict[str, int], max_restarts: int,
+    resumed: int = 0,
 ) -> dict[str, Any]:
     """The job's ``summary.json``: its evaluation, throughput, staleness and each worker's figures."""
     # A restarted worker's record is its last incarnation's: the steps the earlier ones reported
@@ -205,10 +210,16 @@ def _summary(
         "max_restarts": max_restarts,
     }
     if steps_before:
+        how = (
+            f"{resumed} restart(s) read on from the newest stream position the earlier incarnations saved (positions/latest), "
+            "so the data left and the steps left agree; any other restart read its share of the data from the start again "
+            "(its data had no position): it re-read batches its first incarnation trained on, and did not read those after them"
+        ) if resumed else (
+            "reading its share of the data from the start again (its data had no position): "
+            "it re-read batches its first incarnation trained on, and did not read those after them"
+        )
         summary["restarted_workers"] = (
-            "a restarted worker is a new client incarnation that ran the steps its earlier incarnations had not reported "
-            "done (progress lines, every --log-every steps), reading its share of the data from the start again: "
-            "it re-read batches its first incarnation trained on, and did not read those after them; "
-            "samples_per_sec is over job_wall_s"
+            "a restarted worker is a new client incarnation that ran the steps its earlier incarnations had not done "
+            f"(progress lines, every --log-every steps, or its newest saved position), {how}; samples_per_sec is over job_wall_s"
         )
     return summary

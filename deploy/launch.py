@@ -35,6 +35,7 @@ from tether.deploy.run_program import program_env
 from tether.deploy.worker_exits import RANK_LOGS, raise_worker_failure, steps_reported
 from tether.server.config import ShardConfig
 from tether.worker.config import TrainingConfig, WorkerConfig
+from tether.worker.data.positions import latest_position, read_position
 
 __all__ = ["LocalCluster", "Program"]
 
@@ -119,6 +120,7 @@ class LocalCluster:
         restart: bool = False,
         max_restarts: int = 5,
         max_worker_restarts: int = 0,
+        resume_workers: bool = True,
     ) -> None:
         """Set up (nothing starts until ``start_shards``).
 
@@ -130,6 +132,9 @@ class LocalCluster:
             max_restarts: give up on a shard after this many restarts.
             max_worker_restarts: restart an async or ssp worker that dies up to this many times
                 (``wait_workers`` does); 0: the first worker failure ends the job.
+            resume_workers: a restarted built-in worker reads on from the newest stream position
+                its earlier incarnations saved (``OUT/positions/latest``), not from the start of
+                its share; False: from the start (as a job without positions does).
         """
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts!r}")
@@ -153,6 +158,12 @@ class LocalCluster:
         # Restarts per shard index, and per worker name (worker-<i>).
         self.restarts: dict[int, int] = {}
         self.worker_restarts: dict[str, int] = {}
+        self.resume_workers = resume_workers
+        # Per worker restart: the worker, when, and the step (of the incarnation that saved it) of
+        # the position it resumed from, None when it read its share from the start.
+        self.worker_resumes: list[dict[str, object]] = []
+        # Built-in workers' newest-position files (OUT/positions/latest/worker-<i>.json), by name.
+        self._positions: dict[str, Path] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
@@ -331,6 +342,8 @@ class LocalCluster:
                 config.write_text(to_json(cfg))
                 child = spawn(self.log_dir, f"worker-{i}", ["-m", "tether.worker", "--config", str(config), *extra_args], echo=echo,
                               env=no_port, notices=self._notices)
+                if cfg.out:
+                    self._positions[child.name] = latest_position(cfg.out, i)
             child.steps = template.steps if program is None or program.steps_from_job else None
             with self._lock:
                 self.workers.append(child)
@@ -488,9 +501,15 @@ class LocalCluster:
 
     def _restart_worker(self, child: Child, code: int) -> None:
         """Start a dead worker again (a new client incarnation) for the steps its incarnations
-        did not report done; it reads its share of the data from the start again."""
-        done = child.steps_done + steps_reported(child.log_path, child.log_offset)
+        did not report done. A built-in worker whose data has a position (the synthetic stream,
+        Parquet) reads on from the newest one saved (``_resume_from``); else it reads its share
+        of the data from the start again."""
         argv, env = list(child.argv), dict(child.env or {})
+        done, resume = self._resume_from(child)
+        if resume is not None:
+            if "--resume-data" in argv:  # a flag beside the worker's config file wins over the file
+                del argv[argv.index("--resume-data") : argv.index("--resume-data") + 2]
+            argv += ["--resume-data", str(resume.parent)]
         remaining = None
         if child.steps is not None:
             # A worker that reported every step died after them (its evaluation, its record): one step redoes those.
@@ -507,7 +526,36 @@ class LocalCluster:
                     f", for the {remaining} of its {child.steps} steps not reported done" if remaining is not None else "")
         fresh = spawn(self.log_dir, child.name, argv, echo=self._echo, env=env, unset=child.unset, append=True,
                       notices=self._notices)
-        fresh.steps, fresh.steps_done = child.steps, done
+        fresh.steps, fresh.steps_done, fresh.first_started = child.steps, done, child.first_started or child.started
         with self._lock:
             self.worker_restarts[child.name] = count
             self.workers[self.workers.index(child)] = fresh
+
+    def _resume_from(self, child: Child) -> tuple[int, Path | None]:
+        """(the steps ``child``'s incarnations have done, the position file its restart resumes
+        from or None). The newest position (``OUT/positions/latest/worker-<i>.json``, which the
+        worker rewrites whole before each progress line) is resumed from when it was written in
+        this job; when the incarnation that died wrote it, the steps done are those it says (at
+        or past the last progress line), so the steps left and the data left agree. Without one,
+        the steps are those the progress lines reported, and the share is read from its start
+        (or from the job's own ``--resume-data``)."""
+        path = self._positions.get(child.name) if self.resume_workers else None
+        job_started = child.first_started or child.started
+        try:
+            written = path.stat().st_mtime if path is not None else None
+        except OSError:
+            written = None
+        if path is None or written is None or written < job_started:
+            done = child.steps_done + steps_reported(child.log_path, child.log_offset)
+            self.worker_resumes.append({"worker": child.name, "at": time.time(), "position_step": None})
+            return done, None
+        try:
+            step = read_position(path).get("step")
+        except (OSError, ValueError):
+            step = None
+        if written >= child.started and isinstance(step, int):
+            done = child.steps_done + step
+        else:  # an earlier incarnation's position: this one saved none, so reported none either
+            done = child.steps_done + steps_reported(child.log_path, child.log_offset)
+        self.worker_resumes.append({"worker": child.name, "at": time.time(), "position_step": step})
+        return done, path

@@ -8,7 +8,6 @@ descriptors and memfd regions, /dev/shm."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -110,25 +109,6 @@ def test_a_step_checkpoint_is_dated_from_its_shards_log_line(tmp_path: Path) -> 
     kills = [(0, t0 + 8.0)]
     assert chaos._lost_by_design(0, t0 + 6.5, t0 + 7.0, kills, {0: restores})
     assert not chaos._lost_by_design(0, t0 + 4.8, t0 + 5.0, kills, {0: restores})
-
-
-def test_a_restarted_worker_resumes_from_its_newest_whole_position(tmp_path: Path) -> None:
-    """--resume-data: the restart gets the worker's newest saved position (by time: a restarted
-    incarnation numbers its step-<n> folders from 0 again), passing over one cut short."""
-    chaos = _chaos_module()
-    positions = tmp_path / "positions"
-    harness = chaos.Chaos(tmp_path / "chaos", [], positions=positions)
-    assert harness._newest_position("worker-1") == (None, None)
-    for n, (step, text) in enumerate([(50, None), (100, None), (25, None), (50, '{"step": 5')]):
-        path = positions / f"step-{step}" / "worker-1.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text or json.dumps({"step": step, "clock": step, "position": {"skip": 256 * (step + n)}}))
-        os.utime(path, ns=(10**18 + n, 10**18 + n))
-    (positions / "step-100" / "worker-2.json").write_text(json.dumps({"step": 100, "position": {"skip": 1}}))
-    # step-50 was overwritten last, but cut short by a SIGKILL: the one before it, step-25 of the restarted incarnation.
-    folder, step = harness._newest_position("worker-1")
-    assert step == 25 and folder is not None
-    assert json.loads((folder / "worker-1.json").read_text())["position"] == {"skip": 256 * 27}
 
 
 def test_the_parquet_table_holds_every_workers_steps_in_one_epoch(tmp_path: Path, monkeypatch) -> None:

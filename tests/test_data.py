@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tether.worker.data.criteo import CriteoStream, criteo_eval_set, criteo_files, write_criteo_sample
-from tether.worker.data.synthetic import Batch, DataError, SyntheticClickLog, SyntheticConfig, in_background
+from tether.worker.data.synthetic import Batch, DataError, SyntheticClickLog, SyntheticConfig, SyntheticStream, in_background
 from tether.worker.training.evaluation import constant_baseline_loss
 
 
@@ -104,6 +104,24 @@ def test_ranks_interleave_the_single_worker_stream_and_start_resumes_it() -> Non
     assert torch.equal(resumed[0].labels, single[4].labels) and torch.equal(resumed[1].dense, single[5].dense)
     other_seed = next(SyntheticClickLog(SyntheticConfig(seed=6)).batches(32, 1))
     assert not torch.equal(other_seed.sparse, single[0].sparse)
+
+
+def test_a_synthetic_stream_resumed_from_its_position_reads_on_where_it_stopped() -> None:
+    """A restarted worker given its saved position neither replays its share nor skips any of it."""
+    gen = SyntheticClickLog(SyntheticConfig(seed=5, vocab_size=1000))
+    whole = list(SyntheticStream(gen, 32, 7, rank=1, world_size=3, order=2))
+    first = SyntheticStream(gen, 32, 7, rank=1, world_size=3, order=2)
+    assert len(first) == 7 and first.state_dict() == {"synthetic_batch": 0, "seed": 5, "batch_size": 32, "rank": 1, "world_size": 3, "order": 2}
+    saved = first.state_dict(batches=3)
+    rest = list(SyntheticStream(gen, 32, 4, rank=1, world_size=3, order=2, resume=saved))
+    assert len(rest) == 4
+    for a, b in zip(whole[3:], rest, strict=True):
+        assert torch.equal(a.sparse, b.sparse) and torch.equal(a.dense, b.dense) and torch.equal(a.labels, b.labels)
+    assert SyntheticStream(gen, 32, 4, rank=1, world_size=3, order=2, resume=saved).state_dict(batches=2)["synthetic_batch"] == 5
+    with pytest.raises(DataError, match=r"another setup .*rank 1, now 0"):
+        SyntheticStream(gen, 32, 4, rank=0, world_size=3, order=2, resume=saved)
+    with pytest.raises(DataError, match="not a synthetic stream's position"):
+        SyntheticStream(gen, 32, 4, rank=1, world_size=3, order=2, resume={"skip": 3})
 
 
 def test_eval_set_shares_no_sample_with_training() -> None:

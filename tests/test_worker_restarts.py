@@ -95,12 +95,14 @@ def test_an_async_worker_killed_mid_job_is_restarted_and_the_job_succeeds(tmp_pa
     assert "restarts: worker-1 1" in stdout
     assert "worker-1 exited with code -9; restart 1 of 1" in stderr
     (w1,) = [w for w in summary["workers"] if w["worker_index"] == 1]
-    # The restart ran the steps the first incarnation had not reported (it reported >= 100).
+    # The restart ran the steps the first incarnation had not done (it reported >= 100) and read
+    # on from where that one stopped: it ended where an undisturbed worker 1 ends.
     done_before = w1["samples_before_restarts"] // 128
     assert done_before >= 100
     assert w1["samples"] == (steps - done_before) * 128
     assert summary["total_samples"] == 3 * steps * 128
-    assert "restarted_workers" in summary
+    assert "1 restart(s) read on from the newest stream position" in summary["restarted_workers"]
+    assert json.loads((out / "worker-1.json").read_text())["data_position"]["synthetic_batch"] == steps
     assert summary["eval_loss"] < summary["baseline_loss"] - 0.03, summary
     # Both incarnations wrote to one log; the second one's pushes were its own (a new incarnation).
     text = log.read_text()
@@ -193,3 +195,54 @@ def test_max_restarts_is_checked_before_any_process_starts(tmp_path: Path, flags
     assert proc.returncode == 2
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_restarted_worker_resumes_from_the_newest_position_its_incarnations_saved(tmp_path: Path) -> None:
+    """The launcher's restart reads on where the worker stopped (``OUT/positions/latest``), for
+    the steps that position says were done; a position older than the job is not resumed from."""
+    from tether.deploy.children import spawn
+    from tether.deploy.launch import LocalCluster
+    from tether.worker.data.positions import latest_position, write_position
+
+    out = tmp_path / "job"
+    cluster = LocalCluster(log_dir=out / "logs", max_worker_restarts=3)
+    latest = latest_position(out, 1)
+    write_position(latest, 90, 90, {"synthetic_batch": 90})  # an earlier job's, in the same OUT
+    old = time.time() - 60
+    os.utime(latest, (old, old))
+    argv = ["-c", "pass", "--config", str(out / "logs" / "worker-1.config.json")]
+
+    def first() -> object:
+        child = spawn(out / "logs", "worker-1", argv, echo=False)
+        child.proc.wait(timeout=60)
+        child.steps = 100
+        cluster.workers.append(child)
+        cluster._positions[child.name] = latest
+        return child
+
+    try:
+        # Died after reporting step 25: no position of this job, so its share from the start.
+        child = first()
+        (out / "logs" / "worker-1.log").write_text("worker 1/3 step 25/100 loss 0.5\n")
+        cluster._restart_worker(child, -9)
+        fresh = cluster.workers[0]
+        assert "--resume-data" not in fresh.argv and fresh.argv[-2:] == ["--steps", "75"] and fresh.steps_done == 25
+        fresh.proc.wait(timeout=60)
+        # The second incarnation saved its position after 40 steps (and reported 25 of them): its
+        # restart resumes there, for the 35 steps left.
+        write_position(latest, 40, 70, {"synthetic_batch": 65})
+        with (out / "logs" / "worker-1.log").open("a") as log:
+            log.write("worker 1/3 step 25/75 loss 0.5\n")
+        cluster._restart_worker(fresh, -9)
+        third = cluster.workers[0]
+        assert third.argv[third.argv.index("--resume-data") + 1] == str(latest.parent)
+        assert third.argv[third.argv.index("--steps") + 1] == "35" and third.steps_done == 65
+        third.proc.wait(timeout=60)
+        # The third died before saving one: the second's position still holds, and no step was done since.
+        cluster._restart_worker(third, -9)
+        fourth = cluster.workers[0]
+        assert fourth.argv.count("--resume-data") == 1 and fourth.argv[fourth.argv.index("--resume-data") + 1] == str(latest.parent)
+        assert fourth.argv[fourth.argv.index("--steps") + 1] == "35" and fourth.steps_done == 65
+        assert [r["position_step"] for r in cluster.worker_resumes] == [None, 40, 40]
+    finally:
+        cluster.stop()

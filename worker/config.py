@@ -478,8 +478,9 @@ class WorkerConfig(TrainingConfig):
     # varies it while the model, the data distribution and the held-out set stay the same).
     data_seed: int = setting(0, flag="--data-seed", group=MODEL, help="synthetic data: order of the training batches (0: the seed's own)")
     resume_data: str | None = setting(None, flag="--resume-data", parse=optional_str, metavar="DIR", group=MODEL,
-                                      help="resume each worker's --data parquet: stream from DIR/worker-<i>.json, as a worker with "
-                                      "--checkpoint-every-steps writes them to OUT/positions/step-<n>/")
+                                      help="resume each worker's stream (the synthetic one, or --data parquet:) from DIR/worker-<i>.json, "
+                                      "as every worker writes its newest to OUT/positions/latest/ and, with --checkpoint-every-steps, "
+                                      "OUT/positions/step-<n>/ (tether launch --max-restarts resumes a restarted worker so)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -490,10 +491,10 @@ class WorkerConfig(TrainingConfig):
             raise ValueError(f"eval_samples must be >= 0, got {self.eval_samples!r}")
         if self.resume_data is not None and not self.resume_data:
             raise ValueError("resume_data must name a directory (None: start each stream at its beginning), got ''")
-        if self.resume_data is not None and not self.data.startswith("parquet:"):
+        if self.resume_data is not None and self.data.startswith("criteo:"):
             raise ValueError(
-                f"--resume-data {self.resume_data}: only a Parquet stream (--data parquet:PATH) has a position to resume, "
-                f"got --data {self.data}"
+                f"--resume-data {self.resume_data}: only the synthetic stream and a Parquet one (--data parquet:PATH) have a position "
+                f"to resume, got --data {self.data} (tether convert writes Criteo files as Parquet)"
             )
         if self.resume_data is not None and not os.path.isdir(self.resume_data):
             raise ValueError(f"--resume-data {self.resume_data}: no such directory")

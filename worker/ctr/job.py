@@ -9,7 +9,6 @@ finished.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -25,7 +24,8 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.config import WorkerConfig
 from tether.worker.ctr.model import CTRModel
 from tether.worker.data.criteo import CRITEO_DENSE, CRITEO_SPARSE, CriteoStream, criteo_eval_set, criteo_files
-from tether.worker.data.synthetic import Batch, SyntheticClickLog, SyntheticConfig
+from tether.worker.data.positions import read_position
+from tether.worker.data.synthetic import Batch, SyntheticClickLog, SyntheticConfig, SyntheticStream
 from tether.worker.metrics import WorkerRecorder
 from tether.worker.training.embedding_bag import ShardedEmbeddingBag
 from tether.worker.training.evaluation import constant_baseline_loss, evaluate
@@ -83,7 +83,9 @@ def open_dataset(cfg: WorkerConfig) -> Dataset:
         return Dataset(
             num_dense=gen.config.num_dense,
             num_sparse=gen.config.num_sparse,
-            train_batches=lambda bs, n, rank, world: gen.batches(bs, n, rank=rank, world_size=world, order=cfg.data_seed),
+            # A stream with a position (state_dict), so a restarted worker reads on from where it stopped (--resume-data).
+            train_batches=lambda bs, n, rank, world: SyntheticStream(gen, bs, n, rank=rank, world_size=world, order=cfg.data_seed,
+                                                                     resume=_resume_position(cfg, rank)),
             eval_set=eval_set,
             label_mean=float(sample.labels.mean()),
             bayes_loss=gen.bayes_log_loss(eval_set),
@@ -148,8 +150,8 @@ def _parquet_dataset(cfg: WorkerConfig) -> Dataset:
 
 def _resume_position(cfg: WorkerConfig, rank: int) -> dict[str, Any] | None:
     """Worker ``rank``'s stream position in ``cfg.resume_data`` (``worker-<rank>.json``: what
-    ``Trainer.fit`` writes beside a checkpoint, ``{"step": n, "position": {...}}``, or a position
-    alone), or None without ``--resume-data``.
+    ``Trainer.fit`` writes, ``{"step": n, "position": {...}}``, or a position alone), or None
+    without ``--resume-data``.
 
     Raises:
         UsageError: the file is missing or is not such JSON.
@@ -158,13 +160,11 @@ def _resume_position(cfg: WorkerConfig, rank: int) -> dict[str, Any] | None:
         return None
     path = Path(cfg.resume_data) / f"worker-{rank}.json"
     try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        return read_position(path)["position"]
+    except OSError as exc:
         raise UsageError(f"--resume-data {cfg.resume_data}: cannot read worker {rank}'s position {path}: {exc}") from None
-    position = saved.get("position", saved) if isinstance(saved, dict) else None
-    if not isinstance(position, dict):
-        raise UsageError(f"--resume-data {cfg.resume_data}: {path} holds no stream position")
-    return position
+    except ValueError as exc:
+        raise UsageError(f"--resume-data {cfg.resume_data}: {path}: {exc}") from None
 
 
 def build_model(cfg: WorkerConfig, ds: Dataset) -> CTRModel:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -21,7 +21,10 @@ from tether.protos.errors import UsageError
 from tether.protos.partition import mix64
 from tether.rules.kernel_cache import compiled
 
-__all__ = ["ID_MASK", "Batch", "DataError", "MalformedLineError", "SyntheticClickLog", "SyntheticConfig", "check_stream", "in_background"]
+__all__ = [
+    "ID_MASK", "Batch", "DataError", "MalformedLineError", "SyntheticClickLog", "SyntheticConfig", "SyntheticStream", "check_stream",
+    "in_background",
+]
 
 # Feature ids are non-negative int64 values below 2**62.
 ID_MASK = np.uint64((1 << 62) - 1)
@@ -203,6 +206,73 @@ class SyntheticClickLog:
         """Log loss of the hidden model itself: the best any model can do on ``batch``."""
         logits = torch.from_numpy(self.true_logits(batch.dense.numpy(), batch.sparse.numpy()))
         return float(torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.double()))
+
+
+class SyntheticStream:
+    """One worker's batches of a ``SyntheticClickLog`` with a position to resume from, as
+    ``ParquetStream`` has: ``state_dict(batches=n)`` says where the stream is after n batches of
+    this iteration, and a stream opened with ``resume=`` that position yields the batches that
+    follow it (batch ``i`` of a rank is drawn from its own seed, so resuming skips nothing it
+    has to compute). A restarted worker given its last position (``--resume-data``) reads on,
+    neither replaying its share from the start nor skipping any of it.
+
+    Args:
+        log: the click log (its seed fixes every batch).
+        batch_size, num_batches: ``num_batches`` batches of ``batch_size`` samples per iteration.
+        rank, world_size, order: as ``SyntheticClickLog.batches``.
+        resume: a position from ``state_dict()`` of a stream with the same log seed, batch
+            size, rank, world size and order.
+
+    Raises:
+        ValueError: bad sizes or rank.
+        DataError: ``resume`` is not such a position, or was taken with another setup.
+    """
+
+    def __init__(self, log: SyntheticClickLog, batch_size: int, num_batches: int, rank: int = 0, world_size: int = 1, order: int = 0,
+                 resume: Mapping[str, Any] | None = None) -> None:
+        check_stream(batch_size, rank, world_size, epochs=None)
+        if num_batches < 0:
+            raise ValueError(f"num_batches must be >= 0, got {num_batches!r}")
+        self.log, self.batch_size, self.num_batches = log, batch_size, num_batches
+        self.rank, self.world_size, self.order = rank, world_size, order
+        self.start = 0
+        if resume is not None:
+            self.load_state_dict(resume)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.log.batches(self.batch_size, self.num_batches, rank=self.rank, world_size=self.world_size, start=self.start,
+                                order=self.order)
+
+    def _setup(self) -> dict[str, int]:
+        return {"seed": self.log.config.seed, "batch_size": self.batch_size, "rank": self.rank, "world_size": self.world_size,
+                "order": self.order}
+
+    def state_dict(self, batches: int = 0) -> dict[str, Any]:
+        """Where this stream is after ``batches`` batches of an iteration (0: where it starts),
+        as a small JSON-able dict (pass it as ``resume=``): ``synthetic_batch``, the index of
+        the next batch of this rank's stream, and the setup that fixes the batches."""
+        if batches < 0:
+            raise ValueError(f"state_dict(batches={batches!r}): expected batches >= 0")
+        return {"synthetic_batch": self.start + batches, **self._setup()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Start the next iteration at ``state`` (from ``state_dict()`` of a stream with the same setup).
+
+        Raises:
+            DataError: ``state`` is not a synthetic stream's position, or names another setup.
+        """
+        batch = state.get("synthetic_batch") if isinstance(state, Mapping) else None
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 0:
+            raise DataError(f"resume: not a synthetic stream's position (no batch index >= 0 under 'synthetic_batch'): {dict(state)!r}"
+                            if isinstance(state, Mapping) else f"resume: not a synthetic stream's position: {state!r}")
+        other = {k: (state.get(k), v) for k, v in self._setup().items() if state.get(k) != v}
+        if other:
+            what = ", ".join(f"{k} {was!r}, now {now!r}" for k, (was, now) in other.items())
+            raise DataError(f"resume: the position was taken with another setup ({what}): it would name other batches")
+        self.start = batch
 
 
 # Longest a closed background stream waits for its producer to finish the batch in hand.

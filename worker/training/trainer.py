@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import json
 import logging
 import math
 import os
@@ -40,6 +39,7 @@ from tether.protos.errors import FailedPrecondition, UsageError
 from tether.protos.specs import TableConfig
 from tether.worker.client.local import LocalClient
 from tether.worker.client.ps_client import PSClient
+from tether.worker.data.positions import latest_position, position_file, write_position
 from tether.worker.data.synthetic import in_background
 from tether.worker.metrics import NullWorkerMetrics, WorkerMetrics, WorkerRecorder
 from tether.worker.training.batches import count_samples, pick_device, to_device
@@ -301,6 +301,9 @@ class Trainer(Generic[B]):
                 self._save_position(clock, step + 1)
             evaluate_now = evaluating and ((cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0) or steps.last)
             if (step + 1) % cfg.log_every == 0 or steps.last or evaluate_now:
+                # Before the progress line: a restart (tether launch) counts the steps done from
+                # the position it resumes, so the line never reports steps beyond the position.
+                self._save_latest_position(clock, step + 1)
                 wall = time.perf_counter() - t_start - eval_time
                 evals = (lambda: self.evaluate(held_out, evaluate)) if evaluate_now else None
                 point, metrics, spent = self._log(steps, Point(step + 1, samples, round(wall, 4), time.time()), evals, phase, wall)
@@ -389,9 +392,15 @@ class Trainer(Generic[B]):
         worker 0, this worker's own clock for the others (under ``ssp:S`` up to S off it)."""
         if self._position_of is None or not self.config.out:
             return
-        path = Path(self.config.out) / "positions" / f"step-{steps}" / f"worker-{self.config.worker_index}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"step": steps, "clock": clock, "position": self._position_of(steps)}))
+        write_position(position_file(self.config.out, f"step-{steps}", self.config.worker_index), steps, clock, self._position_of(steps))
+
+    def _save_latest_position(self, clock: int, steps: int) -> None:
+        """Write where this worker's data stream is after ``steps`` batches to
+        ``out/positions/latest/worker-<i>.json`` (replaced whole), when the data can say: what
+        ``tether launch --max-restarts`` resumes a restarted worker from."""
+        if self._position_of is None or not self.config.out:
+            return
+        write_position(latest_position(self.config.out, self.config.worker_index), steps, clock, self._position_of(steps))
 
     def _checkpoint(self, clock: int) -> None:
         """Ask every shard for a checkpoint ``step-<clock>`` (worker 0); a shard without a
