@@ -24,8 +24,8 @@ from tether.protos.errors import FailedPrecondition, InvalidArgument, Unavailabl
 from tether.protos.partition import shard_of_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.server.checkpoints.checkpoint import Checkpointer
-from tether.server.checkpoints.checkpoint_files import file_checksum, manifest_checksum
-from tether.server.checkpoints.restore import choose_restore, list_manifests
+from tether.server.checkpoints.checkpoint_files import Manifest, file_checksum, manifest_checksum
+from tether.server.checkpoints.restore import choose_restore, list_manifests, restore_candidates
 from tether.server.config import CRASH_BEFORE_MANIFEST_ENV, ShardConfig
 from tether.server.metrics import ShardMetrics
 from tether.server.serving.serve import RunningShard, start_shard
@@ -222,6 +222,25 @@ def test_periodic_checkpoints_share_an_id_across_shards(tmp_path: Path) -> None:
     assert len(list_manifests(tmp_path)) == count
     client.close()
     _stop(shards)
+
+
+def test_a_shard_restores_its_newest_own_part_not_a_checkpoint_another_shard_finished_late(tmp_path: Path) -> None:
+    """A checkpoint the shards were asked for together (step-<clock>, auto-<t>) that one shard
+    wrote late (it was stopped, or down and back) is complete only then, but another shard's
+    part of it holds that shard's rows as they were when *it* wrote it: a shard killed after
+    writing a newer part of its own restores that one, or it loses the updates in between."""
+
+    def part(ckpt_id: str, shard: int, created: float) -> Manifest:
+        folder = tmp_path / ckpt_id
+        return Manifest(ckpt_id, shard, 2, created, folder / f"shard-{shard}-of-2.manifest.json", folder / f"shard-{shard}-of-2.pt", 1, "")
+
+    manifests = [part("step-500", 0, 100.0), part("auto-115", 0, 115.0), part("step-500", 1, 120.0)]
+    plans = restore_candidates(manifests, 0, 2)
+    assert [(p.id, p.complete, p.created) for p in plans] == [("auto-115", False, 115.0), ("step-500", True, 100.0)]
+    assert restore_candidates(manifests, 1, 2)[0].id == "step-500"
+    # Onto another shard count every part is read: the checkpoint is as new as its last part.
+    (plan,) = restore_candidates(manifests, 0, 3)
+    assert (plan.id, plan.created, len(plan.parts)) == ("step-500", 120.0, 2)
 
 
 def test_restore_prefers_the_newest_usable_part(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Which checkpoint a starting shard restores: the manifests under the checkpoint directory,
 parsed, checked and grouped into restore plans.
 
-A starting shard ``i`` of ``M`` restores the newest (by manifest time) of
+A starting shard ``i`` of ``M`` restores the newest (by the manifest time of the parts it reads) of
 
 * complete checkpoints: every shard ``0..n-1`` of the writing job wrote its manifest, and
 * this shard's own part of a checkpoint written by a job with the same shard count ``M``:
@@ -97,9 +97,12 @@ def restore_candidates(manifests: list[Manifest], shard_index: int, num_shards: 
     for (ckpt_id, n), parts in groups.items():
         own = parts.get(shard_index) if n == num_shards else None
         if set(parts) == set(range(n)):
-            # With the same partition the own part alone holds every row this shard owns.
+            # With the same partition the own part alone holds every row this shard owns, as they
+            # were when this shard wrote it: that is how new it is, however late another shard
+            # wrote its part (one stopped, or down and back, when the shards were asked). Read
+            # onto another shard count, every part is: as new as the last of them.
             chosen = (own,) if own is not None else tuple(parts[j] for j in range(n))
-            plans.append(RestorePlan(ckpt_id, chosen, True, max(p.created for p in parts.values())))
+            plans.append(RestorePlan(ckpt_id, chosen, True, max(p.created for p in chosen)))
         elif own is not None:
             plans.append(RestorePlan(ckpt_id, (own,), False, own.created))
     plans.sort(key=lambda p: (p.created, p.id), reverse=True)
