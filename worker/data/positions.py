@@ -53,5 +53,5 @@ def read_position(path: Path) -> dict[str, Any]:
     saved = json.loads(path.read_text())
     position = saved.get("position", saved) if isinstance(saved, dict) else None
     if not isinstance(position, dict):
-        raise ValueError(f"{path} holds no stream position")
+        raise ValueError("it holds no stream position (a JSON object, alone or under \"position\")")
     return {**saved, "position": position} if "position" in saved else {"position": position}
