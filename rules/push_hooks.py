@@ -27,7 +27,7 @@ from tether.rules.update_rules import UpdateRule
 
 __all__ = [
     "Remedies", "adjusted", "apply_rows", "check_combined", "check_compensation", "check_dense", "check_read", "check_remedies",
-    "check_rows", "combine_rows", "dc_adaptive_compensated", "delay_compensated", "finite", "gap_penalized", "has_duplicates",
+    "check_rows", "combine_rows", "dc_adaptive_compensated", "delay_compensated", "finite", "gap_penalized", "gap_penalty", "has_duplicates",
     "observe_step", "running_mean",
 ]
 
@@ -140,22 +140,25 @@ def check_read(what: str, read: torch.Tensor | None, grad: torch.Tensor) -> None
 def adjusted(
     target: object, optimizer: OptimizerConfig, ids: np.ndarray | None, grad: torch.Tensor, read: torch.Tensor | None,
     scale: float | np.ndarray, clock: int, remedies: Remedies | float,
-) -> tuple[torch.Tensor, float | np.ndarray, torch.Tensor | None]:
-    """The gradient and learning-rate factor one block's update takes, and what ``observe_step``
-    needs after it: ``scale`` times the schedule's factor at ``clock``; with a remedy and the
-    values the worker read, the gradient compensated or penalised against the values now held
-    (``target.pull(ids)`` for a table's rows, ``target.value`` for a dense chunk).
+) -> tuple[torch.Tensor, float | np.ndarray, torch.Tensor | None, torch.Tensor | None]:
+    """The gradient and learning-rate factor one block's update takes, what ``observe_step``
+    needs after it, and a dense chunk's per-element factor on its step: ``scale`` times the
+    schedule's factor at ``clock``; with a remedy and the values the worker read, the gradient
+    compensated, or the step penalised, against the values now held (``target.pull(ids)`` for a
+    table's rows, ``target.value`` for a dense chunk).
 
     ``remedies``: a ``Remedies``, or DC-ASGD's lambda alone. In that order: DC-ASGD
     (``delay_compensated``) or DC-ASGD-a (``dc_adaptive_compensated``, its running mean square
-    updated with this gradient first), then gap-aware (``gap_penalized``). Returns the values
-    before the update when gap-aware needs them afterwards (else None)."""
+    updated with this gradient first), then gap-aware (``gap_penalty``): a table's rows' learning
+    rates divided by their row's penalty (``scale`` becomes one factor per row), a dense chunk's
+    step divided by each element's (the fourth value: ``DenseChunk.push``'s ``step_scale``; else
+    None). Returns the values before the update when gap-aware needs them afterwards (else None)."""
     if not isinstance(remedies, Remedies):
         remedies = Remedies(dc=float(remedies))
     factor = optimizer.schedule.factor(optimizer.lr, clock)
     if factor != 1.0:
         scale = scale * factor
-    before = None
+    before = step_scale = None
     if remedies.on and read is not None and grad.numel():
         now = target.pull(ids)[0] if ids is not None else target.value.clone()  # type: ignore[attr-defined]
         g, r = grad.to(torch.float32), read.to(torch.float32)
@@ -164,11 +167,18 @@ def adjusted(
             g = dc_adaptive_compensated(g, now, r, remedies.dc, ms)
         elif remedies.dc > 0:
             g = delay_compensated(g, now, r, remedies.dc)
-        if remedies.gap_aware:
-            g = gap_penalized(g, now, r, _running_means(target, ids, STEP_SIZE, None, remedies.decay))
-            before = now
         grad = g
-    return grad, scale, before
+        if remedies.gap_aware:
+            # On the step, not the gradient: under Adagrad (the default rule) or Adam a row's
+            # step hardly depends on its gradient's scale (a new row's first step is lr * sign(g)
+            # at any scale), so a divided gradient was undone by the rule.
+            penalty = gap_penalty(now, r, _running_means(target, ids, STEP_SIZE, None, remedies.decay))
+            if ids is not None:
+                scale = scale / penalty[:, 0].numpy().astype(np.float64)
+            else:
+                step_scale = 1.0 / penalty
+            before = now
+    return grad, scale, before, step_scale
 
 
 def observe_step(target: object, ids: np.ndarray | None, before: torch.Tensor | None, decay: float) -> None:
@@ -312,14 +322,24 @@ def dc_adaptive_compensated(
     return torch.addcmul(g, g * g * (lam0 / torch.sqrt(mean_square + MS_EPS)), w_now - w_read)
 
 
-def gap_penalized(g: torch.Tensor, w_now: torch.Tensor, w_read: torch.Tensor, step_size: torch.Tensor) -> torch.Tensor:
-    """Gap-aware's gradient (Barkai et al., ICLR 2020): each element divided by its gap in units
-    of one update, ``max(1, |w_now - w_read| / C)``, ``C`` the running mean size of one update
-    (per row, a column, or per element; <= 0: not known yet, no penalty). The paper's penalty is
-    ``1 + |gap| / C``; the floor at 1 instead leaves a gradient whose parameters moved less than
-    one typical update as it is (the ``1 +`` form cut every overtaken push, and cost at the
-    default rate in bench/RESULTS.md's measurement of it). A new tensor; float32."""
+def gap_penalty(w_now: torch.Tensor, w_read: torch.Tensor, step_size: torch.Tensor) -> torch.Tensor:
+    """Gap-aware's penalty (Barkai et al., ICLR 2020): the gap in units of one update,
+    ``max(1, |w_now - w_read| / C)``, ``C`` the running mean size of one update; what a stale
+    push's step is divided by. Per element of a dense chunk (``step_size`` per element); per row of
+    a table (``step_size`` a column, the mean over the row's elements), from the row's mean gap
+    (a column). ``C`` <= 0: not known yet, no penalty. The paper's penalty is ``1 + |gap| / C``;
+    the floor at 1 instead leaves a push whose parameters moved less than one typical update as it
+    is (the ``1 +`` form cut every overtaken push, and cost at the default rate in
+    bench/RESULTS.md's measurement of it). A new tensor; float32."""
+    gap = (w_now - w_read).abs()
+    if step_size.dim() == 2 and gap.dim() == 2:
+        gap = gap.mean(dim=1, keepdim=True)
     known = step_size > 0
-    gap = (w_now - w_read).abs() / torch.where(known, step_size, torch.ones_like(step_size))
-    penalty = torch.where(known, gap.clamp(min=1.0), torch.ones_like(gap))
-    return g / penalty
+    ratio = gap / torch.where(known, step_size, torch.ones_like(step_size))
+    return torch.where(known, ratio.clamp(min=1.0), torch.ones_like(ratio))
+
+
+def gap_penalized(g: torch.Tensor, w_now: torch.Tensor, w_read: torch.Tensor, step_size: torch.Tensor) -> torch.Tensor:
+    """``g`` divided by its ``gap_penalty`` (the step of plain SGD, whose step is the gradient's
+    scale; the shard penalises the step itself, see ``adjusted``). A new tensor; float32."""
+    return g / gap_penalty(w_now, w_read, step_size)

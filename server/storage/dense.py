@@ -46,10 +46,18 @@ class DenseChunk:
         """The chunk's values (read without a lock) and their version."""
         return self.value, self.version
 
-    def push(self, grad: torch.Tensor, lr_scale: float = 1.0) -> int:
-        """Apply a gradient with the chunk's optimizer; returns the new version."""
+    def push(self, grad: torch.Tensor, lr_scale: float = 1.0, step_scale: torch.Tensor | None = None) -> int:
+        """Apply a gradient with the chunk's optimizer; returns the new version. ``step_scale``
+        (one factor per element; gap-aware's ``1 / penalty``) multiplies the step the rule took,
+        whatever the rule: the optimizer's state still takes the whole gradient."""
         with self._lock:
+            before = None if step_scale is None else self.value.clone()
             self._rule.apply(self.optimizer, self.value, grad, self._state, lr_scale)
+            if before is not None:
+                # One in-place subtraction: a lock-free pull sees each element at its step's
+                # whole or its damped value, never the step alone.
+                step = self.value - before
+                self.value.sub_(step.mul_(1.0 - step_scale.reshape(self.value.shape)))
             self.version += 1
             return self.version
 

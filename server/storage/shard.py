@@ -367,9 +367,9 @@ class Shard:
                 if staleness_aware:
                     scale = staleness_scale(s, typical)
                 opt = target.config.optimizer if ids is not None else target.optimizer
-                grad, scale, before = adjusted(target, opt, ids, grad, read, scale, clock, remedies)
+                grad, scale, before, step_scale = adjusted(target, opt, ids, grad, read, scale, clock, remedies)
                 if ids is None:
-                    target.push(grad, scale)
+                    target.push(grad, scale, step_scale)
                 else:
                     target.push(ids, grad, scale, pulled, stats)
                 observe_step(target, ids, before, remedies.decay)
