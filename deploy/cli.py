@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -224,13 +225,23 @@ def _comparison(command: str, argv: Sequence[str]) -> int:
     sweep = command == "sweep"
     p = argparse.ArgumentParser(
         prog=f"tether {command}",
-        description=("Tune the staleness bound: run ssp:S for each S. " if sweep else "Run the same job under several consistency modes. ")
+        description=("Tune the staleness bound: run ssp:S for each S of --bounds; or, with --remedy, a staleness remedy's strength: "
+                     "run sync, async without it and async with it at each strength of --strengths. "
+                     if sweep else "Run the same job under several consistency modes. ")
         + _PER_INVOCATION,
         formatter_class=HelpFormatter,
     )
     if sweep:
-        p.add_argument("--bounds", default="0,1,2,4,8", help="comma-separated staleness bounds S to try")
-        p.add_argument("--tolerance", type=float, default=0.01, help="final loss may be this much (relative) above the best")
+        p.add_argument("--bounds", default=None, help="comma-separated staleness bounds S to try (default 0,1,2,4,8)")
+        p.add_argument("--tolerance", type=float, default=None,
+                       help="bounds: final loss may be this much (relative) above the best (default 0.01)")
+        p.add_argument("--remedy", default=None, metavar="NAME",
+                       help="sweep this remedy's strength instead of the bound: dc (DC-ASGD's lambda, --delay-compensation) or "
+                       "dc-adaptive (DC-ASGD-a's lambda0). Runs sync, async without the remedy and async at each strength; "
+                       "recommends the strength with the lowest mean final loss if it beats plain async beyond the 95%% interval. "
+                       "Other job flags (--staleness-aware, --gap-aware) apply to every async run")
+        p.add_argument("--strengths", default=None, metavar="LIST",
+                       help="with --remedy: comma-separated strengths >= 0 (0: plain async, run anyway; default 0.5,1,2,4,8)")
     else:
         p.add_argument("--modes", default="sync,ssp:0,ssp:4,async", help="comma-separated modes: async, ssp:S, sync")
     _add_counts(p, shards=2, workers=4, per=" per run")
@@ -244,7 +255,8 @@ def _comparison(command: str, argv: Sequence[str]) -> int:
     p.add_argument("--verbose", action="store_true", help="show every worker's progress")
     # Several modes run here: a --mode would mean nothing (and would otherwise abbreviate --modes).
     p.add_argument("--mode", action=_Refused, help=argparse.SUPPRESS, default=argparse.SUPPRESS,
-                   why=f"tether {command} runs " + ("ssp:S for every S of --bounds" if sweep else "every mode of --modes")
+                   why=f"tether {command} runs "
+                   + ("ssp:S for every S of --bounds (async with --remedy)" if sweep else "every mode of --modes")
                    + "; --mode is for launch and worker")
     _add_program_flags(p, "the workers of every run")
     p.add_argument("--metric", default=None, metavar="NAME",
@@ -258,7 +270,7 @@ def _comparison(command: str, argv: Sequence[str]) -> int:
 def _run_comparison(a: argparse.Namespace, sweep: bool) -> int:
     """``tether compare`` or ``sweep`` with its parsed flags; the exit code."""
     # Start-up cost: the tether command's help and usage errors run without torch (tests/test_cli_torch_free.py).
-    from tether.deploy.compare import check_arguments, compare
+    from tether.deploy.compare import check_arguments, check_remedy_sweep, compare, remedy_sweep
     from tether.deploy.compare import sweep as run_sweep
     from tether.deploy.compare_report import format_table
 
@@ -270,21 +282,31 @@ def _run_comparison(a: argparse.Namespace, sweep: bool) -> int:
         # when the package is installed.
         board = a.tensorboard or (str(Path(a.out) / "tensorboard") if tensorboard_available() else None)
         template = replace(template, tensorboard=board)
-        if sweep:
-            bounds = [_bound(b) for b in a.bounds.split(",") if b.strip()]
-            texts: list[str] = [Mode.ssp(b) for b in bounds]
+        remedy = sweep and a.remedy is not None
+        if remedy:
+            _check_remedy_flags(a)
+            strengths = check_remedy_sweep(template, a.remedy, [_strength(x) for x in (a.strengths or "0.5,1,2,4,8").split(",")])
+            texts: list[str] = ["sync", "async"]
+        elif sweep:
+            if a.strengths is not None:
+                raise ValueError(f"--strengths {a.strengths}: is for --remedy (the strengths of the remedy to sweep)")
+            bounds = [_bound(b) for b in (a.bounds or "0,1,2,4,8").split(",") if b.strip()]
+            texts = [Mode.ssp(b) for b in bounds]
         else:
             texts = [m.strip() for m in a.modes.split(",") if m.strip()]
+        tolerance = 0.01 if not sweep or a.tolerance is None else a.tolerance
         # Each mode parsed here, once: compare and sweep hand these on to every run's config.
-        modes = check_arguments(texts, straggler=a.straggler, tolerance=a.tolerance if sweep else 0.0, repeats=a.repeats)
+        modes = check_arguments(texts, straggler=a.straggler, tolerance=tolerance if sweep else 0.0, repeats=a.repeats)
         program = _program(a)
         if a.metric is not None and program is None:
             raise ValueError(f"--metric {a.metric}: is for --script or --entry (the built-in job compares its log loss)")
     common = dict(straggler=a.straggler, target_loss=a.target_loss, timeout_s=a.job_timeout, echo=a.verbose, repeats=a.repeats,
                   program=program, metric=a.metric or "eval_loss")
     # A UsageError from here on is a worker's one line, or no bound reached the target.
-    if sweep:
-        summary = run_sweep(template, bounds, a.num_shards, a.out, tolerance=a.tolerance, **common)
+    if remedy:
+        summary = remedy_sweep(template, a.remedy, strengths, a.num_shards, a.out, **common)
+    elif sweep:
+        summary = run_sweep(template, bounds, a.num_shards, a.out, tolerance=tolerance, **common)
     else:
         summary = compare(template, modes, a.num_shards, a.out, **common)
     print(format_table(summary))
@@ -292,6 +314,35 @@ def _run_comparison(a: argparse.Namespace, sweep: bool) -> int:
     if template.tensorboard:
         print(f"TensorBoard curves of every mode: tensorboard --logdir {template.tensorboard}")
     return DONE
+
+
+def _check_remedy_flags(a: argparse.Namespace) -> None:
+    """``sweep --remedy``'s flags that belong to the bound sweep.
+
+    Raises:
+        ValueError: --bounds or --tolerance given with --remedy, named.
+    """
+    if a.bounds is not None:
+        raise ValueError(f"--bounds {a.bounds}: --remedy {a.remedy} sweeps the remedy's strength under async "
+                         "(sweep the bound without --remedy)")
+    if a.tolerance is not None:
+        raise ValueError(f"--tolerance {a.tolerance:g}: is for the bound sweep (--remedy recommends by the 95% interval "
+                         "against plain async)")
+
+
+def _strength(text: str) -> float:
+    """One ``--strengths`` entry.
+
+    Raises:
+        ValueError: not a finite number >= 0, named.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise ValueError(f"--strengths: each strength must be a finite number >= 0, got {text.strip()!r}")
+    return value
 
 
 def _bound(text: str) -> int:
@@ -400,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "worker": "run one worker",
         "launch": "run a local cluster (shards + workers) and report the result",
         "compare": "run the same job under several consistency modes",
-        "sweep": "tune the staleness bound S of ssp:S",
+        "sweep": "tune the staleness bound S of ssp:S, or a remedy's strength (--remedy)",
         "export": "write a checkpoint's tables and dense parameters as safetensors for serving",
         "convert": "write Criteo TSV files as a Parquet table (--data parquet:)",
     }

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from tether.deploy.compare_program import no_eval_loss, program_mode_figures, program_run_figures
-from tether.deploy.compare_report import difference_to, loss_spread, recommend
+from tether.deploy.compare_report import difference_to, loss_spread, recommend, recommend_strength
 from tether.deploy.job import run_job, staleness_summary
 from tether.deploy.launch import Program
 from tether.deploy.plot import write_plot
@@ -37,7 +38,7 @@ from tether.worker.training.mode import Mode
 from tether.worker.training.run_record import RunRecord
 from tether.worker.training.stragglers import StragglerSpec, parse_straggler
 
-__all__ = ["check_arguments", "compare", "sweep", "time_to_target"]
+__all__ = ["REMEDIES", "check_arguments", "check_remedy_sweep", "compare", "remedy_sweep", "strength_label", "sweep", "time_to_target"]
 
 CSV_FIELDS = ("mode", "repeat", "worker", "step", "samples", "total_samples", "wall_s", "train_loss", "eval_loss", "staleness_mean")
 
@@ -139,9 +140,13 @@ def _with_total_samples(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
 def _run_one(
     template: WorkerConfig, mode: Mode, repeat: int, repeats: int, num_shards: int, out_dir: Path, spec: str, timeout_s: float,
     echo: bool, printer: Callable[[str], None], program: Program | None = None, metric: str = "eval_loss",
+    label: str | None = None, overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One run of ``compare``: ``template`` (as ``program``'s workers, if given) under ``mode``
-    with repeat ``repeat``'s data order, in its own folder; its summary, records, curve and figures."""
+    with repeat ``repeat``'s data order, in its own folder; its summary, records, curve and figures.
+    ``label`` names the run in the table, folders and curves (default: the mode); ``overrides``
+    are config fields set for this run (a remedy sweep's strength)."""
+    name = label or str(mode)
     # The sync baseline runs without DC-ASGD, DC-ASGD-a or gap-aware: nothing in sync is stale
     # (the options refuse it).
     remedies: dict[str, Any] = {"delay_compensation": 0.0, "dc_adaptive": False, "gap_aware": False} if mode == "sync" else {}
@@ -151,12 +156,13 @@ def _run_one(
     # Pushes in flight (--push-window, or --preset gpu's 2) are async's: ssp:S and sync land every
     # push before the next pull (the option refuses more there), so their runs push one at a time.
     window: dict[str, Any] = {"push_window": 1} if template.push_window > 1 and Mode.of(mode).kind != "async" else {}
-    cfg = replace(template, mode=mode, data_seed=template.data_seed + repeat, **remedies, **cache, **window)
+    cfg = replace(template, mode=mode, data_seed=template.data_seed + repeat, **remedies, **cache, **window, **(overrides or {}))
     if template.tensorboard:  # one run per mode under one root, so TensorBoard overlays them
-        board = Path(template.tensorboard) / _mode_dir(mode)
+        board = Path(template.tensorboard) / _mode_dir(name)
         cfg = replace(cfg, tensorboard=str(board / f"repeat-{repeat}" if repeats > 1 else board))
-    run_dir = out_dir / _mode_dir(mode) / f"repeat-{repeat}" if repeats > 1 else out_dir / _mode_dir(mode)
-    printer(f"tether compare: running {mode}" + (f" repeat {repeat + 1}/{repeats}" if repeats > 1 else "")
+    run_dir = out_dir / _mode_dir(name) / f"repeat-{repeat}" if repeats > 1 else out_dir / _mode_dir(name)
+    printer(f"tether compare: running {name}" + (f" ({mode})" if name != mode else "")
+            + (f" repeat {repeat + 1}/{repeats}" if repeats > 1 else "")
             + f" ({cfg.num_workers} workers, {num_shards} shards, straggler {spec}"
             + ("; no row cache: sync reads every row fresh" if no_cache else "")
             + (f"; push window 1, not {template.push_window}: {mode} lands every push before the next pull" if window else "") + ")")
@@ -165,7 +171,7 @@ def _run_one(
     curve = _with_total_samples(records)
     updates = sorted(x for r in records for x in r.update_staleness)
     run: dict[str, Any] = {
-        "mode": mode,
+        "mode": name,
         "repeat": repeat,
         "data_seed": cfg.data_seed,
         "summary": summary,
@@ -232,6 +238,22 @@ def compare(
     """
     spec = parse_straggler(template.straggler if straggler is None else straggler)
     modes = check_arguments(modes, straggler=spec, target_fraction=target_fraction, repeats=repeats)
+    return _compare(template, [(str(m), m, {}) for m in modes], num_shards, out, spec, target_loss, target_fraction, timeout_s, echo,
+                    repeats, printer, program, metric)
+
+
+# One run kind of a comparison: its label (the table's "mode" column), its mode, and the config
+# fields it sets (a remedy sweep's strength; none for compare's modes).
+Variant = tuple[str, Mode, dict[str, Any]]
+
+
+def _compare(
+    template: WorkerConfig, variants: Sequence[Variant], num_shards: int, out: str | Path, spec: StragglerSpec,
+    target_loss: float | None, target_fraction: float, timeout_s: float, echo: bool, repeats: int, printer: Callable[[str], None],
+    program: Program | None, metric: str,
+) -> dict[str, Any]:
+    """``compare``'s work over checked arguments: each variant ``repeats`` times, interleaved."""
+    modes = [label for label, _, _ in variants]
     if template.eval_every < 1:
         template = replace(template, eval_every=max(template.steps // 20, 1))
     # Every worker records (time, samples) as often as worker 0 evaluates: all workers'
@@ -243,9 +265,9 @@ def compare(
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     for repeat in range(repeats):
-        for mode in modes:
+        for label, mode, overrides in variants:
             runs.append(_run_one(template, mode, repeat, repeats, num_shards, out_dir, str(spec), timeout_s, echo, printer,
-                                 program, metric))
+                                 program, metric, label=label, overrides=overrides))
             printer(_progress_line(runs, repeats, target_loss))
     baseline = _baseline(runs)
     if target_loss is None and baseline is not None and all(r["final_eval_loss"] is not None for r in runs):
@@ -415,6 +437,86 @@ def sweep(
     summary["recommendation"] = verdict["message"]
     summary["tied_bounds"] = verdict["tied"]
     summary["tolerance"] = tolerance
+    summary.update(cache_settings(template))
+    Path(out, "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+# The remedies a sweep can tune: --remedy NAME -> (the label of its runs, what its strength is,
+# the config fields a strength sets).
+REMEDIES: dict[str, tuple[str, str, Callable[[float], dict[str, Any]]]] = {
+    "dc": ("dc", "DC-ASGD's lambda (--delay-compensation)", lambda x: {"delay_compensation": x}),
+    "dc-adaptive": ("dc-a", "DC-ASGD-a's lambda0 (--delay-compensation with --dc-adaptive)",
+                    lambda x: {"delay_compensation": x, "dc_adaptive": True}),
+}
+# The runs without the remedy every remedy sweep makes: sync (the target) and async (what a
+# strength must beat).
+PLAIN = "async"
+
+
+def check_remedy_sweep(template: WorkerConfig, remedy: str, strengths: Sequence[float]) -> list[float]:
+    """What ``remedy_sweep`` is asked, checked before any process starts; returns the strengths
+    to run (0, plain async, is run anyway and dropped from them).
+
+    Raises:
+        UsageError: an unknown remedy, no strength, a strength that is not a finite number >= 0,
+            one given twice, or a template that sets the remedy's flags itself.
+    """
+    if remedy not in REMEDIES:
+        raise UsageError(f"--remedy {remedy!r}: must be one of {', '.join(REMEDIES)} (gap-aware and --staleness-aware have no "
+                         "strength to sweep: compare them with tether compare --modes sync,async --gap-aware)")
+    values = list(strengths)
+    if not values:
+        raise UsageError("--strengths: at least one strength is needed")
+    for x in values:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x < math.inf:
+            raise UsageError(f"--strengths: each strength must be a finite number >= 0, got {x!r}")
+    twice = sorted({x for x in values if values.count(x) > 1})
+    if twice:
+        raise UsageError(f"--strengths: {twice[0]:g} is given twice")
+    if template.delay_compensation > 0 or template.dc_adaptive:
+        raise UsageError(f"--delay-compensation and --dc-adaptive: --remedy {remedy} sets them for each run (its strength); "
+                         "leave them out")
+    chosen = [float(x) for x in values if x > 0]
+    if not chosen:
+        raise UsageError("--strengths: at least one strength > 0 is needed (0 is plain async, which every remedy sweep runs)")
+    return chosen
+
+
+def strength_label(remedy: str, strength: float) -> str:
+    """A remedy sweep's run name for one strength: ``dc-a:2``, ``dc:0.04``."""
+    return f"{REMEDIES[remedy][0]}:{strength:g}"
+
+
+def remedy_sweep(
+    template: WorkerConfig,
+    remedy: str,
+    strengths: Sequence[float],
+    num_shards: int,
+    out: str | Path,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """``compare`` of a staleness remedy at each strength: sync, async without the remedy and
+    async with it at every strength (``REMEDIES``: ``dc``'s lambda, ``dc-adaptive``'s lambda0),
+    each ``repeats`` times; plus the recommendation (``compare_report.recommend_strength``):
+    ``recommended_strength`` is None when no strength beats plain async beyond the uncertainty.
+    Other remedies of the template (``--staleness-aware``, ``--gap-aware``) apply to every async run.
+
+    Raises:
+        UsageError: see ``check_remedy_sweep`` and ``check_arguments``.
+    """
+    chosen = check_remedy_sweep(template, remedy, strengths)
+    spec = parse_straggler(template.straggler if kwargs.get("straggler") is None else kwargs["straggler"])
+    check_arguments(["sync", PLAIN], straggler=spec, repeats=kwargs.get("repeats", 1))
+    labels = {strength_label(remedy, x): x for x in chosen}
+    variants: list[Variant] = [("sync", Mode.of("sync"), {}), (PLAIN, Mode.of(PLAIN), {})]
+    variants += [(label, Mode.of(PLAIN), REMEDIES[remedy][2](x)) for label, x in labels.items()]
+    kwargs = {"target_loss": None, "target_fraction": 0.9, "timeout_s": 3600.0, "echo": False, "repeats": 1, "printer": print,
+              "program": None, "metric": "eval_loss", **{k: v for k, v in kwargs.items() if k != "straggler"}}
+    summary = _compare(template, variants, num_shards, out, spec, **kwargs)
+    verdict = recommend_strength(summary["modes"], labels, remedy, PLAIN)
+    summary.update(remedy=remedy, strength_is=REMEDIES[remedy][1], strengths=[0.0, *chosen], reference=PLAIN,
+                   recommended_strength=verdict["strength"], recommendation=verdict["message"], tied_strengths=verdict["tied"])
     summary.update(cache_settings(template))
     Path(out, "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -12,7 +12,7 @@ from tether.deploy.compare_program import format_program_table
 from tether.protos.errors import UsageError
 from tether.worker.training.mode import Mode
 
-__all__ = ["difference_to", "format_against_sync", "format_table", "loss_spread", "recommend", "t_quantile_975"]
+__all__ = ["difference_to", "format_against_sync", "format_table", "loss_spread", "recommend", "recommend_strength", "t_quantile_975"]
 
 
 # Student's t, two-sided 95% (the 0.975 quantile) for 1..30 degrees of freedom, then 40, 60, 120.
@@ -145,6 +145,53 @@ def recommend(results: Sequence[dict[str, Any]], tolerance: float = 0.01) -> dic
         note += f"; {', '.join(names)} are within the spread of each other, the smallest bound is recommended"
     return {"best": best, "recommended": chosen, "tied": names,
             "message": f"recommended staleness bound: {Mode.of(chosen['mode']).bound}{note}"}
+
+
+def _losses(result: dict[str, Any]) -> list[float] | None:
+    """A result's runs' final losses (None when a run has none)."""
+    losses = [r.get("final_eval_loss") for r in result.get("runs", [])]
+    return None if not losses or any(v is None for v in losses) else [float(v) for v in losses]
+
+
+def recommend_strength(results: Sequence[dict[str, Any]], strengths: dict[str, float], remedy: str, plain: str = "async") -> dict[str, Any]:
+    """The remedy strength to use, if the runs can tell.
+
+    The rule: the strength with the lowest mean final loss is recommended when its difference to
+    plain async (``plain``, the same job without the remedy) is better beyond the uncertainty
+    (``difference_to``'s 95% interval lies below 0). Strengths whose difference to it is within
+    the uncertainty are listed as tied. With one run per strength no uncertainty can be given:
+    the lowest is recommended, and the message says so.
+
+    Args:
+        results: the sweep's per-run-kind results (``mode`` the label).
+        strengths: label -> strength of the remedy's runs.
+
+    Returns:
+        ``{"strength": float or None, "tied": [strengths], "message": str}``.
+    """
+    reference = next((r for r in results if r["mode"] == plain), None)
+    runs = [(r, _losses(r)) for r in results if r["mode"] in strengths]
+    scored = [(r, losses) for r, losses in runs if losses is not None]
+    ref_losses = None if reference is None else _losses(reference)
+    if not scored or len(scored) < len(runs) or ref_losses is None:
+        return {"strength": None, "tied": [], "message": f"no {remedy} strength recommended (it needs an eval loss)"}
+    best, best_losses = min(scored, key=lambda item: statistics.fmean(item[1]))
+    strength = strengths[best["mode"]]
+    tied = [strengths[r["mode"]] for r, losses in scored
+            if r is not best and difference_to(losses, best_losses)["verdict"] == "within the uncertainty"]
+    d = difference_to(best_losses, ref_losses)
+    against = f"{d['diff']:+.4f}" + ("" if d["ci95"] is None else f" +- {d['ci95']:.4f}") + f" against plain {plain}"
+    if d["ci95"] is None:
+        return {"strength": strength, "tied": [],
+                "message": f"recommended {remedy} strength: {strength:g} ({against}; one run per strength: the spread is unknown, "
+                           "use --repeats 3)"}
+    ties = f"; {', '.join(f'{x:g}' for x in tied)} within the uncertainty of it" if tied else ""
+    if d["verdict"] != "better, beyond the uncertainty":
+        return {"strength": None, "tied": tied,
+                "message": f"no {remedy} strength recommended: the best, {strength:g}, is {against}: not better beyond the "
+                           f"uncertainty{ties}"}
+    return {"strength": strength, "tied": tied,
+            "message": f"recommended {remedy} strength: {strength:g} (lowest mean final loss, {against}, 95%{ties})"}
 
 
 def format_table(summary: dict[str, Any]) -> str:

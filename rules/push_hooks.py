@@ -27,8 +27,8 @@ from tether.rules.update_rules import UpdateRule
 
 __all__ = [
     "Remedies", "adjusted", "apply_rows", "check_combined", "check_compensation", "check_dense", "check_read", "check_remedies",
-    "check_rows", "combine_rows", "dc_adaptive_compensated", "delay_compensated", "finite", "gap_penalized", "gap_penalty", "has_duplicates",
-    "observe_step", "running_mean",
+    "check_rows", "combine_rows", "dc_adaptive_compensated", "delay_compensated", "finite", "gap_penalized", "gap_penalty",
+    "has_duplicates", "observe_step", "running_mean",
 ]
 
 # The shard's running means (``EmbeddingTable.running_means``, ``DenseChunk.running_means``):
