@@ -53,7 +53,7 @@ class DenseChunk:
         with self._lock:
             before = None if step_scale is None else self.value.clone()
             self._rule.apply(self.optimizer, self.value, grad, self._state, lr_scale)
-            if before is not None:
+            if before is not None and step_scale is not None:
                 # One in-place subtraction: a lock-free pull sees each element at its step's
                 # whole or its damped value, never the step alone.
                 step = self.value - before
