@@ -160,7 +160,7 @@ def recommend_strength(results: Sequence[dict[str, Any]], strengths: dict[str, f
     plain async (``plain``, the same job without the remedy) is better beyond the uncertainty
     (``difference_to``'s 95% interval lies below 0). Strengths whose difference to it is within
     the uncertainty are listed as tied. With one run per strength no uncertainty can be given:
-    the lowest is recommended, and the message says so.
+    the lowest is recommended if it is below plain async, and the message says the spread is unknown.
 
     Args:
         results: the sweep's per-run-kind results (``mode`` the label).
@@ -182,6 +182,10 @@ def recommend_strength(results: Sequence[dict[str, Any]], strengths: dict[str, f
     d = difference_to(best_losses, ref_losses)
     against = f"{d['diff']:+.4f}" + ("" if d["ci95"] is None else f" +- {d['ci95']:.4f}") + f" against plain {plain}"
     if d["ci95"] is None:
+        if d["diff"] >= 0:
+            return {"strength": None, "tied": [],
+                    "message": f"no {remedy} strength recommended: the best, {strength:g}, is {against} (one run per strength: "
+                               "the spread is unknown, use --repeats 3)"}
         return {"strength": strength, "tied": [],
                 "message": f"recommended {remedy} strength: {strength:g} ({against}; one run per strength: the spread is unknown, "
                            "use --repeats 3)"}

@@ -6,7 +6,7 @@ Each page's ```bash blocks run in order in one scratch folder (the repository's 
 the suite CI-sized a command is shrunk before it runs, never otherwise changed: ``--steps``,
 ``--num-workers``, ``--eval-samples``, ``--call-deadline`` and generated data sizes are capped, a
 job (launch, compare, sweep) runs one shard (``--num-shards 1``, also where it names none),
-``--repeats`` is 1, mode and bound lists keep their first two entries, and
+``--repeats`` is 1, mode and bound lists keep their first two entries (a remedy sweep's strengths their first), and
 every fixed port moves by one offset to free ones; a command that gives no ``--steps`` or
 ``--eval-samples`` gets ``TETHER_STEPS=20`` and ``TETHER_EVAL_SAMPLES=1000`` from the environment.
 An install step before ``&&`` and the README's venv step are dropped (the suite runs installed). A command is skipped only
@@ -85,6 +85,8 @@ def _shrink(block: str, port_offset: int) -> str:
     block = _cap(r"write_criteo_sample\('[^']+', (\d+)\)", 20000, block)
     block = re.sub(r"--repeats \d+", "--repeats 1", block)
     block = re.sub(r"--(modes|bounds) ([\w:.]+,[\w:.]+)(,[\w:.,]+)?", r"--\1 \2", block)
+    # A remedy sweep runs sync and plain async besides its strengths: one strength is enough.
+    block = re.sub(r"--strengths ([\d.]+)(,[\d.,]+)?", r"--strengths \1", block)
     return FIXED_PORTS.sub(lambda m: str(int(m.group(1)) + port_offset), block)
 
 

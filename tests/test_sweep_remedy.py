@@ -86,8 +86,11 @@ def test_dc_sets_lambda_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     summary = compare_module.remedy_sweep(TEMPLATE, "dc", [0, 0.04], 1, tmp_path, printer=lambda line: None)
     assert [(str(c.mode), c.delay_compensation, c.dc_adaptive) for c in ran] == [("sync", 0, False), ("async", 0, False),
                                                                                 ("async", 0.04, False)]
-    # One run per strength: the lowest is recommended, and the message says the spread is unknown.
+    # One run per strength: the lowest is recommended if below plain async, and the message says the spread is unknown.
     assert summary["recommended_strength"] == 0.04 and "one run per strength" in summary["recommendation"]
+    worse = [{"mode": "async", "runs": [{"final_eval_loss": 0.58}]}, {"mode": "dc:1", "runs": [{"final_eval_loss": 0.59}]}]
+    verdict = recommend_strength(worse, {"dc:1": 1.0}, "dc")
+    assert verdict["strength"] is None and verdict["message"].startswith("no dc strength recommended: the best, 1, is +0.0100 against")
 
 
 def test_no_strength_is_recommended_when_the_best_is_within_the_uncertainty_of_plain_async() -> None:

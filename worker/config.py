@@ -173,8 +173,8 @@ class TrainingConfig:
                                 "LAMBDA / sqrt(ms), ms the shard's running mean of g * g per row and dense element (decay "
                                 "--remedy-decay), so the correction keeps its size when gradients are small; needs --delay-compensation")
     gap_aware: bool = setting(False, flag="--gap-aware", group=JOB,
-                              help="gap-aware (Barkai et al. 2020): the shard divides each gradient element by "
-                              "max(1, |w_now - w_read| / C), C the running mean size of one update of its row or dense element "
+                              help="gap-aware (Barkai et al. 2020): the shard divides the step of each row (by its mean gap) and dense "
+                              "element by max(1, |w_now - w_read| / C), C the running mean size of one update of it "
                               "(decay --remedy-decay); async and ssp only; pushes carry the values read")
     remedy_decay: float = setting(REMEDY_DECAY, flag="--remedy-decay", metavar="M", group=JOB,
                                   help="decay of the shard's running means behind --dc-adaptive and --gap-aware, in (0, 1)")
