@@ -7,7 +7,9 @@ so a change in the machine's load falls on every mode alike). Outputs (``--out D
 loss, eval loss, clock staleness), ``curves.png`` (eval loss against wall time and against all
 workers' samples, mean and band over the repeats, a line at the best possible loss, and clock
 staleness over time), ``summary.json`` (per mode: mean and spread; per run: its figures; the
-sweep adds ``recommended_staleness``), and each run's own folder.
+bound sweep adds ``recommended_staleness``, the remedy sweep ``recommended_strength``), and each
+run's own folder. A remedy sweep (``remedy_sweep``) names its runs ``sync``, ``async`` and
+``dc-a:2``-like labels in place of modes.
 
 Wall time is worker 0's training time: its evaluations are left out (it evaluates before
 training, at step 0, and every ``eval_every`` steps). Time to target is read off that curve,
