@@ -36,14 +36,16 @@ sys.path.insert(0, str(ROOT / "examples" / "movielens_two_tower"))
 
 from movielens import write_ratings  # noqa: E402
 
-CONFIGS = ("no cache", "cache", "free cache")
+CONFIGS = ("no cache", "cache", "cache recurring", "free cache")  # "cache recurring": --cache-admission recurring
 
 
 def _job_args(job: str, config: str, a: argparse.Namespace, data: dict[str, Path]) -> list[str]:
     """``tether launch`` flags of one configuration (steps and --out added by the caller)."""
     args = ["--num-workers", str(a.workers), "--num-shards", str(a.shards), "--log-every", "100000", "--eval-every", "0"]
-    if config == "cache":
+    if config.startswith("cache"):
         args += ["--cache-rows", str(a.cache_rows), "--cache-bound", str(a.bound)]
+        if config == "cache recurring":
+            args += ["--cache-admission", "recurring"]
     if job == "ctr":
         return args + (["--vocab-size", str(a.ceiling_vocab)] if config == "free cache" else [])
     ratings = data["free" if config == "free cache" else "real"]
@@ -65,7 +67,7 @@ def _run(args: list[str], steps: int, out: Path) -> tuple[float, int, float, flo
     return cpu, int(summary["total_samples"]), float(summary["samples_per_sec"]), rows
 
 
-def _round(job: str, order: tuple[str, ...], a: argparse.Namespace, data: dict[str, Path], tmp: Path) -> dict[str, dict[str, float]]:
+def _round(job: str, order: list[str], a: argparse.Namespace, data: dict[str, Path], tmp: Path) -> dict[str, dict[str, float]]:
     got = {}
     for config in order:
         args = _job_args(job, config, a, data)
@@ -86,10 +88,14 @@ def main() -> int:
     p.add_argument("--ceiling-vocab", type=int, default=250, help="CTR free cache: ids per field, default 250")
     p.add_argument("--ceiling-users", type=int, default=48, help="MovieLens free cache: users, default 48")
     p.add_argument("--ceiling-movies", type=int, default=48, help="MovieLens free cache: movies, default 48")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)} (default all; no cache always runs)")
     p.add_argument("--json", help="also write the per-round figures here")
     a = p.parse_args()
     if a.steps < 1 or a.rounds < 1:
         p.error("need --steps >= 1 and --rounds >= 1")
+    configs = ["no cache", *(c for c in CONFIGS[1:] if c in [x.strip() for x in a.configs.split(",")])]
+    if any(x.strip() not in CONFIGS for x in a.configs.split(",")):
+        p.error(f"--configs must be a comma list of {', '.join(CONFIGS)}, got {a.configs!r}")
     results: dict[str, list[dict[str, dict[str, float]]]] = {}
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
@@ -99,13 +105,13 @@ def main() -> int:
         for job in a.job or ["ctr", "movielens"]:
             results[job] = []
             for r in range(a.rounds):
-                order = CONFIGS if r % 2 == 0 else CONFIGS[::-1]
+                order = configs if r % 2 == 0 else configs[::-1]
                 got = _round(job, order, a, data, tmp)
                 results[job].append(got)
                 print(f"{job} round {r + 1}: " + "; ".join(
                     f"{c} {got[c]['samples_per_sec']:.0f} samples/s, {got[c]['us_per_sample']:.1f} CPU-us/sample, "
-                    f"{got[c]['rows_per_sample']:.2f} rows/sample" for c in CONFIGS), flush=True)
-            for c in ("cache", "free cache"):
+                    f"{got[c]['rows_per_sample']:.2f} rows/sample" for c in configs), flush=True)
+            for c in configs[1:]:
                 speed = [g[c]["samples_per_sec"] / g["no cache"]["samples_per_sec"] for g in results[job]]
                 cpu = [g["no cache"]["us_per_sample"] / g[c]["us_per_sample"] for g in results[job]]
                 print(f"{job}: {c} over no cache: samples/s median {statistics.median(speed):.2f}x "

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from tether.common.choices import CACHE_ADMISSIONS
 from tether.protos.specs import TableConfig
 from tether.worker.cache.client import CachedClient
 from tether.worker.cache.parts import RowCacheConfig
@@ -158,7 +159,8 @@ def criteo_steps(n: int, folder: Path) -> tuple[list[dict[str, torch.Tensor]], d
 
 
 def report(name: str, steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], bounds: Sequence[tuple[int, int]], rows: int,
-           policy: str, batch: int = BATCH, timed: bool = True, on_device: bool = False) -> list[str]:
+           policy: str, batch: int = BATCH, timed: bool = True, on_device: bool = False,
+           admissions: Sequence[str] = ("all",)) -> list[str]:
     samples = len(steps) * batch
     base = run(steps, dims, RowCacheConfig())
     ms0 = _ms(steps, dims, RowCacheConfig()) if timed else float("nan")
@@ -181,13 +183,14 @@ def report(name: str, steps: list[dict[str, torch.Tensor]], dims: Mapping[str, i
               "worker-side CPU ms/step (the client's calls, no shard, no reuse counting; process CPU, median of 3) |",
               "|---|---|---|---|---|---|",
               f"| no cache | {moved0 / samples:.3f} | - | {bytes0 / samples:.0f} | - | {ms0:.2f} |"]
-    for r, w in bounds:
-        config = RowCacheConfig(rows=rows, bound=r, write_bound=w, policy=policy, on_device=on_device or None)
+    for (r, w), admission in ((b, adm) for b in bounds for adm in admissions):
+        config = RowCacheConfig(rows=rows, bound=r, write_bound=w, policy=policy, on_device=on_device or None, admission=admission)
         m = run(steps, dims, config, reuse=False).totals()
         ms = _ms(steps, dims, config) if timed else float("nan")
         moved = sum(v["pulled_rows"] + v["pushed_rows"] for v in m.values())
         nbytes = sum(v["pulled_bytes"] + v["pushed_bytes"] for v in m.values())
-        lines.append(f"| {r}/{w} | {moved / samples:.3f} | {1 - moved / moved0:.0%} | {nbytes / samples:.0f} | {1 - nbytes / bytes0:.0%} | {ms:.2f} |")
+        label = f"{r}/{w}" + ("" if admission == "all" else f", admission {admission}")
+        lines.append(f"| {label} | {moved / samples:.3f} | {1 - moved / moved0:.0%} | {nbytes / samples:.0f} | {1 - nbytes / bytes0:.0%} | {ms:.2f} |")
     return [*lines, ""]
 
 
@@ -200,6 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--on-device", action="store_true",
                    help="the cache a GPU worker uses (rows in device tensors: tether.worker.cache.device), here on the CPU's tensors")
     p.add_argument("--source", action="append", choices=("ctr", "movielens", "criteo"), help="repeatable; default all three")
+    p.add_argument("--admission", default="all,recurring",
+                   help="the cache's admission (--cache-admission) at each bound: all and/or recurring, comma list (default both)")
     p.add_argument("--no-timing", action="store_true", help="leave out the ms/step column (3 more runs per bound)")
     p.add_argument("--preset", choices=tuple(PRESETS), default="default",
                    help="the CTR job's sizes (tether worker --preset): gpu is batch 8,192, 26 fields, 128-wide rows (implies --source ctr)")
@@ -213,6 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(len(b) > 2 or min(b) < 0 for b in parsed):
         p.error(f"--bounds must be a comma list of R or R/W integers >= 0, got {a.bounds!r}")
     bounds = [(b[0], b[-1]) for b in parsed]
+    admissions = [x.strip() for x in a.admission.split(",") if x.strip()]
+    if not admissions or any(x not in CACHE_ADMISSIONS for x in admissions):
+        p.error(f"--admission must be a comma list of {', '.join(CACHE_ADMISSIONS)}, got {a.admission!r}")
     warm_up()  # the cache's compiled kernels loaded once, outside the timed runs (a worker loads them when its cache is made)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -222,7 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for source in sources:
             steps, dims, name = makers[source]()
             batch = PRESETS[a.preset][0] if source == "ctr" else BATCH
-            print("\n".join(report(name, steps, dims, bounds, a.cache_rows, a.cache_policy, batch, not a.no_timing, a.on_device)),
+            print("\n".join(report(name, steps, dims, bounds, a.cache_rows, a.cache_policy, batch, not a.no_timing, a.on_device,
+                                    admissions)),
                   flush=True)
     return 0
 

@@ -11,12 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 __all__ = [
-    "CACHE_POLICIES", "CLIENT_CALL_DEADLINE_S", "CLIENT_STALENESS_AWARE", "CLIENT_TIMEOUT_S", "CLIENT_TRANSPORT", "CLIENT_WIRE_DTYPE",
+    "CACHE_ADMISSIONS", "CACHE_POLICIES",
+    "CLIENT_CALL_DEADLINE_S", "CLIENT_STALENESS_AWARE", "CLIENT_TIMEOUT_S", "CLIENT_TRANSPORT", "CLIENT_WIRE_DTYPE",
     "or_names",
 ]
 
 # The row cache's eviction policies (RowCacheConfig.policy, --cache-policy; tether.worker.cache.parts).
 CACHE_POLICIES: tuple[str, ...] = ("lru", "lfu")
+# Which missed rows the row cache keeps (RowCacheConfig.admission, --cache-admission): all, or those
+# missed again within the bounds (a doorkeeper; the others pass through as with no cache).
+CACHE_ADMISSIONS: tuple[str, ...] = ("all", "recurring")
 # ClientConfig's defaults that the job's flags share (wire_dtype by its tether.protos.names name).
 CLIENT_TIMEOUT_S = 30.0
 CLIENT_CALL_DEADLINE_S = 60.0

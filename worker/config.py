@@ -212,6 +212,9 @@ class TrainingConfig:
     cache_hot: int = setting(0, flag="--cache-hot", metavar="K", group=JOB,
                              help="push a held row before its write bound once it holds K of this worker's gradients, so the "
                              "rows every worker trains on reach the others sooner (0: off, the default; host cache only)")
+    cache_admission: str = setting(choices.CACHE_ADMISSIONS[0], flag="--cache-admission", choices=choices.CACHE_ADMISSIONS, group=JOB,
+                                   help="which missed rows the cache keeps: all, or recurring (those missed again within the "
+                                   "bounds; the others are pulled and pushed in their step, as with no cache; host cache only)")
     # Pushes in flight per worker (PERSIA's embedding_staleness; tether.worker.training.step): async only.
     push_window: int = setting(1, flag="--push-window", metavar="K", group=JOB,
                                help="async: up to K of this worker's pushes in flight, so a step's rows may miss its last K "
@@ -297,7 +300,7 @@ class TrainingConfig:
         from tether.worker.cache.parts import RowCacheConfig
 
         return RowCacheConfig(rows=self.cache_rows, bound=self.cache_bound, write_bound=self.cache_write_bound, policy=self.cache_policy,
-                              hot=self.cache_hot)
+                              hot=self.cache_hot, admission=self.cache_admission)
 
     @property
     def worker_name(self) -> str:
@@ -399,7 +402,9 @@ class TrainingConfig:
         given = [flag for flag, value, default in (("--cache-bound", self.cache_bound, 0),
                                                    ("--cache-write-bound", self.cache_write_bound, None),
                                                    ("--cache-policy", self.cache_policy, choices.CACHE_POLICIES[0]),
-                                                   ("--cache-hot", self.cache_hot, 0)) if value != default]
+                                                   ("--cache-hot", self.cache_hot, 0),
+                                                   ("--cache-admission", self.cache_admission, choices.CACHE_ADMISSIONS[0]))
+                 if value != default]
         if given and not self.cache_rows:
             raise ValueError(f"{', '.join(given)} without --cache-rows (cache_rows=0: no row cache) would do nothing: "
                              "give --cache-rows N, or leave them out")

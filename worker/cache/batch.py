@@ -58,7 +58,7 @@ from tether.worker.cache.kernels import (
 )
 from tether.worker.cache.split import by_shard, group_ids
 
-__all__ = ["hold_all", "later_all", "loads", "plan_all", "store_all", "take_all", "warm_up"]
+__all__ = ["hold_all", "later_all", "loads", "plan_all", "store_all", "take_all", "warm_up", "with_unheld"]
 
 _jit = compiled()
 
@@ -98,7 +98,8 @@ def _lookup(cells: np.ndarray, ids: np.ndarray, a: np.int64, b: np.int64, found:
 def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, ids: np.ndarray, offs: np.ndarray,
              now: np.int64,
              bound: np.int64, flights: np.ndarray,
-             foffs: np.ndarray, out: np.ndarray, row_offs: np.ndarray, oldest: np.ndarray) -> tuple[Any, ...]:
+             foffs: np.ndarray, out: np.ndarray, row_offs: np.ndarray, oldest: np.ndarray, door: np.ndarray,
+             window: np.int64) -> tuple[Any, ...]:
     """Split a pull of sorted unique ids per part (table ``tidx[k]``'s ids are ``ids[offs[k]:
     offs[k + 1]]``) at clock ``now``: each id's code (1 hit, 2 refreshed by a pull in flight, 0
     miss), and per part (hits, cached rows missed: refreshed). Hits' rows go into ``out`` (part
@@ -106,11 +107,19 @@ def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
     minimum). Cached ids are marked used at ``now``; a cached row pulled again starts its
     ``fresh`` local changes from its held (``mine``) ones: what the answer will lack. Also returns
     each id's slot (-1: not cached; the device cache's gathers, ``tether.worker.cache.device``),
-    the positions of the misses and of the refreshed-later rows, and where part k's misses start."""
+    the positions of the misses and of the refreshed-later rows, where part k's misses start, and
+    whether each miss is to be cached (``store_all``'s ``keep``).
+
+    Admission (``window`` > 0): an id not cached is cached only if it was missed within the last
+    ``window`` clocks, by the doorkeeper ``door`` (per table, the clock each hash of an id was
+    last missed at; a collision admits an id early, never loses one); the others (code 3) are
+    pulled and answered, and their gradients pushed in their step (``with_unheld``), as with no
+    cache. ``counts``' third column: per part, the misses not admitted."""
     n = len(ids)
     code = np.zeros(n, np.int8)
     found = np.empty(n, np.int64)
-    counts = np.zeros((len(tidx), 2), np.int64)
+    counts = np.zeros((len(tidx), 3), np.int64)
+    dmask = np.uint64(door.shape[1] - 1)
     for k in range(len(tidx)):
         g = tidx[k]
         nt = len(cells_l)
@@ -143,25 +152,33 @@ def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
             elif s >= 0:
                 counts[k, 1] += 1
                 fr[s, :] = mi[s, :]
+            elif window > 0:
+                h = np.int64(mix64(key) & dmask)
+                if now - door[g, h] > window:
+                    code[i] = 3
+                    counts[k, 2] += 1
+                door[g, h] = now
     # The misses' and the later rows' positions, and where each part's misses start.
     nmiss = nlater = 0
     for i in range(n):
-        nmiss += code[i] == 0
+        nmiss += code[i] == 0 or code[i] == 3
         nlater += code[i] == 2
     miss = np.empty(nmiss, np.int64)
+    keep = np.empty(nmiss, np.bool_)
     later = np.empty(nlater, np.int64)
     miss_offs = np.zeros(len(tidx) + 1, np.int64)
     a = b = 0
     for k in range(len(tidx)):
         for i in range(offs[k], offs[k + 1]):
-            if code[i] == 0:
+            if code[i] == 0 or code[i] == 3:
                 miss[a] = i
+                keep[a] = code[i] == 0
                 a += 1
             elif code[i] == 2:
                 later[b] = i
                 b += 1
         miss_offs[k + 1] = a
-    return code, counts, found, miss, later, miss_offs
+    return code, counts, found, miss, later, miss_offs, keep
 
 
 @compiled(inline="always")
@@ -192,7 +209,7 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
               pos: np.ndarray, got: np.ndarray,
               got_offs: np.ndarray, got_row: np.ndarray, versions: np.ndarray, now: np.int64, num_shards: np.int64,
               top: np.ndarray, nfree: np.ndarray, out: np.ndarray, row_offs: np.ndarray, offs: np.ndarray, states: Any, sfirst: np.ndarray,
-              scount: np.ndarray, sinit: np.ndarray) -> tuple[Any, ...]:
+              scount: np.ndarray, sinit: np.ndarray, keep: np.ndarray) -> tuple[Any, ...]:
     """Pulled rows into the cache: ``keys`` (per part ``koffs``) at positions ``pos`` of the
     pull's ids (per-part ``offs``: row ``pos - offs[k]`` of part k's answer at ``row_offs[k]`` of
     ``out``), their rows ``got_row`` of part k's pulled rows (``got`` at ``got_offs[k]``).
@@ -201,9 +218,11 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
     ones first (``free[:nfree[g]]``, taken from the end) then unused ones (from ``top[g]``),
     while there are any; a new id's local rule state (table g's ``scount[g]`` arrays from
     ``states[sfirst[g]]``) starts at the rule's (``sinit``, per state array). ``got_row`` empty:
-    key i is row ``i - koffs[k]`` of its part's pulled rows. The answer gets every row as stored
-    (as pulled where no slot was left). Returns (the indexes in ``keys`` of the ids no slot was left for, the slots placed, per
-    part how many were placed, and each key's slot, -1 where none was left)."""
+    key i is row ``i - koffs[k]`` of its part's pulled rows. A new id whose ``keep`` is False (not
+    admitted, ``plan_all``; ``keep`` empty: every id kept) is only answered. The answer gets every
+    row as stored (as pulled where no slot was left or the id was not kept). Returns (the indexes
+    in ``keys`` of the ids no slot was left for, the slots placed, per part how many were placed,
+    and each key's slot, -1 where none was left)."""
     n = len(keys)
     stored = np.full(n, -1, np.int64)
     unplaced = np.empty(n, np.int64)
@@ -231,6 +250,10 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
             src = got_offs[k] + (got_row[i] if len(got_row) else i - koffs[k]) * dim
             dst = row_offs[k] + (pos[i] - offs[k]) * dim
             s = found[i]
+            if s < 0 and len(keep) and not keep[i]:
+                for j in range(dim):
+                    out[dst + j] = got[src + j]
+                continue
             if s < 0:
                 if nfree[g] > 0:
                     nfree[g] -= 1
@@ -452,6 +475,93 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
 
 
 @_jit
+def with_unheld(ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, square: np.ndarray, grads: np.ndarray, shards: np.ndarray,
+                count: np.ndarray, ascending: np.ndarray, oldest: np.ndarray, dims: np.ndarray, kinds: np.ndarray, tidx: np.ndarray,
+                step_ids: np.ndarray, offs: np.ndarray, g: np.ndarray, g_offs: np.ndarray, missing: np.ndarray,
+                missing_shards: np.ndarray, read: np.ndarray) -> tuple[Any, ...]:
+    """``take_all``'s push (per table in table order: ids, sums, statistics, each row's mean
+    square and count, shards, rows per table, whether its ids ascend, the oldest read version per
+    table and shard) with a step's gradients of rows not cached merged in (``hold_all``'s
+    ``missing``, ascending: positions in ``step_ids``, part k of table ``tidx[k]`` at ``offs[k]``,
+    its gradients at ``g_offs[k]`` of ``g``; their shards; their read versions ``read[k, shard]``),
+    each one gradient: -1 first in its statistics, as ``Table.combined`` writes a row of one
+    gradient. Where a table's taken ids ascend, the two sorted runs are merged by id (a row not
+    cached holds nothing, so no id is in both), else the step's rows follow the taken ones.
+    Returns the same eight, merged."""
+    nt = len(count)
+    nstats = np.zeros(nt, np.int64)
+    for t in range(nt):
+        for c in range(kinds.shape[1]):
+            if kinds[t, c] >= 0:
+                nstats[t] += 1
+    part = np.full(nt, -1, np.int64)
+    lo = np.zeros(nt, np.int64)  # table t's rows of ``missing``: lo[t]:hi[t]
+    hi = np.zeros(nt, np.int64)
+    for k in range(len(tidx)):
+        part[tidx[k]] = k
+        lo[tidx[k]] = np.searchsorted(missing, offs[k])
+        hi[tidx[k]] = np.searchsorted(missing, offs[k + 1])
+    o_count = count + (hi - lo)
+    total = ntotal = 0
+    for t in range(nt):
+        total += o_count[t] * dims[t]
+        ntotal += o_count[t] * nstats[t]
+    rows = len(ids) + len(missing)
+    o_ids = np.empty(rows, np.int64)
+    o_sums = np.empty(total, np.float32)
+    o_stats = np.empty(ntotal, np.float32)
+    o_square = np.empty(rows, np.float32)
+    o_grads = np.empty(rows, np.float32)
+    o_shards = np.empty(rows, np.int64)
+    o_asc = ascending.copy()
+    o_oldest = oldest.copy()
+    r = i = f = q = 0  # the next row out (its sums at f, statistics at q); the next taken row
+    tf = tq = 0  # where the next taken row's sums and statistics are
+    for t in range(nt):
+        d, ns, k = dims[t], nstats[t], part[t]
+        first, iend, m = r, i + count[t], lo[t]
+        while i < iend or m < hi[t]:
+            if m < hi[t] and (i >= iend or (ascending[t] and step_ids[missing[m]] < ids[i])):
+                at = missing[m]
+                key = step_ids[at]
+                src = g_offs[k] + (at - offs[k]) * d
+                sq = np.float32(0.0)
+                for j in range(d):
+                    x = g[src + j]
+                    o_sums[f + j] = x
+                    sq += x * x
+                if d > 0:
+                    sq = sq / np.float32(d)
+                o_square[r], o_grads[r] = sq, np.float32(1.0)
+                for c in range(ns):
+                    o_stats[q + c] = np.float32(1.0) if kinds[t, c] == 1 else sq
+                if ns > 0:
+                    o_stats[q] = np.float32(-1.0)
+                sh = missing_shards[m]
+                o_shards[r] = sh
+                if read[k, sh] < o_oldest[t, sh]:
+                    o_oldest[t, sh] = read[k, sh]
+                m += 1
+            else:
+                key = ids[i]
+                for j in range(d):
+                    o_sums[f + j] = sums[tf + j]
+                for c in range(ns):
+                    o_stats[q + c] = stats[tq + c]
+                o_square[r], o_grads[r], o_shards[r] = square[i], grads[i], shards[i]
+                i += 1
+                tf += d
+                tq += ns
+            if r > first and o_ids[r - 1] >= key:
+                o_asc[t] = False
+            o_ids[r] = key
+            r += 1
+            f += d
+            q += ns
+    return o_ids, o_sums, o_stats, o_square, o_grads, o_shards, o_count, o_asc, o_oldest
+
+
+@_jit
 def later_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, ids: np.ndarray, offs: np.ndarray,
               later: np.ndarray, loffs: np.ndarray,
               min_clock: np.int64, out: np.ndarray, row_offs: np.ndarray, oldest: np.ndarray) -> np.ndarray:
@@ -508,13 +618,16 @@ def loads() -> list[Callable[[], object]]:
         return np.zeros((1, 1), np.int64)
 
     return [
-        lambda: plan_all(*_example()[0], part, none, offs, zero, one, none, np.zeros((0, 2), np.int64), f32, part, oldest()),
+        lambda: plan_all(*_example()[0], part, none, offs, zero, one, none, np.zeros((0, 2), np.int64), f32, part, oldest(), oldest(),
+                         zero),
         lambda: store_all(*_example()[0], part, none, offs, none, f32, part, none, oldest(), zero, one, part.copy(), part.copy(), f32, part,
-                          offs, typed_list([np.zeros((1, 1), np.float32)]), part, part, np.zeros(1, np.float32)),
+                          offs, typed_list([np.zeros((1, 1), np.float32)]), part, part, np.zeros(1, np.float32), np.zeros(0, np.bool_)),
         lambda: later_all(*_example()[0], part, none, offs, none, offs, zero, f32, part, oldest()),
         lambda: hold_all(*_example()[0], part, none, offs, f32, part, oldest(), zero, one, part, np.zeros(1, np.float32),
                          typed_list([np.zeros((1, 1), np.float32)]), part, np.zeros((1, MAX_CONSTANTS))),
         lambda: take_all(*_example()[0], none, none, none, one, np.full((2, 1), -1, np.int64)),
+        lambda: with_unheld(none, f32, f32, f32, f32, none, part, np.ones(1, np.bool_), oldest(), part, np.full((1, 1), -1, np.int64), part,
+                            none, offs, f32, part, none, none, oldest()),
         lambda: by_shard(none, part, one, none, f32, f32, part, np.full((1, 1), -1, np.int64)),
         lambda: group_ids(none, offs, one),
     ]

@@ -42,7 +42,7 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.rules.optimizers import rule
 from tether.worker.cache.batch import hold_all, later_all, store_all, take_all
 from tether.worker.cache.kernels import set_cells
-from tether.worker.cache.parts import NO_IDS, NO_ROWS, Plan, Pushed, RowCacheConfig, as_ids, offsets, read_versions
+from tether.worker.cache.parts import NO_IDS, NO_KEEP, NO_ROWS, Plan, Pushed, RowCacheConfig, as_ids, offsets, read_versions
 from tether.worker.cache.row_cache import RowCache
 from tether.worker.cache.slots import NONE, Due, Taken, coalesce
 from tether.worker.client.results import PullResult
@@ -150,6 +150,8 @@ class DeviceRowCache(RowCache):
     def __init__(self, config: RowCacheConfig, dims: Mapping[str, int], num_shards: int, device: torch.device | str) -> None:
         if config.hot:
             raise ValueError("--cache-hot: the host row cache only (not on the device yet)")
+        if config.admission != "all":
+            raise ValueError(f"--cache-admission {config.admission}: the host row cache only (not on the device yet)")
         self.device = torch.device(device)
         capacity = device_capacity(config.rows, dims, self.device)
         if capacity != config.rows:
@@ -243,7 +245,8 @@ class DeviceRowCache(RowCache):
         oldest = np.full((len(names), self.num_shards), NONE, np.int64)
         zeros = np.zeros(len(names) + 1, np.int64)
         with self._lock:
-            code, miss, later, miss_offs, miss_ids, found = self._plan_ids(names, parts, ids, offs, now, NO_ROWS, zeros, oldest, id(outs))
+            code, miss, later, miss_offs, miss_ids, found, _ = self._plan_ids(names, parts, ids, offs, now, NO_ROWS, zeros, oldest,
+                                                                              id(outs))
             hits = np.flatnonzero(code == 1)
             again = miss[found[miss] >= 0]
             if len(hits) or len(again):
@@ -334,7 +337,7 @@ class DeviceRowCache(RowCache):
             nfree = np.array([tab.nfree for tab in self._tabs], np.int64)
             unplaced, placed, nplaced, stored = store_all(*self._columns(), parts, keys, koffs, pos, NO_ROWS, zeros, got_row, versions,
                                                           plan.now, self.num_shards, top, nfree, NO_ROWS, zeros, plan.offs, self._states,
-                                                          self._sbase, self._scount, self._sinit)
+                                                          self._sbase, self._scount, self._sinit, NO_KEEP)
             slots[where] = stored
             self._placed(parts, top, nfree, nplaced)
             self._reset(self._base[np.repeat(parts, nplaced)] + placed, np.repeat(parts, nplaced))
@@ -539,6 +542,7 @@ class DeviceRowCache(RowCache):
         tables, slots, since = ready
         ids, _, stats, _, grads, shards, count, ascending, many, oldest, out_slots = take_all(*self._columns(), tables, slots, since,
                                                                                                self.num_shards, self._kinds)
+        self._holding -= count
         tab_of = np.repeat(np.arange(len(self._tabs)), count)
         rows = self._base[tab_of] + out_slots
         banks = self._bank_of[tab_of]

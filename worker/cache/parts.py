@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tether.common.choices import CACHE_POLICIES
+from tether.common.choices import CACHE_ADMISSIONS, CACHE_POLICIES
 from tether.worker.client.results import PullResult
 
-__all__ = ["NO_FLIGHTS", "NO_IDS", "NO_ROWS", "POLICIES", "Plan", "Pushed", "RowCacheConfig", "as_ids", "fill", "offsets", "read_versions"]
+__all__ = ["NO_FLIGHTS", "NO_IDS", "NO_KEEP", "NO_ROWS",
+           "POLICIES", "Plan", "Pushed", "RowCacheConfig", "as_ids", "fill", "offsets", "read_versions"]
 
 POLICIES = CACHE_POLICIES  # eviction policies, declared once in tether.common.choices
 
@@ -25,7 +26,10 @@ class RowCacheConfig:
     held before they are pushed (None: the same as ``bound``); ``policy``: eviction, lru or lfu;
     ``on_device``: where the cached rows live (``tether.worker.cache.device``): None, on the
     training device when it is a GPU (else in host memory); True, on the training device
-    whatever it is (the CPU too: how CI tests the device cache); False, in host memory."""
+    whatever it is (the CPU too: how CI tests the device cache); False, in host memory.
+    ``hot``: a held row with K gradients is pushed with this step (0: off). ``admission``: which
+    missed rows are cached: ``all``, or ``recurring``, those missed again within max(R, W) clocks
+    (the others are pulled and pushed in their step, as with no cache; host cache only)."""
 
     rows: int = 0
     bound: int = 0
@@ -33,6 +37,7 @@ class RowCacheConfig:
     policy: str = CACHE_POLICIES[0]
     on_device: bool | None = None
     hot: int = 0
+    admission: str = CACHE_ADMISSIONS[0]
 
     def __post_init__(self) -> None:
         for name in ("rows", "bound"):
@@ -43,6 +48,8 @@ class RowCacheConfig:
             raise ValueError(f"cache_write_bound (--cache-write-bound) must be empty or an int >= 0, got {self.write_bound!r}")
         if isinstance(self.hot, bool) or not isinstance(self.hot, int) or self.hot < 0:
             raise ValueError(f"cache_hot (--cache-hot) must be an int >= 0, got {self.hot!r}")
+        if self.admission not in CACHE_ADMISSIONS:
+            raise ValueError(f"cache_admission (--cache-admission) must be one of {', '.join(CACHE_ADMISSIONS)}, got {self.admission!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"cache_policy (--cache-policy) must be one of {', '.join(POLICIES)}, got {self.policy!r}")
 
@@ -53,6 +60,12 @@ class RowCacheConfig:
     @property
     def writes(self) -> int:
         return self.bound if self.write_bound is None else self.write_bound
+
+
+NO_IDS = np.zeros(0, np.int64)
+NO_ROWS = np.zeros(0, np.float32)
+NO_FLIGHTS = np.zeros((0, 2), np.int64)
+NO_KEEP = np.zeros(0, np.bool_)
 
 
 @dataclass
@@ -75,6 +88,7 @@ class Plan:
     later: np.ndarray
     miss_pos: np.ndarray
     miss_offs: np.ndarray
+    keep: np.ndarray = field(default_factory=lambda: NO_KEEP)  # per miss: cached (admitted) or only answered; empty: all cached
     miss: dict[str, torch.Tensor] = field(default_factory=dict)
     # Per table, ``miss`` split by shard as ``protos.partition.split_ids`` splits it (positions,
     # ids per shard): the pull's split, which ``Router.pull_requests`` takes as it is.
@@ -82,9 +96,6 @@ class Plan:
 
 
 Pushed = dict[str, tuple[torch.Tensor, ...]]  # per table: ids, summed gradients (and a combined push's statistics)
-NO_IDS = np.zeros(0, np.int64)
-NO_ROWS = np.zeros(0, np.float32)
-NO_FLIGHTS = np.zeros((0, 2), np.int64)
 
 
 def offsets(counts: Sequence[int] | np.ndarray) -> np.ndarray:

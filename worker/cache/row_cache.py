@@ -59,15 +59,18 @@ import torch
 from tether.protos.specs import TableConfig
 from tether.rules.optimizers import rule
 from tether.rules.rows_by_rule import MAX_CONSTANTS, rule_code, rule_constants, rule_states
-from tether.worker.cache.batch import hold_all, later_all, plan_all, store_all, take_all
+from tether.worker.cache.batch import hold_all, later_all, plan_all, store_all, take_all, with_unheld
 from tether.worker.cache.kernels import PEND, PS, VALS, Columns, columns, set_cells, typed_list
-from tether.worker.cache.parts import NO_FLIGHTS, NO_IDS, NO_ROWS, Plan, Pushed, RowCacheConfig, as_ids, offsets, read_versions
+from tether.worker.cache.parts import NO_FLIGHTS, NO_IDS, NO_KEEP, NO_ROWS, Plan, Pushed, RowCacheConfig, as_ids, offsets, read_versions
 from tether.worker.cache.slots import NONE, STALE, Due, Table, Taken, coalesce, start_warm_up, wait_warm_up
 from tether.worker.cache.split import by_shard, group_ids
 from tether.worker.client.results import PullResult
 from tether.worker.client.router import ShardedPart
 
 __all__ = ["RowCache"]
+
+# The admission doorkeeper's entries per table (``RowCache._door``): at least, and at most.
+DOOR_MIN, DOOR_MAX = 1 << 12, 1 << 22
 
 class RowCache:
     """Cached rows of every table with their read clocks, versions and pending gradients
@@ -96,6 +99,13 @@ class RowCache:
         # Per table: what its rule takes beside a combined sum (``take_all``'s kinds: 0 the sum of
         # mean(g * g), 1 the count, -1 none), and how many.
         self._kinds, self._nstats = np.full((len(dims), 1), -1, np.int64), [0] * len(dims)
+        # Admission (``config.admission``): a missed id is cached once it is missed again within
+        # ``_window`` clocks (0: every missed id cached). ``_door``: per table, the clock each hash
+        # of a missed id was last missed at (``plan_all``), grown with the misses a step.
+        self._window = max(config.bound, config.writes) if config.admission == "recurring" else 0
+        self._door = np.full((len(dims), DOOR_MIN if self._window else 1), -(2 ** 62), np.int64)
+        # The last step's gradients of rows not cached, pushed with the next take (``with_unheld``).
+        self._unheld_now: tuple[np.ndarray, ...] | None = None
         start_warm_up()  # the compiled index and passes loaded while the worker starts; use_tables or the first step waits
         self._lock = threading.Lock()
         self._evicted: list[tuple[str, np.ndarray, torch.Tensor, np.ndarray, np.ndarray]] = []
@@ -111,6 +121,7 @@ class RowCache:
         self.refreshed = dict.fromkeys(dims, 0)
         self.evictions = dict.fromkeys(dims, 0)
         self.invalidated = dict.fromkeys(dims, 0)
+        self.passed = dict.fromkeys(dims, 0)  # misses not admitted: pulled and pushed as with no cache
 
     def use_tables(self, tables: Sequence[TableConfig]) -> None:
         """The rules the shards apply to the tables (the specs the worker declared): from now on
@@ -176,8 +187,9 @@ class RowCache:
         out = torch.empty(int(row_offs[-1]))
         oldest = np.full((len(names), self.num_shards), NONE, np.int64)
         with self._lock:
-            _, miss, later, miss_offs, miss_ids, _ = self._plan_ids(names, parts, ids, offs, now, out.numpy(), row_offs, oldest, id(out))
-        plan = Plan(now, names, parts, ids, offs, out, row_offs, oldest, later, miss, miss_offs)
+            _, miss, later, miss_offs, miss_ids, _, keep = self._plan_ids(names, parts, ids, offs, now, out.numpy(), row_offs, oldest,
+                                                                          id(out))
+        plan = Plan(now, names, parts, ids, offs, out, row_offs, oldest, later, miss, miss_offs, keep)
         plan.miss = {t: torch.from_numpy(miss_ids[miss_offs[k]: miss_offs[k + 1]]) for k, t in enumerate(names)}
         plan.splits = self._miss_splits(names, miss_ids, miss_offs)
         return plan
@@ -209,25 +221,43 @@ class RowCache:
     def _plan_ids(
         self, names: list[str], parts: np.ndarray, ids: np.ndarray, offs: np.ndarray, now: int, out: np.ndarray, row_offs: np.ndarray,
         oldest: np.ndarray, key: int,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``plan_all`` over a pull's ids (under the lock): each id's code, the positions of the
-        misses and of the ``later`` rows, where each table's misses start, the missed ids and each
-        id's slot (-1: not cached); the misses are noted as in flight under ``key`` (within the
-        read bound) and the hits and refreshes counted per table. Cached rows go into ``out`` at
-        ``row_offs`` (the host cache; the device cache passes no floats)."""
+        misses and of the ``later`` rows, where each table's misses start, the missed ids, each
+        id's slot (-1: not cached) and whether each miss is to be cached (admitted; ``NO_KEEP``:
+        all); the admitted misses are noted as in flight under ``key`` (within the read bound) and
+        the hits, refreshes and misses not admitted counted per table. Cached rows go into ``out``
+        at ``row_offs`` (the host cache; the device cache passes no floats)."""
         bound = self.config.bound
         flights, foffs = self._flights(now) if bound > 0 else (NO_IDS, NO_FLIGHTS)
-        code, done, found, miss, later, miss_offs = plan_all(*self._columns(), parts, ids, offs, now, bound, flights, foffs, out, row_offs,
-                                                             oldest)
+        code, done, found, miss, later, miss_offs, keep = plan_all(*self._columns(), parts, ids, offs, now, bound, flights, foffs, out,
+                                                                   row_offs, oldest, self._door, self._window)
         miss_ids = ids[miss]
+        passed = done[:, 2]
         if bound > 0:
             table_offs = np.zeros(len(self._tabs) + 1, np.int64)
-            table_offs[parts + 1] = np.diff(miss_offs)
-            self._inflight.append((key, now, miss_ids, np.cumsum(table_offs)))
-        for t, (hit, refreshed) in zip(names, done.tolist(), strict=True):
+            if passed.any():  # only the admitted are stored: a later pull wanting the others pulls them too
+                kept = np.flatnonzero(keep)
+                table_offs[parts + 1] = np.diff(np.searchsorted(kept, miss_offs))
+                self._inflight.append((key, now, miss_ids[kept], np.cumsum(table_offs)))
+            else:
+                table_offs[parts + 1] = np.diff(miss_offs)
+                self._inflight.append((key, now, miss_ids, np.cumsum(table_offs)))
+        for t, (hit, refreshed, n) in zip(names, done.tolist(), strict=True):
             self.hits[t] += hit
             self.refreshed[t] += refreshed
-        return code, miss, later, miss_offs, miss_ids, found
+            self.passed[t] += n
+        if self._window:
+            self._door_room(int(passed.max()) if len(passed) else 0)
+        return code, miss, later, miss_offs, miss_ids, found, keep if passed.any() else NO_KEEP
+
+    def _door_room(self, passed: int) -> None:
+        """The doorkeeper grown (and cleared: an id seen before is admitted a miss later) where a
+        table's misses not admitted this step, over the window, would fill an eighth of it."""
+        size = self._door.shape[1]
+        if 8 * passed * self._window > size and size < DOOR_MAX:
+            size = min(DOOR_MAX, 1 << int(8 * passed * self._window).bit_length())
+            self._door = np.full((len(self._tabs), size), -(2 ** 62), np.int64)
 
     def merge(self, plan: Plan, pulled: PullResult) -> tuple[PullResult, dict[str, torch.Tensor]]:
         """The pull's answer for every id of the plan (cached rows and pulled ones), and the
@@ -324,7 +354,7 @@ class RowCache:
             nfree = np.array([tab.nfree for tab in self._tabs], np.int64)
             unplaced, _, nplaced, _ = store_all(*self._columns(), parts, keys, koffs, pos, flat, got_offs, got_row, versions, plan.now,
                                                   self.num_shards, top, nfree, plan.out.numpy(), plan.row_offs, plan.offs, self._states,
-                                                  self._sbase, self._scount, self._sinit)
+                                                  self._sbase, self._scount, self._sinit, plan.keep if not attempt else NO_KEEP)
             self._placed(parts, top, nfree, nplaced)
             if not len(unplaced) or attempt:
                 return
@@ -391,11 +421,17 @@ class RowCache:
         push's part, whether the ids ascend, each row's two statistics columns), and the oldest
         read version per table and shard."""
         due = self._ready(clock, flush)
-        if due is None:
+        unheld, self._unheld_now = self._unheld_now, None
+        if due is None and unheld is None:
             return {}, None
-        tables, slots, since = due
+        tables, slots, since = (NO_IDS, NO_IDS, NO_IDS) if due is None else due
         ids, sums, stats, square, grads, shards, count, ascending, many, oldest, _ = take_all(*self._columns(), tables, slots, since,
                                                                                            self.num_shards, self._kinds)
+        self._holding -= count
+        if unheld is not None:  # this step's gradients of rows not cached, each one gradient (``many`` unchanged)
+            ids, sums, stats, square, grads, shards, count, ascending, oldest = with_unheld(ids, sums, stats, square, grads, shards, count,
+                                                                                            ascending, oldest, self._dims, self._kinds,
+                                                                                            *unheld)
         return self._taken(ids, sums, stats, square, grads, shards, count, ascending, many), oldest
 
     def _ready(self, clock: int, flush: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -419,7 +455,6 @@ class RowCache:
         """``take_all``'s rows per table as a push's parts (``Taken``), split by their known shards."""
         # The push's split, from the rows' known shards, and each shard's rows one after another.
         order, bounds, gids, gsums, gstats = by_shard(shards, count, self.num_shards, ids, sums, stats, self._dims, self._kinds)
-        self._holding -= count
         out: dict[str, Taken] = {}
         at = flat = sflat = 0
         for g, n in enumerate(count.tolist()):
@@ -459,8 +494,8 @@ class RowCache:
             self._queue.append((clock, first, np.repeat(parts, counts[:, 1])))
         if self.config.hot and len(held):
             self._due_early(held, parts, counts[:, 0], clock)
-        if len(missing):  # not cached (the table was full): pushed at once, each row one gradient
-            self._unheld(names, offs, rows, ids, missing, missing_shards, read, due)
+        if len(missing):  # not cached (not admitted, or the table was full): pushed with this step's take, each row one gradient
+            self._unheld_now = (parts, ids, offs, flat, g_offs, missing, missing_shards, read)
 
     def _due_early(self, held: np.ndarray, parts: np.ndarray, counts: np.ndarray, clock: int) -> None:
         """Of the rows this step's gradients were held for (``held``: part k's ``counts[k]`` slots
@@ -481,14 +516,3 @@ class RowCache:
             due &= floats[PEND * nt + t][s, dim + 1] >= self.config.hot  # the held gradients' count, past the sum and mean square
             if due.any():
                 self._early.append((since[due], s[due], np.full(int(due.sum()), t, np.int64)))
-
-    def _unheld(self, names: list[str], offs: np.ndarray, rows: list[np.ndarray], ids: np.ndarray, missing: np.ndarray,
-                missing_shards: np.ndarray, read: np.ndarray, due: Due) -> None:
-        """Gradients of rows not cached, due at once with their statistics (one gradient each)."""
-        at = np.searchsorted(offs, missing, side="right") - 1
-        for k in np.unique(at).tolist():
-            mine = missing[at == k]
-            g = rows[k][mine - offs[k]]
-            extra = np.stack([(g * g).mean(1), np.ones(len(g), np.float32)], 1)
-            shards = missing_shards[at == k]
-            due.setdefault(names[k], []).append((ids[mine], torch.from_numpy(np.concatenate([g, extra], 1)), shards, read[k][shards]))
