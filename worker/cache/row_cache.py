@@ -94,7 +94,11 @@ class RowCache:
         self._scount = np.zeros(len(dims), np.int64)
         self._sinit = np.zeros(1, np.float32)  # per state array of ``_states``: a new row's value
         self._consts = np.zeros((len(dims), MAX_CONSTANTS))
-        self._states = typed_list([np.zeros((1, 1), np.float32)])  # every local rule's state arrays (one unused first)
+        # Every local rule's state arrays (one unused first), and in the typed list the passes take
+        # (built anew from the Python list: indexing a typed list from Python compiles numba's list
+        # methods in every process, ~2 s a worker).
+        self._state_arrays = [np.zeros((1, 1), np.float32)]
+        self._states = typed_list(self._state_arrays)
         self._dim_list = [int(d) for d in dims.values()]
         # Per table: what its rule takes beside a combined sum (``take_all``'s kinds: 0 the sum of
         # mean(g * g), 1 the count, -1 none), and how many.
@@ -145,10 +149,10 @@ class RowCache:
         g, tab = self._index[spec.name], self.tables[spec.name]
         tab.local_rule(spec.optimizer)
         r = rule(spec.optimizer.name)
-        arrays = [self._states[i] for i in range(len(self._states))]
         states = rule_states(r, tab.state)
-        self._sbase[g], self._scount[g] = len(arrays), len(states)
-        self._states = typed_list([*arrays, *states])
+        self._sbase[g], self._scount[g] = len(self._state_arrays), len(states)
+        self._state_arrays += states
+        self._states = typed_list(self._state_arrays)
         self._sinit = np.concatenate([self._sinit, np.array([tab.initial.get(k, 0.0) for k in tab.state], np.float32)])
         self._consts[g] = rule_constants(r, spec.optimizer)
         self._rules[g] = rule_code(spec.optimizer.name)
