@@ -238,29 +238,26 @@ class RowCache:
                                                                    row_offs, oldest, self._door, self._window)
         miss_ids = ids[miss]
         passed = done[:, 2]
-        if bound > 0:
+        some_passed = bool(passed.any())
+        if bound > 0:  # only the admitted are stored: a later pull wanting the others pulls them itself
             table_offs = np.zeros(len(self._tabs) + 1, np.int64)
-            if passed.any():  # only the admitted are stored: a later pull wanting the others pulls them too
-                kept = np.flatnonzero(keep)
-                table_offs[parts + 1] = np.diff(np.searchsorted(kept, miss_offs))
-                self._inflight.append((key, now, miss_ids[kept], np.cumsum(table_offs)))
-            else:
-                table_offs[parts + 1] = np.diff(miss_offs)
-                self._inflight.append((key, now, miss_ids, np.cumsum(table_offs)))
+            table_offs[parts + 1] = np.diff(miss_offs) - passed
+            self._inflight.append((key, now, miss_ids[keep] if some_passed else miss_ids, np.cumsum(table_offs)))
         for t, (hit, refreshed, n) in zip(names, done.tolist(), strict=True):
             self.hits[t] += hit
             self.refreshed[t] += refreshed
             self.passed[t] += n
-        if self._window:
-            self._door_room(int(passed.max()) if len(passed) else 0)
-        return code, miss, later, miss_offs, miss_ids, found, keep if passed.any() else NO_KEEP
+        if self._window and len(miss):
+            self._door_room(int((np.diff(miss_offs) - done[:, 1]).max()))  # the ids not cached a part missed
+        return code, miss, later, miss_offs, miss_ids, found, keep if some_passed else NO_KEEP
 
-    def _door_room(self, passed: int) -> None:
+    def _door_room(self, new: int) -> None:
         """The doorkeeper grown (and cleared: an id seen before is admitted a miss later) where a
-        table's misses not admitted this step, over the window, would fill an eighth of it."""
+        table's misses of ids not cached this step (``new``), over the window, would fill an
+        eighth of it."""
         size = self._door.shape[1]
-        if 8 * passed * self._window > size and size < DOOR_MAX:
-            size = min(DOOR_MAX, 1 << int(8 * passed * self._window).bit_length())
+        if 8 * new * self._window > size and size < DOOR_MAX:
+            size = min(DOOR_MAX, 1 << int(8 * new * self._window).bit_length())
             self._door = np.full((len(self._tabs), size), -(2 ** 62), np.int64)
 
     def merge(self, plan: Plan, pulled: PullResult) -> tuple[PullResult, dict[str, torch.Tensor]]:

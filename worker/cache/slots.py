@@ -289,8 +289,9 @@ def coalesce(due: Due, taken: Mapping[str, Taken], oldest: np.ndarray | None, na
     grads: dict[str, tuple[torch.Tensor, ...]] = {}
     versions: dict[tuple[int, str], int] = {}
     if oldest is not None:
-        for g, s in zip(*np.nonzero(oldest != NONE), strict=False):
-            versions[(int(s), names[g])] = int(oldest[g, s])
+        gs, ss = np.nonzero(oldest != NONE)
+        for g, s, v in zip(gs.tolist(), ss.tolist(), oldest[gs, ss].tolist(), strict=True):
+            versions[(s, names[g])] = v
     for t, got in taken.items():
         if t in due or not got.ascending:
             held = np.concatenate([got.part[1].numpy(), got.square[:, None], got.counts[:, None]], 1)
