@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import traffic
 
+from tether.common.choices import CACHE_ADMISSIONS
 from tether.protos import framing as dp
 from tether.protos.specs import TableConfig
 from tether.worker.cache import row_cache
@@ -149,12 +150,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cache-rows", type=int, default=100_000)
     p.add_argument("--source", choices=("ctr", "movielens"), default="ctr")
+    p.add_argument("--admission", default="all", help="the cache's admissions to run at each bound (--cache-admission): all "
+                   "and/or recurring, comma list (default all)")
     a = p.parse_args(argv)
+    admissions = [x.strip() for x in a.admission.split(",") if x.strip()]
+    if not admissions or any(x not in CACHE_ADMISSIONS for x in admissions):
+        p.error(f"--admission must be a comma list of {', '.join(CACHE_ADMISSIONS)}, got {a.admission!r}")
     bounds = [[int(x) for x in b.split("/")] for b in a.bounds.split(",")]
     warm_up()
     _hook()
     configs = [("no cache", RowCacheConfig())] + [
-        (f"cache {b[0]}/{b[-1]}", RowCacheConfig(rows=a.cache_rows, bound=b[0], write_bound=b[-1])) for b in bounds]
+        (f"cache {b[0]}/{b[-1]}" + ("" if adm == "all" else f" {adm}"),
+         RowCacheConfig(rows=a.cache_rows, bound=b[0], write_bound=b[-1], admission=adm)) for b in bounds for adm in admissions]
     with tempfile.TemporaryDirectory() as tmp:
         steps, dims, name = traffic.ctr_steps(a.steps) if a.source == "ctr" else traffic.movielens_steps(a.steps, Path(tmp))
     runs: dict[str, list[dict[str, float]]] = {n: [] for n, _ in configs}
