@@ -446,6 +446,9 @@ class RowCache:
         self._queue = [e for e in self._queue if not (flush or clock - e[0] >= writes)]
         if flush:  # every held row is in ``ready``
             early = []
+        if len(ready) == 1 and not early:  # the usual step: one clock's rows come due
+            clock0, slots, tables = ready[0]
+            return tables, slots, np.full(len(slots), clock0, np.int64)
         slots = np.concatenate([*(e[1] for e in ready), *(e[1] for e in early)])
         tables = np.concatenate([*(e[2] for e in ready), *(e[2] for e in early)])
         since = np.concatenate([*(np.full(len(e[1]), e[0], np.int64) for e in ready), *(e[0] for e in early)])
