@@ -28,7 +28,7 @@ from tether.rules.update_rules import UpdateRule
 __all__ = [
     "Remedies", "adjusted", "apply_rows", "check_combined", "check_compensation", "check_dense", "check_read", "check_remedies",
     "check_rows", "combine_rows", "dc_adaptive_compensated", "delay_compensated", "finite", "gap_penalized", "gap_penalty",
-    "has_duplicates", "observe_step", "running_mean",
+    "has_duplicates", "observe_step", "running_mean", "stats_array",
 ]
 
 # The shard's running means (``EmbeddingTable.running_means``, ``DenseChunk.running_means``):
@@ -209,16 +209,24 @@ def running_mean(mean: np.ndarray, x: np.ndarray, decay: float) -> np.ndarray:
     return np.where(mean < 0, x, np.float32(decay) * mean + np.float32(1 - decay) * x).astype(np.float32)
 
 
-def check_combined(what: str, update_rule: UpdateRule, combined: torch.Tensor | None, rows: int) -> None:
+def stats_array(stats: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A combined push's statistics as a contiguous float32 array (no copy where they are one)."""
+    if isinstance(stats, torch.Tensor):
+        stats = stats.detach().to(torch.float32).numpy()
+    return np.ascontiguousarray(stats, np.float32)
+
+
+def check_combined(what: str, update_rule: UpdateRule, combined: torch.Tensor | None, rows: int) -> np.ndarray | None:
     """A combined push's statistics fit the table's rule: one row per gradient row, a column per
     ``combined_stats`` name, finite, each row's first column -1 (one gradient) or >= 0 (a count
-    >= 1 where it is a count).
+    >= 1 where it is a count). Returns them as ``stats_array`` (what ``apply_rows`` takes
+    without another conversion), None where there are none.
 
     Raises:
         InvalidArgument: anything else.
     """
     if combined is None:
-        return
+        return None
     width = len(update_rule.combined_stats)
     if not width:
         raise InvalidArgument(f"{what}: rule {update_rule.name} takes no combined statistics (the summed gradient is its k steps)")
@@ -230,15 +238,17 @@ def check_combined(what: str, update_rule: UpdateRule, combined: torch.Tensor | 
     # One compiled pass: on a table part of tens of rows torch's reductions and compares cost
     # ~10x more than the part's whole plain push, numpy's several calls ~2x.
     low = 1.0 if update_rule.combined_stats[0] == "count" else 0.0
-    fault = combined_stats_fault(np.ascontiguousarray(combined.detach().to(torch.float32).numpy()), np.float32(low))
+    stats = stats_array(combined)
+    fault = combined_stats_fault(stats, np.float32(low))
     if fault == 1:
         raise InvalidArgument(f"{what}: combined statistics must be finite floats")
     if fault == 2:
         raise InvalidArgument(f"{what}: combined statistics out of range (first column -1 or >= {low:g}, the others >= 0)")
+    return stats
 
 
 def apply_rows(update_rule: UpdateRule, cfg: OptimizerConfig, update: RowUpdate, weights: torch.Tensor, state: dict[str, torch.Tensor],
-               slots: np.ndarray, grads: np.ndarray, lr: np.ndarray, combined: torch.Tensor | None) -> None:
+               slots: np.ndarray, grads: np.ndarray, lr: np.ndarray, combined: np.ndarray | torch.Tensor | None) -> None:
     """Rows ``slots`` (unique) of ``weights`` and ``state`` updated from ``grads`` at rates ``lr``
     (float32 per row): by the rule's compiled kernel ``update``, except, with ``combined``, the
     rows it marks as sums of several gradients (first column not -1), which take the rule's
@@ -247,23 +257,23 @@ def apply_rows(update_rule: UpdateRule, cfg: OptimizerConfig, update: RowUpdate,
         update(weights.numpy(), {k: t.numpy() for k, t in state.items()}, slots, grads, lr)
         return
     # The masks in numpy: torch's compare and boolean index cost 15-20 us more per table part.
-    stats = combined.to(torch.float32).numpy()
+    stats = stats_array(combined)
     if not len(stats):
         return
     many = stats[:, 0] != -1
     nmany = int(np.count_nonzero(many))
     if nmany == len(many):  # every row a sum (a row cache's push at its write bound): no row gathered
-        combine_rows(update_rule, cfg, weights, state, slots, grads, lr, torch.from_numpy(stats))
+        combine_rows(update_rule, cfg, weights, state, slots, grads, lr, stats)
         return
     one = ~many
     update(weights.numpy(), {k: t.numpy() for k, t in state.items()}, np.ascontiguousarray(slots[one]),
            np.ascontiguousarray(grads[one]), np.ascontiguousarray(lr[one]))
     if nmany:
-        combine_rows(update_rule, cfg, weights, state, slots[many], grads[many], lr[many], torch.from_numpy(stats[many]))
+        combine_rows(update_rule, cfg, weights, state, slots[many], grads[many], lr[many], stats[many])
 
 
 def combine_rows(update_rule: UpdateRule, cfg: OptimizerConfig, weights: torch.Tensor, state: Mapping[str, torch.Tensor],
-                 slots: np.ndarray, grads: np.ndarray, lr: np.ndarray, stats: torch.Tensor) -> None:
+                 slots: np.ndarray, grads: np.ndarray, lr: np.ndarray, stats: np.ndarray | torch.Tensor) -> None:
     """Rows ``slots`` (unique, int64) of ``weights`` and ``state`` (contiguous CPU float32), each
     the sum of several gradients (``stats``' first column not -1), updated in place from
     ``grads`` (rows x dim) at rates ``lr`` (float32 per row) with ``stats`` (rows x
@@ -271,16 +281,15 @@ def combine_rows(update_rule: UpdateRule, cfg: OptimizerConfig, weights: torch.T
     (``row_kernels.combined_update``) where it has one, else by its torch form (``apply_combined``).
     A shard's push (``apply_rows``) and local mode (``tether.worker.client.local_table``) both call it."""
     slots, grads = np.ascontiguousarray(slots, np.int64), np.ascontiguousarray(grads, np.float32)
-    lr = np.ascontiguousarray(lr, np.float32)
+    lr, stats_np = np.ascontiguousarray(lr, np.float32), stats_array(stats)
     combine = _combined_update(update_rule, cfg, grads.shape[1])
     if combine is not None:
-        combine(weights.numpy(), {k: t.numpy() for k, t in state.items()}, slots, grads, lr,
-                np.ascontiguousarray(stats.numpy(), np.float32))
+        combine(weights.numpy(), {k: t.numpy() for k, t in state.items()}, slots, grads, lr, stats_np)
         return
     idx = torch.from_numpy(slots)
     w, g = weights.index_select(0, idx), torch.from_numpy(grads)
     rows = {k: t.index_select(0, idx) for k, t in state.items()}
-    update_rule.apply_combined(cfg, w, g, stats.to(torch.float32), rows, torch.from_numpy(lr.astype(np.float64) / cfg.lr))
+    update_rule.apply_combined(cfg, w, g, torch.from_numpy(stats_np), rows, torch.from_numpy(lr.astype(np.float64) / cfg.lr))
     weights.index_copy_(0, idx, w)
     for k, t in state.items():
         t.index_copy_(0, idx, rows[k])

@@ -222,7 +222,7 @@ class Shard:
                     f"table {table!r}: id {int(ids[wrong][0])} belongs to shard {int(owners[wrong][0])}, not {self.shard_index}"
                 )
 
-    def _check_sparse(self, u: SparseUpdate) -> tuple[EmbeddingTable, Pulled | None]:
+    def _check_sparse(self, u: SparseUpdate) -> tuple[EmbeddingTable, Pulled | None, np.ndarray | None]:
         table = self._table(u.table)
         if table.capacity and u.ids.size > table.capacity:
             # Evicting every other row would not make room: refused whole, not trained in part.
@@ -238,8 +238,8 @@ class Shard:
             raise InvalidArgument(f"table {u.table!r}: ids in one push must be unique")
         check_rows(f"table {u.table!r}", u.ids, u.grads, table.dim, ids_checked=True)
         check_read(f"table {u.table!r}", u.read_values, u.grads)
-        check_combined(f"table {u.table!r}", rule(table.config.optimizer.name), u.combined, u.ids.size)
-        return table, pulled
+        stats = check_combined(f"table {u.table!r}", rule(table.config.optimizer.name), u.combined, u.ids.size)
+        return table, pulled, stats
 
     def _check_dense(self, u: DenseUpdate) -> DenseChunk:
         chunk = self._chunk(u.name, u.index)
@@ -323,7 +323,7 @@ class Shard:
         # by one only for --staleness-aware; otherwise only the push's largest staleness is
         # wanted (hard limit, metric, ack), and a table's updates since the read bound every
         # row's, so a table whose count does not exceed what the push has shown is skipped.
-        intervals = [max(t.version - u.read_version, 0) for (t, _), u in zip(checked, sparse, strict=False)]
+        intervals = [max(t.version - u.read_version, 0) for (t, _, _), u in zip(checked, sparse, strict=False)]
         intervals += [max(c.version - u.read_version, 0) for c, u in zip(chunks, dense, strict=False)]
         stale: list[int | np.ndarray | None] = [None] * len(sparse)
         stale += intervals[len(sparse):]
@@ -331,7 +331,7 @@ class Shard:
         # Tables with the most updates since their read first: their count is the likeliest to
         # reach what the others' intervals allow (hot rows take every update), so those are skipped.
         for i in sorted(range(len(sparse)), key=lambda k: -intervals[k]):
-            (t, p), u = checked[i], sparse[i]
+            (t, p, _), u = checked[i], sparse[i]
             if not u.ids.size or not intervals[i]:
                 continue
             if staleness_aware:
@@ -352,10 +352,10 @@ class Shard:
             clock_lag = self.clocks.lag(clock) if clock and self.shard_index == COORDINATOR_SHARD else 0
             # (table or chunk, ids or None, gradient, the slots found of ids that are all rows)
             blocks: list[tuple[Any, np.ndarray | None, torch.Tensor, Pulled | None]] = [
-                (t, u.ids, u.grads, p) for (t, p), u in zip(checked, sparse, strict=False)
+                (t, u.ids, u.grads, p) for (t, p, _), u in zip(checked, sparse, strict=False)
             ] + [(c, None, u.grad, None) for c, u in zip(chunks, dense, strict=False)]
             reads = [u.read_values for u in sparse] + [u.read_value for u in dense]
-            combined = [u.combined for u in sparse] + [None] * len(dense)
+            combined = [c[2] for c in checked] + [None] * len(dense)  # as checked: float32 arrays
             for (target, ids, grad, pulled), s, n, read, stats in zip(blocks, stale, intervals, reads, combined, strict=False):
                 # The typical staleness of this table or chunk: a running mean of its updates
                 # between a push's read and its apply, over every push (a racy update loses at

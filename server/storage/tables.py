@@ -30,7 +30,7 @@ from tether.rules import row_kernels
 from tether.rules.initial import column_steps, init_rows
 from tether.rules.initial import salt as initial_salt
 from tether.rules.optimizers import rule
-from tether.rules.push_hooks import apply_rows, running_mean
+from tether.rules.push_hooks import apply_rows, running_mean, stats_array
 from tether.server.storage.admission import CountMinSketch, sketch_width
 from tether.server.storage.index import IdIndex
 from tether.server.storage.update_log import RowVersions, UpdateLog
@@ -374,7 +374,7 @@ class EmbeddingTable:
             return self._updates.count(slots, newer, self.version, read_version, per_row)
 
     def push(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float | np.ndarray = 1.0, pulled: Pulled | None = None,
-             combined: torch.Tensor | None = None) -> int:
+             combined: np.ndarray | torch.Tensor | None = None) -> int:
         """Apply row gradients with the table's optimizer; returns the new version.
 
         Gradients of ids that are not admitted (or do not fit in the capacity) are dropped and
@@ -392,7 +392,7 @@ class EmbeddingTable:
                 if self._on_drop is not None:
                     self._on_drop(dropped)
                 slots, grads = slots[keep], grads[torch.from_numpy(keep)]
-                combined = None if combined is None else combined[torch.from_numpy(keep)]
+                combined = None if combined is None else stats_array(combined)[keep]
                 if isinstance(lr_scale, np.ndarray):
                     lr_scale = lr_scale[keep]
             # Ids are unique: each row and its state are updated in place, in one pass of the
