@@ -48,7 +48,7 @@ class WorkerRecorder(Protocol):
 
     def cache_state(self, table: str, counts: Mapping[str, int], rows: int, nbytes: int, pending: int) -> None:
         """The row cache's growth since the last call (``counts``: hits, refreshed, evicted,
-        invalidated), and the rows, bytes and held gradients (all tables) it holds now."""
+        invalidated, passed), and the rows, bytes and held gradients (all tables) it holds now."""
 
 
 class NullWorkerMetrics:
@@ -131,7 +131,8 @@ class WorkerMetrics:
         self.cache_rows_total = Counter(
             "tether_worker_cache_rows_total",
             "Row cache outcomes by table: hits (answered by the cache), refreshed (cached but past the bound: pulled), "
-            "evicted, invalidated (a shard's table version went back).", ["table", "outcome"], registry=r)
+            "evicted, invalidated (a shard's table version went back), passed (missed and not admitted: "
+            "--cache-admission recurring).", ["table", "outcome"], registry=r)
         self.cache_held_rows = Gauge("tether_worker_cache_held_rows", "Rows the cache holds, by table.", ["table"], registry=r)
         self.cache_bytes = Gauge("tether_worker_cache_bytes", "Bytes the cache holds (rows, pending gradients, bookkeeping), by table.",
                                  ["table"], registry=r)

@@ -120,7 +120,7 @@ class TrafficMeter:
         pending = cache.pending_rows()
         for t, tab in cache.tables.items():
             now = {"hits": cache.hits[t], "refreshed": cache.refreshed[t], "evicted": cache.evictions[t],
-                   "invalidated": cache.invalidated[t]}
+                   "invalidated": cache.invalidated[t], "passed": cache.passed[t]}
             seen = self._cache_seen.get(t, dict.fromkeys(now, 0))
             self._cache_seen[t] = now
             self.recorder.cache_state(t, {k: v - seen[k] for k, v in now.items()}, tab.held, memory[t], pending)
