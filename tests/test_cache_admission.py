@@ -169,3 +169,21 @@ def test_bad_admission_values_and_where_it_does_not_apply() -> None:
     with pytest.raises(ValueError, match="host row cache only"):
         DeviceRowCache(_recurring(), {"t": 4}, 1, "cpu")
     assert np.array_equal(RowCache(RowCacheConfig(10, 2), {"t": 4}, 1)._door.shape, (1, 1))  # all: no doorkeeper
+
+
+def test_a_full_tables_rows_not_cached_go_in_their_step_with_the_held_sums() -> None:
+    # Admission all, 2 rows a table: a pull of 4 new ids caches 2; the other 2 take the same merge
+    # as rows not admitted (their gradients in this step's push, the cached ones held).
+    cached, local = _client(RowCacheConfig(2, 3))
+    sent = _spy(local)
+    ids = _ids(1, 2, 3, 4)
+    read = cached.pull({"t": ids}).result()
+    assert cached.cache is not None and len(cached.cache.tables["t"].cached_ids()) == 2
+    kept = sorted(cached.cache.tables["t"].cached_ids())
+    g = _grad(4, 7)
+    cached.push({"t": (ids, g)}, clock=1, versions=read).result()
+    out = [i for i in (1, 2, 3, 4) if i not in kept]
+    assert sent[-1]["t"][0].tolist() == out and torch.equal(sent[-1]["t"][1], g[[i - 1 for i in out]])
+    assert cached.cache.pending_rows() == 2
+    cached.flush(clock=1)
+    assert sorted(sent[-1]["t"][0].tolist()) == kept and cached.cache.pending_rows() == 0
