@@ -21,10 +21,11 @@ from tether.worker.config import TrainingConfig
 SPEC = TableConfig(name="t", dim=4, optimizer=OptimizerConfig(name="adagrad", lr=0.1), seed=3)
 
 
-def _client(cache: RowCacheConfig | None) -> tuple[CachedClient, LocalClient]:
+def _client(cache: RowCacheConfig | None, device: str | None = None) -> tuple[CachedClient, LocalClient]:
     local = LocalClient()
     local.declare([SPEC])
-    client = CachedClient(local, cache or RowCacheConfig(), {"t": 4}, TrafficMeter({"t": 4}, 4))
+    client = CachedClient(local, cache or RowCacheConfig(), {"t": 4}, TrafficMeter({"t": 4}, 4),
+                          device=None if device is None else torch.device(device))
     client.use_tables([SPEC])
     return client, local
 
@@ -166,8 +167,6 @@ def test_bad_admission_values_and_where_it_does_not_apply() -> None:
         RowCacheConfig(10, 2, admission="some")
     with pytest.raises(ValueError, match="--cache-admission without --cache-rows"):
         TrainingConfig(local=True, cache_admission="recurring")
-    with pytest.raises(ValueError, match="host row cache only"):
-        DeviceRowCache(_recurring(), {"t": 4}, 1, "cpu")
     assert np.array_equal(RowCache(RowCacheConfig(10, 2), {"t": 4}, 1)._door.shape, (1, 1))  # all: no doorkeeper
 
 
@@ -187,3 +186,28 @@ def test_a_full_tables_rows_not_cached_go_in_their_step_with_the_held_sums() -> 
     assert cached.cache.pending_rows() == 2
     cached.flush(clock=1)
     assert sorted(sent[-1]["t"][0].tolist()) == kept and cached.cache.pending_rows() == 0
+
+
+def test_the_device_cache_admits_alike() -> None:
+    # The cache a GPU worker uses (rows in device tensors), here on the CPU's: the same admission,
+    # and rows never missed again train exactly as with no cache.
+    plain, plain_local = _client(None)
+    cached, cached_local = _client(RowCacheConfig(100, 3, on_device=True, admission="recurring"), device="cpu")
+    assert isinstance(cached.cache, DeviceRowCache)
+    for clock in range(4):
+        ids = _ids(*(10 * clock + k for k in range(5)))
+        for client in (plain, cached):
+            read = client.pull({"t": ids}).result()
+            client.push({"t": (ids, _grad(5, clock))}, clock=clock + 1, versions=read).result()
+    every = _ids(*range(40))
+    assert torch.equal(plain_local.pull({"t": every}).result().rows["t"], cached_local.pull({"t": every}).result().rows["t"])
+    assert cached.cache.tables["t"].cached_ids() == set() and cached.cache.passed["t"] == 20
+    again = _ids(2, 13)  # missed at clocks 0 and 1; now, at clock 4, 13 is within the window (3) again, 2 is not
+    want = cached_local.pull({"t": again}).result().rows["t"]
+    assert torch.equal(cached.pull({"t": again}).result().rows["t"], want)
+    assert cached.cache.tables["t"].cached_ids() == {13} and cached.cache.passed["t"] == 21
+    cached.push({}, clock=5).result()
+    assert torch.equal(cached.pull({"t": again}).result().rows["t"], want)  # 13 a hit, 2 missed again within 1: cached
+    assert cached.cache.tables["t"].cached_ids() == {2, 13} and cached.cache.hits["t"] == 1
+    cached.push({}, clock=6).result()
+    assert torch.equal(cached.pull({"t": again}).result().rows["t"], want) and cached.cache.hits["t"] == 3

@@ -150,12 +150,10 @@ class DeviceRowCache(RowCache):
     def __init__(self, config: RowCacheConfig, dims: Mapping[str, int], num_shards: int, device: torch.device | str) -> None:
         if config.hot:
             raise ValueError("--cache-hot: the host row cache only (not on the device yet)")
-        if config.admission != "all":
-            raise ValueError(f"--cache-admission {config.admission}: the host row cache only (not on the device yet)")
         self.device = torch.device(device)
         capacity = device_capacity(config.rows, dims, self.device)
         if capacity != config.rows:
-            config = RowCacheConfig(capacity, config.bound, config.write_bound, config.policy, config.on_device)
+            config = RowCacheConfig(capacity, config.bound, config.write_bound, config.policy, config.on_device, admission=config.admission)
         # The host's tables hold no floats (width 0): their compiled passes do the bookkeeping only.
         super().__init__(config, dict.fromkeys(dims, 0), num_shards)
         for tab, d in zip(self._tabs, dims.values(), strict=False):
@@ -245,13 +243,14 @@ class DeviceRowCache(RowCache):
         oldest = np.full((len(names), self.num_shards), NONE, np.int64)
         zeros = np.zeros(len(names) + 1, np.int64)
         with self._lock:
-            code, miss, later, miss_offs, miss_ids, found, _ = self._plan_ids(names, parts, ids, offs, now, NO_ROWS, zeros, oldest,
-                                                                              id(outs))
+            code, miss, later, miss_offs, miss_ids, found, keep = self._plan_ids(names, parts, ids, offs, now, NO_ROWS, zeros, oldest,
+                                                                                 id(outs))
             hits = np.flatnonzero(code == 1)
             again = miss[found[miss] >= 0]
             if len(hits) or len(again):
                 self._gather_hits(parts, offs, starts, outs, hits, found[hits], again, found[again])
-        plan = DevicePlan(now, names, parts, ids, offs, torch.empty(0), zeros, oldest, later, miss, miss_offs, outs=outs, starts=starts)
+        plan = DevicePlan(now, names, parts, ids, offs, torch.empty(0), zeros, oldest, later, miss, miss_offs, keep, outs=outs,
+                          starts=starts)
         plan.miss = {t: torch.from_numpy(miss_ids[miss_offs[k]: miss_offs[k + 1]]) for k, t in enumerate(names)}
         plan.splits = self._miss_splits(names, miss_ids, miss_offs)
         return plan
@@ -337,7 +336,7 @@ class DeviceRowCache(RowCache):
             nfree = np.array([tab.nfree for tab in self._tabs], np.int64)
             unplaced, placed, nplaced, stored = store_all(*self._columns(), parts, keys, koffs, pos, NO_ROWS, zeros, got_row, versions,
                                                           plan.now, self.num_shards, top, nfree, NO_ROWS, zeros, plan.offs, self._states,
-                                                          self._sbase, self._scount, self._sinit, NO_KEEP)
+                                                          self._sbase, self._scount, self._sinit, plan.keep if not attempt else NO_KEEP)
             slots[where] = stored
             self._placed(parts, top, nfree, nplaced)
             self._reset(self._base[np.repeat(parts, nplaced)] + placed, np.repeat(parts, nplaced))
@@ -519,7 +518,7 @@ class DeviceRowCache(RowCache):
 
     def _lost(self, rows: torch.Tensor, lost: np.ndarray, b: int, parts: np.ndarray, names: list[str], offs: np.ndarray,
               starts: np.ndarray, ids: np.ndarray, missing: np.ndarray, missing_shards: np.ndarray, read: np.ndarray, due: Due) -> None:
-        """Gradients of rows not cached (the table was full), due at once with their statistics."""
+        """Gradients of rows not cached (not admitted, or the table was full), due at once with their statistics."""
         idx = _Indexes(self.device)
         idx.add(lost)
         g = rows.index_select(0, idx.send()[0]).cpu().numpy()

@@ -29,7 +29,7 @@ class RowCacheConfig:
     whatever it is (the CPU too: how CI tests the device cache); False, in host memory.
     ``hot``: a held row with K gradients is pushed with this step (0: off). ``admission``: which
     missed rows are cached: ``all``, or ``recurring``, those missed again within max(R, W) clocks
-    (the others are pulled and pushed in their step, as with no cache; host cache only)."""
+    (the others are pulled and pushed in their step, as with no cache)."""
 
     rows: int = 0
     bound: int = 0
