@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _common import cache_bounds, markdown_table
 
+from tether.common.choices import CACHE_ADMISSIONS
 from tether.worker.config import MODEL_PRESETS, gpu_push_window
 
 # DESIGN.md: one worker and one shard reach >= 90% of the model trained in one process.
@@ -80,7 +81,7 @@ def in_process(steps: int, size: dict[str, int], device: str, warmup: int = 20, 
 
 
 def through_tether(steps: int, size: dict[str, int], device: str, shards: int = 1, workers: int = 1, window: int = 1,
-                   shard_env: dict[str, str] | None = None, cache: dict[str, int] | None = None) -> dict:
+                   shard_env: dict[str, str] | None = None, cache: dict[str, int | str] | None = None) -> dict:
     """Samples/s of the same model through a local tether cluster (real processes); ``cache``:
     the row cache's settings (``cache_rows``, ``cache_bound``, ``cache_write_bound``)."""
     from tether.deploy.job import run_job
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--push-window", type=int, default=None, help="the tether worker's push window (default: the preset's)")
     p.add_argument("--cache", default=None, metavar="R/W", help="also run the tether job with the row cache at read/write bounds R/W")
     p.add_argument("--cache-rows", type=int, default=100_000, help="the row cache's rows per table (default 100,000: every id of the synthetic data)")
+    p.add_argument("--cache-admission", default="all", choices=CACHE_ADMISSIONS, help="the row cache's admission (default all)")
     p.add_argument("--_inprocess", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_pregenerated", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             r, w = cache_bounds(a.cache)
         except ValueError as exc:
             p.error(str(exc))
-        cache = {"cache_rows": a.cache_rows, "cache_bound": r, "cache_write_bound": w}
+        cache = {"cache_rows": a.cache_rows, "cache_bound": r, "cache_write_bound": w, "cache_admission": a.cache_admission}
     steps = a.steps or (200 if a.quick else 1500)
     if a._inprocess:
         print(in_process(steps, size, a.device, pregenerated=a._pregenerated))
@@ -155,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         [f"tether: 1 worker + {shards} shard(s), push window {window}", summary["samples_per_sec"], f"{ratio:.2f}"],
     ]
     if cached is not None and cache is not None:
-        rows.append([f"tether, row cache {cache['cache_bound']}/{cache['cache_write_bound']} ({cache['cache_rows']:,} rows a table)",
+        admission = "" if cache["cache_admission"] == "all" else f", admission {cache['cache_admission']}"
+        rows.append([f"tether, row cache {cache['cache_bound']}/{cache['cache_write_bound']} ({cache['cache_rows']:,} rows a table{admission})",
                      cached["samples_per_sec"], f"{cached['samples_per_sec'] / local:.2f}"])
     rows.append(["in one process, every batch made before the clock (reference)", pregenerated,
                  f"{summary['samples_per_sec'] / pregenerated:.2f}"])
