@@ -139,7 +139,7 @@ def check_read(what: str, read: torch.Tensor | None, grad: torch.Tensor) -> None
 
 def adjusted(
     target: object, optimizer: OptimizerConfig, ids: np.ndarray | None, grad: torch.Tensor, read: torch.Tensor | None,
-    scale: float | np.ndarray, clock: int, remedies: Remedies | float,
+    scale: float | np.ndarray, clock: int, remedies: Remedies | float, acted: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, float | np.ndarray, torch.Tensor | None, torch.Tensor | None]:
     """The gradient and learning-rate factor one block's update takes, what ``observe_step``
     needs after it, and a dense chunk's per-element factor on its step: ``scale`` times the
@@ -152,7 +152,12 @@ def adjusted(
     updated with this gradient first), then gap-aware (``gap_penalty``): a table's rows' learning
     rates divided by their row's penalty (``scale`` becomes one factor per row), a dense chunk's
     step divided by each element's (the fourth value: ``DenseChunk.push``'s ``step_scale``; else
-    None). Returns the values before the update when gap-aware needs them afterwards (else None)."""
+    None). Returns the values before the update when gap-aware needs them afterwards (else None).
+
+    ``acted``, when given, gets per remedy that changed something (``"dc"``, ``"dc_adaptive"``,
+    ``"gap_aware"``) how many of the block's rows (a table's) or elements (a dense chunk's) it
+    changed: a row whose compensated gradient differs from the pushed one, a row or element whose
+    step gap-aware divided (penalty > 1). One count per block, in torch (the shard's metric)."""
     if not isinstance(remedies, Remedies):
         remedies = Remedies(dc=float(remedies))
     factor = optimizer.schedule.factor(optimizer.lr, clock)
@@ -162,23 +167,37 @@ def adjusted(
     if remedies.on and read is not None and grad.numel():
         now = target.pull(ids)[0] if ids is not None else target.value.clone()  # type: ignore[attr-defined]
         g, r = grad.to(torch.float32), read.to(torch.float32)
-        if remedies.dc > 0 and remedies.dc_adaptive:
-            ms = _running_means(target, ids, MEAN_SQUARE, g * g, remedies.decay)
-            g = dc_adaptive_compensated(g, now, r, remedies.dc, ms)
-        elif remedies.dc > 0:
-            g = delay_compensated(g, now, r, remedies.dc)
+        if remedies.dc > 0:
+            if remedies.dc_adaptive:
+                ms = _running_means(target, ids, MEAN_SQUARE, g * g, remedies.decay)
+                compensated = dc_adaptive_compensated(g, now, r, remedies.dc, ms)
+            else:
+                compensated = delay_compensated(g, now, r, remedies.dc)
+            if acted is not None:
+                changed = compensated != g
+                _count(acted, "dc_adaptive" if remedies.dc_adaptive else "dc", changed.any(dim=1) if ids is not None else changed)
+            g = compensated
         grad = g
         if remedies.gap_aware:
             # On the step, not the gradient: under Adagrad (the default rule) or Adam a row's
             # step hardly depends on its gradient's scale (a new row's first step is lr * sign(g)
             # at any scale), so a divided gradient was undone by the rule.
             penalty = gap_penalty(now, r, _running_means(target, ids, STEP_SIZE, None, remedies.decay))
+            if acted is not None:
+                _count(acted, "gap_aware", penalty > 1.0)  # a table's penalty is a column: one per row
             if ids is not None:
                 scale = scale / penalty[:, 0].numpy().astype(np.float64)
             else:
                 step_scale = 1.0 / penalty
             before = now
     return grad, scale, before, step_scale
+
+
+def _count(acted: dict[str, int], remedy: str, changed: torch.Tensor) -> None:
+    """Add ``changed``'s true values to ``acted[remedy]`` (left out while none is)."""
+    n = int(changed.sum())
+    if n:
+        acted[remedy] = acted.get(remedy, 0) + n
 
 
 def observe_step(target: object, ids: np.ndarray | None, before: torch.Tensor | None, decay: float) -> None:

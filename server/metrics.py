@@ -14,6 +14,7 @@ from tether.protos.errors import REJECT_REASONS as _ERROR_REASONS
 __all__ = [
     "CHECKPOINT_BUCKETS",
     "REJECT_REASONS",
+    "REMEDIES",
     "REQUEST_BUCKETS",
     "STALENESS_BUCKETS",
     "UPDATE_KINDS",
@@ -37,6 +38,10 @@ M = TypeVar("M", Counter, Gauge, Histogram)
 # Why a push was not applied: an error's reason (``tether.protos.errors.reject_reason``), or
 # a retried push the shard had applied already.
 REJECT_REASONS: tuple[str, ...] = (*_ERROR_REASONS, "duplicate")
+
+# The staleness remedies a push may ask for, as a shard counts what they change: --staleness-aware,
+# DC-ASGD (--delay-compensation), DC-ASGD-a (--dc-adaptive) and --gap-aware.
+REMEDIES: tuple[str, ...] = ("staleness_aware", "dc", "dc_adaptive", "gap_aware")
 
 
 class ShardRecorder(Protocol):
@@ -63,6 +68,10 @@ class ShardRecorder(Protocol):
     def pushed(self, tables: Sequence[tuple[str, int]], dense_blocks: int, staleness: int, clock_staleness: int | None) -> None:
         """One push applied: rows per table, dense chunks, its staleness in updates and (when
         it carried a clock) in clock ticks."""
+
+    def remedied(self, table: str | None, remedy: str, count: int) -> None:
+        """In one push, ``count`` rows of ``table`` (None: elements of a dense chunk) whose update
+        ``remedy`` (one of ``REMEDIES``) changed."""
 
     def evicted(self, table: str, rows: int) -> None:
         """Rows evicted from a bounded table."""
@@ -117,6 +126,9 @@ class NullShardMetrics:
         pass
 
     def pushed(self, tables: Sequence[tuple[str, int]], dense_blocks: int, staleness: int, clock_staleness: int | None) -> None:
+        pass
+
+    def remedied(self, table: str | None, remedy: str, count: int) -> None:
         pass
 
     def evicted(self, table: str, rows: int) -> None:
@@ -213,6 +225,15 @@ class ShardMetrics:
             "tether_shard_push_update_staleness",
             "Updates applied to a block between the read of its values and the push of their gradient.",
             buckets=STALENESS_BUCKETS, registry=r)
+        self.remedied_rows = Counter(
+            "tether_shard_remedied_rows_total",
+            "Embedding rows whose update a staleness remedy changed, by table and remedy "
+            "(staleness_aware: step damped; dc, dc_adaptive: gradient compensated; gap_aware: step divided).",
+            ["table", "remedy"], registry=r)
+        self.remedied_dense_elements = Counter(
+            "tether_shard_remedied_dense_elements_total",
+            "Dense parameter elements whose update a staleness remedy changed, by remedy (as tether_shard_remedied_rows_total).",
+            ["remedy"], registry=r)
         self.staleness_bound = Gauge(
             "tether_shard_staleness_bound", "The job's staleness bound S (ssp:S); -1 when unbounded.",
             registry=r)
@@ -250,6 +271,8 @@ class ShardMetrics:
             self.updates_rejected.labels(reason=reason)
         for mode in ("shm", "tcp", "tcp+tls"):
             self.data_connections.labels(mode=mode)
+        for remedy in REMEDIES:
+            self.remedied_dense_elements.labels(remedy=remedy)
         from tether.server.checkpoints.checkpoint_files import FAILURE_REASONS  # torch with it: only where a shard runs
 
         for why in FAILURE_REASONS:
@@ -272,6 +295,8 @@ class ShardMetrics:
         """Export table ``name``'s resident rows and bytes, read when Prometheus scrapes."""
         self.table_rows.labels(table=name).set_function(rows)
         self.table_memory_bytes.labels(table=name).set_function(memory_bytes)
+        for remedy in REMEDIES:  # at 0 from the table's start, so "never" reads 0
+            self.series(self.remedied_rows, name, remedy)
 
     def set_staleness_bound(self, bound: int | None) -> None:
         """Record the job's staleness bound; ``None`` means unbounded (async)."""
@@ -322,6 +347,12 @@ class ShardMetrics:
         self.push_update_staleness.observe(staleness)
         if clock_staleness is not None:
             self.push_staleness.observe(clock_staleness)
+
+    def remedied(self, table: str | None, remedy: str, count: int) -> None:
+        if table is None:
+            self.series(self.remedied_dense_elements, remedy).inc(count)
+        else:
+            self.series(self.remedied_rows, table, remedy).inc(count)
 
     def evicted(self, table: str, rows: int) -> None:
         self.series(self.rows_evicted, table).inc(rows)

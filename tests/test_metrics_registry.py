@@ -29,6 +29,8 @@ SHARD_SPEC: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "table_memory_bytes": ("tether_shard_table_memory_bytes", "gauge", ("table",)),
     "rows_evicted": ("tether_shard_rows_evicted_total", "counter", ("table",)),
     "rows_dropped": ("tether_shard_rows_dropped_total", "counter", ("table",)),
+    "remedied_rows": ("tether_shard_remedied_rows_total", "counter", ("table", "remedy")),
+    "remedied_dense_elements": ("tether_shard_remedied_dense_elements_total", "counter", ("remedy",)),
     "updates_applied": ("tether_shard_updates_applied_total", "counter", ("kind",)),
     "updates_rejected": ("tether_shard_updates_rejected_total", "counter", ("reason",)),
     "push_staleness": ("tether_shard_push_staleness", "histogram", ()),

@@ -206,26 +206,118 @@ def test_the_flags_reach_workers_and_scripts(monkeypatch: pytest.MonkeyPatch) ->
     assert (script.delay_compensation, script.dc_adaptive, script.gap_aware, script.remedy_decay) == want
 
 
-def test_the_flags_reach_the_shard_in_a_real_job_and_change_the_result(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def _remedied(registry: object) -> dict[tuple[str | None, str], float]:
+    """Every remedied series of a shard's registry: (table, remedy) -> count, table None for
+    the dense elements."""
+    from tether.server.metrics import ShardMetrics
+
+    assert isinstance(registry, ShardMetrics)
+    got: dict[tuple[str | None, str], float] = {}
+    for family in registry.registry.collect():
+        for sample in family.samples:
+            if sample.name == "tether_shard_remedied_rows_total":
+                got[(sample.labels["table"], sample.labels["remedy"])] = sample.value
+            elif sample.name == "tether_shard_remedied_dense_elements_total":
+                got[(None, sample.labels["remedy"])] = sample.value
+    return got
+
+
+def _counted_shard() -> tuple[Shard, object]:
+    from prometheus_client import CollectorRegistry
+
+    from tether.server.metrics import ShardMetrics
+
+    metrics = ShardMetrics(CollectorRegistry())
+    shard = Shard(metrics=metrics)
+    opt = OptimizerConfig("sgd", LR)
+    shard.declare([TableConfig("t", 2, optimizer=opt, init_scale=0.0, seed=1)], [DenseDecl("d", 0, torch.zeros(2), opt)])
+    return shard, metrics
+
+
+@pytest.mark.parametrize("remedy, kw", [
+    ("gap_aware", {"gap_aware": True, "remedy_decay": 0.5}),
+    ("dc", {"delay_compensation": 1.0}),
+    ("dc_adaptive", {"delay_compensation": 1.0, "dc_adaptive": True, "remedy_decay": 0.5}),
+    ("staleness_aware", {"staleness_aware": True}),
+])
+def test_the_shard_counts_the_rows_and_elements_a_remedy_changed(remedy: str, kw: dict) -> None:
+    """b pushes [1, -2] three times, each read fresh: no remedy changes anything (no gap; no
+    staleness; gap-aware's C unknown at first). Then a pushes [4, 1] read at the start, three
+    updates ago: the row's update and both of the chunk's elements change under every remedy
+    (gap-aware: the row's mean gap is 3 updates, each element's 3 of its own; staleness-aware: 3
+    updates stale where the table's usual is 0). The counter says so per table and remedy, and
+    the other remedies' series stay at 0."""
+    shard, metrics = _counted_shard()
+
+    def read() -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        return (shard.tables["t"].version, shard.dense[("d", 0)].version, *_read(shard))
+
+    def push(worker: str, seq: int, g: list[float], at: tuple[int, int, torch.Tensor, torch.Tensor]) -> None:
+        shard.push(worker, seq, [SparseUpdate("t", np.array([5]), torch.tensor([g]), at[0], at[2])],
+                   [DenseUpdate("d", 0, torch.tensor(g), at[1], at[3])], incarnation=1 if worker == "a" else 2, **kw)
+
+    start = read()
+    for seq in (1, 2, 3):
+        push("b", seq, [1.0, -2.0], read())
+    assert set(_remedied(metrics).values()) <= {0.0}
+    push("a", 1, [4.0, 1.0], start)
+    got = {k: v for k, v in _remedied(metrics).items() if v}
+    assert got == {("t", remedy): 1.0, (None, remedy): 2.0}
+
+
+def test_nothing_is_counted_without_a_remedy_or_without_read_values() -> None:
+    shard, metrics = _counted_shard()
+    start = _read(shard)
+    _push(shard, "b", 1, [1.0, -2.0], start)
+    _push(shard, "a", 1, [4.0, 1.0], start)  # stale by one, but no remedy asked for
+    ids = np.array([5])
+    shard.push("a", 2, [SparseUpdate("t", ids, torch.tensor([[4.0, 1.0]]))], [], incarnation=1, gap_aware=True,
+               delay_compensation=1.0, dc_adaptive=True)  # remedies asked for, but no read values
+    assert set(_remedied(metrics).values()) == {0.0}  # the dense series, exported at 0 from the start
+    assert {k for k, _ in _remedied(metrics)} == {None}
+
+
+def test_the_flags_reach_the_shard_in_a_real_job_and_the_shard_counts_what_they_change(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """One async worker and one shard (separate processes): its prefetched reads miss its own last
-    update, so every push is stale by one and carries its read values. Such a job is
-    deterministic (the same final loss twice), so a flag that reached the shard shows as another."""
+    update, so pushes are stale and carry their read values. What each run's shard counted (its
+    metrics endpoint, read once the worker is done) shows which remedy reached it: 0 everywhere
+    without a flag, > 0 for the remedy asked for and 0 for the others. (Final losses are no test
+    of it: a 1-worker async job is not deterministic under load, where a step's prefetch can land
+    after its push.)"""
+    import contextlib
+    import urllib.request
+    from collections.abc import Iterator
     from dataclasses import replace
 
     from tether.deploy.job import run_job
+    from tether.deploy.launch import LocalCluster
     from tether.worker.config import WorkerConfig
 
     base = WorkerConfig(shards=("pending:0",), mode="async", num_workers=1, steps=10, batch_size=128, eval_samples=1000,
                         log_every=1000, lr=0.15)
 
-    def loss(name: str, **kw: object) -> float:
-        summary = run_job(replace(base, **kw), 1, out=tmp_path / name, timeout_s=120, echo=False)  # type: ignore[arg-type]
-        return float(summary["eval_loss"])
+    def counted(name: str, **kw: object) -> dict[str, float]:
+        scraped: dict[str, float] = {}
 
-    plain = loss("plain")
-    assert loss("plain-again") == plain
-    gap, adaptive = loss("gap", gap_aware=True), loss("dc-adaptive", delay_compensation=1.0, dc_adaptive=True)
-    assert gap != plain and adaptive != plain and gap != adaptive
+        @contextlib.contextmanager
+        def scrape(cluster: LocalCluster) -> Iterator[None]:
+            yield  # the workers are done; the shard still serves
+            url = f"http://127.0.0.1:{cluster.metrics_ports['shard-0']}/metrics"
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            for line in text.splitlines():
+                if line.startswith(("tether_shard_remedied_rows_total{", "tether_shard_remedied_dense_elements_total{")):
+                    remedy = line.split('remedy="')[1].split('"')[0]
+                    scraped[remedy] = scraped.get(remedy, 0.0) + float(line.split()[-1])
+            assert scraped, "the shard exported no remedied series"
+
+        run_job(replace(base, **kw), 1, out=tmp_path / name, timeout_s=120, echo=False, metrics=True, during=scrape)  # type: ignore[arg-type]
+        return scraped
+
+    assert set(counted("plain").values()) == {0.0}
+    for name, kw in [("gap_aware", {"gap_aware": True}), ("dc_adaptive", {"delay_compensation": 1.0, "dc_adaptive": True})]:
+        got = counted(name, **kw)
+        assert got[name] > 0, (name, got)
+        assert {r: v for r, v in got.items() if r != name and v} == {}, (name, got)
 
 
 def test_a_cached_workers_combined_push_carries_the_dense_values_read_and_no_rows() -> None:

@@ -364,15 +364,25 @@ class Shard:
                 typical = self._typical.get(key, float(n))
                 self._typical[key] = typical + _TYPICAL_WEIGHT * (n - typical)
                 scale: float | np.ndarray = 1.0
+                # Per remedy, the rows (of a table) or elements (of a chunk) whose update it changed.
+                acted: dict[str, int] = {}
                 if staleness_aware:
                     scale = staleness_scale(s, typical)
+                    damped = int(np.count_nonzero(scale < 1.0)) if isinstance(scale, np.ndarray) else 0
+                    if not isinstance(scale, np.ndarray) and scale < 1.0:
+                        damped = ids.size if ids is not None else grad.numel()
+                    if damped:
+                        acted["staleness_aware"] = damped
                 opt = target.config.optimizer if ids is not None else target.optimizer
-                grad, scale, before, step_scale = adjusted(target, opt, ids, grad, read, scale, clock, remedies)
+                grad, scale, before, step_scale = adjusted(target, opt, ids, grad, read, scale, clock, remedies,
+                                                           acted if remedies.on else None)
                 if ids is None:
                     target.push(grad, scale, step_scale)
                 else:
                     target.push(ids, grad, scale, pulled, stats)
                 observe_step(target, ids, before, remedies.decay)
+                for remedy, n in acted.items():
+                    self.metrics.remedied(target.config.name if ids is not None else None, remedy, n)
             if clock:
                 self.clocks.update(worker_id, clock, from_push=True)
             self.applied_pushes += 1
