@@ -44,6 +44,8 @@ __all__ = ["LocalCluster", "Program"]
 __getattr__ = old_names(__name__)
 
 log = logging.getLogger(__name__)
+# The variable a restarted program's TrainingConfig.from_env reads its resume_data from (TETHER_RESUME_DATA).
+RESUME_DATA_ENV = next(decl.env for f, decl in declared(TrainingConfig) if f.name == "resume_data")
 
 
 @dataclass(frozen=True)
@@ -132,9 +134,10 @@ class LocalCluster:
             max_restarts: give up on a shard after this many restarts.
             max_worker_restarts: restart an async or ssp worker that dies up to this many times
                 (``wait_workers`` does); 0: the first worker failure ends the job.
-            resume_workers: a restarted built-in worker reads on from the newest stream position
-                its earlier incarnations saved (``OUT/positions/latest``), not from the start of
-                its share; False: from the start (as a job without positions does).
+            resume_workers: a restarted worker (built-in, or a program whose ``Trainer.fit`` saved
+                its data's positions) reads on from the newest stream position its earlier
+                incarnations saved (``OUT/positions/latest``), not from the start of its share;
+                False: from the start (as a job without positions does).
         """
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts!r}")
@@ -162,7 +165,7 @@ class LocalCluster:
         # Per worker restart: the worker, when, and the step (of the incarnation that saved it) of
         # the position it resumed from, None when it read its share from the start.
         self.worker_resumes: list[dict[str, object]] = []
-        # Built-in workers' newest-position files (OUT/positions/latest/worker-<i>.json), by name.
+        # Workers' newest-position files (OUT/positions/latest/worker-<i>.json), by name.
         self._positions: dict[str, Path] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -338,6 +341,8 @@ class LocalCluster:
                 told, unset = program.hand_over(cfg, config)
                 child = spawn(self.log_dir, f"worker-{i}", list(program.argv), echo=echo, env={**no_port, **told}, unset=unset,
                               notices=self._notices)
+                if cfg.out:  # written by its Trainer when the data it fits on has a position
+                    self._positions[child.name] = latest_position(cfg.out, i)
             else:
                 config.write_text(to_json(cfg))
                 child = spawn(self.log_dir, f"worker-{i}", ["-m", "tether.worker", "--config", str(config), *extra_args], echo=echo,
@@ -501,12 +506,17 @@ class LocalCluster:
 
     def _restart_worker(self, child: Child, code: int) -> None:
         """Start a dead worker again (a new client incarnation) for the steps its incarnations
-        did not report done. A built-in worker whose data has a position (the synthetic stream,
-        Parquet) reads on from the newest one saved (``_resume_from``); else it reads its share
-        of the data from the start again."""
+        did not report done. A worker whose data has a position (the built-in job's synthetic
+        stream and Parquet; a program's data that ``Trainer.fit`` saved positions of, a
+        ``ParquetStream`` say) reads on from the newest one saved (``_resume_from``: ``--resume-data``
+        for ``tether worker``, ``TETHER_RESUME_DATA`` for a program); else it reads its share of
+        the data from the start again. Either way ``TETHER_RESTART_COUNT`` says it was restarted."""
         argv, env = list(child.argv), dict(child.env or {})
         done, resume = self._resume_from(child)
-        if resume is not None:
+        if resume is not None and CONFIG_ENV in env:
+            # A program: its Trainer.fit reads resume_data, and a variable wins over its config file.
+            env[RESUME_DATA_ENV] = str(resume.parent)
+        elif resume is not None:
             if "--resume-data" in argv:  # a flag beside the worker's config file wins over the file
                 del argv[argv.index("--resume-data") : argv.index("--resume-data") + 2]
             argv += ["--resume-data", str(resume.parent)]

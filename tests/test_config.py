@@ -100,23 +100,28 @@ def _special(tmp_path: Path) -> dict[str, object]:
         "straggler": "transient:0.5:3",
         "auth_token_file": _token_file(tmp_path),
         "optimizer_config": _optimizer_file(tmp_path),
+        "resume_data": _positions_folder(tmp_path),
     }
 
 
+def _positions_folder(tmp_path: Path) -> str:
+    path = tmp_path / "positions"
+    path.mkdir(exist_ok=True)
+    return str(path)
+
+
 def _worker_config(tmp_path: Path) -> WorkerConfig:
-    """Every field away from its default: a Parquet table (row groups for 4 workers) and a
-    folder of positions, since only a Parquet stream resumes."""
+    """Every field away from its default: a Parquet table (row groups for 4 workers), since the
+    folder of positions (``_special``) is refused with Criteo files."""
     pytest.importorskip("pyarrow")
     from tether.worker.data.criteo import write_criteo_sample
     from tether.worker.data.parquet import write_criteo_parquet
 
     write_criteo_sample(tmp_path / "day.tsv", 400)
     write_criteo_parquet(str(tmp_path / "day.tsv"), str(tmp_path / "day.parquet"), row_group_rows=50)
-    (tmp_path / "positions").mkdir()
     special = {
         **_special(tmp_path),
         "data": f"parquet:{tmp_path / 'day.parquet'}",
-        "resume_data": str(tmp_path / "positions"),
         "table_optimizers": ("t=sgd:lr=0.1,warmup_steps=5,decay=cosine,decay_steps=20", "dense=adam:weight_decay=0.001"),
     }
     # Local mode and a shard list exclude each other: local gets its own round trip. Pushes in

@@ -443,6 +443,56 @@ def test_the_trainer_records_the_streams_position_and_writes_it_beside_checkpoin
     assert _same(list(_stream(files, resume=saved["position"], **settings)), whole[3:])
 
 
+def test_a_trainer_given_resume_data_reads_on_where_the_saved_position_says(files: list[Path], tmp_path: Path) -> None:
+    """``TrainingConfig.resume_data`` (what ``tether launch`` sets on a restarted script worker,
+    ``TETHER_RESUME_DATA``): ``Trainer.fit`` loads ``DIR/worker-<i>.json``, as the run before
+    wrote it to ``OUT/positions/latest``, into the stream, so 3 steps and then 4 more train the
+    batches 7 steps of one stream do; data that cannot take a position, or a folder without this
+    worker's, is one line."""
+    from torch import nn
+
+    from tether.protos.errors import UsageError
+    from tether.worker.config import TrainingConfig
+    from tether.worker.training.embedding_bag import ShardedEmbeddingBag
+    from tether.worker.training.trainer import Trainer
+
+    settings: dict[str, Any] = dict(bs=64, shuffle_rows=300, seed=3)
+    whole = list(_stream(files, **settings))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows = ShardedEmbeddingBag("rows", 4)
+            self.out = nn.Linear(6, 1)
+
+        def forward(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self.out(torch.cat([self.rows(b["row"]), b["dense"]], 1)).squeeze(1)
+
+    trained: list[dict[str, torch.Tensor]] = []
+
+    def loss(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        trained.append(b)
+        return nn.functional.binary_cross_entropy_with_logits(m(b), b["label"])
+
+    def fit(data: Any, **kw: Any) -> Any:
+        torch.manual_seed(0)
+        config = TrainingConfig(shards=(), local=True, out=str(tmp_path / "out"), device="cpu", **kw)
+        with Trainer(Model(), config, loss=loss, sparse=lambda b: {"rows": b["row"]}, printer=lines.append) as trainer:
+            return trainer.fit(data)
+
+    lines: list[str] = []
+    fit(_stream(files, **settings), steps=3)
+    latest = tmp_path / "out" / "positions" / "latest"
+    record = fit(_stream(files, **settings), steps=4, resume_data=str(latest))
+    assert _same(trained, whole[:7])
+    assert _same(list(_stream(files, resume=record.data_position, **settings)), whole[7:])
+    assert any(f"data resumed from {latest / 'worker-0.json'}, after the 3 steps" in line for line in lines)
+    with pytest.raises(UsageError, match=r"the training data \(list\) has no load_state_dict"):
+        fit(whole, steps=1, resume_data=str(latest))
+    with pytest.raises(UsageError, match=r"cannot read worker 0's position .*worker-0.json"):
+        fit(_stream(files, **settings), steps=1, resume_data=str(tmp_path))
+
+
 # -- pandas' Parquet as it comes (issue 40 item 2) ------------------------------------------------
 
 

@@ -28,6 +28,15 @@ def _start(out: Path, *flags: str) -> subprocess.Popen:
     )
 
 
+def _start_script(out: Path, *flags: str) -> subprocess.Popen:
+    """``tether launch`` of a user's program: the flags given, none of the built-in job's."""
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tether.deploy.cli", "launch", "--out", str(out), *flags],
+        stdout=(out / "stdout.txt").open("w"), stderr=(out / "stderr.txt").open("w"), text=True,
+    )
+
+
 def _finish(proc: subprocess.Popen, out: Path, timeout_s: float) -> tuple[int, str, str]:
     try:
         code = proc.wait(timeout=timeout_s)
@@ -246,3 +255,39 @@ def test_a_restarted_worker_resumes_from_the_newest_position_its_incarnations_sa
         assert [r["position_step"] for r in cluster.worker_resumes] == [None, 40, 40]
     finally:
         cluster.stop()
+
+
+def test_a_restarted_script_worker_reads_its_parquet_stream_on_from_where_it_stopped(tmp_path: Path) -> None:
+    """A user's ``--script`` that trains on a ``ParquetStream`` (tests/scripts/resumable_script.py)
+    dies by SIGKILL after its 4th of 12 steps; ``--max-restarts 1`` starts it again, and the
+    restart reads on where the stream left off (``TETHER_RESUME_DATA``, which ``Trainer.fit``
+    loads into the stream) for the 8 steps left: the two incarnations together trained every row
+    of the file exactly once, the second none of the first's."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    import numpy as np
+
+    n, batch = 384, 32  # 12 batches, in row groups of 32
+    data = tmp_path / "rows.parquet"
+    rng = np.random.default_rng(0)
+    pq.write_table(pa.table({"row": np.arange(n, dtype=np.int64), "x": rng.random(n), "label": rng.integers(0, 2, n).astype(np.int8)}),
+                   data, row_group_size=32)
+    script = Path(__file__).resolve().parent / "scripts" / "resumable_script.py"
+    out = tmp_path / "job"
+    proc = _start_script(out, "--script", str(script), "--script-args", f"--data {data} --batch {batch} --die-after 4",
+                         "--num-workers", "1", "--num-shards", "1", "--steps", str(n // batch), "--log-every", "2", "--max-restarts", "1")
+    try:
+        code, stdout, stderr = _finish(proc, out, timeout_s=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == {"shard-0": 0, "worker-0": 1}
+    assert "1 restart(s) read on from the newest stream position" in summary["restarted_workers"]
+    first, second = ([[int(x) for x in line.split()] for line in (out / f"rows-0-{k}.txt").read_text().splitlines()] for k in (0, 1))
+    assert len(first) == 4 and len(second) == 8, (len(first), len(second))
+    rows = [r for b in first + second for r in b]
+    assert sorted(rows) == list(range(n))  # every row once: none read twice, none skipped
+    assert "data resumed from" in (out / "logs" / "worker-0.log").read_text()
+    assert summary["total_samples"] == n

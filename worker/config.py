@@ -101,6 +101,11 @@ class TrainingConfig:
                                     help="name this worker gives the shards (default worker-<index>)")
     out: str | None = setting(None, flag="--out", parse=optional_str, group=PLACE,
                               help="write worker-<index>.json with the loss history here")
+    # Where a restarted worker's data reads on from: Trainer.fit loads DIR/worker-<index>.json's
+    # position into data that can take one (load_state_dict); tether launch sets it on a restart.
+    resume_data: str | None = setting(None, flag="--resume-data", parse=optional_str, metavar="DIR", group=PLACE,
+                                      help="resume this worker's data stream from DIR/worker-<index>.json (a position Trainer.fit "
+                                      "wrote to OUT/positions/: data with state_dict(batches=n) and load_state_dict)")
     slowdown: float = setting(1.0, flag="--slowdown", group=PLACE, help="make compute this many times slower (straggler experiments)")
     slow_worker: int | None = setting(None, flag="--slow-worker", parse=optional_int, group=PLACE,
                                       help="only the worker with this index is slowed (default: this worker)")
@@ -346,6 +351,10 @@ class TrainingConfig:
             raise ValueError(f"worker_index must be in [0, num_workers={self.num_workers}), got {self.worker_index!r}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be >= 1 (or None: until the data ends), got {self.steps!r}")
+        if self.resume_data is not None and not self.resume_data:
+            raise ValueError("resume_data must name a directory (None: start each stream at its beginning), got ''")
+        if self.resume_data is not None and not os.path.isdir(self.resume_data):
+            raise ValueError(f"--resume-data {self.resume_data}: no such directory")
         if self.log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {self.log_every!r}")
         if self.eval_every < 0 or self.checkpoint_every_steps < 0:
@@ -482,10 +491,11 @@ class WorkerConfig(TrainingConfig):
     # Order of the synthetic training batches (0: the seed's own order; compare --repeats
     # varies it while the model, the data distribution and the held-out set stay the same).
     data_seed: int = setting(0, flag="--data-seed", group=MODEL, help="synthetic data: order of the training batches (0: the seed's own)")
-    resume_data: str | None = setting(None, flag="--resume-data", parse=optional_str, metavar="DIR", group=MODEL,
-                                      help="resume each worker's stream (the synthetic one, or --data parquet:) from DIR/worker-<i>.json, "
-                                      "as every worker writes its newest to OUT/positions/latest/ and, with --checkpoint-every-steps, "
-                                      "OUT/positions/step-<n>/ (tether launch --max-restarts resumes a restarted worker so)")
+    resume_data: str | None = override(
+        TrainingConfig, "resume_data", None, group=MODEL,
+        help="resume each worker's stream (the synthetic one, or --data parquet:) from DIR/worker-<i>.json, "
+        "as every worker writes its newest to OUT/positions/latest/ and, with --checkpoint-every-steps, "
+        "OUT/positions/step-<n>/ (tether launch --max-restarts resumes a restarted worker so)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -494,15 +504,11 @@ class WorkerConfig(TrainingConfig):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.eval_samples < 0:
             raise ValueError(f"eval_samples must be >= 0, got {self.eval_samples!r}")
-        if self.resume_data is not None and not self.resume_data:
-            raise ValueError("resume_data must name a directory (None: start each stream at its beginning), got ''")
         if self.resume_data is not None and self.data.startswith("criteo:"):
             raise ValueError(
                 f"--resume-data {self.resume_data}: only the synthetic stream and a Parquet one (--data parquet:PATH) have a position "
                 f"to resume, got --data {self.data} (tether convert writes Criteo files as Parquet)"
             )
-        if self.resume_data is not None and not os.path.isdir(self.resume_data):
-            raise ValueError(f"--resume-data {self.resume_data}: no such directory")
         if self.data != "synthetic" and not self.data.startswith(("criteo:", "parquet:")):
             raise ValueError(f"data must be 'synthetic', 'criteo:PATH' or 'parquet:PATH', got {self.data!r}")
 

@@ -39,7 +39,7 @@ from tether.protos.errors import FailedPrecondition, UsageError
 from tether.protos.specs import TableConfig
 from tether.worker.client.local import LocalClient
 from tether.worker.client.ps_client import PSClient
-from tether.worker.data.positions import latest_position, position_file, write_position
+from tether.worker.data.positions import latest_position, position_file, read_position, write_position
 from tether.worker.data.synthetic import in_background
 from tether.worker.metrics import NullWorkerMetrics, WorkerMetrics, WorkerRecorder
 from tether.worker.training.batches import count_samples, pick_device, to_device
@@ -252,6 +252,7 @@ class Trainer(Generic[B]):
             elif epochs is _UNKNOWN:
                 self.printer(f"{self.name}: no step limit (TrainingConfig.steps, env TETHER_STEPS) and the data has no length: "
                              "training runs until the data ends (forever, if it never does)")
+        self._resume(data)
         self._position_of = _position_of(data)
         producer = in_background(iter(data)) if background else None
         try:
@@ -261,6 +262,39 @@ class Trainer(Generic[B]):
                 producer.close()  # stops the producer thread (the data may go on forever)
             # Forwards after training (the user's own evaluation) pull the rows they look up.
             self.ps.release()
+
+    def _resume(self, data: object) -> None:
+        """Start ``data`` where this worker's saved position says, with ``config.resume_data``
+        set: ``DIR/worker-<i>.json``, as an earlier run or incarnation of this worker wrote it to
+        ``OUT/positions/`` (``tether launch --max-restarts`` sets it on a restarted worker), loaded
+        with the data's ``load_state_dict`` (a stream the built-in job opened at the position
+        already takes it again unchanged).
+
+        Raises:
+            UsageError: the file cannot be read or holds no position, the data has no
+                ``load_state_dict``, or it refuses the position (``DataError``: another setup's).
+        """
+        where = self.config.resume_data
+        if where is None:
+            return
+        path = Path(where) / f"worker-{self.config.worker_index}.json"
+        load = getattr(data, "load_state_dict", None)
+        if not callable(load):
+            raise UsageError(
+                f"resume_data {where}: the training data ({type(data).__name__}) has no load_state_dict to resume a position with "
+                "(ParquetStream has; an iterable of your own resumes given state_dict(batches=n) and load_state_dict(state))"
+            )
+        try:
+            saved = read_position(path)
+        except OSError as exc:
+            raise UsageError(f"resume_data {where}: cannot read worker {self.config.worker_index}'s position {path}: "
+                             f"{exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise UsageError(f"resume_data {where}: {path}: {exc}") from None
+        load(saved["position"])
+        step = saved.get("step")
+        self.printer(f"{self.name}: data resumed from {path}" + (f", after the {step} steps of the run that saved it" if
+                                                                 isinstance(step, int) else ""))
 
     def _fit(
         self, stream: Iterator[B], eval_data: Iterable[B] | None, evaluate: Callable[[nn.Module, B], Mapping[str, float]] | None
