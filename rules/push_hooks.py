@@ -174,8 +174,9 @@ def adjusted(
             else:
                 compensated = delay_compensated(g, now, r, remedies.dc)
             if acted is not None:
-                changed = compensated != g
-                _count(acted, "dc_adaptive" if remedies.dc_adaptive else "dc", changed.any(dim=1) if ids is not None else changed)
+                # In numpy: torch's boolean compare and any() cost ~4x as much (a 4096 x 64 block, 1 thread).
+                changed = compensated.numpy() != g.numpy()
+                _count(acted, "dc_adaptive" if remedies.dc_adaptive else "dc", changed.any(axis=1) if ids is not None else changed)
             g = compensated
         grad = g
         if remedies.gap_aware:
@@ -184,7 +185,7 @@ def adjusted(
             # at any scale), so a divided gradient was undone by the rule.
             penalty = gap_penalty(now, r, _running_means(target, ids, STEP_SIZE, None, remedies.decay))
             if acted is not None:
-                _count(acted, "gap_aware", penalty > 1.0)  # a table's penalty is a column: one per row
+                _count(acted, "gap_aware", penalty.numpy() > 1.0)  # a table's penalty is a column: one per row
             if ids is not None:
                 scale = scale / penalty[:, 0].numpy().astype(np.float64)
             else:
@@ -193,9 +194,9 @@ def adjusted(
     return grad, scale, before, step_scale
 
 
-def _count(acted: dict[str, int], remedy: str, changed: torch.Tensor) -> None:
+def _count(acted: dict[str, int], remedy: str, changed: np.ndarray) -> None:
     """Add ``changed``'s true values to ``acted[remedy]`` (left out while none is)."""
-    n = int(changed.sum())
+    n = int(np.count_nonzero(changed))
     if n:
         acted[remedy] = acted.get(remedy, 0) + n
 
