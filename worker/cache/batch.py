@@ -17,7 +17,9 @@ several tables (a pull's answer, gradients) as one flat float32 array with ``row
   compiled kernel, ``row_kernels.rows_of_rule``), each row's change added to its local changes;
 - ``take_all``: the held sums that are due (per table, in table order), cleared, in the layout
   a push takes (sums, and a combined push's statistics, each in one buffer), with each row's
-  shard (``cache_split.by_shard`` groups them by it: the push's split, no id hashed again).
+  shard (``cache_split.by_shard`` groups them by it: the push's split, no id hashed again);
+- ``with_unheld``: a step's gradients of rows not cached (not admitted, or a full table's) merged
+  into ``take_all``'s push in id order, each a row of one gradient.
 
 Compiled on first use and cached on disk like the other kernels (``warm_up`` loads them).
 """

@@ -32,6 +32,12 @@ stays authoritative on; the local copy's own steps are never pushed. Its read ve
 oldest read version of the rows it combines, so shards count its staleness from the oldest read
 (conservative).
 
+Admission (``RowCacheConfig.admission``, ``--cache-admission``): ``all`` caches every missed row;
+``recurring`` caches a missed row only when it was missed before within max(R, W) clocks (a
+doorkeeper of the clock each id's hash was last missed at, ``plan_all``). A row not cached is
+answered from the pull and its gradient pushed in its own step, merged into the held sums due
+(``batch.with_unheld``): exactly what no cache does with it.
+
 A pull whose table version for a shard went back (a restarted shard, a reset table) marks every
 cached row of that shard and table stale: they are refreshed by the next pull that wants them.
 
