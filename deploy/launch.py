@@ -71,7 +71,9 @@ class Program:
         changes = {} if self.steps_from_job else {"steps": None}  # null: no step limit
         path.write_text(to_json(cfg, TrainingConfig, changes))
         held = {*json_values(cfg, TrainingConfig), *changes}
-        training = {f.name for f, _ in declared(TrainingConfig)}
+        # The data seed is in the file (``config.data_seed``) and, as before it was there, in
+        # ``TETHER_DATA_SEED`` for a script that reads the variable.
+        training = {f.name for f, _ in declared(TrainingConfig)} - {"data_seed"}
         return {**to_env(cfg, exclude=training), CONFIG_ENV: str(path)}, variables(TrainingConfig, held)
 
     @classmethod

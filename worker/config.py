@@ -138,6 +138,14 @@ class TrainingConfig:
     init_scale: float = setting(INIT_SCALE, flag="--init-scale", group=JOB,
                                 help="new rows start uniform in [-S, S]")
     seed: int = setting(0, flag="--seed", group=JOB, help="seed of the model, the rows and the data")
+    # Order of the training batches alone (0: the seed's own order): compare --repeats and sweep
+    # --repeats vary it (+1 a repeat) while the initial model, the rows, the stragglers and the
+    # held-out set stay the seed's. The built-in job's streams follow it; a script reads it as
+    # ``config.data_seed`` and seeds its batch order with it.
+    data_seed: int = setting(0, flag="--data-seed", group=JOB,
+                             help="order of the training batches (0: the seed's own), the model staying the seed's: the built-in "
+                             "job's synthetic and Parquet streams follow it, a script reads it as config.data_seed; "
+                             "compare --repeats adds 1 a repeat")
     eval_every: int = setting(0, flag="--eval-every", group=JOB, help="worker 0 evaluates every N steps (0: only at the end)")
     # Worker 0 asks every shard for a checkpoint every N steps (shards also checkpoint on their
     # own with --checkpoint-every seconds).
@@ -488,9 +496,6 @@ class WorkerConfig(TrainingConfig):
     embedding_dim: int = setting(_SIZES["embedding_dim"], flag="--embedding-dim", unset=True, group=MODEL,
                                  help="width of every embedding row (default: the preset's)")
     eval_samples: int = setting(20_000, flag="--eval-samples", group=MODEL, help="held-out samples")
-    # Order of the synthetic training batches (0: the seed's own order; compare --repeats
-    # varies it while the model, the data distribution and the held-out set stay the same).
-    data_seed: int = setting(0, flag="--data-seed", group=MODEL, help="synthetic data: order of the training batches (0: the seed's own)")
     resume_data: str | None = override(
         TrainingConfig, "resume_data", None, group=MODEL,
         help="resume each worker's stream (the synthetic one, or --data parquet:) from DIR/worker-<i>.json, "

@@ -46,6 +46,14 @@ class TwoTower(nn.Module):
         return self.mean + (u * m).sum(1) + bias
 
 
+def order_seed(config: TrainingConfig) -> int:
+    """The seed of this worker's batch order: the data seed's (``--data-seed``, which ``tether
+    compare --repeats`` and ``sweep --repeats`` step by 1 a repeat), while the initial model
+    follows ``--seed`` alone, so repeats differ in their data order only. Data seed 0 keeps the
+    order a seed always had."""
+    return config.seed + config.worker_index + 1_000_003 * config.data_seed
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True, help="ratings file (UserID::MovieID::Rating::Timestamp)")
@@ -59,7 +67,7 @@ def main() -> None:
     config = TrainingConfig.from_env()
     train, held_out = read_ratings(a.data, config.worker_index, config.num_workers)
     mean = float(train["rating"].mean())
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.seed)  # the initial model: --seed's, whatever the data order
     model = TwoTower(a.dim, mean)
 
     def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -73,7 +81,7 @@ def main() -> None:
 
     held = [{k: v[i:i + 4096] for k, v in held_out.items()} for i in range(0, len(held_out["rating"]), 4096)]
     with Trainer(model, config, loss=loss, sparse=sparse) as trainer:
-        record = trainer.fit(rating_batches(train, a.batch_size, seed=config.seed + config.worker_index), eval_data=held, evaluate=metrics)
+        record = trainer.fit(rating_batches(train, a.batch_size, seed=order_seed(config)), eval_data=held, evaluate=metrics)
     e = record.final_eval
     if e is not None:
         print(f"held-out MSE {e['eval_mse']:.4f} (predicting the mean rating: {e['eval_baseline_mse']:.4f})", flush=True)
