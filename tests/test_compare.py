@@ -203,6 +203,24 @@ def test_compare_runs_a_users_script_in_every_mode_and_compares_its_records(tmp_
     assert "no eval loss" not in proc.stdout
 
 
+def test_a_scripts_repeats_vary_its_data_order_alone(tmp_path: Path) -> None:
+    """``--repeats`` with ``--script``: each repeat's workers read their own data seed
+    (``config.data_seed``: ``--data-seed`` plus the repeat's number) and the same ``--seed``, so
+    the repeats start from one model and train the same samples in other orders. In sync, where a
+    run repeats to the bit, the repeats then end apart."""
+    out = tmp_path / "rep"
+    proc = _tether("compare", "--script", str(SCRIPT), "--modes", "sync", "--repeats", "2", "--data-seed", "5", "--out", str(out), *TINY)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = [out / "sync" / f"repeat-{r}" for r in range(2)]
+    assert [r["data_seed"] for r in json.loads((out / "summary.json").read_text())["modes"][0]["runs"]] == [5, 6]
+    seen = [[json.loads((d / f"seen-{w}.json").read_text()) for w in range(2)] for d in runs]
+    for w in range(2):
+        assert seen[0][w] != seen[1][w] and sorted(seen[0][w]) == sorted(seen[1][w])  # the same slice, in another order
+    records = [RunRecord.load(d / "worker-0.json") for d in runs]
+    assert records[0].history[0]["step"] == 0 and records[0].history[0]["eval_loss"] == records[1].history[0]["eval_loss"]
+    assert records[0].final_eval["eval_loss"] != records[1].final_eval["eval_loss"]
+
+
 def test_sweep_of_a_script_without_eval_loss_says_so_in_one_line(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     # A --script-args value that is one token starting with a dash is the script's, not argparse's.

@@ -642,7 +642,7 @@ def test_a_launched_program_reads_its_config_file(
     environment for the fields the file holds (the launcher read them), so it cannot win over the file."""
     from tether.deploy import launch
 
-    cfg = WorkerConfig(shards=("pending:0",), num_workers=2, mode="ssp:2", lr=0.3, batch_size=64, steps=7)
+    cfg = WorkerConfig(shards=("pending:0",), num_workers=2, mode="ssp:2", lr=0.3, batch_size=64, steps=7, data_seed=3)
     spawned = _Spawned()
     monkeypatch.setattr(launch, "spawn", spawned)
     cluster = launch.LocalCluster(log_dir=tmp_path / "logs")
@@ -664,6 +664,9 @@ def test_a_launched_program_reads_its_config_file(
             got = TrainingConfig.from_env()
         assert (got.shards, got.worker_index, got.num_workers, got.mode.kind, got.mode.bound, got.lr) == (
             ("127.0.0.1:7001",), i, 2, "ssp", 2, 0.3)
+        # The data order a script seeds its batches with (compare --repeats steps it): in the file,
+        # and in TETHER_DATA_SEED as it always was.
+        assert got.data_seed == 3 and env["TETHER_DATA_SEED"] == "3"
         assert got.steps == (7 if steps_from_job else None)
 
 

@@ -1,6 +1,7 @@
 """A user's training script for ``tether compare --script`` / ``sweep --script``: a small
 regression through the public API only. Each worker trains its slice of the samples
-(``TrainingConfig.from_env()`` names it) and writes the ids it trained to
+(``TrainingConfig.from_env()`` names it) in the order of its data seed (``config.data_seed``) and
+writes the ids it trained, in the order it trained them, to
 ``<TETHER_OUT>/seen-<i>.json`` (each run of a comparison has its own TETHER_OUT).
 
 Worker 0 evaluates held-out samples as ``eval_loss``, ``mae`` and ``within_half`` (the
@@ -46,7 +47,9 @@ def batches_of(ids: torch.Tensor) -> list[dict[str, torch.Tensor]]:
     return [{"sid": ids[i : i + 16], "item": item[i : i + 16], "target": target[i : i + 16]} for i in range(0, len(ids), 16)]
 
 
-mine = batches_of(torch.arange(a.samples)[config.worker_index :: config.num_workers])
+# Its slice in the order of the data seed (compare --repeats steps it); the model is --seed's.
+slice_ids = torch.arange(a.samples)[config.worker_index :: config.num_workers]
+mine = batches_of(slice_ids[torch.randperm(len(slice_ids), generator=torch.Generator().manual_seed(config.data_seed))])
 held_out = batches_of(torch.arange(a.samples, a.samples + 64))
 seen: list[int] = []
 
