@@ -144,6 +144,7 @@ def test_the_doorkeeper_grows_with_the_misses_a_step() -> None:
     first = cache.passed["t"]
     assert len(plan.miss["t"]) == 5_000 and DOOR_MIN // 2 < first < 5_000
     assert cache._door.shape[1] >= 8 * 5_000 * 4
+    assert cache.memory_bytes()["t"] >= cache._door.shape[1] * 8  # counted with the cache's memory
     cache.merge(plan, PullResult({"t": torch.zeros(5_000, 4)}, {}, {(0, "t"): 0}, {}))
     assert len(cache.tables["t"].cached_ids()) == 5_000 - first
     cache.plan({"t": ids + 10_000}, 1)  # grown: new ids collide rarely

@@ -589,13 +589,14 @@ class DeviceRowCache(RowCache):
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes each table's cache holds: on the device (its bank's rows for its slots in use)
-        and on the host (the slots' columns and the id index)."""
+        and on the host (the slots' columns, the id index, the admission's doorkeeper)."""
         out = {}
+        door = self._door.shape[1] * 8 if self._window else 0
         for t, tab in self.tables.items():
             bank = self.banks[int(self._bank_of[self._index[t]])]
             per_row = 4 * (bank.values.shape[1] + bank.pend.shape[1] + 2 * bank.width) + sum(
                 4 * int(np.prod(s.shape[1:])) for _, _, state, _ in bank.rules for s in state.values())
-            out[t] = tab.size * (per_row + 8 * 9) + tab.index_entries() * 16
+            out[t] = tab.size * (per_row + 8 * 9) + tab.index_entries() * 16 + door
         return out
 
 

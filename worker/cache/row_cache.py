@@ -75,8 +75,10 @@ from tether.worker.client.router import ShardedPart
 
 __all__ = ["RowCache"]
 
-# The admission doorkeeper's entries per table (``RowCache._door``): at least, and at most.
-DOOR_MIN, DOOR_MAX = 1 << 12, 1 << 22
+# The admission doorkeeper's entries per table (``RowCache._door``, 8 bytes each): at least, and at
+# most (8 MiB a table: at --preset gpu's ~2,650 new ids a table and step over a window of 20, a
+# collision admits ~1 id in 3 early, and 26 tables hold 208 MiB, counted in ``memory_bytes``).
+DOOR_MIN, DOOR_MAX = 1 << 12, 1 << 20
 
 class RowCache:
     """Cached rows of every table with their read clocks, versions and pending gradients
@@ -401,9 +403,11 @@ class RowCache:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes each table's cache holds (the slots used: values, pending sums, the local
-        changes held and in flight, the local rule's state, their columns; the id index)."""
+        changes held and in flight, the local rule's state, their columns; the id index; the
+        admission's doorkeeper)."""
+        door = self._door.shape[1] * 8 if self._window else 0
         return {t: tab.size * ((tab.dim * 4 + 2) * 4 + sum(a[0].nbytes for a in tab.state.values()) + 8 * 9) + tab.index_entries() * 16
-                for t, tab in self.tables.items()}
+                + door for t, tab in self.tables.items()}
 
     # -- the push side: a step's gradients held, the due sums taken ---------------------------------
 
