@@ -6,6 +6,7 @@ machine: bench/traffic.py gives them for the same id streams.
 
     python bench/row_cache.py                    # both jobs, bound 20 beside no cache, 300 steps, 1 round
     python bench/row_cache.py --job ctr --bounds 5,20,20/2 --steps 200 --rounds 3
+    python bench/row_cache.py --job ctr --admission all,recurring --links 0.1gbit --rounds 3
     python bench/row_cache.py --windows 1,3 --links loopback,1gbit:200us --steps 200 --json out.json
     python bench/row_cache.py --job movielens --workers 1 --shards 1 --bounds 20,20/5,20/1 --no-prefetch
 
@@ -42,6 +43,7 @@ sys.path.insert(0, str(ROOT / "examples" / "movielens_two_tower"))
 from cross_host import _env, _result, _stop, netns_link, netns_rights, parse_link, start_shards  # noqa: E402
 from movielens import write_ratings  # noqa: E402
 
+from tether.common.choices import CACHE_ADMISSIONS  # noqa: E402
 from tether.deploy.job import run_job  # noqa: E402
 from tether.deploy.launch import LocalCluster, Program  # noqa: E402
 from tether.worker.config import WorkerConfig  # noqa: E402
@@ -163,7 +165,7 @@ def _workers_main(text: str) -> int:
     return 0
 
 
-def _configs(a: argparse.Namespace, bounds: list[tuple[int, ...]], windows: list[int]) -> dict[str, dict[str, Any]]:
+def _configs(a: argparse.Namespace, bounds: list[tuple[int, ...]], windows: list[int], admissions: list[str]) -> dict[str, dict[str, Any]]:
     """Each configuration's fields (beside the job's), by name."""
     base = {"num_workers": a.workers, "mode": "async", "steps": a.steps, "log_every": 10**6, "eval_every": 0, "seed": 0,
             "prefetch": not a.no_prefetch}
@@ -172,8 +174,10 @@ def _configs(a: argparse.Namespace, bounds: list[tuple[int, ...]], windows: list
         tail = "" if k == 1 else f" K={k}"
         configs["no cache" + tail] = {**base, "push_window": k}
         for b in bounds:
-            configs["cache " + "/".join(map(str, b)) + tail] = {**base, "push_window": k, "cache_rows": a.cache_rows,
-                                                               "cache_bound": b[0], "cache_write_bound": b[-1]}
+            for adm in admissions:
+                name = "cache " + "/".join(map(str, b)) + ("" if adm == "all" else f" {adm}") + tail
+                configs[name] = {**base, "push_window": k, "cache_rows": a.cache_rows, "cache_bound": b[0], "cache_write_bound": b[-1],
+                                 "cache_admission": adm}
     return configs
 
 
@@ -224,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bounds", default="20", help="cache bounds to run beside no cache: R (read = write bound) or R/W, "
                    "comma list; default 20")
     p.add_argument("--cache-rows", type=int, default=100_000, help="rows per table, default 100000")
+    p.add_argument("--admission", default="all", help="the cache's admission (--cache-admission) at each bound, comma list of "
+                   f"{', '.join(CACHE_ADMISSIONS)}; default all")
     p.add_argument("--windows", default="1", help="push windows K to run each configuration at (--push-window), comma list; "
                    "default 1")
     p.add_argument("--links", default="loopback", help="loopback and/or RATEgbit[:RTTus] (two network namespaces joined by a "
@@ -263,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         if why is not None:
             print(f"shaped links skipped: {why}", flush=True)
             links = [link for link in links if link == "loopback"]
-    configs = _configs(a, bounds, windows)
+    admissions = [x.strip() for x in a.admission.split(",") if x.strip()]
+    if not admissions or any(x not in CACHE_ADMISSIONS for x in admissions):
+        p.error(f"--admission: a comma list of {', '.join(CACHE_ADMISSIONS)}, got {a.admission!r}")
+    configs = _configs(a, bounds, windows, admissions)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         ratings = Path(tmp) / "ratings.dat"
