@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from tether.deploy.compare_program import no_eval_loss, program_mode_figures, program_run_figures
-from tether.deploy.compare_report import difference_to, loss_spread, recommend, recommend_strength
+from tether.deploy.compare_report import difference_to, loss_spread, paired_difference, recommend, recommend_strength
 from tether.deploy.job import run_job, staleness_summary
 from tether.deploy.launch import Program
 from tether.deploy.plot import write_plot
@@ -398,15 +398,21 @@ def _final_losses(result: dict[str, Any]) -> list[float] | None:
 
 def _add_difference_to_sync(results: Sequence[dict[str, Any]]) -> None:
     """Each other mode's ``vs_sync`` (``compare_report.difference_to``: its mean final loss minus
-    sync's, with a 95% interval), when sync is among the modes and both have final losses."""
+    sync's, with a 95% interval) and ``vs_sync_paired`` (``compare_report.paired_difference``: the
+    same per data order; None, with ``vs_sync_not_paired`` the reason, when the runs cannot be
+    paired), when sync is among the modes and both have final losses."""
     sync = next((r for r in results if r["mode"] == "sync"), None)
     reference = None if sync is None else _final_losses(sync)
-    if reference is None:
+    if sync is None or reference is None:
         return
     for result in results:
         losses = _final_losses(result)
         if result is not sync and losses is not None:
             result["vs_sync"] = difference_to(losses, reference)
+            paired = paired_difference(result["runs"], sync["runs"])
+            result["vs_sync_paired"] = None if isinstance(paired, str) else paired
+            if isinstance(paired, str):
+                result["vs_sync_not_paired"] = paired
 
 
 def cache_settings(template: WorkerConfig) -> dict[str, Any]:

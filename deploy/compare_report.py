@@ -12,7 +12,8 @@ from tether.deploy.compare_program import format_program_table
 from tether.protos.errors import UsageError
 from tether.worker.training.mode import Mode
 
-__all__ = ["difference_to", "format_against_sync", "format_table", "loss_spread", "recommend", "recommend_strength", "t_quantile_975"]
+__all__ = ["difference_to", "format_against_sync", "format_table", "loss_spread", "paired_difference", "recommend", "recommend_strength",
+           "t_quantile_975"]
 
 
 # Student's t, two-sided 95% (the 0.975 quantile) for 1..30 degrees of freedom, then 40, 60, 120.
@@ -70,19 +71,64 @@ def difference_to(losses: Sequence[float], reference: Sequence[float]) -> dict[s
     else:
         df = (va + vb) ** 2 / (va ** 2 / (len(losses) - 1) + vb ** 2 / (len(reference) - 1))
     half = t_quantile_975(df) * se
-    out.update(ci95=half, relative_ci95=half / ref if ref else None, df=df)
-    if diff - half > 0:
-        out["verdict"] = "worse, beyond the uncertainty"
-    elif diff + half < 0:
-        out["verdict"] = "better, beyond the uncertainty"
-    else:
-        out["verdict"] = "within the uncertainty"
+    out.update(ci95=half, relative_ci95=half / ref if ref else None, df=df, verdict=_verdict(diff, half))
     return out
+
+
+def _verdict(diff: float, half: float) -> str:
+    """Whether the 95% interval ``diff +- half`` excludes 0, and on which side."""
+    if diff - half > 0:
+        return "worse, beyond the uncertainty"
+    if diff + half < 0:
+        return "better, beyond the uncertainty"
+    return "within the uncertainty"
+
+
+def paired_difference(runs: Sequence[dict[str, Any]], reference: Sequence[dict[str, Any]]) -> dict[str, Any] | str:
+    """How far ``runs``' final losses lie from ``reference``'s (sync's), paired by data order.
+
+    ``runs`` and ``reference`` are a result's ``runs`` (each with ``data_seed`` and
+    ``final_eval_loss``). Every run must have a reference run of the same data order (the
+    reference may have more); per order the difference is the run's loss minus the reference's.
+    Their mean, and a 95% interval ``+- t * sd / sqrt(n)`` (``sd`` the differences' sample
+    standard deviation, ``t`` Student's at ``n - 1`` degrees of freedom); the relative figures are
+    over the reference's mean on the same orders. The verdict is ``difference_to``'s.
+
+    Returns:
+        ``{"pairs", "data_seeds", "diff", "sd", "relative", "ci95", "relative_ci95", "df",
+        "verdict"}``, or why the runs cannot be paired (a string: no data order recorded, a run
+        without a final loss, an order run twice, an order the reference lacks, one pair).
+    """
+    sides = []
+    for side in (runs, reference):
+        if any(r.get("data_seed") is None for r in side):
+            return "the runs' data orders are not recorded"
+        if any(r.get("final_eval_loss") is None for r in side):
+            return "a run has no final loss"
+        seeds = [int(r["data_seed"]) for r in side]
+        if len(set(seeds)) < len(seeds):
+            return "two runs share a data order"
+        sides.append({int(r["data_seed"]): float(r["final_eval_loss"]) for r in side})
+    mine, theirs = sides
+    missing = sorted(set(mine) - set(theirs))
+    if missing:
+        return f"the runs' data orders differ (sync has no run of data seed {', '.join(map(str, missing))})"
+    if len(mine) < 2:
+        return "one pair: no uncertainty can be given"
+    seeds = sorted(mine)
+    spread = loss_spread([mine[s] - theirs[s] for s in seeds])
+    diff, sd = float(spread["mean"]), float(spread["sd"])  # type: ignore[arg-type]
+    ref = statistics.fmean(theirs[s] for s in seeds)
+    df = len(seeds) - 1
+    half = t_quantile_975(df) * float(spread["sem"])  # type: ignore[arg-type]
+    return {"pairs": len(seeds), "data_seeds": seeds, "diff": diff, "sd": sd, "relative": diff / ref if ref else None, "ci95": half,
+            "relative_ci95": half / ref if ref else None, "df": df, "verdict": _verdict(diff, half)}
 
 
 def format_against_sync(summary: dict[str, Any]) -> list[str]:
     """The lines under a table: each mode's final loss against sync's (``vs_sync`` of a mode's
-    result), or why there are none."""
+    result, Welch's), then the same paired by data order (``vs_sync_paired``, or why the runs
+    could not be paired), or why there are none."""
     modes = summary["modes"]
     others = [r for r in modes if r["mode"] != "sync"]
     if not others:
@@ -102,6 +148,28 @@ def format_against_sync(summary: dict[str, Any]) -> list[str]:
         if rel:
             rel += f" +- {100 * d['relative_ci95']:.1f}%)"
         lines.append(f"{r['mode']:10s} {d['diff']:+.4f} +- {d['ci95']:.4f}{rel}: {d['verdict']}")
+    return lines + _format_paired(others)
+
+
+def _format_paired(others: Sequence[dict[str, Any]]) -> list[str]:
+    """The lines paired by data order (``vs_sync_paired``, or ``vs_sync_not_paired``'s reason):
+    one a mode, or one line in all when no mode could be paired, for the same reason."""
+    paired = [r for r in others if "vs_sync_paired" in r]
+    if not paired:
+        return []
+    head = "final loss against sync, paired by data order"
+    reasons = {r["vs_sync_paired"] is None and r.get("vs_sync_not_paired") for r in paired}
+    if len(reasons) == 1 and next(iter(reasons)):
+        return [f"{head}: not paired: {next(iter(reasons))}"]
+    lines = [f"{head}: per order, the mode's loss minus sync's; their mean, 95% interval from their standard deviation "
+             "(Student's t, pairs - 1 degrees of freedom)"]
+    for r in paired:
+        d = r["vs_sync_paired"]
+        if d is None:
+            lines.append(f"{r['mode']:10s} not paired: {r.get('vs_sync_not_paired') or 'unknown'}")
+            continue
+        rel = "" if d["relative"] is None else f" ({100 * d['relative']:+.1f}% +- {100 * d['relative_ci95']:.1f}%)"
+        lines.append(f"{r['mode']:10s} {d['diff']:+.4f} +- {d['ci95']:.4f}{rel}, {d['pairs']} pairs: {d['verdict']}")
     return lines
 
 

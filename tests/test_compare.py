@@ -201,6 +201,10 @@ def test_compare_runs_a_users_script_in_every_mode_and_compares_its_records(tmp_
     assert summary["target_loss"] is not None and (out / "curves.png").stat().st_size > 0
     assert "within_half" in proc.stdout and "target mae" in proc.stdout and "initial model" in proc.stdout
     assert "no eval loss" not in proc.stdout
+    # One run a mode: no pairs by data order to give an interval, said in one line.
+    assert summary["modes"][0]["vs_sync_paired"] is None
+    assert summary["modes"][0]["vs_sync_not_paired"] == "one pair: no uncertainty can be given"
+    assert "final loss against sync, paired by data order: not paired: one pair: no uncertainty can be given" in proc.stdout.splitlines()
 
 
 def test_a_scripts_repeats_vary_its_data_order_alone(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """``tether compare``'s spread of the mean final loss and the difference to sync with its
-uncertainty, on fixed inputs worked out by hand."""
+uncertainty (Welch's, and paired by data order), on fixed inputs worked out by hand."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 
 from tether.deploy.compare import _add_difference_to_sync
-from tether.deploy.compare_report import difference_to, format_table, loss_spread, t_quantile_975
+from tether.deploy.compare_report import difference_to, format_table, loss_spread, paired_difference, t_quantile_975
 
 SYNC = [0.50, 0.51, 0.49]   # mean 0.50, sd 0.01, s.e. 0.01 / sqrt(3) = 0.005774
 ASYNC = [0.58, 0.60, 0.56]  # mean 0.58, sd 0.02, s.e. 0.02 / sqrt(3) = 0.011547
@@ -55,12 +55,14 @@ def test_one_run_gives_no_uncertainty() -> None:
     assert difference_to(ASYNC, [0.5])["ci95"] is None
 
 
-def _result(mode: str, losses: list[float]) -> dict:
+def _result(mode: str, losses: list[float], seeds: list[int] | None = None) -> dict:
+    """A mode's result as ``compare`` makes it; its runs' data seeds 0, 1, ... unless ``seeds``."""
     s = loss_spread(losses)
+    seeds = list(range(len(losses))) if seeds is None else seeds
     return {"mode": mode, "repeats": len(losses), "time_to_target_s": 10.0, "time_to_target_s_std": 1.0,
             "final_eval_loss": s["mean"], "final_eval_loss_std": s["sd"] or 0.0, "final_eval_loss_sem": s["sem"],
             "final_eval_auc": 0.8, "samples_per_sec": 1000.0, "staleness_p50": 1, "staleness_p99": 2, "staleness_max": 3,
-            "runs": [{"final_eval_loss": v} for v in losses]}
+            "runs": [{"data_seed": seed, "final_eval_loss": v} for seed, v in zip(seeds, losses, strict=True)]}
 
 
 def test_the_table_prints_the_standard_error_and_the_difference_to_sync() -> None:
@@ -71,15 +73,108 @@ def test_the_table_prints_the_standard_error_and_the_difference_to_sync() -> Non
     lines = text.splitlines()
     assert "s.e." in lines[2]
     assert "0.5800 +-0.0200  0.0115" in lines[4]
-    assert lines[-1] == "async      +0.0800 +- 0.0556 (+16.0% +- 11.1%): worse, beyond the uncertainty"
+    # Welch's lines, then the paired ones: per order +0.08, +0.09, +0.07: mean 0.08, sd 0.01,
+    # 4.303 * 0.01 / sqrt(3) = 0.0248 (Welch's 0.0556 left the orders' shared part in).
+    assert lines[-3:] == [
+        "async      +0.0800 +- 0.0556 (+16.0% +- 11.1%): worse, beyond the uncertainty",
+        "final loss against sync, paired by data order: per order, the mode's loss minus sync's; their mean, 95% interval from "
+        "their standard deviation (Student's t, pairs - 1 degrees of freedom)",
+        "async      +0.0800 +- 0.0248 (+16.0% +- 5.0%), 3 pairs: worse, beyond the uncertainty",
+    ]
 
 
 def test_the_table_says_when_no_uncertainty_or_no_sync_can_be_given() -> None:
     modes = [_result("sync", [0.5]), _result("async", [0.58])]
     _add_difference_to_sync(modes)
     text = format_table({"target_loss": 0.55, "baseline_loss": 0.6, "straggler": "none", "repeats": 1, "modes": modes})
-    assert text.splitlines()[-1] == "async      +0.0800 (+16.0%): one run: no uncertainty can be given"
+    assert text.splitlines()[-2:] == ["async      +0.0800 (+16.0%): one run: no uncertainty can be given",
+                                      "final loss against sync, paired by data order: not paired: one pair: no uncertainty can be given"]
+    assert modes[1]["vs_sync_paired"] is None and modes[1]["vs_sync_not_paired"] == "one pair: no uncertainty can be given"
     alone = [_result("async", ASYNC)]
     _add_difference_to_sync(alone)
     text = format_table({"target_loss": 0.55, "baseline_loss": 0.6, "straggler": "none", "repeats": 3, "modes": alone})
     assert text.splitlines()[-1] == "final loss against sync: no sync run in this comparison (add sync to --modes)"
+
+
+def _t975_at_3_degrees_of_freedom() -> float:
+    """Student's t 0.975 quantile at 3 degrees of freedom, solved here from its closed-form CDF,
+    F(t) = 1/2 + (u / (1 + u^2) + atan(u)) / pi with u = t / sqrt(3), by bisection: 3.182446."""
+    def cdf(t: float) -> float:
+        u = t / math.sqrt(3)
+        return 0.5 + (u / (1 + u * u) + math.atan(u)) / math.pi
+
+    lo, hi = 0.0, 20.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < 0.975 else (lo, mid)
+    return lo
+
+
+def _runs(by_seed: dict[int, float | None]) -> list[dict]:
+    return [{"data_seed": seed, "final_eval_loss": loss} for seed, loss in by_seed.items()]
+
+
+def test_paired_difference_by_hand() -> None:
+    t3 = _t975_at_3_degrees_of_freedom()
+    assert t3 == pytest.approx(3.182446, abs=1e-6)
+    # Four orders, listed out of order; sync also ran order 4, which has no pair and is left out
+    # (of the relative figures' sync mean too: 0.61 over orders 0-3, not 0.668 over all five).
+    mode = _runs({2: 0.52, 0: 0.55, 3: 0.57, 1: 0.60})
+    sync = _runs({0: 0.60, 1: 0.64, 2: 0.58, 3: 0.62, 4: 0.90})
+    d = paired_difference(mode, sync)
+    assert isinstance(d, dict)
+    # Per order -0.05, -0.04, -0.06, -0.05: mean -0.05, sd sqrt(0.0002 / 3) = 0.0081650,
+    # standard error 0.0040825, half-width 3.182446 * 0.0040825 = 0.012993.
+    assert d["pairs"] == 4 and d["data_seeds"] == [0, 1, 2, 3] and d["df"] == 3
+    assert d["diff"] == pytest.approx(-0.05)
+    assert d["sd"] == pytest.approx(math.sqrt(0.0002 / 3))
+    # The table's t (3.182) lies within 1.5e-4 of the exact quantile.
+    assert d["ci95"] == pytest.approx(t3 * math.sqrt(0.0002 / 3) / 2, rel=2e-4)
+    assert d["ci95"] == pytest.approx(0.012993, abs=1e-5)
+    assert d["relative"] == pytest.approx(-0.05 / 0.61)
+    assert d["relative_ci95"] == pytest.approx(0.012993 / 0.61, abs=1e-5)
+    assert d["verdict"] == "better, beyond the uncertainty"
+    # Welch's interval on the same runs (sync's order 4 left out) is 4.2x as wide and within: the
+    # standard errors' squares 0.0034 / 12 and 0.002 / 12, se 0.021213, df 5.62 -> 5, t 2.571.
+    welch = difference_to([0.55, 0.60, 0.52, 0.57], [0.60, 0.64, 0.58, 0.62])
+    assert welch["diff"] == pytest.approx(-0.05) and welch["ci95"] == pytest.approx(2.571 * math.sqrt(0.00045))
+    assert welch["verdict"] == "within the uncertainty"
+    # A spread of the differences about their mean that covers 0: within.
+    # Differences -0.01, +0.02, 0 about their mean +0.0033 (sd 0.0153, +- 0.0379): within.
+    within = paired_difference(_runs({0: 0.60, 1: 0.62, 2: 0.61}), _runs({0: 0.61, 1: 0.60, 2: 0.61}))
+    assert isinstance(within, dict) and within["diff"] == pytest.approx(0.01 / 3)
+    # sd^2 = (0.0133^2 + 0.0167^2 + 0.0033^2) / 2 = 0.0007 / 3; half-width 4.303 * sd / sqrt(3)
+    assert within["ci95"] == pytest.approx(4.303 * math.sqrt(0.0007) / 3) and within["verdict"] == "within the uncertainty"
+
+
+@pytest.mark.parametrize("mode, sync, why", [
+    ({0: 0.5, 1: 0.6, 5: 0.7}, {0: 0.5, 1: 0.5, 2: 0.5}, "the runs' data orders differ (sync has no run of data seed 5)"),
+    ({3: 0.5, 4: 0.6}, {0: 0.5, 1: 0.5}, "the runs' data orders differ (sync has no run of data seed 3, 4)"),
+    ({0: 0.5}, {0: 0.5, 1: 0.5}, "one pair: no uncertainty can be given"),
+    ({0: 0.5, 1: None}, {0: 0.5, 1: 0.5}, "a run has no final loss"),
+])
+def test_pairing_is_refused_with_its_reason(mode: dict, sync: dict, why: str) -> None:
+    assert paired_difference(_runs(mode), _runs(sync)) == why
+
+
+def test_pairing_needs_one_run_an_order_and_recorded_orders() -> None:
+    twice = [{"data_seed": 0, "final_eval_loss": 0.5}, {"data_seed": 0, "final_eval_loss": 0.6}]
+    assert paired_difference(twice, _runs({0: 0.5, 1: 0.5})) == "two runs share a data order"
+    unrecorded = [{"final_eval_loss": 0.5}, {"final_eval_loss": 0.6}]
+    assert paired_difference(_runs({0: 0.5, 1: 0.6}), unrecorded) == "the runs' data orders are not recorded"
+
+
+def test_the_table_prints_each_modes_paired_line_or_why_it_has_none() -> None:
+    # async paired on orders 0-2 (as above); ssp:2 ran orders 1-3, sync 0-2: refused, Welch's stays.
+    modes = [_result("sync", SYNC), _result("async", ASYNC), _result("ssp:2", [0.52, 0.50, 0.51], seeds=[1, 2, 3])]
+    _add_difference_to_sync(modes)
+    assert modes[1]["vs_sync_paired"]["ci95"] == pytest.approx(4.303 * 0.01 / math.sqrt(3))
+    assert modes[1]["vs_sync_paired"]["relative_ci95"] == pytest.approx(4.303 * 0.01 / math.sqrt(3) / 0.5)
+    assert "vs_sync_not_paired" not in modes[1]
+    assert modes[2]["vs_sync_paired"] is None and modes[2]["vs_sync"]["diff"] == pytest.approx(0.01)
+    assert modes[2]["vs_sync_not_paired"] == "the runs' data orders differ (sync has no run of data seed 3)"
+    lines = format_table({"target_loss": 0.55, "baseline_loss": 0.6, "straggler": "none", "repeats": 3, "modes": modes}).splitlines()
+    assert lines[-3].startswith("final loss against sync, paired by data order: per order, the mode's loss minus sync's")
+    assert lines[-2:] == ["async      +0.0800 +- 0.0248 (+16.0% +- 5.0%), 3 pairs: worse, beyond the uncertainty",
+                          "ssp:2      not paired: the runs' data orders differ (sync has no run of data seed 3)"]
+    assert lines[-5].startswith("async      +0.0800 +- 0.0556") and lines[-4].startswith("ssp:2      +0.0100 +- ")

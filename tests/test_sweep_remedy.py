@@ -75,8 +75,23 @@ def test_a_remedy_sweep_runs_sync_plain_async_and_each_strength_and_recommends_t
     written = json.loads((tmp_path / "summary.json").read_text())
     assert {k: written[k] for k in ("remedy", "strengths", "reference", "recommended_strength")} == {
         "remedy": "dc-adaptive", "strengths": [0.0, 1.0, 2.0, 4.0], "reference": "async", "recommended_strength": 2.0}
-    table = format_table(summary)
-    assert "dc-a:2     +0.0200 +- " in table and table.splitlines()[-1] == summary["recommendation"]
+    # Paired by data order (0, 1, 2 in every kind): lambda0 2 against sync per order +0.020, +0.025,
+    # +0.015: sd 0.005, 4.303 * 0.005 / sqrt(3) = 0.0124, worse beyond it, where Welch's interval
+    # (sds 0.01 and 0.005, df 2.94 -> 2: 4.303 * 0.006455 = 0.0278) is within.
+    paired = written["modes"][3]["vs_sync_paired"]
+    assert paired["pairs"] == 3 and paired["data_seeds"] == [0, 1, 2] and paired["diff"] == pytest.approx(0.02)
+    assert paired["ci95"] == pytest.approx(4.303 * 0.005 / 3 ** 0.5) and paired["relative"] == pytest.approx(0.04)
+    assert paired["verdict"] == "worse, beyond the uncertainty" and written["modes"][3]["vs_sync"]["verdict"] == "within the uncertainty"
+    assert "vs_sync_paired" not in written["modes"][0]  # sync itself
+    table = format_table(summary).splitlines()
+    assert "dc-a:2     +0.0200 +- 0.0278 (+4.0% +- 5.6%): within the uncertainty" in table
+    paired_lines = table[table.index(next(x for x in table if x.startswith("final loss against sync, paired by data order"))) + 1:]
+    # Every kind's losses here move with sync's by order, spread +-0.005 about it: the same 0.0124 each.
+    assert paired_lines[:4] == ["async      +0.0800 +- 0.0124 (+16.0% +- 2.5%), 3 pairs: worse, beyond the uncertainty",
+                                "dc-a:1     +0.0600 +- 0.0124 (+12.0% +- 2.5%), 3 pairs: worse, beyond the uncertainty",
+                                "dc-a:2     +0.0200 +- 0.0124 (+4.0% +- 2.5%), 3 pairs: worse, beyond the uncertainty",
+                                "dc-a:4     +0.0250 +- 0.0124 (+5.0% +- 2.5%), 3 pairs: worse, beyond the uncertainty"]
+    assert table[-1] == summary["recommendation"]
 
 
 def test_dc_sets_lambda_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
