@@ -4,6 +4,8 @@ uncertainty (Welch's, and paired by data order), on fixed inputs worked out by h
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 
@@ -178,3 +180,12 @@ def test_the_table_prints_each_modes_paired_line_or_why_it_has_none() -> None:
     assert lines[-2:] == ["async      +0.0800 +- 0.0248 (+16.0% +- 5.0%), 3 pairs: worse, beyond the uncertainty",
                           "ssp:2      not paired: the runs' data orders differ (sync has no run of data seed 3)"]
     assert lines[-5].startswith("async      +0.0800 +- 0.0556") and lines[-4].startswith("ssp:2      +0.0100 +- ")
+
+
+def test_the_docs_example_of_the_paired_lines_is_what_the_table_prints() -> None:
+    page = (Path(__file__).resolve().parents[1] / "docs" / "choosing-a-consistency-mode.md").read_text()
+    (block,) = [b for b in re.findall(r"```text\n(.*?)```", page, re.S) if "paired by data order" in b]
+    modes = [_result("sync", SYNC), _result("async", ASYNC)]
+    _add_difference_to_sync(modes)
+    text = format_table({"target_loss": 0.55, "baseline_loss": 0.6, "straggler": "none", "repeats": 3, "modes": modes})
+    assert [line.strip() for line in block.strip().splitlines()] == text.splitlines()[-4:]
