@@ -42,7 +42,7 @@ from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.rules.optimizers import rule
 from tether.worker.cache.batch import hold_all, later_all, store_all, take_all
 from tether.worker.cache.kernels import set_cells
-from tether.worker.cache.parts import NO_IDS, NO_KEEP, NO_ROWS, Plan, Pushed, RowCacheConfig, as_ids, offsets, read_versions
+from tether.worker.cache.parts import NO_IDS, NO_KEEP, NO_ROWS, Plan, Pushed, RowCacheConfig, joined_ids, offsets, read_versions
 from tether.worker.cache.row_cache import RowCache
 from tether.worker.cache.slots import NONE, Due, Taken, coalesce
 from tether.worker.client.results import PullResult
@@ -451,10 +451,8 @@ class DeviceRowCache(RowCache):
     def _hold(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]], clock: int, versions: PullResult | None, due: Due) -> None:
         """``RowCache._hold``: the sums, statistics and local rule's steps on the device."""
         names, parts = self._split(list(grads))
-        arrays = [as_ids(grads[t][0]) for t in names]
-        ids = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-        counts = np.array([len(a) for a in arrays], np.int64)
-        offs = offsets(counts)
+        ids, offs = joined_ids([grads[t][0] for t in names])
+        counts = np.diff(offs)
         read = read_versions(versions, names, self.num_shards)
         zeros = np.zeros(len(names) + 1, np.int64)
         none = np.full(len(names), -1, np.int64)  # no local rule here: the device takes its steps

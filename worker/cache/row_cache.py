@@ -67,7 +67,18 @@ from tether.rules.optimizers import rule
 from tether.rules.rows_by_rule import MAX_CONSTANTS, rule_code, rule_constants, rule_states
 from tether.worker.cache.batch import hold_all, later_all, plan_all, store_all, take_all, with_unheld
 from tether.worker.cache.kernels import PEND, PS, VALS, Columns, columns, set_cells, typed_list
-from tether.worker.cache.parts import NO_FLIGHTS, NO_IDS, NO_KEEP, NO_ROWS, Plan, Pushed, RowCacheConfig, as_ids, offsets, read_versions
+from tether.worker.cache.parts import (
+    NO_FLIGHTS,
+    NO_IDS,
+    NO_KEEP,
+    Plan,
+    Pushed,
+    RowCacheConfig,
+    flat_rows,
+    joined_ids,
+    offsets,
+    read_versions,
+)
 from tether.worker.cache.slots import NONE, STALE, Due, Table, Taken, coalesce, start_warm_up, wait_warm_up
 from tether.worker.cache.split import by_shard, group_ids
 from tether.worker.client.results import PullResult
@@ -79,6 +90,7 @@ __all__ = ["RowCache"]
 # most (8 MiB a table: at --preset gpu's ~2,650 new ids a table and step over a window of 20, a
 # collision admits ~1 id in 3 early, and 26 tables hold 208 MiB, counted in ``memory_bytes``).
 DOOR_MIN, DOOR_MAX = 1 << 12, 1 << 20
+_NO_TENSOR = torch.zeros(0)  # a part with nothing pulled, in ``_store``'s rows
 
 class RowCache:
     """Cached rows of every table with their read clocks, versions and pending gradients
@@ -225,10 +237,8 @@ class RowCache:
         """A pull's tables (names, their parts), all its ids in one array, each table's count and
         where each table's ids start."""
         names, parts = self._split(list(sparse))
-        arrays = [as_ids(sparse[t]) for t in names]
-        ids = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else NO_IDS
-        counts = np.array([len(a) for a in arrays], np.int64)
-        return names, parts, ids, counts, offsets(counts)
+        ids, offs = joined_ids([sparse[t] for t in names])
+        return names, parts, ids, np.diff(offs), offs
 
     def _plan_ids(
         self, names: list[str], parts: np.ndarray, ids: np.ndarray, offs: np.ndarray, now: int, out: np.ndarray, row_offs: np.ndarray,
@@ -348,10 +358,8 @@ class RowCache:
         changes the shard's answer lacks)."""
         names, parts, moffs = plan.names, plan.parts, plan.miss_offs
         versions = self._read_versions(pulled, names)
-        got = [np.ascontiguousarray(pulled.rows[t].float().numpy()).reshape(-1) if moffs[k + 1] > moffs[k] else NO_ROWS
-               for k, t in enumerate(names)]
-        flat = got[0] if len(got) == 1 else np.concatenate(got)
-        got_offs = offsets([len(x) for x in got])
+        got = [pulled.rows[t] if w else _NO_TENSOR for t, w in zip(names, (moffs[1:] > moffs[:-1]).tolist(), strict=True)]
+        flat, got_offs = flat_rows(got), offsets([t.numel() for t in got])
         keys, pos = plan.ids[plan.miss_pos], plan.miss_pos
         got_row = NO_IDS  # key i is row i - moffs[k] of its part's pulled rows (store_all)
         koffs = moffs
@@ -490,12 +498,9 @@ class RowCache:
         """Add the step's gradients to their rows' pending sums and apply them to the cached rows
         by the tables' rules (rows not cached: due at once)."""
         names, parts = self._split(list(grads))
-        arrays = [as_ids(grads[t][0]) for t in names]
-        rows = [np.ascontiguousarray(grads[t][1].detach().float().numpy()) for t in names]
-        ids = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-        flat = rows[0].reshape(-1) if len(rows) == 1 else np.concatenate([r.reshape(-1) for r in rows])
-        offs = offsets([len(a) for a in arrays])
-        g_offs = offsets([r.size for r in rows])
+        ids, offs = joined_ids([grads[t][0] for t in names])
+        rows = [grads[t][1] for t in names]
+        flat, g_offs = flat_rows(rows), offsets([r.numel() for r in rows])
         read = read_versions(versions, names, self.num_shards)
         rules = self._rules[parts]
         lrs = np.array([self._tabs[g].rate(clock) if r >= 0 else 0.0 for g, r in zip(parts.tolist(), rules.tolist(), strict=True)],
