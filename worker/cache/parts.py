@@ -141,11 +141,12 @@ def fill(result: PullResult, plan: Plan, lacking: Mapping[str, torch.Tensor], pu
 
 def read_versions(pulled: PullResult | None, names: Sequence[str], num_shards: int) -> np.ndarray:
     """The table versions of ``pulled`` per table of ``names`` and shard (0 where none)."""
-    out = np.zeros((len(names), num_shards), np.int64)
-    if pulled is not None:
-        where = {t: k for k, t in enumerate(names)}
-        for (s, t), v in pulled.table_versions.items():
-            k = where.get(t)
-            if k is not None and s < num_shards:
-                out[k, s] = v
-    return out
+    if pulled is None:
+        return np.zeros((len(names), num_shards), np.int64)
+    out = [[0] * num_shards for _ in names]  # filled as lists: a numpy item set costs several times more
+    where = {t: k for k, t in enumerate(names)}
+    for (s, t), v in pulled.table_versions.items():
+        k = where.get(t)
+        if k is not None and s < num_shards:
+            out[k][s] = v
+    return np.array(out, np.int64).reshape(len(names), num_shards)

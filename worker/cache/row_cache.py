@@ -105,7 +105,7 @@ class RowCache:
         self._cols: Columns | None = None  # made at the first step (``_columns``), once the passes are loaded
         self._dims = np.array(list(dims.values()), np.int64)
         # Per table and shard: the largest table version seen (-1: none yet).
-        self._max_version = np.full((len(dims), self.num_shards), -1, np.int64)
+        self._max_version = [[-1] * self.num_shards for _ in dims]
         self._holding = np.zeros(len(dims), np.int64)  # per table: slots whose gradients are held
         # Per table: its rule's code (``row_kernels.rows_of_rule``) where it is applied to the
         # cached rows, else -1; where its state arrays start in ``_states`` and its constants.
@@ -333,24 +333,23 @@ class RowCache:
         """``read_versions(pulled, names, num_shards)``, noting each table version seen: where a
         shard's went back (restarted from a checkpoint, or reset), the rows read from it before
         are refreshed on their next pull."""
-        out = np.zeros((len(names), self.num_shards), np.int64)
+        out = [[0] * self.num_shards for _ in names]
         where = {t: k for k, t in enumerate(names)}
-        seen = self._max_version
+        seen = self._max_version  # per table, per shard (Python lists: read and set per entry, a step)
         for (s, t), v in pulled.table_versions.items():
             k = where.get(t)
             if k is None or s >= self.num_shards:
                 continue
-            out[k, s] = v
+            out[k][s] = v
             g = self._index[t]
-            last = seen[g, s]
+            last = seen[g][s]
             if v < last:
                 tab = self._tabs[g]
                 stale = np.flatnonzero(tab.used[: tab.top] & (tab.shard[: tab.top] == s))
                 tab.read_clock[stale] = STALE
                 self.invalidated[t] += len(stale)
-            if v != last:
-                seen[g, s] = v
-        return out
+            seen[g][s] = v
+        return np.array(out, np.int64).reshape(len(names), self.num_shards)
 
     def _store(self, plan: Plan, pulled: PullResult) -> None:
         """The pulled rows into the cache: refreshed where cached, placed (evicting where the
