@@ -36,13 +36,11 @@ from tether.rules.kernel_cache import compiled
 from tether.rules.rows_by_rule import MAX_CONSTANTS, rows_of_rule
 from tether.worker.cache.kernels import (
     FLOATS,
-    FRESH,
+    HELD,
     IDS,
     LU,
     META,
-    MINE,
     NONE,
-    PEND,
     PS,
     PV,
     RC,
@@ -52,6 +50,7 @@ from tether.worker.cache.kernels import (
     VALS,
     Columns,
     columns,
+    fetch_part,
     fetch_row,
     probe_from,
     shard_of,
@@ -127,7 +126,7 @@ def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
         nt = len(cells_l)
         cells, rc, lu, us = cells_l[g], meta_l[g][:, RC], meta_l[g][:, LU], meta_l[g][:, USES]
         rv, sh, v = meta_l[g][:, RV], meta_l[g][:, SHARD], floats[VALS * nt + g]
-        mi, fr = floats[MINE * nt + g], floats[FRESH * nt + g]
+        hd = floats[HELD * nt + g]  # mine at dim + 2, fresh at 2 * dim + 2
         dim = v.shape[1]
         meta_flat, v_flat, width = meta_l[g].reshape(-1), v.reshape(-1), meta_l[g].shape[1]
         _lookup(cells, ids, offs[k], offs[k + 1], found)
@@ -153,7 +152,8 @@ def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
                 code[i] = 2
             elif s >= 0:
                 counts[k, 1] += 1
-                fr[s, :] = mi[s, :]
+                for j in range(dim):
+                    hd[s, 2 * dim + 2 + j] = hd[s, dim + 2 + j]
             elif window > 0:
                 h = np.int64(mix64(key) & dmask)
                 if now - door[g, h] > window:
@@ -186,7 +186,7 @@ def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
 @compiled(inline="always")
 def _place(cells: np.ndarray, s: np.int64, key: np.int64, now: np.int64, ids_col: np.ndarray, used: np.ndarray,
            uses: np.ndarray, last_used: np.ndarray, pending_since: np.ndarray, pending_version: np.ndarray,
-           pend: np.ndarray, mine: np.ndarray, fresh: np.ndarray) -> None:
+           held: np.ndarray) -> None:
     """New id ``key`` in free slot ``s``: every column set (used once at ``now``, nothing held, no
     local changes) and the id indexed (the caller keeps the index at most half full)."""
     ids_col[s] = key
@@ -195,9 +195,7 @@ def _place(cells: np.ndarray, s: np.int64, key: np.int64, now: np.int64, ids_col
     last_used[s] = now
     pending_since[s] = NONE
     pending_version[s] = NONE
-    pend[s, :] = 0.0
-    mine[s, :] = 0.0
-    fresh[s, :] = 0.0
+    held[s, :] = 0.0
     mask = np.uint64(len(cells) - 1)
     p = np.int64(mix64(key) & mask)
     while cells[p, 1] != EMPTY_SLOT:
@@ -235,19 +233,20 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
     for k in range(len(tidx)):
         g = tidx[k]
         nt = len(cells_l)
-        cells, vals, fresh, free, rc = cells_l[g], floats[VALS * nt + g], floats[FRESH * nt + g], free_l[g], meta_l[g][:, RC]
+        cells, vals, hd, free, rc = cells_l[g], floats[VALS * nt + g], floats[HELD * nt + g], free_l[g], meta_l[g][:, RC]
         ids_col, used, uses, lu, since, pv = (meta_l[g][:, IDS], used_l[g], meta_l[g][:, USES], meta_l[g][:, LU],
                                               meta_l[g][:, PS], meta_l[g][:, PV])
-        pend, mine, shard, rv = floats[PEND * nt + g], floats[MINE * nt + g], meta_l[g][:, SHARD], meta_l[g][:, RV]
+        shard, rv = meta_l[g][:, SHARD], meta_l[g][:, RV]
         dim = vals.shape[1]
-        meta_flat, v_flat, f_flat, width = meta_l[g].reshape(-1), vals.reshape(-1), fresh.reshape(-1), meta_l[g].shape[1]
+        fresh0 = 2 * dim + 2  # where a held record's fresh changes start
+        meta_flat, v_flat, h_flat, width = meta_l[g].reshape(-1), vals.reshape(-1), hd.reshape(-1), meta_l[g].shape[1]
         _lookup(cells, keys, koffs[k], koffs[k + 1], found)  # a part's keys are unique: placing one moves no other's slot
         for i in range(koffs[k], koffs[k + 1]):
             if i + _AHEAD < koffs[k + 1] and found[i + _AHEAD] >= 0:
                 ahead = found[i + _AHEAD]
                 fetch_row(meta_flat, ahead, width)
                 fetch_row(v_flat, ahead, dim)
-                fetch_row(f_flat, ahead, dim)
+                fetch_row(h_flat, ahead, 3 * dim + 2)
             key = keys[i]
             src = got_offs[k] + (got_row[i] if len(got_row) else i - koffs[k]) * dim
             dst = row_offs[k] + (pos[i] - offs[k]) * dim
@@ -269,7 +268,7 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
                     unplaced[u] = i
                     u += 1
                     continue
-                _place(cells, s, key, now, ids_col, used, uses, lu, since, pv, pend, mine, fresh)
+                _place(cells, s, key, now, ids_col, used, uses, lu, since, pv, hd)
                 for c in range(sfirst[g], sfirst[g] + scount[g]):
                     states[c][s, :] = sinit[c]
                 placed[q] = s
@@ -277,7 +276,7 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
                 nplaced[k] += 1
             stored[i] = s
             for j in range(dim):
-                vals[s, j] = got[src + j] + fresh[s, j]
+                vals[s, j] = got[src + j] + hd[s, fresh0 + j]
                 out[dst + j] = vals[s, j]
             rc[s] = now
             sh = shard_of(key, num_shards)
@@ -291,9 +290,9 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
              g: np.ndarray, g_offs: np.ndarray, versions: np.ndarray, clock: np.int64, num_shards: np.int64, rules: np.ndarray,
              lrs: np.ndarray, states: Any, sbase: np.ndarray, consts: np.ndarray) -> tuple[Any, ...]:
     """Add gradient rows (part k's at ``g_offs[k]`` of ``g``, one per id) to the held sums of the
-    cached ids (their oldest read version the minimum with ``versions[k, shard]``); ``pend``'s two
-    columns past a row's hold its sum of mean(g * g) and its count of gradients (a combined
-    push's statistics). Where ``rules[k] >= 0``, the local rule's step too, part by part while
+    cached ids (their oldest read version the minimum with ``versions[k, shard]``); the two
+    columns of the held record past the sums hold a row's sum of mean(g * g) and its count of
+    gradients (a combined push's statistics). Where ``rules[k] >= 0``, the local rule's step too, part by part while
     its rows are in the CPU's caches: rule ``rules[k]`` (``row_kernels.rows_of_rule``, at rate
     ``lrs[k]``, its state ``states[sbase[k]:]``, its constants ``consts[k]``) on the part's
     cached rows from their gradients, and each row's change added to its ``mine`` and ``fresh``
@@ -318,18 +317,20 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
     for k in range(len(tidx)):
         t = tidx[k]
         nt = len(cells_l)
-        cells, pend, since, pv = cells_l[t], floats[PEND * nt + t], meta_l[t][:, PS], meta_l[t][:, PV]
+        cells, hd, since, pv = cells_l[t], floats[HELD * nt + t], meta_l[t][:, PS], meta_l[t][:, PV]
         shard, vals = meta_l[t][:, SHARD], floats[VALS * nt + t]
         dim = vals.shape[1]
         step = rules[k] >= 0
-        meta_flat, p_flat, v_flat, width = meta_l[t].reshape(-1), pend.reshape(-1), vals.reshape(-1), meta_l[t].shape[1]
+        # The held record's sums and statistics (at 0), and with a local step its mine and fresh changes too.
+        reach = 3 * dim + 2 if step else dim + 2
+        meta_flat, h_flat, v_flat, width = meta_l[t].reshape(-1), hd.reshape(-1), vals.reshape(-1), meta_l[t].shape[1]
         _lookup(cells, ids, offs[k], offs[k + 1], found)
         h0 = h
         for i in range(offs[k], offs[k + 1]):
             if i + _AHEAD < offs[k + 1] and found[i + _AHEAD] >= 0:
                 ahead = found[i + _AHEAD]
                 fetch_row(meta_flat, ahead, width)
-                fetch_row(p_flat, ahead, dim + 2)
+                fetch_part(h_flat, ahead, 3 * dim + 2, reach)
                 if step:
                     fetch_row(v_flat, ahead, dim)
             s = found[i]
@@ -352,11 +353,11 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
             square = np.float32(0.0)
             for j in range(dim):
                 x = g[src + j]
-                pend[s, j] += x
+                hd[s, j] += x
                 square += x * x
             if dim > 0:  # 0: the device cache's host columns (its sums are on the device)
-                pend[s, dim] += square / np.float32(dim)
-            pend[s, dim + 1] += np.float32(1.0)
+                hd[s, dim] += square / np.float32(dim)
+            hd[s, dim + 1] += np.float32(1.0)
             if since[s] == NONE:
                 since[s] = clock
                 first[f] = s
@@ -370,14 +371,13 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
             a = g_offs[k]
             rows_of_rule(rules[k], vals, slots[h0:h], grads[a: a + rows * dim].reshape(rows, dim), np.full(rows, lrs[k], np.float32),
                          states, sbase[k], consts[k])
-            mine, fresh = floats[MINE * nt + t], floats[FRESH * nt + t]
             for r in range(h0, h):
                 s = slots[r]
                 base = a + (r - h0) * dim
                 for j in range(dim):
                     d = vals[s, j] - before[base + j]
-                    mine[s, j] += d
-                    fresh[s, j] += d
+                    hd[s, dim + 2 + j] += d  # mine
+                    hd[s, 2 * dim + 2 + j] += d  # fresh
     return slots[:h], where[:h], first[:f], missing[:m], missing_shards[:m], counts
 
 
@@ -435,18 +435,17 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
     oldest = np.full((nt, num_shards), NONE, np.int64)
     start = at.copy()
     t = -1
-    pend, mine = floats[PEND * nt], floats[MINE * nt]
+    hd = floats[HELD * nt]
     for i in range(n):
         if not valid[i]:
             continue
         s = slots[i]
         if tables[i] != t:  # a step's slots come grouped by table: its columns fetched once per group
             t = tables[i]
-            meta, pend, mine = meta_l[t], floats[PEND * nt + t], floats[MINE * nt + t]
-        dim = pend.shape[1] - 2
+            meta, hd = meta_l[t], floats[HELD * nt + t]
+        dim = (hd.shape[1] - 2) // 3
         if i + _AHEAD < n and tables[i + _AHEAD] == t:  # the first loop brought the meta rows
-            fetch_row(pend.reshape(-1), slots[i + _AHEAD], dim + 2)
-            fetch_row(mine.reshape(-1), slots[i + _AHEAD], dim)
+            fetch_part(hd.reshape(-1), slots[i + _AHEAD], 3 * dim + 2, 2 * dim + 2)  # the sums, statistics and mine
         r, f, q = at[t], flat[t], sflat[t]
         key = meta[s, IDS]
         if r > start[t] and out_ids[r - 1] >= key:
@@ -454,8 +453,8 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
         out_ids[r] = key
         out_slots[r] = s
         for j in range(dim):
-            sums[f + j] = pend[s, j]
-        sq, k = pend[s, dim], pend[s, dim + 1]
+            sums[f + j] = hd[s, j]
+        sq, k = hd[s, dim], hd[s, dim + 1]
         square[r], grads[r] = sq, k
         if k > 1:
             many[t] = True
@@ -464,10 +463,8 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
         if nstats[t] > 0 and not k > 1:
             stats[q] = np.float32(-1.0)
         at[t], flat[t], sflat[t] = r + 1, f + dim, q + nstats[t]
-        for j in range(dim + 2):
-            pend[s, j] = 0.0
-        for j in range(dim):
-            mine[s, j] = 0.0
+        for j in range(2 * dim + 2):  # the sums, their statistics and mine: now the shard's too
+            hd[s, j] = 0.0
         shards[r] = meta[s, SHARD]
         if meta[s, PV] < oldest[t, shards[r]]:
             oldest[t, shards[r]] = meta[s, PV]
@@ -602,7 +599,7 @@ def _example() -> tuple[Columns, np.ndarray]:
         table.meta = np.zeros((4, len(META)), np.int64)
         table.free = np.zeros(4, np.int64)
         for name in FLOATS:
-            setattr(table, name, np.zeros((4, 3 if name == "pend" else 1), np.float32))
+            setattr(table, name, np.zeros((4, 5 if name == "held_record" else 1), np.float32))
         table.used = np.zeros(4, np.bool_)
         tables.append(table)
     return columns(tables), tables[0].cells

@@ -18,8 +18,9 @@ from numba.typed import List
 from tether.rules.index_kernels import cell_from, mix64, prefetch
 from tether.rules.kernel_cache import compiled
 
-__all__ = ["FLOATS", "FRESH", "IDS", "LU", "META", "MINE", "NONE", "PEND", "PS", "PV", "RC", "RV", "SHARD", "USES", "VALS", "Columns",
-           "columns", "fetch_row", "loads", "oldest_per_shard", "probe_from", "set_cells", "shard_of", "slot_of", "typed_list", "warm_up"]
+__all__ = ["FLOATS", "HELD", "IDS", "LU", "META", "NONE", "PS", "PV", "RC", "RV", "SHARD", "USES", "VALS", "Columns", "columns",
+           "fetch_part", "fetch_row", "loads", "oldest_per_shard", "probe_from", "set_cells", "shard_of", "slot_of", "typed_list",
+           "warm_up"]
 
 _jit = compiled()
 NONE = np.iinfo(np.int64).max
@@ -27,18 +28,22 @@ NONE = np.iinfo(np.int64).max
 
 # A slot's int64 columns, side by side in one row of 64 bytes (``Table.meta``, one cache line).
 META = ("ids", "shard", "read_clock", "read_version", "last_used", "uses", "pending_since", "pending_version")
-FLOATS = ("vals", "pend", "mine", "fresh")
+# A slot's float columns: its row (``vals``), and its held record (``Table.held_record``): the held
+# gradients' sum and their two statistics, then the local changes ``mine`` and ``fresh``, side by
+# side (a pass that touches them reads adjacent lines: bench/slot_layout.py).
+FLOATS = ("vals", "held_record")
 IDS, SHARD, RC, RV, LU, USES, PS, PV = range(len(META))
-VALS, PEND, MINE, FRESH = range(len(FLOATS))
+VALS, HELD = range(len(FLOATS))
 
 
 class Columns(NamedTuple):
     """Every table's column arrays in five typed lists (few arguments: each costs a call its
     typing): ``cells`` (the id index), ``meta`` (the int64 columns ``META``, one row per slot),
     ``used`` and ``free`` (the stack of evicted slots) of table g at index g, the float32 columns
-    ``FLOATS[c]`` at ``c * tables + g``. Built once (``columns``): the arrays are allocated for
-    the tables' capacity and never replaced, except the id index, which the cache puts back after
-    a rebuild."""
+    ``FLOATS[c]`` at ``c * tables + g`` (a table of dim d: ``vals`` d wide, ``held_record`` 3d + 2,
+    the held sum and its two statistics at 0, ``mine`` at d + 2, ``fresh`` at 2d + 2). Built once
+    (``columns``): the arrays are allocated for the tables' capacity and never replaced, except
+    the id index, which the cache puts back after a rebuild."""
 
     cells: Any
     meta: Any
@@ -106,6 +111,16 @@ def fetch_row(flat: np.ndarray, s: np.int64, width: np.int64) -> None:
     for k in range(0, width, 16):
         prefetch(flat, start + k)
     prefetch(flat, start + width - 1)
+
+
+@compiled(inline="always")
+def fetch_part(flat: np.ndarray, s: np.int64, width: np.int64, count: np.int64) -> None:
+    """``fetch_row``'s request for the first ``count`` items of row ``s`` only."""
+    start = s * width
+    for k in range(0, count, 16):
+        prefetch(flat, start + k)
+    if count > 0:
+        prefetch(flat, start + count - 1)
 
 
 @compiled(inline="always")

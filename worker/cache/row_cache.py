@@ -66,7 +66,7 @@ from tether.protos.specs import TableConfig
 from tether.rules.optimizers import rule
 from tether.rules.rows_by_rule import MAX_CONSTANTS, rule_code, rule_constants, rule_states
 from tether.worker.cache.batch import hold_all, later_all, plan_all, store_all, take_all, with_unheld
-from tether.worker.cache.kernels import PEND, PS, VALS, Columns, columns, set_cells, typed_list
+from tether.worker.cache.kernels import HELD, PS, VALS, Columns, columns, set_cells, typed_list
 from tether.worker.cache.parts import (
     NO_FLIGHTS,
     NO_IDS,
@@ -531,6 +531,6 @@ class RowCache:
             since = meta_l[t][s, PS]
             due = clock - since < writes  # those due by the bound now are taken anyway
             dim = floats[VALS * nt + t].shape[1]
-            due &= floats[PEND * nt + t][s, dim + 1] >= self.config.hot  # the held gradients' count, past the sum and mean square
+            due &= floats[HELD * nt + t][s, dim + 1] >= self.config.hot  # the held gradients' count, past the sum and mean square
             if due.any():
                 self._early.append((since[due], s[due], np.full(int(due.sum()), t, np.int64)))

@@ -136,15 +136,16 @@ class Table:
         # The per-slot arrays are in huge pages where the system allows (``tether.common.pages``):
         # a step's passes read them at scattered rows.
         self.values = torch.from_numpy(pages.empty((n, dim), np.float32))  # the rows as read, with the worker's own changes
-        # The sums of the gradients held (zeroed when placed), and two more columns: the sum of
-        # their mean(g * g) and their count (``cache_batch.hold_all``; a combined push's statistics).
-        self.pending = torch.from_numpy(pages.empty((n, dim + 2), np.float32))
-        self.vals, self.pend = self.values.numpy(), self.pending.numpy()  # the same memory
-        # The local rule's changes to each row (read-your-own-writes; zeroed when placed): ``mine``,
-        # those of the gradients held (not pushed yet); ``fresh``, those the answer of the row's
-        # refresh in flight lacks (the held ones when it was planned, and every one since).
-        self.mine = pages.empty((n, dim), np.float32)
-        self.fresh = pages.empty((n, dim), np.float32)
+        self.vals = self.values.numpy()  # the same memory
+        # A slot's held record (zeroed when placed), one row of 3 * dim + 2 floats, so that a pass
+        # reads adjacent lines (bench/slot_layout.py: 1.2-1.25x a hold-like pass, caches cold):
+        # the sums of the gradients held and two more columns, the sum of their mean(g * g) and
+        # their count (``cache_batch.hold_all``; a combined push's statistics); then the local
+        # rule's changes to the row (read-your-own-writes): ``mine``, those of the gradients held
+        # (not pushed yet), and ``fresh``, those the answer of the row's refresh in flight lacks
+        # (the held ones when it was planned, and every one since). ``kernels.FLOATS``.
+        self.held_record = pages.empty((n, 3 * dim + 2), np.float32)
+        self.pending = torch.from_numpy(self.held_record)[:, : dim + 2]  # the sums and statistics (a view)
         self.cells = _cells_for(min(capacity, 1024))
         self.filled = 0  # cells holding a row or a tombstone
         # Local updates (``local_rule``): the table's rule, its state per slot and its start.
