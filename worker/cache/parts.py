@@ -106,7 +106,7 @@ def offsets(counts: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 def joined_ids(tensors: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
-    """Tables' ids one after another and where each table's start (one ``torch.cat``: a quarter
+    """Tables' ids one after another and where each table's ids start (one ``torch.cat``: a quarter
     of the cost of a conversion per table and ``np.concatenate``)."""
     if not tensors:
         return NO_IDS, np.zeros(1, np.int64)
