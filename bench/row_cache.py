@@ -167,7 +167,7 @@ def _workers_main(text: str) -> int:
 
 def _configs(a: argparse.Namespace, bounds: list[tuple[int, ...]], windows: list[int], admissions: list[str]) -> dict[str, dict[str, Any]]:
     """Each configuration's fields (beside the job's), by name."""
-    base = {"num_workers": a.workers, "mode": "async", "steps": a.steps, "log_every": 10**6, "eval_every": 0, "seed": 0,
+    base = {"num_workers": a.workers, "mode": "async", "steps": a.steps, "log_every": 10**6, "eval_every": 0, "seed": a.seed, "data_seed": a.seed,
             "prefetch": not a.no_prefetch}
     configs: dict[str, dict[str, Any]] = {}
     for k in windows:
@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                    "shaped veth, TCP), comma list; default loopback")
     p.add_argument("--steps", type=int, default=300, help="steps per worker, default 300")
     p.add_argument("--rounds", type=int, default=1, help="rounds of every configuration, default 1")
+    p.add_argument("--seed", type=int, default=0, help="the jobs' seed and data seed (--seed, --data-seed: the initial model, the data's order), default 0")
     p.add_argument("--workers", type=int, default=WORKERS, help=f"workers, default {WORKERS}")
     p.add_argument("--shards", type=int, default=SHARDS, help=f"shards, default {SHARDS}")
     p.add_argument("--no-prefetch", action="store_true", help="every configuration without prefetching (--no-prefetch): a step's "
