@@ -9,8 +9,8 @@
 #    same model in one process on that GPU), with the shards tether launch starts on this host for
 #    one GPU worker and the preset's push window (2); SHARDS=1 measures one shard as before; each
 #    invocation also runs the job with the row cache on the GPU at CACHE (default 20/20, the bound
-#    bench/RESULTS.md recommends; CACHE= leaves it out; CACHE_ADMISSION=recurring runs it with
-#    --cache-admission recurring), its share and ratio in the same table;
+#    bench/RESULTS.md recommends, with the default admission, recurring; CACHE= leaves it out;
+#    CACHE_ADMISSION=all runs it with --cache-admission all), its share and ratio in the same table;
 # 3. the default model on cuda once, against the figures of 572805c in bench/RESULTS.md;
 # and, after the tests (which add tests/test_pinned_regions.py), bench/region_pull.py: whether the
 #    platform registers a shard's shared region as pinned memory, and a preset gpu pull onto the
@@ -42,7 +42,7 @@ timeout "${REGION_BENCH_S:-120}" $PY bench/region_pull.py 2>&1 | tee "$OUTDIR/re
 
 CACHE=${CACHE-20/20}
 CACHE_ARGS=()
-if [ -n "$CACHE" ]; then CACHE_ARGS=(--cache "$CACHE" --cache-admission "${CACHE_ADMISSION:-all}"); fi
+if [ -n "$CACHE" ]; then CACHE_ARGS=(--cache "$CACHE" --cache-admission "${CACHE_ADMISSION:-recurring}"); fi
 for i in 1 2 3; do
     echo "== preset gpu, invocation $i"
     timeout "${GPU_BENCH_S:-150}" $PY bench/model_throughput.py --preset gpu --device cuda --steps "${GPU_STEPS:-150}" --num-shards "${SHARDS:-auto}" \

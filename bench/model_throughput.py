@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--push-window", type=int, default=None, help="the tether worker's push window (default: the preset's)")
     p.add_argument("--cache", default=None, metavar="R/W", help="also run the tether job with the row cache at read/write bounds R/W")
     p.add_argument("--cache-rows", type=int, default=100_000, help="the row cache's rows per table (default 100,000: every id of the synthetic data)")
-    p.add_argument("--cache-admission", default="all", choices=CACHE_ADMISSIONS, help="the row cache's admission (default all)")
+    p.add_argument("--cache-admission", default=CACHE_ADMISSIONS[0], choices=CACHE_ADMISSIONS,
+                   help=f"the row cache's admission (default {CACHE_ADMISSIONS[0]})")
     p.add_argument("--_inprocess", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_pregenerated", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         [f"tether: 1 worker + {shards} shard(s), push window {window}", summary["samples_per_sec"], f"{ratio:.2f}"],
     ]
     if cached is not None and cache is not None:
-        admission = "" if cache["cache_admission"] == "all" else f", admission {cache['cache_admission']}"
+        admission = f", admission {cache['cache_admission']}"
         rows.append([f"tether, row cache {cache['cache_bound']}/{cache['cache_write_bound']} ({cache['cache_rows']:,} rows a table{admission})",
                      cached["samples_per_sec"], f"{cached['samples_per_sec'] / local:.2f}"])
     rows.append(["in one process, every batch made before the clock (reference)", pregenerated,

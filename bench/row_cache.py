@@ -175,7 +175,7 @@ def _configs(a: argparse.Namespace, bounds: list[tuple[int, ...]], windows: list
         configs["no cache" + tail] = {**base, "push_window": k}
         for b in bounds:
             for adm in admissions:
-                name = "cache " + "/".join(map(str, b)) + ("" if adm == "all" else f" {adm}") + tail
+                name = "cache " + "/".join(map(str, b)) + ("" if adm == CACHE_ADMISSIONS[0] else f" {adm}") + tail
                 configs[name] = {**base, "push_window": k, "cache_rows": a.cache_rows, "cache_bound": b[0], "cache_write_bound": b[-1],
                                  "cache_admission": adm}
     return configs
@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bounds", default="20", help="cache bounds to run beside no cache: R (read = write bound) or R/W, "
                    "comma list; default 20")
     p.add_argument("--cache-rows", type=int, default=100_000, help="rows per table, default 100000")
-    p.add_argument("--admission", default="all", help="the cache's admission (--cache-admission) at each bound, comma list of "
-                   f"{', '.join(CACHE_ADMISSIONS)}; default all")
+    p.add_argument("--admission", default=CACHE_ADMISSIONS[0], help="the cache's admission (--cache-admission) at each bound, comma "
+                   f"list of {', '.join(CACHE_ADMISSIONS)}; default {CACHE_ADMISSIONS[0]}")
     p.add_argument("--windows", default="1", help="push windows K to run each configuration at (--push-window), comma list; "
                    "default 1")
     p.add_argument("--links", default="loopback", help="loopback and/or RATEgbit[:RTTus] (two network namespaces joined by a "

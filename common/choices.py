@@ -18,9 +18,10 @@ __all__ = [
 
 # The row cache's eviction policies (RowCacheConfig.policy, --cache-policy; tether.worker.cache.parts).
 CACHE_POLICIES: tuple[str, ...] = ("lru", "lfu")
-# Which missed rows the row cache keeps (RowCacheConfig.admission, --cache-admission): all, or those
-# missed again within the bounds (a doorkeeper; the others pass through as with no cache).
-CACHE_ADMISSIONS: tuple[str, ...] = ("all", "recurring")
+# Which missed rows the row cache keeps (RowCacheConfig.admission, --cache-admission), the default
+# first: those missed again within the bounds (a doorkeeper; the others pass through as with no
+# cache), or all (bench/RESULTS.md, "Row cache admission as the default").
+CACHE_ADMISSIONS: tuple[str, ...] = ("recurring", "all")
 # ClientConfig's defaults that the job's flags share (wire_dtype by its tether.protos.names name).
 CLIENT_TIMEOUT_S = 30.0
 CLIENT_CALL_DEADLINE_S = 60.0

@@ -4,7 +4,6 @@ and pushed in their step, as with no cache, merged into the step's push (``batch
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -164,17 +163,19 @@ def test_bound_zero_with_admission_is_exactly_no_cache() -> None:
 
 
 def test_bad_admission_values_and_where_it_does_not_apply() -> None:
-    with pytest.raises(ValueError, match=r"cache_admission.*all, recurring"):
+    with pytest.raises(ValueError, match=r"cache_admission.*recurring, all"):
         RowCacheConfig(10, 2, admission="some")
     with pytest.raises(ValueError, match="--cache-admission without --cache-rows"):
-        TrainingConfig(local=True, cache_admission="recurring")
-    assert np.array_equal(RowCache(RowCacheConfig(10, 2), {"t": 4}, 1)._door.shape, (1, 1))  # all: no doorkeeper
+        TrainingConfig(local=True, cache_admission="all")
+    assert TrainingConfig(local=True).cache_admission == RowCacheConfig().admission == "recurring"  # the default
+    assert RowCache(RowCacheConfig(10, 2), {"t": 4}, 1)._door.shape == (1, DOOR_MIN)
+    assert RowCache(RowCacheConfig(10, 2, admission="all"), {"t": 4}, 1)._door.shape == (1, 1)  # all: no doorkeeper
 
 
 def test_a_full_tables_rows_not_cached_go_in_their_step_with_the_held_sums() -> None:
     # Admission all, 2 rows a table: a pull of 4 new ids caches 2; the other 2 take the same merge
     # as rows not admitted (their gradients in this step's push, the cached ones held).
-    cached, local = _client(RowCacheConfig(2, 3))
+    cached, local = _client(RowCacheConfig(2, 3, admission="all"))
     sent = _spy(local)
     ids = _ids(1, 2, 3, 4)
     read = cached.pull({"t": ids}).result()

@@ -33,10 +33,10 @@ def _specs(optimizer: str) -> list[TableConfig]:
 
 
 def _client(on_device: bool, optimizer: str, rows: int, bound: int, write_bound: int | None,
-            device: str = "cpu") -> tuple[CachedClient, LocalClient]:
+            device: str = "cpu", admission: str = "all") -> tuple[CachedClient, LocalClient]:
     local = LocalClient()
     local.declare(_specs(optimizer))
-    config = RowCacheConfig(rows, bound, write_bound, "lru", on_device)
+    config = RowCacheConfig(rows, bound, write_bound, "lru", on_device, admission=admission)
     client = CachedClient(local, config, DIMS, TrafficMeter(DIMS, 4), device=torch.device(device))
     client.use_tables(_specs(optimizer))
     return client, local
@@ -49,10 +49,11 @@ def _batches(n: int) -> list[dict[str, torch.Tensor]]:
 
 
 def _run(on_device: bool, optimizer: str = "adagrad", rows: int = 50, bound: int = 3, write_bound: int | None = None,
-         steps: int = 25, device: str = "cpu") -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor], dict, CachedClient]:
+         steps: int = 25, device: str = "cpu", admission: str = "all") -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor], dict,
+                                                                              CachedClient]:
     """An async worker's calls (two pulls ahead, then a push_pull per step) through the cache;
     the answers, the shard's rows after a flush, the traffic."""
-    client, local = _client(on_device, optimizer, rows, bound, write_bound, device)
+    client, local = _client(on_device, optimizer, rows, bound, write_bound, device, admission)
     batches = _batches(steps + 2)
     gen = torch.Generator().manual_seed(1)
     pending = [client.pull(batches[0]), client.pull(batches[1])]
@@ -70,10 +71,12 @@ def _run(on_device: bool, optimizer: str = "adagrad", rows: int = 50, bound: int
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"])
-@pytest.mark.parametrize("rows,bound,write_bound", [(50, 3, None), (12, 4, 4), (50, 5, 2)])
-def test_the_device_cache_moves_and_trains_as_the_host_cache(optimizer: str, rows: int, bound: int, write_bound: int | None) -> None:
-    host = _run(False, optimizer, rows, bound, write_bound)
-    dev = _run(True, optimizer, rows, bound, write_bound)
+@pytest.mark.parametrize("rows,bound,write_bound,admission", [(50, 3, None, "all"), (12, 4, 4, "all"), (50, 5, 2, "all"),
+                                                              (50, 3, None, "recurring"), (12, 4, 4, "recurring")])
+def test_the_device_cache_moves_and_trains_as_the_host_cache(optimizer: str, rows: int, bound: int, write_bound: int | None,
+                                                             admission: str) -> None:
+    host = _run(False, optimizer, rows, bound, write_bound, admission=admission)
+    dev = _run(True, optimizer, rows, bound, write_bound, admission=admission)
     assert isinstance(dev[3].cache, DeviceRowCache) and not isinstance(host[3].cache, DeviceRowCache)
     assert dev[2] == host[2]  # the same rows pulled and pushed, table by table
     for a, b in zip(host[0], dev[0], strict=False):
@@ -102,7 +105,7 @@ def test_bound_zero_on_the_device_is_exactly_no_cache(optimizer: str) -> None:
 def test_a_combined_push_carries_the_rules_statistics() -> None:
     pushed = []
     for on_device in (False, True):
-        cache = (DeviceRowCache(RowCacheConfig(50, 3), DIMS, 1, "cpu") if on_device else RowCache(RowCacheConfig(50, 3), DIMS, 1))
+        cache = (DeviceRowCache(RowCacheConfig(50, 3, admission="all"), DIMS, 1, "cpu") if on_device else RowCache(RowCacheConfig(50, 3, admission="all"), DIMS, 1))
         cache.use_tables([TableConfig(name=t, dim=d, optimizer=OptimizerConfig(name="adam" if t == "a" else "adagrad", lr=0.1))
                           for t, d in DIMS.items()])
         ids = {t: torch.tensor([3, 8, 20]) for t in DIMS}
@@ -121,7 +124,7 @@ def test_a_combined_push_carries_the_rules_statistics() -> None:
 
 
 def test_a_restarted_shards_rows_are_refreshed_on_the_device() -> None:
-    cache = DeviceRowCache(RowCacheConfig(rows=10, bound=5), {"t": 2}, 1, "cpu")
+    cache = DeviceRowCache(RowCacheConfig(rows=10, bound=5, admission="all"), {"t": 2}, 1, "cpu")
     ids = torch.tensor([1, 2])
     cache.merge(cache.plan({"t": ids}, now=0), PullResult({"t": torch.zeros(2, 2)}, {}, {(0, "t"): 7}, {}))
     assert cache.plan({"t": ids}, now=1).miss["t"].numel() == 0
@@ -250,7 +253,8 @@ def test_a_gpu_workers_steps_of_cached_rows_copy_no_row_values(monkeypatch: pyte
 
     batches = rating_batches(1) * 12
     with _fake_cuda() as fake:
-        _, (record, cache) = _trainer_run(monkeypatch, None, batches, fake=fake, cache_rows=1000, cache_bound=50)
+        # Admission all: every row cached at its first miss (recurring pulls a row twice before it is cached).
+        _, (record, cache) = _trainer_run(monkeypatch, None, batches, fake=fake, cache_rows=1000, cache_bound=50, cache_admission="all")
         assert isinstance(cache, DeviceRowCache)
         # Float copies other than the dense part's and each batch's 32 ratings (the main thread's, 128 bytes).
         rows = [c for c in fake.copies if c.dtype.is_floating_point and c.nbytes > 8  # type: ignore[attr-defined]
@@ -265,7 +269,7 @@ def test_rows_cached_before_the_rules_are_known_keep_their_held_sums() -> None:
     rule starts from its initial state (as on the host)."""
     pushed = []
     for on_device in (False, True):
-        config = RowCacheConfig(10, 3)
+        config = RowCacheConfig(10, 3, admission="all")
         cache = DeviceRowCache(config, {"t": 2}, 1, "cpu") if on_device else RowCache(config, {"t": 2}, 1)
         ids = torch.tensor([1, 2])
         pulled, _ = cache.merge(cache.plan({"t": ids}, 0), PullResult({"t": torch.zeros(2, 2)}, {}, {(0, "t"): 0}, {}))

@@ -68,7 +68,7 @@ def test_by_shard_finds_split_ids_split_and_each_shards_rows(num_shards: int) ->
 
 def _cached_push(num_shards: int) -> tuple[dict[str, tuple[torch.Tensor, ...]], PullResult]:
     """A combined push of the row cache (adam on "a", adagrad on "b"), its rows held 3 clocks."""
-    cache = RowCache(RowCacheConfig(rows=500, bound=3), _DIMS, num_shards)
+    cache = RowCache(RowCacheConfig(rows=500, bound=3, admission="all"), _DIMS, num_shards)
     cache.use_tables([TableConfig(name=t, dim=d, optimizer=OptimizerConfig(name=r, lr=0.1)) for (t, d), r in zip(_DIMS.items(), ("adam", "adagrad"), strict=False)])
     gen = torch.Generator().manual_seed(num_shards)
     ids = {t: torch.unique(torch.randint(0, 1 << 40, (120,), generator=gen)) for t in _DIMS}
@@ -146,7 +146,7 @@ def test_a_cached_pull_sends_what_hashing_sends_and_hashes_nothing(num_shards: i
     """The row cache's plan splits its misses by shard (``Plan.splits``); ``Router.pull_requests``
     takes that split and builds the very requests a split by hashing builds."""
     rng = np.random.default_rng(num_shards)
-    cache = RowCache(RowCacheConfig(rows=1000, bound=2), _DIMS, num_shards)
+    cache = RowCache(RowCacheConfig(rows=1000, bound=2, admission="all"), _DIMS, num_shards)
     cache.plan({"a": torch.from_numpy(np.unique(rng.integers(0, 500, 60)))}, 1)  # some rows cached, so misses are a subset
     sparse = {t: torch.from_numpy(np.unique(rng.integers(0, 500, 80))) for t in _DIMS}
     plan = cache.plan(sparse, 2)

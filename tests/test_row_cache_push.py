@@ -17,7 +17,7 @@ _DIMS = {"a": 4, "b": 2}
 
 
 def _cache(rules: dict[str, str]) -> RowCache:
-    cache = RowCache(RowCacheConfig(rows=50, bound=3), _DIMS, 1)
+    cache = RowCache(RowCacheConfig(rows=50, bound=3, admission="all"), _DIMS, 1)
     cache.use_tables([TableConfig(name=t, dim=d, optimizer=OptimizerConfig(name=rules[t], lr=0.1)) for t, d in _DIMS.items()])
     return cache
 

@@ -204,7 +204,7 @@ def test_the_row_cache_sends_the_statistics_and_counts_their_bytes() -> None:
     spec = TableConfig(name="t", dim=4, optimizer=OptimizerConfig(name="adagrad", lr=0.1), seed=3)
     local.declare([spec])
     meter = TrafficMeter({"t": 4}, 4)
-    cached = CachedClient(local, RowCacheConfig(10, 3), {"t": 4}, meter)
+    cached = CachedClient(local, RowCacheConfig(10, 3, admission="all"), {"t": 4}, meter)
     cached.use_tables([spec])
     ids = torch.tensor([5, 9])
     start = local.pull({"t": ids}).result().rows["t"].clone()

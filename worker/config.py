@@ -226,8 +226,8 @@ class TrainingConfig:
                              help="push a held row before its write bound once it holds K of this worker's gradients, so the "
                              "rows every worker trains on reach the others sooner (0: off, the default; host cache only)")
     cache_admission: str = setting(choices.CACHE_ADMISSIONS[0], flag="--cache-admission", choices=choices.CACHE_ADMISSIONS, group=JOB,
-                                   help="which missed rows the cache keeps: all, or recurring (those missed again within the "
-                                   "bounds; the others are pulled and pushed in their step, as with no cache)")
+                                   help="which missed rows the cache keeps: recurring (the default: those missed again within "
+                                   "the bounds; the others are pulled and pushed in their step, as with no cache), or all")
     # Pushes in flight per worker (PERSIA's embedding_staleness; tether.worker.training.step): async only.
     push_window: int = setting(1, flag="--push-window", metavar="K", group=JOB,
                                help="async: up to K of this worker's pushes in flight, so a step's rows may miss its last K "
