@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import glob
 import gzip
+import itertools
 import json
 import os
 from collections.abc import Iterable
@@ -56,8 +57,9 @@ def generate(pattern: str, files: int, lines: int, parquet: bool) -> None:
             name = pattern.replace("*", f"{i:02d}")
             day = name + ".tsv" if parquet else name
             with (gzip.open(day, "wb") if day.endswith(".gz") else open(day, "wb")) as dst:
-                for _ in range(lines):
-                    dst.write(src.readline())
+                # 8,192 lines a write: gzip compresses each write on its own (a line a write was 2.6 s of 7 here).
+                for first in range(0, lines, 8192):
+                    dst.write(b"".join(itertools.islice(src, min(8192, lines - first))))
             if parquet:
                 from tether.worker.data.parquet import write_criteo_parquet
 

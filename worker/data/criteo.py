@@ -31,6 +31,8 @@ CRITEO_SPARSE = 26
 # Bytes read from a file at a time (decompressed, for gzip): ~4,000 Criteo lines. Bounds what a
 # reader holds, whatever the size of the file, and amortises numpy's per-call overhead.
 _BLOCK_BYTES = 1 << 20
+# Lines ``write_criteo_sample`` formats at a time: its string arrays stay a few tens of MB.
+_SAMPLE_CHUNK_LINES = 8192
 
 
 def criteo_files(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
@@ -339,8 +341,18 @@ def write_criteo_sample(path: str | Path, num_lines: int, seed: int = 0, missing
     rng = np.random.default_rng([seed, 99])
     counts = np.floor(np.exp(np.abs(batch.dense.numpy()) * 2)).astype(np.int64)
     cats = batch.sparse.numpy() & 0xFFFFFFFF
+    labels = batch.labels.numpy().astype(np.int64)
+    # Whole arrays at a time, a chunk of lines each (a line field by field in Python took ~0.1 ms,
+    # 15 s of CPU for the 120,000 lines of tests/test_examples.py's files): the same bytes. A line's
+    # 13 integer then 26 hex fields draw their missing flags in that order, one line after another,
+    # as one (lines, 39) draw does; a hex field is its value's 4 big-endian bytes in hex.
     with Path(path).open("w") as f:
-        for i in range(num_lines):
-            ints = ["" if rng.random() < missing_rate else str(v) for v in counts[i]]
-            hexes = ["" if rng.random() < missing_rate else f"{v:08x}" for v in cats[i]]
-            f.write("\t".join([str(int(batch.labels[i])), *ints, *hexes]) + "\n")
+        for start in range(0, num_lines, _SAMPLE_CHUNK_LINES):
+            end = min(start + _SAMPLE_CHUNK_LINES, num_lines)
+            missing = rng.random((end - start, CRITEO_DENSE + CRITEO_SPARSE)) < missing_rate
+            ints = np.where(missing[:, :CRITEO_DENSE], "", counts[start:end].astype(str))
+            hex_text = cats[start:end].astype(">u4").tobytes().hex().encode()
+            hexes = np.frombuffer(hex_text, dtype="S8").astype(str).reshape(end - start, CRITEO_SPARSE)
+            hexes = np.where(missing[:, CRITEO_DENSE:], "", hexes)
+            table = np.concatenate([labels[start:end, None].astype(str), ints, hexes], axis=1)
+            f.write("".join("\t".join(row) + "\n" for row in table.tolist()))
