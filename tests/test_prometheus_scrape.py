@@ -25,6 +25,10 @@ PROM_LOCAL = ROOT / "deploy" / "prometheus" / "prometheus-local.yml"
 # docs/running.md's cluster serves metrics on these; the file scrapes them.
 SHARD_METRICS_PORTS = (9100, 9101)
 WORKER_METRICS_PORTS = (9200, 9201)
+# The workers here train until the test has what it scrapes (up to a 15 s scrape interval): each
+# computes SLOWDOWN times slower (sleeping, as a straggler does), so they still push every step and
+# every counter grows, but the job no longer takes both cores from the test beside it while it waits.
+SLOWDOWN = 8.0
 
 
 def _need(tool: str) -> str:
@@ -63,7 +67,8 @@ def _wait_for(fn, timeout: float, what: str):
 def running_job(cluster):
     """One shard and two async workers with metrics, training for longer than the test."""
     addresses = cluster.start_shards(1, metrics=True)
-    cfg = WorkerConfig(shards=tuple(addresses), num_workers=2, steps=1_000_000, batch_size=64, vocab_size=2000, eval_samples=1, log_every=1000)
+    cfg = WorkerConfig(shards=tuple(addresses), num_workers=2, steps=1_000_000, batch_size=64, vocab_size=2000, eval_samples=1, log_every=1000,
+                       slowdown=SLOWDOWN)
     cluster.start_workers(cfg, echo=False, metrics=True)
     ports = dict(cluster.metrics_ports)
     for name, port in ports.items():
@@ -207,7 +212,7 @@ def test_shipped_local_config_scrapes_the_documented_cluster(tmp_path: Path) -> 
 
             addresses.append(f"127.0.0.1:{_wait_for(port, 60, f'shard {i} to serve')}")
         cfg = WorkerConfig(shards=tuple(addresses), num_workers=len(WORKER_METRICS_PORTS), steps=1_000_000, batch_size=64,
-                           vocab_size=2000, eval_samples=1, log_every=100_000)
+                           vocab_size=2000, eval_samples=1, log_every=100_000, slowdown=SLOWDOWN)
         for i, mport in enumerate(WORKER_METRICS_PORTS):
             spawn(f"worker-{i}", ["-m", "tether.worker", *worker_argv(replace(cfg, worker_index=i)), "--metrics-port", str(mport)])
 
