@@ -147,11 +147,24 @@ def test_the_page_commands_run(page: Path, tmp_path: Path) -> None:
         _run_blocks(page, blocks, offset, env, tmp_path, groups)
     finally:
         # Background processes the blocks started (shards with '&') go with the page.
-        for pgid in groups:
-            try:
-                os.killpg(pgid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        _stop_leftovers(set(groups), f"TETHER_DOCS_CWD={tmp_path / '.cwd'}")
+
+
+def _stop_leftovers(groups: set[int], marker: str) -> None:
+    """SIGTERM every process still in one of the blocks' process groups that carries ``marker``
+    in its environment. Not ``killpg``: a block's group whose processes have all exited frees its
+    number, and on a busy machine (pids wrap within minutes) a later session leader can get it:
+    another test's block, whose bash then died of this page's cleanup (exit -15, no output)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            pgid = int(stat.rpartition(")")[2].split()[2])  # after the command name: state, ppid, pgrp
+            if pgid in groups and marker.encode() in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                os.kill(int(entry), signal.SIGTERM)
+        except (OSError, ValueError, IndexError):
+            continue
 
 
 def _run_blocks(page: Path, blocks: list[str], offset: int, env: dict[str, str], tmp_path: Path, groups: list[int]) -> None:
