@@ -100,7 +100,8 @@ def write_plot(
         ax.set_xlabel(xlabel)
         ax.set_ylabel(loss_label)
         ax.set_xlim(left=0)
-    ax_t.legend(fontsize=7, loc="lower left")
+    if ax_t.get_legend_handles_labels()[0]:
+        ax_t.legend(fontsize=7, loc="lower left")
     for mode, mode_runs in runs.items():
         records: Sequence[RunRecord] = mode_runs[0]["records"]
         t0 = min(r.start_time for r in records)
@@ -115,7 +116,10 @@ def write_plot(
     ax_z.set_xlabel("time since the start (s), first run")
     ax_z.set_ylabel("clock staleness (ticks), mean per logged window")
     ax_z.grid(alpha=0.3)
-    ax_z.legend(fontsize=7)
+    if ax_z.get_legend_handles_labels()[0]:
+        ax_z.legend(fontsize=7)
+    else:  # no run logged a staleness window (sync, or too few steps between log lines): say so on the panel
+        ax_z.text(0.5, 0.5, "no staleness logged", ha="center", va="center", transform=ax_z.transAxes, fontsize=8)
     fig.suptitle("tether: eval loss by consistency mode" + (f" ({title})" if title else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)

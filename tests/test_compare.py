@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -155,6 +156,20 @@ def test_plot_has_bands_insets_and_a_staleness_panel(tmp_path: Path) -> None:
     assert list(lines["sync"].get_xdata()) == [float(i) for i in range(1, 11) for _ in range(2)]  # two workers
     assert set(lines["async"].get_ydata()) == {1.0}
 
+
+def test_a_plot_of_runs_that_logged_no_staleness_says_so_on_its_panel(tmp_path: Path) -> None:
+    runs = {"sync": [_run("sync", r, 0.6) for r in range(2)]}
+    for run in runs["sync"]:
+        for record in run["records"]:  # type: ignore[attr-defined]
+            for point in record.history:
+                point.pop("staleness_mean", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib warns of a legend with no labelled line
+        fig = write_plot(runs, tmp_path / "curves.png", target=0.47, baseline=0.69)
+    ax_z = fig.axes[2]
+    assert not ax_z.get_lines() and ax_z.get_legend() is None
+    assert [t.get_text() for t in ax_z.texts] == ["no staleness logged"]
+    assert fig.axes[0].get_legend() is not None  # the loss panel keeps its legend
 
 def test_table_shows_mean_and_spread() -> None:
     summary = {"target_loss": 0.47, "baseline_loss": 0.69, "bayes_loss": 0.44, "straggler": "transient:0.1:5", "repeats": 3,
