@@ -90,7 +90,6 @@ __all__ = ["RowCache"]
 # most (8 MiB a table: at --preset gpu's ~2,650 new ids a table and step over a window of 20, a
 # collision admits ~1 id in 3 early, and 26 tables hold 208 MiB, counted in ``memory_bytes``).
 DOOR_MIN, DOOR_MAX = 1 << 12, 1 << 20
-_NO_TENSOR = torch.zeros(0)  # a part with nothing pulled, in ``_store``'s rows
 
 class RowCache:
     """Cached rows of every table with their read clocks, versions and pending gradients
@@ -357,8 +356,10 @@ class RowCache:
         changes the shard's answer lacks)."""
         names, parts, moffs = plan.names, plan.parts, plan.miss_offs
         versions = self._read_versions(pulled, names)
-        got = [pulled.rows[t] if w else _NO_TENSOR for t, w in zip(names, (moffs[1:] > moffs[:-1]).tolist(), strict=True)]
-        flat, got_offs = flat_rows(got), offsets([t.numel() for t in got])
+        # The parts something was pulled for, joined (one cat while their widths agree: a part with
+        # nothing pulled adds nothing, and no empty tensor of another shape breaks the fast path).
+        got = [pulled.rows[t] if w else None for t, w in zip(names, (moffs[1:] > moffs[:-1]).tolist(), strict=True)]
+        flat, got_offs = flat_rows([r for r in got if r is not None]), offsets([0 if r is None else r.numel() for r in got])
         keys, pos = plan.ids[plan.miss_pos], plan.miss_pos
         got_row = NO_IDS  # key i is row i - moffs[k] of its part's pulled rows (store_all)
         koffs = moffs
