@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from tether.protos import tether_pb2 as pb
@@ -131,6 +132,15 @@ class PayloadWriter:
         msg.payload_bytes = n
         self._parts.append((offset, t, rows))
         self.nbytes = offset + n
+
+    def add_run(self, run: np.ndarray) -> int:
+        """Place the bytes of ``run`` (1-D, contiguous: several tensors laid out already, each
+        described by a ``Tensor`` message of the caller's) after the last tensor; their offset."""
+        t = torch.from_numpy(run)
+        offset = align(self.nbytes)
+        self._parts.append((offset, t, None))
+        self.nbytes = offset + t.numel() * t.element_size()
+        return offset
 
     def copy_into(self, region: memoryview, gather: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> None:
         """Write every tensor at its offset of ``region`` (a view that starts at the payload's

@@ -1,5 +1,5 @@
 """A push whose rows' shards are known (``router.ShardedPart``, made by the row cache from its
-rows' shard column, ``cache_split.by_shard``) builds the very requests and payloads that a push
+rows' shard column, ``cache_split.pack_push``) builds the very requests and payloads that a push
 split by hashing its ids builds, and hashes nothing; one whose split does not fit is hashed."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from tether.protos.partition import shard_of_ids, split_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.cache.parts import RowCacheConfig
 from tether.worker.cache.row_cache import RowCache
-from tether.worker.cache.split import by_shard, group_ids
+from tether.worker.cache.split import group_ids, pack_push
 from tether.worker.client.config import ClientConfig
 from tether.worker.client.results import PullResult
-from tether.worker.client.router import Router, ShardedPart
+from tether.worker.client.router import PackedPush, Router, ShardedPart
 
 _DIMS = {"a": 4, "b": 2}
 
@@ -40,30 +40,51 @@ def _wire(router: Router, sparse: dict[str, tuple[torch.Tensor, ...]], versions:
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 5])
-def test_by_shard_finds_split_ids_split_and_each_shards_rows(num_shards: int) -> None:
+def test_pack_push_finds_split_ids_split_and_lays_each_shards_rows_out_as_its_payload(num_shards: int) -> None:
     rng = np.random.default_rng(num_shards)
     parts = [np.unique(rng.integers(-(1 << 62), 1 << 62, n)) for n in (0, 1, 40, 300)]
     dims, kinds = np.array([3, 1, 4, 2], np.int64), np.array([[0, 1], [-1, -1], [0, -1], [1, 0]], np.int64)
+    combined = np.array([True, False, False, True])  # table 2 has a statistic but sums no several gradients: none sent
     ids = np.concatenate(parts)
     count = np.array([len(p) for p in parts], np.int64)
     sums = rng.standard_normal(int((count * dims).sum())).astype(np.float32)
     nstats = (kinds >= 0).sum(1)
     stats = rng.standard_normal(int((count * nstats).sum())).astype(np.float32)
-    order, bounds, gids, gsums, gstats = by_shard(shard_of_ids(ids, num_shards), count, num_shards, ids, sums, stats, dims, kinds)
+    order, bounds, gids, payload, starts, voff, soff = pack_push(shard_of_ids(ids, num_shards), count, num_shards, ids, sums, stats,
+                                                                 dims, kinds, combined, 16)
+    packed = PackedPush(payload, starts, voff, soff, gids, np.concatenate([[0], np.cumsum(count)]), combined,
+                        tuple(f"t{g}" for g in range(len(parts)) if count[g]))
+    want_run: dict[int, list[tuple[int, np.ndarray]]] = {s: [] for s in range(num_shards)}  # each shard's blocks, as PayloadWriter places them
     at = flat = sflat = 0
     for g, part in enumerate(parts):
         n, d, k = len(part), int(dims[g]), int(nstats[g])
         rows = sums[flat: flat + n * d].reshape(n, d)
         extra = stats[sflat: sflat + n * k].reshape(n, k)
-        grouped = (gids[at: at + n], gsums[flat: flat + n * d].reshape(n, d), gstats[sflat: sflat + n * k].reshape(n, k))
-        sharded = ShardedPart((torch.from_numpy(part), torch.from_numpy(rows), torch.from_numpy(extra)), order[at: at + n], bounds[g], grouped)
+        items = (torch.from_numpy(part), torch.from_numpy(rows)) + ((torch.from_numpy(extra),) if combined[g] else ())
+        sharded = ShardedPart(items, order[at: at + n], bounds[g], packed, g)
         assert sharded.fits(num_shards, n) and not sharded.fits(num_shards + 1, n) and not sharded.fits(num_shards, n + 1)
+        assert not ShardedPart(items[:2] if combined[g] else (*items, torch.zeros(n, 1)), order[at: at + n], bounds[g], packed, g).fits(num_shards, n)
         got, want = sharded.split(), split_ids(part, num_shards)
         assert len(got) == num_shards and bounds[g, -1] == n
-        for (pos, sub, own), (wpos, wsub) in zip(got, want, strict=False):
+        for s, ((pos, sub, own), (wpos, wsub)) in enumerate(zip(got, want, strict=True)):
             assert pos.tolist() == wpos.tolist() and sub.tolist() == wsub.tolist()
-            assert torch.equal(own[0], torch.from_numpy(rows[wpos])) and torch.equal(own[1], torch.from_numpy(extra[wpos]))
+            if len(wpos):
+                assert torch.equal(own[0], torch.from_numpy(rows[wpos]))
+                want_run[s].append((int(voff[g, s]), rows[wpos].reshape(-1)))
+                if combined[g]:
+                    assert len(own) == 2 and torch.equal(own[1], torch.from_numpy(extra[wpos]))
+                    want_run[s].append((int(soff[g, s]), extra[wpos].reshape(-1)))
+                else:
+                    assert len(own) == 1 and soff[g, s] == -1
+            else:
+                assert own == [] and voff[g, s] == -1 and soff[g, s] == -1
         at, flat, sflat = at + n, flat + n * d, sflat + n * k
+    for s, blocks in want_run.items():  # each run: its blocks 16 floats aligned one after another, zeros between, nothing past the last
+        run = np.zeros(0, np.float32)
+        for off, block in blocks:
+            assert off == -(-len(run) // 16) * 16
+            run = np.concatenate([run, np.zeros(off - len(run), np.float32), block])
+        assert np.array_equal(payload[starts[s]: starts[s + 1]], run)
 
 
 def _cached_push(num_shards: int) -> tuple[dict[str, tuple[torch.Tensor, ...]], PullResult]:
@@ -91,9 +112,22 @@ def test_a_cached_push_with_known_shards_sends_what_a_hashed_split_sends(num_sha
     want = _wire(_router(num_shards), plain, versions)
     hashed: list[int] = []
     monkeypatch.setattr("tether.worker.client.router.split_ids", lambda ids, n: hashed.append(len(ids)) or split_ids(ids, n))
-    got = _wire(_router(num_shards), pushed, versions)
+    one_by_one: list[str] = []
+
+    def watched() -> Router:
+        router = _router(num_shards)
+        real = router._push_table
+        monkeypatch.setattr(router, "_push_table", lambda table, *a: one_by_one.append(table) or real(table, *a))
+        return router
+
+    got = _wire(watched(), pushed, versions)
     assert hashed == []  # no id hashed: the cache's split taken as it is
+    assert one_by_one == []  # every table's rows sent as the cache laid them out (one payload part a shard)
     assert got == want
+    # A push of some of its tables only, or in another order, goes table by table, and still sends the same.
+    for sub in ({"b": pushed["b"]}, {"b": pushed["b"], "a": pushed["a"]}):
+        assert _wire(watched(), sub, versions) == _wire(_router(num_shards), {t: tuple(p) for t, p in sub.items()}, versions)
+    assert one_by_one == ["b", "b", "a"]
     assert sorted(got) == sorted({int(s) for s in shard_of_ids(np.concatenate([p[0].numpy() for p in pushed.values()]), num_shards)})
     for meta, _ in got.values():  # each table's part carries its combined statistics (adam 2 columns, adagrad 1)
         blocks = pb.PushRequest.FromString(meta).sparse

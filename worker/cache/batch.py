@@ -17,7 +17,7 @@ several tables (a pull's answer, gradients) as one flat float32 array with ``row
   compiled kernel, ``row_kernels.rows_of_rule``), each row's change added to its local changes;
 - ``take_all``: the held sums that are due (per table, in table order), cleared, in the layout
   a push takes (sums, and a combined push's statistics, each in one buffer), with each row's
-  shard (``cache_split.by_shard`` groups them by it: the push's split, no id hashed again);
+  shard (``cache_split.pack_push`` groups them by it: the push's split and payload, no id hashed again);
 - ``with_unheld``: a step's gradients of rows not cached (not admitted, or a full table's) merged
   into ``take_all``'s push in id order, each a row of one gradient.
 
@@ -57,7 +57,7 @@ from tether.worker.cache.kernels import (
     slot_of,
     typed_list,
 )
-from tether.worker.cache.split import by_shard, group_ids
+from tether.worker.cache.split import group_ids, pack_push
 
 __all__ = ["hold_all", "later_all", "loads", "plan_all", "store_all", "take_all", "warm_up", "with_unheld"]
 
@@ -627,7 +627,7 @@ def loads() -> list[Callable[[], object]]:
         lambda: take_all(*_example()[0], none, none, none, one, np.full((2, 1), -1, np.int64)),
         lambda: with_unheld(none, f32, f32, f32, f32, none, part, np.ones(1, np.bool_), oldest(), part, np.full((1, 1), -1, np.int64), part,
                             none, offs, f32, part, none, none, oldest()),
-        lambda: by_shard(none, part, one, none, f32, f32, part, np.full((1, 1), -1, np.int64)),
+        lambda: pack_push(none, part, one, none, f32, f32, part, np.full((1, 1), -1, np.int64), np.zeros(1, np.bool_), np.int64(16)),
         lambda: group_ids(none, offs, one),
     ]
 

@@ -62,6 +62,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from tether.protos.framing import ALIGN
 from tether.protos.specs import TableConfig
 from tether.rules.optimizers import rule
 from tether.rules.rows_by_rule import MAX_CONSTANTS, rule_code, rule_constants, rule_states
@@ -80,9 +81,9 @@ from tether.worker.cache.parts import (
     read_versions,
 )
 from tether.worker.cache.slots import NONE, STALE, Due, Table, Taken, coalesce, start_warm_up, wait_warm_up
-from tether.worker.cache.split import by_shard, group_ids
+from tether.worker.cache.split import group_ids, pack_push
 from tether.worker.client.results import PullResult
-from tether.worker.client.router import ShardedPart
+from tether.worker.client.router import PackedPush, ShardedPart
 
 __all__ = ["RowCache"]
 
@@ -475,22 +476,25 @@ class RowCache:
     def _taken(self, ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, square: np.ndarray, grads: np.ndarray, shards: np.ndarray,
                count: np.ndarray, ascending: np.ndarray, many: np.ndarray) -> dict[str, Taken]:
         """``take_all``'s rows per table as a push's parts (``Taken``), split by their known shards."""
-        # The push's split, from the rows' known shards, and each shard's rows one after another.
-        order, bounds, gids, gsums, gstats = by_shard(shards, count, self.num_shards, ids, sums, stats, self._dims, self._kinds)
+        # The push's split, from the rows' known shards, and each shard's rows laid out as its payload.
+        combined = (self._kinds >= 0).any(1) & many
+        order, bounds, gids, payload, starts, voff, soff = pack_push(shards, count, self.num_shards, ids, sums, stats, self._dims,
+                                                                     self._kinds, combined, ALIGN // 4)
+        counts = count.tolist()
+        packed = PackedPush(payload, starts, voff, soff, gids, offsets(counts), combined,
+                            tuple(self._names[g] for g, n in enumerate(counts) if n))
         out: dict[str, Taken] = {}
         at = flat = sflat = 0
-        for g, n in enumerate(count.tolist()):
+        for g, n in enumerate(counts):
             if not n:
                 continue
             d, k = self._dim_list[g], self._nstats[g]
             ids_g = ids[at: at + n]
             part: tuple[torch.Tensor, ...] = (torch.from_numpy(ids_g), torch.from_numpy(sums[flat: flat + n * d].reshape(n, d)))
-            grouped: tuple[np.ndarray, ...] = (gids[at: at + n], gsums[flat: flat + n * d].reshape(n, d))
-            if k and many[g]:
+            if combined[g]:
                 part = (*part, torch.from_numpy(stats[sflat: sflat + n * k].reshape(n, k)))
-                grouped = (*grouped, gstats[sflat: sflat + n * k].reshape(n, k))
-            part = ShardedPart(part, order[at: at + n], bounds[g], grouped)
-            out[self._names[g]] = Taken(ids_g, part, bool(ascending[g]), square[at: at + n], grads[at: at + n])
+            out[self._names[g]] = Taken(ids_g, ShardedPart(part, order[at: at + n], bounds[g], packed, g), bool(ascending[g]),
+                                        square[at: at + n], grads[at: at + n])
             at, flat, sflat = at + n, flat + n * d, sflat + n * k
         return out
 

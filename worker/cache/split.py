@@ -1,9 +1,9 @@
 """The row cache's splits by shard, so that the router hashes no id the cache has seen to:
 
-- a push's (``RowCache._take``, ``by_shard``): the rows ``cache_batch.take_all`` takes, grouped
-  per table by the shard each row's ``Table.shard`` column names, so that
-  ``Router.push_requests`` sends them as they are (``router.ShardedPart``): no id hashed again,
-  no row gathered;
+- a push's (``RowCache._take``, ``pack_push``): the rows ``cache_batch.take_all`` takes, grouped
+  per table by the shard each row's ``Table.shard`` column names and laid out as each shard's
+  payload, so that ``Router.push_requests`` sends them as they are (``router.ShardedPart``,
+  ``router.PackedPush``): no id hashed again, no row gathered, one payload part a shard;
 - a pull's misses (``RowCache.plan``, ``group_ids``): grouped per table by the shard that owns
   each, in one compiled pass, the split ``Router.pull_requests`` takes as it is (``splits``).
 
@@ -16,48 +16,83 @@ import numpy as np
 from tether.rules.kernel_cache import compiled
 from tether.worker.cache.kernels import shard_of
 
-__all__ = ["by_shard", "group_ids"]
+__all__ = ["group_ids", "pack_push"]
 
 _jit = compiled()
 
 
 @_jit
-def by_shard(shards: np.ndarray, count: np.ndarray, num_shards: np.int64, ids: np.ndarray, sums: np.ndarray, stats: np.ndarray,
-             dims: np.ndarray, kinds: np.ndarray) -> tuple[np.ndarray, ...]:
+def pack_push(shards: np.ndarray, count: np.ndarray, num_shards: np.int64, ids: np.ndarray, sums: np.ndarray, stats: np.ndarray,
+              dims: np.ndarray, kinds: np.ndarray, combined: np.ndarray, align: np.int64) -> tuple[np.ndarray, ...]:
     """``take_all``'s rows (table g's ``count[g]`` rows one after another, in table order; its
     ``ids``, ``sums`` and ``stats``, rows of ``dims[g]`` and of as many columns as ``kinds[g]``
-    names) grouped by their ``shards``. Returns per table the rows' positions in the table's part
-    grouped by shard (shard order, each group in row order: ``protos.partition.split_ids``'s
-    positions) and where each shard's group starts (``bounds[g, s]``; ``bounds[g, num_shards]``
-    the table's count), and the ids, sums and statistics again in that order (each shard's rows
-    one after another: what a push sends it)."""
+    names) grouped by their ``shards`` and laid out as each shard's push payload. Returns per
+    table the rows' positions in the table's part grouped by shard (shard order, each group in
+    row order: ``protos.partition.split_ids``'s positions) and where each shard's group starts
+    (``bounds[g, s]``; ``bounds[g, num_shards]`` the table's count); the ids in that order (table
+    by table, each shard's one after another); and ``payload``, float32, shard s's run at
+    ``starts[s]:starts[s + 1]``: table by table (those with rows for it), the sums of its rows,
+    then, where ``combined[g]``, their statistics, each block starting on a multiple of ``align``
+    floats from the run's start (``framing.ALIGN``, as ``PayloadWriter.add`` places tensors one
+    after another) with zeros between, at ``voff[g, s]`` and ``soff[g, s]`` floats into the run (-1:
+    none); a run ends where its last block ends."""
     nt = len(count)
     bounds = np.zeros((nt, num_shards + 1), np.int64)
     order = np.empty(len(shards), np.int64)
-    gids, gsums, gstats = np.empty_like(ids), np.empty_like(sums), np.empty_like(stats)
-    at = flat = sflat = 0
+    gids = np.empty_like(ids)
+    nstats = np.zeros(nt, np.int64)
     for t in range(nt):
-        d = dims[t]
-        k = 0
         for c in range(kinds.shape[1]):
             if kinds[t, c] >= 0:
-                k += 1
+                nstats[t] += 1
+    at = 0
+    for t in range(nt):
         for r in range(at, at + count[t]):
             bounds[t, shards[r] + 1] += 1
         for s in range(num_shards):
             bounds[t, s + 1] += bounds[t, s]
+        at += count[t]
+    # Each shard's run: its blocks' offsets, and where the runs start in the payload.
+    voff = np.full((nt, num_shards), -1, np.int64)
+    soff = np.full((nt, num_shards), -1, np.int64)
+    starts = np.zeros(num_shards + 1, np.int64)
+    base = 0
+    for s in range(num_shards):
+        starts[s] = base
+        pos = 0
+        for t in range(nt):
+            n = bounds[t, s + 1] - bounds[t, s]
+            if n == 0:
+                continue
+            pos = (pos + align - 1) // align * align
+            voff[t, s] = pos
+            pos += n * dims[t]
+            if combined[t]:
+                pos = (pos + align - 1) // align * align
+                soff[t, s] = pos
+                pos += n * nstats[t]
+        base += pos
+        starts[s + 1] = base
+    payload = np.zeros(base, np.float32)
+    at = flat = sflat = 0
+    for t in range(nt):
+        d, k = dims[t], nstats[t]
         fill = bounds[t, :num_shards].copy()
         for r in range(at, at + count[t]):
-            q = fill[shards[r]]
-            fill[shards[r]] += 1
+            sh = shards[r]
+            q = fill[sh]
+            fill[sh] += 1
             order[at + q] = r - at
             gids[at + q] = ids[r]
+            dst = starts[sh] + voff[t, sh] + (q - bounds[t, sh]) * d
             for j in range(d):
-                gsums[flat + q * d + j] = sums[flat + (r - at) * d + j]
-            for j in range(k):
-                gstats[sflat + q * k + j] = stats[sflat + (r - at) * k + j]
+                payload[dst + j] = sums[flat + (r - at) * d + j]
+            if combined[t]:
+                dst = starts[sh] + soff[t, sh] + (q - bounds[t, sh]) * k
+                for j in range(k):
+                    payload[dst + j] = stats[sflat + (r - at) * k + j]
         at, flat, sflat = at + count[t], flat + count[t] * d, sflat + count[t] * k
-    return order, bounds, gids, gsums, gstats
+    return order, bounds, gids, payload, starts, voff, soff
 
 
 @_jit

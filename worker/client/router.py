@@ -8,6 +8,7 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from tether.worker.client.config import ClientConfig
 from tether.worker.client.device_pull import DevicePull, DeviceRows
 from tether.worker.client.results import PullResult, Splits
 
-__all__ = ["JOIN_ELEMENTS", "DenseLayout", "PullAnswer", "PullPlan", "Router", "ShardedPart"]
+__all__ = ["JOIN_ELEMENTS", "DenseLayout", "PackedPush", "PullAnswer", "PullPlan", "Router", "ShardedPart"]
 
 # A CPU pull of at least this many floats (1 MiB) is received into one buffer per row width,
 # which the model then takes as it is; smaller ones into a tensor per table, joined by a copy.
@@ -60,37 +61,67 @@ class DenseLayout:
     owners: tuple[int, ...]  # the shard that owns each chunk (``dense_shard``)
 
 
+class PackedPush(NamedTuple):
+    """A push's rows of several tables laid out as each shard's payload already (the row cache's,
+    ``cache_split.pack_push``), table g's part a ``ShardedPart`` pointing here: shard s's bytes are
+    ``payload[starts[s]:starts[s + 1]]``, holding table by table (those with rows for shard s)
+    the shard's rows of sums (``voff[g, s]`` floats into the run) and, where ``combined[g]``,
+    their statistics (``soff[g, s]``), each block where ``PayloadWriter.add`` would place it; the
+    ids, table g's from ``at[g]``, each shard's group one after another (``ShardedPart.bounds``).
+    ``tables``: the tables that have rows, in that order, the push's parts' order. A push whose
+    parts are exactly these (``Router.push_requests``) sends each shard's run as one payload part."""
+
+    payload: np.ndarray
+    starts: np.ndarray
+    voff: np.ndarray
+    soff: np.ndarray
+    gids: np.ndarray
+    at: np.ndarray
+    combined: np.ndarray
+    tables: tuple[str, ...]
+
+
 class ShardedPart(tuple[torch.Tensor, ...]):
     """A table's ``(ids, grads[, stats])`` for ``Router.push_requests`` whose rows' shards are
-    known already (the row cache's, ``cache_split.by_shard``): ``order`` holds the rows' positions
+    known already (the row cache's, ``cache_split.pack_push``): ``order`` holds the rows' positions
     grouped by shard, shard s's at ``order[bounds[s]:bounds[s + 1]]`` in row order, which is
-    what ``split_ids`` finds by hashing the ids, and ``grouped`` the same arrays as the tuple's
-    with their rows in that order (each shard's rows one after another). The push takes that
-    split as it is: the same requests and payloads, with no id hashed and no row gathered. One
-    whose split does not fit the push is split by hashing."""
+    what ``split_ids`` finds by hashing the ids, and table ``g`` of ``packed`` holds the same
+    rows in that order (each shard's rows one after another). The push takes that split as it
+    is: the same requests and payloads, with no id hashed and no row gathered. One whose split
+    does not fit the push is split by hashing."""
 
     order: np.ndarray
     bounds: np.ndarray
-    grouped: tuple[np.ndarray, ...]
+    packed: PackedPush
+    g: int
 
-    def __new__(cls, items: tuple[torch.Tensor, ...], order: np.ndarray, bounds: np.ndarray,
-                grouped: tuple[np.ndarray, ...]) -> ShardedPart:
+    def __new__(cls, items: tuple[torch.Tensor, ...], order: np.ndarray, bounds: np.ndarray, packed: PackedPush, g: int) -> ShardedPart:
         part = super().__new__(cls, items)
-        part.order, part.bounds, part.grouped = order, bounds, grouped
+        part.order, part.bounds, part.packed, part.g = order, bounds, packed, g
         return part
 
     def fits(self, num_shards: int, rows: int) -> bool:
         """Whether the split is one of ``rows`` rows for ``num_shards`` shards."""
-        return len(self.bounds) == num_shards + 1 and len(self.grouped) == len(self) and len(self.order) == rows == self.bounds[-1]
+        return (len(self.bounds) == num_shards + 1 and bool(self.packed.combined[self.g]) == (len(self) > 2)
+                and len(self.order) == rows == self.bounds[-1])
 
     def split(self) -> list[tuple[np.ndarray, np.ndarray, list[torch.Tensor]]]:
         """Per shard: ``split_ids``'s (positions, ids), and the shard's rows of the other arrays."""
-        b = self.bounds.tolist()
-        ids, rest = self.grouped[0], self.grouped[1:]
+        p, g = self.packed, self.g
+        b, at = self.bounds.tolist(), int(p.at[g])
+        d, k = self[1].shape[1], self[2].shape[1] if len(self) > 2 else 0
         out = []
         for s in range(len(b) - 1):
             lo, hi = b[s], b[s + 1]
-            out.append((self.order[lo:hi], ids[lo:hi], [torch.from_numpy(a[lo:hi]) for a in rest]))
+            n = hi - lo
+            rest = []
+            if n:
+                v = int(p.starts[s] + p.voff[g, s])
+                rest.append(torch.from_numpy(p.payload[v: v + n * d].reshape(n, d)))
+                if k:
+                    c = int(p.starts[s] + p.soff[g, s])
+                    rest.append(torch.from_numpy(p.payload[c: c + n * k].reshape(n, k)))
+            out.append((self.order[lo:hi], p.gids[at + lo: at + hi], rest))
         return out
 
 
@@ -283,6 +314,54 @@ class Router:
             if stats is not None:  # float32 whatever the wire type: counts and squares, not values
                 payloads[s].add(own[1] if own else stats, b.combined, torch.float32, rows=None if own else rows)
 
+    def _packed(self, sparse: Mapping[str, tuple[torch.Tensor, ...]], versions: PullResult | None) -> PackedPush | None:
+        """The ``PackedPush`` that every part of ``sparse`` is a table of, covering its tables in its
+        order and fitting this push (float32 on the wire, no values read going along), else None."""
+        first = next(iter(sparse.values()), None)
+        packed = first.packed if isinstance(first, ShardedPart) else None
+        if packed is None or self.config.wire_dtype != torch.float32 or (versions is not None and self.config.sends_read_values
+                                                                         and any(t in versions.rows for t in sparse)):
+            return None
+        if tuple(sparse) != packed.tables:
+            return None
+        for entry in sparse.values():
+            if not isinstance(entry, ShardedPart) or entry.packed is not packed or not entry.fits(self.num_shards, len(entry[0])):
+                return None
+        return packed
+
+    def _push_packed(self, packed: PackedPush, sparse: Mapping[str, tuple[torch.Tensor, ...]], versions: PullResult | None,
+                     req: Callable[[int], pb.PushRequest], payloads: dict[int, dp.PayloadWriter]) -> None:
+        """``_push_table`` for every table of a ``PackedPush`` at once: each shard's run of the
+        payload added as one part, each table's blocks pointing into it (the same requests and
+        payload bytes as the tables pushed one by one)."""
+        f32 = wire_dtype(torch.float32)
+        checked = []
+        for table, entry in sparse.items():
+            if table not in self.dims:
+                raise InvalidArgument(f"table {table!r} was not declared by this client")
+            assert isinstance(entry, ShardedPart)
+            n, d = len(entry[0]), self.dims[table]
+            if tuple(entry[1].shape) != (n, d):
+                raise InvalidArgument(f"table {table!r}: gradient shape {tuple(entry[1].shape)} != ({n}, {d})")
+            checked.append((table, entry, d, entry[2].shape[1] if len(entry) > 2 else 0))
+        starts = packed.starts.tolist()
+        for s in range(self.num_shards):
+            if starts[s + 1] == starts[s]:
+                continue
+            r = req(s)
+            base = payloads[s].add_run(packed.payload[starts[s]: starts[s + 1]])
+            for table, entry, d, k in checked:
+                g = entry.g
+                lo, hi = int(entry.bounds[s]), int(entry.bounds[s + 1])
+                if hi == lo:
+                    continue
+                a = int(packed.at[g])
+                rv = versions.table_versions.get((s, table), 0) if versions else 0
+                b = r.sparse.add(table=table, ids=encode_ids(packed.gids[a + lo: a + hi]), read_version=rv)
+                _describe(b.values, f32, hi - lo, d, base + 4 * int(packed.voff[g, s]))
+                if k:
+                    _describe(b.combined, f32, hi - lo, k, base + 4 * int(packed.soff[g, s]))
+
     def dense_layout(self, name: str) -> DenseLayout:
         """The layout of a declared dense parameter.
 
@@ -355,8 +434,12 @@ class Router:
                 payloads[s] = dp.PayloadWriter()
             return requests[s]
 
-        for table, entry in sparse.items():
-            self._push_table(table, entry, versions, req, payloads)
+        packed = self._packed(sparse, versions)
+        if packed is not None:
+            self._push_packed(packed, sparse, versions, req, payloads)
+        else:
+            for table, entry in sparse.items():
+                self._push_table(table, entry, versions, req, payloads)
         for name, grad in dense.items():
             layout = self.dense_layout(name)
             if tuple(grad.shape) != layout.shape:
@@ -385,6 +468,15 @@ class Router:
                 # and the shard reads it as its default.
                 r.remedy_decay = self.config.remedy_decay
         return requests, payloads
+
+
+def _describe(msg: pb.Tensor, dtype: int, rows: int, width: int, offset: int) -> None:
+    """Point ``msg`` at ``rows`` x ``width`` float32s at ``offset`` of the payload (``PayloadWriter.add``'s fields)."""
+    msg.dtype = dtype
+    msg.shape.extend((rows, width))
+    if rows * width:
+        msg.payload_offset = offset
+        msg.payload_bytes = 4 * rows * width
 
 
 class PullAnswer:
