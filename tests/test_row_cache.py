@@ -201,6 +201,7 @@ def test_lru_and_lfu_evict_different_rows_and_evicted_gradients_are_pushed() -> 
         cached.pull({"t": _ids(4)}).result()  # full: lru drops 1, lfu drops 3
         assert cached.cache is not None
         assert cached.cache.tables["t"].cached_ids() == kept, policy
+        assert cached.cache.tables["t"].held == len(kept) == int(cached.cache.tables["t"].used.sum())  # counted, not scanned
         cached.push({}, clock=4).result()
         after = local.pull({"t": _ids(1)}).result().rows["t"]
         assert torch.equal(after, before) == (policy == "lfu")  # lru evicted 1: its held gradient went out
@@ -217,6 +218,7 @@ def test_a_table_version_going_back_refreshes_that_shards_rows() -> None:
     cache.merge(plan, PullResult({"t": torch.ones(1, 2)}, {}, {(0, "t"): 3}, {}))
     assert torch.equal(cache.plan({"t": ids}, now=1).miss["t"], ids)
     assert cache.invalidated["t"] == 2
+    assert cache.tables["t"].held == 3 == int(cache.tables["t"].used.sum())  # invalidated rows stay cached, read again at their next pull
 
 
 def test_flags_and_bad_values() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -141,6 +141,9 @@ class WorkerMetrics:
 
         # One series per phase, exported at 0 from the start and looked up once.
         self._phases = {phase: self.phase_seconds.labels(phase=phase) for phase in PHASES}
+        # The per-step series (per table: rows moved, wanted, the cache's counts), each looked up
+        # once: ``labels`` costs several microseconds a call, and a cached step makes dozens.
+        self._series: dict[tuple[int, tuple[str, ...]], Any] = {}
         # Memory (RSS), CPU and fds of the process (once per registry: a shard may share it).
         register_process_metrics(r)
 
@@ -175,20 +178,30 @@ class WorkerMetrics:
         if phase == "staleness_wait":
             self.staleness_wait_seconds.inc(seconds)
 
+    def _of(self, metric: Any, *values: str) -> Any:
+        """``metric``'s series of label ``values`` (in its label names' order), looked up once."""
+        key = (id(metric), values)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = metric.labels(*values)
+        return series
+
     def rows_moved(self, table: str, direction: str, rows: int, nbytes: int) -> None:
         if direction not in ("pull", "push"):
             raise ValueError(f"direction must be pull or push, got {direction!r}")
-        self.rows_moved_total.labels(table=table, direction=direction).inc(rows)
-        self.bytes_moved_total.labels(table=table, direction=direction).inc(nbytes)
+        self._of(self.rows_moved_total, table, direction).inc(rows)
+        self._of(self.bytes_moved_total, table, direction).inc(nbytes)
 
     def rows_wanted(self, table: str, rows: int, recent: Mapping[int, int]) -> None:
-        self.rows_wanted_total.labels(table=table).inc(rows)
+        self._of(self.rows_wanted_total, table).inc(rows)
         for within, n in recent.items():
-            self.rows_recent_total.labels(table=table, within=str(within)).inc(n)
+            self._of(self.rows_recent_total, table, str(within)).inc(n)
 
     def cache_state(self, table: str, counts: Mapping[str, int], rows: int, nbytes: int, pending: int) -> None:
         for outcome, n in counts.items():
-            self.cache_rows_total.labels(table=table, outcome=outcome).inc(n)
-        self.cache_held_rows.labels(table=table).set(rows)
-        self.cache_bytes.labels(table=table).set(nbytes)
+            series = self._of(self.cache_rows_total, table, outcome)  # exported from the first call, at 0 until counted
+            if n:
+                series.inc(n)
+        self._of(self.cache_held_rows, table).set(rows)
+        self._of(self.cache_bytes, table).set(nbytes)
         self.cache_pending_rows.set(pending)

@@ -266,7 +266,8 @@ class Table:
 
     @property
     def held(self) -> int:
-        return int(self.used[: self.top].sum())
+        """Rows cached: the slots ever used but those evicted and not reused (``free``), no scan."""
+        return self.top - self.nfree
 
 
 class Taken(NamedTuple):
