@@ -36,7 +36,8 @@ from tether.worker.cache.client import CachedClient
 from tether.worker.cache.parts import RowCacheConfig
 from tether.worker.cache.slots import warm_up
 from tether.worker.client.results import Handle, PullResult, PushAck
-from tether.worker.client.traffic import REUSE_WINDOWS, TrafficMeter
+from tether.worker.client.reuse import REUSE_WINDOWS
+from tether.worker.client.traffic import TrafficMeter
 from tether.worker.config import MODEL_PRESETS
 from tether.worker.data.criteo import CRITEO_SPARSE, CriteoStream, write_criteo_sample
 from tether.worker.data.synthetic import SyntheticClickLog, SyntheticConfig

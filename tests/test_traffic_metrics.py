@@ -4,12 +4,14 @@ cache's outcomes)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 from test_row_cache import TwoTower, _batches, _loss
 
-from tether.worker.client.traffic import ReuseTracker, TrafficMeter
+from tether.worker.client.reuse import ReuseTracker
+from tether.worker.client.traffic import TrafficMeter
 from tether.worker.config import TrainingConfig
 from tether.worker.metrics import WorkerMetrics
 from tether.worker.training.trainer import Trainer
@@ -32,6 +34,22 @@ def test_reuse_counts_ids_seen_within_each_window() -> None:
     assert tracker.observe({"t": _ids(1, 4, 9, 20)}) == {"t": {1: 1, 2: 1, 3: 1}}
     with pytest.raises(ValueError, match="windows"):
         ReuseTracker(windows=(0, 5))
+
+
+def test_reuse_counts_as_a_dict_of_last_steps_counts_over_many_steps() -> None:
+    """The hash tables (rebuilt as they fill, dropping ids past the window) count what a plain
+    dict of each id's last step counts, ids of any int64 value, tables of any size."""
+    rng = np.random.default_rng(3)
+    windows = (1, 5, 20, 100)
+    tracker, last = ReuseTracker(windows), {"a": {}, "b": {}}
+    for step in range(1, 401):
+        sparse = {"a": np.unique(rng.integers(-(1 << 63), (1 << 63) - 1, 50) if step % 7 == 0 else rng.zipf(1.2, 300) - 2),
+                  "b": np.unique(rng.integers(0, 50 + 20 * step, rng.integers(1, 2000)))}
+        got = tracker.observe({t: torch.from_numpy(ids.astype(np.int64)) for t, ids in sparse.items()})
+        for t, ids in sparse.items():
+            ages = [step - last[t][i] for i in ids.tolist() if i in last[t]]
+            assert got[t] == {w: sum(a <= w for a in ages) for w in windows}, (step, t)
+            last[t].update(dict.fromkeys(ids.tolist(), step))
 
 
 def test_meter_bytes_are_ids_and_wire_values() -> None:

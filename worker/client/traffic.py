@@ -10,15 +10,15 @@ framing is left out. These figures depend on the data and the model, not on the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["REUSE_WINDOWS", "ReuseTracker", "TrafficMeter", "TrafficRecorder"]
+from tether.worker.client.reuse import REUSE_WINDOWS, ReuseTracker
 
-# Steps back that the reuse measure looks (``tether_worker_rows_recent_total{within}``).
-REUSE_WINDOWS: tuple[int, ...] = (1, 5, 20, 100)
+__all__ = ["TrafficMeter", "TrafficRecorder"]
+
 ID_BYTES = 8
 
 
@@ -30,37 +30,6 @@ class TrafficRecorder(Protocol):
     def rows_wanted(self, table: str, rows: int, recent: Mapping[int, int]) -> None: ...
 
     def cache_state(self, table: str, counts: Mapping[str, int], rows: int, nbytes: int, pending: int) -> None: ...
-
-
-class ReuseTracker:
-    """For each step's sorted unique ids per table, how many were already wanted in one of the
-    last S steps, for each S of ``windows``. Remembers only ids seen within the largest window."""
-
-    def __init__(self, windows: Sequence[int] = REUSE_WINDOWS) -> None:
-        if not windows or any(w < 1 for w in windows):
-            raise ValueError(f"windows must be ints >= 1, got {list(windows)!r}")
-        self.windows = tuple(sorted(windows))
-        self.step = 0
-        self._last: dict[str, dict[int, int]] = {}
-
-    def observe(self, sparse: Mapping[str, torch.Tensor]) -> dict[str, dict[int, int]]:
-        """Count one step's ids (table -> unique ids); returns table -> {S: rows seen within S}."""
-        self.step += 1
-        now = self.step
-        out: dict[str, dict[int, int]] = {}
-        for t, ids in sparse.items():
-            last = self._last.setdefault(t, {})
-            get = last.get
-            ages = [now - get(i, -10**9) for i in ids.tolist()]
-            counts = torch.bincount(torch.tensor([a for a in ages if a <= self.windows[-1]], dtype=torch.int64),
-                                    minlength=self.windows[-1] + 1).cumsum(0)
-            out[t] = {w: int(counts[w]) for w in self.windows}
-            last.update(dict.fromkeys(ids.tolist(), now))
-        if now % self.windows[-1] == 0:
-            horizon = now - self.windows[-1]
-            for t, last in self._last.items():
-                self._last[t] = {i: s for i, s in last.items() if s >= horizon}
-        return out
 
 
 class TrafficMeter:
