@@ -207,27 +207,6 @@ def test_lru_and_lfu_evict_different_rows_and_evicted_gradients_are_pushed() -> 
         assert torch.equal(after, before) == (policy == "lfu")  # lru evicted 1: its held gradient went out
 
 
-def test_a_hold_checks_the_slots_its_pull_was_stored_in() -> None:
-    """A step's hold starts from the slots its pull was stored in (``Plan.slots``); a row evicted
-    since, its slot now another id's, is pushed at once as not cached, and the other id's held
-    sum stays as it was."""
-    cache = RowCache(RowCacheConfig(rows=2, bound=10, write_bound=10, admission="all"), {"t": 2}, num_shards=1)
-    plan = cache.plan({"t": _ids(1, 2)}, now=0)
-    pulled, _ = cache.merge(plan, PullResult({"t": torch.zeros(2, 2)}, {}, {(0, "t"): 1}, {}))
-    assert sorted(plan.slots.tolist()) == [0, 1]
-    later = cache.plan({"t": _ids(3)}, now=0)  # the table is full: 3 takes the slot of 1 or 2
-    cache.merge(later, PullResult({"t": torch.ones(1, 2)}, {}, {(0, "t"): 1}, {}))
-    tab = cache.tables["t"]
-    (gone,) = {1, 2} - tab.cached_ids()
-    assert tab.slots_of(np.array([3])).tolist() == [int(plan.slots[gone - 1])]  # the hint for `gone` is 3's slot now
-    grads = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    pushed, _ = cache.accumulate({"t": (_ids(1, 2), grads)}, 1, pulled)
-    assert pushed["t"][0].tolist() == [gone] and torch.equal(pushed["t"][1], grads[gone - 1: gone])
-    slot3, kept = int(tab.slots_of(np.array([3]))[0]), int(tab.slots_of(np.array([3 - gone]))[0])
-    assert torch.equal(tab.pending[slot3], torch.zeros(4))  # nothing of `gone`'s gradient held for 3
-    assert torch.equal(tab.pending[kept, :2], grads[2 - gone])
-
-
 def test_a_table_version_going_back_refreshes_that_shards_rows() -> None:
     cache = RowCache(RowCacheConfig(rows=10, bound=5, admission="all"), {"t": 2}, num_shards=1)
     ids = _ids(1, 2)

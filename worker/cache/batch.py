@@ -95,34 +95,6 @@ def _lookup(cells: np.ndarray, ids: np.ndarray, a: np.int64, b: np.int64, found:
         found[i] = probe_from(cells, ids[i], found[i])
 
 
-@compiled(inline="always")
-def _lookup_from(cells: np.ndarray, ids: np.ndarray, a: np.int64, b: np.int64, found: np.ndarray, hint: np.ndarray) -> None:
-    """``_lookup`` where ``hint`` (empty: none) names each id's slot when its pull was stored
-    (``Plan.slots``): a hinted slot is kept as found, unchecked (the caller checks that it still
-    holds the id: ``_holds``), and only the others are probed (their home cells prefetched)."""
-    if len(hint) == 0:
-        _lookup(cells, ids, a, b, found)
-        return
-    mask = np.uint64(len(cells) - 1)
-    flat = cells.reshape(-1)
-    for i in range(a, b):  # a probe's home cell is coded as -2 - cell
-        found[i] = hint[i] if hint[i] >= 0 else -2 - np.int64(mix64(ids[i]) & mask)
-    for i in range(a, b):
-        if i + _AHEAD < b and found[i + _AHEAD] <= -2:
-            prefetch(flat, 2 * (-2 - found[i + _AHEAD]))
-        if found[i] <= -2:
-            found[i] = probe_from(cells, ids[i], -2 - found[i])
-
-
-@compiled(inline="always")
-def _holds(cells: np.ndarray, key: np.int64, s: np.int64, ids_col: np.ndarray, used: np.ndarray) -> np.int64:
-    """``key``'s slot: ``s`` where that slot holds it (a hint from ``_lookup_from`` may be out of
-    date: the row evicted since, the slot reused), else its slot by the index (-1: not cached)."""
-    if s < 0 or (used[s] and ids_col[s] == key):
-        return s
-    return slot_of(cells, key)
-
-
 @_jit
 def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, ids: np.ndarray, offs: np.ndarray,
              now: np.int64,
@@ -316,7 +288,7 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
 @_jit
 def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, ids: np.ndarray, offs: np.ndarray,
              g: np.ndarray, g_offs: np.ndarray, versions: np.ndarray, clock: np.int64, num_shards: np.int64, rules: np.ndarray,
-             lrs: np.ndarray, states: Any, sbase: np.ndarray, consts: np.ndarray, hint: np.ndarray) -> tuple[Any, ...]:
+             lrs: np.ndarray, states: Any, sbase: np.ndarray, consts: np.ndarray) -> tuple[Any, ...]:
     """Add gradient rows (part k's at ``g_offs[k]`` of ``g``, one per id) to the held sums of the
     cached ids (their oldest read version the minimum with ``versions[k, shard]``); the two
     columns of the held record past the sums hold a row's sum of mean(g * g) and its count of
@@ -324,9 +296,7 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
     its rows are in the CPU's caches: rule ``rules[k]`` (``row_kernels.rows_of_rule``, at rate
     ``lrs[k]``, its state ``states[sbase[k]:]``, its constants ``consts[k]``) on the part's
     cached rows from their gradients, and each row's change added to its ``mine`` and ``fresh``
-    local changes. ``hint``: each id's slot when its pull was stored (``Plan.slots``; empty: none),
-    checked before it is used (no index probe for a hint that holds). Returns (the slots of the
-    cached ids and their indexes in ``ids``, the slots
+    local changes. Returns (the slots of the cached ids and their indexes in ``ids``, the slots
     first held now, the indexes of the ids not cached and their shards, and per part the
     counts of those three)."""
     n = len(ids)
@@ -354,8 +324,7 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
         # The held record's sums and statistics (at 0), and with a local step its mine and fresh changes too.
         reach = 3 * dim + 2 if step else dim + 2
         meta_flat, h_flat, v_flat, width = meta_l[t].reshape(-1), hd.reshape(-1), vals.reshape(-1), meta_l[t].shape[1]
-        ids_col, used = meta_l[t][:, IDS], used_l[t]
-        _lookup_from(cells, ids, offs[k], offs[k + 1], found, hint)
+        _lookup(cells, ids, offs[k], offs[k + 1], found)
         h0 = h
         for i in range(offs[k], offs[k + 1]):
             if i + _AHEAD < offs[k + 1] and found[i + _AHEAD] >= 0:
@@ -364,7 +333,7 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
                 fetch_part(h_flat, ahead, 3 * dim + 2, reach)
                 if step:
                     fetch_row(v_flat, ahead, dim)
-            s = _holds(cells, ids[i], found[i], ids_col, used)
+            s = found[i]
             if s < 0:
                 missing[m] = i
                 missing_shards[m] = shard_of(ids[i], num_shards)
@@ -654,7 +623,7 @@ def loads() -> list[Callable[[], object]]:
                           offs, typed_list([np.zeros((1, 1), np.float32)]), part, part, np.zeros(1, np.float32), np.zeros(0, np.bool_)),
         lambda: later_all(*_example()[0], part, none, offs, none, offs, zero, f32, part, oldest()),
         lambda: hold_all(*_example()[0], part, none, offs, f32, part, oldest(), zero, one, part, np.zeros(1, np.float32),
-                         typed_list([np.zeros((1, 1), np.float32)]), part, np.zeros((1, MAX_CONSTANTS)), none),
+                         typed_list([np.zeros((1, 1), np.float32)]), part, np.zeros((1, MAX_CONSTANTS))),
         lambda: take_all(*_example()[0], none, none, none, one, np.full((2, 1), -1, np.int64)),
         lambda: with_unheld(none, f32, f32, f32, f32, none, part, np.ones(1, np.bool_), oldest(), part, np.full((1, 1), -1, np.int64), part,
                             none, offs, f32, part, none, none, oldest()),

@@ -458,7 +458,7 @@ class DeviceRowCache(RowCache):
         none = np.full(len(names), -1, np.int64)  # no local rule here: the device takes its steps
         slots, where, first, missing, missing_shards, got = hold_all(*self._columns(), parts, ids, offs, NO_ROWS, zeros, read, clock,
                                                                      self.num_shards, none, NO_ROWS, self._states, zeros[:-1],
-                                                                     self._consts[parts], NO_IDS)
+                                                                     self._consts[parts])
         if len(first):
             self._holding[parts] += got[:, 1]
             self._queue.append((clock, first, np.repeat(parts, got[:, 1])))

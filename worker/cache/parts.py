@@ -94,9 +94,6 @@ class Plan:
     # Per table, ``miss`` split by shard as ``protos.partition.split_ids`` splits it (positions,
     # ids per shard): the pull's split, which ``Router.pull_requests`` takes as it is.
     splits: dict[str, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
-    # Each id's slot once the pull is stored (-1: not cached), the hint its gradients' hold
-    # starts from (``RowCache._hold``: it checks each before it trusts it); empty: none.
-    slots: np.ndarray = field(default_factory=lambda: NO_IDS)
 
 
 Pushed = dict[str, tuple[torch.Tensor, ...]]  # per table: ids, summed gradients (and a combined push's statistics)

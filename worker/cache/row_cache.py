@@ -56,7 +56,6 @@ is set as ``store_all`` places it.
 
 from __future__ import annotations
 
-import collections
 import threading
 from collections.abc import Mapping, Sequence
 
@@ -92,9 +91,6 @@ __all__ = ["RowCache"]
 # most (8 MiB a table: at --preset gpu's ~2,650 new ids a table and step over a window of 20, a
 # collision admits ~1 id in 3 early, and 26 tables hold 208 MiB, counted in ``memory_bytes``).
 DOOR_MIN, DOOR_MAX = 1 << 12, 1 << 20
-# Stored pulls whose slots a hold looks among (``_hint``): the async loop's push follows its pull's
-# merge, and a push window keeps a few pulls between them.
-HINTS = 4
 
 class RowCache:
     """Cached rows of every table with their read clocks, versions and pending gradients
@@ -140,9 +136,6 @@ class RowCache:
         # The pulls in flight: their plans' ids, clocks, and the ids they refresh (all tables' one
         # after another, and per table where they start).
         self._inflight: list[tuple[int, int, np.ndarray, np.ndarray]] = []
-        # The last pulls stored: (parts, offs, ids, slots), each id's slot (``Plan.slots``), where
-        # the hold of the step that pulled them starts (``_hint``: no index probe for those that hold).
-        self._hints: collections.deque[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = collections.deque(maxlen=HINTS)
         # Rows first held at a clock: (clock, their slots, their tables), so what is due is found without a scan.
         self._queue: list[tuple[int, np.ndarray, np.ndarray]] = []
         # Held rows due at the next take before their write bound (``_early``): (their first held clocks, slots, tables).
@@ -218,9 +211,9 @@ class RowCache:
         out = torch.empty(int(row_offs[-1]))
         oldest = np.full((len(names), self.num_shards), NONE, np.int64)
         with self._lock:
-            _, miss, later, miss_offs, miss_ids, found, keep = self._plan_ids(names, parts, ids, offs, now, out.numpy(), row_offs,
-                                                                              oldest, id(out))
-        plan = Plan(now, names, parts, ids, offs, out, row_offs, oldest, later, miss, miss_offs, keep, slots=found)
+            _, miss, later, miss_offs, miss_ids, _, keep = self._plan_ids(names, parts, ids, offs, now, out.numpy(), row_offs, oldest,
+                                                                          id(out))
+        plan = Plan(now, names, parts, ids, offs, out, row_offs, oldest, later, miss, miss_offs, keep)
         plan.miss = {t: torch.from_numpy(miss_ids[miss_offs[k]: miss_offs[k + 1]]) for k, t in enumerate(names)}
         plan.splits = self._miss_splits(names, miss_ids, miss_offs)
         return plan
@@ -299,8 +292,6 @@ class RowCache:
             if self.config.bound > 0:
                 flight = self._flight_key(plan)
                 self._inflight[:] = [e for e in self._inflight if e[0] != flight]
-            if len(plan.slots):
-                self._hints.appendleft((plan.parts, plan.offs, plan.ids, plan.slots))
             if len(plan.later):
                 loffs = np.searchsorted(plan.later, plan.offs)
                 gone = self._later(plan, loffs)
@@ -379,13 +370,10 @@ class RowCache:
                     set_cells(self._columns().cells, g, self._tabs[g].cells)
             top = np.array([tab.top for tab in self._tabs], np.int64)
             nfree = np.array([tab.nfree for tab in self._tabs], np.int64)
-            unplaced, _, nplaced, stored = store_all(*self._columns(), parts, keys, koffs, pos, flat, got_offs, got_row, versions,
-                                                       plan.now, self.num_shards, top, nfree, plan.out.numpy(), plan.row_offs, plan.offs,
-                                                       self._states, self._sbase, self._scount, self._sinit,
-                                                       plan.keep if not attempt else NO_KEEP)
+            unplaced, _, nplaced, _ = store_all(*self._columns(), parts, keys, koffs, pos, flat, got_offs, got_row, versions, plan.now,
+                                                  self.num_shards, top, nfree, plan.out.numpy(), plan.row_offs, plan.offs, self._states,
+                                                  self._sbase, self._scount, self._sinit, plan.keep if not attempt else NO_KEEP)
             self._placed(parts, top, nfree, nplaced)
-            if len(plan.slots):
-                plan.slots[pos] = stored
             if not len(unplaced) or attempt:
                 return
             # Full tables: evict rows the current pull does not want, then place the rest.
@@ -515,7 +503,6 @@ class RowCache:
         by the tables' rules (rows not cached: due at once)."""
         names, parts = self._split(list(grads))
         ids, offs = joined_ids([grads[t][0] for t in names])
-        hint = self._hint(parts, offs, ids)
         rows = [grads[t][1] for t in names]
         flat, g_offs = flat_rows(rows), offsets([r.numel() for r in rows])
         read = read_versions(versions, names, self.num_shards)
@@ -524,7 +511,7 @@ class RowCache:
                        np.float32)
         held, _, first, missing, missing_shards, counts = hold_all(*self._columns(), parts, ids, offs, flat, g_offs, read, clock,
                                                                 self.num_shards, rules, lrs, self._states, self._sbase[parts],
-                                                                self._consts[parts], hint)
+                                                                self._consts[parts])
         if len(first):
             self._holding[parts] += counts[:, 1]
             self._queue.append((clock, first, np.repeat(parts, counts[:, 1])))
@@ -532,14 +519,6 @@ class RowCache:
             self._due_early(held, parts, counts[:, 0], clock)
         if len(missing):  # not cached (not admitted, or the table was full): pushed with this step's take, each row one gradient
             self._unheld_now = (parts, ids, offs, flat, g_offs, missing, missing_shards, read)
-
-    def _hint(self, parts: np.ndarray, offs: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        """The slots of a stored pull of these very ids (``Plan.slots``), else none: a step pushes
-        the gradients of the rows it pulled, so its hold finds their slots without the index."""
-        for h_parts, h_offs, h_ids, h_slots in self._hints:
-            if len(h_ids) == len(ids) and np.array_equal(h_offs, offs) and np.array_equal(h_parts, parts) and np.array_equal(h_ids, ids):
-                return h_slots
-        return NO_IDS
 
     def _due_early(self, held: np.ndarray, parts: np.ndarray, counts: np.ndarray, clock: int) -> None:
         """Of the rows this step's gradients were held for (``held``: part k's ``counts[k]`` slots
