@@ -3,9 +3,10 @@ ceiling of what a row cache can save (``tether_worker_rows_recent_total{within}`
 figures of ``bench/traffic.py``).
 
 Each table's ids seen within the largest window live in an open-addressing hash table (the id
-and the step it was last wanted, compiled like the shard's index: ``tether.rules.index_kernels``'
-hash), so a step costs one probe an id whatever the window: a CTR step of ~1,200 ids took 1.4 ms
-of CPU in Python dicts, and a ``--preset gpu`` step of ~69k ids some 80 ms.
+and the step it was last wanted side by side, compiled like the shard's index:
+``tether.rules.index_kernels``' hash, its cells prefetched ahead), so a step costs one probe an id
+whatever the window: a CTR step of ~1,200 ids took 1.4 ms of CPU in Python dicts, and a
+``--preset gpu`` step of ~69k ids 64 ms.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from tether.rules.index_kernels import mix64
+from tether.rules.index_kernels import mix64, prefetch
 from tether.rules.kernel_cache import compiled
 
 __all__ = ["REUSE_WINDOWS", "ReuseTracker"]
@@ -27,46 +28,56 @@ _MIN_CELLS = 1024
 _jit = compiled()
 
 
+_AHEAD = 16  # how many ids ahead a pass asks for the cell it will read (``prefetch``)
+
+
 @_jit
-def _observe(keys: np.ndarray, steps: np.ndarray, ids: np.ndarray, now: np.int64, window: np.int64, ages: np.ndarray) -> int:
-    """Note ``ids`` (unique) wanted at step ``now``: ``ages[a]`` counts those last wanted ``a``
-    steps before (``a <= window``). A cell holds an id where its step is not 0 (steps count from
-    1); returns how many cells the ids newly took (the caller keeps the table at most half full)."""
-    mask = np.uint64(len(keys) - 1)
+def _observe(cells: np.ndarray, ids: np.ndarray, now: np.int64, window: np.int64, ages: np.ndarray) -> int:
+    """Note ``ids`` (unique) wanted at step ``now`` in ``cells`` (rows of (id, step last wanted);
+    step 0: empty, steps count from 1): ``ages[a]`` counts those last wanted ``a`` steps before
+    (``a <= window``). Each id's home cell is asked for ``_AHEAD`` ids before it is read, so the
+    probes of a step, scattered over the table, overlap. Returns how many cells the ids newly
+    took (the caller keeps the table at most half full)."""
+    mask = np.uint64(len(cells) - 1)
+    flat = cells.reshape(-1)
+    home = np.empty(len(ids), np.int64)
+    for i in range(len(ids)):
+        home[i] = np.int64(mix64(ids[i]) & mask)
     added = 0
     for i in range(len(ids)):
+        if i + _AHEAD < len(ids):
+            prefetch(flat, 2 * home[i + _AHEAD])
         key = ids[i]
-        c = np.int64(mix64(key) & mask)
-        while steps[c] != 0 and keys[c] != key:
+        c = home[i]
+        while cells[c, 1] != 0 and cells[c, 0] != key:
             c = np.int64((np.uint64(c) + np.uint64(1)) & mask)
-        if steps[c] == 0:
-            keys[c] = key
+        if cells[c, 1] == 0:
+            cells[c, 0] = key
             added += 1
         else:
-            age = now - steps[c]
+            age = now - cells[c, 1]
             if age <= window:
                 ages[age] += 1
-        steps[c] = now
+        cells[c, 1] = now
     return added
 
 
 @_jit
-def _rebuilt(keys: np.ndarray, steps: np.ndarray, oldest: np.int64, cells: np.int64) -> tuple[np.ndarray, np.ndarray, int]:
-    """A table of ``cells`` cells (a power of two) holding the ids of ``keys`` last wanted at step
+def _rebuilt(cells: np.ndarray, oldest: np.int64, size: np.int64) -> tuple[np.ndarray, int]:
+    """A table of ``size`` cells (a power of two) holding the ids of ``cells`` last wanted at step
     ``oldest`` or later, and their count."""
-    out_keys = np.zeros(cells, np.int64)
-    out_steps = np.zeros(cells, np.int64)
-    mask = np.uint64(cells - 1)
+    out = np.zeros((size, 2), np.int64)
+    mask = np.uint64(size - 1)
     n = 0
-    for i in range(len(keys)):
-        if steps[i] == 0 or steps[i] < oldest:
+    for i in range(len(cells)):
+        if cells[i, 1] == 0 or cells[i, 1] < oldest:
             continue
-        c = np.int64(mix64(keys[i]) & mask)
-        while out_steps[c] != 0:
+        c = np.int64(mix64(cells[i, 0]) & mask)
+        while out[c, 1] != 0:
             c = np.int64((np.uint64(c) + np.uint64(1)) & mask)
-        out_keys[c], out_steps[c] = keys[i], steps[i]
+        out[c, 0], out[c, 1] = cells[i, 0], cells[i, 1]
         n += 1
-    return out_keys, out_steps, n
+    return out, n
 
 
 class ReuseTracker:
@@ -79,8 +90,8 @@ class ReuseTracker:
             raise ValueError(f"windows must be ints >= 1, got {list(windows)!r}")
         self.windows = tuple(sorted(windows))
         self.step = 0
-        # Per table: the cells' ids, the step each was last wanted (0: empty), cells taken.
-        self._tables: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
+        # Per table: its cells (id, the step it was last wanted; 0: empty), and the cells taken.
+        self._tables: dict[str, tuple[np.ndarray, int]] = {}
 
     def observe(self, sparse: Mapping[str, torch.Tensor]) -> dict[str, dict[int, int]]:
         """Count one step's ids (table -> unique ids); returns table -> {S: rows seen within S}."""
@@ -89,15 +100,15 @@ class ReuseTracker:
         out: dict[str, dict[int, int]] = {}
         for t, ids in sparse.items():
             arr = np.ascontiguousarray(ids.detach().cpu().numpy(), np.int64)
-            keys, steps, filled = self._tables.get(t) or (np.zeros(_MIN_CELLS, np.int64), np.zeros(_MIN_CELLS, np.int64), 0)
-            if 2 * (filled + len(arr)) > len(keys):
+            cells, filled = self._tables.get(t) or (np.zeros((_MIN_CELLS, 2), np.int64), 0)
+            if 2 * (filled + len(arr)) > len(cells):
                 oldest = max(now - window, 1)
-                live = int(np.count_nonzero(steps >= oldest))
-                cells = max(_MIN_CELLS, 1 << int(4 * (live + len(arr))).bit_length())
-                keys, steps, filled = _rebuilt(keys, steps, np.int64(oldest), np.int64(cells))
+                live = int(np.count_nonzero(cells[:, 1] >= oldest))
+                size = max(_MIN_CELLS, 1 << int(4 * (live + len(arr))).bit_length())
+                cells, filled = _rebuilt(cells, np.int64(oldest), np.int64(size))
             ages = np.zeros(window + 1, np.int64)
-            filled += int(_observe(keys, steps, arr, np.int64(now), np.int64(window), ages))
-            self._tables[t] = (keys, steps, int(filled))
+            filled += int(_observe(cells, arr, np.int64(now), np.int64(window), ages))
+            self._tables[t] = (cells, int(filled))
             within = np.cumsum(ages).tolist()
             out[t] = {w: within[w] for w in self.windows}
         return out
