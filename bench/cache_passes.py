@@ -26,7 +26,7 @@ import push_path
 import traffic
 
 from tether.worker.cache import row_cache
-from tether.worker.cache.parts import RowCacheConfig
+from tether.worker.cache.config import RowCacheConfig
 from tether.worker.cache.slots import warm_up
 
 PASSES = ("plan_all", "hold_all")

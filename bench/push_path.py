@@ -39,7 +39,7 @@ from tether.protos import framing as dp
 from tether.protos.specs import TableConfig
 from tether.worker.cache import row_cache
 from tether.worker.cache.client import CachedClient
-from tether.worker.cache.parts import RowCacheConfig
+from tether.worker.cache.config import RowCacheConfig
 from tether.worker.cache.slots import warm_up
 from tether.worker.client.config import ClientConfig
 from tether.worker.client.results import Handle, PullResult, PushAck

@@ -33,7 +33,7 @@ import torch
 from tether.common.choices import CACHE_ADMISSIONS
 from tether.protos.specs import TableConfig
 from tether.worker.cache.client import CachedClient
-from tether.worker.cache.parts import RowCacheConfig
+from tether.worker.cache.config import RowCacheConfig
 from tether.worker.cache.slots import warm_up
 from tether.worker.client.results import Handle, PullResult, PushAck
 from tether.worker.client.reuse import REUSE_WINDOWS

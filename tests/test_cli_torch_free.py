@@ -6,9 +6,10 @@ declare are declared once, without torch: the contract's in ``tether.protos.name
 client's and the row cache's in ``tether.common.choices``; the modules with torch take them
 from there.
 
-Where torch comes in: ``WorkerConfig`` validation (its per-table rules, ``table_rules``, and its
-row cache, ``cache_parts``, both import torch), the built-in job's evaluation, ``--table-optimizer``
-parsing and the ``server``, ``worker`` (past its flags), ``export`` and ``convert`` commands."""
+Where torch comes in: ``WorkerConfig`` validation of per-table rules (``table_rules`` imports
+torch; the row cache's configuration, ``tether.worker.cache.config``, does not, so a refused cache
+flag answers without it), the built-in job's evaluation, ``--table-optimizer`` parsing and the
+``server``, ``worker`` (past its flags), ``export`` and ``convert`` commands."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ _PROBE = textwrap.dedent("""
     for argv in (["--help"], ["--version"], ["launch", "--help"], ["compare", "--help"], ["sweep", "--help"],
                  ["launch", "--bogus"], ["launch", "--optimizer", "nope"], ["launch", "--num-shards", "0"],
                  ["launch", "--lr", "-1"], ["compare", "--out", "x", "--mode", "async"],
-                 ["worker", "--help"], ["worker", "--bogus"], ["worker", "--local", "--metrics-port", "70000"]):
+                 ["worker", "--help"], ["worker", "--bogus"], ["worker", "--local", "--metrics-port", "70000"],
+                 ["launch", "--cache-admission", "all"], ["launch", "--cache-rows", "-1"],
+                 ["launch", "--mode", "sync", "--cache-rows", "5", "--cache-bound", "2"]):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             try:
                 codes.append(cli.main(argv))
@@ -47,7 +50,7 @@ def test_launcher_help_and_usage_errors_import_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     codes, imported = out.stdout.splitlines()[-2:]
-    assert codes == "[0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 0, 2, 2]"
+    assert codes == "[0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 0, 2, 2, 2, 2, 2]"
     assert imported == "[]", f"the launcher's torch-free path imported {imported}"
 
 
@@ -79,6 +82,6 @@ def test_the_modules_with_torch_take_the_torch_free_declarations() -> None:
 
 
 def test_the_row_cache_policies_are_the_declared_ones() -> None:
-    from tether.worker.cache.parts import POLICIES
+    from tether.worker.cache.config import POLICIES
 
     assert POLICIES is choices.CACHE_POLICIES

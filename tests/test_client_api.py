@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tether.worker.cache.client import CachedClient
-from tether.worker.cache.parts import RowCacheConfig
+from tether.worker.cache.config import RowCacheConfig
 from tether.worker.client.api import Client, ShardClient
 from tether.worker.client.config import ClientConfig
 from tether.worker.client.local import LocalClient

@@ -15,8 +15,8 @@ import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.cache.client import CachedClient
+from tether.worker.cache.config import RowCacheConfig
 from tether.worker.cache.device import DeviceRowCache
-from tether.worker.cache.parts import RowCacheConfig
 from tether.worker.cache.row_cache import RowCache
 from tether.worker.client.local import LocalClient
 from tether.worker.client.results import PullResult

@@ -11,7 +11,7 @@ import torch
 from tether.protos import tether_pb2 as pb
 from tether.protos.partition import shard_of_ids, split_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.worker.cache.parts import RowCacheConfig
+from tether.worker.cache.config import RowCacheConfig
 from tether.worker.cache.row_cache import RowCache
 from tether.worker.cache.split import group_ids, pack_push
 from tether.worker.client.config import ClientConfig

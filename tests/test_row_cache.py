@@ -14,7 +14,7 @@ from torch import nn
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.rules.optimizers import rule
 from tether.worker.cache.client import CachedClient
-from tether.worker.cache.parts import RowCacheConfig
+from tether.worker.cache.config import RowCacheConfig
 from tether.worker.cache.row_cache import RowCache
 from tether.worker.cache.slots import NONE
 from tether.worker.client.local import LocalClient

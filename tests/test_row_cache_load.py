@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tether.worker.cache import slots as row_slots
-from tether.worker.cache.parts import RowCacheConfig
+from tether.worker.cache.config import RowCacheConfig
 from tether.worker.cache.row_cache import RowCache
 
 # In a fresh process (so that nothing an earlier test compiled hides a miss): the signatures every

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
-from tether.worker.cache.parts import RowCacheConfig
+from tether.worker.cache.config import RowCacheConfig
 from tether.worker.cache.row_cache import RowCache
 from tether.worker.client.results import PullResult
 

@@ -23,7 +23,7 @@ from tether.server.storage.shard import Shard
 from tether.server.storage.shard_records import SparseUpdate
 from tether.server.storage.tables import EmbeddingTable
 from tether.worker.cache.client import CachedClient
-from tether.worker.cache.parts import RowCacheConfig
+from tether.worker.cache.config import RowCacheConfig
 from tether.worker.client.local import LocalClient
 from tether.worker.client.local_table import LocalTable
 from tether.worker.client.traffic import TrafficMeter

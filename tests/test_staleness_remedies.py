@@ -325,7 +325,7 @@ def test_a_cached_workers_combined_push_carries_the_dense_values_read_and_no_row
     for them (the remedies leave those rows as they are), but the step's own dense gradient still
     goes with the values it was computed on."""
     from tether.worker.cache.client import CachedClient
-    from tether.worker.cache.parts import RowCacheConfig
+    from tether.worker.cache.config import RowCacheConfig
     from tether.worker.client.results import PullResult
     from tether.worker.client.traffic import TrafficMeter
 

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from tether.protos.specs import TableConfig
+from tether.worker.cache.config import RowCacheConfig
 from tether.worker.cache.device import DeviceRowCache
-from tether.worker.cache.parts import Plan, RowCacheConfig, fill
+from tether.worker.cache.parts import Plan, fill
 from tether.worker.cache.row_cache import RowCache
 from tether.worker.client.api import ShardClient
 from tether.worker.client.results import Handle, PullResult, PushAck, Splits

@@ -41,8 +41,9 @@ import torch
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.rules.optimizers import rule
 from tether.worker.cache.batch import hold_all, later_all, store_all, take_all
+from tether.worker.cache.config import RowCacheConfig
 from tether.worker.cache.kernels import set_cells
-from tether.worker.cache.parts import NO_IDS, NO_KEEP, NO_ROWS, Plan, Pushed, RowCacheConfig, joined_ids, offsets, read_versions
+from tether.worker.cache.parts import NO_IDS, NO_KEEP, NO_ROWS, Plan, Pushed, joined_ids, offsets, read_versions
 from tether.worker.cache.row_cache import RowCache
 from tether.worker.cache.slots import NONE, Due, Taken, coalesce
 from tether.worker.client.results import PullResult

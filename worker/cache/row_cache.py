@@ -67,6 +67,7 @@ from tether.protos.specs import TableConfig
 from tether.rules.optimizers import rule
 from tether.rules.rows_by_rule import MAX_CONSTANTS, rule_code, rule_constants, rule_states
 from tether.worker.cache.batch import hold_all, later_all, plan_all, store_all, take_all, with_unheld
+from tether.worker.cache.config import RowCacheConfig
 from tether.worker.cache.kernels import HELD, PS, VALS, Columns, columns, set_cells, typed_list
 from tether.worker.cache.parts import (
     NO_FLIGHTS,
@@ -74,7 +75,6 @@ from tether.worker.cache.parts import (
     NO_KEEP,
     Plan,
     Pushed,
-    RowCacheConfig,
     flat_rows,
     joined_ids,
     offsets,

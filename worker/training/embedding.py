@@ -32,7 +32,7 @@ from tether.protos.codec import int64_ids, is_id_dtype
 from tether.protos.errors import InvalidArgument, UsageError
 from tether.rules.push_hooks import finite
 from tether.worker.cache.client import CachedClient
-from tether.worker.cache.parts import RowCacheConfig
+from tether.worker.cache.config import RowCacheConfig
 from tether.worker.client.api import ShardClient
 from tether.worker.client.device_pull import DeviceRows
 from tether.worker.client.results import Handle, PullResult
