@@ -37,12 +37,12 @@ from tether.protos.names import (
     check_optimizer,
     check_remedies,
 )
+from tether.worker.cache.config import RowCacheConfig
 from tether.worker.data.checks import check_criteo_data, check_parquet_data
 from tether.worker.training.mode import Mode, check_window
 from tether.worker.training.stragglers import StragglerSpec, parse_straggler
 
 if TYPE_CHECKING:
-    from tether.worker.cache.config import RowCacheConfig
     from tether.worker.client.config import ClientConfig
     from tether.worker.training.table_rules import TableRules
 
@@ -309,9 +309,6 @@ class TrainingConfig:
     @property
     def row_cache(self) -> RowCacheConfig:
         """The row cache the cache_* fields describe."""
-        # Start-up cost: torch with it; this module stays torch-free for the launcher's help and usage errors.
-        from tether.worker.cache.config import RowCacheConfig
-
         return RowCacheConfig(rows=self.cache_rows, bound=self.cache_bound, write_bound=self.cache_write_bound, policy=self.cache_policy,
                               hot=self.cache_hot, admission=self.cache_admission)
 
