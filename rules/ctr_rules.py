@@ -116,11 +116,15 @@ class RowwiseAdagrad(UpdateRule):
         w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, stats: np.ndarray, scratch: np.ndarray, acc: np.ndarray,
         weight_decay: np.float32, eps: np.float32,
     ) -> None:
-        # ``combine`` row by row: the row's accumulator grows by its ``square_sum``.
+        # ``combine`` row by row: the row's accumulator grows by its ``square_sum``; a row of one
+        # gradient takes ``rows``' step.
         n, d = g.shape
         for i in range(n):
             s = slots[i]
             decayed(scratch, g, i, w, s, weight_decay)
+            if stats[i, 0] == -1:
+                rowwise_adagrad_row(w, acc, s, scratch, lr[i], eps)
+                continue
             row = w[s]
             before = np.sqrt(acc[s])
             acc[s] += np.float32(stats[i, 0])
@@ -136,19 +140,10 @@ class RowwiseAdagrad(UpdateRule):
         w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, scratch: np.ndarray, acc: np.ndarray,
         weight_decay: np.float32, eps: np.float32,
     ) -> None:
-        n, d = g.shape
-        inv_d = np.float32(1.0) / np.float32(d)
-        for i in range(n):
+        for i in range(len(slots)):
             s = slots[i]
             decayed(scratch, g, i, w, s, weight_decay)
-            row = w[s]
-            total = np.float32(0.0)
-            for j in range(d):
-                total += scratch[j] * scratch[j]
-            acc[s] += total * inv_d
-            step = lr[i] / (np.sqrt(acc[s]) + eps)
-            for j in range(d):
-                row[j] -= step * scratch[j]
+            rowwise_adagrad_row(w, acc, s, scratch, lr[i], eps)
 
     def torch_optimizer(self, cfg: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
         return _ADAGRAD.torch_optimizer(cfg, params)
@@ -220,7 +215,7 @@ class Ftrl(UpdateRule):
         n: np.ndarray, weight_decay: np.float32, beta: np.float32, l1: np.float32, l2: np.float32, lr_power: np.float32,
     ) -> None:
         # ``combine`` row by row: ``rows``' step on the decayed sum with its squares spread to the
-        # row's ``square_sum``.
+        # row's ``square_sum`` (a row of one gradient: ``rows``' step on it).
         rows, d = g.shape
         squares = np.empty(d, np.float32)
         for i in range(rows):
@@ -229,8 +224,25 @@ class Ftrl(UpdateRule):
             if not step > 0:
                 continue
             decayed(scratch, g, i, w, s, weight_decay)
-            spread_row(squares, scratch, np.float32(stats[i, 0]))
-            ftrl_row(w, z, n, s, scratch, squares, False, step, beta, l1, l2, lr_power)
+            one = stats[i, 0] == -1
+            if not one:
+                spread_row(squares, scratch, np.float32(stats[i, 0]))
+            ftrl_row(w, z, n, s, scratch, squares, one, step, beta, l1, l2, lr_power)
+
+
+@kernel_helper
+def rowwise_adagrad_row(w: np.ndarray, acc: np.ndarray, s: int, grad: np.ndarray, step: np.float32, eps: np.float32) -> None:
+    """One row-wise Adagrad step of row ``s`` from ``grad`` (weight decay added) at rate ``step``:
+    ``rows``' arithmetic, which ``combined_rows`` takes for a row of one gradient."""
+    d = len(grad)
+    row = w[s]
+    total = np.float32(0.0)
+    for j in range(d):
+        total += grad[j] * grad[j]
+    acc[s] += total * (np.float32(1.0) / np.float32(d))
+    scale = step / (np.sqrt(acc[s]) + eps)
+    for j in range(d):
+        row[j] -= scale * grad[j]
 
 
 @kernel_helper

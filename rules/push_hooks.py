@@ -270,16 +270,22 @@ def check_combined(what: str, update_rule: UpdateRule, combined: torch.Tensor | 
 def apply_rows(update_rule: UpdateRule, cfg: OptimizerConfig, update: RowUpdate, weights: torch.Tensor, state: dict[str, torch.Tensor],
                slots: np.ndarray, grads: np.ndarray, lr: np.ndarray, combined: np.ndarray | torch.Tensor | None) -> None:
     """Rows ``slots`` (unique) of ``weights`` and ``state`` updated from ``grads`` at rates ``lr``
-    (float32 per row): by the rule's compiled kernel ``update``, except, with ``combined``, the
-    rows it marks as sums of several gradients (first column not -1), which take the rule's
-    combine (``combine_rows``; weight decay added once to the sum)."""
+    (float32 per row, all three contiguous): by the rule's compiled kernel ``update``, except,
+    with ``combined``, the rows it marks as sums of several gradients (first column not -1),
+    which take the rule's combine (weight decay added once to the sum). Where the rule has a
+    compiled combine, the whole push is one pass of it (it takes the rows of one gradient with
+    ``rows``' step); else those rows take ``update`` and the others ``combine_rows``' torch form."""
     if combined is None:
         update(weights.numpy(), {k: t.numpy() for k, t in state.items()}, slots, grads, lr)
         return
-    # The masks in numpy: torch's compare and boolean index cost 15-20 us more per table part.
     stats = stats_array(combined)
     if not len(stats):
         return
+    combine = _combined_update(update_rule, cfg, grads.shape[1])
+    if combine is not None:
+        combine(weights.numpy(), {k: t.numpy() for k, t in state.items()}, slots, grads, lr, stats)
+        return
+    # The masks in numpy: torch's compare and boolean index cost 15-20 us more per table part.
     many = stats[:, 0] != -1
     nmany = int(np.count_nonzero(many))
     if nmany == len(many):  # every row a sum (a row cache's push at its write bound): no row gathered

@@ -126,8 +126,9 @@ def combined_update(update_rule: UpdateRule, cfg: OptimizerConfig, dim: int) -> 
     ``dim`` floats, or None where the rule has none (its torch form, ``apply_combined``):
     ``update(weights, state, slots, grads, lr, stats)`` updates rows ``slots`` (unique, int64) in
     place from the summed gradients ``grads`` at rates ``lr`` (float32 per row) with ``stats``
-    (float32, rows x ``len(combined_stats)``, every row a sum), all contiguous. Compiled, or
-    loaded from the disk cache, on its first call (or by ``warm_up``), as ``row_update``."""
+    (float32, rows x ``len(combined_stats)``; a row whose first column is -1 takes ``rows``'
+    step), all contiguous; a large call is split across threads as ``row_update``'s. Compiled,
+    or loaded from the disk cache, on its first call (or by ``warm_up``), as ``row_update``."""
     if update_rule.combined_rows is None:
         return None
     kernel = rule_kernel(update_rule.combined_rows)
@@ -136,7 +137,15 @@ def combined_update(update_rule: UpdateRule, cfg: OptimizerConfig, dim: int) -> 
 
     def update(weights: np.ndarray, state: Mapping[str, np.ndarray], slots: np.ndarray, grads: np.ndarray, lr: np.ndarray,
                stats: np.ndarray) -> None:
-        kernel(weights, slots, grads, lr, stats, np.empty(dim, np.float32), *[state[k] for k in names], *constants)
+        states = [state[k] for k in names]
+        if len(slots) * dim < PARALLEL_ELEMENTS:
+            kernel(weights, slots, grads, lr, stats, np.empty(dim, np.float32), *states, *constants)
+            return
+
+        def run(a: int, b: int) -> None:
+            kernel(weights, slots[a:b], grads[a:b], lr[a:b], stats[a:b], np.empty(dim, np.float32), *states, *constants)
+
+        in_parts(run, len(slots), dim)
 
     return update
 

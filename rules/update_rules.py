@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from tether.protos.schedules import Schedule
     from tether.protos.specs import OptimizerConfig
 
-__all__ = ["SGD", "Adagrad", "Adam", "RuleOptimizer", "UpdateRule", "adam_factors", "adam_moments", "follow_schedule", "spread_squares"]
+__all__ = ["SGD", "Adagrad", "Adam", "RuleOptimizer", "UpdateRule", "adagrad_row", "adam_factors", "adam_moments", "adam_row", "follow_schedule", "spread_squares"]
 
 @kernel_helper
 def adam_factors(beta1: np.float64, beta2: np.float64) -> tuple[np.float32, np.float32, np.float64, np.float32, np.float32, np.float64]:
@@ -48,6 +48,28 @@ def adam_moments(m: np.ndarray, v: np.ndarray, t: np.ndarray, s: int, grad: np.n
     for j in range(len(grad)):
         v[s, j] = b2 * v[s, j] + (c2 * grad[j] * grad[j] if square else c2 * squares[j])
     return bc1, bc2
+
+
+@kernel_helper
+def adagrad_row(w: np.ndarray, acc: np.ndarray, s: int, grad: np.ndarray, step: np.float32, eps: np.float32) -> None:
+    """One Adagrad step of row ``s`` from ``grad`` (weight decay added) at rate ``step``: ``rows``'
+    arithmetic, which ``combined_rows`` takes for a row of one gradient."""
+    row, state = w[s], acc[s]
+    for j in range(len(grad)):
+        state[j] += grad[j] * grad[j]
+    for j in range(len(grad)):
+        row[j] -= step * grad[j] / (np.sqrt(state[j]) + eps)
+
+
+@kernel_helper
+def adam_row(w: np.ndarray, m: np.ndarray, v: np.ndarray, t: np.ndarray, s: int, grad: np.ndarray, step: np.float32,
+             b1: np.float32, c1: np.float32, log1: np.float64, b2: np.float32, c2: np.float32, log2: np.float64,
+             eps: np.float32) -> None:
+    """One Adam step of row ``s`` from ``grad`` (weight decay added) at rate ``step``: ``rows``'
+    arithmetic, which ``combined_rows`` takes for a row of one gradient."""
+    bc1, bc2 = adam_moments(m, v, t, s, grad, grad, True, b1, c1, log1, b2, c2, log2)
+    for j in range(len(grad)):
+        w[s, j] -= step * (m[s, j] / bc1) / (np.sqrt(v[s, j] / bc2) + eps)
 
 
 class UpdateRule:
@@ -102,10 +124,11 @@ class UpdateRule:
     # ``apply_combined``, is used): ``combined_rows(w, slots, g, lr, stats, scratch, *state,
     # *constants)`` updates rows ``slots[i]`` (unique) of ``w`` and of each state array in place
     # from the summed gradient ``g[i]``, the weight decay added once to it, at rate ``lr[i]``
-    # (float32 per row) with ``stats[i]`` its ``combined_stats`` (float32, every row a sum: first
-    # column not -1); ``scratch`` and ``constants`` as for ``rows``. It agrees with ``combine``
-    # within float rounding (``tests/test_rules_combined_kernels.py``). The shard compiles it
-    # (``tether.rules.row_kernels.combined_update``).
+    # (float32 per row) with ``stats[i]`` its ``combined_stats`` (float32); a row whose first
+    # column is -1 holds one gradient and takes ``rows``' step, bit for bit, so a push whose rows
+    # are partly sums is one pass; ``scratch`` and ``constants`` as for ``rows``. It agrees with
+    # ``combine`` within float rounding (``tests/test_rules_combined_kernels.py``). The shard
+    # compiles it (``tether.rules.row_kernels.combined_update``).
     combined_rows: Callable[..., None] | None = None
 
     def combine(self, cfg: OptimizerConfig, w: torch.Tensor, g: torch.Tensor, stats: torch.Tensor, state: Mapping[str, torch.Tensor],
@@ -228,15 +251,10 @@ class Adagrad(UpdateRule):
         w: np.ndarray, slots: np.ndarray, g: np.ndarray, lr: np.ndarray, scratch: np.ndarray, acc: np.ndarray,
         weight_decay: np.float32, eps: np.float32,
     ) -> None:
-        n, d = g.shape
-        for i in range(n):
+        for i in range(len(slots)):
             s = slots[i]
             decayed(scratch, g, i, w, s, weight_decay)
-            row, state, step = w[s], acc[s], lr[i]
-            for j in range(d):
-                state[j] += scratch[j] * scratch[j]
-            for j in range(d):
-                row[j] -= step * scratch[j] / (np.sqrt(state[j]) + eps)
+            adagrad_row(w, acc, s, scratch, lr[i], eps)
 
     combined_stats = ("square_sum",)
 
@@ -260,12 +278,15 @@ class Adagrad(UpdateRule):
     ) -> None:
         # ``combine`` row by row: the decayed sum in ``scratch``, its squares spread to the row's
         # ``square_sum`` added to the accumulator while its square roots before and after make
-        # the denominator.
+        # the denominator; a row of one gradient takes ``rows``' step.
         n, d = g.shape
         spread = np.empty(d, np.float32)
         for i in range(n):
             s = slots[i]
             decayed(scratch, g, i, w, s, weight_decay)
+            if stats[i, 0] == -1:
+                adagrad_row(w, acc, s, scratch, lr[i], eps)
+                continue
             spread_row(spread, scratch, np.float32(stats[i, 0]))
             row, state = w[s], acc[s]  # views made after the helpers (see ``decayed``)
             value = np.float32(-2.0) * lr[i]
@@ -318,10 +339,7 @@ class Adam(UpdateRule):
         for i in range(n):
             s = slots[i]
             decayed(scratch, g, i, w, s, weight_decay)
-            bc1, bc2 = adam_moments(m, v, t, s, scratch, scratch, True, b1, c1, log1, b2, c2, log2)
-            step = lr[i]
-            for j in range(d):
-                w[s, j] -= step * (m[s, j] / bc1) / (np.sqrt(v[s, j] / bc2) + eps)
+            adam_row(w, m, v, t, s, scratch, lr[i], b1, c1, log1, b2, c2, log2, eps)
 
     combined_stats = ("count", "square_sum")
 
@@ -355,7 +373,7 @@ class Adam(UpdateRule):
     ) -> None:
         # ``combine`` row by row: the decayed sum over its count k in ``scratch`` (each step's
         # gradient), its spread squares over k in ``square``, and the k steps' bias-corrected
-        # moves summed in ``move``.
+        # moves summed in ``move``; a row of one gradient takes ``rows``' step.
         b1, c1, log1, b2, c2, log2 = adam_factors(beta1, beta2)
         n, d = g.shape
         square, move = np.empty(d, np.float32), np.empty(d, np.float32)
@@ -363,6 +381,9 @@ class Adam(UpdateRule):
             s = slots[i]
             k = np.float32(stats[i, 0])
             decayed(scratch, g, i, w, s, weight_decay)
+            if k == -1:
+                adam_row(w, m, v, t, s, scratch, lr[i], b1, c1, log1, b2, c2, log2, eps)
+                continue
             spread_row(square, scratch, np.float32(stats[i, 1]))
             for j in range(d):
                 scratch[j] = scratch[j] / k

@@ -118,6 +118,33 @@ def test_a_push_of_combined_and_single_rows_is_the_torch_form(name: str, weight_
     assert int(moved.sum()) >= 9  # every row but (FTRL) the one at rate 0
 
 
+@pytest.mark.parametrize("name", WITH_KERNEL)
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_the_single_rows_of_a_mixed_push_take_the_row_kernel_bit_for_bit(name: str, weight_decay: float) -> None:
+    """A push whose rows are partly sums is one pass of the compiled combine (``apply_rows``):
+    its rows of one gradient (-1) end exactly where the rule's row kernel puts them alone, and
+    its sums exactly where the compiled combine puts them alone."""
+    r, cfg = rule(name), OptimizerConfig(name=name, lr=0.05, weight_decay=weight_decay, **OTHER[name])
+    gen = torch.Generator().manual_seed(12)
+    weights, state = torch.randn(ROWS, DIM, generator=gen), _state(r, gen)
+    slots = np.array([1, 3, 4, 8, 13, 20, 21, 33, 40, 47, 48], np.int64)
+    grads = torch.randn(len(slots), DIM, generator=gen).numpy()
+    stats = _stats(r, len(slots), gen).numpy()
+    one = np.zeros(len(slots), bool)
+    one[[0, 2, 3, 7, 10]] = True
+    stats[one, 0] = -1
+    lr = np.linspace(0.01, 0.05, len(slots), dtype=np.float32)
+    want_w, want_state = weights.clone(), {k: v.clone() for k, v in state.items()}
+    row_update(r, cfg, DIM)(want_w.numpy(), {k: v.numpy() for k, v in want_state.items()}, slots[one], grads[one], lr[one])
+    many = ~one
+    combined_update(r, cfg, DIM)(want_w.numpy(), {k: v.numpy() for k, v in want_state.items()},  # type: ignore[misc]
+                                 slots[many], np.ascontiguousarray(grads[many]), lr[many], np.ascontiguousarray(stats[many]))
+    apply_rows(r, cfg, row_update(r, cfg, DIM), weights, state, slots, grads, lr, stats)
+    assert torch.equal(weights, want_w) and all(torch.equal(state[k], want_state[k]) for k in state)
+    assert bool((weights[torch.from_numpy(slots)] != torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(12))[
+        torch.from_numpy(slots)]).any(1).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_statistics_of_another_float_type_are_taken_as_float32(dtype: torch.dtype) -> None:
     r, cfg = rule("adam"), OptimizerConfig(name="adam", lr=0.05)

@@ -66,21 +66,28 @@ def test_growth_past_the_reservation_copies_the_rows_and_leaves_the_rest_zero() 
     assert bigger.shape == (9, 4) and (bigger[:2] == 1.0).all() and not bigger[2:].any()
 
 
-@pytest.mark.parametrize("name", ["adagrad", "adam", "sgd", "rowwise_adagrad"])
-def test_a_large_update_split_across_threads_is_the_one_thread_update_bit_for_bit(name: str, threads) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("name", "combined"), [("adagrad", False), ("adam", False), ("sgd", False), ("rowwise_adagrad", False),
+                                                ("adagrad", True), ("adam", True), ("ftrl", True)])
+def test_a_large_update_split_across_threads_is_the_one_thread_update_bit_for_bit(name: str, combined: bool, threads) -> None:  # type: ignore[no-untyped-def]
+    # combined: a combined push's rows (row_kernels.combined_update), every other row one gradient.
     r, dim, n = rule(name), 128, 6000
     assert n * dim >= kernel_threads.PARALLEL_ELEMENTS
     cfg = OptimizerConfig(name, 0.05, weight_decay=0.01)
     rng = np.random.default_rng(0)
     slots = rng.choice(20_000, n, replace=False).astype(np.int64)
     grads, lr = rng.normal(size=(n, dim)).astype(np.float32), rng.uniform(0.5, 1.5, n).astype(np.float32)
+    stats = np.full((n, max(len(r.combined_stats), 1)), 3.0, np.float32)
+    stats[::2, 0] = -1
     results = []
     for count in (1, 3):
         threads(count)
         w = np.ones((20_000, dim), np.float32)
         state = {k: np.full((20_000, *s), 0.1, np.float32) for k, s in r.state_shapes(dim).items()}
         for _ in range(3):
-            row_kernels.row_update(r, cfg, dim)(w, state, slots, grads, lr)
+            if combined:
+                row_kernels.combined_update(r, cfg, dim)(w, state, slots, grads, lr, stats)  # type: ignore[misc]
+            else:
+                row_kernels.row_update(r, cfg, dim)(w, state, slots, grads, lr)
         results.append((w, state))
     (w1, s1), (w3, s3) = results
     assert np.array_equal(w1.view(np.uint32), w3.view(np.uint32)) and not np.array_equal(w1, np.ones_like(w1))

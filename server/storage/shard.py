@@ -330,7 +330,11 @@ class Shard:
         staleness = max(intervals[len(sparse):], default=0)
         # Tables with the most updates since their read first: their count is the likeliest to
         # reach what the others' intervals allow (hot rows take every update), so those are skipped.
-        for i in sorted(range(len(sparse)), key=lambda k: -intervals[k]):
+        order = sorted(range(len(sparse)), key=lambda k: -intervals[k])
+        # With no hard limit to check before anything is applied, the largest staleness is only
+        # reported: each table counts it under the same hold of its lock as its update.
+        count_first = staleness_aware or self.max_staleness is not None
+        for i in order if count_first else ():
             (t, p, _), u = checked[i], sparse[i]
             if not u.ids.size or not intervals[i]:
                 continue
@@ -356,7 +360,8 @@ class Shard:
             ] + [(c, None, u.grad, None) for c, u in zip(chunks, dense, strict=False)]
             reads = [u.read_values for u in sparse] + [u.read_value for u in dense]
             combined = [c[2] for c in checked] + [None] * len(dense)  # as checked: float32 arrays
-            for (target, ids, grad, pulled), s, n, read, stats in zip(blocks, stale, intervals, reads, combined, strict=False):
+            for k in order + list(range(len(sparse), len(blocks))):
+                (target, ids, grad, pulled), s, n, read, stats = blocks[k], stale[k], intervals[k], reads[k], combined[k]
                 # The typical staleness of this table or chunk: a running mean of its updates
                 # between a push's read and its apply, over every push (a racy update loses at
                 # most one sample).
@@ -378,8 +383,11 @@ class Shard:
                                                            acted if remedies.on else None)
                 if ids is None:
                     target.push(grad, scale, step_scale)
-                else:
+                elif count_first:
                     target.push(ids, grad, scale, pulled, stats)
+                else:
+                    _, counted = target.push_counted(ids, grad, scale, pulled, stats, sparse[k].read_version, staleness)
+                    staleness = max(staleness, counted)
                 observe_step(target, ids, before, remedies.decay)
                 for remedy, n in acted.items():
                     self.metrics.remedied(target.config.name if ids is not None else None, remedy, n)

@@ -357,21 +357,25 @@ class EmbeddingTable:
 
     def _staleness(self, ids: np.ndarray, read_version: int, pulled: Pulled | None, per_row: bool) -> np.ndarray | int | None:
         with self._lock:
-            slots = pulled.slots if pulled is not None and pulled.index is self._index else None
-            present = None
-            if slots is None:
-                slots = self._index.lookup(ids)
-                present = slots >= 0
-                if present.all():
-                    present = None
-                else:  # rows not there yet were never updated
-                    slots = np.where(present, slots, 0)
-            newer = self._versions.newer(slots, read_version)
-            if present is not None:
-                newer &= present
-            if not newer.any():
-                return None if per_row else 0
-            return self._updates.count(slots, newer, self.version, read_version, per_row)
+            return self._count(ids, read_version, pulled, per_row)
+
+    def _count(self, ids: np.ndarray, read_version: int, pulled: Pulled | None, per_row: bool) -> np.ndarray | int | None:
+        """``_staleness``'s count; the caller holds the lock."""
+        slots = pulled.slots if pulled is not None and pulled.index is self._index else None
+        present = None
+        if slots is None:
+            slots = self._index.lookup(ids)
+            present = slots >= 0
+            if present.all():
+                present = None
+            else:  # rows not there yet were never updated
+                slots = np.where(present, slots, 0)
+        newer = self._versions.newer(slots, read_version)
+        if present is not None:
+            newer &= present
+        if not newer.any():
+            return None if per_row else 0
+        return self._updates.count(slots, newer, self.version, read_version, per_row)
 
     def push(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float | np.ndarray = 1.0, pulled: Pulled | None = None,
              combined: np.ndarray | torch.Tensor | None = None) -> int:
@@ -382,31 +386,49 @@ class EmbeddingTable:
         ``lr_scale``: one factor for every row, or one per id (float64 array). ``combined``: a
         combined push's statistics per row (``push_hooks.apply_rows``; None: one gradient each).
         """
-        opt = self.config.optimizer
         with self._lock:
-            slots = pulled.slots if pulled is not None and pulled.index is self._index else self._resolve(ids)
-            keep = slots >= 0
-            if not keep.all():
-                dropped = int((~keep).sum())
-                self.dropped_rows += dropped
-                if self._on_drop is not None:
-                    self._on_drop(dropped)
-                slots, grads = slots[keep], grads[torch.from_numpy(keep)]
-                combined = None if combined is None else stats_array(combined)[keep]
-                if isinstance(lr_scale, np.ndarray):
-                    lr_scale = lr_scale[keep]
-            # Ids are unique: each row and its state are updated in place, in one pass of the
-            # rule's compiled row kernel (tether.rules.row_kernels), row by row with its own
-            # learning rate (a combined push's combined rows by push_hooks.combine_rows: the
-            # rule's compiled combined_rows where it has one, else its torch form).
-            lr = (opt.lr * (lr_scale if isinstance(lr_scale, np.ndarray) else np.full(len(slots), lr_scale))).astype(np.float32)
-            grads_np = np.ascontiguousarray(grads.detach().numpy(), np.float32)
-            apply_rows(self._rule, opt, self._update_rows, self._weights, self._state, np.ascontiguousarray(slots, np.int64), grads_np, lr,
-                       combined)
-            self.version += 1
-            self._versions.updated(slots, self.version, self._used)
-            self._updates.record(self.version, slots)
-            return self.version
+            return self._apply(ids, grads, lr_scale, pulled, combined)
+
+    def push_counted(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float | np.ndarray, pulled: Pulled | None,
+                     combined: np.ndarray | torch.Tensor | None, read_version: int, shown: int) -> tuple[int, int]:
+        """``push``, and the largest staleness of ``ids`` since a read at ``read_version``
+        (``largest_staleness``), counted under the same hold of the lock just before the update:
+        for a push that needs its staleness only to report it (no hard limit to check first).
+        Where the table's updates since the read (which bound every row's) do not exceed
+        ``shown``, the staleness the push has shown already, rows are not counted (0)."""
+        with self._lock:
+            stale = 0
+            if ids.size and self.version - read_version > shown:
+                stale = int(self._count(ids, read_version, pulled, per_row=False))  # type: ignore[arg-type]
+            return self._apply(ids, grads, lr_scale, pulled, combined), stale
+
+    def _apply(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float | np.ndarray, pulled: Pulled | None,
+               combined: np.ndarray | torch.Tensor | None) -> int:
+        """``push``'s update; the caller holds the lock."""
+        opt = self.config.optimizer
+        slots = pulled.slots if pulled is not None and pulled.index is self._index else self._resolve(ids)
+        keep = slots >= 0
+        if not keep.all():
+            dropped = int((~keep).sum())
+            self.dropped_rows += dropped
+            if self._on_drop is not None:
+                self._on_drop(dropped)
+            slots, grads = slots[keep], grads[torch.from_numpy(keep)]
+            combined = None if combined is None else stats_array(combined)[keep]
+            if isinstance(lr_scale, np.ndarray):
+                lr_scale = lr_scale[keep]
+        # Ids are unique: each row and its state are updated in place, in one pass of the
+        # rule's compiled row kernel (tether.rules.row_kernels), row by row with its own
+        # learning rate (a combined push's combined rows by push_hooks.combine_rows: the
+        # rule's compiled combined_rows where it has one, else its torch form).
+        lr = (opt.lr * (lr_scale if isinstance(lr_scale, np.ndarray) else np.full(len(slots), lr_scale))).astype(np.float32)
+        grads_np = np.ascontiguousarray(grads.detach().numpy(), np.float32)
+        apply_rows(self._rule, opt, self._update_rows, self._weights, self._state, np.ascontiguousarray(slots, np.int64), grads_np, lr,
+                   combined)
+        self.version += 1
+        self._versions.updated(slots, self.version, self._used)
+        self._updates.record(self.version, slots)
+        return self.version
 
     def running_means(self, name: str, ids: np.ndarray, x: np.ndarray | None = None, decay: float = 0.95) -> np.ndarray:
         """A per-row running mean kept beside the rows for a push remedy (``push_hooks``: DC-ASGD-a's
