@@ -1,7 +1,7 @@
 """The id index's compiled probes (numba): hashing an id (``mix64``), looking ids up in and
 placing them into the shard tables' index (``slot_*``: ``tether.server.storage.index``) and the worker
 row cache's (``index_*``: ``tether.worker.cache.slots``), and counting ids in a batch
-(``count_in``: ``tether.server.storage.update_log``). The rules' row kernels, the gather of pulled rows
+(``count_since``: ``tether.server.storage.update_log``). The rules' row kernels, the gather of pulled rows
 and the initialisation of new rows are in ``tether.rules.row_kernels``.
 
 Each is one loop over a push or pull, compiled once by LLVM and cached on disk (``cache=True``:
@@ -27,7 +27,7 @@ from numba.core import cgutils
 from tether.rules.kernel_cache import compiled
 
 __all__ = [
-    "EMPTY_SLOT", "REMOVED_SLOT", "cell_from", "count_in", "index_cells", "index_lookup", "index_place", "mix64", "prefetch",
+    "EMPTY_SLOT", "REMOVED_SLOT", "cell_from", "count_since", "index_cells", "index_lookup", "index_place", "mix64", "prefetch",
     "shard_loads", "slot_cells", "slot_lookup", "slot_place", "slot_rebuild", "warm_up",
 ]
 
@@ -278,36 +278,11 @@ def slot_rebuild(old: np.ndarray, old_bits: int, cells: np.ndarray, bits: int, k
             _put(cells, bits, keys[s], s)
 
 
-@_jit
-def count_in(values: np.ndarray, seen: np.ndarray) -> np.ndarray:
-    """How many times each of ``values`` (int64) occurs in ``seen`` (int32): one pass over
-    ``seen`` against a hash of ``values``, in memory of the size of ``values`` only. An entry of
-    ``seen`` is first tested against a bitset of ``values``' low bits (64 bits per value, in the
-    CPU's first cache: ``seen`` is a log of slots, small integers, whose low bits spread them),
-    and only the few that pass are looked up in the hash: a push whose read is far back (a row
-    cache's combined push) scans a long log mostly of other rows."""
-    n = 16
-    while n < 2 * len(values):
-        n *= 2
-    mask = np.uint64(n - 1)
-    nbits = 1024
-    while nbits < 64 * len(values):
-        nbits *= 2
-    bmask = np.int64(nbits - 1)
-    bits = np.zeros(nbits // 64, np.uint64)
-    for i in range(len(values)):
-        b = values[i] & bmask
-        bits[b >> 6] |= np.uint64(1) << np.uint64(b & 63)
-    where = np.full(n, -1, np.int64)
-    first = np.empty(len(values), np.int64)
-    for i in range(len(values)):
-        p = np.int64(mix64(values[i]) & mask)
-        while where[p] >= 0 and values[where[p]] != values[i]:
-            p = (p + 1) & np.int64(mask)
-        if where[p] < 0:
-            where[p] = i
-        first[i] = where[p]
-    counts = np.zeros(len(values), np.int64)
+@compiled(inline="always")
+def _count_hits(seen: np.ndarray, values: np.ndarray, where: np.ndarray, mask: np.uint64, bits: np.ndarray, bmask: np.int64,
+                counts: np.ndarray) -> None:
+    """``count_since``'s scan of one run of the log: each entry that passes the bitset and is in
+    the hash counts once for its row."""
     for j in range(len(seen)):
         v = np.int64(seen[j])
         b = v & bmask
@@ -319,10 +294,69 @@ def count_in(values: np.ndarray, seen: np.ndarray) -> np.ndarray:
                 counts[where[p]] += 1
                 break
             p = (p + 1) & np.int64(mask)
-    out = np.empty(len(values), np.int64)
-    for i in range(len(values)):
-        out[i] = counts[first[i]]
-    return out
+
+
+@_jit
+def count_since(slots: np.ndarray, versions: np.ndarray, after: np.int64, seen_a: np.ndarray, seen_b: np.ndarray,
+                whole: np.int64, out: np.ndarray) -> np.int64:
+    """A push's per-row staleness in one pass: for each of ``slots`` (int64; -1: not a row) whose
+    last update (``versions``, int32 by slot) is later than ``after``, how many times it occurs in
+    ``seen_a`` and ``seen_b`` (int32: the update log's slots since the read), or ``whole`` for
+    each where ``whole`` >= 0 (a read older than the log); written to ``out`` (0 for the others).
+    Returns the largest, or -1 where no row was updated since.
+
+    The scan is against a hash of the rows counted, in memory of their size only; an entry of the
+    log is first tested against a bitset of their low bits (64 bits per row, in the CPU's first
+    cache: the log holds small integers whose low bits spread them), and only the few that pass
+    are looked up in the hash: a push whose read is far back (a row cache's combined push) scans
+    a long log mostly of other rows."""
+    n_rows = len(slots)
+    values = np.empty(n_rows, np.int64)
+    k = 0
+    for i in range(n_rows):
+        out[i] = 0
+        s = slots[i]
+        if s >= 0 and versions[s] > after:
+            values[k] = s
+            k += 1
+    if k == 0:
+        return np.int64(-1)
+    if whole >= 0:
+        for i in range(n_rows):
+            s = slots[i]
+            if s >= 0 and versions[s] > after:
+                out[i] = whole
+        return whole
+    n = 16
+    while n < 2 * k:
+        n *= 2
+    mask = np.uint64(n - 1)
+    nbits = 1024
+    while nbits < 64 * k:
+        nbits *= 2
+    bmask = np.int64(nbits - 1)
+    bits = np.zeros(nbits // 64, np.uint64)
+    where = np.full(n, -1, np.int64)
+    for i in range(k):
+        b = values[i] & bmask
+        bits[b >> 6] |= np.uint64(1) << np.uint64(b & 63)
+        p = np.int64(mix64(values[i]) & mask)
+        while where[p] >= 0 and values[where[p]] != values[i]:
+            p = (p + 1) & np.int64(mask)
+        where[p] = i
+    counts = np.zeros(k, np.int64)
+    _count_hits(seen_a, values, where, mask, bits, bmask, counts)
+    _count_hits(seen_b, values, where, mask, bits, bmask, counts)
+    largest = np.int64(0)
+    for i in range(n_rows):
+        s = slots[i]
+        if s >= 0 and versions[s] > after:
+            p = np.int64(mix64(s) & mask)
+            while values[where[p]] != s:
+                p = (p + 1) & np.int64(mask)
+            out[i] = counts[where[p]]
+            largest = max(largest, out[i])
+    return largest
 
 
 def _load_slot_lookup() -> None:
@@ -340,15 +374,20 @@ def _load_slot_rebuild() -> None:
     slot_rebuild(np.full(16, _EMPTY, np.int32), 1, np.full(16, _EMPTY, np.int32), 1, np.arange(2, dtype=np.int64))
 
 
-def _load_count_in() -> None:
-    count_in(np.arange(2, dtype=np.int64), np.zeros(4, np.int32))
+def _load_count_since() -> None:
+    _count_since_example()
+
+
+def _count_since_example() -> None:
+    seen = np.zeros(4, np.int32)
+    count_since(np.arange(2, dtype=np.int64), np.ones(2, np.int32), np.int64(0), seen, seen[:0], np.int64(-1), np.empty(2, np.int64))
 
 
 def shard_loads() -> list[Any]:
     """Calls that load the kernels of the shard tables' index that a shard uses in every job,
     for the types it calls them with (lookup, insert, a growing table's rebuild, and
-    ``count_in``: a push's per-row staleness); a removal's is loaded at its first use."""
-    return [_load_slot_lookup, _load_slot_place, _load_slot_rebuild, _load_count_in]
+    ``count_since``: a push's staleness); a removal's is loaded at its first use."""
+    return [_load_slot_lookup, _load_slot_place, _load_slot_rebuild, _load_count_since]
 
 
 def warm_up() -> None:
@@ -365,4 +404,4 @@ def warm_up() -> None:
     slot_lookup(slots32, keys, 1, ids)
     slot_cells(slots32, keys, 1, ids)
     slot_rebuild(slots32, 1, np.full(16, _EMPTY, np.int32), 1, keys)
-    count_in(ids, np.zeros(4, np.int32))
+    _count_since_example()

@@ -232,7 +232,11 @@ def running_mean(mean: np.ndarray, x: np.ndarray, decay: float) -> np.ndarray:
 def stats_array(stats: torch.Tensor | np.ndarray) -> np.ndarray:
     """A combined push's statistics as a contiguous float32 array (no copy where they are one)."""
     if isinstance(stats, torch.Tensor):
-        stats = stats.detach().to(torch.float32).numpy()
+        # A float32 tensor's own array (a push's statistics, decoded off the wire, are): each
+        # torch call costs a microsecond or two a table part.
+        stats = stats.numpy() if stats.dtype is torch.float32 and not stats.requires_grad else stats.detach().to(torch.float32).numpy()
+    if stats.dtype == np.float32 and stats.flags.c_contiguous:
+        return stats
     return np.ascontiguousarray(stats, np.float32)
 
 

@@ -179,25 +179,43 @@ def test_row_versions_past_their_int32_span_keep_staleness_exact_for_recent_read
 
 def test_update_log_counts_without_a_scratch_per_row() -> None:
     from tether.rules import index_kernels
-    from tether.server.storage.update_log import UpdateLog
+    from tether.server.storage.update_log import RowVersions, UpdateLog
 
     rng = np.random.default_rng(0)
     values = rng.choice(1 << 20, 500, replace=False).astype(np.int64)
     seen = rng.choice(np.concatenate([values, rng.integers(0, 1 << 20, 5000)]), 20_000).astype(np.int32)
     want = [(seen == v).sum() for v in values]
-    assert index_kernels.count_in(values, seen).tolist() == want
-    assert index_kernels.count_in(np.array([3, 3, 4], np.int64), np.array([3, 4, 4], np.int32)).tolist() == [1, 1, 2]
+    versions = np.ones(1 << 20, np.int32)
+    versions[values[::7]] = 0  # not updated since the read: not counted
+    want = [0 if versions[v] == 0 else w for v, w in zip(values, want, strict=True)]
+    out = np.empty(len(values), np.int64)
+    head, tail = seen[:7000], seen[7000:]  # the log's two runs of its ring
+    assert index_kernels.count_since(values, versions, np.int64(0), head, tail, np.int64(-1), out) == max(want)
+    assert out.tolist() == want
+    # A duplicate slot and one that is not a row (-1): each counted as its slot, -1 as 0.
+    out = np.empty(4, np.int64)
+    got = index_kernels.count_since(np.array([3, 3, 4, -1], np.int64), np.ones(8, np.int32), np.int64(0), np.array([3, 4, 4], np.int32),
+                                    np.empty(0, np.int32), np.int64(-1), out)
+    assert out.tolist() == [1, 1, 2, 0] and got == 2
+    # No row updated since: -1; a read older than the log: every newer row counts ``whole``.
+    assert index_kernels.count_since(np.array([1, 2], np.int64), np.zeros(4, np.int32), np.int64(0), head, tail, np.int64(-1), out[:2]) == -1
+    assert index_kernels.count_since(np.array([1, 2], np.int64), np.array([0, 0, 3, 0], np.int32), np.int64(0), head, tail, np.int64(9),
+                                     out[:2]) == 9
+    assert out[:2].tolist() == [0, 9]
     log = UpdateLog(max_updates=4, max_slots=10)
+    rows = RowVersions(16)
     for version, slots in enumerate(([1, 2], [2, 3], [2], [5, 6, 7, 8], [2, 9]), start=1):
         log.record(version, np.array(slots, np.int64))
+        rows.updated(np.array(slots, np.int64), version, 16)
     # Version 1 went (11 slots held, more than 10); 2..5 remain, 4 bytes a slot.
     assert log.nbytes == 4 * 9
-    slots = np.array([2, 3, 9, 4], np.int64)
-    newer = np.array([True, True, True, False])
-    assert log.count(slots, newer, 5, 2, per_row=True).tolist() == [2, 0, 1, 0]
-    assert log.count(slots, newer, 5, 2, per_row=False) == 2
-    # A read older than the log: every newer row stale by every update since the read.
-    assert log.count(slots, newer, 5, 0, per_row=True).tolist() == [5, 5, 5, 0]
+    slots = np.array([2, 3, 9, 4, -1], np.int64)  # 4 was never updated; -1 is not a row
+    assert log.count(slots, rows, 5, 2, per_row=True).tolist() == [2, 0, 1, 0, 0]  # type: ignore[union-attr]
+    assert log.count(slots, rows, 5, 2, per_row=False) == 2
+    # A read older than the log: every row updated since the read stale by every update since.
+    assert log.count(slots, rows, 5, 0, per_row=True).tolist() == [5, 5, 5, 0, 0]  # type: ignore[union-attr]
+    assert log.count(np.array([4], np.int64), rows, 5, 0, per_row=True) is None
+    assert log.count(np.array([4], np.int64), rows, 5, 0, per_row=False) == 0
 
 
 def test_storage_from_mappings_is_zeroed_writable_and_unbacked_until_written() -> None:
@@ -237,8 +255,10 @@ def test_a_table_holds_about_20_bytes_a_row_beyond_its_rows_and_state() -> None:
 def test_update_log_ring_counts_as_a_list_of_every_update_would() -> None:
     """The log's ring (grown from 2 slots, wrapping, dropping the oldest updates past either
     cap) counts what a plain list of the updates it keeps counts."""
-    from tether.server.storage.update_log import UpdateLog
+    from tether.server.storage.update_log import RowVersions, UpdateLog
 
+    every = RowVersions(60)
+    every.array[:] = 1 << 30  # every row updated after any read here
     rng = np.random.default_rng(7)
     for max_updates, max_slots in ((3, 50), (40, 25), (8, 1000)):
         log, kept = UpdateLog(max_updates, max_slots), []
@@ -252,8 +272,8 @@ def test_update_log_ring_counts_as_a_list_of_every_update_would() -> None:
             assert log.nbytes == 4 * sum(len(s) for _, s in kept)
             read = int(rng.integers(0, version + 1))
             ids = rng.choice(60, 15, replace=False).astype(np.int64)
-            newer = np.ones(15, bool)
-            got = log.count(ids, newer, version, read, per_row=True)
+            got = log.count(ids, every, version, read, per_row=True)
+            assert got is not None
             if not kept or kept[0][0] > read + 1:
                 assert got.tolist() == [version - read] * 15
             else:

@@ -361,21 +361,9 @@ class EmbeddingTable:
 
     def _count(self, ids: np.ndarray, read_version: int, pulled: Pulled | None, per_row: bool) -> np.ndarray | int | None:
         """``_staleness``'s count; the caller holds the lock."""
-        slots = pulled.slots if pulled is not None and pulled.index is self._index else None
-        present = None
-        if slots is None:
-            slots = self._index.lookup(ids)
-            present = slots >= 0
-            if present.all():
-                present = None
-            else:  # rows not there yet were never updated
-                slots = np.where(present, slots, 0)
-        newer = self._versions.newer(slots, read_version)
-        if present is not None:
-            newer &= present
-        if not newer.any():
-            return None if per_row else 0
-        return self._updates.count(slots, newer, self.version, read_version, per_row)
+        # Rows not there yet (-1) were never updated.
+        slots = pulled.slots if pulled is not None and pulled.index is self._index else self._index.lookup(ids)
+        return self._updates.count(slots, self._versions, self.version, read_version, per_row)
 
     def push(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float | np.ndarray = 1.0, pulled: Pulled | None = None,
              combined: np.ndarray | torch.Tensor | None = None) -> int:

@@ -9,7 +9,7 @@ import bisect
 
 import numpy as np
 
-from tether.rules.index_kernels import count_in
+from tether.rules.index_kernels import count_since
 from tether.server.storage.zeroed import zeros
 
 __all__ = ["RowVersions", "UpdateLog"]
@@ -84,27 +84,33 @@ class UpdateLog:
         self._head = 0
         self._begin = self._end
 
-    def count(self, slots: np.ndarray, newer: np.ndarray, version: int, read_version: int, per_row: bool) -> np.ndarray | int:
-        """How many updates since ``read_version`` wrote each of ``slots`` where ``newer`` (the
-        rows updated since the read), of a table now at ``version``: an int64 array per slot, or
-        (``per_row`` False) the largest. A read older than the log counts each newer row as stale
-        by every update since the read. Memory: the size of the push, none per row of the table
-        and no copy of the log."""
+    def count(self, slots: np.ndarray, versions: RowVersions, version: int, read_version: int, per_row: bool) -> np.ndarray | int | None:
+        """How many updates since ``read_version`` wrote each of ``slots`` (int64; -1: not a row,
+        never updated) that ``versions`` says were updated since the read, of a table now at
+        ``version``: an int64 array per slot (None where no row was updated since), or
+        (``per_row`` False) the largest (0: none). A read older than the log counts each newer row
+        as stale by every update since the read. One compiled pass (``count_since``); memory: the
+        size of the push, none per row of the table and no copy of the log."""
+        after = versions.after(read_version)
+        whole = -1
+        since: list[np.ndarray] = []
         if self._head == len(self._versions) or self._versions[self._head] > read_version + 1:
-            if not per_row:
-                return version - read_version
-            return np.where(newer, version - read_version, 0).astype(np.int64)
-        first = bisect.bisect_right(self._versions, read_version, self._head)
-        since = self._slices(self._starts[first], self._end) if first < len(self._versions) else []
-        values = np.ascontiguousarray(slots[newer], np.int64)
-        counted = count_in(values, since[0]) if since else np.zeros(len(values), np.int64)
-        if len(since) > 1:
-            counted += count_in(values, since[1])
+            whole = version - read_version
+        else:
+            first = bisect.bisect_right(self._versions, read_version, self._head)
+            if first < len(self._versions):
+                since = self._slices(self._starts[first], self._end)
+        a = since[0] if since else _NONE
+        b = since[1] if len(since) > 1 else _NONE
+        out = np.empty(len(slots), np.int64)
+        largest = int(count_since(np.ascontiguousarray(slots, np.int64), versions.array, np.int64(after), a, b, np.int64(whole), out))
         if not per_row:
-            return int(counted.max()) if len(counted) else 0
-        out = np.zeros(len(slots), np.int64)
-        out[newer] = counted
-        return out
+            return max(largest, 0)
+        return out if largest >= 0 else None
+
+
+# No log entries (an empty run of the ring for ``count_since``).
+_NONE = np.empty(0, np.int32)
 
 
 class RowVersions:
@@ -149,8 +155,9 @@ class RowVersions:
             self.base = self.floor = base
         self.array[slots] = version - self.base
 
-    def newer(self, slots: np.ndarray, read_version: int) -> np.ndarray:
-        """Whether each of ``slots`` was updated after a read at ``read_version``."""
-        if read_version < self.floor:  # older than the versions know: every row
-            return np.ones(len(slots), bool)
-        return self.array[slots] > min(max(read_version - self.base, 0), self.span)
+    def after(self, read_version: int) -> int:
+        """The offset a row updated after a read at ``read_version`` holds more than (-1: every
+        row, for a read older than the versions know)."""
+        if read_version < self.floor:
+            return -1
+        return min(max(read_version - self.base, 0), self.span)
