@@ -20,7 +20,10 @@ if TYPE_CHECKING:
     from tether.protos.schedules import Schedule
     from tether.protos.specs import OptimizerConfig
 
-__all__ = ["SGD", "Adagrad", "Adam", "RuleOptimizer", "UpdateRule", "adagrad_row", "adam_factors", "adam_moments", "adam_row", "follow_schedule", "spread_squares"]
+__all__ = [
+    "SGD", "Adagrad", "Adam", "RuleOptimizer", "UpdateRule", "adagrad_row", "adam_factors", "adam_moments", "adam_row", "follow_schedule",
+    "spread_squares",
+]
 
 @kernel_helper
 def adam_factors(beta1: np.float64, beta2: np.float64) -> tuple[np.float32, np.float32, np.float64, np.float32, np.float32, np.float64]:
@@ -335,8 +338,7 @@ class Adam(UpdateRule):
         t: np.ndarray, weight_decay: np.float32, beta1: np.float64, beta2: np.float64, eps: np.float32,
     ) -> None:
         b1, c1, log1, b2, c2, log2 = adam_factors(beta1, beta2)
-        n, d = g.shape
-        for i in range(n):
+        for i in range(len(slots)):
             s = slots[i]
             decayed(scratch, g, i, w, s, weight_decay)
             adam_row(w, m, v, t, s, scratch, lr[i], b1, c1, log1, b2, c2, log2, eps)

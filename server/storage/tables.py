@@ -394,9 +394,10 @@ class EmbeddingTable:
                combined: np.ndarray | torch.Tensor | None) -> int:
         """``push``'s update; the caller holds the lock."""
         opt = self.config.optimizer
-        slots = pulled.slots if pulled is not None and pulled.index is self._index else self._resolve(ids)
-        keep = slots >= 0
-        if not keep.all():
+        known = pulled is not None and pulled.index is self._index  # every id a row (``pulled``)
+        slots = pulled.slots if known else self._resolve(ids)  # type: ignore[union-attr]
+        keep = None if known else slots >= 0
+        if keep is not None and not keep.all():
             dropped = int((~keep).sum())
             self.dropped_rows += dropped
             if self._on_drop is not None:
@@ -409,7 +410,10 @@ class EmbeddingTable:
         # rule's compiled row kernel (tether.rules.row_kernels), row by row with its own
         # learning rate (a combined push's combined rows by push_hooks.combine_rows: the
         # rule's compiled combined_rows where it has one, else its torch form).
-        lr = (opt.lr * (lr_scale if isinstance(lr_scale, np.ndarray) else np.full(len(slots), lr_scale))).astype(np.float32)
+        if isinstance(lr_scale, np.ndarray):
+            lr = (opt.lr * lr_scale).astype(np.float32)
+        else:
+            lr = np.full(len(slots), opt.lr * lr_scale, np.float32)
         grads_np = np.ascontiguousarray(grads.detach().numpy(), np.float32)
         apply_rows(self._rule, opt, self._update_rows, self._weights, self._state, np.ascontiguousarray(slots, np.int64), grads_np, lr,
                    combined)
