@@ -375,10 +375,6 @@ def _load_slot_rebuild() -> None:
 
 
 def _load_count_since() -> None:
-    _count_since_example()
-
-
-def _count_since_example() -> None:
     seen = np.zeros(4, np.int32)
     count_since(np.arange(2, dtype=np.int64), np.ones(2, np.int32), np.int64(0), seen, seen[:0], np.int64(-1), np.empty(2, np.int64))
 
@@ -404,4 +400,4 @@ def warm_up() -> None:
     slot_lookup(slots32, keys, 1, ids)
     slot_cells(slots32, keys, 1, ids)
     slot_rebuild(slots32, 1, np.full(16, _EMPTY, np.int32), 1, keys)
-    _count_since_example()
+    _load_count_since()

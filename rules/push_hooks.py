@@ -4,10 +4,11 @@ staleness remedies that need the values a gradient was computed on (``Remedies``
 DC-ASGD-a, gap-aware). ``tether.server.storage.shard`` calls ``adjusted`` per block, after the
 whole push was checked (``check_read``, ``check_combined``, ``check_remedies``) and just before
 the table's or chunk's update, and ``observe_step`` just after it (gap-aware's update size).
-A table applies a block's rows with ``apply_rows``: the rule's compiled kernel,
-and for the rows of a combined push (a worker's row cache summing several steps' gradients) the
-rule's combine (``combine_rows``: its compiled ``combined_rows`` where it has one, else its torch
-form; local mode calls it too)."""
+A table applies a block's rows with ``apply_rows``: the rule's compiled kernel, and for a
+combined push (a worker's row cache summing several steps' gradients) the rule's compiled
+``combined_rows`` over the whole block where it has one (it takes the rows of one gradient with the
+kernel's step), else the kernel and, for the sums, the rule's torch form (``combine_rows``; local
+mode calls it too)."""
 
 from __future__ import annotations
 

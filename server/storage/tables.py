@@ -408,8 +408,8 @@ class EmbeddingTable:
                 lr_scale = lr_scale[keep]
         # Ids are unique: each row and its state are updated in place, in one pass of the
         # rule's compiled row kernel (tether.rules.row_kernels), row by row with its own
-        # learning rate (a combined push's combined rows by push_hooks.combine_rows: the
-        # rule's compiled combined_rows where it has one, else its torch form).
+        # learning rate (a combined push's in one pass of the rule's compiled combine, which
+        # takes its rows of one gradient with the row kernel's step: push_hooks.apply_rows).
         if isinstance(lr_scale, np.ndarray):
             lr = (opt.lr * lr_scale).astype(np.float32)
         else:
