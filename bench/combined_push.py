@@ -9,13 +9,15 @@ of dim 16, Adagrad, ids Zipf-distributed over ``--vocab``). Each round every wor
   round before it overtook it), as a worker without the cache pushes;
 * **combined**: each row the sum of ``--held`` gradients with its statistics (Adagrad's sum of
   mean(g * g)), its read version the oldest of them, ``--held`` rounds back (W x held pushes
-  overtook it), as the row cache at write bound ``--held`` pushes.
+  overtook it), as the row cache at write bound ``--held`` pushes; with ``--single F``, a fraction F
+  of its rows (spread through the push) hold one gradient (statistic -1), as the cache's push mixes
+  the rows it holds with the rows it does not admit.
 
 Neither ``--staleness-aware`` nor a hard limit is set: the shard needs only each push's largest
 staleness (metric, ack). Prints thread CPU microseconds per row of each kind (median over rounds
 after the first tenth) and their ratio; the issue's target is a ratio of at most 1.0.
 
-    python bench/combined_push.py [--workers 4] [--tables 8] [--rows 80] [--held 20] [--rounds 200]
+    python bench/combined_push.py [--workers 4] [--tables 8] [--rows 80] [--held 20] [--rounds 200] [--single 0.5]
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def _zipf_ids(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
     return np.array(sorted(out)[:n], np.int64)
 
 
-def run(combined: bool, workers: int, tables: int, rows: int, held: int, rounds: int, vocab: int, seed: int = 0) -> float:
+def run(combined: bool, workers: int, tables: int, rows: int, held: int, rounds: int, vocab: int, seed: int = 0,
+        single: float = 0.0) -> float:
     """CPU microseconds per row of ``Shard.push`` (median over rounds of the round's mean)."""
     torch.set_num_threads(1)
     rng = np.random.default_rng(seed)
@@ -53,6 +56,7 @@ def run(combined: bool, workers: int, tables: int, rows: int, held: int, rounds:
     shard.declare([TableConfig(name=t, dim=16, optimizer=opt) for t in names], [])
     grads = torch.full((rows, 16), 1e-3)
     stats = torch.full((rows, 1), float(held) * 1e-6)
+    stats[torch.from_numpy(np.random.default_rng(seed + 1).random(rows) < single), 0] = -1.0  # rows of one gradient
     versions: list[dict[str, int]] = []  # per round: each table's version at the round's start
     per_round = []
     seq = 0
@@ -83,13 +87,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--vocab", type=int, default=100_000)
     p.add_argument("--repeats", type=int, default=3, help="alternating plain and combined runs (default 3)")
+    p.add_argument("--single", type=float, default=0.0, help="fraction of a combined push's rows holding one gradient (default 0)")
     a = p.parse_args()
+    if not 0.0 <= a.single <= 1.0:
+        p.error(f"--single must be a fraction from 0 to 1, got {a.single}")
     plain, comb = [], []
     for _ in range(a.repeats):
         plain.append(run(False, a.workers, a.tables, a.rows, a.held, a.rounds, a.vocab))
-        comb.append(run(True, a.workers, a.tables, a.rows, a.held, a.rounds, a.vocab))
+        comb.append(run(True, a.workers, a.tables, a.rows, a.held, a.rounds, a.vocab, single=a.single))
     p_us, c_us = statistics.median(plain), statistics.median(comb)
-    print(f"{a.workers} workers, {a.tables} tables x {a.rows} rows a push, combined rows of {a.held} gradients read {a.held} rounds back; "
+    print(f"{a.workers} workers, {a.tables} tables x {a.rows} rows a push, combined rows of {a.held} gradients read {a.held} rounds back "
+          f"({a.single:.0%} of them one gradient); "
           f"thread CPU us per row, median of {a.repeats} alternating runs")
     print(f"plain {p_us:.3f} ({', '.join(f'{x:.3f}' for x in plain)}); combined {c_us:.3f} ({', '.join(f'{x:.3f}' for x in comb)}); "
           f"combined / plain {c_us / p_us:.2f}x")
