@@ -4,10 +4,13 @@ cache and with the cache at each bound, over several seeds (each seed: the model
 every worker's data order), and the bytes each cache saves against no cache (every worker's
 traffic record: rows and combined-push statistics pulled and pushed).
 
-The ratings are the example's synthetic MovieLens-format data at MovieLens-100k's shape (100,000
-ratings, 943 users, 1,682 movies; `movielens.write_ratings`), not the real data set.
+The ratings are the real MovieLens 100K where ``--ratings`` names its ``u.data`` (GroupLens
+publishes it at https://grouplens.org/datasets/movielens/100k/; its licence allows no copy here),
+else the example's synthetic MovieLens-format data at its shape (100,000 ratings, 943 users,
+1,682 movies; `movielens.write_ratings`). Every 10th line is held out either way.
 
     python bench/cache_accuracy.py --seeds 0,1,2 --bounds 20,20/0,5 --steps 300
+    python bench/cache_accuracy.py --ratings ml-100k/u.data --seeds 0,1,2 --bounds 20,5
     python bench/cache_accuracy.py --seeds 0,1,2 --bounds 20 --extra 'hot 8={"cache_bound": 20, "cache_hot": 8}' --json out.json
 
 Each (seed, configuration) is one `tether launch`-equivalent job (4 workers x 2 shards, async, the
@@ -70,13 +73,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-rows", type=int, default=100_000)
     p.add_argument("--optimizer", default="adagrad")
     p.add_argument("--json", metavar="FILE", help="also write every run here")
+    p.add_argument("--ratings", type=Path, metavar="FILE",
+                   help="a real ratings file (MovieLens 100K's u.data, or any format movielens.read_ratings takes); default: synthetic")
     a = p.parse_args(argv)
+    if a.ratings is not None and not a.ratings.is_file():
+        p.error(f"--ratings {a.ratings}: no such file")
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
     configs = _configs(a)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as tmp:
-        ratings = Path(tmp) / "ratings.dat"
-        write_ratings(ratings, 100_000, num_users=943, num_movies=1682, seed=0)
+        ratings = a.ratings.resolve() if a.ratings is not None else Path(tmp) / "ratings.dat"
+        if a.ratings is None:
+            write_ratings(ratings, 100_000, num_users=943, num_movies=1682, seed=0)
         for n, seed in enumerate(seeds):
             names = list(configs) if n % 2 == 0 else list(reversed(list(configs)))
             for name in names:
@@ -93,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         rmse = [r["rmse"] for r in rs]
         rel = [r["rmse"] / base[r["seed"]]["rmse"] - 1 for r in rs]
         saved = [1 - r["bytes"] / base[r["seed"]]["bytes"] for r in rs]
-        print(f"{name} ({a.workers} workers x {a.shards} shards, async, {a.optimizer}, {a.steps} steps, seeds {a.seeds}): "
+        print(f"{name} ({a.ratings or 'synthetic ratings'}, {a.workers} workers x {a.shards} shards, async, {a.optimizer}, {a.steps} steps, "
+              f"seeds {a.seeds}): "
               f"RMSE mean {statistics.mean(rmse):.5f} ({min(rmse):.5f}..{max(rmse):.5f}); vs no cache, paired by seed, "
               f"mean {statistics.mean(rel):+.2%} ({min(rel):+.2%}..{max(rel):+.2%}); bytes saved {statistics.mean(saved):.1%}", flush=True)
     if a.json:

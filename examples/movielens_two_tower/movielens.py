@@ -1,8 +1,11 @@
 """MovieLens-format rating files: a generator (nothing is downloaded) and a reader.
 
-The format is MovieLens 1M's ``ratings.dat``: one ``UserID::MovieID::Rating::Timestamp`` per
-line, ratings 1..5. The generator draws them from a hidden low-rank model (user and movie
-factors plus biases), so a model that learns the factors beats the mean rating.
+The generator writes MovieLens 1M's ``ratings.dat`` format: one
+``UserID::MovieID::Rating::Timestamp`` per line, ratings 1..5, drawn from a hidden low-rank model
+(user and movie factors plus biases), so a model that learns the factors beats the mean rating.
+The reader also takes the real files as GroupLens publishes them: MovieLens 100K's ``u.data``
+(tab-separated), 1M's and 10M's ``ratings.dat`` (``::``) and the later sets' ``ratings.csv``
+(comma-separated, a ``userId,movieId,rating,timestamp`` header first).
 """
 
 from __future__ import annotations
@@ -38,20 +41,29 @@ def read_ratings(
     path: str | Path, rank: int = 0, world_size: int = 1, held_out_every: int = 10
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """This worker's training ratings (line i with i % world_size == rank) and the held-out
-    set (every ``held_out_every``-th line, the same on every worker, never trained on).
+    set (every ``held_out_every``-th line, the same on every worker, never trained on), from
+    any of the formats in the module docstring (a CSV file's header line is not a rating and
+    is not counted).
 
     Raises:
-        ValueError: a line that is not ``user::movie::rating::timestamp`` (file and line named).
+        ValueError: a line that is not ``user<sep>movie<sep>rating[<sep>timestamp]`` with one of
+            the separators ``::``, tab or comma (file and line named).
     """
     train: list[tuple[int, int, float]] = []
     held: list[tuple[int, int, float]] = []
     with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            parts = line.strip().split("::")
+        lineno = 0
+        for fileno, line in enumerate(f, 1):
+            text = line.strip()
+            sep = "::" if "::" in text else "\t" if "\t" in text else ","
+            parts = text.split(sep)
+            if fileno == 1 and sep == "," and parts[:2] == ["userId", "movieId"]:
+                continue  # ratings.csv's header
+            lineno += 1
             try:
                 user, movie, rating = int(parts[0]), int(parts[1]), float(parts[2])
             except (IndexError, ValueError):
-                raise ValueError(f"{path}:{lineno}: not a MovieLens rating line: {line.strip()[:60]!r}") from None
+                raise ValueError(f"{path}:{fileno}: not a MovieLens rating line: {text[:60]!r}") from None
             if lineno % held_out_every == 0:
                 held.append((user, movie, rating))
             elif (lineno - 1) % world_size == rank:
