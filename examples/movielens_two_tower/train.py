@@ -56,7 +56,7 @@ def order_seed(config: TrainingConfig) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", required=True, help="ratings file (UserID::MovieID::Rating::Timestamp)")
+    p.add_argument("--data", required=True, help="ratings file: ratings.dat (UserID::MovieID::Rating::Timestamp), u.data or ratings.csv")
     p.add_argument("--generate", type=int, default=0, help="first write this many synthetic ratings to --data, then exit")
     p.add_argument("--batch-size", type=int, default=int(os.environ.get("TETHER_BATCH_SIZE", 256)))
     p.add_argument("--dim", type=int, default=int(os.environ.get("TETHER_EMBEDDING_DIM", 16)))
