@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
               f"RMSE mean {statistics.mean(rmse):.5f} ({min(rmse):.5f}..{max(rmse):.5f}); vs no cache, paired by seed, "
               f"mean {statistics.mean(rel):+.2%} ({min(rel):+.2%}..{max(rel):+.2%}); bytes saved {statistics.mean(saved):.1%}", flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "runs": runs}, indent=1))
+        Path(a.json).write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}, "runs": runs}, indent=1))
     return 0
 
 
