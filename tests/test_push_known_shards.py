@@ -16,7 +16,9 @@ from tether.worker.cache.row_cache import RowCache
 from tether.worker.cache.split import group_ids, pack_push
 from tether.worker.client.config import ClientConfig
 from tether.worker.client.results import PullResult
-from tether.worker.client.router import PackedPush, Router, ShardedPart
+from tether.protos.errors import InvalidArgument
+from tether.worker.client.router import PackedParts, PackedPush, Router, ShardedPart
+from tether.worker.client.traffic import TrafficMeter
 
 _DIMS = {"a": 4, "b": 2}
 
@@ -107,8 +109,9 @@ def _cached_push(num_shards: int) -> tuple[dict[str, tuple[torch.Tensor, ...]], 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 4])
 def test_a_cached_push_with_known_shards_sends_what_a_hashed_split_sends(num_shards: int, monkeypatch: pytest.MonkeyPatch) -> None:
     pushed, versions = _cached_push(num_shards)
-    assert set(pushed) == set(_DIMS) and all(isinstance(p, ShardedPart) and len(p) == 3 for p in pushed.values())
+    assert isinstance(pushed, PackedParts) and list(pushed) == list(_DIMS)
     plain = {t: tuple(p) for t, p in pushed.items()}  # the same rows, split by hashing their ids
+    assert all(isinstance(p, ShardedPart) and len(p) == 3 for p in pushed.values())
     want = _wire(_router(num_shards), plain, versions)
     hashed: list[int] = []
     monkeypatch.setattr("tether.worker.client.router.split_ids", lambda ids, n: hashed.append(len(ids)) or split_ids(ids, n))
@@ -132,6 +135,33 @@ def test_a_cached_push_with_known_shards_sends_what_a_hashed_split_sends(num_sha
     for meta, _ in got.values():  # each table's part carries its combined statistics (adam 2 columns, adagrad 1)
         blocks = pb.PushRequest.FromString(meta).sparse
         assert {b.table: list(b.combined.shape)[1:] for b in blocks} == {"a": [2], "b": [1]}
+
+
+def test_a_packed_push_is_counted_and_checked_without_its_parts_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PackedParts``: the meter counts its rows and statistics bytes and the router checks its
+    tables and widths from its layout (the same figures and errors as from the parts), and
+    neither makes a table's part; a push to a client with other tables is refused whole."""
+    pushed, versions = _cached_push(2)
+    made: list[str] = []
+    real = PackedParts.__getitem__
+    monkeypatch.setattr(PackedParts, "__getitem__", lambda self, t: made.append(t) or real(self, t))
+    fast = TrafficMeter(_DIMS, 4)
+    fast.pushed(pushed)
+    assert _wire(_router(2), pushed, versions) and made == []
+    plain = {t: tuple(p) for t, p in pushed.items()}
+    slow = TrafficMeter(_DIMS, 4)
+    slow.pushed(plain)
+    assert fast.totals() == slow.totals() and fast.pushed_stats_bytes == slow.pushed_stats_bytes
+    assert fast.pushed_rows == {t: len(p[0]) for t, p in plain.items()} and all(fast.pushed_stats_bytes[t] > 0 for t in _DIMS)
+    wide = Router(ClientConfig(addresses=("127.0.0.1:9000", "127.0.0.1:9001"), worker_id="w"), 7)
+    wide.declared([TableConfig(name="a", dim=4), TableConfig(name="b", dim=3)], {})
+    with pytest.raises(InvalidArgument, match=r"table 'b': gradient shape \(\d+, 2\) != \(\d+, 3\)"):
+        wide.push_requests(pushed, {}, 5, versions)
+    narrow = Router(ClientConfig(addresses=("127.0.0.1:9000", "127.0.0.1:9001"), worker_id="w"), 7)
+    narrow.declared([TableConfig(name="a", dim=4)], {})
+    with pytest.raises(InvalidArgument, match="table 'b' was not declared by this client"):
+        narrow.push_requests(pushed, {}, 5, versions)
+    assert wide.next_seq(0) == narrow.next_seq(0) == 1  # nothing counted as sent
 
 
 def test_a_known_split_for_another_shard_count_is_hashed_instead(monkeypatch: pytest.MonkeyPatch) -> None:

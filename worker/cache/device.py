@@ -531,12 +531,12 @@ class DeviceRowCache(RowCache):
             due.setdefault(names[k], []).append((ids[miss[sel]], torch.from_numpy(np.concatenate([gk, extra], 1).astype(np.float32)),
                                                  shards[sel], read[k][shards[sel]]))
 
-    def _take(self, clock: int, flush: bool) -> tuple[dict[str, Taken], np.ndarray | None]:
+    def _take(self, clock: int, flush: bool) -> tuple[Taken | None, np.ndarray | None]:
         """``RowCache._take``: the due sums gathered on the device and copied to the host (one copy
         per bank), their slots' held sums and local changes cleared there."""
         ready = self._ready(clock, flush)
         if ready is None:
-            return {}, None
+            return None, None
         tables, slots, since = ready
         ids, _, stats, _, grads, shards, count, ascending, many, oldest, out_slots = take_all(*self._columns(), tables, slots, since,
                                                                                                self.num_shards, self._kinds)

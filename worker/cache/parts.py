@@ -49,7 +49,7 @@ class Plan:
     splits: dict[str, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
 
 
-Pushed = dict[str, tuple[torch.Tensor, ...]]  # per table: ids, summed gradients (and a combined push's statistics)
+Pushed = Mapping[str, tuple[torch.Tensor, ...]]  # per table: ids, summed gradients (and a combined push's statistics)
 
 
 def offsets(counts: Sequence[int] | np.ndarray) -> np.ndarray:

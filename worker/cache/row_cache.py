@@ -83,7 +83,7 @@ from tether.worker.cache.parts import (
 from tether.worker.cache.slots import NONE, STALE, Due, Table, Taken, coalesce, start_warm_up, wait_warm_up
 from tether.worker.cache.split import group_ids, pack_push
 from tether.worker.client.results import PullResult
-from tether.worker.client.router import PackedPush, ShardedPart
+from tether.worker.client.router import PackedParts, PackedPush
 
 __all__ = ["RowCache"]
 
@@ -436,14 +436,14 @@ class RowCache:
             taken, oldest = self._take(clock, flush)
         return coalesce(due, taken, oldest, self._names, self.tables)
 
-    def _take(self, clock: int, flush: bool) -> tuple[dict[str, Taken], np.ndarray | None]:
-        """The held sums due at ``clock`` (``flush``: every one), per table (``Taken``: ids, the
-        push's part, whether the ids ascend, each row's two statistics columns), and the oldest
-        read version per table and shard."""
+    def _take(self, clock: int, flush: bool) -> tuple[Taken | None, np.ndarray | None]:
+        """The held sums due at ``clock`` (``flush``: every one; ``Taken``: the push's parts, per
+        table whether its ids ascend, each row's two statistics columns; None: nothing due), and
+        the oldest read version per table and shard."""
         due = self._ready(clock, flush)
         unheld, self._unheld_now = self._unheld_now, None
         if due is None and unheld is None:
-            return {}, None
+            return None, None
         tables, slots, since = (NO_IDS, NO_IDS, NO_IDS) if due is None else due
         ids, sums, stats, square, grads, shards, count, ascending, many, oldest, _ = take_all(*self._columns(), tables, slots, since,
                                                                                            self.num_shards, self._kinds)
@@ -474,29 +474,16 @@ class RowCache:
         return tables, slots, since
 
     def _taken(self, ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, square: np.ndarray, grads: np.ndarray, shards: np.ndarray,
-               count: np.ndarray, ascending: np.ndarray, many: np.ndarray) -> dict[str, Taken]:
-        """``take_all``'s rows per table as a push's parts (``Taken``), split by their known shards."""
-        # The push's split, from the rows' known shards, and each shard's rows laid out as its payload.
+               count: np.ndarray, ascending: np.ndarray, many: np.ndarray) -> Taken:
+        """``take_all``'s rows as a push's parts split by their known shards and laid out as each
+        shard's payload (``PackedParts``: a table's part is made only where something reads it)."""
         combined = (self._kinds >= 0).any(1) & many
         order, bounds, gids, payload, starts, voff, soff = pack_push(shards, count, self.num_shards, ids, sums, stats, self._dims,
                                                                      self._kinds, combined, ALIGN // 4)
         counts = count.tolist()
-        packed = PackedPush(payload, starts, voff, soff, gids, offsets(counts), combined,
-                            tuple(self._names[g] for g, n in enumerate(counts) if n))
-        out: dict[str, Taken] = {}
-        at = flat = sflat = 0
-        for g, n in enumerate(counts):
-            if not n:
-                continue
-            d, k = self._dim_list[g], self._nstats[g]
-            ids_g = ids[at: at + n]
-            part: tuple[torch.Tensor, ...] = (torch.from_numpy(ids_g), torch.from_numpy(sums[flat: flat + n * d].reshape(n, d)))
-            if combined[g]:
-                part = (*part, torch.from_numpy(stats[sflat: sflat + n * k].reshape(n, k)))
-            out[self._names[g]] = Taken(ids_g, ShardedPart(part, order[at: at + n], bounds[g], packed, g), bool(ascending[g]),
-                                        square[at: at + n], grads[at: at + n])
-            at, flat, sflat = at + n, flat + n * d, sflat + n * k
-        return out
+        groups = [g for g, n in enumerate(counts) if n]
+        packed = PackedPush(payload, starts, voff, soff, gids, offsets(counts), combined, tuple(self._names[g] for g in groups))
+        return Taken(PackedParts(packed, ids, sums, stats, self._dim_list, self._nstats, order, bounds, groups), ascending, square, grads)
 
     def _hold(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]], clock: int, versions: PullResult | None, due: Due) -> None:
         """Add the step's gradients to their rows' pending sums and apply them to the cached rows

@@ -31,6 +31,7 @@ from tether.rules.optimizers import rule
 from tether.worker.cache.batch import loads as batch_loads
 from tether.worker.cache.kernels import META, oldest_per_shard
 from tether.worker.cache.kernels import loads as cache_loads
+from tether.worker.client.router import PackedParts
 
 __all__ = ["CACHE_USUAL_S", "EVICT_SHARE", "NONE", "STALE", "Due", "Table", "Taken", "coalesce", "start_warm_up", "wait_warm_up", "warm_up"]
 
@@ -271,35 +272,42 @@ class Table:
 
 
 class Taken(NamedTuple):
-    """A table's held sums taken for a push (``cache_batch.take_all``): the ids, the push's part
-    (``(ids, sums)`` or ``(ids, sums, stats)``: ``Table.combined``'s), whether the ids ascend, and
-    each row's sum of mean(g * g) and count of gradients."""
+    """The held sums taken for a push (``cache_batch.take_all``, ``RowCache._taken``): the push's
+    parts as laid out for the shards (per table ``(ids, sums)`` or ``(ids, sums, stats)``,
+    ``Table.combined``'s), per table (index g) whether its ids ascend, and each row's sum of
+    mean(g * g) and count of gradients (table g's rows at ``parts.packed.at[g]``)."""
 
-    ids: np.ndarray
-    part: tuple[torch.Tensor, ...]
-    ascending: bool
+    parts: PackedParts
+    ascending: np.ndarray
     square: np.ndarray
     counts: np.ndarray
 
 
-def coalesce(due: Due, taken: Mapping[str, Taken], oldest: np.ndarray | None, names: Sequence[str],
-             tables: Mapping[str, Table]) -> tuple[dict[str, tuple[torch.Tensor, ...]], dict[tuple[int, str], int]]:
+def coalesce(due: Due, taken: Taken | None, oldest: np.ndarray | None, names: Sequence[str],
+             tables: Mapping[str, Table]) -> tuple[Mapping[str, tuple[torch.Tensor, ...]], dict[tuple[int, str], int]]:
     """One push's sparse part: per table sorted unique ids with their gradients summed (and a
     combined push's statistics, ``Table.combined``), from the sums ``taken`` (``oldest``: their
     oldest read version per table of ``names`` and shard) and the other parts ``due`` (evicted
-    rows, rows not cached); and the oldest read version per (shard, table)."""
-    grads: dict[str, tuple[torch.Tensor, ...]] = {}
+    rows, rows not cached); and the oldest read version per (shard, table). The usual push (the
+    sums alone, each table's ids ascending) is ``taken``'s parts as they are."""
     versions: dict[tuple[int, str], int] = {}
     if oldest is not None:
         gs, ss = np.nonzero(oldest != NONE)
         for g, s, v in zip(gs.tolist(), ss.tolist(), oldest[gs, ss].tolist(), strict=True):
             versions[(s, names[g])] = v
-    for t, got in taken.items():
-        if t in due or not got.ascending:
-            held = np.concatenate([got.part[1].numpy(), got.square[:, None], got.counts[:, None]], 1)
-            due.setdefault(t, []).append((got.ids, torch.from_numpy(held), _NO_IDS, _NO_IDS))
-        else:
-            grads[t] = got.part
+    if taken is not None and not due and taken.ascending.all():
+        return taken.parts, versions
+    grads: dict[str, tuple[torch.Tensor, ...]] = {}
+    if taken is not None:
+        at = taken.parts.packed.at
+        for t, g, *_ in taken.parts.layout():
+            if t in due or not taken.ascending[g]:
+                a, b = at[g], at[g + 1]
+                part = taken.parts[t]
+                held = np.concatenate([part[1].numpy(), taken.square[a:b, None], taken.counts[a:b, None]], 1)
+                due.setdefault(t, []).append((part[0].numpy(), torch.from_numpy(held), _NO_IDS, _NO_IDS))
+            else:
+                grads[t] = taken.parts[t]
     for t, parts in due.items():
         ids, g = np.concatenate([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         shards, read = np.concatenate([p[2] for p in parts]), np.concatenate([p[3] for p in parts])

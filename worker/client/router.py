@@ -23,7 +23,7 @@ from tether.worker.client.config import ClientConfig
 from tether.worker.client.device_pull import DevicePull, DeviceRows
 from tether.worker.client.results import PullResult, Splits
 
-__all__ = ["JOIN_ELEMENTS", "DenseLayout", "PackedPush", "PullAnswer", "PullPlan", "Router", "ShardedPart"]
+__all__ = ["JOIN_ELEMENTS", "DenseLayout", "PackedParts", "PackedPush", "PullAnswer", "PullPlan", "Router", "ShardedPart"]
 
 # A CPU pull of at least this many floats (1 MiB) is received into one buffer per row width,
 # which the model then takes as it is; smaller ones into a tensor per table, joined by a copy.
@@ -123,6 +123,54 @@ class ShardedPart(tuple[torch.Tensor, ...]):
                     rest.append(torch.from_numpy(p.payload[c: c + n * k].reshape(n, k)))
             out.append((self.order[lo:hi], p.gids[at + lo: at + hi], rest))
         return out
+
+
+class PackedParts(Mapping[str, tuple[torch.Tensor, ...]]):
+    """A push's sparse part that is one ``PackedPush`` and nothing else (the row cache's usual
+    push, ``RowCache._taken``): per table of ``packed.tables`` its ``ShardedPart`` ``(ids, sums[,
+    stats])``, views of the buffers ``take_all`` wrote (``ids``; ``sums``, table g's rows of
+    ``dims[g]`` floats; ``stats``, of ``nstats[g]`` where ``packed.combined[g]``), made the first
+    time it is read. ``Router.push_requests`` and ``TrafficMeter.pushed`` read the layout
+    (``layout``) and make none of them."""
+
+    def __init__(self, packed: PackedPush, ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, dims: Sequence[int], nstats: Sequence[int],
+                 order: np.ndarray, bounds: np.ndarray, groups: Sequence[int]) -> None:
+        self.packed, self.order, self.bounds = packed, order, bounds
+        self._ids, self._sums, self._stats = ids, sums, stats
+        self._groups = dict(zip(packed.tables, groups, strict=True))  # table -> its index g
+        self._dims, self._nstats = dims, nstats
+        self._made: dict[str, ShardedPart] = {}
+        self._offsets: dict[str, tuple[int, int]] = {}  # per table: where its sums and statistics start
+
+    def __getitem__(self, table: str) -> ShardedPart:
+        got = self._made.get(table)
+        if got is None:
+            g = self._groups[table]  # KeyError for a table not in the push, as a dict's
+            if not self._offsets:
+                f = q = 0
+                for t, h in self._groups.items():  # every table's statistics, combined or not, have their place
+                    n = int(self.packed.at[h + 1] - self.packed.at[h])
+                    self._offsets[t] = (f, q)
+                    f, q = f + n * self._dims[h], q + n * self._nstats[h]
+            a, b = int(self.packed.at[g]), int(self.packed.at[g + 1])
+            (f, q), n, d, k = self._offsets[table], b - a, self._dims[g], self._nstats[g]
+            part: tuple[torch.Tensor, ...] = (torch.from_numpy(self._ids[a:b]), torch.from_numpy(self._sums[f: f + n * d].reshape(n, d)))
+            if self.packed.combined[g]:
+                part = (*part, torch.from_numpy(self._stats[q: q + n * k].reshape(n, k)))
+            got = self._made[table] = ShardedPart(part, self.order[a:b], self.bounds[g], self.packed, g)
+        return got
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.packed.tables)
+
+    def __len__(self) -> int:
+        return len(self.packed.tables)
+
+    def layout(self) -> list[tuple[str, int, int, int, int]]:
+        """Per table in push order: (name, index g, rows, row width, statistics columns or 0)."""
+        p = self.packed
+        return [(t, g, int(p.at[g + 1] - p.at[g]), self._dims[g], self._nstats[g] if p.combined[g] else 0)
+                for t, g in self._groups.items()]
 
 
 class Router:
@@ -314,53 +362,64 @@ class Router:
             if stats is not None:  # float32 whatever the wire type: counts and squares, not values
                 payloads[s].add(own[1] if own else stats, b.combined, torch.float32, rows=None if own else rows)
 
-    def _packed(self, sparse: Mapping[str, tuple[torch.Tensor, ...]], versions: PullResult | None) -> PackedPush | None:
-        """The ``PackedPush`` that every part of ``sparse`` is a table of, covering its tables in its
-        order and fitting this push (float32 on the wire, no values read going along), else None."""
-        first = next(iter(sparse.values()), None)
-        packed = first.packed if isinstance(first, ShardedPart) else None
-        if packed is None or self.config.wire_dtype != torch.float32 or (versions is not None and self.config.sends_read_values
-                                                                         and any(t in versions.rows for t in sparse)):
-            return None
-        if tuple(sparse) != packed.tables:
-            return None
-        for entry in sparse.values():
-            if not isinstance(entry, ShardedPart) or entry.packed is not packed or not entry.fits(self.num_shards, len(entry[0])):
-                return None
-        return packed
+    def _packed(self, sparse: Mapping[str, tuple[torch.Tensor, ...]],
+                versions: PullResult | None) -> list[tuple[str, int, int, int, int]] | None:
+        """Where ``sparse`` is one ``PackedPush`` (a ``PackedParts``, or every part a table of one,
+        covering its tables in its order) that fits this push (float32 on the wire, no values
+        read going along): per table (name, index g, rows, row width, statistics columns), the
+        gradients' shapes checked against the declared tables. Else None.
 
-    def _push_packed(self, packed: PackedPush, sparse: Mapping[str, tuple[torch.Tensor, ...]], versions: PullResult | None,
-                     req: Callable[[int], pb.PushRequest], payloads: dict[int, dp.PayloadWriter]) -> None:
-        """``_push_table`` for every table of a ``PackedPush`` at once: each shard's run of the
-        payload added as one part, each table's blocks pointing into it (the same requests and
-        payload bytes as the tables pushed one by one)."""
-        f32 = wire_dtype(torch.float32)
-        checked = []
-        for table, entry in sparse.items():
+        Raises:
+            InvalidArgument: undeclared table, or a gradient of the wrong shape.
+        """
+        if self.config.wire_dtype != torch.float32 or (versions is not None and self.config.sends_read_values
+                                                       and any(t in versions.rows for t in sparse)):
+            return None
+        if isinstance(sparse, PackedParts):
+            if sparse.bounds.shape[1] != self.num_shards + 1:
+                return None
+            layout = sparse.layout()
+        else:
+            first = next(iter(sparse.values()), None)
+            packed = first.packed if isinstance(first, ShardedPart) else None
+            if packed is None or tuple(sparse) != packed.tables:
+                return None
+            layout = []
+            for table, entry in sparse.items():
+                if not isinstance(entry, ShardedPart) or entry.packed is not packed or not entry.fits(self.num_shards, len(entry[0])):
+                    return None
+                layout.append((table, entry.g, len(entry[0]), entry[1].shape[1], entry[2].shape[1] if len(entry) > 2 else 0))
+        for table, _, n, width, _ in layout:
             if table not in self.dims:
                 raise InvalidArgument(f"table {table!r} was not declared by this client")
-            assert isinstance(entry, ShardedPart)
-            n, d = len(entry[0]), self.dims[table]
-            if tuple(entry[1].shape) != (n, d):
-                raise InvalidArgument(f"table {table!r}: gradient shape {tuple(entry[1].shape)} != ({n}, {d})")
-            checked.append((table, entry, d, entry[2].shape[1] if len(entry) > 2 else 0))
+            if width != self.dims[table]:
+                raise InvalidArgument(f"table {table!r}: gradient shape {(n, width)} != ({n}, {self.dims[table]})")
+        return layout
+
+    def _push_packed(self, packed: PackedPush, layout: list[tuple[str, int, int, int, int]], bounds: Callable[[int], np.ndarray],
+                     versions: PullResult | None, req: Callable[[int], pb.PushRequest], payloads: dict[int, dp.PayloadWriter]) -> None:
+        """``_push_table`` for every table of a ``PackedPush`` at once (``layout``: ``_packed``'s;
+        ``bounds(g)``: table g's rows per shard): each shard's run of the payload added as one
+        part, each table's blocks pointing into it (the same requests and payload bytes as the
+        tables pushed one by one)."""
+        f32 = wire_dtype(torch.float32)
         starts = packed.starts.tolist()
+        cuts = [(table, g, d, k, bounds(g).tolist()) for table, g, _, d, k in layout]
         for s in range(self.num_shards):
             if starts[s + 1] == starts[s]:
                 continue
             r = req(s)
             base = payloads[s].add_run(packed.payload[starts[s]: starts[s + 1]])
-            for table, entry, d, k in checked:
-                g = entry.g
-                lo, hi = int(entry.bounds[s]), int(entry.bounds[s + 1])
+            for table, g, d, k, b in cuts:
+                lo, hi = b[s], b[s + 1]
                 if hi == lo:
                     continue
                 a = int(packed.at[g])
                 rv = versions.table_versions.get((s, table), 0) if versions else 0
-                b = r.sparse.add(table=table, ids=encode_ids(packed.gids[a + lo: a + hi]), read_version=rv)
-                _describe(b.values, f32, hi - lo, d, base + 4 * int(packed.voff[g, s]))
+                block = r.sparse.add(table=table, ids=encode_ids(packed.gids[a + lo: a + hi]), read_version=rv)
+                _describe(block.values, f32, hi - lo, d, base + 4 * int(packed.voff[g, s]))
                 if k:
-                    _describe(b.combined, f32, hi - lo, k, base + 4 * int(packed.soff[g, s]))
+                    _describe(block.combined, f32, hi - lo, k, base + 4 * int(packed.soff[g, s]))
 
     def dense_layout(self, name: str) -> DenseLayout:
         """The layout of a declared dense parameter.
@@ -434,9 +493,13 @@ class Router:
                 payloads[s] = dp.PayloadWriter()
             return requests[s]
 
-        packed = self._packed(sparse, versions)
-        if packed is not None:
-            self._push_packed(packed, sparse, versions, req, payloads)
+        parts = self._packed(sparse, versions)
+        if parts is not None:
+            if isinstance(sparse, PackedParts):
+                self._push_packed(sparse.packed, parts, sparse.bounds.__getitem__, versions, req, payloads)
+            else:
+                entries = {entry.g: entry for entry in sparse.values() if isinstance(entry, ShardedPart)}
+                self._push_packed(entries[parts[0][1]].packed, parts, lambda g: entries[g].bounds, versions, req, payloads)
         else:
             for table, entry in sparse.items():
                 self._push_table(table, entry, versions, req, payloads)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from tether.worker.client.reuse import REUSE_WINDOWS, ReuseTracker
+from tether.worker.client.router import PackedParts
 
 __all__ = ["TrafficMeter", "TrafficRecorder"]
 
@@ -68,7 +69,12 @@ class TrafficMeter:
 
     def pushed(self, grads: Mapping[str, tuple[torch.Tensor, ...]]) -> None:
         """A push's rows per table: ``(ids, gradients)``, or with a combined push's statistics
-        third (their float32s counted in the bytes pushed)."""
+        third (their float32s counted in the bytes pushed); a ``PackedParts``' from its layout."""
+        if isinstance(grads, PackedParts):
+            for t, _, rows, _, k in grads.layout():
+                self.pushed_stats_bytes[t] += 4 * rows * k
+                self._moved(t, "push", rows, 4 * rows * k)
+            return
         for t, part in grads.items():
             extra = 4 * part[2].numel() if len(part) > 2 else 0
             self.pushed_stats_bytes[t] += extra
