@@ -68,7 +68,7 @@ def _shares(phases: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(v / whole, 4) for k, v in total.items()}
 
 
-def _movielens_on_shards(addresses: list[str], workers: int, ratings: Path, seed: int = 0) -> float:
+def _movielens_on_shards(addresses: list[str], workers: int, ratings: Path, seed: int = 0, optimizer: str = "adagrad") -> float:
     """The MovieLens-format example's held-out MSE with the parameters the shards hold now (its
     model and tables, as train.py declares them; read past any worker's cache)."""
     from movielens import read_ratings
@@ -80,7 +80,8 @@ def _movielens_on_shards(addresses: list[str], workers: int, ratings: Path, seed
 
     train, held_out = read_ratings(ratings, 0, workers)
     model = TwoTower(16, float(train["rating"].mean()))
-    config = TrainingConfig(shards=tuple(addresses), num_workers=workers, worker_index=0, mode="async", seed=seed)  # the job's (the tables' spec)
+    # The job's seed and rule (the tables' spec: a shard refuses a table declared again with another).
+    config = TrainingConfig(shards=tuple(addresses), num_workers=workers, worker_index=0, mode="async", seed=seed, optimizer=optimizer)
 
     def mse(m: nn.Module, b: dict[str, Any]) -> Any:
         return nn.functional.mse_loss(m(b), b["rating"])
@@ -95,8 +96,8 @@ class _FinalShards:
     """A ``run_job`` ``during`` context: once every worker finished, the MovieLens model's
     held-out MSE on the shards (``loss``), before they stop."""
 
-    def __init__(self, workers: int, ratings: Path, seed: int = 0) -> None:
-        self.workers, self.ratings, self.seed, self.loss = workers, ratings, seed, float("nan")
+    def __init__(self, workers: int, ratings: Path, seed: int = 0, optimizer: str = "adagrad") -> None:
+        self.workers, self.ratings, self.seed, self.optimizer, self.loss = workers, ratings, seed, optimizer, float("nan")
         self.cluster: LocalCluster | None = None
 
     def __call__(self, cluster: LocalCluster) -> _FinalShards:
@@ -108,14 +109,14 @@ class _FinalShards:
 
     def __exit__(self, kind: object, *exc: object) -> None:
         if kind is None and self.cluster is not None:
-            self.loss = _movielens_on_shards(list(self.cluster.addresses), self.workers, self.ratings, self.seed)
+            self.loss = _movielens_on_shards(list(self.cluster.addresses), self.workers, self.ratings, self.seed, self.optimizer)
 
 
 def _job(kind: str, template: WorkerConfig, folder: Path, ratings: Path, shards: int = SHARDS) -> Result:
     """(held-out loss, samples/s, phase shares) of one job, every process on this machine. The
     loss is the final model's as the shards hold it once every worker finished (the CTR job's
     evaluation; the MovieLens example's, not worker 0's own, taken while others may still train)."""
-    final = _FinalShards(template.num_workers, ratings, template.seed) if kind == "movielens" else None
+    final = _FinalShards(template.num_workers, ratings, template.seed, template.optimizer) if kind == "movielens" else None
     summary: dict[str, Any] = run_job(template, shards, out=folder, timeout_s=_TIMEOUT_S, echo=False, program=_program(kind, ratings),
                                       during=final)
     loss = final.loss if final is not None else summary["eval_loss"]
