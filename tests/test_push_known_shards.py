@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tether.protos import tether_pb2 as pb
+from tether.protos.errors import InvalidArgument
 from tether.protos.partition import shard_of_ids, split_ids
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.worker.cache.config import RowCacheConfig
@@ -16,7 +17,6 @@ from tether.worker.cache.row_cache import RowCache
 from tether.worker.cache.split import group_ids, pack_push
 from tether.worker.client.config import ClientConfig
 from tether.worker.client.results import PullResult
-from tether.protos.errors import InvalidArgument
 from tether.worker.client.router import PackedParts, PackedPush, Router, ShardedPart
 from tether.worker.client.traffic import TrafficMeter
 

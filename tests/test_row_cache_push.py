@@ -91,3 +91,19 @@ def test_a_slots_int_columns_are_one_aligned_row() -> None:
             assert np.shares_memory(column, tab.meta)
     a = cache.tables["a"]
     assert sorted(a.ids[: a.top].tolist()) == [7, 11] and a.read_clock[: a.top].tolist() == [0, 0]
+
+
+def test_rows_held_at_an_earlier_clock_than_the_last_are_due_by_their_own_clock() -> None:
+    """The queue of held rows stays in clock order when a push's clock is older than the last
+    one held (what is due is taken from its front): each row comes due W clocks after its own."""
+    cache = RowCache(RowCacheConfig(rows=50, bound=3, write_bound=3, admission="all"), {"a": 2}, 1)
+    cache.use_tables([TableConfig(name="a", dim=2, optimizer=OptimizerConfig(name="sgd", lr=0.1))])
+    pulled = _pull(cache, {"a": torch.tensor([1, 2, 3])})
+    one = torch.ones(1, 2)
+    for clock, row in ((5, 1), (2, 2), (4, 3)):  # held at 5, then at 2 and 4
+        pushed, _ = cache.accumulate({"a": (torch.tensor([row]), one)}, clock, pulled)
+        assert not pushed
+    assert [e[0] for e in cache._queue] == [2, 4, 5]
+    due = {clock: cache.accumulate({}, clock, None)[0] for clock in (5, 6, 7, 8)}
+    assert {c: p["a"][0].tolist() if p else [] for c, p in due.items()} == {5: [2], 6: [], 7: [3], 8: [1]}
+    assert cache.pending_rows() == 0

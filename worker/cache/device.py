@@ -462,7 +462,7 @@ class DeviceRowCache(RowCache):
                                                                      self._consts[parts])
         if len(first):
             self._holding[parts] += got[:, 1]
-            self._queue.append((clock, first, np.repeat(parts, got[:, 1])))
+            self._queued(clock, first, np.repeat(parts, got[:, 1]))
         starts, _ = self._starts(parts, counts)
         send = _Indexes(self.device)
         hb, hrow, hslot = self._rows_at(parts, offs, starts, where, slots)

@@ -136,7 +136,8 @@ class RowCache:
         # The pulls in flight: their plans' ids, clocks, and the ids they refresh (all tables' one
         # after another, and per table where they start).
         self._inflight: list[tuple[int, int, np.ndarray, np.ndarray]] = []
-        # Rows first held at a clock: (clock, their slots, their tables), so what is due is found without a scan.
+        # Rows first held at a clock: (clock, their slots, their tables), in clock order
+        # (``_queued``), so what is due is a prefix of it, found without a scan.
         self._queue: list[tuple[int, np.ndarray, np.ndarray]] = []
         # Held rows due at the next take before their write bound (``_early``): (their first held clocks, slots, tables).
         self._early: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -457,12 +458,17 @@ class RowCache:
     def _ready(self, clock: int, flush: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The held rows due at ``clock`` (``flush``: every one), out of the queue: their tables,
         slots and first held clocks (``take_all`` takes those still held since then); None if none."""
-        writes = self.config.writes
-        ready = [e for e in self._queue if flush or clock - e[0] >= writes]
+        queue, due = self._queue, len(self._queue)
+        if not flush:
+            last = clock - self.config.writes  # due: first held at this clock or before
+            due = 0
+            while due < len(queue) and queue[due][0] <= last:
+                due += 1
+        ready = queue[:due]
         early, self._early = self._early, []  # never also due by the bound (``_due_early``)
         if not ready and not early:
             return None
-        self._queue = [e for e in self._queue if not (flush or clock - e[0] >= writes)]
+        del queue[:due]
         if flush:  # every held row is in ``ready``
             early = []
         if len(ready) == 1 and not early:  # the usual step: one clock's rows come due
@@ -501,11 +507,19 @@ class RowCache:
                                                                 self._consts[parts])
         if len(first):
             self._holding[parts] += counts[:, 1]
-            self._queue.append((clock, first, np.repeat(parts, counts[:, 1])))
+            self._queued(clock, first, np.repeat(parts, counts[:, 1]))
         if self.config.hot and len(held):
             self._due_early(held, parts, counts[:, 0], clock)
         if len(missing):  # not cached (not admitted, or the table was full): pushed with this step's take, each row one gradient
             self._unheld_now = (parts, ids, offs, flat, g_offs, missing, missing_shards, read)
+
+    def _queued(self, clock: int, slots: np.ndarray, tables: np.ndarray) -> None:
+        """Rows first held at ``clock`` into the queue, kept in clock order (a push's clock is
+        usually the latest: appended)."""
+        at = len(self._queue)
+        while at and self._queue[at - 1][0] > clock:
+            at -= 1
+        self._queue.insert(at, (clock, slots, tables))
 
     def _due_early(self, held: np.ndarray, parts: np.ndarray, counts: np.ndarray, clock: int) -> None:
         """Of the rows this step's gradients were held for (``held``: part k's ``counts[k]`` slots

@@ -141,6 +141,7 @@ class PackedParts(Mapping[str, tuple[torch.Tensor, ...]]):
         self._dims, self._nstats = dims, nstats
         self._made: dict[str, ShardedPart] = {}
         self._offsets: dict[str, tuple[int, int]] = {}  # per table: where its sums and statistics start
+        self._layout: list[tuple[str, int, int, int, int]] | None = None
 
     def __getitem__(self, table: str) -> ShardedPart:
         got = self._made.get(table)
@@ -168,9 +169,11 @@ class PackedParts(Mapping[str, tuple[torch.Tensor, ...]]):
 
     def layout(self) -> list[tuple[str, int, int, int, int]]:
         """Per table in push order: (name, index g, rows, row width, statistics columns or 0)."""
-        p = self.packed
-        return [(t, g, int(p.at[g + 1] - p.at[g]), self._dims[g], self._nstats[g] if p.combined[g] else 0)
-                for t, g in self._groups.items()]
+        if self._layout is None:
+            p, at = self.packed, self.packed.at.tolist()
+            self._layout = [(t, g, at[g + 1] - at[g], self._dims[g], self._nstats[g] if p.combined[g] else 0)
+                            for t, g in self._groups.items()]
+        return self._layout
 
 
 class Router:
