@@ -61,11 +61,14 @@ WORKER_SPEC: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "bytes_moved_total": ("tether_worker_row_bytes_moved_total", "counter", ("table", "direction")),
     "rows_wanted_total": ("tether_worker_rows_wanted_total", "counter", ("table",)),
     "rows_recent_total": ("tether_worker_rows_recent_total", "counter", ("table", "within")),
-    "cache_rows_total": ("tether_worker_cache_rows_total", "counter", ("table", "outcome")),
-    "cache_held_rows": ("tether_worker_cache_held_rows", "gauge", ("table",)),
-    "cache_bytes": ("tether_worker_cache_bytes", "gauge", ("table",)),
-    "cache_pending_rows": ("tether_worker_cache_pending_rows", "gauge", ()),
 }
+# The row cache's, read from it by each scrape (``WorkerMetrics.watch_cache``): name, type, labels.
+WORKER_CACHE_SPEC: list[tuple[str, str, tuple[str, ...]]] = [
+    ("tether_worker_cache_rows_total", "counter", ("table", "outcome")),
+    ("tether_worker_cache_held_rows", "gauge", ("table",)),
+    ("tether_worker_cache_bytes", "gauge", ("table",)),
+    ("tether_worker_cache_pending_rows", "gauge", ()),
+]
 # prometheus_client's process and platform collectors (Linux: read from /proc), in every registry.
 PROCESS_FAMILIES: dict[str, str] = {
     "process_virtual_memory_bytes": "gauge",
@@ -127,15 +130,45 @@ def _observe_some(shard: ShardMetrics, worker: WorkerMetrics) -> None:
     worker.last_step_timestamp.set(1.7e9)
 
 
-@pytest.mark.parametrize(("cls", "spec"), [(ShardMetrics, SHARD_SPEC), (WorkerMetrics, WORKER_SPEC)])
-def test_names_types_and_labels(cls: type, spec: dict[str, tuple[str, str, tuple[str, ...]]]) -> None:
+@pytest.mark.parametrize(("cls", "spec", "read"), [(ShardMetrics, SHARD_SPEC, []), (WorkerMetrics, WORKER_SPEC, WORKER_CACHE_SPEC)])
+def test_names_types_and_labels(cls: type, spec: dict[str, tuple[str, str, tuple[str, ...]]], read: list[tuple[str, str, tuple[str, ...]]]) -> None:
     registry = CollectorRegistry()
     metrics = cls(registry)
-    assert _families(registry) == {_family(name, kind): kind for name, kind, _ in spec.values()} | PROCESS_FAMILIES
+    want = {_family(name, kind): kind for name, kind, _ in [*spec.values(), *read]}
+    assert _families(registry) == want | PROCESS_FAMILIES
     for attr, (name, kind, labels) in spec.items():
         metric = getattr(metrics, attr)
         assert metric._name == _family(name, kind), attr
         assert tuple(metric._labelnames) == labels, attr
+
+
+def test_the_row_caches_metrics_are_read_from_it_when_scraped() -> None:
+    """``watch_cache``: a scrape exports what the reading gives at that moment (counts as
+    counters, sizes as gauges), each series with the labels of ``WORKER_CACHE_SPEC``; before a
+    cache is watched, only the pending rows at 0. Nothing is read between scrapes."""
+    registry = CollectorRegistry()
+    worker = WorkerMetrics(registry)
+    assert registry.get_sample_value("tether_worker_cache_pending_rows") == 0
+    assert registry.get_sample_value("tether_worker_cache_held_rows", {"table": "user"}) is None
+    reads: list[int] = []
+    state = {"hits": 3, "refreshed": 1, "evicted": 0, "invalidated": 0, "passed": 2}
+
+    def read() -> tuple[dict[str, tuple[dict[str, int], int, int]], int]:
+        reads.append(1)
+        return {"user": (dict(state), 40, 4096), "item": (dict.fromkeys(state, 0), 0, 128)}, 7
+
+    worker.watch_cache(read)
+    assert reads == []  # nothing read until asked
+    text = generate_latest(registry).decode()
+    assert len(reads) == 1
+    assert 'tether_worker_cache_rows_total{outcome="hits",table="user"} 3.0' in text
+    assert 'tether_worker_cache_held_rows{table="user"} 40.0' in text and 'tether_worker_cache_bytes{table="item"} 128.0' in text
+    assert "tether_worker_cache_pending_rows 7.0" in text
+    state["hits"] = 10
+    assert registry.get_sample_value("tether_worker_cache_rows_total", {"table": "user", "outcome": "hits"}) == 10
+    for name, _, labels in WORKER_CACHE_SPEC:
+        samples = [s for m in registry.collect() for s in m.samples if s.name == name]
+        assert samples and all(tuple(sorted(s.labels)) == tuple(sorted(labels)) for s in samples), name
 
 
 def test_two_instances_use_private_registries() -> None:

@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from tether.common.metrics_http import register_process_metrics
 
-__all__ = ["PHASES", "PHASE_BUCKETS", "STEP_BUCKETS", "NullWorkerMetrics", "WorkerMetrics", "WorkerRecorder"]
+__all__ = ["PHASES", "PHASE_BUCKETS", "STEP_BUCKETS", "CacheReading", "NullWorkerMetrics", "WorkerMetrics", "WorkerRecorder"]
 
 PHASES: tuple[str, ...] = ("pull_wait", "compute", "push", "staleness_wait")
 # 50us .. 10s: a prefetched pull costs ~nothing, an ssp wait behind a straggler costs seconds.
@@ -22,6 +24,10 @@ PHASE_BUCKETS: tuple[float, ...] = (
 STEP_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )
+
+# The row cache as a scrape reads it: per table (its counts so far: hits, refreshed, evicted,
+# invalidated, passed; the rows it holds; its bytes), and the rows whose gradients it holds.
+CacheReading = tuple[Mapping[str, tuple[Mapping[str, int], int, int]], int]
 
 
 class WorkerRecorder(Protocol):
@@ -46,9 +52,9 @@ class WorkerRecorder(Protocol):
         """A training step looked up ``rows`` rows of ``table``; ``recent[S]`` of them were
         wanted in one of the last S steps too."""
 
-    def cache_state(self, table: str, counts: Mapping[str, int], rows: int, nbytes: int, pending: int) -> None:
-        """The row cache's growth since the last call (``counts``: hits, refreshed, evicted,
-        invalidated, passed), and the rows, bytes and held gradients (all tables) it holds now."""
+    def watch_cache(self, read: Callable[[], CacheReading]) -> None:
+        """The row cache's counts and sizes are ``read()``'s, read when they are asked for (a
+        scrape), never on a training step."""
 
 
 class NullWorkerMetrics:
@@ -72,7 +78,7 @@ class NullWorkerMetrics:
     def rows_wanted(self, table: str, rows: int, recent: Mapping[int, int]) -> None:
         pass
 
-    def cache_state(self, table: str, counts: Mapping[str, int], rows: int, nbytes: int, pending: int) -> None:
+    def watch_cache(self, read: Callable[[], CacheReading]) -> None:
         pass
 
 
@@ -128,20 +134,13 @@ class WorkerMetrics:
             "tether_worker_rows_recent_total",
             "Of those, rows already wanted within the last `within` steps (1, 5, 20, 100): what a cache could answer.",
             ["table", "within"], registry=r)
-        self.cache_rows_total = Counter(
-            "tether_worker_cache_rows_total",
-            "Row cache outcomes by table: hits (answered by the cache), refreshed (cached but past the bound: pulled), "
-            "evicted, invalidated (a shard's table version went back), passed (missed and not admitted: "
-            "--cache-admission recurring).", ["table", "outcome"], registry=r)
-        self.cache_held_rows = Gauge("tether_worker_cache_held_rows", "Rows the cache holds, by table.", ["table"], registry=r)
-        self.cache_bytes = Gauge("tether_worker_cache_bytes", "Bytes the cache holds (rows, pending gradients, bookkeeping), by table.",
-                                 ["table"], registry=r)
-        self.cache_pending_rows = Gauge(
-            "tether_worker_cache_pending_rows", "Rows whose gradients the cache holds, not yet pushed (write bound).", registry=r)
+        # The row cache's: read from it when scraped (``watch_cache``), nothing recorded a step.
+        self._cache = _CacheCollector()
+        r.register(self._cache)
 
         # One series per phase, exported at 0 from the start and looked up once.
         self._phases = {phase: self.phase_seconds.labels(phase=phase) for phase in PHASES}
-        # The per-step series (per table: rows moved, wanted, the cache's counts), each looked up
+        # The per-step series (per table: rows moved and wanted), each looked up
         # once: ``labels`` costs several microseconds a call, and a cached step makes dozens.
         self._series: dict[tuple[int, tuple[str, ...]], Any] = {}
         # Memory (RSS), CPU and fds of the process (once per registry: a shard may share it).
@@ -197,11 +196,41 @@ class WorkerMetrics:
         for within, n in recent.items():
             self._of(self.rows_recent_total, table, str(within)).inc(n)
 
-    def cache_state(self, table: str, counts: Mapping[str, int], rows: int, nbytes: int, pending: int) -> None:
-        for outcome, n in counts.items():
-            series = self._of(self.cache_rows_total, table, outcome)  # exported from the first call, at 0 until counted
-            if n:
-                series.inc(n)
-        self._of(self.cache_held_rows, table).set(rows)
-        self._of(self.cache_bytes, table).set(nbytes)
-        self.cache_pending_rows.set(pending)
+    def watch_cache(self, read: Callable[[], CacheReading]) -> None:
+        self._cache.read = read
+
+
+class _CacheCollector(Collector):
+    """The worker row cache's metrics, read from the cache by each scrape (``read``, set by
+    ``WorkerMetrics.watch_cache``; before that, the families with no series but the pending
+    rows at 0): a cached step pays nothing for them."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], CacheReading] | None = None
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families(None)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(self.read() if self.read is not None else None)
+
+    @staticmethod
+    def _families(reading: CacheReading | None) -> list[Metric]:
+        rows = CounterMetricFamily(
+            "tether_worker_cache_rows",
+            "Row cache outcomes by table: hits (answered by the cache), refreshed (cached but past the bound: pulled), "
+            "evicted, invalidated (a shard's table version went back), passed (missed and not admitted: "
+            "--cache-admission recurring).", labels=["table", "outcome"])
+        held = GaugeMetricFamily("tether_worker_cache_held_rows", "Rows the cache holds, by table.", labels=["table"])
+        nbytes = GaugeMetricFamily("tether_worker_cache_bytes", "Bytes the cache holds (rows, pending gradients, bookkeeping), by table.",
+                                   labels=["table"])
+        pending = GaugeMetricFamily("tether_worker_cache_pending_rows",
+                                    "Rows whose gradients the cache holds, not yet pushed (write bound).")
+        tables, waiting = reading if reading is not None else ({}, 0)
+        for table, (counts, n, size) in tables.items():
+            for outcome, count in counts.items():
+                rows.add_metric([table, outcome], count)
+            held.add_metric([table], n)
+            nbytes.add_metric([table], size)
+        pending.add_metric([], waiting)
+        return [rows, held, nbytes, pending]

@@ -38,6 +38,8 @@ class CachedClient:
             else:
                 self.cache = RowCache(config, dims, inner.num_shards)
         self.meter = meter
+        if self.cache is not None:
+            meter.watch(self.cache)
         self.clock = 0  # the last clock pushed: the "now" of the next pull
 
     def use_tables(self, tables: Sequence[TableConfig]) -> None:
@@ -57,7 +59,6 @@ class CachedClient:
             return None
         plan = self.cache.plan(sparse, self.clock)
         self.meter.pulled(plan.miss)
-        self.meter.cache(self.cache)
         return plan
 
     def _answer(self, plan: Plan | None, handle: Handle[PullResult]) -> Handle[PullResult]:

@@ -5,18 +5,20 @@ rows it already wanted within the last S steps (the ceiling of what a row cache 
 and hands each count to the worker's recorder (Prometheus: ``tether_worker_rows_pulled_total``
 and the others, docs/metrics.md). Bytes are the payload a row costs on the wire: its int64 id
 and ``dim`` values of the wire dtype (the same for a pull's answer and a push's gradient);
-framing is left out. These figures depend on the data and the model, not on the machine.
+framing is left out. These figures depend on the data and the model, not on the machine. A row
+cache's own counts and sizes are read by each scrape instead (``watch``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
 
 from tether.worker.client.reuse import REUSE_WINDOWS, ReuseTracker
 from tether.worker.client.router import PackedParts
+from tether.worker.metrics import CacheReading
 
 __all__ = ["TrafficMeter", "TrafficRecorder"]
 
@@ -30,7 +32,7 @@ class TrafficRecorder(Protocol):
 
     def rows_wanted(self, table: str, rows: int, recent: Mapping[int, int]) -> None: ...
 
-    def cache_state(self, table: str, counts: Mapping[str, int], rows: int, nbytes: int, pending: int) -> None: ...
+    def watch_cache(self, read: Callable[[], CacheReading]) -> None: ...
 
 
 class TrafficMeter:
@@ -47,7 +49,6 @@ class TrafficMeter:
         self.pulled_rows, self.pushed_rows = dict(zero), dict(zero)
         # Bytes pushed beside the rows: a combined push's statistics (float32, rows x columns).
         self.pushed_stats_bytes = dict(zero)
-        self._cache_seen: dict[str, dict[str, int]] = {}
 
     def row_bytes(self, table: str) -> int:
         return ID_BYTES + self.dims[table] * self.itemsize
@@ -87,18 +88,20 @@ class TrafficMeter:
         if self.recorder is not None:
             self.recorder.rows_moved(table, direction, rows, rows * self.row_bytes(table) + extra)
 
-    def cache(self, cache: Any) -> None:
-        """Hand the cache's counters (their growth since the last call) and sizes to the recorder."""
+    def watch(self, cache: Any) -> None:
+        """Hand the recorder a reading of ``cache``'s counters and sizes, which it takes when
+        they are asked for (a scrape): nothing to do a step."""
         if self.recorder is None:
             return
-        memory = cache.memory_bytes()
-        pending = cache.pending_rows()
-        for t, tab in cache.tables.items():
-            now = {"hits": cache.hits[t], "refreshed": cache.refreshed[t], "evicted": cache.evictions[t],
-                   "invalidated": cache.invalidated[t], "passed": cache.passed[t]}
-            seen = self._cache_seen.get(t, dict.fromkeys(now, 0))
-            self._cache_seen[t] = now
-            self.recorder.cache_state(t, {k: v - seen[k] for k, v in now.items()}, tab.held, memory[t], pending)
+
+        def read() -> CacheReading:
+            memory = cache.memory_bytes()
+            tables = {t: ({"hits": cache.hits[t], "refreshed": cache.refreshed[t], "evicted": cache.evictions[t],
+                           "invalidated": cache.invalidated[t], "passed": cache.passed[t]}, tab.held, memory[t])
+                      for t, tab in cache.tables.items()}
+            return tables, cache.pending_rows()
+
+        self.recorder.watch_cache(read)
 
     def moved(self) -> dict[str, dict[str, int]]:
         """Per table: rows wanted, rows and bytes pulled and pushed so far (the run record's ``traffic``)."""
