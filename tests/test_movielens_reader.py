@@ -41,3 +41,15 @@ def test_a_line_of_another_shape_is_refused_with_its_place(tmp_path: Path) -> No
     path.write_text("1\t2\t3\t4\n1 2 3 4\n")
     with pytest.raises(ValueError, match=r"ratings.txt:2: not a MovieLens rating line: '1 2 3 4'"):
         read_ratings(path)
+
+
+def test_rating_batches_end_after_their_epochs_or_run_on() -> None:
+    from movielens import rating_batches
+
+    data = {"user": torch.arange(10), "movie": torch.arange(10), "rating": torch.ones(10)}
+    two = list(rating_batches(data, 4, seed=1, epochs=2))
+    assert len(two) == 4 and all(len(b["user"]) == 4 for b in two)  # 2 whole batches an epoch
+    assert len(set(torch.cat([b["user"] for b in two[:2]]).tolist())) == 8  # one epoch: no id twice
+    forever = rating_batches(data, 4, seed=1)
+    assert [next(forever)["user"].tolist() for _ in range(4)] == [b["user"].tolist() for b in two]
+    assert len(next(forever)["user"]) == 4  # no end

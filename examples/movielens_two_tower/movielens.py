@@ -77,12 +77,16 @@ def _tensors(rows: list[tuple[int, int, float]]) -> dict[str, torch.Tensor]:
             "rating": torch.from_numpy(a[:, 2].astype(np.float32))}
 
 
-def rating_batches(data: dict[str, torch.Tensor], batch_size: int, seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-    """Shuffled batches of ``data``, epoch after epoch (the trainer stops at its step count)."""
+def rating_batches(data: dict[str, torch.Tensor], batch_size: int, seed: int = 0,
+                   epochs: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """Shuffled batches of ``data`` (whole batches only), ``epochs`` passes over it (None: epoch
+    after epoch, until the trainer stops at its step count)."""
     g = torch.Generator().manual_seed(seed)
     n = len(data["rating"])
-    while True:
+    epoch = 0
+    while epochs is None or epoch < epochs:
         order = torch.randperm(n, generator=g)
         for start in range(0, n - batch_size + 1, batch_size):
             idx = order[start:start + batch_size]
             yield {k: v[idx] for k, v in data.items()}
+        epoch += 1

@@ -60,7 +60,11 @@ def main() -> None:
     p.add_argument("--generate", type=int, default=0, help="first write this many synthetic ratings to --data, then exit")
     p.add_argument("--batch-size", type=int, default=int(os.environ.get("TETHER_BATCH_SIZE", 256)))
     p.add_argument("--dim", type=int, default=int(os.environ.get("TETHER_EMBEDDING_DIM", 16)))
+    p.add_argument("--epochs", type=int, default=0,
+                   help="passes over the ratings (default: as many as --steps takes; 1 where no step count is given)")
     a = p.parse_args()
+    if a.epochs < 0:
+        p.error(f"--epochs must be >= 0, got {a.epochs}")
     if a.generate:
         write_ratings(a.data, a.generate)
         return
@@ -81,7 +85,10 @@ def main() -> None:
 
     held = [{k: v[i:i + 4096] for k, v in held_out.items()} for i in range(0, len(held_out["rating"]), 4096)]
     with Trainer(model, config, loss=loss, sparse=sparse) as trainer:
-        record = trainer.fit(rating_batches(train, a.batch_size, seed=order_seed(config)), eval_data=held, evaluate=metrics)
+        # With no step count the trainer runs until the data ends: one pass unless --epochs says more.
+        epochs = a.epochs or (None if config.steps else 1)
+        record = trainer.fit(rating_batches(train, a.batch_size, seed=order_seed(config), epochs=epochs), eval_data=held,
+                             evaluate=metrics)
     e = record.final_eval
     if e is not None:
         print(f"held-out MSE {e['eval_mse']:.4f} (predicting the mean rating: {e['eval_baseline_mse']:.4f})", flush=True)
