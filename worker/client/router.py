@@ -129,9 +129,10 @@ class PackedParts(Mapping[str, tuple[torch.Tensor, ...]]):
     """A push's sparse part that is one ``PackedPush`` and nothing else (the row cache's usual
     push, ``RowCache._taken``): per table of ``packed.tables`` its ``ShardedPart`` ``(ids, sums[,
     stats])``, views of the buffers ``take_all`` wrote (``ids``; ``sums``, table g's rows of
-    ``dims[g]`` floats; ``stats``, of ``nstats[g]`` where ``packed.combined[g]``), made the first
-    time it is read. ``Router.push_requests`` and ``TrafficMeter.pushed`` read the layout
-    (``layout``) and make none of them."""
+    ``dims[g]`` floats; ``stats``, table g's rows of ``nstats[g]`` floats, there whether or not its
+    part carries them, which it does where ``packed.combined[g]``), made the first time it is
+    read. ``Router.push_requests`` and ``TrafficMeter.pushed`` read the layout (``layout``) and
+    make none of them."""
 
     def __init__(self, packed: PackedPush, ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, dims: Sequence[int], nstats: Sequence[int],
                  order: np.ndarray, bounds: np.ndarray, groups: Sequence[int]) -> None:
