@@ -69,6 +69,12 @@ def generate(pattern: str, files: int, lines: int, parquet: bool) -> None:
     os.remove(whole)
 
 
+def _epochs(config: TrainingConfig) -> int | None:
+    """Passes over the files: as many as the step count takes, one where none is given (the
+    trainer then runs until the data ends)."""
+    return None if config.steps else 1
+
+
 def parquet_data(a: argparse.Namespace, config: TrainingConfig) -> tuple[ParquetStream, Batch, float, Path | None]:
     """The training stream, held-out set and click rate from Parquet files, and where this
     worker's position is kept (``--position DIR``: DIR/worker-<i>.json, read to resume and
@@ -80,7 +86,7 @@ def parquet_data(a: argparse.Namespace, config: TrainingConfig) -> tuple[Parquet
     click_rate = float(next(iter(ParquetStream(a.data, 20_000, ctr=True, holdout=holdout))).labels.mean())
     position = Path(a.position) / f"worker-{config.worker_index}.json" if a.position else None
     resume = json.loads(position.read_text()) if position is not None and position.exists() else None
-    train = ParquetStream(a.data, a.batch_size, ctr=True, rank=config.worker_index, world_size=config.num_workers, epochs=None,
+    train = ParquetStream(a.data, a.batch_size, ctr=True, rank=config.worker_index, world_size=config.num_workers, epochs=_epochs(config),
                           shuffle_rows=SHUFFLE_ROWS, seed=config.seed, holdout=holdout, resume=resume)
     if resume is not None:
         print(
@@ -120,7 +126,7 @@ def main() -> None:
     else:
         held_out = criteo_eval_set(a.data, a.eval_samples, holdout_every=HOLDOUT)
         click_rate = float(next(iter(CriteoStream(a.data, 20_000, holdout_every=HOLDOUT))).labels.mean())
-        train = CriteoStream(a.data, a.batch_size, rank=config.worker_index, world_size=config.num_workers, epochs=None,
+        train = CriteoStream(a.data, a.batch_size, rank=config.worker_index, world_size=config.num_workers, epochs=_epochs(config),
                              holdout_every=HOLDOUT)
     torch.manual_seed(config.seed)
     model = CTRModel(CRITEO_DENSE, CRITEO_SPARSE, a.dim, embedding_factory=lambda name, dim: ShardedEmbeddingBag(name, dim))
