@@ -162,6 +162,11 @@ def test_a_packed_push_is_counted_and_checked_without_its_parts_made(monkeypatch
     with pytest.raises(InvalidArgument, match="table 'b' was not declared by this client"):
         narrow.push_requests(pushed, {}, 5, versions)
     assert wide.next_seq(0) == narrow.next_seq(0) == 1  # nothing counted as sent
+    # The same parts one by one: a table's sums of another row count are refused, as ever.
+    a, b = pushed["a"], pushed["b"]
+    short = ShardedPart((b[0], b[1][:-1], b[2]), b.order, b.bounds, b.packed, b.g)
+    with pytest.raises(InvalidArgument, match=rf"table 'b': gradient shape \({len(b[0]) - 1}, 2\) != \({len(b[0])}, 2\)"):
+        _router(2).push_requests({"a": a, "b": short}, {}, 5, versions)
 
 
 def test_a_known_split_for_another_shard_count_is_hashed_instead(monkeypatch: pytest.MonkeyPatch) -> None:

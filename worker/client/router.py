@@ -383,21 +383,24 @@ class Router:
             if sparse.bounds.shape[1] != self.num_shards + 1:
                 return None
             layout = sparse.layout()
+            shapes: list[tuple[int, ...]] = [(n, d) for _, _, n, d, _ in layout]
         else:
             first = next(iter(sparse.values()), None)
             packed = first.packed if isinstance(first, ShardedPart) else None
             if packed is None or tuple(sparse) != packed.tables:
                 return None
-            layout = []
+            layout, shapes = [], []
             for table, entry in sparse.items():
                 if not isinstance(entry, ShardedPart) or entry.packed is not packed or not entry.fits(self.num_shards, len(entry[0])):
                     return None
-                layout.append((table, entry.g, len(entry[0]), entry[1].shape[1], entry[2].shape[1] if len(entry) > 2 else 0))
-        for table, _, n, width, _ in layout:
+                shape = tuple(entry[1].shape)
+                layout.append((table, entry.g, len(entry[0]), shape[-1] if shape else 0, entry[2].shape[1] if len(entry) > 2 else 0))
+                shapes.append(shape)
+        for (table, _, n, _, _), shape in zip(layout, shapes, strict=True):
             if table not in self.dims:
                 raise InvalidArgument(f"table {table!r} was not declared by this client")
-            if width != self.dims[table]:
-                raise InvalidArgument(f"table {table!r}: gradient shape {(n, width)} != ({n}, {self.dims[table]})")
+            if shape != (n, self.dims[table]):
+                raise InvalidArgument(f"table {table!r}: gradient shape {shape} != ({n}, {self.dims[table]})")
         return layout
 
     def _push_packed(self, packed: PackedPush, layout: list[tuple[str, int, int, int, int]], bounds: Callable[[int], np.ndarray],
