@@ -28,29 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import push_path
 import traffic
 
-from tether.protos.specs import TableConfig
-from tether.worker.cache.client import CachedClient
 from tether.worker.cache.config import RowCacheConfig
 from tether.worker.cache.slots import warm_up
-from tether.worker.client.traffic import TrafficMeter
 
 
 def chunks(steps: list[dict[str, torch.Tensor]], dims: dict[str, int], config: RowCacheConfig, chunk: int) -> list[float]:
     """Thread CPU ms per step of the loop, per ``chunk`` steps, from a new client and cache."""
-    gen = torch.Generator().manual_seed(0)
-    client = CachedClient(push_path.RouterStandIn(dims, hashlib.sha256()), config, dims,  # type: ignore[arg-type]
-                          TrafficMeter(dims, 4, reuse=False))
-    client.use_tables([TableConfig(name=t, dim=d) for t, d in dims.items()])
-    pending = [client.pull(steps[0]), client.pull(steps[1])]
+    client = push_path.stand_in_client(dims, config, hashlib.sha256())
     out: list[float] = []
     start = time.thread_time()
-    for t in range(len(steps)):
-        pulled = pending.pop(0).result()
-        grads = {k: (ids, torch.randn(len(ids), dims[k], generator=gen)) for k, ids in steps[t].items()}
-        if t + 2 < len(steps):
-            pending.append(client.push_pull(grads, None, steps[t + 2], clock=t + 1, versions=pulled))
-        else:
-            client.push(grads, None, clock=t + 1, versions=pulled).result()
+    for t in push_path.async_loop(client, steps, dims):
         if (t + 1) % chunk == 0:
             now = time.thread_time()
             out.append(1e3 * (now - start) / chunk)

@@ -25,7 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,24 +115,42 @@ class RouterStandIn:
         return self.pull(pull_sparse, pull_dense, pull_splits)
 
 
-def run(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: RowCacheConfig) -> tuple[dict[str, float], str]:
-    """The async loop's calls (bench/traffic.run's order); CPU ms per step per call, and the digest of the bytes sent."""
-    CPU.clear()
-    CALLS.clear()
-    digest = hashlib.sha256()
-    gen = torch.Generator().manual_seed(0)
+def stand_in_client(dims: Mapping[str, int], cache: RowCacheConfig, digest: Any) -> CachedClient:
+    """A ``CachedClient`` (``cache``) in front of ``RouterStandIn``, its tables declared (SGD)."""
     client = CachedClient(RouterStandIn(dims, digest), cache, dims, TrafficMeter(dims, 4, reuse=False))  # type: ignore[arg-type]
     client.use_tables([TableConfig(name=t, dim=d) for t, d in dims.items()])
-    c0 = time.thread_time()
+    return client
+
+
+def async_loop(client: CachedClient, steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int],
+               seen: Callable[[PullResult], None] | None = None) -> Iterator[int]:
+    """The async loop's calls (bench/traffic.run's order: two pulls ahead, each step's push
+    carrying the pull of the step two on; seeded random gradients), yielding each step's index
+    once its push is made; ``seen`` is handed each step's pulled answer."""
+    gen = torch.Generator().manual_seed(0)
     pending = [client.pull(steps[0]), client.pull(steps[1])]
     for t in range(len(steps)):
         pulled = pending.pop(0).result()
-        digest.update(b"".join(pulled.rows[k].numpy().tobytes() for k in sorted(pulled.rows)))
+        if seen is not None:
+            seen(pulled)
         grads = {k: (ids, torch.randn(len(ids), dims[k], generator=gen)) for k, ids in steps[t].items()}
         if t + 2 < len(steps):
             pending.append(client.push_pull(grads, None, steps[t + 2], clock=t + 1, versions=pulled))
         else:
             client.push(grads, None, clock=t + 1, versions=pulled).result()
+        yield t
+
+
+def run(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: RowCacheConfig) -> tuple[dict[str, float], str]:
+    """The async loop's calls; CPU ms per step per call, and the digest of the bytes sent."""
+    CPU.clear()
+    CALLS.clear()
+    digest = hashlib.sha256()
+    client = stand_in_client(dims, cache, digest)
+    c0 = time.thread_time()
+    for _ in async_loop(client, steps, dims, lambda pulled: digest.update(b"".join(pulled.rows[k].numpy().tobytes()
+                                                                                    for k in sorted(pulled.rows)))):
+        pass
     client.flush()
     CPU["whole loop"] = time.thread_time() - c0
     if client.cache is not None:
