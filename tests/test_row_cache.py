@@ -444,3 +444,25 @@ def test_early_push_flags() -> None:
         TrainingConfig(local=True, cache_rows=100, cache_hot=-1)
     with pytest.raises(ValueError, match="without --cache-rows"):
         TrainingConfig(local=True, cache_hot=2)
+
+
+def test_ids_an_earlier_pull_in_flight_refreshes_are_read_later_whichever_pull_and_table() -> None:
+    """A pull planned while two earlier ones are in flight (not merged yet) leaves to them the
+    ids they pull (``Plan.later``), table by table, and pulls only the others; an id in flight
+    for another table is not one of them. The reference is a set per pull and table."""
+    rng = np.random.default_rng(4)
+    cache = RowCache(RowCacheConfig(rows=1000, bound=5, admission="all"), {"a": 4, "b": 2, "c": 4}, num_shards=2)
+    pulls = []
+    for _ in range(2):  # two pulls in flight: their ids are misses, noted as being pulled
+        sparse = {t: torch.from_numpy(np.unique(rng.integers(0, 60, 25))) for t in ("a", "b", "c")}
+        pulls.append((sparse, cache.plan(sparse, now=1)))
+    sparse = {t: torch.from_numpy(np.unique(rng.integers(0, 60, 30))) for t in ("c", "a", "b")}
+    plan = cache.plan(sparse, now=2)
+    later = set(plan.later.tolist())
+    for k, t in enumerate(plan.names):
+        ids = plan.ids[plan.offs[k]: plan.offs[k + 1]]
+        flying = set().union(*(set(p[0][t].tolist()) for p in pulls))
+        expect_later = {plan.offs[k] + i for i, x in enumerate(ids.tolist()) if x in flying}
+        assert {i for i in later if plan.offs[k] <= i < plan.offs[k + 1]} == expect_later, t
+        assert set(plan.miss[t].tolist()) == {x for x in ids.tolist() if x not in flying}, t
+        assert expect_later and len(expect_later) < len(ids), t  # both kinds present: the check can fail

@@ -65,16 +65,20 @@ _jit = compiled()
 
 
 @compiled(inline="always")
-def _in_flight(flights: np.ndarray, foffs: np.ndarray, g: np.int64, key: np.int64) -> bool:
-    """Whether ``key`` of table ``g`` is among the ids a pull in flight refreshes (``flights``:
-    those pulls' ids, per pull and table sorted; ``foffs[p, g]``: where pull p's ids of table g start)."""
-    for p in range(foffs.shape[0]):
-        a, b = foffs[p, g], foffs[p, g + 1]
-        if a < b:
-            j = a + np.searchsorted(flights[a:b], key)
-            if j < b and flights[j] == key:
-                return True
-    return False
+def _in_flight(flights: np.ndarray, ends: np.ndarray, cur: np.ndarray, key: np.int64) -> bool:
+    """Whether ``key`` is among the ids the pulls in flight refresh of the table a pass is on
+    (``flights``: those pulls' ids, per pull and table sorted; pull p's of this table are
+    ``flights[cur[p]:ends[p]]``). The pass asks in ascending order of keys: each pull's cursor
+    ``cur[p]`` moves past the ids below ``key`` for good (a merge of sorted runs, no search)."""
+    hit = False
+    for p in range(len(cur)):
+        j, b = cur[p], ends[p]
+        while j < b and flights[j] < key:
+            j += 1
+        cur[p] = j
+        if j < b and flights[j] == key:
+            hit = True
+    return hit
 
 
 _AHEAD = 16  # how many ids ahead a pass asks for the memory it will read (``prefetch``)
@@ -121,6 +125,9 @@ def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
     found = np.empty(n, np.int64)
     counts = np.zeros((len(tidx), 3), np.int64)
     dmask = np.uint64(door.shape[1] - 1)
+    npulls = foffs.shape[0]
+    cur = np.empty(npulls, np.int64)
+    ends = np.empty(npulls, np.int64)
     for k in range(len(tidx)):
         g = tidx[k]
         nt = len(cells_l)
@@ -129,6 +136,8 @@ def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
         hd = floats[HELD * nt + g]  # mine at dim + 2, fresh at 2 * dim + 2
         dim = v.shape[1]
         meta_flat, v_flat, width = meta_l[g].reshape(-1), v.reshape(-1), meta_l[g].shape[1]
+        for p in range(npulls):  # each pull in flight's ids of this table (``_in_flight``'s cursors)
+            cur[p], ends[p] = foffs[p, g], foffs[p, g + 1]
         _lookup(cells, ids, offs[k], offs[k + 1], found)
         for i in range(offs[k], offs[k + 1]):
             if i + _AHEAD < offs[k + 1] and found[i + _AHEAD] >= 0:
@@ -148,7 +157,7 @@ def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
                     if rv[s] < oldest[k, sh[s]]:
                         oldest[k, sh[s]] = rv[s]
                     continue
-            if bound > 0 and _in_flight(flights, foffs, g, key):
+            if bound > 0 and _in_flight(flights, ends, cur, key):
                 code[i] = 2
             elif s >= 0:
                 counts[k, 1] += 1
