@@ -1,8 +1,9 @@
 """The id index's compiled probes (numba): hashing an id (``mix64``), looking ids up in and
 placing them into the shard tables' index (``slot_*``: ``tether.server.storage.index``) and the worker
-row cache's (``index_*``: ``tether.worker.cache.slots``), and counting ids in a batch
-(``count_since``: ``tether.server.storage.update_log``). The rules' row kernels, the gather of pulled rows
-and the initialisation of new rows are in ``tether.rules.row_kernels``.
+row cache's (``index_*``: ``tether.worker.cache.slots``), and the update log's record and count
+of each row's updates since a read (``log_record``, ``count_linked``:
+``tether.server.storage.update_log``). The rules' row kernels, the gather of pulled rows and the
+initialisation of new rows are in ``tether.rules.row_kernels``.
 
 Each is one loop over a push or pull, compiled once by LLVM and cached on disk (``cache=True``:
 in ``NUMBA_CACHE_DIR`` when set, as in the container image, else next to the source file or
@@ -27,8 +28,8 @@ from numba.core import cgutils
 from tether.rules.kernel_cache import compiled
 
 __all__ = [
-    "EMPTY_SLOT", "REMOVED_SLOT", "cell_from", "count_since", "index_cells", "index_lookup", "index_place", "mix64", "prefetch",
-    "shard_loads", "slot_cells", "slot_lookup", "slot_place", "slot_rebuild", "warm_up",
+    "EMPTY_SLOT", "REMOVED_SLOT", "cell_from", "count_linked", "index_cells", "index_lookup", "index_place", "log_record", "mix64",
+    "prefetch", "shard_loads", "slot_cells", "slot_lookup", "slot_place", "slot_rebuild", "warm_up",
 ]
 
 # A cell's state is its slot, so that every int64 is a valid key: a slot >= 0 is a row,
@@ -278,84 +279,61 @@ def slot_rebuild(old: np.ndarray, old_bits: int, cells: np.ndarray, bits: int, k
             _put(cells, bits, keys[s], s)
 
 
-@compiled(inline="always")
-def _count_hits(seen: np.ndarray, values: np.ndarray, where: np.ndarray, mask: np.uint64, bits: np.ndarray, bmask: np.int64,
-                counts: np.ndarray) -> None:
-    """``count_since``'s scan of one run of the log: each entry that passes the bitset and is in
-    the hash counts once for its row."""
-    for j in range(len(seen)):
-        v = np.int64(seen[j])
-        b = v & bmask
-        if not (bits[b >> 6] >> np.uint64(b & 63)) & np.uint64(1):
-            continue
-        p = np.int64(mix64(v) & mask)
-        while where[p] >= 0:
-            if values[where[p]] == v:
-                counts[where[p]] += 1
-                break
-            p = (p + 1) & np.int64(mask)
+_SPAN32 = np.int64(0xFFFFFFFF)  # positions kept modulo 2**32 (``RowVersions.last``)
 
 
 @_jit
-def count_since(slots: np.ndarray, versions: np.ndarray, after: np.int64, seen_a: np.ndarray, seen_b: np.ndarray,
-                whole: np.int64, out: np.ndarray) -> np.int64:
-    """A push's per-row staleness in one pass: for each of ``slots`` (int64; -1: not a row) whose
-    last update (``versions``, int32 by slot) is later than ``after``, how many times it occurs in
-    ``seen_a`` and ``seen_b`` (int32: the update log's slots since the read), or ``whole`` for
-    each where ``whole`` >= 0 (a read older than the log); written to ``out`` (0 for the others).
-    Returns the largest, or -1 where no row was updated since.
+def log_record(ring: np.ndarray, gaps: np.ndarray, last: np.ndarray, slots: np.ndarray, at: np.int64, begin: np.int64) -> None:
+    """An update's ``slots`` (int64, unique, below 2**31) into the update log from position
+    ``at`` on (``ring`` and ``gaps``, int32 of one size, a power of two: position p at
+    ``p % size``; the log holds
+    positions from ``begin``), each linked to its row's entry before: ``gaps[p]`` how far back
+    that lies, 0 where it is not in the log (or is not the row's: ``last``, uint32 by slot, the
+    position of each row's last entry modulo 2**32, is then one it never had in the log), and
+    ``last`` set to the new entries."""
+    mask = np.int64(len(ring) - 1)
+    for i in range(len(slots)):
+        s = slots[i]
+        p = at + i
+        q = p - ((p - np.int64(last[s])) & _SPAN32)
+        gap = np.int64(0)
+        if begin <= q < p and ring[q & mask] == s:
+            gap = p - q
+        ring[p & mask] = s
+        gaps[p & mask] = gap
+        last[s] = np.uint32(p & _SPAN32)
 
-    The scan is against a hash of the rows counted, in memory of their size only; an entry of the
-    log is first tested against a bitset of their low bits (64 bits per row, in the CPU's first
-    cache: the log holds small integers whose low bits spread them), and only the few that pass
-    are looked up in the hash: a push whose read is far back (a row cache's combined push) scans
-    a long log mostly of other rows."""
-    n_rows = len(slots)
-    values = np.empty(n_rows, np.int64)
-    k = 0
-    for i in range(n_rows):
+
+@_jit
+def count_linked(slots: np.ndarray, versions: np.ndarray, last: np.ndarray, after: np.int64, ring: np.ndarray, gaps: np.ndarray,
+                 since: np.int64, end: np.int64, whole: np.int64, out: np.ndarray) -> np.int64:
+    """A push's per-row staleness in one pass: for each of ``slots`` (int64; -1: not a row) whose
+    last update (``versions``, int32 by slot) is later than ``after``, how many entries it has
+    in the update log from position ``since`` on (``log_record``'s ring, links and ``last``; the
+    log's end ``end``), found by walking back its own entries from its last, or ``whole`` for
+    each where ``whole`` >= 0 (a read older than the log); written to ``out`` (0 for the
+    others). Returns the largest, or -1 where no row was updated since. The work is the rows'
+    own staleness: no entry of another row is read."""
+    mask = np.int64(len(ring) - 1)
+    largest = np.int64(-1)
+    for i in range(len(slots)):
         out[i] = 0
         s = slots[i]
-        if s >= 0 and versions[s] > after:
-            values[k] = s
-            k += 1
-    if k == 0:
-        return np.int64(-1)
-    if whole >= 0:
-        for i in range(n_rows):
-            s = slots[i]
-            if s >= 0 and versions[s] > after:
-                out[i] = whole
-        return whole
-    n = 16
-    while n < 2 * k:
-        n *= 2
-    mask = np.uint64(n - 1)
-    nbits = 1024
-    while nbits < 64 * k:
-        nbits *= 2
-    bmask = np.int64(nbits - 1)
-    bits = np.zeros(nbits // 64, np.uint64)
-    where = np.full(n, -1, np.int64)
-    for i in range(k):
-        b = values[i] & bmask
-        bits[b >> 6] |= np.uint64(1) << np.uint64(b & 63)
-        p = np.int64(mix64(values[i]) & mask)
-        while where[p] >= 0 and values[where[p]] != values[i]:
-            p = (p + 1) & np.int64(mask)
-        where[p] = i
-    counts = np.zeros(k, np.int64)
-    _count_hits(seen_a, values, where, mask, bits, bmask, counts)
-    _count_hits(seen_b, values, where, mask, bits, bmask, counts)
-    largest = np.int64(0)
-    for i in range(n_rows):
-        s = slots[i]
-        if s >= 0 and versions[s] > after:
-            p = np.int64(mix64(s) & mask)
-            while values[where[p]] != s:
-                p = (p + 1) & np.int64(mask)
-            out[i] = counts[where[p]]
-            largest = max(largest, out[i])
+        if s < 0 or versions[s] <= after:
+            continue
+        c = whole
+        if whole < 0:
+            c = 0
+            p = end - ((end - np.int64(last[s])) & _SPAN32)
+            if p < end and ring[p & mask] == s:  # the row's last entry (else it has none in the log)
+                while p >= since:
+                    c += 1
+                    g = gaps[p & mask]
+                    if g == 0:
+                        break
+                    p -= g
+        out[i] = c
+        largest = max(largest, c)
     return largest
 
 
@@ -374,16 +352,18 @@ def _load_slot_rebuild() -> None:
     slot_rebuild(np.full(16, _EMPTY, np.int32), 1, np.full(16, _EMPTY, np.int32), 1, np.arange(2, dtype=np.int64))
 
 
-def _load_count_since() -> None:
-    seen = np.zeros(4, np.int32)
-    count_since(np.arange(2, dtype=np.int64), np.ones(2, np.int32), np.int64(0), seen, seen[:0], np.int64(-1), np.empty(2, np.int64))
+def _load_update_log() -> None:
+    ring, gaps, last = np.zeros(4, np.int32), np.zeros(4, np.int32), np.zeros(2, np.uint32)
+    slots = np.arange(2, dtype=np.int64)
+    log_record(ring, gaps, last, slots, np.int64(0), np.int64(0))
+    count_linked(slots, np.ones(2, np.int32), last, np.int64(0), ring, gaps, np.int64(0), np.int64(2), np.int64(-1), np.empty(2, np.int64))
 
 
 def shard_loads() -> list[Any]:
     """Calls that load the kernels of the shard tables' index that a shard uses in every job,
     for the types it calls them with (lookup, insert, a growing table's rebuild, and
-    ``count_since``: a push's staleness); a removal's is loaded at its first use."""
-    return [_load_slot_lookup, _load_slot_place, _load_slot_rebuild, _load_count_since]
+    the update log's record and count: a push's staleness); a removal's is loaded at its first use."""
+    return [_load_slot_lookup, _load_slot_place, _load_slot_rebuild, _load_update_log]
 
 
 def warm_up() -> None:
@@ -400,4 +380,4 @@ def warm_up() -> None:
     slot_lookup(slots32, keys, 1, ids)
     slot_cells(slots32, keys, 1, ids)
     slot_rebuild(slots32, 1, np.full(16, _EMPTY, np.int32), 1, keys)
-    _load_count_since()
+    _load_update_log()

@@ -177,45 +177,51 @@ def test_row_versions_past_their_int32_span_keep_staleness_exact_for_recent_read
     assert table.staleness(np.array([1, 2], np.int64), snap["version"]).tolist() == [0, 1]
 
 
-def test_update_log_counts_without_a_scratch_per_row() -> None:
-    from tether.rules import index_kernels
+def test_update_log_counts_each_rows_updates_since_a_read_by_its_own_entries() -> None:
+    """The log's per-row counts against a count over every update kept, through ring wraps, the
+    ring's growth, updates falling out of the log (a read older than it counts every update
+    since), slots not rows (-1), a slot asked twice and a slot reused by another row."""
     from tether.server.storage.update_log import RowVersions, UpdateLog
 
     rng = np.random.default_rng(0)
-    values = rng.choice(1 << 20, 500, replace=False).astype(np.int64)
-    seen = rng.choice(np.concatenate([values, rng.integers(0, 1 << 20, 5000)]), 20_000).astype(np.int32)
-    want = [(seen == v).sum() for v in values]
-    versions = np.ones(1 << 20, np.int32)
-    versions[values[::7]] = 0  # not updated since the read: not counted
-    want = [0 if versions[v] == 0 else w for v, w in zip(values, want, strict=True)]
-    out = np.empty(len(values), np.int64)
-    head, tail = seen[:7000], seen[7000:]  # the log's two runs of its ring
-    assert index_kernels.count_since(values, versions, np.int64(0), head, tail, np.int64(-1), out) == max(want)
-    assert out.tolist() == want
-    # A duplicate slot and one that is not a row (-1): each counted as its slot, -1 as 0.
-    out = np.empty(4, np.int64)
-    got = index_kernels.count_since(np.array([3, 3, 4, -1], np.int64), np.ones(8, np.int32), np.int64(0), np.array([3, 4, 4], np.int32),
-                                    np.empty(0, np.int32), np.int64(-1), out)
-    assert out.tolist() == [1, 1, 2, 0] and got == 2
-    # No row updated since: -1; a read older than the log: every newer row counts ``whole``.
-    assert index_kernels.count_since(np.array([1, 2], np.int64), np.zeros(4, np.int32), np.int64(0), head, tail, np.int64(-1), out[:2]) == -1
-    assert index_kernels.count_since(np.array([1, 2], np.int64), np.array([0, 0, 3, 0], np.int32), np.int64(0), head, tail, np.int64(9),
-                                     out[:2]) == 9
-    assert out[:2].tolist() == [0, 9]
-    log = UpdateLog(max_updates=4, max_slots=10)
-    rows = RowVersions(16)
+    log, rows = UpdateLog(max_updates=40, max_slots=3000), RowVersions(4096)
+    history: list[np.ndarray] = []
+    for version in range(1, 400):
+        n = int(rng.integers(1, 160))
+        slots = np.unique(rng.zipf(1.3, 3 * n) % 4096)[:n].astype(np.int64)
+        rng.shuffle(slots)
+        rows.updated(slots, version, 4096)
+        log.record(version, slots, rows)
+        history.append(slots)
+        if version % 7:
+            continue
+        for read in (version - 1, version - 5, version - 30, version - 60, 0):
+            ask = np.concatenate([rng.integers(0, 4096, 40), history[-1][:5], history[-1][:1], [-1]]).astype(np.int64)
+            kept = log._versions[log._head:]
+            after = rows.after(read)
+            if kept and kept[0] <= read + 1:
+                want = [0 if s < 0 else sum(int(s in set(h.tolist())) for h in history[read:]) for s in ask.tolist()]
+            else:
+                want = [0 if s < 0 or rows.array[s] <= after else version - read for s in ask.tolist()]
+            got = log.count(ask, rows, version, read, per_row=True)
+            assert (got.tolist() if got is not None else [0] * len(ask)) == want, (version, read)
+            assert log.count(ask, rows, version, read, per_row=False) == max(want)
+    # The ring grew from its first 4,096 entries to hold 3,000 slots or 40 updates at most.
+    assert log.nbytes <= 8 * 3000
+    # Only the rows asked are read: a row with no entry in the log counts 0, whatever its slot held.
+    fresh, rows = UpdateLog(max_updates=4, max_slots=10), RowVersions(16)
     for version, slots in enumerate(([1, 2], [2, 3], [2], [5, 6, 7, 8], [2, 9]), start=1):
-        log.record(version, np.array(slots, np.int64))
         rows.updated(np.array(slots, np.int64), version, 16)
-    # Version 1 went (11 slots held, more than 10); 2..5 remain, 4 bytes a slot.
-    assert log.nbytes == 4 * 9
+        fresh.record(version, np.array(slots, np.int64), rows)
+    # Version 1 went (11 slots held, more than 10); 2..5 remain, 8 bytes an entry (a slot and its link).
+    assert fresh.nbytes == 8 * 9
     slots = np.array([2, 3, 9, 4, -1], np.int64)  # 4 was never updated; -1 is not a row
-    assert log.count(slots, rows, 5, 2, per_row=True).tolist() == [2, 0, 1, 0, 0]  # type: ignore[union-attr]
-    assert log.count(slots, rows, 5, 2, per_row=False) == 2
+    assert fresh.count(slots, rows, 5, 2, per_row=True).tolist() == [2, 0, 1, 0, 0]  # type: ignore[union-attr]
+    assert fresh.count(slots, rows, 5, 2, per_row=False) == 2
     # A read older than the log: every row updated since the read stale by every update since.
-    assert log.count(slots, rows, 5, 0, per_row=True).tolist() == [5, 5, 5, 0, 0]  # type: ignore[union-attr]
-    assert log.count(np.array([4], np.int64), rows, 5, 0, per_row=True) is None
-    assert log.count(np.array([4], np.int64), rows, 5, 0, per_row=False) == 0
+    assert fresh.count(slots, rows, 5, 0, per_row=True).tolist() == [5, 5, 5, 0, 0]  # type: ignore[union-attr]
+    assert fresh.count(np.array([4], np.int64), rows, 5, 0, per_row=True) is None
+    assert fresh.count(np.array([4], np.int64), rows, 5, 0, per_row=False) == 0
 
 
 def test_storage_from_mappings_is_zeroed_writable_and_unbacked_until_written() -> None:
@@ -238,9 +244,10 @@ def test_storage_from_mappings_is_zeroed_writable_and_unbacked_until_written() -
     del room
 
 
-def test_a_table_holds_about_20_bytes_a_row_beyond_its_rows_and_state() -> None:
+def test_a_table_holds_about_25_bytes_a_row_beyond_its_rows_and_state() -> None:
     # Row-wise Adagrad, dim 16: 64 B of values and 4 of state a row; the ids by slot (8), the
-    # hash cells (5.7-6.7) and the row versions (4) are the rest.
+    # hash cells (5.7-6.7) and the row versions (4, and 4 for where each row's last update is in
+    # the update log) are the rest.
     table = EmbeddingTable(TableConfig("t", 16, OptimizerConfig("rowwise_adagrad", 0.1)))
     ids = np.random.default_rng(1).choice(2**62, 50_000, replace=False).astype(np.int64)
     for a in range(0, len(ids), 5000):
@@ -248,7 +255,8 @@ def test_a_table_holds_about_20_bytes_a_row_beyond_its_rows_and_state() -> None:
         table.push(part, torch.ones(len(part), 16), 1.0, table.pulled(part))
     index = table._index
     assert index.size == 50_000 and 0.59 <= index.size / index.cells <= 0.7
-    assert 4 * index.cells + 8 * index.size + 4 * table.rows <= 20.7 * table.rows
+    assert table._versions.nbytes <= 8 * (table._weights.shape[0] + 1)  # two int32 a slot
+    assert 4 * index.cells + 8 * index.size + 8 * table.rows <= 24.7 * table.rows
     assert table.pull(ids[:3])[0].shape == (3, 16) and table.snapshot()["ids"].tolist() == np.sort(ids).tolist()
 
 
@@ -262,14 +270,14 @@ def test_update_log_ring_counts_as_a_list_of_every_update_would() -> None:
     rng = np.random.default_rng(7)
     for max_updates, max_slots in ((3, 50), (40, 25), (8, 1000)):
         log, kept = UpdateLog(max_updates, max_slots), []
-        log._ring = np.empty(2, np.int32)
+        log._ring, log._gaps = np.empty(2, np.int32), np.empty(2, np.int32)
         for version in range(1, 120):
             slots = rng.choice(60, int(rng.integers(0, 30)), replace=False).astype(np.int64)
-            log.record(version, slots)
+            log.record(version, slots, every)
             kept.append((version, slots))
             while len(kept) > max_updates or sum(len(s) for _, s in kept) > max_slots:
                 kept.pop(0)
-            assert log.nbytes == 4 * sum(len(s) for _, s in kept)
+            assert log.nbytes == 8 * sum(len(s) for _, s in kept)
             read = int(rng.integers(0, version + 1))
             ids = rng.choice(60, 15, replace=False).astype(np.int64)
             got = log.count(ids, every, version, read, per_row=True)

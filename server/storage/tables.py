@@ -55,10 +55,10 @@ _GROWTH = 1.5
 _INITIAL_BYTES = 4 << 20
 # Evict at least this fraction of the capacity at once, so the O(rows) selection runs rarely.
 _EVICT_BATCH = 1 / 16
-# The last updates' row slots (int32), kept to count how many updates each row of a push missed
-# since its read (per-row staleness): at most this many updates and this many slots in all
-# (1 MiB). A read older than the log counts each row updated since as stale by the whole
-# table's updates.
+# The last updates' row slots (int32, each with an int32 link to its row's entry before), kept
+# to count how many updates each row of a push missed since its read (per-row staleness): at
+# most this many updates and this many slots in all (2 MiB). A read older than the log counts
+# each row updated since as stale by the whole table's updates.
 _LOG_UPDATES = 256
 _LOG_SLOTS = 1 << 18
 # Row versions are int32 offsets from a base version that moves up by half this span when the
@@ -135,7 +135,7 @@ class EmbeddingTable:
     def memory_bytes(self) -> int:
         """Bytes allocated for rows, optimizer state, the id index and the per-row bookkeeping
         (row versions; LRU ticks and the admission sketch where used; not the update log's
-        slots, at most 1 MiB, the size of the last pushes). Storage beyond the rows
+        entries, at most 2 MiB, the size of the last pushes). Storage beyond the rows
         (room to grow) is counted here but is not resident until rows are written there."""
         total = self._weights.nbytes + self._index.nbytes + self._free.nbytes + self._versions.nbytes
         if self._touched is not None:
@@ -419,7 +419,7 @@ class EmbeddingTable:
                    combined)
         self.version += 1
         self._versions.updated(slots, self.version, self._used)
-        self._updates.record(self.version, slots)
+        self._updates.record(self.version, slots, self._versions)
         return self.version
 
     def running_means(self, name: str, ids: np.ndarray, x: np.ndarray | None = None, decay: float = 0.95) -> np.ndarray:

@@ -1,7 +1,8 @@
 """What a table keeps to count how many updates each row of a push missed since its read
 (per-row staleness): its last updates (each one's table version and the slots it wrote, int32,
-oldest first, at most ``max_updates`` updates and ``max_slots`` slots in all), and the version
-of each row's last update (``RowVersions``)."""
+oldest first, at most ``max_updates`` updates and ``max_slots`` slots in all), each entry linked
+to the same row's entry before it, and per row the version and the log position of its last
+update (``RowVersions``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import bisect
 
 import numpy as np
 
-from tether.rules.index_kernels import count_since
+from tether.rules.index_kernels import count_linked, log_record
 from tether.server.storage.zeroed import zeros
 
 __all__ = ["RowVersions", "UpdateLog"]
@@ -19,26 +20,31 @@ class UpdateLog:
     """The table's last updates; the table's lock guards it.
 
     The slots of the updates held lie in one ring of int32 (grown by doubling up to
-    ``max_slots``), each update's slots contiguous in it (or wrapping once at its end), so the
-    slots written since a read are at most two slices of it: counting them copies nothing and
-    loops over no update in Python (a row cache's push reads rows tens of updates old).
-    Positions count slots from the first one ever written; the ring holds ``[begin, end)``."""
+    ``max_slots``), each update's slots contiguous in it (or wrapping once at its end), and
+    beside each entry (a second int32 ring) how far back the same row's entry before it lies
+    (0: none in the log). A row's count since a read is then a walk back along its own entries
+    from its last (``RowVersions.last``), as many steps as it has updates since: a push costs
+    its own rows' staleness, not the length of the log since its read (a row cache's combined
+    push reads rows tens of updates old, of every table). Positions count slots from the first
+    one ever written; the rings hold ``[begin, end)``."""
 
     def __init__(self, max_updates: int, max_slots: int) -> None:
         self._max_updates, self._max_slots = max_updates, max_slots
         self._versions: list[int] = []  # each update's table version, oldest first, from _head on
         self._starts: list[int] = []  # the position of its first slot
         self._head = 0
-        self._ring = np.empty(min(max_slots, 4096), np.int32)
+        self._ring = np.empty(_pow2(min(max_slots, 4096)), np.int32)  # a power of two: positions masked, not divided
+        self._gaps = np.empty(len(self._ring), np.int32)
         self._begin = self._end = 0
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the slots held."""
-        return 4 * (self._end - self._begin)
+        """Bytes of the entries held (a slot and a link each)."""
+        return 8 * (self._end - self._begin)
 
-    def record(self, version: int, slots: np.ndarray) -> None:
-        """The update that made the table ``version`` wrote the rows at ``slots`` (below 2**31)."""
+    def record(self, version: int, slots: np.ndarray, rows: RowVersions) -> None:
+        """The update that made the table ``version`` wrote the rows at ``slots`` (unique, below
+        2**31); ``rows.last`` notes where each row's entry is."""
         n = len(slots)
         self._versions.append(version)
         self._starts.append(self._end)
@@ -53,30 +59,21 @@ class UpdateLog:
             self._begin = self._end = end
             return
         if end - self._begin > len(self._ring):
-            held = self._slices(self._begin, self._end)
-            self._ring = np.empty(min(self._max_slots, max(end - self._begin, 2 * len(self._ring))), np.int32)
-            at = self._begin
-            for part in held:
-                self._place(at, part)
-                at += len(part)
-        self._place(self._end, slots)
+            size = _pow2(min(self._max_slots, max(end - self._begin, 2 * len(self._ring))))
+            self._ring, self._gaps = self._moved(self._ring, size), self._moved(self._gaps, size)
+        log_record(self._ring, self._gaps, rows.last, np.ascontiguousarray(slots, np.int64), np.int64(self._end), np.int64(self._begin))
         self._end = end
 
-    def _place(self, at: int, values: np.ndarray) -> None:
-        """``values`` into the ring from position ``at`` on (wrapping once)."""
-        size = len(self._ring)
-        i = at % size
-        head = min(len(values), size - i)
-        self._ring[i:i + head] = values[:head]
-        self._ring[:len(values) - head] = values[head:]
-
-    def _slices(self, a: int, b: int) -> list[np.ndarray]:
-        """The ring's positions ``[a, b)`` as one or two views."""
-        size = len(self._ring)
-        if a == b:
-            return []
-        i, j = a % size, b % size
-        return [self._ring[i:j]] if i < j else [self._ring[i:], self._ring[:j]]
+    def _moved(self, ring: np.ndarray, size: int) -> np.ndarray:
+        """``ring``'s entries held, in a ring of ``size`` at the same positions."""
+        out = np.empty(size, ring.dtype)
+        old, at = len(ring), self._begin
+        while at < self._end:
+            i, j = at % old, at % size
+            n = min(self._end - at, old - i, size - j)
+            out[j: j + n] = ring[i: i + n]
+            at += n
+        return out
 
     def clear(self) -> None:
         self._versions.clear()
@@ -89,33 +86,34 @@ class UpdateLog:
         never updated) that ``versions`` says were updated since the read, of a table now at
         ``version``: an int64 array per slot (None where no row was updated since), or
         (``per_row`` False) the largest (0: none). A read older than the log counts each newer row
-        as stale by every update since the read. One compiled pass (``count_since``); memory: the
-        size of the push, none per row of the table and no copy of the log."""
+        as stale by every update since the read. One compiled pass (``count_linked``), each row's
+        own entries since the read walked; memory: the size of the push."""
         after = versions.after(read_version)
-        whole = -1
-        since: list[np.ndarray] = []
+        whole, since = -1, self._end
         if self._head == len(self._versions) or self._versions[self._head] > read_version + 1:
             whole = version - read_version
         else:
             first = bisect.bisect_right(self._versions, read_version, self._head)
             if first < len(self._versions):
-                since = self._slices(self._starts[first], self._end)
-        a = since[0] if since else _NONE
-        b = since[1] if len(since) > 1 else _NONE
+                since = self._starts[first]
         out = np.empty(len(slots), np.int64)
-        largest = int(count_since(np.ascontiguousarray(slots, np.int64), versions.array, np.int64(after), a, b, np.int64(whole), out))
+        largest = int(count_linked(np.ascontiguousarray(slots, np.int64), versions.array, versions.last, np.int64(after), self._ring,
+                                   self._gaps, np.int64(since), np.int64(self._end), np.int64(whole), out))
         if not per_row:
             return max(largest, 0)
         return out if largest >= 0 else None
 
 
-# No log entries (an empty run of the ring for ``count_since``).
-_NONE = np.empty(0, np.int32)
+def _pow2(n: int) -> int:
+    """The least power of two >= ``n`` (>= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 class RowVersions:
     """The table version of each row's last update, by slot, for per-row staleness: int32
-    offsets from a base version (4 bytes a row), 0 for a row not updated since the base.
+    offsets from a base version (4 bytes a row), 0 for a row not updated since the base; and
+    where that update's entry is in the ``UpdateLog`` (``last``: its position modulo 2**32, 4
+    bytes a row; the log checks an entry is the row's before it follows one).
 
     When the table's version runs ``span`` past the base, the base moves up by half the span
     (one pass over the rows, once per 2**30 pushes with the int32 span). Rows last updated
@@ -126,23 +124,24 @@ class RowVersions:
 
     def __init__(self, rows: int, span: int = 2**31 - 1) -> None:
         self.array = zeros(rows, np.int32)
+        self.last = zeros(rows, np.uint32)
         self.span = span
         self.base = 0  # the version offsets count from
         self.floor = 0  # reads older than this count every row as updated since
 
     @property
     def nbytes(self) -> int:
-        return int(self.array.nbytes)
+        return int(self.array.nbytes + self.last.nbytes)
 
     def grow(self, rows: int, used: int) -> None:
         """Room for ``rows`` slots, keeping the first ``used``."""
-        array = zeros(rows, np.int32)
-        array[:used] = self.array[:used]
-        self.array = array
+        array, last = zeros(rows, np.int32), zeros(rows, np.uint32)
+        array[:used], last[:used] = self.array[:used], self.last[:used]
+        self.array, self.last = array, last
 
     def reset(self, rows: int, version: int) -> None:
         """``rows`` slots, none updated since the table's ``version`` (restored rows)."""
-        self.array = zeros(max(rows, 1), np.int32)
+        self.array, self.last = zeros(max(rows, 1), np.int32), zeros(max(rows, 1), np.uint32)
         self.base, self.floor = version, 0
 
     def updated(self, slots: np.ndarray, version: int, used: int) -> None:

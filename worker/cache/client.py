@@ -103,7 +103,7 @@ class CachedClient:
         plan = self._plan(sparse or {})
         if plan is None:
             return self._answer(plan, self.inner.pull(dict(sparse or {}), dense))
-        ask = {t: ids for t, ids in plan.miss.items() if len(ids)}
+        ask = {t: ids for t, ids in plan.miss.items() if ids.shape[0]}
         return self._answer(plan, self.inner.pull(ask, dense, splits=plan.splits))
 
     def push(self, sparse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -120,7 +120,7 @@ class CachedClient:
         self.clock = max(self.clock, clock)
         grads, read = self._due(push_sparse, clock, versions)
         plan = self._plan(pull_sparse or {})
-        ask = dict(pull_sparse or {}) if plan is None else {t: ids for t, ids in plan.miss.items() if len(ids)}
+        ask = dict(pull_sparse or {}) if plan is None else {t: ids for t, ids in plan.miss.items() if ids.shape[0]}
         return self._answer(plan, self.inner.push_pull(grads, push_dense, ask, pull_dense, clock=clock, versions=read,
                                                        pull_splits=plan.splits if plan is not None else None))
 

@@ -64,7 +64,7 @@ def joined_ids(tensors: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]
     if not tensors:
         return NO_IDS, np.zeros(1, np.int64)
     ids = tensors[0] if len(tensors) == 1 else torch.cat(list(tensors))
-    return np.ascontiguousarray(ids.numpy(), np.int64), offsets([len(t) for t in tensors])
+    return np.ascontiguousarray(ids.numpy(), np.int64), offsets([t.shape[0] for t in tensors])
 
 
 def flat_rows(tensors: Sequence[torch.Tensor]) -> np.ndarray:

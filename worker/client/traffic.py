@@ -58,15 +58,15 @@ class TrafficMeter:
         self.steps += 1
         recent = self.reuse.observe(sparse) if self.reuse is not None else {}
         for t, ids in sparse.items():
-            self.wanted_rows[t] += len(ids)
+            self.wanted_rows[t] += ids.shape[0]
             for w, n in recent.get(t, {}).items():
                 self.recent[t][w] += n
             if self.recorder is not None:
-                self.recorder.rows_wanted(t, len(ids), recent.get(t, {}))
+                self.recorder.rows_wanted(t, ids.shape[0], recent.get(t, {}))
 
     def pulled(self, sparse: Mapping[str, torch.Tensor]) -> None:
         for t, ids in sparse.items():
-            self._moved(t, "pull", len(ids))
+            self._moved(t, "pull", ids.shape[0])
 
     def pushed(self, grads: Mapping[str, tuple[torch.Tensor, ...]]) -> None:
         """A push's rows per table: ``(ids, gradients)``, or with a combined push's statistics
