@@ -323,7 +323,7 @@ def count_linked(slots: np.ndarray, versions: np.ndarray, last: np.ndarray, afte
             continue
         c = whole
         if whole < 0:
-            c = 0
+            c = np.int64(0)
             p = end - ((end - np.int64(last[s])) & _SPAN32)
             if p < end and ring[p & mask] == s:  # the row's last entry (else it has none in the log)
                 while p >= since:
