@@ -283,52 +283,70 @@ _SPAN32 = np.int64(0xFFFFFFFF)  # positions kept modulo 2**32 (``RowVersions.las
 
 
 @_jit
-def log_record(ring: np.ndarray, gaps: np.ndarray, last: np.ndarray, slots: np.ndarray, at: np.int64, begin: np.int64) -> None:
+def log_record(ring: np.ndarray, rows: np.ndarray, slots: np.ndarray, at: np.int64, begin: np.int64, offset: np.int64, count: bool,
+               after: np.int64, since: np.int64, whole: np.int64) -> np.int64:
     """An update's ``slots`` (int64, unique, below 2**31) into the update log from position
-    ``at`` on (``ring`` and ``gaps``, int32 of one size, a power of two: position p at
-    ``p % size``; the log holds
-    positions from ``begin``), each linked to its row's entry before: ``gaps[p]`` how far back
-    that lies, 0 where it is not in the log (or is not the row's: ``last``, uint32 by slot, the
-    position of each row's last entry modulo 2**32, is then one it never had in the log), and
-    ``last`` set to the new entries."""
+    ``at`` on, and each row's version set to ``offset`` (``rows[s, 0]``): ``ring`` (int32 pairs, a
+    power of two of them; position p at ``p % size``; the log holds positions from ``begin``)
+    gets each slot and how far back that row's entry before lies (0 where it is not in the log,
+    or is not the row's: a row's last position, ``rows[s, 1]``, is modulo 2**32 and may be one it
+    never had in the log), and ``rows[s, 1]`` the new entry's position.
+
+    With ``count``, first each row's staleness as ``count_linked`` counts it (its version then
+    later than ``after``: ``whole``, or its entries from ``since`` on, which must all still be
+    held from ``begin`` on), walked from the entry it is linked to anyway; returns the largest
+    (-1: no row updated since, or not counted)."""
     mask = np.int64(len(ring) - 1)
+    largest = np.int64(-1)
     for i in range(len(slots)):
         s = slots[i]
         p = at + i
-        q = p - ((p - np.int64(last[s])) & _SPAN32)
-        gap = np.int64(0)
-        if begin <= q < p and ring[q & mask] == s:
-            gap = p - q
-        ring[p & mask] = s
-        gaps[p & mask] = gap
-        last[s] = np.uint32(p & _SPAN32)
+        q = p - ((p - np.int64(rows[s, 1])) & _SPAN32)
+        linked = begin <= q < p and ring[q & mask, 0] == s
+        if count and rows[s, 0] > after:
+            c = whole
+            if whole < 0:
+                c = np.int64(0)
+                r = q
+                while linked and r >= since:
+                    c += 1
+                    g = ring[r & mask, 1]
+                    if g == 0:
+                        break
+                    r -= g
+            largest = max(largest, c)
+        ring[p & mask, 0] = s
+        ring[p & mask, 1] = p - q if linked else 0
+        rows[s, 0] = offset
+        rows[s, 1] = np.int32(np.uint32(p & _SPAN32))
+    return largest
 
 
 @_jit
-def count_linked(slots: np.ndarray, versions: np.ndarray, last: np.ndarray, after: np.int64, ring: np.ndarray, gaps: np.ndarray,
-                 since: np.int64, end: np.int64, whole: np.int64, out: np.ndarray) -> np.int64:
+def count_linked(slots: np.ndarray, rows: np.ndarray, after: np.int64, ring: np.ndarray, since: np.int64, end: np.int64, whole: np.int64,
+                 out: np.ndarray) -> np.int64:
     """A push's per-row staleness in one pass: for each of ``slots`` (int64; -1: not a row) whose
-    last update (``versions``, int32 by slot) is later than ``after``, how many entries it has
-    in the update log from position ``since`` on (``log_record``'s ring, links and ``last``; the
-    log's end ``end``), found by walking back its own entries from its last, or ``whole`` for
-    each where ``whole`` >= 0 (a read older than the log); written to ``out`` (0 for the
-    others). Returns the largest, or -1 where no row was updated since. The work is the rows'
-    own staleness: no entry of another row is read."""
+    last update (``rows[s, 0]``, int32) is later than ``after``, how many entries it has in the
+    update log from position ``since`` on (``log_record``'s ring, and each row's last position
+    ``rows[s, 1]``; the log's end ``end``), found by walking back its own entries from its last,
+    or ``whole`` for each where ``whole`` >= 0 (a read older than the log); written to ``out``
+    (0 for the others). Returns the largest, or -1 where no row was updated since. The work is
+    the rows' own staleness: no entry of another row is read."""
     mask = np.int64(len(ring) - 1)
     largest = np.int64(-1)
     for i in range(len(slots)):
         out[i] = 0
         s = slots[i]
-        if s < 0 or versions[s] <= after:
+        if s < 0 or rows[s, 0] <= after:
             continue
         c = whole
         if whole < 0:
             c = np.int64(0)
-            p = end - ((end - np.int64(last[s])) & _SPAN32)
-            if p < end and ring[p & mask] == s:  # the row's last entry (else it has none in the log)
+            p = end - ((end - np.int64(rows[s, 1])) & _SPAN32)
+            if p < end and ring[p & mask, 0] == s:  # the row's last entry (else it has none in the log)
                 while p >= since:
                     c += 1
-                    g = gaps[p & mask]
+                    g = ring[p & mask, 1]
                     if g == 0:
                         break
                     p -= g
@@ -353,10 +371,9 @@ def _load_slot_rebuild() -> None:
 
 
 def _load_update_log() -> None:
-    ring, gaps, last = np.zeros(4, np.int32), np.zeros(4, np.int32), np.zeros(2, np.uint32)
-    slots = np.arange(2, dtype=np.int64)
-    log_record(ring, gaps, last, slots, np.int64(0), np.int64(0))
-    count_linked(slots, np.ones(2, np.int32), last, np.int64(0), ring, gaps, np.int64(0), np.int64(2), np.int64(-1), np.empty(2, np.int64))
+    ring, rows, slots = np.zeros((4, 2), np.int32), np.ones((2, 2), np.int32), np.arange(2, dtype=np.int64)
+    log_record(ring, rows, slots, np.int64(0), np.int64(0), np.int64(1), True, np.int64(0), np.int64(0), np.int64(-1))
+    count_linked(slots, rows, np.int64(0), ring, np.int64(0), np.int64(2), np.int64(-1), np.empty(2, np.int64))
 
 
 def shard_loads() -> list[Any]:

@@ -190,8 +190,12 @@ def test_update_log_counts_each_rows_updates_since_a_read_by_its_own_entries() -
         n = int(rng.integers(1, 160))
         slots = np.unique(rng.zipf(1.3, 3 * n) % 4096)[:n].astype(np.int64)
         rng.shuffle(slots)
-        rows.updated(slots, version, 4096)
-        log.record(version, slots, rows)
+        if version % 3:
+            log.record(version, slots, rows, 4096)
+        else:  # counted in the record's pass: what ``count`` says just before
+            read = version - 1 - int(rng.integers(0, 70))
+            want = log.count(slots, rows, version - 1, read, per_row=False)
+            assert log.record(version, slots, rows, 4096, read) == want, version
         history.append(slots)
         if version % 7:
             continue
@@ -211,8 +215,7 @@ def test_update_log_counts_each_rows_updates_since_a_read_by_its_own_entries() -
     # Only the rows asked are read: a row with no entry in the log counts 0, whatever its slot held.
     fresh, rows = UpdateLog(max_updates=4, max_slots=10), RowVersions(16)
     for version, slots in enumerate(([1, 2], [2, 3], [2], [5, 6, 7, 8], [2, 9]), start=1):
-        rows.updated(np.array(slots, np.int64), version, 16)
-        fresh.record(version, np.array(slots, np.int64), rows)
+        fresh.record(version, np.array(slots, np.int64), rows, 16)
     # Version 1 went (11 slots held, more than 10); 2..5 remain, 8 bytes an entry (a slot and its link).
     assert fresh.nbytes == 8 * 9
     slots = np.array([2, 3, 9, 4, -1], np.int64)  # 4 was never updated; -1 is not a row
@@ -222,6 +225,12 @@ def test_update_log_counts_each_rows_updates_since_a_read_by_its_own_entries() -
     assert fresh.count(slots, rows, 5, 0, per_row=True).tolist() == [5, 5, 5, 0, 0]  # type: ignore[union-attr]
     assert fresh.count(np.array([4], np.int64), rows, 5, 0, per_row=True) is None
     assert fresh.count(np.array([4], np.int64), rows, 5, 0, per_row=False) == 0
+    # Counted as a push is logged: row 5 was updated once since version 3, the first entry since.
+    assert fresh.record(6, np.array([5], np.int64), rows, 16, read_version=3) == 1
+    # A read whose entries this very update pushes out of the log (version 3 goes): counted
+    # before it is logged (row 2 at versions 3 and 5).
+    assert fresh.record(7, np.array([3, 4, 6, 7, 8, 10, 11, 9, 2], np.int64), rows, 16, read_version=2) == 2
+    assert fresh.count(np.array([2, 5], np.int64), rows, 7, 5, per_row=True).tolist() == [1, 1]  # type: ignore[union-attr]
 
 
 def test_storage_from_mappings_is_zeroed_writable_and_unbacked_until_written() -> None:
@@ -270,10 +279,11 @@ def test_update_log_ring_counts_as_a_list_of_every_update_would() -> None:
     rng = np.random.default_rng(7)
     for max_updates, max_slots in ((3, 50), (40, 25), (8, 1000)):
         log, kept = UpdateLog(max_updates, max_slots), []
-        log._ring, log._gaps = np.empty(2, np.int32), np.empty(2, np.int32)
+        log._ring = np.empty((2, 2), np.int32)
         for version in range(1, 120):
             slots = rng.choice(60, int(rng.integers(0, 30)), replace=False).astype(np.int64)
-            log.record(version, slots, every)
+            log.record(version, slots, every, 60)
+            every.array[:] = 1 << 30
             kept.append((version, slots))
             while len(kept) > max_updates or sum(len(s) for _, s in kept) > max_slots:
                 kept.pop(0)

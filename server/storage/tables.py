@@ -375,7 +375,7 @@ class EmbeddingTable:
         combined push's statistics per row (``push_hooks.apply_rows``; None: one gradient each).
         """
         with self._lock:
-            return self._apply(ids, grads, lr_scale, pulled, combined)
+            return self._apply(ids, grads, lr_scale, pulled, combined)[0]
 
     def push_counted(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float | np.ndarray, pulled: Pulled | None,
                      combined: np.ndarray | torch.Tensor | None, read_version: int, shown: int) -> tuple[int, int]:
@@ -385,14 +385,14 @@ class EmbeddingTable:
         Where the table's updates since the read (which bound every row's) do not exceed
         ``shown``, the staleness the push has shown already, rows are not counted (0)."""
         with self._lock:
-            stale = 0
-            if ids.size and self.version - read_version > shown:
-                stale = int(self._count(ids, read_version, pulled, per_row=False))  # type: ignore[arg-type]
-            return self._apply(ids, grads, lr_scale, pulled, combined), stale
+            count = bool(ids.size) and self.version - read_version > shown
+            return self._apply(ids, grads, lr_scale, pulled, combined, read_version if count else None)
 
     def _apply(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float | np.ndarray, pulled: Pulled | None,
-               combined: np.ndarray | torch.Tensor | None) -> int:
-        """``push``'s update; the caller holds the lock."""
+               combined: np.ndarray | torch.Tensor | None, read_version: int | None = None) -> tuple[int, int]:
+        """``push``'s update; the caller holds the lock. Returns the new version and, with
+        ``read_version``, the largest staleness of the rows updated since that read
+        (``largest_staleness`` just before; 0 without), counted as the update is logged."""
         opt = self.config.optimizer
         known = pulled is not None and pulled.index is self._index  # every id a row (``pulled``)
         slots = pulled.slots if known else self._resolve(ids)  # type: ignore[union-attr]
@@ -418,9 +418,7 @@ class EmbeddingTable:
         apply_rows(self._rule, opt, self._update_rows, self._weights, self._state, np.ascontiguousarray(slots, np.int64), grads_np, lr,
                    combined)
         self.version += 1
-        self._versions.updated(slots, self.version, self._used)
-        self._updates.record(self.version, slots, self._versions)
-        return self.version
+        return self.version, self._updates.record(self.version, slots, self._versions, self._used, read_version)
 
     def running_means(self, name: str, ids: np.ndarray, x: np.ndarray | None = None, decay: float = 0.95) -> np.ndarray:
         """A per-row running mean kept beside the rows for a push remedy (``push_hooks``: DC-ASGD-a's

@@ -19,9 +19,9 @@ __all__ = ["RowVersions", "UpdateLog"]
 class UpdateLog:
     """The table's last updates; the table's lock guards it.
 
-    The slots of the updates held lie in one ring of int32 (grown by doubling up to
-    ``max_slots``), each update's slots contiguous in it (or wrapping once at its end), and
-    beside each entry (a second int32 ring) how far back the same row's entry before it lies
+    The slots of the updates held lie in one ring of entries (grown by doubling up to
+    ``max_slots``), each update's slots contiguous in it (or wrapping once at its end), an
+    entry two int32 side by side: the slot and how far back the same row's entry before it lies
     (0: none in the log). A row's count since a read is then a walk back along its own entries
     from its last (``RowVersions.last``), as many steps as it has updates since: a push costs
     its own rows' staleness, not the length of the log since its read (a row cache's combined
@@ -33,8 +33,8 @@ class UpdateLog:
         self._versions: list[int] = []  # each update's table version, oldest first, from _head on
         self._starts: list[int] = []  # the position of its first slot
         self._head = 0
-        self._ring = np.empty(_pow2(min(max_slots, 4096)), np.int32)  # a power of two: positions masked, not divided
-        self._gaps = np.empty(len(self._ring), np.int32)
+        # Entries (slot, link) by position modulo the ring's size, a power of two (masked, not divided).
+        self._ring = np.empty((_pow2(min(max_slots, 4096)), 2), np.int32)
         self._begin = self._end = 0
 
     @property
@@ -42,9 +42,19 @@ class UpdateLog:
         """Bytes of the entries held (a slot and a link each)."""
         return 8 * (self._end - self._begin)
 
-    def record(self, version: int, slots: np.ndarray, rows: RowVersions) -> None:
+    def record(self, version: int, slots: np.ndarray, rows: RowVersions, used: int, read_version: int | None = None) -> int:
         """The update that made the table ``version`` wrote the rows at ``slots`` (unique, below
-        2**31); ``rows.last`` notes where each row's entry is."""
+        2**31; of ``used`` slots in use): their versions and log entries noted (``rows``). With
+        ``read_version``, returns what ``count(slots, rows, version - 1, read_version,
+        per_row=False)`` would have just before (0 without): counted in the same compiled pass
+        as the record, from the entries each row is linked to anyway."""
+        offset = rows.offset(version, used)  # before ``after``: it may move the versions' base
+        count = read_version is not None and len(slots) > 0
+        whole, since, after = -1, self._end, 0
+        if count:
+            whole, since = self._reach(version - 1, read_version)  # type: ignore[arg-type]
+            after = rows.after(read_version)  # type: ignore[arg-type]
+        slots = np.ascontiguousarray(slots, np.int64)
         n = len(slots)
         self._versions.append(version)
         self._starts.append(self._end)
@@ -55,18 +65,42 @@ class UpdateLog:
         if self._head > 64 and 2 * self._head > len(self._versions):
             del self._versions[:self._head], self._starts[:self._head]
             self._head = 0
+        stale = -1
+        if count and whole < 0 and since < self._begin:
+            # The read's entries are about to leave the log (this update pushes them out): counted
+            # first, as they are, and the record counts nothing.
+            stale = self._count(slots, rows, after, since, whole)
+            count = False
         if self._head == len(self._versions):  # this update alone is more than the log holds
+            if count:
+                stale = self._count(slots, rows, after, since, whole)
+            rows.array[slots] = offset
             self._begin = self._end = end
-            return
+            return max(stale, 0)
         if end - self._begin > len(self._ring):
             size = _pow2(min(self._max_slots, max(end - self._begin, 2 * len(self._ring))))
-            self._ring, self._gaps = self._moved(self._ring, size), self._moved(self._gaps, size)
-        log_record(self._ring, self._gaps, rows.last, np.ascontiguousarray(slots, np.int64), np.int64(self._end), np.int64(self._begin))
+            self._ring = self._moved(self._ring, size)
+        counted = log_record(self._ring, rows.pairs, slots, np.int64(self._end), np.int64(self._begin), np.int64(offset), count,
+                             np.int64(after), np.int64(since), np.int64(whole))
         self._end = end
+        return max(stale, int(counted), 0)
+
+    def _reach(self, version: int, read_version: int) -> tuple[int, int]:
+        """For a read at ``read_version`` of a table now at ``version``: every update since it
+        (``whole``, -1 where the log holds them all) and the position of the first entry since it."""
+        if self._head == len(self._versions) or self._versions[self._head] > read_version + 1:
+            return version - read_version, self._end
+        first = bisect.bisect_right(self._versions, read_version, self._head)
+        return -1, self._starts[first] if first < len(self._versions) else self._end
+
+    def _count(self, slots: np.ndarray, rows: RowVersions, after: int, since: int, whole: int, out: np.ndarray | None = None) -> int:
+        """``count_linked`` over the log as it is: the largest (-1: no row updated since), each row's into ``out``."""
+        out = np.empty(len(slots), np.int64) if out is None else out
+        return int(count_linked(slots, rows.pairs, np.int64(after), self._ring, np.int64(since), np.int64(self._end), np.int64(whole), out))
 
     def _moved(self, ring: np.ndarray, size: int) -> np.ndarray:
         """``ring``'s entries held, in a ring of ``size`` at the same positions."""
-        out = np.empty(size, ring.dtype)
+        out = np.empty((size, *ring.shape[1:]), ring.dtype)
         old, at = len(ring), self._begin
         while at < self._end:
             i, j = at % old, at % size
@@ -89,16 +123,9 @@ class UpdateLog:
         as stale by every update since the read. One compiled pass (``count_linked``), each row's
         own entries since the read walked; memory: the size of the push."""
         after = versions.after(read_version)
-        whole, since = -1, self._end
-        if self._head == len(self._versions) or self._versions[self._head] > read_version + 1:
-            whole = version - read_version
-        else:
-            first = bisect.bisect_right(self._versions, read_version, self._head)
-            if first < len(self._versions):
-                since = self._starts[first]
+        whole, since = self._reach(version, read_version)
         out = np.empty(len(slots), np.int64)
-        largest = int(count_linked(np.ascontiguousarray(slots, np.int64), versions.array, versions.last, np.int64(after), self._ring,
-                                   self._gaps, np.int64(since), np.int64(self._end), np.int64(whole), out))
+        largest = self._count(np.ascontiguousarray(slots, np.int64), versions, after, since, whole, out)
         if not per_row:
             return max(largest, 0)
         return out if largest >= 0 else None
@@ -112,8 +139,9 @@ def _pow2(n: int) -> int:
 class RowVersions:
     """The table version of each row's last update, by slot, for per-row staleness: int32
     offsets from a base version (4 bytes a row), 0 for a row not updated since the base; and
-    where that update's entry is in the ``UpdateLog`` (``last``: its position modulo 2**32, 4
-    bytes a row; the log checks an entry is the row's before it follows one).
+    where that update's entry is in the ``UpdateLog`` (``last``: its position modulo 2**32 as
+    an int32, 4 bytes a row; the log checks an entry is the row's before it follows one). Both
+    side by side (``pairs``, one int32 pair a slot: a count reads both of a row at once).
 
     When the table's version runs ``span`` past the base, the base moves up by half the span
     (one pass over the rows, once per 2**30 pushes with the int32 span). Rows last updated
@@ -123,36 +151,40 @@ class RowVersions:
     guards it."""
 
     def __init__(self, rows: int, span: int = 2**31 - 1) -> None:
-        self.array = zeros(rows, np.int32)
-        self.last = zeros(rows, np.uint32)
+        self._set(zeros((rows, 2), np.int32))
         self.span = span
         self.base = 0  # the version offsets count from
         self.floor = 0  # reads older than this count every row as updated since
 
     @property
     def nbytes(self) -> int:
-        return int(self.array.nbytes + self.last.nbytes)
+        return int(self.pairs.nbytes)
+
+    def _set(self, pairs: np.ndarray) -> None:
+        self.pairs = pairs
+        self.array, self.last = pairs[:, 0], pairs[:, 1]  # views
 
     def grow(self, rows: int, used: int) -> None:
         """Room for ``rows`` slots, keeping the first ``used``."""
-        array, last = zeros(rows, np.int32), zeros(rows, np.uint32)
-        array[:used], last[:used] = self.array[:used], self.last[:used]
-        self.array, self.last = array, last
+        pairs = zeros((rows, 2), np.int32)
+        pairs[:used] = self.pairs[:used]
+        self._set(pairs)
 
     def reset(self, rows: int, version: int) -> None:
         """``rows`` slots, none updated since the table's ``version`` (restored rows)."""
-        self.array, self.last = zeros(max(rows, 1), np.int32), zeros(max(rows, 1), np.uint32)
+        self._set(zeros((max(rows, 1), 2), np.int32))
         self.base, self.floor = version, 0
 
-    def updated(self, slots: np.ndarray, version: int, used: int) -> None:
-        """The update that made the table ``version`` wrote ``slots`` (of ``used`` slots in use)."""
+    def offset(self, version: int, used: int) -> int:
+        """What a row updated at table ``version`` holds (of ``used`` slots in use), the base
+        moved first where ``version`` is ``span`` past it."""
         if version - self.base > self.span:
             base = version - (self.span + 1) // 2
             rows = self.array[:used]
             np.subtract(rows, min(base - self.base, 2**31 - 1), out=rows, casting="unsafe")
             np.maximum(rows, 0, out=rows)
             self.base = self.floor = base
-        self.array[slots] = version - self.base
+        return version - self.base
 
     def after(self, read_version: int) -> int:
         """The offset a row updated after a read at ``read_version`` holds more than (-1: every
