@@ -23,7 +23,7 @@ from tether.protos.errors import InvalidArgument
 from tether.protos.names import REMEDY_DECAY
 from tether.protos.names import check_remedies as _check_remedy_values
 from tether.protos.specs import OptimizerConfig
-from tether.rules.row_kernels import CombinedUpdate, RowUpdate, combined_stats_fault, combined_update
+from tether.rules.row_kernels import CombinedUpdate, RowUpdate, combined_push_fault, combined_update
 from tether.rules.update_rules import UpdateRule
 
 __all__ = [
@@ -71,9 +71,13 @@ def finite(t: torch.Tensor) -> bool:
     return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
 
 
-def check_rows(what: str, ids: np.ndarray, grads: torch.Tensor, dim: int, ids_checked: bool = False) -> None:
+def check_rows(what: str, ids: np.ndarray, grads: torch.Tensor, dim: int, ids_checked: bool = False,
+               combined: torch.Tensor | None = None, update_rule: UpdateRule | None = None) -> np.ndarray | None:
     """A push's rows of one table, as a shard and local mode refuse them: one gradient row per id
-    of the table's width, floating point and finite; the ids unique (unless ``ids_checked``).
+    of the table's width, floating point and finite; the ids unique (unless ``ids_checked``);
+    and a combined push's statistics (``combined``, for the table's ``update_rule``) as
+    ``check_combined`` checks them, the gradients' finiteness in the same compiled pass. Returns
+    those statistics as ``check_combined`` does (None without).
 
     Raises:
         InvalidArgument: naming ``what`` (``table 'x'``) and the fault.
@@ -84,8 +88,11 @@ def check_rows(what: str, ids: np.ndarray, grads: torch.Tensor, dim: int, ids_ch
         raise InvalidArgument(f"{what}: gradient shape {tuple(grads.shape)} does not match ({ids.size}, {dim})")
     if not grads.is_floating_point():
         raise InvalidArgument(f"{what}: gradients must be floating point, got {grads.dtype}")
+    if combined is not None and update_rule is not None:
+        return check_combined(what, update_rule, combined, ids.size, grads)
     if not finite(grads):
         raise InvalidArgument(f"{what}: gradients contain NaN or Inf")
+    return None
 
 
 def check_dense(what: str, grad: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -241,16 +248,21 @@ def stats_array(stats: torch.Tensor | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(stats, np.float32)
 
 
-def check_combined(what: str, update_rule: UpdateRule, combined: torch.Tensor | None, rows: int) -> np.ndarray | None:
+def check_combined(what: str, update_rule: UpdateRule, combined: torch.Tensor | None, rows: int,
+                   grads: torch.Tensor | None = None) -> np.ndarray | None:
     """A combined push's statistics fit the table's rule: one row per gradient row, a column per
     ``combined_stats`` name, finite, each row's first column -1 (one gradient) or >= 0 (a count
-    >= 1 where it is a count). Returns them as ``stats_array`` (what ``apply_rows`` takes
-    without another conversion), None where there are none.
+    >= 1 where it is a count); with ``grads`` (its gradient rows, their shape checked), those
+    finite too, in the same compiled pass where they are float32 on the CPU. Returns the
+    statistics as ``stats_array`` (what ``apply_rows`` takes without another conversion), None
+    where there are none.
 
     Raises:
         InvalidArgument: anything else.
     """
     if combined is None:
+        if grads is not None and not finite(grads):
+            raise InvalidArgument(f"{what}: gradients contain NaN or Inf")
         return None
     width = len(update_rule.combined_stats)
     if not width:
@@ -264,12 +276,24 @@ def check_combined(what: str, update_rule: UpdateRule, combined: torch.Tensor | 
     # ~10x more than the part's whole plain push, numpy's several calls ~2x.
     low = 1.0 if update_rule.combined_stats[0] == "count" else 0.0
     stats = stats_array(combined)
-    fault = combined_stats_fault(stats, np.float32(low))
+    g = _NO_GRADS
+    if grads is not None:
+        if grads.dtype is torch.float32 and grads.is_cpu and grads.dim() == 2 and grads.is_contiguous() and not grads.requires_grad:
+            g = grads.numpy()
+        elif not finite(grads):
+            raise InvalidArgument(f"{what}: gradients contain NaN or Inf")
+    fault = combined_push_fault(g, stats, np.float32(low))
+    if fault == 3:
+        raise InvalidArgument(f"{what}: gradients contain NaN or Inf")
     if fault == 1:
         raise InvalidArgument(f"{what}: combined statistics must be finite floats")
     if fault == 2:
         raise InvalidArgument(f"{what}: combined statistics out of range (first column -1 or >= {low:g}, the others >= 0)")
     return stats
+
+
+# No gradients to check beside a combined push's statistics (``check_combined`` without ``grads``).
+_NO_GRADS = np.zeros((0, 0), np.float32)
 
 
 def apply_rows(update_rule: UpdateRule, cfg: OptimizerConfig, update: RowUpdate, weights: torch.Tensor, state: dict[str, torch.Tensor],

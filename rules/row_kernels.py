@@ -166,6 +166,22 @@ def combined_stats_fault(stats: np.ndarray, low: np.float32) -> np.int64:
     return np.int64(fault)
 
 
+@_jit
+def combined_push_fault(grads: np.ndarray, stats: np.ndarray, low: np.float32) -> np.int64:
+    """What is wrong with a combined push's part: 3 a gradient not finite (``grads``: float32
+    rows x dim, C-contiguous), else ``combined_stats_fault``'s code for its statistics (0:
+    nothing). The gradients in one pass of integer compares over their bits (a float32 is not
+    finite where its exponent bits are all set), which the compiler vectorises, as it does not
+    a float sum in order."""
+    bits = grads.reshape(-1).view(np.uint32)
+    bad = 0
+    for i in range(len(bits)):
+        bad += (bits[i] & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
+    if bad:
+        return np.int64(3)
+    return combined_stats_fault(stats, low)
+
+
 # What a first run on a machine compiles, and how long it usually takes on a quiet 2-core
 # machine (bench/first_run.py measures it): the kernels every shard calls (the id index's
 # lookup and insert, the gather of pulled rows, new rows' initial values), and each rule's.

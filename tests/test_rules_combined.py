@@ -169,7 +169,18 @@ def test_bad_statistics_are_refused_and_change_nothing() -> None:
             shard.push("w", 1, [SparseUpdate("t", ids, g, combined=stats)], [], incarnation=1)
     with pytest.raises(InvalidArgument, match="takes no combined statistics"):
         sgd.push("w", 1, [SparseUpdate("t", ids, g, combined=torch.ones(2, 1))], [], incarnation=1)
-    assert torch.equal(_table_rows(shard, ids), before) and shard.rejected_pushes == 3
+    # Gradients not finite beside good statistics (checked in the statistics' pass where float32, by torch else).
+    for bad in (float("nan"), float("inf")):
+        for dtype in (torch.float32, torch.float64):
+            grads = torch.ones(2, DIM, dtype=dtype)
+            grads[1, 3] = bad
+            with pytest.raises(InvalidArgument, match="table 't': gradients contain NaN or Inf"):
+                shard.push("w", 1, [SparseUpdate("t", ids, grads, combined=torch.tensor([[3.0], [-1.0]]))], [], incarnation=1)
+    assert torch.equal(_table_rows(shard, ids), before) and shard.rejected_pushes == 7
+    local = LocalClient()
+    local.declare([TableConfig("t", 2, optimizer=OptimizerConfig("adagrad", lr=0.1))])
+    with pytest.raises(InvalidArgument, match="gradients contain NaN or Inf"):
+        local.push({"t": (torch.tensor([1]), torch.tensor([[1.0, float("nan")]]), torch.tensor([[2.0]]))}).result(5)
     with pytest.raises(InvalidArgument, match="out of range"):
         LocalClient_push_bad()
 

@@ -27,7 +27,6 @@ from tether.rules.optimizers import rule
 from tether.rules.push_hooks import (
     Remedies,
     adjusted,
-    check_combined,
     check_compensation,
     check_dense,
     check_read,
@@ -236,9 +235,9 @@ class Shard:
             self._check_ids(u.table, u.ids)
         elif not pulled.unique:
             raise InvalidArgument(f"table {u.table!r}: ids in one push must be unique")
-        check_rows(f"table {u.table!r}", u.ids, u.grads, table.dim, ids_checked=True)
+        stats = check_rows(f"table {u.table!r}", u.ids, u.grads, table.dim, ids_checked=True, combined=u.combined,
+                           update_rule=rule(table.config.optimizer.name))
         check_read(f"table {u.table!r}", u.read_values, u.grads)
-        stats = check_combined(f"table {u.table!r}", rule(table.config.optimizer.name), u.combined, u.ids.size)
         return table, pulled, stats
 
     def _check_dense(self, u: DenseUpdate) -> DenseChunk:

@@ -38,7 +38,7 @@ from tether.protos import tether_pb2 as pb
 from tether.protos.codec import int64_ids
 from tether.protos.errors import FailedPrecondition, InvalidArgument, TetherError, UsageError
 from tether.protos.specs import OptimizerConfig, TableConfig, table_conflict
-from tether.rules.push_hooks import check_combined, check_dense, check_rows
+from tether.rules.push_hooks import check_dense, check_rows
 from tether.worker.client.config import ClientConfig
 from tether.worker.client.local_table import LocalDense, LocalTable
 from tether.worker.client.results import CheckpointResult, ClockReply, Handle, PullResult, PushAck, Splits
@@ -281,8 +281,7 @@ class LocalClient:
         try:
             for table, ids, grads, stats in rows:
                 what = f"table {table.config.name!r}"
-                check_rows(what, ids, grads, table.dim)
-                check_combined(what, table.rule, stats, len(ids))
+                check_rows(what, ids, grads, table.dim, combined=stats, update_rule=table.rule)
             for name, d, grad in params:
                 check_dense(f"dense {name!r}", grad, (d.value.numel(),))
         except InvalidArgument as e:
