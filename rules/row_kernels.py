@@ -210,10 +210,15 @@ def _load_init() -> None:
     init_rows_into(_example_ids(), np.uint64(1), steps, np.float32(1), np.float32(1), np.zeros((2, 4), np.float32))
 
 
+def _load_not_finite() -> None:
+    not_finite(np.zeros((2, 4), np.float32))
+
+
 def shard_loads() -> list[Callable[[], object]]:
     """Calls that load the kernels every shard uses, whatever its tables' rules (the id index's
-    lookup and insert, the gather of pulled rows, a new row's initial values)."""
-    return [*index_kernels.shard_loads(), _load_gather, _load_init]
+    lookup and insert, the gather of pulled rows, a new row's initial values, a push's check
+    of its gradients)."""
+    return [*index_kernels.shard_loads(), _load_gather, _load_init, _load_not_finite]
 
 
 def rule_loads(update_rule: UpdateRule, combined: bool = False) -> list[Callable[[], object]]:

@@ -72,7 +72,7 @@ def test_a_shard_compiles_only_what_it_uses_with_the_types_its_requests_use(tmp_
     run = _python(_SHARD, tmp_path / "cache", tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    shard = {"slot_lookup": 1, "slot_place": 1, "slot_rebuild": 1, "log_record": 1, "count_linked": 1, "gather_rows": 1, "init_rows_into": 1}
+    shard = {"slot_lookup": 1, "slot_place": 1, "slot_rebuild": 1, "log_record": 1, "count_linked": 1, "gather_rows": 1, "init_rows_into": 1, "not_finite": 1}
     # Not the worker row cache's index (index_*), a removal's (slot_cells), nor any rule's.
     assert got["at_start"] == shard
     # A table's rule is loaded when the table is made; only its row update, no other rule's.
