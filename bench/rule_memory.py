@@ -8,13 +8,14 @@ every row (so each row's optimizer state is written). Per row it prints what the
 - ``state``: the rule's optimizer state (``tether.rules.optimizers``);
 - ``index``: the id index (``tether.server.storage.index``): the ids by slot (int64, 8 bytes a row)
   and the hash's int32 cells at a load factor of 0.6-0.7 (``cells``: 5.7-6.7 bytes a row);
-- ``books``: the table's per-row bookkeeping (the version of each row's last update, int32,
-  for per-row staleness; a bounded table's last-touch ticks);
+- ``books``: the table's per-row bookkeeping (the version of each row's last update and where
+  its entry is in the update log, two int32, for per-row staleness; a bounded table's last-touch
+  ticks);
 - ``allocated``: every array the table holds, by size (growth leaves room beyond the rows);
 - ``resident``: the process's resident memory after the table was filled minus before it was
   created, each read after ``malloc_trim`` (pages never written, such as the room beyond the
   rows, are not resident). This is what the table holds; the update log (the last updates'
-  slots, for per-row staleness: at most 1 MiB) is in it too. ``--maps`` names the mappings it
+  slots and their links, for per-row staleness: at most 2 MiB) is in it too. ``--maps`` names the mappings it
   grew in (``/proc/self/smaps``: rows and state, then the ids, cells and row versions, in
   mappings of their own; the update log in the heap).
 
