@@ -262,7 +262,8 @@ def check_combined(what: str, update_rule: UpdateRule, combined: torch.Tensor | 
     """A combined push's statistics fit the table's rule: one row per gradient row, a column per
     ``combined_stats`` name, finite, each row's first column -1 (one gradient) or >= 0 (a count
     >= 1 where it is a count); with ``grads`` (its gradient rows, their shape checked), those
-    finite too, in the same compiled pass where they are float32 on the CPU. Returns the
+    finite too, in the same compiled pass where they are float32 on the CPU (``check_rows``
+    checks a part without statistics). Returns the
     statistics as ``stats_array`` (what ``apply_rows`` takes without another conversion), None
     where there are none.
 
@@ -270,8 +271,6 @@ def check_combined(what: str, update_rule: UpdateRule, combined: torch.Tensor | 
         InvalidArgument: anything else.
     """
     if combined is None:
-        if grads is not None and not finite(grads):
-            raise InvalidArgument(f"{what}: gradients contain NaN or Inf")
         return None
     width = len(update_rule.combined_stats)
     if not width:

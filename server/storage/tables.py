@@ -380,8 +380,9 @@ class EmbeddingTable:
     def push_counted(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float | np.ndarray, pulled: Pulled | None,
                      combined: np.ndarray | torch.Tensor | None, read_version: int, shown: int) -> tuple[int, int]:
         """``push``, and the largest staleness of ``ids`` since a read at ``read_version``
-        (``largest_staleness``), counted under the same hold of the lock just before the update:
-        for a push that needs its staleness only to report it (no hard limit to check first).
+        (``largest_staleness`` just before the update), counted under the same hold of the lock,
+        in the pass that logs the update: for a push that needs its staleness only to report it
+        (no hard limit to check first).
         Where the table's updates since the read (which bound every row's) do not exceed
         ``shown``, the staleness the push has shown already, rows are not counted (0)."""
         with self._lock:
