@@ -282,6 +282,20 @@ def slot_rebuild(old: np.ndarray, old_bits: int, cells: np.ndarray, bits: int, k
 _SPAN32 = np.int64(0xFFFFFFFF)  # positions kept modulo 2**32 (``RowVersions.last``)
 
 
+@compiled(inline="always")
+def _entries_since(ring: np.ndarray, mask: np.int64, p: np.int64, since: np.int64) -> np.int64:
+    """How many entries a row has in the update log from position ``since`` on: its entry at
+    ``p`` and those its links lead back to (``log_record``'s ring)."""
+    c = np.int64(0)
+    while p >= since:
+        c += 1
+        g = ring[p & mask, 1]
+        if g == 0:
+            break
+        p -= g
+    return c
+
+
 @_jit
 def log_record(ring: np.ndarray, rows: np.ndarray, slots: np.ndarray, at: np.int64, begin: np.int64, offset: np.int64, count: bool,
                after: np.int64, since: np.int64, whole: np.int64) -> np.int64:
@@ -306,14 +320,7 @@ def log_record(ring: np.ndarray, rows: np.ndarray, slots: np.ndarray, at: np.int
         if count and rows[s, 0] > after:
             c = whole
             if whole < 0:
-                c = np.int64(0)
-                r = q
-                while linked and r >= since:
-                    c += 1
-                    g = ring[r & mask, 1]
-                    if g == 0:
-                        break
-                    r -= g
+                c = _entries_since(ring, mask, q, since) if linked else np.int64(0)
             largest = max(largest, c)
         ring[p & mask, 0] = s
         ring[p & mask, 1] = p - q if linked else 0
@@ -341,15 +348,9 @@ def count_linked(slots: np.ndarray, rows: np.ndarray, after: np.int64, ring: np.
             continue
         c = whole
         if whole < 0:
-            c = np.int64(0)
             p = end - ((end - np.int64(rows[s, 1])) & _SPAN32)
-            if p < end and ring[p & mask, 0] == s:  # the row's last entry (else it has none in the log)
-                while p >= since:
-                    c += 1
-                    g = ring[p & mask, 1]
-                    if g == 0:
-                        break
-                    p -= g
+            # From the row's last entry (none in the log where that position is not its).
+            c = _entries_since(ring, mask, p, since) if p < end and ring[p & mask, 0] == s else np.int64(0)
         out[i] = c
         largest = max(largest, c)
     return largest

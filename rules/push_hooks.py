@@ -88,7 +88,9 @@ def check_rows(what: str, ids: np.ndarray, grads: torch.Tensor, dim: int, ids_ch
         raise InvalidArgument(f"{what}: gradient shape {tuple(grads.shape)} does not match ({ids.size}, {dim})")
     if not grads.is_floating_point():
         raise InvalidArgument(f"{what}: gradients must be floating point, got {grads.dtype}")
-    if combined is not None and update_rule is not None:
+    if combined is not None:
+        if update_rule is None:
+            raise TypeError("check_rows: a combined push's statistics are checked against the table's update_rule")
         return check_combined(what, update_rule, combined, ids.size, grads)
     g = _float32_rows(grads)
     if not_finite(g) if g is not None else not finite(grads):

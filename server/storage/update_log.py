@@ -66,14 +66,12 @@ class UpdateLog:
             del self._versions[:self._head], self._starts[:self._head]
             self._head = 0
         stale = -1
-        if count and whole < 0 and since < self._begin:
-            # The read's entries are about to leave the log (this update pushes them out): counted
-            # first, as they are, and the record counts nothing.
+        if count and since < self._begin:
+            # The read's entries are about to leave the log (this update pushes them out, or is
+            # more than it holds): counted first, as they are, and the record counts nothing.
             stale = self._count(slots, rows, after, since, whole)
             count = False
         if self._head == len(self._versions):  # this update alone is more than the log holds
-            if count:
-                stale = self._count(slots, rows, after, since, whole)
             rows.array[slots] = offset
             self._begin = self._end = end
             return max(stale, 0)
