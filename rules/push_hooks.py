@@ -2,7 +2,7 @@
 worker's clock (the maths is ``tether.protos.schedules``'s; local mode applies the same) and the
 staleness remedies that need the values a gradient was computed on (``Remedies``: DC-ASGD,
 DC-ASGD-a, gap-aware). ``tether.server.storage.shard`` calls ``adjusted`` per block, after the
-whole push was checked (``check_read``, ``check_combined``, ``check_remedies``) and just before
+whole push was checked (``check_read``, ``part_rows``, ``check_remedies``) and just before
 the table's or chunk's update, and ``observe_step`` just after it (gap-aware's update size).
 A table applies a block's rows with ``apply_rows``: the rule's compiled kernel, and for a
 combined push (a worker's row cache summing several steps' gradients) the rule's compiled
@@ -23,13 +23,13 @@ from tether.protos.errors import InvalidArgument
 from tether.protos.names import REMEDY_DECAY
 from tether.protos.names import check_remedies as _check_remedy_values
 from tether.protos.specs import OptimizerConfig
-from tether.rules.row_kernels import CombinedUpdate, RowUpdate, combined_push_fault, combined_update, not_finite
+from tether.rules.row_kernels import NO_ROWS, CombinedUpdate, RowUpdate, combined_push_fault, combined_update
 from tether.rules.update_rules import UpdateRule
 
 __all__ = [
-    "Remedies", "adjusted", "apply_rows", "check_combined", "check_compensation", "check_dense", "check_read", "check_remedies",
-    "check_rows", "combine_rows", "dc_adaptive_compensated", "delay_compensated", "finite", "gap_penalized", "gap_penalty",
-    "has_duplicates", "observe_step", "running_mean", "stats_array",
+    "Remedies", "adjusted", "apply_rows", "check_compensation", "check_dense", "check_read", "check_remedies", "check_rows",
+    "combine_rows", "dc_adaptive_compensated", "delay_compensated", "finite", "gap_penalized", "gap_penalty", "has_duplicates",
+    "observe_step", "part_rows", "raise_fault", "running_mean", "stats_array",
 ]
 
 # The shard's running means (``EmbeddingTable.running_means``, ``DenseChunk.running_means``):
@@ -73,29 +73,76 @@ def finite(t: torch.Tensor) -> bool:
 
 def check_rows(what: str, ids: np.ndarray, grads: torch.Tensor, dim: int, ids_checked: bool = False,
                combined: torch.Tensor | None = None, update_rule: UpdateRule | None = None) -> np.ndarray | None:
-    """A push's rows of one table, as a shard and local mode refuse them: one gradient row per id
-    of the table's width, floating point and finite; the ids unique (unless ``ids_checked``);
-    and a combined push's statistics (``combined``, for the table's ``update_rule``) as
-    ``check_combined`` checks them, the gradients' finiteness in the same compiled pass. Returns
-    those statistics as ``check_combined`` does (None without).
+    """A push's rows of one table, as local mode refuses them (``part_rows``' layout; the ids
+    unique, unless ``ids_checked``; every value finite, in one compiled pass). Returns the
+    statistics as ``part_rows`` does (None without). A shard checks a part with its id lookup
+    instead (``EmbeddingTable.checked``), in the same order.
 
     Raises:
         InvalidArgument: naming ``what`` (``table 'x'``) and the fault.
     """
+    g, stats, low = part_rows(what, ids, grads, dim, combined, update_rule)
     if not ids_checked and ids.size > 1 and has_duplicates(ids):
         raise InvalidArgument(f"{what}: ids in one push must be unique")
+    raise_fault(what, combined_push_fault(g, NO_ROWS if stats is None else stats, low), low)
+    return stats
+
+
+def part_rows(what: str, ids: np.ndarray, grads: torch.Tensor, dim: int, combined: torch.Tensor | None = None,
+              update_rule: UpdateRule | None = None) -> tuple[np.ndarray, np.ndarray | None, np.float32]:
+    """A push part's layout, as a shard and local mode refuse it: one gradient row per id of the
+    table's width, floating point; a combined push's statistics (``combined``) one row per
+    gradient row with a column per ``combined_stats`` name of the table's ``update_rule``,
+    floating point. Returns what the compiled checks of its values take
+    (``row_kernels.combined_push_fault``, ``push_part_fault``): the gradients as float32 rows
+    (no copy; ``NO_ROWS`` where they are not such an array, and are checked finite here, in
+    torch), the statistics as ``stats_array`` (None without) and the least a statistics row's
+    first column may be besides -1 (one gradient): 1 where it is a count, else 0.
+
+    Raises:
+        InvalidArgument: naming ``what`` and the fault.
+    """
     if tuple(grads.shape) != (ids.size, dim):
         raise InvalidArgument(f"{what}: gradient shape {tuple(grads.shape)} does not match ({ids.size}, {dim})")
     if not grads.is_floating_point():
         raise InvalidArgument(f"{what}: gradients must be floating point, got {grads.dtype}")
+    stats, low = None, _LOW_ANY
     if combined is not None:
         if update_rule is None:
-            raise TypeError("check_rows: a combined push's statistics are checked against the table's update_rule")
-        return check_combined(what, update_rule, combined, ids.size, grads)
+            raise TypeError("part_rows: a combined push's statistics are checked against the table's update_rule")
+        width = len(update_rule.combined_stats)
+        if not width:
+            raise InvalidArgument(f"{what}: rule {update_rule.name} takes no combined statistics (the summed gradient is its k steps)")
+        if tuple(combined.shape) != (ids.size, width):
+            raise InvalidArgument(f"{what}: combined statistics of shape {tuple(combined.shape)}, expected ({ids.size}, {width}) "
+                                  f"({', '.join(update_rule.combined_stats)})")
+        if not combined.is_floating_point():
+            raise InvalidArgument(f"{what}: combined statistics must be finite floats")
+        stats = stats_array(combined)
+        low = _LOW_COUNT if update_rule.combined_stats[0] == "count" else _LOW_ANY
     g = _float32_rows(grads)
-    if not_finite(g) if g is not None else not finite(grads):
+    if g is None:
+        if not finite(grads):
+            raise InvalidArgument(f"{what}: gradients contain NaN or Inf")
+        g = NO_ROWS
+    return g, stats, low
+
+
+_LOW_ANY, _LOW_COUNT = np.float32(0), np.float32(1)
+
+
+def raise_fault(what: str, fault: int, low: np.float32) -> None:
+    """Raise the error of ``combined_push_fault``'s code (``fault``; 0: nothing), naming ``what``.
+
+    Raises:
+        InvalidArgument: a gradient or statistic not finite, or a statistic out of range.
+    """
+    if fault == 3:
         raise InvalidArgument(f"{what}: gradients contain NaN or Inf")
-    return None
+    if fault == 1:
+        raise InvalidArgument(f"{what}: combined statistics must be finite floats")
+    if fault == 2:
+        raise InvalidArgument(f"{what}: combined statistics out of range (first column -1 or >= {low:g}, the others >= 0)")
 
 
 def _float32_rows(grads: torch.Tensor) -> np.ndarray | None:
@@ -257,52 +304,6 @@ def stats_array(stats: torch.Tensor | np.ndarray) -> np.ndarray:
     if stats.dtype == np.float32 and stats.flags.c_contiguous:
         return stats
     return np.ascontiguousarray(stats, np.float32)
-
-
-def check_combined(what: str, update_rule: UpdateRule, combined: torch.Tensor | None, rows: int,
-                   grads: torch.Tensor | None = None) -> np.ndarray | None:
-    """A combined push's statistics fit the table's rule: one row per gradient row, a column per
-    ``combined_stats`` name, finite, each row's first column -1 (one gradient) or >= 0 (a count
-    >= 1 where it is a count); with ``grads`` (its gradient rows, their shape checked), those
-    finite too, in the same compiled pass where they are float32 on the CPU (``check_rows``
-    checks a part without statistics). Returns the
-    statistics as ``stats_array`` (what ``apply_rows`` takes without another conversion), None
-    where there are none.
-
-    Raises:
-        InvalidArgument: anything else.
-    """
-    if combined is None:
-        return None
-    width = len(update_rule.combined_stats)
-    if not width:
-        raise InvalidArgument(f"{what}: rule {update_rule.name} takes no combined statistics (the summed gradient is its k steps)")
-    if tuple(combined.shape) != (rows, width):
-        raise InvalidArgument(f"{what}: combined statistics of shape {tuple(combined.shape)}, expected ({rows}, {width}) "
-                              f"({', '.join(update_rule.combined_stats)})")
-    if not combined.is_floating_point():
-        raise InvalidArgument(f"{what}: combined statistics must be finite floats")
-    # One compiled pass: on a table part of tens of rows torch's reductions and compares cost
-    # ~10x more than the part's whole plain push, numpy's several calls ~2x.
-    low = 1.0 if update_rule.combined_stats[0] == "count" else 0.0
-    stats = stats_array(combined)
-    g = _NO_GRADS if grads is None else _float32_rows(grads)
-    if g is None:
-        if not finite(grads):  # type: ignore[arg-type]
-            raise InvalidArgument(f"{what}: gradients contain NaN or Inf")
-        g = _NO_GRADS
-    fault = combined_push_fault(g, stats, np.float32(low))
-    if fault == 3:
-        raise InvalidArgument(f"{what}: gradients contain NaN or Inf")
-    if fault == 1:
-        raise InvalidArgument(f"{what}: combined statistics must be finite floats")
-    if fault == 2:
-        raise InvalidArgument(f"{what}: combined statistics out of range (first column -1 or >= {low:g}, the others >= 0)")
-    return stats
-
-
-# No gradients to check beside a combined push's statistics (``check_combined`` without ``grads``).
-_NO_GRADS = np.zeros((0, 0), np.float32)
 
 
 def apply_rows(update_rule: UpdateRule, cfg: OptimizerConfig, update: RowUpdate, weights: torch.Tensor, state: dict[str, torch.Tensor],

@@ -35,14 +35,17 @@ from tether.rules.optimizers import rule
 from tether.rules.update_rules import UpdateRule
 
 __all__ = [
+    "NO_ROWS",
     "RULE_USUAL_S",
     "SHARD_USUAL_S",
     "CombinedUpdate",
     "RowUpdate",
+    "combined_push_fault",
     "combined_update",
     "gather_rows",
     "init_rows_into",
     "load_rule_in_background",
+    "push_part_fault",
     "row_kernel",
     "row_update",
     "rule_kernel",
@@ -181,12 +184,38 @@ def not_finite(grads: np.ndarray) -> bool:
 
 @_jit
 def combined_push_fault(grads: np.ndarray, stats: np.ndarray, low: np.float32) -> np.int64:
-    """What is wrong with a combined push's part, in one call: 3 a gradient not finite
-    (``not_finite``; ``grads`` float32 rows x dim, C-contiguous), else ``combined_stats_fault``'s
-    code for its statistics (0: nothing)."""
+    """What is wrong with a push's part, in one call: 3 a gradient not finite (``not_finite``;
+    ``grads`` float32 rows x dim, C-contiguous), else ``combined_stats_fault``'s code for its
+    statistics (0: nothing; a part without statistics passes a 0 x 0 array)."""
     if not_finite(grads):
         return np.int64(3)
     return combined_stats_fault(stats, low)
+
+
+@_jit
+def push_part_fault(cells: np.ndarray, keys: np.ndarray, bits: int, ids: np.ndarray, grads: np.ndarray, stats: np.ndarray,
+                    low: np.float32) -> tuple[np.ndarray, bool, bool, np.int64]:
+    """A shard's checks of a push part in one call: the slot of each id in the table's index
+    (``index_kernels.slot_lookup``), whether every id is a row, whether (all rows) they are
+    unique (a pass where they ascend, as a client sends them, else a sort of the slots), and
+    ``combined_push_fault``'s code for its gradients and statistics."""
+    slots = index_kernels.slot_lookup(cells, keys, bits, ids)
+    found = True
+    for i in range(len(slots)):
+        if slots[i] < 0:
+            found = False
+            break
+    unique = True
+    if found:
+        for i in range(1, len(ids)):
+            if ids[i] <= ids[i - 1]:
+                ordered = np.sort(slots)
+                for j in range(1, len(ordered)):
+                    if ordered[j] == ordered[j - 1]:
+                        unique = False
+                        break
+                break
+    return slots, found, unique, combined_push_fault(grads, stats, low)
 
 
 # What a first run on a machine compiles, and how long it usually takes on a quiet 2-core
@@ -210,15 +239,23 @@ def _load_init() -> None:
     init_rows_into(_example_ids(), np.uint64(1), steps, np.float32(1), np.float32(1), np.zeros((2, 4), np.float32))
 
 
-def _load_not_finite() -> None:
-    not_finite(np.zeros((2, 4), np.float32))
+# A part without statistics (or without gradients to check) gives the compiled checks an empty array.
+NO_ROWS = np.zeros((0, 0), np.float32)
+
+
+def _load_part_checks() -> None:
+    ids = _example_ids()
+    ids.flags.writeable = False  # a request's ids are read-only (IdIndex.lookup's are always made so)
+    cells = np.full(16, index_kernels.EMPTY_SLOT, np.int32)
+    push_part_fault(cells, np.zeros(2, np.int64), 4, ids, np.zeros((2, 4), np.float32), NO_ROWS, np.float32(0))
+    combined_push_fault(np.zeros((2, 4), np.float32), NO_ROWS, np.float32(0))
 
 
 def shard_loads() -> list[Callable[[], object]]:
     """Calls that load the kernels every shard uses, whatever its tables' rules (the id index's
-    lookup and insert, the gather of pulled rows, a new row's initial values, a push's check
-    of its gradients)."""
-    return [*index_kernels.shard_loads(), _load_gather, _load_init, _load_not_finite]
+    lookup and insert, the gather of pulled rows, a new row's initial values, a push part's
+    checks)."""
+    return [*index_kernels.shard_loads(), _load_gather, _load_init, _load_part_checks]
 
 
 def rule_loads(update_rule: UpdateRule, combined: bool = False) -> list[Callable[[], object]]:

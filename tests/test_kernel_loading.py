@@ -33,6 +33,7 @@ _SHARD = textwrap.dedent("""
     import torch
     from tether.protos.specs import OptimizerConfig, TableConfig
     from tether.rules import index_kernels, row_kernels
+    from tether.rules.row_kernels import NO_ROWS
     from tether.rules.optimizers import OPTIMIZERS, rule
     from tether.server.storage.tables import EmbeddingTable
 
@@ -60,6 +61,7 @@ _SHARD = textwrap.dedent("""
     # and writable ones (as local mode's, or a push's after de-duplication).
     ids = np.frombuffer(np.arange(10, 5000, 7, dtype=np.int64).tobytes(), np.int64)
     table.pull(ids)
+    table.checked(ids, torch.ones(len(ids), 8).numpy(), NO_ROWS, np.float32(0))  # a push part's checks, as a shard's
     table.push(ids, torch.ones(len(ids), 8))
     table.pull(ids)
     table.pull(np.arange(3, 6000, 5, dtype=np.int64))
@@ -72,7 +74,8 @@ def test_a_shard_compiles_only_what_it_uses_with_the_types_its_requests_use(tmp_
     run = _python(_SHARD, tmp_path / "cache", tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    shard = {"slot_lookup": 1, "slot_place": 1, "slot_rebuild": 1, "log_record": 1, "count_linked": 1, "gather_rows": 1, "init_rows_into": 1, "not_finite": 1}
+    shard = {"slot_lookup": 1, "slot_place": 1, "slot_rebuild": 1, "log_record": 1, "count_linked": 1, "gather_rows": 1, "init_rows_into": 1,
+             "push_part_fault": 1, "combined_push_fault": 1, "not_finite": 1, "combined_stats_fault": 1}
     # Not the worker row cache's index (index_*), a removal's (slot_cells), nor any rule's.
     assert got["at_start"] == shard
     # A table's rule is loaded when the table is made; only its row update, no other rule's.

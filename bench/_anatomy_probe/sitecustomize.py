@@ -31,10 +31,10 @@ _SHARD = [
     ("tether.server.serving.handler", "RequestHandler", ("_push", "_pull"), "handler."),
     ("tether.server.storage.shard", "Shard", ("push", "pull", "_check_sparse"), "shard."),
     ("tether.server.storage.tables", "EmbeddingTable",
-     ("push", "push_counted", "largest_staleness", "_count", "_apply", "locate", "_insert"), "table."),
+     ("push", "push_counted", "largest_staleness", "_count", "_apply", "locate", "_insert", "checked"), "table."),
 ]
 # Functions a module imported by name: wrapped where each of these modules uses them.
-_SHARD_FUNCTIONS = [("tether.rules.push_hooks", ("check_combined", "check_rows", "apply_rows"),
+_SHARD_FUNCTIONS = [("tether.rules.push_hooks", ("check_combined", "part_rows", "apply_rows"),
                      ("tether.server.storage.shard", "tether.server.storage.tables"))]
 
 
@@ -73,6 +73,8 @@ def _install(out: str) -> None:
         for module, names, users in _SHARD_FUNCTIONS:
             home = importlib.import_module(module)
             for n in names:
+                if not hasattr(home, n):  # as above: another version's
+                    continue
                 wrapped = _wrap(counters, "push_hooks." + n, getattr(home, n))
                 for user in (home, *(importlib.import_module(u) for u in users)):
                     if hasattr(user, n):

@@ -42,7 +42,7 @@ import numpy as np
 from tether.rules import index_kernels
 from tether.server.storage.zeroed import zeros
 
-__all__ = ["IdIndex"]
+__all__ = ["IdIndex", "lookup_ids"]
 
 # Rebuild when live cells and tombstones pass _MAX_LOAD of the cells, to _TARGET_LOAD.
 _MAX_LOAD = 0.7
@@ -66,10 +66,12 @@ def _cells(n: int) -> np.ndarray:
     return cells
 
 
-def _read_only(ids: np.ndarray) -> np.ndarray:
-    """``ids`` as a read-only array (a view where it is writable: no copy). A request's ids are
-    read-only (decoded from its bytes), others not; numba compiles a kernel once per kind, so
-    the lookup is always given one: one compile on a machine's first run, not two."""
+def lookup_ids(ids: np.ndarray) -> np.ndarray:
+    """``ids`` as a compiled lookup takes them: contiguous int64, read-only (a view where they are
+    writable: no copy). A request's ids are read-only (decoded from its bytes), others not;
+    numba compiles a kernel once per kind, so a lookup is always given one: one compile on a
+    machine's first run, not two."""
+    ids = np.ascontiguousarray(ids, np.int64)
     if ids.flags.writeable:
         ids = ids.view()
         ids.flags.writeable = False
@@ -100,10 +102,16 @@ class IdIndex:
         """Number of hash cells."""
         return len(self._snap[0])
 
+    @property
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """The cells, keys and slot bits a compiled lookup reads (``index_kernels.slot_lookup``,
+        with ``lookup_ids``): one snapshot, however the writer grows the index meanwhile."""
+        return self._snap
+
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each id (int64), -1 where the id is absent."""
-        cells, keys, bits = self._snap  # one snapshot, however the writer grows the index meanwhile
-        return index_kernels.slot_lookup(cells, keys, bits, _read_only(np.ascontiguousarray(ids, np.int64)))
+        cells, keys, bits = self._snap
+        return index_kernels.slot_lookup(cells, keys, bits, lookup_ids(ids))
 
     def insert(self, ids: np.ndarray, new_slots: np.ndarray) -> None:
         """Add unique ids that are absent, with their slots (unique, and not any present id's

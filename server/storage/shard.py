@@ -23,7 +23,6 @@ from tether.protos.names import REMEDY_DECAY
 from tether.protos.partition import dense_shard, shard_of_ids
 from tether.protos.specs import TableConfig, optimizer_conflict, table_conflict
 from tether.protos.ssp import COORDINATOR_SHARD
-from tether.rules.optimizers import rule
 from tether.rules.push_hooks import (
     Remedies,
     adjusted,
@@ -31,10 +30,12 @@ from tether.rules.push_hooks import (
     check_dense,
     check_read,
     check_remedies,
-    check_rows,
     has_duplicates,
     observe_step,
+    part_rows,
+    raise_fault,
 )
+from tether.rules.row_kernels import NO_ROWS
 from tether.server.metrics import NullShardMetrics, ShardRecorder
 from tether.server.storage.clocks import WorkerClocks
 from tether.server.storage.dedup import AppliedPushes
@@ -229,15 +230,18 @@ class Shard:
                 f"table {u.table!r}: a push of {u.ids.size} rows, more than the table's capacity of {table.capacity} rows "
                 "per shard; raise its capacity or push fewer rows at once"
             )
-        # Ids that are rows already were checked when they were created; only their uniqueness is left to check.
-        pulled = table.pulled(u.ids) if u.ids.size else None
+        # As local mode checks a part (``check_rows``): its layout, its ids, then its values. Ids that
+        # are rows already were checked when they were created; only their uniqueness is left to
+        # check, in the compiled call that finds their slots and checks the values.
+        what = f"table {u.table!r}"
+        grads, stats, low = part_rows(what, u.ids, u.grads, table.dim, u.combined, table.update_rule)
+        pulled, fault = table.checked(u.ids, grads, NO_ROWS if stats is None else stats, low)
         if pulled is None:
             self._check_ids(u.table, u.ids)
         elif not pulled.unique:
-            raise InvalidArgument(f"table {u.table!r}: ids in one push must be unique")
-        stats = check_rows(f"table {u.table!r}", u.ids, u.grads, table.dim, ids_checked=True, combined=u.combined,
-                           update_rule=rule(table.config.optimizer.name))
-        check_read(f"table {u.table!r}", u.read_values, u.grads)
+            raise InvalidArgument(f"{what}: ids in one push must be unique")
+        raise_fault(what, fault, low)
+        check_read(what, u.read_values, u.grads)
         return table, pulled, stats
 
     def _check_dense(self, u: DenseUpdate) -> DenseChunk:

@@ -31,8 +31,10 @@ from tether.rules.initial import column_steps, init_rows
 from tether.rules.initial import salt as initial_salt
 from tether.rules.optimizers import rule
 from tether.rules.push_hooks import apply_rows, running_mean, stats_array
+from tether.rules.row_kernels import NO_ROWS
+from tether.rules.update_rules import UpdateRule
 from tether.server.storage.admission import CountMinSketch, sketch_width
-from tether.server.storage.index import IdIndex
+from tether.server.storage.index import IdIndex, lookup_ids
 from tether.server.storage.update_log import RowVersions, UpdateLog
 from tether.server.storage.zeroed import float_rows, grow_rows, zeros
 
@@ -320,6 +322,11 @@ class EmbeddingTable:
         # Every id of a table with fixed slots is a row by now (no admission, no capacity).
         return self._weights, torch.from_numpy(slots), version
 
+    @property
+    def update_rule(self) -> UpdateRule:
+        """The rule of the table's optimizer."""
+        return self._rule
+
     def pulled(self, ids: np.ndarray) -> Pulled | None:
         """If every id of ``ids`` is a row already (a push's ids usually are: its step's pull
         created them): their slots, and whether they are unique. Only tables whose rows never
@@ -327,20 +334,20 @@ class EmbeddingTable:
 
         A row exists only for an id that passed a pull's or push's checks (owned by this
         shard; restored rows were filtered by owner), so a push of such ids needs only the
-        uniqueness check: one vectorised pass where the ids are sorted, as a client sends
-        them, else a sort of the slots. Read without the lock: a row's slot never changes.
+        uniqueness check. Read without the lock: a row's slot never changes.
         """
+        return self.checked(ids, NO_ROWS, NO_ROWS, np.float32(0))[0]
+
+    def checked(self, ids: np.ndarray, grads: np.ndarray, stats: np.ndarray, low: np.float32) -> tuple[Pulled | None, int]:
+        """``pulled(ids)``, and ``row_kernels.combined_push_fault``'s code for a push part's
+        gradients and statistics (as ``push_hooks.part_rows`` gives them; ``NO_ROWS`` where
+        there are none), in one compiled call where the table answers ``pulled``."""
         if not self._fixed_slots or not len(ids):
-            return None
+            return None, int(row_kernels.combined_push_fault(grads, stats, low))
         index = self._index
-        slots = index.lookup(ids)
-        if bool((slots < 0).any()):
-            return None
-        unique = len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
-        if not unique:
-            ordered = np.sort(slots)
-            unique = not bool((ordered[1:] == ordered[:-1]).any())
-        return Pulled(index, slots, unique)
+        cells, keys, bits = index.snapshot
+        slots, found, unique, fault = row_kernels.push_part_fault(cells, keys, bits, lookup_ids(ids), grads, stats, low)
+        return (Pulled(index, slots, unique) if found else None), int(fault)
 
     def staleness(self, ids: np.ndarray, read_version: int, pulled: Pulled | None = None) -> np.ndarray | None:
         """How many updates each row of ``ids`` received since a read at table version
