@@ -55,6 +55,7 @@ def main() -> int:
         gen, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
         w = torch.randn(10_000, args.dim, generator=gen)
         state = {k: torch.rand((10_000, *s), generator=gen) + 0.1 for k, s in r.state_shapes(args.dim).items()}
+        arrays = {k: t.numpy() for k, t in state.items()}  # as a table keeps them
         slots = np.sort(rng.choice(10_000, args.rows, replace=False)).astype(np.int64)
         grads = (rng.standard_normal((args.rows, args.dim)) * 0.01).astype(np.float32)
         stats = torch.rand(args.rows, len(r.combined_stats), generator=gen)
@@ -66,7 +67,7 @@ def main() -> int:
         as_torch.combined_rows = None
 
         def part(the_rule: UpdateRule) -> Callable[[], None]:
-            return lambda: apply_rows(the_rule, cfg, update, w, state, slots, grads, lr, stats)  # noqa: B023 - called in this iteration
+            return lambda: apply_rows(the_rule, cfg, update, w.numpy(), arrays, slots, grads, lr, stats)  # noqa: B023 - called in this iteration
 
         sides: dict[str, list[float]] = {"compiled": [], "torch": []}
         for _ in range(args.rounds):

@@ -301,40 +301,44 @@ def stats_array(stats: torch.Tensor | np.ndarray) -> np.ndarray:
         # A float32 tensor's own array (a push's statistics, decoded off the wire, are): each
         # torch call costs a microsecond or two a table part.
         stats = stats.numpy() if stats.dtype is torch.float32 and not stats.requires_grad else stats.detach().to(torch.float32).numpy()
-    if stats.dtype == np.float32 and stats.flags.c_contiguous:
+    if stats.dtype is _F32 and stats.flags.c_contiguous:
         return stats
     return np.ascontiguousarray(stats, np.float32)
 
 
-def apply_rows(update_rule: UpdateRule, cfg: OptimizerConfig, update: RowUpdate, weights: torch.Tensor, state: dict[str, torch.Tensor],
+_F32 = np.dtype(np.float32)  # compared by identity: ``== np.float32`` costs more than the rest of the check
+
+
+def apply_rows(update_rule: UpdateRule, cfg: OptimizerConfig, update: RowUpdate, weights: np.ndarray, state: Mapping[str, np.ndarray],
                slots: np.ndarray, grads: np.ndarray, lr: np.ndarray, combined: np.ndarray | torch.Tensor | None) -> None:
-    """Rows ``slots`` (unique) of ``weights`` and ``state`` updated from ``grads`` at rates ``lr``
-    (float32 per row, all three contiguous): by the rule's compiled kernel ``update``, except,
+    """Rows ``slots`` (unique) of ``weights`` and ``state`` (float32 arrays, a table's rows: a
+    tensor's ``numpy()`` shares its memory) updated from ``grads`` at rates ``lr`` (float32 per
+    row, all three contiguous): by the rule's compiled kernel ``update``, except,
     with ``combined``, the rows it marks as sums of several gradients (first column not -1),
     which take the rule's combine (weight decay added once to the sum). Where the rule has a
     compiled combine, the whole push is one pass of it (it takes the rows of one gradient with
     ``rows``' step); else those rows take ``update`` and the others ``combine_rows``' torch form."""
     if combined is None:
-        update(weights.numpy(), {k: t.numpy() for k, t in state.items()}, slots, grads, lr)
+        update(weights, state, slots, grads, lr)
         return
     stats = stats_array(combined)
     if not len(stats):
         return
     combine = _combined_update(update_rule, cfg, grads.shape[1])
     if combine is not None:
-        combine(weights.numpy(), {k: t.numpy() for k, t in state.items()}, slots, grads, lr, stats)
+        combine(weights, state, slots, grads, lr, stats)
         return
     # The masks in numpy: torch's compare and boolean index cost 15-20 us more per table part.
     many = stats[:, 0] != -1
     nmany = int(np.count_nonzero(many))
+    rows, states = torch.from_numpy(weights), {k: torch.from_numpy(t) for k, t in state.items()}  # the torch form's
     if nmany == len(many):  # every row a sum (a row cache's push at its write bound): no row gathered
-        combine_rows(update_rule, cfg, weights, state, slots, grads, lr, stats)
+        combine_rows(update_rule, cfg, rows, states, slots, grads, lr, stats)
         return
     one = ~many
-    update(weights.numpy(), {k: t.numpy() for k, t in state.items()}, np.ascontiguousarray(slots[one]),
-           np.ascontiguousarray(grads[one]), np.ascontiguousarray(lr[one]))
+    update(weights, state, np.ascontiguousarray(slots[one]), np.ascontiguousarray(grads[one]), np.ascontiguousarray(lr[one]))
     if nmany:
-        combine_rows(update_rule, cfg, weights, state, slots[many], grads[many], lr[many], stats[many])
+        combine_rows(update_rule, cfg, rows, states, slots[many], grads[many], lr[many], stats[many])
 
 
 def combine_rows(update_rule: UpdateRule, cfg: OptimizerConfig, weights: torch.Tensor, state: Mapping[str, torch.Tensor],

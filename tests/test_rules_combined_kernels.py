@@ -25,6 +25,11 @@ OTHER = {"adam": {"beta1": 0.5, "beta2": 0.8, "eps": 1e-3}, "ftrl": {"beta": 0.5
          "adagrad": {"eps": 1e-3}, "rowwise_adagrad": {"eps": 1e-3}}
 
 
+
+def _arrays(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """A table's state as ``apply_rows`` takes it (arrays sharing the tensors' memory)."""
+    return {k: t.numpy() for k, t in state.items()}
+
 def test_the_rules_with_a_compiled_combine() -> None:
     assert WITH_KERNEL == ["adagrad", "adam", "rowwise_adagrad", "ftrl"]
 
@@ -112,7 +117,7 @@ def test_a_push_of_combined_and_single_rows_is_the_torch_form(name: str, weight_
     lr = np.array([0.05, 0.04, 0.05, 0.0, 0.05, 0.02, 0.05, 0.05, 0.01, 0.05], np.float32)
     want_w, want_state = _torch_form(r, cfg, weights, state, slots, grads, stats, lr)
     start = weights.clone()
-    apply_rows(r, cfg, row_update(r, cfg, DIM), weights, state, slots, grads.numpy(), lr, stats)
+    apply_rows(r, cfg, row_update(r, cfg, DIM), weights.numpy(), _arrays(state), slots, grads.numpy(), lr, stats)
     _assert_same(weights, state, want_w, want_state, slots)
     moved = (weights != start).any(1)[torch.from_numpy(slots)]
     assert int(moved.sum()) >= 9  # every row but (FTRL) the one at rate 0
@@ -139,7 +144,7 @@ def test_the_single_rows_of_a_mixed_push_take_the_row_kernel_bit_for_bit(name: s
     many = ~one
     combined_update(r, cfg, DIM)(want_w.numpy(), {k: v.numpy() for k, v in want_state.items()},  # type: ignore[misc]
                                  slots[many], np.ascontiguousarray(grads[many]), lr[many], np.ascontiguousarray(stats[many]))
-    apply_rows(r, cfg, row_update(r, cfg, DIM), weights, state, slots, grads, lr, stats)
+    apply_rows(r, cfg, row_update(r, cfg, DIM), weights.numpy(), _arrays(state), slots, grads, lr, stats)
     assert torch.equal(weights, want_w) and all(torch.equal(state[k], want_state[k]) for k in state)
     assert bool((weights[torch.from_numpy(slots)] != torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(12))[
         torch.from_numpy(slots)]).any(1).all())
@@ -155,8 +160,8 @@ def test_statistics_of_another_float_type_are_taken_as_float32(dtype: torch.dtyp
     stats[0, 0] = -1
     lr = np.full(4, 0.05, np.float32)
     want_w, want_state = weights.clone(), {k: v.clone() for k, v in state.items()}
-    apply_rows(r, cfg, row_update(r, cfg, DIM), want_w, want_state, slots, grads, lr, stats.to(torch.float32))
-    apply_rows(r, cfg, row_update(r, cfg, DIM), weights, state, slots, grads, lr, stats)
+    apply_rows(r, cfg, row_update(r, cfg, DIM), want_w.numpy(), _arrays(want_state), slots, grads, lr, stats.to(torch.float32))
+    apply_rows(r, cfg, row_update(r, cfg, DIM), weights.numpy(), _arrays(state), slots, grads, lr, stats)
     assert torch.equal(weights, want_w) and not torch.equal(weights[1], torch.zeros(DIM))
     assert all(torch.equal(state[k], want_state[k]) for k in state)
 

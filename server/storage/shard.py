@@ -222,7 +222,7 @@ class Shard:
                     f"table {table!r}: id {int(ids[wrong][0])} belongs to shard {int(owners[wrong][0])}, not {self.shard_index}"
                 )
 
-    def _check_sparse(self, u: SparseUpdate) -> tuple[EmbeddingTable, Pulled | None, np.ndarray | None]:
+    def _check_sparse(self, u: SparseUpdate) -> tuple[EmbeddingTable, Pulled | None, np.ndarray | None, np.ndarray]:
         table = self._table(u.table)
         if table.capacity and u.ids.size > table.capacity:
             # Evicting every other row would not make room: refused whole, not trained in part.
@@ -242,7 +242,7 @@ class Shard:
             raise InvalidArgument(f"{what}: ids in one push must be unique")
         raise_fault(what, fault, low)
         check_read(what, u.read_values, u.grads)
-        return table, pulled, stats
+        return table, pulled, stats, grads
 
     def _check_dense(self, u: DenseUpdate) -> DenseChunk:
         chunk = self._chunk(u.name, u.index)
@@ -326,7 +326,7 @@ class Shard:
         # by one only for --staleness-aware; otherwise only the push's largest staleness is
         # wanted (hard limit, metric, ack), and a table's updates since the read bound every
         # row's, so a table whose count does not exceed what the push has shown is skipped.
-        intervals = [max(t.version - u.read_version, 0) for (t, _, _), u in zip(checked, sparse, strict=False)]
+        intervals = [max(t.version - u.read_version, 0) for (t, _, _, _), u in zip(checked, sparse, strict=False)]
         intervals += [max(c.version - u.read_version, 0) for c, u in zip(chunks, dense, strict=False)]
         stale: list[int | np.ndarray | None] = [None] * len(sparse)
         stale += intervals[len(sparse):]
@@ -338,7 +338,7 @@ class Shard:
         # reported: each table counts it under the same hold of its lock as its update.
         count_first = staleness_aware or self.max_staleness is not None
         for i in order if count_first else ():
-            (t, p, _), u = checked[i], sparse[i]
+            (t, p, _, _), u = checked[i], sparse[i]
             if not u.ids.size or not intervals[i]:
                 continue
             if staleness_aware:
@@ -359,10 +359,12 @@ class Shard:
             clock_lag = self.clocks.lag(clock) if clock and self.shard_index == COORDINATOR_SHARD else 0
             # (table or chunk, ids or None, gradient, the slots found of ids that are all rows)
             blocks: list[tuple[Any, np.ndarray | None, torch.Tensor, Pulled | None]] = [
-                (t, u.ids, u.grads, p) for (t, p, _), u in zip(checked, sparse, strict=False)
+                (t, u.ids, u.grads, p) for (t, p, _, _), u in zip(checked, sparse, strict=False)
             ] + [(c, None, u.grad, None) for c, u in zip(chunks, dense, strict=False)]
             reads = [u.read_values for u in sparse] + [u.read_value for u in dense]
             combined = [c[2] for c in checked] + [None] * len(dense)  # as checked: float32 arrays
+            # Each part's gradient rows as checked (float32 arrays, or NO_ROWS), applied where no remedy changed them.
+            checked_rows = [c[3] for c in checked]
             for k in order + list(range(len(sparse), len(blocks))):
                 (target, ids, grad, pulled), s, n, read, stats = blocks[k], stale[k], intervals[k], reads[k], combined[k]
                 # The typical staleness of this table or chunk: a running mean of its updates
@@ -382,15 +384,18 @@ class Shard:
                     if damped:
                         acted["staleness_aware"] = damped
                 opt = target.config.optimizer if ids is not None else target.optimizer
+                given = grad
                 grad, scale, before, step_scale = adjusted(target, opt, ids, grad, read, scale, clock, remedies,
                                                            acted if remedies.on else None)
                 if ids is None:
                     target.push(grad, scale, step_scale)
-                elif count_first:
-                    target.push(ids, grad, scale, pulled, stats)
                 else:
-                    _, counted = target.push_counted(ids, grad, scale, pulled, stats, sparse[k].read_version, staleness)
-                    staleness = max(staleness, counted)
+                    values = checked_rows[k] if grad is given and checked_rows[k] is not NO_ROWS else grad
+                    if count_first:
+                        target.push(ids, values, scale, pulled, stats)
+                    else:
+                        _, counted = target.push_counted(ids, values, scale, pulled, stats, sparse[k].read_version, staleness)
+                        staleness = max(staleness, counted)
                 observe_step(target, ids, before, remedies.decay)
                 for remedy, n in acted.items():
                     self.metrics.remedied(target.config.name if ids is not None else None, remedy, n)

@@ -109,8 +109,8 @@ class EmbeddingTable:
         if self.capacity:
             cap = min(cap, self.capacity)
         self._index = IdIndex(cap)
-        self._weights = float_rows(cap, (config.dim,))
-        self._state = {k: float_rows(cap, s) for k, s in self._state_shapes.items()}
+        self._set_rows(float_rows(cap, (config.dim,)), {k: float_rows(cap, s) for k, s in self._state_shapes.items()})
+        self._lr_rows = np.empty(0, np.float32)  # a push's rates, reused under the lock (``_rates``)
         # Bounded tables reuse slots, so a lock-free reader could read a slot after it was
         # given to another id: they read under the lock, and track last touches for LRU.
         self._locked_reads = self.capacity > 0
@@ -162,7 +162,13 @@ class EmbeddingTable:
             touched[:n] = self._touched[:n]
             self._touched = touched
         self._versions.grow(new_cap, n)
-        self._weights, self._state = w, state
+        self._set_rows(w, state)
+
+    def _set_rows(self, weights: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """The table's rows and optimizer state, and their arrays (the same memory) as the row
+        kernels take them (``tensor.numpy()`` costs about a microsecond a call, a push part several)."""
+        self._weights, self._state = weights, state
+        self._arrays = (weights.numpy(), {k: t.numpy() for k, t in state.items()})
 
     def _alloc(self, k: int) -> np.ndarray:
         """``k`` free slots: evicted ones first, then new ones. Caller holds the lock."""
@@ -372,19 +378,20 @@ class EmbeddingTable:
         slots = pulled.slots if pulled is not None and pulled.index is self._index else self._index.lookup(ids)
         return self._updates.count(slots, self._versions, self.version, read_version, per_row)
 
-    def push(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float | np.ndarray = 1.0, pulled: Pulled | None = None,
+    def push(self, ids: np.ndarray, grads: torch.Tensor | np.ndarray, lr_scale: float | np.ndarray = 1.0, pulled: Pulled | None = None,
              combined: np.ndarray | torch.Tensor | None = None) -> int:
         """Apply row gradients with the table's optimizer; returns the new version.
 
         Gradients of ids that are not admitted (or do not fit in the capacity) are dropped and
-        counted in ``dropped_rows``. ``pulled``: what ``pulled(ids)`` said, if the caller asked.
+        counted in ``dropped_rows``. ``grads``: a tensor, or float32 rows as ``part_rows`` gives
+        them. ``pulled``: what ``pulled(ids)`` said, if the caller asked.
         ``lr_scale``: one factor for every row, or one per id (float64 array). ``combined``: a
         combined push's statistics per row (``push_hooks.apply_rows``; None: one gradient each).
         """
         with self._lock:
             return self._apply(ids, grads, lr_scale, pulled, combined)[0]
 
-    def push_counted(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float | np.ndarray, pulled: Pulled | None,
+    def push_counted(self, ids: np.ndarray, grads: torch.Tensor | np.ndarray, lr_scale: float | np.ndarray, pulled: Pulled | None,
                      combined: np.ndarray | torch.Tensor | None, read_version: int, shown: int) -> tuple[int, int]:
         """``push``, and the largest staleness of ``ids`` since a read at ``read_version``
         (``largest_staleness`` just before the update), counted under the same hold of the lock,
@@ -396,7 +403,7 @@ class EmbeddingTable:
             count = bool(ids.size) and self.version - read_version > shown
             return self._apply(ids, grads, lr_scale, pulled, combined, read_version if count else None)
 
-    def _apply(self, ids: np.ndarray, grads: torch.Tensor, lr_scale: float | np.ndarray, pulled: Pulled | None,
+    def _apply(self, ids: np.ndarray, grads: torch.Tensor | np.ndarray, lr_scale: float | np.ndarray, pulled: Pulled | None,
                combined: np.ndarray | torch.Tensor | None, read_version: int | None = None) -> tuple[int, int]:
         """``push``'s update; the caller holds the lock. Returns the new version and, with
         ``read_version``, the largest staleness of the rows updated since that read
@@ -410,7 +417,7 @@ class EmbeddingTable:
             self.dropped_rows += dropped
             if self._on_drop is not None:
                 self._on_drop(dropped)
-            slots, grads = slots[keep], grads[torch.from_numpy(keep)]
+            slots, grads = slots[keep], grads[keep if isinstance(grads, np.ndarray) else torch.from_numpy(keep)]
             combined = None if combined is None else stats_array(combined)[keep]
             if isinstance(lr_scale, np.ndarray):
                 lr_scale = lr_scale[keep]
@@ -421,12 +428,20 @@ class EmbeddingTable:
         if isinstance(lr_scale, np.ndarray):
             lr = (opt.lr * lr_scale).astype(np.float32)
         else:
-            lr = np.full(len(slots), opt.lr * lr_scale, np.float32)
-        grads_np = np.ascontiguousarray(grads.detach().numpy(), np.float32)
-        apply_rows(self._rule, opt, self._update_rows, self._weights, self._state, np.ascontiguousarray(slots, np.int64), grads_np, lr,
-                   combined)
+            lr = self._rates(len(slots), opt.lr * lr_scale)
+        grads_np = grads if isinstance(grads, np.ndarray) else np.ascontiguousarray(grads.detach().numpy(), np.float32)
+        apply_rows(self._rule, opt, self._update_rows, *self._arrays, np.ascontiguousarray(slots, np.int64), grads_np, lr, combined)
         self.version += 1
         return self.version, self._updates.record(self.version, slots, self._versions, self._used, read_version)
+
+    def _rates(self, n: int, rate: float) -> np.ndarray:
+        """``n`` rows' learning rate, all ``rate`` (float32), in the table's reused array (the
+        caller holds the lock; ``np.full`` costs a part more than the rest of its arrays)."""
+        if len(self._lr_rows) < n:
+            self._lr_rows = np.empty(max(n, 2 * len(self._lr_rows)), np.float32)
+        lr = self._lr_rows[:n]
+        lr.fill(rate)
+        return lr
 
     def running_means(self, name: str, ids: np.ndarray, x: np.ndarray | None = None, decay: float = 0.95) -> np.ndarray:
         """A per-row running mean kept beside the rows for a push remedy (``push_hooks``: DC-ASGD-a's
@@ -491,10 +506,10 @@ class EmbeddingTable:
                 n = self.capacity
                 ids, weights, state = ids[:n], weights[:n], {k: t[:n] for k, t in state.items()}
             cap = max(n, 1)
-            self._weights = weights.to(torch.float32).clone().reshape(n, self.dim) if n else float_rows(cap, (self.dim,))
-            self._state = {
-                k: (state[k].to(torch.float32).clone() if n else float_rows(cap, s)) for k, s in self._state_shapes.items()
-            }
+            self._set_rows(
+                weights.to(torch.float32).clone().reshape(n, self.dim) if n else float_rows(cap, (self.dim,)),
+                {k: (state[k].to(torch.float32).clone() if n else float_rows(cap, s)) for k, s in self._state_shapes.items()},
+            )
             self._used = n
             self._free = np.empty(0, np.int64)
             if self._touched is not None:
