@@ -78,14 +78,17 @@ class UpdateLog:
         if end - self._begin > len(self._ring):
             size = _pow2(min(self._max_slots, max(end - self._begin, 2 * len(self._ring))))
             self._ring = self._moved(self._ring, size)
-        counted = log_record(self._ring, rows.pairs, slots, np.int64(self._end), np.int64(self._begin), np.int64(offset), count,
-                             np.int64(after), np.int64(since), np.int64(whole))
+        # Python ints, not np.int64s: numba types them the same (int64), and making six costs a
+        # microsecond, a tenth of a push part's fixed cost.
+        counted = log_record(self._ring, rows.pairs, slots, self._end, self._begin, offset, count, after, since, whole)
         self._end = end
         return max(stale, int(counted), 0)
 
     def _reach(self, version: int, read_version: int) -> tuple[int, int]:
         """For a read at ``read_version`` of a table now at ``version``: every update since it
-        (``whole``, -1 where the log holds them all) and the position of the first entry since it."""
+        (``whole``, -1 where the log holds them all) and the position of the first entry since it
+        (Python ints, whatever integers it is given: the compiled count takes them as they are)."""
+        version, read_version = int(version), int(read_version)
         if self._head == len(self._versions) or self._versions[self._head] > read_version + 1:
             return version - read_version, self._end
         first = bisect.bisect_right(self._versions, read_version, self._head)
@@ -94,7 +97,7 @@ class UpdateLog:
     def _count(self, slots: np.ndarray, rows: RowVersions, after: int, since: int, whole: int, out: np.ndarray | None = None) -> int:
         """``count_linked`` over the log as it is: the largest (-1: no row updated since), each row's into ``out``."""
         out = np.empty(len(slots), np.int64) if out is None else out
-        return int(count_linked(slots, rows.pairs, np.int64(after), self._ring, np.int64(since), np.int64(self._end), np.int64(whole), out))
+        return int(count_linked(slots, rows.pairs, after, self._ring, since, self._end, whole, out))
 
     def _moved(self, ring: np.ndarray, size: int) -> np.ndarray:
         """``ring``'s entries held, in a ring of ``size`` at the same positions."""
@@ -186,7 +189,7 @@ class RowVersions:
 
     def after(self, read_version: int) -> int:
         """The offset a row updated after a read at ``read_version`` holds more than (-1: every
-        row, for a read older than the versions know)."""
+        row, for a read older than the versions know); a Python int."""
         if read_version < self.floor:
             return -1
-        return min(max(read_version - self.base, 0), self.span)
+        return int(min(max(read_version - self.base, 0), self.span))
