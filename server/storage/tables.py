@@ -191,14 +191,14 @@ class EmbeddingTable:
         cfg = self.config
         # New slots are usually the next ``k`` in order: the rows are written in place there.
         rows = slice(start, start + k) if k and slots[0] == start and slots[-1] == start + k - 1 else slots
-        weights = self._weights.numpy()
+        weights, state = self._arrays
         if isinstance(rows, slice):
             _init_rows(new_ids, cfg, weights[rows])
         else:
             weights[rows] = _init_rows(new_ids, cfg, np.empty((k, self.dim), np.float32))
-        for name, t in self._state.items():
+        for name, a in state.items():
             # A reused slot still holds the evicted row's state.
-            t.numpy()[rows] = self._initial_state.get(name, 0.0)
+            a[rows] = self._initial_state.get(name, 0.0)
         if self._touched is not None:
             self._touched[slots] = self._tick
         # A reused slot's updates were the evicted row's: the new row was never updated.
