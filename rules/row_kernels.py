@@ -245,7 +245,7 @@ NO_ROWS = np.zeros((0, 0), np.float32)
 
 def _load_part_checks() -> None:
     ids = _example_ids()
-    ids.flags.writeable = False  # a request's ids are read-only (IdIndex.lookup's are always made so)
+    ids.flags.writeable = False  # as every lookup gets them (tether.server.storage.index.lookup_ids)
     cells = np.full(16, index_kernels.EMPTY_SLOT, np.int32)
     push_part_fault(cells, np.zeros(2, np.int64), 4, ids, np.zeros((2, 4), np.float32), NO_ROWS, np.float32(0))
     combined_push_fault(np.zeros((2, 4), np.float32), NO_ROWS, np.float32(0))
