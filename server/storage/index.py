@@ -113,9 +113,11 @@ class IdIndex:
         cells, keys, bits = self._snap
         return index_kernels.slot_lookup(cells, keys, bits, lookup_ids(ids))
 
-    def insert(self, ids: np.ndarray, new_slots: np.ndarray) -> None:
+    def insert(self, ids: np.ndarray, new_slots: np.ndarray, span: tuple[int, int] | None = None) -> None:
         """Add unique ids that are absent, with their slots (unique, and not any present id's
-        slot). Caller holds the writer lock.
+        slot). Caller holds the writer lock. ``span``: the slots' least and greatest, where the
+        caller knows them (a run of new slots: its ends; two reductions cost a third of a
+        table's insert of a few rows).
 
         Raises:
             ValueError: as many slots as ids, each in [0, 2**31) (-1 and -2 mark empty and removed cells).
@@ -125,7 +127,7 @@ class IdIndex:
             raise ValueError(f"{len(ids)} ids but {len(new_slots)} slots")
         if not len(ids):
             return
-        low, high = int(new_slots.min()), int(new_slots.max())
+        low, high = span if span is not None else (int(new_slots.min()), int(new_slots.max()))
         if low < 0:
             raise ValueError(f"slots must be >= 0, got {low}")
         if high >= _SLOT_LIMIT:

@@ -68,12 +68,11 @@ _LOG_SLOTS = 1 << 18
 _VERSION_SPAN = 2**31 - 1
 
 
-def _init_rows(ids: np.ndarray, cfg: TableConfig, out: np.ndarray) -> np.ndarray:
-    """``init_rows`` of ``ids`` written into ``out`` (returned) by the compiled kernel, bit for bit."""
+def _init_constants(cfg: TableConfig) -> tuple[np.uint64, np.ndarray, np.float32, np.float32]:
+    """What ``row_kernels.init_rows_into`` takes beside the ids for a table's new rows (``init_rows``'s
+    salt, column steps, step and scale), made once per table."""
     scale = cfg.init_scale
-    row_kernels.init_rows_into(np.ascontiguousarray(ids, np.int64), initial_salt(cfg.seed, cfg.name), column_steps(cfg.dim)[0],
-                           np.float32(2 * scale / (1 << 24)), np.float32(scale), out)
-    return out
+    return initial_salt(cfg.seed, cfg.name), column_steps(cfg.dim)[0], np.float32(2 * scale / (1 << 24)), np.float32(scale)
 
 
 class EmbeddingTable:
@@ -111,6 +110,7 @@ class EmbeddingTable:
         self._index = IdIndex(cap)
         self._set_rows(float_rows(cap, (config.dim,)), {k: float_rows(cap, s) for k, s in self._state_shapes.items()})
         self._lr_rows = np.empty(0, np.float32)  # a push's rates, reused under the lock (``_rates``)
+        self._init_args = _init_constants(config)
         # Bounded tables reuse slots, so a lock-free reader could read a slot after it was
         # given to another id: they read under the lock, and track last touches for LRU.
         self._locked_reads = self.capacity > 0
@@ -147,7 +147,7 @@ class EmbeddingTable:
         return total + sum(t.nbytes for t in self._state.values()) + sum(a.nbytes for a in self._means.values())
 
     def _grow(self, need: int) -> None:
-        cap = self._weights.shape[0]
+        cap = len(self._arrays[0])  # the rows' array: a tensor's shape costs more
         if need <= cap:
             return
         new_cap = max(need, int(cap * _GROWTH) + 1)
@@ -187,15 +187,19 @@ class EmbeddingTable:
         """Create rows for unique ids that are not present; returns their slots. Caller holds the lock."""
         k = len(new_ids)
         start = self._used
+        # With no evicted slot to reuse, the new slots are the next ``k`` in order: the rows are
+        # written in place there.
+        run = not len(self._free)
         slots = self._alloc(k)
-        cfg = self.config
-        # New slots are usually the next ``k`` in order: the rows are written in place there.
-        rows = slice(start, start + k) if k and slots[0] == start and slots[-1] == start + k - 1 else slots
+        rows = slice(start, start + k) if run else slots
         weights, state = self._arrays
-        if isinstance(rows, slice):
-            _init_rows(new_ids, cfg, weights[rows])
+        new_ids = np.ascontiguousarray(new_ids, np.int64)
+        if run:
+            row_kernels.init_rows_into(new_ids, *self._init_args, weights[rows])
         else:
-            weights[rows] = _init_rows(new_ids, cfg, np.empty((k, self.dim), np.float32))
+            out = np.empty((k, self.dim), np.float32)
+            row_kernels.init_rows_into(new_ids, *self._init_args, out)
+            weights[rows] = out
         for name, a in state.items():
             # A reused slot still holds the evicted row's state.
             a[rows] = self._initial_state.get(name, 0.0)
@@ -205,7 +209,7 @@ class EmbeddingTable:
         self._versions.array[slots] = 0
         for means in self._means.values():
             means[slots[slots < len(means)]] = -1
-        self._index.insert(new_ids, slots)
+        self._index.insert(new_ids, slots, (start, start + k - 1) if run else None)
         return slots
 
     def _evict(self, want: int) -> int:
