@@ -71,10 +71,10 @@ def finite(t: torch.Tensor) -> bool:
     return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
 
 
-def check_rows(what: str, ids: np.ndarray, grads: torch.Tensor, dim: int, ids_checked: bool = False,
-               combined: torch.Tensor | None = None, update_rule: UpdateRule | None = None) -> np.ndarray | None:
+def check_rows(what: str, ids: np.ndarray, grads: torch.Tensor, dim: int, combined: torch.Tensor | None = None,
+               update_rule: UpdateRule | None = None) -> np.ndarray | None:
     """A push's rows of one table, as local mode refuses them (``part_rows``' layout; the ids
-    unique, unless ``ids_checked``; every value finite, in one compiled pass). Returns the
+    unique; every value finite, in one compiled pass). Returns the
     statistics as ``part_rows`` does (None without). A shard checks a part with its id lookup
     instead (``EmbeddingTable.checked``), in the same order.
 
@@ -82,7 +82,7 @@ def check_rows(what: str, ids: np.ndarray, grads: torch.Tensor, dim: int, ids_ch
         InvalidArgument: naming ``what`` (``table 'x'``) and the fault.
     """
     g, stats, low = part_rows(what, ids, grads, dim, combined, update_rule)
-    if not ids_checked and ids.size > 1 and has_duplicates(ids):
+    if ids.size > 1 and has_duplicates(ids):
         raise InvalidArgument(f"{what}: ids in one push must be unique")
     raise_fault(what, combined_push_fault(g, NO_ROWS if stats is None else stats, low), low)
     return stats
