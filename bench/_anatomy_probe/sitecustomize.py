@@ -36,6 +36,10 @@ _SHARD = [
 # Functions a module imported by name: wrapped where each of these modules uses them.
 _SHARD_FUNCTIONS = [("tether.rules.push_hooks", ("check_combined", "part_rows", "apply_rows"),
                      ("tether.server.storage.shard", "tether.server.storage.tables"))]
+# The worker row cache's compiled passes, one by one (labels "pass.<name>").
+_WORKER_FUNCTIONS = [("tether.worker.cache.batch", ("plan_all", "store_all", "hold_all", "take_all", "with_unheld", "later_all"),
+                      ("tether.worker.cache.row_cache",)),
+                     ("tether.worker.cache.split", ("pack_push", "group_ids"), ("tether.worker.cache.row_cache",))]
 
 
 def _wrap(counters: dict[str, collections.Counter[str]], name: str, fn: Any) -> Any:
@@ -69,13 +73,14 @@ def _install(out: str) -> None:
         for n in names:
             if n in vars(owner):  # a call another version of tether lacks is left out
                 setattr(owner, n, _wrap(counters, prefix + n, getattr(owner, n)))
-    if role == "shard":
-        for module, names, users in _SHARD_FUNCTIONS:
+    functions, label = (_SHARD_FUNCTIONS, "push_hooks.") if role == "shard" else (_WORKER_FUNCTIONS, "pass.")
+    if role == "shard" or "tether.worker.cache.row_cache" in sys.modules:
+        for module, names, users in functions:
             home = importlib.import_module(module)
             for n in names:
                 if not hasattr(home, n):  # as above: another version's
                     continue
-                wrapped = _wrap(counters, "push_hooks." + n, getattr(home, n))
+                wrapped = _wrap(counters, label + n, getattr(home, n))
                 for user in (home, *(importlib.import_module(u) for u in users)):
                     if hasattr(user, n):
                         setattr(user, n, wrapped)
