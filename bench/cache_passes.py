@@ -2,7 +2,7 @@
 time the passes' arithmetic or the memory they wait for?
 
 Runs worker 0's CTR id stream through a ``CachedClient`` (``bench/push_path.py``'s loop, cache
-20/20), keeps the arguments of the last step's ``plan_all`` and ``hold_all`` (with the local rule's step), then
+20/20), keeps the arguments of the last step's ``plan_all``, ``store_all`` and ``hold_all`` (with the local rule's step), then
 calls each pass again on them: **warm**, back to back (the rows stay in the CPU's caches), and
 **cold**, with ``--flush-mib`` of other memory written before each call (what the rest of a
 training step does to the caches). Thread CPU ms a call, the mean over ``--calls``.
@@ -29,7 +29,7 @@ from tether.worker.cache import row_cache
 from tether.worker.cache.config import RowCacheConfig
 from tether.worker.cache.slots import warm_up
 
-PASSES = ("plan_all", "hold_all")
+PASSES = ("plan_all", "store_all", "hold_all")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -355,55 +355,6 @@ def test_a_refresh_is_the_shards_value_plus_the_workers_own_held_changes() -> No
     assert cached.cache is not None and cached.cache.pending_rows() == 0 == _held_by_scan(cached.cache)
 
 
-def _slots(cache: RowCache, ids: torch.Tensor) -> np.ndarray:
-    return cache.tables["t"].slots_of(ids.numpy())
-
-
-@pytest.mark.parametrize("forged", ["right", "another id's", "none", "freed", "out of range", "moved"])
-def test_the_hold_checks_the_slots_its_pull_found(forged: str) -> None:
-    # A step's hold takes the slots its pull's plan and store found (RowCache._known) and checks
-    # each (in use, by that id) before trusting it; whatever happened to them since, the hold
-    # ends as one that looks every id up.
-    ends = []
-    for trust in (True, False):
-        cached, local = _client(rows=8, bound=5, write_bound=5)
-        cached.use_tables([TableConfig(name="t", dim=4, optimizer=OptimizerConfig(name="adagrad", lr=0.1), seed=3)])
-        cache = cached.cache
-        assert cache is not None
-        ids = _ids(1, 2, 3, 4, 5, 6)
-        pulled = cached.pull({"t": ids}).result()
-        tab = cache.tables["t"]
-        slots = _slots(cache, ids)
-        kept = cache._kept
-        assert (slots >= 0).all() and kept is not None and np.array_equal(kept[3], slots)
-        if forged == "another id's":
-            slots = slots[::-1].copy()
-        elif forged == "none":
-            slots = np.full(len(ids), -1, np.int64)
-        elif forged == "freed":  # ids 2 and 3 evicted since: their gradients are pushed as with no cache
-            cache._forget("t", tab, slots[1:3].copy())
-        elif forged == "out of range":  # slots never used (the table's arrays reach the capacity)
-            slots = slots + 2
-        elif forged == "moved":  # ids 4 and 5 evicted, 4 cached again in 5's old slot: 4's old one out of use
-            cache._forget("t", tab, slots[3:5].copy())
-            cached.pull({"t": _ids(4)}).result()
-            assert _slots(cache, _ids(4))[0] == slots[4] and not tab.used[slots[3]] and tab.ids[slots[3]] == 4
-        cache._kept = (kept[0], kept[1], kept[2], slots) if trust else None
-        grads = torch.arange(24, dtype=torch.float32).reshape(6, 4) / 10
-        cached.push({"t": (ids, grads)}, clock=1, versions=pulled).result()
-        assert cache.pending_rows() == _held_by_scan(cache)
-        held = _slots(cache, ids)
-        ends.append((held, tab.values[torch.from_numpy(held[held >= 0])].clone(), tab.pending[torch.from_numpy(held[held >= 0])].clone(),
-                     local.pull({"t": ids}).result().rows["t"].clone()))
-        cached.flush()
-        ends[-1] += (local.pull({"t": ids}).result().rows["t"].clone(),)
-    (a, *ra), (b, *rb) = ends
-    assert np.array_equal(a, b)
-    assert all(torch.equal(x, y) for x, y in zip(ra, rb, strict=True))
-    if forged == "freed":
-        assert (a[1:3] == -1).all() and not torch.equal(ra[2], rb[2] * 0)  # pushed at once: the shard moved
-
-
 def test_held_rows_are_counted_without_a_scan() -> None:
     cached, _ = _client(rows=3, bound=4, write_bound=2)
     assert cached.cache is not None

@@ -99,29 +99,6 @@ def _lookup(cells: np.ndarray, ids: np.ndarray, a: np.int64, b: np.int64, found:
         found[i] = probe_from(cells, ids[i], found[i])
 
 
-@compiled(inline="always")
-def _resolve(cells: np.ndarray, meta: np.ndarray, used: np.ndarray, ids: np.ndarray, known: np.ndarray, a: np.int64, b: np.int64,
-             found: np.ndarray) -> None:
-    """``_lookup`` where ``known`` holds each id's slot as an earlier pass found it (-1: none):
-    a slot still in use by the same id is its slot (an id has one slot at a time), with no probe
-    of the index; the others are looked up. The row (``meta``'s) or the cell ``_AHEAD`` ids on
-    is prefetched; a pass reads the row next anyway."""
-    mask = np.uint64(len(cells) - 1)
-    flat, meta_flat, width = cells.reshape(-1), meta.reshape(-1), meta.shape[1]
-    for i in range(a, b):
-        if i + _AHEAD < b:
-            ahead = known[i + _AHEAD]
-            if ahead >= 0:
-                prefetch(meta_flat, ahead * width)
-            else:
-                prefetch(flat, 2 * np.int64(mix64(ids[i + _AHEAD]) & mask))
-        s = known[i]
-        if s >= 0 and used[s] and meta[s, IDS] == ids[i]:
-            found[i] = s
-        else:
-            found[i] = probe_from(cells, ids[i], np.int64(mix64(ids[i]) & mask))
-
-
 @_jit
 def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, ids: np.ndarray, offs: np.ndarray,
              now: np.int64,
@@ -241,7 +218,7 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
               pos: np.ndarray, got: np.ndarray,
               got_offs: np.ndarray, got_row: np.ndarray, versions: np.ndarray, now: np.int64, num_shards: np.int64,
               top: np.ndarray, nfree: np.ndarray, out: np.ndarray, row_offs: np.ndarray, offs: np.ndarray, states: Any, sfirst: np.ndarray,
-              scount: np.ndarray, sinit: np.ndarray, keep: np.ndarray, known: np.ndarray) -> tuple[Any, ...]:
+              scount: np.ndarray, sinit: np.ndarray, keep: np.ndarray) -> tuple[Any, ...]:
     """Pulled rows into the cache: ``keys`` (per part ``koffs``) at positions ``pos`` of the
     pull's ids (per-part ``offs``: row ``pos - offs[k]`` of part k's answer at ``row_offs[k]`` of
     ``out``), their rows ``got_row`` of part k's pulled rows (``got`` at ``got_offs[k]``).
@@ -251,9 +228,7 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
     while there are any; a new id's local rule state (table g's ``scount[g]`` arrays from
     ``states[sfirst[g]]``) starts at the rule's (``sinit``, per state array). ``got_row`` empty:
     key i is row ``i - koffs[k]`` of its part's pulled rows. A new id whose ``keep`` is False (not
-    admitted, ``plan_all``; ``keep`` empty: every id kept) is only answered. ``known``: each key's
-    slot as its plan found it (``plan_all``'s; checked, ``_resolve``), or empty: each key is
-    looked up. The answer gets every
+    admitted, ``plan_all``; ``keep`` empty: every id kept) is only answered. The answer gets every
     row as stored (as pulled where no slot was left or the id was not kept). Returns (the indexes
     in ``keys`` of the ids no slot was left for, the slots placed, per part how many were placed,
     and each key's slot, -1 where none was left)."""
@@ -274,11 +249,7 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
         dim = vals.shape[1]
         fresh0 = 2 * dim + 2  # where a held record's fresh changes start
         meta_flat, v_flat, h_flat, width = meta_l[g].reshape(-1), vals.reshape(-1), hd.reshape(-1), meta_l[g].shape[1]
-        # A part's keys are unique: placing one moves no other's slot.
-        if len(known):
-            _resolve(cells, meta_l[g], used, keys, known, koffs[k], koffs[k + 1], found)
-        else:
-            _lookup(cells, keys, koffs[k], koffs[k + 1], found)
+        _lookup(cells, keys, koffs[k], koffs[k + 1], found)  # a part's keys are unique: placing one moves no other's slot
         for i in range(koffs[k], koffs[k + 1]):
             if i + _AHEAD < koffs[k + 1] and found[i + _AHEAD] >= 0:
                 ahead = found[i + _AHEAD]
@@ -326,7 +297,7 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
 @_jit
 def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, tidx: np.ndarray, ids: np.ndarray, offs: np.ndarray,
              g: np.ndarray, g_offs: np.ndarray, versions: np.ndarray, clock: np.int64, num_shards: np.int64, rules: np.ndarray,
-             lrs: np.ndarray, states: Any, sbase: np.ndarray, consts: np.ndarray, known: np.ndarray) -> tuple[Any, ...]:
+             lrs: np.ndarray, states: Any, sbase: np.ndarray, consts: np.ndarray) -> tuple[Any, ...]:
     """Add gradient rows (part k's at ``g_offs[k]`` of ``g``, one per id) to the held sums of the
     cached ids (their oldest read version the minimum with ``versions[k, shard]``); the two
     columns of the held record past the sums hold a row's sum of mean(g * g) and its count of
@@ -334,10 +305,9 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
     its rows are in the CPU's caches: rule ``rules[k]`` (``row_kernels.rows_of_rule``, at rate
     ``lrs[k]``, its state ``states[sbase[k]:]``, its constants ``consts[k]``) on the part's
     cached rows from their gradients, and each row's change added to its ``mine`` and ``fresh``
-    local changes. ``known``: each id's slot as the cache last found it (``RowCache._known``;
-    checked, ``_resolve``), or empty: each id is looked up. Returns (the slots of the
-    cached ids and their indexes in ``ids``, the slots first held now, the indexes of the ids not
-    cached and their shards, and per part the counts of those three)."""
+    local changes. Returns (the slots of the cached ids and their indexes in ``ids``, the slots
+    first held now, the indexes of the ids not cached and their shards, and per part the
+    counts of those three)."""
     n = len(ids)
     slots = np.empty(n, np.int64)
     where = np.empty(n, np.int64)
@@ -363,10 +333,7 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
         # The held record's sums and statistics (at 0), and with a local step its mine and fresh changes too.
         reach = 3 * dim + 2 if step else dim + 2
         meta_flat, h_flat, v_flat, width = meta_l[t].reshape(-1), hd.reshape(-1), vals.reshape(-1), meta_l[t].shape[1]
-        if len(known):
-            _resolve(cells, meta_l[t], used_l[t], ids, known, offs[k], offs[k + 1], found)
-        else:
-            _lookup(cells, ids, offs[k], offs[k + 1], found)
+        _lookup(cells, ids, offs[k], offs[k + 1], found)
         h0 = h
         for i in range(offs[k], offs[k + 1]):
             if i + _AHEAD < offs[k + 1] and found[i + _AHEAD] >= 0:
@@ -662,11 +629,10 @@ def loads() -> list[Callable[[], object]]:
         lambda: plan_all(*_example()[0], part, none, offs, zero, one, none, np.zeros((0, 2), np.int64), f32, part, oldest(), oldest(),
                          zero),
         lambda: store_all(*_example()[0], part, none, offs, none, f32, part, none, oldest(), zero, one, part.copy(), part.copy(), f32, part,
-                          offs, typed_list([np.zeros((1, 1), np.float32)]), part, part, np.zeros(1, np.float32), np.zeros(0, np.bool_),
-                          none),
+                          offs, typed_list([np.zeros((1, 1), np.float32)]), part, part, np.zeros(1, np.float32), np.zeros(0, np.bool_)),
         lambda: later_all(*_example()[0], part, none, offs, none, offs, zero, f32, part, oldest()),
         lambda: hold_all(*_example()[0], part, none, offs, f32, part, oldest(), zero, one, part, np.zeros(1, np.float32),
-                         typed_list([np.zeros((1, 1), np.float32)]), part, np.zeros((1, MAX_CONSTANTS)), none),
+                         typed_list([np.zeros((1, 1), np.float32)]), part, np.zeros((1, MAX_CONSTANTS))),
         lambda: take_all(*_example()[0], none, none, none, one, np.full((2, 1), -1, np.int64)),
         lambda: with_unheld(none, f32, f32, f32, f32, none, part, np.ones(1, np.bool_), oldest(), part, np.full((1, 1), -1, np.int64), part,
                             none, offs, f32, part, none, none, oldest()),

@@ -250,8 +250,8 @@ class DeviceRowCache(RowCache):
             again = miss[found[miss] >= 0]
             if len(hits) or len(again):
                 self._gather_hits(parts, offs, starts, outs, hits, found[hits], again, found[again])
-        plan = DevicePlan(now, names, parts, ids, offs, torch.empty(0), zeros, oldest, later, miss, miss_offs, keep, slots=found,
-                          outs=outs, starts=starts)
+        plan = DevicePlan(now, names, parts, ids, offs, torch.empty(0), zeros, oldest, later, miss, miss_offs, keep, outs=outs,
+                          starts=starts)
         plan.miss = {t: torch.from_numpy(miss_ids[miss_offs[k]: miss_offs[k + 1]]) for k, t in enumerate(names)}
         plan.splits = self._miss_splits(names, miss_ids, miss_offs)
         return plan
@@ -329,7 +329,6 @@ class DeviceRowCache(RowCache):
         where = np.arange(len(keys), dtype=np.int64)  # each key's index among the pull's misses
         slots = np.full(len(keys), -1, np.int64)
         zeros = np.zeros(len(names) + 1, np.int64)
-        known = plan.slots[pos]  # checked by store_all, as RowCache._store's
         for attempt in range(2):
             for g, n in zip(parts.tolist(), np.diff(koffs).tolist(), strict=False):
                 if self._tabs[g].room(n):
@@ -338,12 +337,9 @@ class DeviceRowCache(RowCache):
             nfree = np.array([tab.nfree for tab in self._tabs], np.int64)
             unplaced, placed, nplaced, stored = store_all(*self._columns(), parts, keys, koffs, pos, NO_ROWS, zeros, got_row, versions,
                                                           plan.now, self.num_shards, top, nfree, NO_ROWS, zeros, plan.offs, self._states,
-                                                          self._sbase, self._scount, self._sinit, plan.keep if not attempt else NO_KEEP,
-                                                          known if not attempt else NO_IDS)
+                                                          self._sbase, self._scount, self._sinit, plan.keep if not attempt else NO_KEEP)
             slots[where] = stored
             self._placed(parts, top, nfree, nplaced)
-            if not attempt:
-                self._keep_slots(plan, stored)
             self._reset(self._base[np.repeat(parts, nplaced)] + placed, np.repeat(parts, nplaced))
             if not len(unplaced) or attempt:
                 break
@@ -434,7 +430,8 @@ class DeviceRowCache(RowCache):
             sums = self.banks[int(self._bank_of[g])].pend.index_select(0, idx.send()[0])
             self._evicted.append((t, tab.ids[held].copy(), sums, tab.shard[held].copy(), tab.pending_version[held].copy()))
             self._holding[g] -= len(held)
-        self._forget(t, tab, victims)
+        tab.remove(victims)
+        self.evictions[t] += len(victims)
 
     # -- pushes ----------------------------------------------------------------------------------------
 
@@ -462,7 +459,7 @@ class DeviceRowCache(RowCache):
         none = np.full(len(names), -1, np.int64)  # no local rule here: the device takes its steps
         slots, where, first, missing, missing_shards, got = hold_all(*self._columns(), parts, ids, offs, NO_ROWS, zeros, read, clock,
                                                                      self.num_shards, none, NO_ROWS, self._states, zeros[:-1],
-                                                                     self._consts[parts], self._known(parts, ids, offs))
+                                                                     self._consts[parts])
         if len(first):
             self._holding[parts] += got[:, 1]
             self._queued(clock, first, np.repeat(parts, got[:, 1]))

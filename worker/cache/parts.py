@@ -43,9 +43,6 @@ class Plan:
     miss_pos: np.ndarray
     miss_offs: np.ndarray
     keep: np.ndarray = field(default_factory=lambda: NO_KEEP)  # per miss: cached (admitted) or only answered; empty: all cached
-    # Each id's slot at the plan (-1: not cached): the store and the step's hold check these
-    # rather than look the ids up again.
-    slots: np.ndarray = field(default_factory=lambda: NO_IDS)
     miss: dict[str, torch.Tensor] = field(default_factory=dict)
     # Per table, ``miss`` split by shard as ``protos.partition.split_ids`` splits it (positions,
     # ids per shard): the pull's split, which ``Router.pull_requests`` takes as it is.

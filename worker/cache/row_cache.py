@@ -130,10 +130,6 @@ class RowCache:
         self._door = np.full((len(dims), DOOR_MIN if self._window else 1), -(2 ** 62), np.int64)
         # The last step's gradients of rows not cached, pushed with the next take (``with_unheld``).
         self._unheld_now: tuple[np.ndarray, ...] | None = None
-        # The last pull merged: its tables, ids and where each table's start, and each id's slot
-        # then (-1: not cached), which the step's hold of the same ids checks instead of looking
-        # them up (``_known``).
-        self._kept: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         start_warm_up()  # the compiled index and passes loaded while the worker starts; use_tables or the first step waits
         self._lock = threading.Lock()
         self._evicted: list[tuple[str, np.ndarray, torch.Tensor, np.ndarray, np.ndarray]] = []
@@ -216,9 +212,9 @@ class RowCache:
         out = torch.empty(int(row_offs[-1]))
         oldest = np.full((len(names), self.num_shards), NONE, np.int64)
         with self._lock:
-            _, miss, later, miss_offs, miss_ids, found, keep = self._plan_ids(names, parts, ids, offs, now, out.numpy(), row_offs, oldest,
-                                                                              id(out))
-        plan = Plan(now, names, parts, ids, offs, out, row_offs, oldest, later, miss, miss_offs, keep, slots=found)
+            _, miss, later, miss_offs, miss_ids, _, keep = self._plan_ids(names, parts, ids, offs, now, out.numpy(), row_offs, oldest,
+                                                                          id(out))
+        plan = Plan(now, names, parts, ids, offs, out, row_offs, oldest, later, miss, miss_offs, keep)
         plan.miss = {t: torch.from_numpy(miss_ids[miss_offs[k]: miss_offs[k + 1]]) for k, t in enumerate(names)}
         plan.splits = self._miss_splits(names, miss_ids, miss_offs)
         return plan
@@ -294,8 +290,6 @@ class RowCache:
         with self._lock:
             if len(plan.miss_pos):
                 self._store(plan, pulled)
-            else:
-                self._keep_slots(plan, NO_IDS)
             if self.config.bound > 0:
                 flight = self._flight_key(plan)
                 self._inflight[:] = [e for e in self._inflight if e[0] != flight]
@@ -371,20 +365,16 @@ class RowCache:
         keys, pos = plan.ids[plan.miss_pos], plan.miss_pos
         got_row = NO_IDS  # key i is row i - moffs[k] of its part's pulled rows (store_all)
         koffs = moffs
-        known = plan.slots[pos]  # checked by store_all: a slot may have been freed or taken since
         for attempt in range(2):
             for g, n in zip(parts.tolist(), np.diff(koffs).tolist(), strict=False):
                 if self._tabs[g].room(n):
                     set_cells(self._columns().cells, g, self._tabs[g].cells)
             top = np.array([tab.top for tab in self._tabs], np.int64)
             nfree = np.array([tab.nfree for tab in self._tabs], np.int64)
-            unplaced, _, nplaced, stored = store_all(*self._columns(), parts, keys, koffs, pos, flat, got_offs, got_row, versions,
-                                                       plan.now, self.num_shards, top, nfree, plan.out.numpy(), plan.row_offs, plan.offs,
-                                                       self._states, self._sbase, self._scount, self._sinit,
-                                                       plan.keep if not attempt else NO_KEEP, known if not attempt else NO_IDS)
+            unplaced, _, nplaced, _ = store_all(*self._columns(), parts, keys, koffs, pos, flat, got_offs, got_row, versions, plan.now,
+                                                  self.num_shards, top, nfree, plan.out.numpy(), plan.row_offs, plan.offs, self._states,
+                                                  self._sbase, self._scount, self._sinit, plan.keep if not attempt else NO_KEEP)
             self._placed(parts, top, nfree, nplaced)
-            if not attempt:
-                self._keep_slots(plan, stored)
             if not len(unplaced) or attempt:
                 return
             # Full tables: evict rows the current pull does not want, then place the rest.
@@ -404,29 +394,6 @@ class RowCache:
                 tab.top, tab.nfree = int(top[parts[k]]), int(nfree[parts[k]])
                 tab.filled += n
 
-    def _keep_slots(self, plan: Plan, stored: np.ndarray) -> None:
-        """After ``plan``'s merge (``stored``: each miss's slot, -1 where none was left), its ids'
-        slots kept for the step's hold (``_known``)."""
-        slots = plan.slots
-        if len(stored):
-            slots = slots.copy()
-            slots[plan.miss_pos] = stored
-        self._kept = (plan.parts, plan.ids, plan.offs, slots)
-
-    def _known(self, parts: np.ndarray, ids: np.ndarray, offs: np.ndarray) -> np.ndarray:
-        """A step's ids' slots as the last pull merged found them, where they are its ids
-        (``hold_all`` checks each); else empty."""
-        kept = self._kept
-        if (kept is None or len(kept[1]) != len(ids) or not np.array_equal(kept[2], offs) or not np.array_equal(kept[0], parts)
-                or not np.array_equal(kept[1], ids)):
-            return NO_IDS
-        return kept[3]
-
-    def _forget(self, t: str, tab: Table, victims: np.ndarray) -> None:
-        """Evicted rows' slots freed (their held sums already taken by the caller)."""
-        tab.remove(victims)
-        self.evictions[t] += len(victims)
-
     def _evict(self, t: str, tab: Table, n: int, protected: np.ndarray) -> None:
         victims = tab.victims(n, protected, self.config.policy)
         if not len(victims):
@@ -436,7 +403,8 @@ class RowCache:
             self._evicted.append((t, tab.ids[held].copy(), tab.pending[torch.from_numpy(held)].clone(),
                                   tab.shard[held].copy(), tab.pending_version[held].copy()))
             self._holding[self._index[t]] -= len(held)
-        self._forget(t, tab, victims)
+        tab.remove(victims)
+        self.evictions[t] += len(victims)
 
     def pending_rows(self) -> int:
         """Rows whose gradients are held (counted as they are held and pushed: no scan)."""
@@ -536,7 +504,7 @@ class RowCache:
                        np.float32)
         held, _, first, missing, missing_shards, counts = hold_all(*self._columns(), parts, ids, offs, flat, g_offs, read, clock,
                                                                 self.num_shards, rules, lrs, self._states, self._sbase[parts],
-                                                                self._consts[parts], self._known(parts, ids, offs))
+                                                                self._consts[parts])
         if len(first):
             self._holding[parts] += counts[:, 1]
             self._queued(clock, first, np.repeat(parts, counts[:, 1]))
