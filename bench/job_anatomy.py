@@ -41,13 +41,16 @@ from _common import cache_bounds, markdown_table  # noqa: E402
 
 
 def _flags(config: str) -> list[str]:
-    """``no cache`` or ``cache`` (20/20), ``cache R`` or ``cache R/W`` (read and write bounds)."""
+    """``no cache`` or ``cache`` (20/20), ``cache R`` or ``cache R/W`` (read and write bounds), each
+    with ``rows N`` after it for N rows a table (default 100,000: every id of the data)."""
     if config == "no cache":
         return []
+    config, _, rows = config.partition(" rows ")
+    rows = rows.strip() or "100000"
     if config == "cache":
-        return ["--cache-rows", "100000", "--cache-bound", "20"]
+        return ["--cache-rows", rows, "--cache-bound", "20"]
     read, write = cache_bounds(config.removeprefix("cache").strip())
-    return ["--cache-rows", "100000", "--cache-bound", str(read), "--cache-write-bound", str(write)]
+    return ["--cache-rows", rows, "--cache-bound", str(read), "--cache-write-bound", str(write)]
 
 
 def _snapshot(folder: Path) -> dict[int, dict]:
@@ -107,7 +110,8 @@ def run_one(config: str, a: argparse.Namespace, tmp: Path) -> dict[str, tuple[in
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", default="no cache,cache", help="comma list: 'no cache', 'cache' (20/20), 'cache R' or 'cache R/W'")
+    p.add_argument("--configs", default="no cache,cache",
+                   help="comma list: 'no cache', 'cache' (20/20), 'cache R' or 'cache R/W', each with ' rows N' (rows a table)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--shards", type=int, default=2)
