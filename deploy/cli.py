@@ -160,6 +160,11 @@ def _result_lines(summary: dict[str, Any], out: str | None, own_program: bool) -
         f"        {summary['total_samples']:,} samples in {summary['train_wall_s']:.1f}s = {summary['samples_per_sec']:,.0f} samples/s"
         f" across {summary['num_workers']} worker(s) and {summary['num_shards']} shard(s)",
     ]
+    cache = summary.get("row_cache")
+    if cache:
+        lines.append(f"        row cache: {cache['rows_saved']:.0%} of the rows the steps looked up not moved, for "
+                     f"{cache['seconds_per_step'] * 1e3:.2f} ms of its own calls a step ({cache['share_of_step']:.0%} of the workers' "
+                     "step time)")
     restarted = {name: n for name, n in summary.get("restarts", {}).items() if n}
     if restarted:
         lines.append("        restarts: " + ", ".join(f"{name} {n}" for name, n in restarted.items())

@@ -332,6 +332,9 @@ def _progress_line(runs: Sequence[dict[str, Any]], repeats: int, target_loss: fl
     head = f"tether compare: {run['mode']}" + (f" repeat {run['repeat'] + 1}/{repeats}" if repeats > 1 else "")
     tail = (f"training wall {run['train_wall_s']:.1f}s, {run['samples_per_sec']:,.0f} samples/s, "
             f"{run['bytes_per_sample']:,.0f} B/sample of embedding rows moved")
+    cache = run.get("summary", {}).get("row_cache")
+    if cache:
+        tail += f" (row cache: {cache['seconds_per_step'] * 1e3:.2f} ms a step, {cache['share_of_step']:.0%} of the step)"
     if "initial_eval_loss" in run and run["final_eval_loss"] is None:
         train = run["final_train_loss"]
         return f"{head}: final train loss {'-' if train is None else f'{train:.4f}'} (no eval loss reported), {tail}"

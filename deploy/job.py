@@ -18,7 +18,7 @@ from tether.server.config import ShardConfig
 from tether.worker.config import WorkerConfig
 from tether.worker.training.run_record import RunRecord
 
-__all__ = ["quantile", "run_job", "staleness_summary"]
+__all__ = ["quantile", "row_cache_summary", "run_job", "staleness_summary"]
 
 
 def quantile(sorted_values: Sequence[int], q: float) -> float:
@@ -171,6 +171,21 @@ def _samples_of(steps: int, record: RunRecord) -> int:
     return round(steps * record.samples / record.steps) if steps and record.steps else 0
 
 
+def row_cache_summary(workers: Sequence[RunRecord]) -> dict[str, float] | None:
+    """What the workers' row caches saved and cost (None: no cache): the share of the rows the
+    steps looked up that were not moved (pulled and pushed: with no cache, each twice), the
+    seconds the caches' own calls took per step, and their share of the steps' time."""
+    cached = [w for w in workers if w.cache_seconds is not None]
+    if not cached:
+        return None
+    wanted = sum(v["wanted_rows"] for w in cached for v in (w.traffic or {}).values())
+    moved = sum(v["pulled_rows"] + v["pushed_rows"] for w in cached for v in (w.traffic or {}).values())
+    seconds = sum(w.cache_seconds or 0.0 for w in cached)
+    busy = sum(sum(w.phase_seconds.values()) for w in cached)
+    return {"rows_saved": 1.0 - moved / (2 * wanted) if wanted else 0.0, "seconds_per_step": seconds / max(sum(w.steps for w in cached), 1),
+            "share_of_step": seconds / busy if busy else 0.0}
+
+
 def _summary(
     template: WorkerConfig, num_shards: int, workers: Sequence[RunRecord], evaluation: dict[str, float], wall: float,
     metrics_ports: dict[str, int], restarts: dict[str, int], steps_before: dict[str, int], max_restarts: int,
@@ -209,6 +224,9 @@ def _summary(
         "restarts": restarts,
         "max_restarts": max_restarts,
     }
+    cache = row_cache_summary(workers)
+    if cache is not None:
+        summary["row_cache"] = cache
     if steps_before:
         how = (
             f"{resumed} restart(s) read on from the newest stream position the earlier incarnations saved (positions/latest), "

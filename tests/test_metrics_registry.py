@@ -68,6 +68,7 @@ WORKER_CACHE_SPEC: list[tuple[str, str, tuple[str, ...]]] = [
     ("tether_worker_cache_held_rows", "gauge", ("table",)),
     ("tether_worker_cache_bytes", "gauge", ("table",)),
     ("tether_worker_cache_pending_rows", "gauge", ()),
+    ("tether_worker_cache_seconds_total", "counter", ()),
 ]
 # prometheus_client's process and platform collectors (Linux: read from /proc), in every registry.
 PROCESS_FAMILIES: dict[str, str] = {
@@ -153,9 +154,9 @@ def test_the_row_caches_metrics_are_read_from_it_when_scraped() -> None:
     reads: list[int] = []
     state = {"hits": 3, "refreshed": 1, "evicted": 0, "invalidated": 0, "passed": 2}
 
-    def read() -> tuple[dict[str, tuple[dict[str, int], int, int]], int]:
+    def read() -> tuple[dict[str, tuple[dict[str, int], int, int]], int, float]:
         reads.append(1)
-        return {"user": (dict(state), 40, 4096), "item": (dict.fromkeys(state, 0), 0, 128)}, 7
+        return {"user": (dict(state), 40, 4096), "item": (dict.fromkeys(state, 0), 0, 128)}, 7, 1.25
 
     worker.watch_cache(read)
     assert reads == []  # nothing read until asked
@@ -164,6 +165,7 @@ def test_the_row_caches_metrics_are_read_from_it_when_scraped() -> None:
     assert 'tether_worker_cache_rows_total{outcome="hits",table="user"} 3.0' in text
     assert 'tether_worker_cache_held_rows{table="user"} 40.0' in text and 'tether_worker_cache_bytes{table="item"} 128.0' in text
     assert "tether_worker_cache_pending_rows 7.0" in text
+    assert "tether_worker_cache_seconds_total 1.25" in text
     state["hits"] = 10
     assert registry.get_sample_value("tether_worker_cache_rows_total", {"table": "user", "outcome": "hits"}) == 10
     for name, _, labels in WORKER_CACHE_SPEC:

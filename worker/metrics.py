@@ -26,8 +26,9 @@ STEP_BUCKETS: tuple[float, ...] = (
 )
 
 # The row cache as a scrape reads it: per table (its counts so far: hits, refreshed, evicted,
-# invalidated, passed; the rows it holds; its bytes), and the rows whose gradients it holds.
-CacheReading = tuple[Mapping[str, tuple[Mapping[str, int], int, int]], int]
+# invalidated, passed; the rows it holds; its bytes), the rows whose gradients it holds, and the
+# seconds its own calls have taken (``TrafficMeter.cache_seconds``).
+CacheReading = tuple[Mapping[str, tuple[Mapping[str, int], int, int]], int, float]
 
 
 class WorkerRecorder(Protocol):
@@ -226,11 +227,16 @@ class _CacheCollector(Collector):
                                    labels=["table"])
         pending = GaugeMetricFamily("tether_worker_cache_pending_rows",
                                     "Rows whose gradients the cache holds, not yet pushed (write bound).")
-        tables, waiting = reading if reading is not None else ({}, 0)
+        seconds = CounterMetricFamily(
+            "tether_worker_cache_seconds",
+            "Seconds the row cache's own calls took (planning pulls, storing pulled rows, holding and taking gradients): "
+            "its bookkeeping, to weigh against the rows it saves.")
+        tables, waiting, spent = reading if reading is not None else ({}, 0, 0.0)
         for table, (counts, n, size) in tables.items():
             for outcome, count in counts.items():
                 rows.add_metric([table, outcome], count)
             held.add_metric([table], n)
             nbytes.add_metric([table], size)
         pending.add_metric([], waiting)
-        return [rows, held, nbytes, pending]
+        seconds.add_metric([], spent)
+        return [rows, held, nbytes, pending, seconds]

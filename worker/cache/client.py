@@ -5,6 +5,7 @@ with no cache."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,7 +25,8 @@ __all__ = ["CachedClient"]
 
 class CachedClient:
     """A ``ShardClient``'s pull, push and push_pull through a ``RowCache`` (or straight through,
-    with none), counting rows and bytes moved per table (``TrafficMeter``)."""
+    with none), counting rows and bytes moved per table and the time the cache's own calls take
+    (``TrafficMeter``, ``cache_seconds``)."""
 
     def __init__(self, inner: ShardClient, config: RowCacheConfig, dims: Mapping[str, int], meter: TrafficMeter,
                  device: torch.device | None = None) -> None:
@@ -57,7 +59,9 @@ class CachedClient:
         if self.cache is None:
             self.meter.pulled(sparse)
             return None
+        start = time.perf_counter()
         plan = self.cache.plan(sparse, self.clock)
+        self.meter.cache_time(time.perf_counter() - start)
         self.meter.pulled(plan.miss)
         return plan
 
@@ -67,7 +71,9 @@ class CachedClient:
         cache, inner = self.cache, self.inner
 
         def combine(answers: list[PullResult]) -> PullResult:
+            start = time.perf_counter()
             result, lacking = cache.merge(plan, answers[0])
+            self.meter.cache_time(time.perf_counter() - start)
             if lacking:
                 # Rows another pull was refreshing, which never came back: pulled now, on their own.
                 self.meter.pulled(lacking)
@@ -82,7 +88,9 @@ class CachedClient:
         if self.cache is None:
             self.meter.pushed(sparse or {})
             return sparse or {}, versions
+        start = time.perf_counter()
         grads, table_versions = self.cache.accumulate(sparse or {}, clock, versions, flush)
+        self.meter.cache_time(time.perf_counter() - start)
         self.meter.pushed(grads)
         if self.cache.config.writes == 0 and versions is not None and sparse is not None and grads.keys() == sparse.keys() and all(
                 len(grads[t]) == 2 and len(grads[t][0]) == len(sparse[t][0]) and torch.equal(grads[t][0], sparse[t][0]) for t in grads):

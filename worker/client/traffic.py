@@ -6,11 +6,13 @@ and hands each count to the worker's recorder (Prometheus: ``tether_worker_rows_
 and the others, docs/metrics.md). Bytes are the payload a row costs on the wire: its int64 id
 and ``dim`` values of the wire dtype (the same for a pull's answer and a push's gradient);
 framing is left out. These figures depend on the data and the model, not on the machine. A row
-cache's own counts and sizes are read by each scrape instead (``watch``).
+cache's own counts and sizes are read by each scrape instead (``watch``), and the time its own
+calls take is summed here (``cache_seconds``: what the rows it saves cost on this machine).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -49,6 +51,9 @@ class TrafficMeter:
         self.pulled_rows, self.pushed_rows = dict(zero), dict(zero)
         # Bytes pushed beside the rows: a combined push's statistics (float32, rows x columns).
         self.pushed_stats_bytes = dict(zero)
+        # Seconds the row cache's own calls took (``cache_time``; a CUDA worker's transfer thread adds too).
+        self.cache_seconds = 0.0
+        self._time_lock = threading.Lock()
 
     def row_bytes(self, table: str) -> int:
         return ID_BYTES + self.dims[table] * self.itemsize
@@ -81,6 +86,11 @@ class TrafficMeter:
             self.pushed_stats_bytes[t] += extra
             self._moved(t, "push", len(part[0]), extra)
 
+    def cache_time(self, seconds: float) -> None:
+        """One call of the row cache took ``seconds`` (wall clock, on the thread that made it)."""
+        with self._time_lock:
+            self.cache_seconds += seconds
+
     def _moved(self, table: str, direction: str, rows: int, extra: int = 0) -> None:
         if not rows:
             return
@@ -99,7 +109,7 @@ class TrafficMeter:
             tables = {t: ({"hits": cache.hits[t], "refreshed": cache.refreshed[t], "evicted": cache.evictions[t],
                            "invalidated": cache.invalidated[t], "passed": cache.passed[t]}, tab.held, memory[t])
                       for t, tab in cache.tables.items()}
-            return tables, cache.pending_rows()
+            return tables, cache.pending_rows(), self.cache_seconds
 
         self.recorder.watch_cache(read)
 

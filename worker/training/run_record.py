@@ -67,6 +67,9 @@ class RunRecord:
     # Per table: rows wanted, and rows and bytes pulled and pushed (wanted_rows, pulled_rows,
     # pushed_rows, pulled_bytes, pushed_bytes; after the row cache, when one is on)
     traffic: dict[str, dict[str, int]] | None = None
+    # With a row cache: the seconds its own calls took over the run (its bookkeeping, within the
+    # pull_wait and push phases; ``TrafficMeter.cache_seconds``)
+    cache_seconds: float | None = None
 
     def bytes_per_sample(self) -> float | None:
         """Bytes of embedding rows pulled and pushed per sample of this run (None: not counted)."""

@@ -361,6 +361,7 @@ class Trainer(Generic[B]):
             final_eval=last_eval if evaluating else None,
             data_position=self._position_of(step + 1) if self._position_of is not None else None,
             traffic=self.ps.meter.moved(),
+            cache_seconds=self._cache_seconds(),
         )
         policy.finish(self, start_clock + step + 1, record)
         if self.board is not None:
@@ -405,11 +406,19 @@ class Trainer(Generic[B]):
         self.printer(self._progress(record, metrics, phase, wall))
         return record, metrics, spent
 
+    def _cache_seconds(self) -> float | None:
+        """Seconds the row cache's own calls took so far (None: no cache)."""
+        return self.ps.meter.cache_seconds if self.ps.rows.cache is not None else None
+
     def _progress(self, record: dict[str, Any], evals: Mapping[str, float], phase: dict[str, float], wall: float) -> str:
-        """One progress line: step, loss, throughput, where the time went, elapsed and ETA, and
-        the held-out metrics when this step evaluated."""
+        """One progress line: step, loss, throughput, where the time went (with a row cache, the
+        share of its own calls, which lie within pull_wait and push), elapsed and ETA, and the
+        held-out metrics when this step evaluated."""
         busy = sum(phase.values()) or 1.0
         split = " ".join(f"{k} {phase[k] / busy:.0%}" for k in self.policy.phases_shown)
+        cache = self._cache_seconds()
+        if cache is not None:
+            split += f"; row cache {cache / busy:.0%}"
         done, steps = int(record["step"]), self.config.steps
         total = f"/{steps}" if steps else ""
         eta = f" eta {_clock(wall / done * (steps - done))}" if steps and done < steps else ""
