@@ -107,3 +107,27 @@ def test_rows_held_at_an_earlier_clock_than_the_last_are_due_by_their_own_clock(
     due = {clock: cache.accumulate({}, clock, None)[0] for clock in (5, 6, 7, 8)}
     assert {c: p["a"][0].tolist() if p else [] for c, p in due.items()} == {5: [2], 6: [], 7: [3], 8: [1]}
     assert cache.pending_rows() == 0
+
+
+def test_the_other_parts_of_a_push_are_summed_per_id_in_the_order_they_came() -> None:
+    # ``coalesce``'s general path (evicted rows, rows not cached, sums taken out of id order): per
+    # table the sorted unique ids, each id's rows added from zero in the order they came (as
+    # ``np.add.at``, bit for bit, the sign of a zero included), and per shard the oldest read version.
+    from tether.worker.cache.slots import Table, coalesce
+
+    rng = np.random.default_rng(3)
+    tables = {"a": Table(4, 8)}
+    for dup in (False, True):
+        ids = rng.permutation(1000)[:40] if not dup else rng.integers(0, 12, 40)
+        g = (rng.standard_normal((40, 6)) * rng.choice([1e-3, 1.0, 1e3], (40, 1))).astype(np.float32)
+        g[:, :4][rng.random((40, 4)) < 0.1] = -0.0
+        g[:, 5] = 1.0  # the held record's count column: one gradient a row
+        parts = [(ids[:25], torch.from_numpy(g[:25]), np.zeros(25, np.int64), np.full(25, 7, np.int64)),
+                 (ids[25:], torch.from_numpy(g[25:]), np.ones(15, np.int64), np.full(15, 4, np.int64))]
+        grads, versions = coalesce({"a": parts}, None, None, ["a"], tables)
+        want_ids, inverse = np.unique(ids, return_inverse=True)
+        want = np.zeros((len(want_ids), 6), np.float32)
+        np.add.at(want, inverse, g)
+        got_ids, sums = grads["a"][0], grads["a"][1]
+        assert np.array_equal(got_ids.numpy(), want_ids) and sums.numpy().tobytes() == np.ascontiguousarray(want[:, :4]).tobytes()
+        assert versions == {(0, "a"): 7, (1, "a"): 4}

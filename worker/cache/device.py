@@ -40,12 +40,12 @@ import torch
 
 from tether.protos.specs import OptimizerConfig, TableConfig
 from tether.rules.optimizers import rule
-from tether.worker.cache.batch import hold_all, later_all, store_all, take_all
+from tether.worker.cache.batch import hold_all, later_all, store_all
 from tether.worker.cache.config import RowCacheConfig
 from tether.worker.cache.kernels import set_cells
 from tether.worker.cache.parts import NO_IDS, NO_KEEP, NO_ROWS, Plan, Pushed, joined_ids, offsets, read_versions
 from tether.worker.cache.row_cache import RowCache
-from tether.worker.cache.slots import NONE, Due, Taken, coalesce
+from tether.worker.cache.slots import NONE, Due, coalesce
 from tether.worker.client.results import PullResult
 from tether.worker.training.transfer import pinned
 
@@ -474,9 +474,10 @@ class DeviceRowCache(RowCache):
             sel = hb == b
             tabs = parts[np.searchsorted(offs, where[sel], side="right") - 1]
             whole = int(sel.sum()) == len(rows)  # every row of the bank held (in order: positions ascend)
-            jobs.append((b, rows, send.add(hrow[sel]), send.add(hslot[sel]), tabs, whole, mrow[mb == b]))
+            jobs.append((b, rows, send.add(hrow[sel]), send.add(hslot[sel]), tabs, whole, send.add(mrow[mb == b])))
         sent = send.send()
-        for b, rows, r, s, tabs, whole, lost in jobs:
+        lost: dict[int, np.ndarray] = {}  # per bank: the gradients of its rows not cached, on the host
+        for b, rows, r, s, tabs, whole, m in jobs:
             bank = self.banks[b]
             if len(sent[s]):
                 g = rows if whole else rows.index_select(0, sent[r])
@@ -486,8 +487,30 @@ class DeviceRowCache(RowCache):
                 add[:, bank.width + 1] = 1.0
                 _add_rows(bank.pend, sent[s], add)
                 self._local_steps(bank, sent[s], g, tabs, clock)
-            if len(lost):
-                self._lost(rows, lost, b, parts, names, offs, starts, ids, missing, missing_shards, read, due)
+            if len(sent[m]):
+                lost[b] = _host(rows.index_select(0, sent[m])).numpy()
+        if len(missing):  # pushed with this step's take, each row one gradient (``with_unheld``), as the host cache's
+            self._unheld_now = self._unheld(parts, ids, offs, missing, missing_shards, read, lost)
+
+    def _unheld(self, parts: np.ndarray, ids: np.ndarray, offs: np.ndarray, missing: np.ndarray, missing_shards: np.ndarray,
+                read: np.ndarray, lost: dict[int, np.ndarray]) -> tuple[np.ndarray, ...]:
+        """A step's gradients of rows not cached (``missing``: their positions in ``ids``, part k's
+        at ``offs[k]``; ``lost[b]``: bank b's rows of them, in that order) as ``with_unheld`` takes
+        a step's (``RowCache._unheld_now``), with only those rows: their ids one part after
+        another, and their gradients flat in the same order."""
+        n = np.bincount(np.searchsorted(offs, missing, side="right") - 1, minlength=len(parts))
+        if len(lost) == 1:  # the usual case, one row width: the bank's rows are the parts' in order
+            flat = next(iter(lost.values())).reshape(-1)
+        else:
+            at, pieces = dict.fromkeys(lost, 0), []
+            for k, c in enumerate(n.tolist()):
+                if c:
+                    b = int(self._bank_of[parts[k]])
+                    pieces.append(lost[b][at[b]: at[b] + c].reshape(-1))
+                    at[b] += c
+            flat = np.concatenate(pieces)
+        return (parts, ids[missing], offsets(n), np.ascontiguousarray(flat, np.float32), offsets(n * self._dims[parts]),
+                np.arange(len(missing), dtype=np.int64), missing_shards, read)
 
     def _local_steps(self, bank: _Bank, rows: torch.Tensor, g: torch.Tensor, tabs: np.ndarray, clock: int) -> None:
         """The tables' rules applied to their held rows (``rows`` of the bank, gradients ``g``;
@@ -515,34 +538,12 @@ class DeviceRowCache(RowCache):
             _add_rows(bank.mine, idx, change)
             _add_rows(bank.fresh, idx, change)
 
-    def _lost(self, rows: torch.Tensor, lost: np.ndarray, b: int, parts: np.ndarray, names: list[str], offs: np.ndarray,
-              starts: np.ndarray, ids: np.ndarray, missing: np.ndarray, missing_shards: np.ndarray, read: np.ndarray, due: Due) -> None:
-        """Gradients of rows not cached (not admitted, or the table was full), due at once with their statistics."""
-        idx = _Indexes(self.device)
-        idx.add(lost)
-        g = rows.index_select(0, idx.send()[0]).cpu().numpy()
-        at = np.searchsorted(offs, missing, side="right") - 1
-        mine = self._bank_of[parts[at]] == b
-        at, miss, shards = at[mine], missing[mine], missing_shards[mine]
-        for k in np.unique(at).tolist():
-            sel = at == k
-            gk = g[sel]
-            extra = np.stack([(gk * gk).mean(1), np.ones(len(gk), np.float32)], 1)
-            due.setdefault(names[k], []).append((ids[miss[sel]], torch.from_numpy(np.concatenate([gk, extra], 1).astype(np.float32)),
-                                                 shards[sel], read[k][shards[sel]]))
-
-    def _take(self, clock: int, flush: bool) -> tuple[Taken | None, np.ndarray | None]:
-        """``RowCache._take``: the due sums gathered on the device and copied to the host (one copy
-        per bank), their slots' held sums and local changes cleared there."""
-        ready = self._ready(clock, flush)
-        if ready is None:
-            return None, None
-        tables, slots, since = ready
-        ids, _, stats, _, grads, shards, count, ascending, many, oldest, out_slots = take_all(*self._columns(), tables, slots, since,
-                                                                                               self.num_shards, self._kinds)
-        self._holding -= count
+    def _held_sums(self, sums: np.ndarray, stats: np.ndarray, square: np.ndarray, grads: np.ndarray, count: np.ndarray,
+                   slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``RowCache._held_sums``: the due sums gathered on the device and copied to the host (one
+        copy per bank), their slots' held sums and local changes cleared there."""
         tab_of = np.repeat(np.arange(len(self._tabs)), count)
-        rows = self._base[tab_of] + out_slots
+        rows = self._base[tab_of] + slots
         banks = self._bank_of[tab_of]
         send = _Indexes(self.device)
         jobs = [(b, send.add(rows[banks == b])) for b in np.unique(banks).tolist()]
@@ -568,8 +569,7 @@ class DeviceRowCache(RowCache):
                     parts_q.append(h[:, self._dim_list[g]])
             sums = np.concatenate(parts_s) if parts_s else NO_ROWS
             square = np.concatenate(parts_q).astype(np.float32) if parts_q else NO_ROWS
-        stats = self._stats(stats, square, grads, count)
-        return self._taken(ids, sums, stats, square, grads, shards, count, ascending, many), oldest
+        return sums, self._stats(stats, square, grads, count), square
 
     def _stats(self, stats: np.ndarray, square: np.ndarray, grads: np.ndarray, count: np.ndarray) -> np.ndarray:
         """``take_all``'s statistics with each row's sum of mean(g * g) from the device (the

@@ -446,14 +446,22 @@ class RowCache:
         if due is None and unheld is None:
             return None, None
         tables, slots, since = (NO_IDS, NO_IDS, NO_IDS) if due is None else due
-        ids, sums, stats, square, grads, shards, count, ascending, many, oldest, _ = take_all(*self._columns(), tables, slots, since,
-                                                                                           self.num_shards, self._kinds)
+        ids, sums, stats, square, grads, shards, count, ascending, many, oldest, taken = take_all(*self._columns(), tables, slots, since,
+                                                                                               self.num_shards, self._kinds)
         self._holding -= count
+        sums, stats, square = self._held_sums(sums, stats, square, grads, count, taken)
         if unheld is not None:  # this step's gradients of rows not cached, each one gradient (``many`` unchanged)
             ids, sums, stats, square, grads, shards, count, ascending, oldest = with_unheld(ids, sums, stats, square, grads, shards, count,
                                                                                             ascending, oldest, self._dims, self._kinds,
                                                                                             *unheld)
         return self._taken(ids, sums, stats, square, grads, shards, count, ascending, many), oldest
+
+    def _held_sums(self, sums: np.ndarray, stats: np.ndarray, square: np.ndarray, grads: np.ndarray, count: np.ndarray,
+                   slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The taken rows' sums, statistics and sums of mean(g * g), as ``take_all`` read them from
+        their ``slots`` (``count`` per table, ``grads`` each row's count of gradients); the device
+        cache's are on the device."""
+        return sums, stats, square
 
     def _ready(self, clock: int, flush: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The held rows due at ``clock`` (``flush``: every one), out of the queue: their tables,
