@@ -52,8 +52,11 @@ def test_pack_push_finds_split_ids_split_and_lays_each_shards_rows_out_as_its_pa
     sums = rng.standard_normal(int((count * dims).sum())).astype(np.float32)
     nstats = (kinds >= 0).sum(1)
     stats = rng.standard_normal(int((count * nstats).sum())).astype(np.float32)
-    order, bounds, gids, payload, starts, voff, soff = pack_push(shard_of_ids(ids, num_shards), count, num_shards, ids, sums, stats,
-                                                                 dims, kinds, combined, 16)
+    for _ in range(3):  # memory of the payload's size freed full of NaN first: the padding must be written, not found zero
+        poison = np.full(int((count * (dims + nstats)).sum()) + 64 * num_shards * len(parts), np.nan, np.float32)
+        del poison
+        order, bounds, gids, payload, starts, voff, soff = pack_push(shard_of_ids(ids, num_shards), count, num_shards, ids, sums, stats,
+                                                                     dims, kinds, combined, 16)
     packed = PackedPush(payload, starts, voff, soff, gids, np.concatenate([[0], np.cumsum(count)]), combined,
                         tuple(f"t{g}" for g in range(len(parts)) if count[g]))
     want_run: dict[int, list[tuple[int, np.ndarray]]] = {s: [] for s in range(num_shards)}  # each shard's blocks, as PayloadWriter places them
