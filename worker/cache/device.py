@@ -20,7 +20,9 @@ the step's answer (``index_select``), the step's gradients are added to the held
 (``_add_rows``) and the local rule is applied there (its torch form, ``UpdateRule.apply``).
 Rows missed or refreshed come from the host (the pull's answer, copied once to the device on a
 side stream on CUDA) into their slots; held sums go to the host only when they are due (or
-their row is evicted), one copy per bank. On the CPU the same code runs on CPU tensors.
+their row is evicted), one copy per bank; the gradients of rows not cached go to the host once a
+step, one copy per bank, and join the push in the host cache's compiled pass (``with_unheld``).
+On the CPU the same code runs on CPU tensors.
 
 The guarantees are ``RowCache``'s: bound 0 sends exactly what no cache sends, combined pushes
 carry the rule's statistics, a restarted shard's rows are refreshed, and sync has no cache. What
