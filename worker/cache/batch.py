@@ -152,8 +152,7 @@ def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
                     code[i] = 1
                     counts[k, 0] += 1
                     base = row_offs[k] + (i - offs[k]) * dim
-                    for j in range(dim):
-                        out[base + j] = v[s, j]
+                    out[base: base + dim] = v[s]
                     if rv[s] < oldest[k, sh[s]]:
                         oldest[k, sh[s]] = rv[s]
                     continue
@@ -161,8 +160,7 @@ def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
                 code[i] = 2
             elif s >= 0:
                 counts[k, 1] += 1
-                for j in range(dim):
-                    hd[s, 2 * dim + 2 + j] = hd[s, dim + 2 + j]
+                hd[s, 2 * dim + 2: 3 * dim + 2] = hd[s, dim + 2: 2 * dim + 2]
             elif window > 0:
                 h = np.int64(mix64(key) & dmask)
                 if now - door[g, h] > window:
@@ -261,8 +259,7 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
             dst = row_offs[k] + (pos[i] - offs[k]) * dim
             s = found[i]
             if s < 0 and len(keep) and not keep[i]:
-                for j in range(dim):
-                    out[dst + j] = got[src + j]
+                out[dst: dst + dim] = got[src: src + dim]
                 continue
             if s < 0:
                 if nfree[g] > 0:
@@ -272,8 +269,7 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
                     s = top[g]
                     top[g] += 1
                 if s < 0:
-                    for j in range(dim):
-                        out[dst + j] = got[src + j]
+                    out[dst: dst + dim] = got[src: src + dim]
                     unplaced[u] = i
                     u += 1
                     continue
@@ -284,9 +280,10 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
                 q += 1
                 nplaced[k] += 1
             stored[i] = s
+            row, pulled, fresh = vals[s], got[src: src + dim], hd[s, fresh0: fresh0 + dim]
             for j in range(dim):
-                vals[s, j] = got[src + j] + hd[s, fresh0 + j]
-                out[dst + j] = vals[s, j]
+                row[j] = pulled[j] + fresh[j]
+            out[dst: dst + dim] = row
             rc[s] = now
             sh = shard_of(key, num_shards)
             shard[s] = sh
@@ -350,19 +347,20 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
                 counts[k, 2] += 1
                 continue
             src = g_offs[k] + (i - offs[k]) * dim
+            grad = g[src: src + dim]
             if step:
                 dst = g_offs[k] + counts[k, 0] * dim
-                for j in range(dim):
-                    before[dst + j] = vals[s, j]
-                    grads[dst + j] = g[src + j]
+                before[dst: dst + dim] = vals[s]
+                grads[dst: dst + dim] = grad
             slots[h] = s
             where[h] = i
             h += 1
             counts[k, 0] += 1
             square = np.float32(0.0)
+            held = hd[s]
             for j in range(dim):
-                x = g[src + j]
-                hd[s, j] += x
+                x = grad[j]
+                held[j] += x
                 square += x * x
             if dim > 0:  # 0: the device cache's host columns (its sums are on the device)
                 hd[s, dim] += square / np.float32(dim)
@@ -383,10 +381,11 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
             for r in range(h0, h):
                 s = slots[r]
                 base = a + (r - h0) * dim
+                row, old, mine, fresh = vals[s], before[base: base + dim], hd[s, dim + 2: 2 * dim + 2], hd[s, 2 * dim + 2: 3 * dim + 2]
                 for j in range(dim):
-                    d = vals[s, j] - before[base + j]
-                    hd[s, dim + 2 + j] += d  # mine
-                    hd[s, 2 * dim + 2 + j] += d  # fresh
+                    d = row[j] - old[j]
+                    mine[j] += d
+                    fresh[j] += d
     return slots[:h], where[:h], first[:f], missing[:m], missing_shards[:m], counts
 
 
@@ -461,8 +460,7 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
             ascending[t] = False
         out_ids[r] = key
         out_slots[r] = s
-        for j in range(dim):
-            sums[f + j] = hd[s, j]
+        sums[f: f + dim] = hd[s, :dim]
         sq, k = hd[s, dim], hd[s, dim + 1]
         square[r], grads[r] = sq, k
         if k > 1:
@@ -472,8 +470,7 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
         if nstats[t] > 0 and not k > 1:
             stats[q] = np.float32(-1.0)
         at[t], flat[t], sflat[t] = r + 1, f + dim, q + nstats[t]
-        for j in range(2 * dim + 2):  # the sums, their statistics and mine: now the shard's too
-            hd[s, j] = 0.0
+        hd[s, : 2 * dim + 2] = 0.0  # the sums, their statistics and mine: now the shard's too
         shards[r] = meta[s, SHARD]
         if meta[s, PV] < oldest[t, shards[r]]:
             oldest[t, shards[r]] = meta[s, PV]
@@ -534,9 +531,10 @@ def with_unheld(ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, square: np
                 key = step_ids[at]
                 src = g_offs[k] + (at - offs[k]) * d
                 sq = np.float32(0.0)
+                grad = g[src: src + d]
+                o_sums[f: f + d] = grad
                 for j in range(d):
-                    x = g[src + j]
-                    o_sums[f + j] = x
+                    x = grad[j]
                     sq += x * x
                 if d > 0:
                     sq = sq / np.float32(d)
@@ -552,8 +550,7 @@ def with_unheld(ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, square: np
                 m += 1
             else:
                 key = ids[i]
-                for j in range(d):
-                    o_sums[f + j] = sums[tf + j]
+                o_sums[f: f + d] = sums[tf: tf + d]
                 for c in range(ns):
                     o_stats[q + c] = stats[tq + c]
                 o_square[r], o_grads[r], o_shards[r] = square[i], grads[i], shards[i]
@@ -589,8 +586,7 @@ def later_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
             s = slot_of(cells, ids[i])
             if s >= 0 and rc[s] >= min_clock:
                 base = row_offs[k] + (i - offs[k]) * dim
-                for j in range(dim):
-                    out[base + j] = vals[s, j]
+                out[base: base + dim] = vals[s]
                 if rv[s] < oldest[k, shard[s]]:
                     oldest[k, shard[s]] = rv[s]
             else:

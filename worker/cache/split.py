@@ -94,13 +94,13 @@ def pack_push(shards: np.ndarray, count: np.ndarray, num_shards: np.int64, ids: 
             fill[sh] += 1
             order[at + q] = r - at
             gids[at + q] = ids[r]
-            dst = starts[sh] + voff[t, sh] + (q - bounds[t, sh]) * d
-            for j in range(d):
-                payload[dst + j] = sums[flat + (r - at) * d + j]
+            # Slices, not an index per float: an index computed from the arrays' values may be
+            # negative (numba wraps it around), which keeps the copy from being vectorised (4x).
+            dst, src = starts[sh] + voff[t, sh] + (q - bounds[t, sh]) * d, flat + (r - at) * d
+            payload[dst: dst + d] = sums[src: src + d]
             if combined[t]:
-                dst = starts[sh] + soff[t, sh] + (q - bounds[t, sh]) * k
-                for j in range(k):
-                    payload[dst + j] = stats[sflat + (r - at) * k + j]
+                dst, src = starts[sh] + soff[t, sh] + (q - bounds[t, sh]) * k, sflat + (r - at) * k
+                payload[dst: dst + k] = stats[src: src + k]
         at, flat, sflat = at + count[t], flat + count[t] * d, sflat + count[t] * k
     return order, bounds, gids, payload, starts, voff, soff
 
