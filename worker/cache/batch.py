@@ -50,12 +50,14 @@ from tether.worker.cache.kernels import (
     VALS,
     Columns,
     columns,
+    copy_row,
     fetch_part,
     fetch_row,
     probe_from,
     shard_of,
     slot_of,
     typed_list,
+    zero_row,
 )
 from tether.worker.cache.split import group_ids, pack_push
 
@@ -152,7 +154,7 @@ def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
                     code[i] = 1
                     counts[k, 0] += 1
                     base = row_offs[k] + (i - offs[k]) * dim
-                    out[base: base + dim] = v[s]
+                    copy_row(out[base: base + dim], v[s])
                     if rv[s] < oldest[k, sh[s]]:
                         oldest[k, sh[s]] = rv[s]
                     continue
@@ -160,7 +162,7 @@ def plan_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
                 code[i] = 2
             elif s >= 0:
                 counts[k, 1] += 1
-                hd[s, 2 * dim + 2: 3 * dim + 2] = hd[s, dim + 2: 2 * dim + 2]
+                copy_row(hd[s, 2 * dim + 2: 3 * dim + 2], hd[s, dim + 2: 2 * dim + 2])
             elif window > 0:
                 h = np.int64(mix64(key) & dmask)
                 if now - door[g, h] > window:
@@ -259,7 +261,7 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
             dst = row_offs[k] + (pos[i] - offs[k]) * dim
             s = found[i]
             if s < 0 and len(keep) and not keep[i]:
-                out[dst: dst + dim] = got[src: src + dim]
+                copy_row(out[dst: dst + dim], got[src: src + dim])
                 continue
             if s < 0:
                 if nfree[g] > 0:
@@ -269,7 +271,7 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
                     s = top[g]
                     top[g] += 1
                 if s < 0:
-                    out[dst: dst + dim] = got[src: src + dim]
+                    copy_row(out[dst: dst + dim], got[src: src + dim])
                     unplaced[u] = i
                     u += 1
                     continue
@@ -283,7 +285,7 @@ def store_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
             row, pulled, fresh = vals[s], got[src: src + dim], hd[s, fresh0: fresh0 + dim]
             for j in range(dim):
                 row[j] = pulled[j] + fresh[j]
-            out[dst: dst + dim] = row
+            copy_row(out[dst: dst + dim], row)
             rc[s] = now
             sh = shard_of(key, num_shards)
             shard[s] = sh
@@ -350,8 +352,8 @@ def hold_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
             grad = g[src: src + dim]
             if step:
                 dst = g_offs[k] + counts[k, 0] * dim
-                before[dst: dst + dim] = vals[s]
-                grads[dst: dst + dim] = grad
+                copy_row(before[dst: dst + dim], vals[s])
+                copy_row(grads[dst: dst + dim], grad)
             slots[h] = s
             where[h] = i
             h += 1
@@ -460,7 +462,7 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
             ascending[t] = False
         out_ids[r] = key
         out_slots[r] = s
-        sums[f: f + dim] = hd[s, :dim]
+        copy_row(sums[f: f + dim], hd[s, :dim])
         sq, k = hd[s, dim], hd[s, dim + 1]
         square[r], grads[r] = sq, k
         if k > 1:
@@ -470,7 +472,7 @@ def take_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, t
         if nstats[t] > 0 and not k > 1:
             stats[q] = np.float32(-1.0)
         at[t], flat[t], sflat[t] = r + 1, f + dim, q + nstats[t]
-        hd[s, : 2 * dim + 2] = 0.0  # the sums, their statistics and mine: now the shard's too
+        zero_row(hd[s, : 2 * dim + 2])  # the sums, their statistics and mine: now the shard's too
         shards[r] = meta[s, SHARD]
         if meta[s, PV] < oldest[t, shards[r]]:
             oldest[t, shards[r]] = meta[s, PV]
@@ -532,7 +534,7 @@ def with_unheld(ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, square: np
                 src = g_offs[k] + (at - offs[k]) * d
                 sq = np.float32(0.0)
                 grad = g[src: src + d]
-                o_sums[f: f + d] = grad
+                copy_row(o_sums[f: f + d], grad)
                 for j in range(d):
                     x = grad[j]
                     sq += x * x
@@ -550,7 +552,7 @@ def with_unheld(ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, square: np
                 m += 1
             else:
                 key = ids[i]
-                o_sums[f: f + d] = sums[tf: tf + d]
+                copy_row(o_sums[f: f + d], sums[tf: tf + d])
                 for c in range(ns):
                     o_stats[q + c] = stats[tq + c]
                 o_square[r], o_grads[r], o_shards[r] = square[i], grads[i], shards[i]
@@ -586,7 +588,7 @@ def later_all(cells_l: Any, meta_l: Any, floats: Any, used_l: Any, free_l: Any, 
             s = slot_of(cells, ids[i])
             if s >= 0 and rc[s] >= min_clock:
                 base = row_offs[k] + (i - offs[k]) * dim
-                out[base: base + dim] = vals[s]
+                copy_row(out[base: base + dim], vals[s])
                 if rv[s] < oldest[k, shard[s]]:
                     oldest[k, shard[s]] = rv[s]
             else:

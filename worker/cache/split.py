@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from tether.rules.kernel_cache import compiled
-from tether.worker.cache.kernels import shard_of
+from tether.worker.cache.kernels import copy_row, shard_of
 
 __all__ = ["group_ids", "pack_push"]
 
@@ -94,13 +94,11 @@ def pack_push(shards: np.ndarray, count: np.ndarray, num_shards: np.int64, ids: 
             fill[sh] += 1
             order[at + q] = r - at
             gids[at + q] = ids[r]
-            # Slices, not an index per float: an index computed from the arrays' values may be
-            # negative (numba wraps it around), which keeps the copy from being vectorised (4x).
             dst, src = starts[sh] + voff[t, sh] + (q - bounds[t, sh]) * d, flat + (r - at) * d
-            payload[dst: dst + d] = sums[src: src + d]
+            copy_row(payload[dst: dst + d], sums[src: src + d])  # through slices: vectorised (``copy_row``)
             if combined[t]:
                 dst, src = starts[sh] + soff[t, sh] + (q - bounds[t, sh]) * k, sflat + (r - at) * k
-                payload[dst: dst + k] = stats[src: src + k]
+                copy_row(payload[dst: dst + k], stats[src: src + k])
         at, flat, sflat = at + count[t], flat + count[t] * d, sflat + count[t] * k
     return order, bounds, gids, payload, starts, voff, soff
 
