@@ -21,7 +21,6 @@ from tether.worker.client.router import PackedParts, PackedPush, Router, Sharded
 from tether.worker.client.traffic import TrafficMeter
 
 _DIMS = {"a": 4, "b": 2}
-_NO_ROWS, _NO_IDS = np.zeros(0, np.float32), np.zeros(0, np.int64)
 
 
 def _router(num_shards: int, **config: object) -> Router:
@@ -57,7 +56,7 @@ def test_pack_push_finds_split_ids_split_and_lays_each_shards_rows_out_as_its_pa
         poison = np.full(int((count * (dims + nstats)).sum()) + 64 * num_shards * len(parts), np.nan, np.float32)
         del poison
         order, bounds, gids, payload, starts, voff, soff = pack_push(shard_of_ids(ids, num_shards), count, num_shards, ids, sums, stats,
-                                                                     dims, kinds, combined, 16, _NO_ROWS, _NO_IDS)
+                                                                     dims, kinds, combined, 16)
     packed = PackedPush(payload, starts, voff, soff, gids, np.concatenate([[0], np.cumsum(count)]), combined,
                         tuple(f"t{g}" for g in range(len(parts)) if count[g]))
     want_run: dict[int, list[tuple[int, np.ndarray]]] = {s: [] for s in range(num_shards)}  # each shard's blocks, as PayloadWriter places them
@@ -92,39 +91,6 @@ def test_pack_push_finds_split_ids_split_and_lays_each_shards_rows_out_as_its_pa
             run = np.concatenate([run, np.zeros(off - len(run), np.float32), block])
         assert np.array_equal(payload[starts[s]: starts[s + 1]], run)
 
-
-
-@pytest.mark.parametrize("num_shards", [1, 3])
-def test_pack_push_copies_each_rows_sums_from_where_src_says(num_shards: int) -> None:
-    """``with_unheld``'s merge hands ``pack_push`` where each row's sums are (``src``: in the taken
-    sums, or negative in the step's rows not cached) instead of a merged copy: the payload is the
-    one the merged sums give."""
-    rng = np.random.default_rng(7 + num_shards)
-    parts = [np.unique(rng.integers(0, 1 << 40, n)) for n in (30, 0, 50)]
-    ids, dims = np.concatenate(parts), np.array([4, 3, 2], np.int64)
-    count = np.array([len(p) for p in parts], np.int64)
-    kinds, combined = np.full((3, 1), -1, np.int64), np.zeros(3, np.bool_)
-    merged = rng.standard_normal(int((count * dims).sum())).astype(np.float32)
-    # The same rows' sums split between two buffers, shuffled, and where each row's are.
-    starts = np.concatenate([[0], np.cumsum(np.repeat(dims, count))])
-    taken_rows, unheld_rows, src, t_at, u_at = [], [], [], 0, 0
-    for r in range(len(ids)):
-        row = merged[starts[r]: starts[r + 1]]
-        if rng.random() < 0.5:
-            taken_rows.append(row)
-            src.append(t_at)
-            t_at += len(row)
-        else:
-            unheld_rows.append(row)
-            src.append(-u_at - 1)
-            u_at += len(row)
-    taken, unheld = np.concatenate(taken_rows), np.concatenate(unheld_rows)
-    shards, stats = shard_of_ids(ids, num_shards), np.zeros(0, np.float32)
-    want = pack_push(shards, count, num_shards, ids, merged, stats, dims, kinds, combined, 16, _NO_ROWS, _NO_IDS)
-    got = pack_push(shards, count, num_shards, ids, taken, stats, dims, kinds, combined, 16, unheld, np.array(src, np.int64))
-    assert 0 < len(taken) < len(merged)
-    for w, g in zip(want, got, strict=True):
-        assert np.array_equal(w, g)
 
 def _cached_push(num_shards: int) -> tuple[dict[str, tuple[torch.Tensor, ...]], PullResult]:
     """A combined push of the row cache (adam on "a", adagrad on "b"), its rows held 3 clocks."""

@@ -64,14 +64,10 @@ def test_a_combined_push_carries_each_tables_sums_and_statistics_in_two_shared_b
                 expected[0] = -1.0
             assert stats[r].tolist() == expected, (t, key)
         assert stats.shape == (len(i), 2 if t == "a" else 1)
-    # The sums are read where the push's payload holds them (one shard: views, no copy); the
-    # statistics are one buffer for both tables, b's part right after a's.
-    packed = pushed.packed
-    base = packed.payload.ctypes.data
-    for t, g in (("a", 0), ("b", 1)):
-        assert pushed[t][1].is_contiguous() and pushed[t][1].data_ptr() == base + 4 * int(packed.starts[0] + packed.voff[g, 0])
-    a, b = pushed["a"][2], pushed["b"][2]
-    assert a.is_contiguous() and b.is_contiguous() and b.data_ptr() == a.data_ptr() + a.nbytes
+    # One buffer of sums and one of statistics for both tables (the layout the push takes): b's part right after a's.
+    for column in (1, 2):
+        a, b = pushed["a"][column], pushed["b"][column]
+        assert a.is_contiguous() and b.is_contiguous() and b.data_ptr() == a.data_ptr() + a.nbytes
     assert cache.pending_rows() == 0
 
 

@@ -494,9 +494,7 @@ def with_unheld(ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, square: np
     each one gradient: -1 first in its statistics, as ``Table.combined`` writes a row of one
     gradient. Where a table's taken ids ascend, the two sorted runs are merged by id (a row not
     cached holds nothing, so no id is in both), else the step's rows follow the taken ones.
-    Returns the same eight, merged, but the sums: in their place, where each merged row's sums
-    are (``pack_push``'s ``src``: ``sums[src[r]:]``, or ``g[-src[r] - 1:]`` where negative), which
-    ``pack_push`` copies once, into the payload."""
+    Returns the same eight, merged."""
     nt = len(count)
     nstats = np.zeros(nt, np.int64)
     for t in range(nt):
@@ -511,19 +509,20 @@ def with_unheld(ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, square: np
         lo[tidx[k]] = np.searchsorted(missing, offs[k])
         hi[tidx[k]] = np.searchsorted(missing, offs[k + 1])
     o_count = count + (hi - lo)
-    ntotal = 0
+    total = ntotal = 0
     for t in range(nt):
+        total += o_count[t] * dims[t]
         ntotal += o_count[t] * nstats[t]
     rows = len(ids) + len(missing)
     o_ids = np.empty(rows, np.int64)
-    o_src = np.empty(rows, np.int64)
+    o_sums = np.empty(total, np.float32)
     o_stats = np.empty(ntotal, np.float32)
     o_square = np.empty(rows, np.float32)
     o_grads = np.empty(rows, np.float32)
     o_shards = np.empty(rows, np.int64)
     o_asc = ascending.copy()
     o_oldest = oldest.copy()
-    r = i = q = 0  # the next row out (its statistics at q); the next taken row
+    r = i = f = q = 0  # the next row out (its sums at f, statistics at q); the next taken row
     tf = tq = 0  # where the next taken row's sums and statistics are
     for t in range(nt):
         d, ns, k = dims[t], nstats[t], part[t]
@@ -535,7 +534,7 @@ def with_unheld(ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, square: np
                 src = g_offs[k] + (at - offs[k]) * d
                 sq = np.float32(0.0)
                 grad = g[src: src + d]
-                o_src[r] = -src - 1
+                copy_row(o_sums[f: f + d], grad)
                 for j in range(d):
                     x = grad[j]
                     sq += x * x
@@ -553,7 +552,7 @@ def with_unheld(ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, square: np
                 m += 1
             else:
                 key = ids[i]
-                o_src[r] = tf
+                copy_row(o_sums[f: f + d], sums[tf: tf + d])
                 for c in range(ns):
                     o_stats[q + c] = stats[tq + c]
                 o_square[r], o_grads[r], o_shards[r] = square[i], grads[i], shards[i]
@@ -564,8 +563,9 @@ def with_unheld(ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, square: np
                 o_asc[t] = False
             o_ids[r] = key
             r += 1
+            f += d
             q += ns
-    return o_ids, o_src, o_stats, o_square, o_grads, o_shards, o_count, o_asc, o_oldest
+    return o_ids, o_sums, o_stats, o_square, o_grads, o_shards, o_count, o_asc, o_oldest
 
 
 @_jit
@@ -634,8 +634,7 @@ def loads() -> list[Callable[[], object]]:
         lambda: take_all(*_example()[0], none, none, none, one, np.full((2, 1), -1, np.int64)),
         lambda: with_unheld(none, f32, f32, f32, f32, none, part, np.ones(1, np.bool_), oldest(), part, np.full((1, 1), -1, np.int64), part,
                             none, offs, f32, part, none, none, oldest()),
-        lambda: pack_push(none, part, one, none, f32, f32, part, np.full((1, 1), -1, np.int64), np.zeros(1, np.bool_), np.int64(16), f32,
-                          none),
+        lambda: pack_push(none, part, one, none, f32, f32, part, np.full((1, 1), -1, np.int64), np.zeros(1, np.bool_), np.int64(16)),
         lambda: group_ids(none, offs, one),
     ]
 

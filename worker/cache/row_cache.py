@@ -73,7 +73,6 @@ from tether.worker.cache.parts import (
     NO_FLIGHTS,
     NO_IDS,
     NO_KEEP,
-    NO_ROWS,
     Plan,
     Pushed,
     flat_rows,
@@ -451,13 +450,11 @@ class RowCache:
                                                                                                self.num_shards, self._kinds)
         self._holding -= count
         sums, stats, square = self._held_sums(sums, stats, square, grads, count, taken)
-        rows, src = NO_ROWS, NO_IDS  # the taken sums one after another
         if unheld is not None:  # this step's gradients of rows not cached, each one gradient (``many`` unchanged)
-            ids, src, stats, square, grads, shards, count, ascending, oldest = with_unheld(ids, sums, stats, square, grads, shards, count,
-                                                                                           ascending, oldest, self._dims, self._kinds,
-                                                                                           *unheld)
-            rows = unheld[3]  # where ``src`` says the rows not cached are
-        return self._taken(ids, sums, stats, square, grads, shards, count, ascending, many, rows, src), oldest
+            ids, sums, stats, square, grads, shards, count, ascending, oldest = with_unheld(ids, sums, stats, square, grads, shards, count,
+                                                                                            ascending, oldest, self._dims, self._kinds,
+                                                                                            *unheld)
+        return self._taken(ids, sums, stats, square, grads, shards, count, ascending, many), oldest
 
     def _held_sums(self, sums: np.ndarray, stats: np.ndarray, square: np.ndarray, grads: np.ndarray, count: np.ndarray,
                    slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -491,17 +488,16 @@ class RowCache:
         return tables, slots, since
 
     def _taken(self, ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, square: np.ndarray, grads: np.ndarray, shards: np.ndarray,
-               count: np.ndarray, ascending: np.ndarray, many: np.ndarray, unheld: np.ndarray, src: np.ndarray) -> Taken:
+               count: np.ndarray, ascending: np.ndarray, many: np.ndarray) -> Taken:
         """``take_all``'s rows as a push's parts split by their known shards and laid out as each
-        shard's payload (``PackedParts``: a table's part is made only where something reads it);
-        their sums in ``sums`` one after another, or where ``src`` says (``pack_push``)."""
+        shard's payload (``PackedParts``: a table's part is made only where something reads it)."""
         combined = (self._kinds >= 0).any(1) & many
         order, bounds, gids, payload, starts, voff, soff = pack_push(shards, count, self.num_shards, ids, sums, stats, self._dims,
-                                                                     self._kinds, combined, ALIGN // 4, unheld, src)
+                                                                     self._kinds, combined, ALIGN // 4)
         counts = count.tolist()
         groups = [g for g, n in enumerate(counts) if n]
         packed = PackedPush(payload, starts, voff, soff, gids, offsets(counts), combined, tuple(self._names[g] for g in groups))
-        return Taken(PackedParts(packed, ids, stats, self._dim_list, self._nstats, order, bounds, groups), ascending, square, grads)
+        return Taken(PackedParts(packed, ids, sums, stats, self._dim_list, self._nstats, order, bounds, groups), ascending, square, grads)
 
     def _hold(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]], clock: int, versions: PullResult | None, due: Due) -> None:
         """Add the step's gradients to their rows' pending sums and apply them to the cached rows

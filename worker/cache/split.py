@@ -23,13 +23,10 @@ _jit = compiled()
 
 @_jit
 def pack_push(shards: np.ndarray, count: np.ndarray, num_shards: np.int64, ids: np.ndarray, sums: np.ndarray, stats: np.ndarray,
-              dims: np.ndarray, kinds: np.ndarray, combined: np.ndarray, align: np.int64, unheld: np.ndarray,
-              src: np.ndarray) -> tuple[np.ndarray, ...]:
+              dims: np.ndarray, kinds: np.ndarray, combined: np.ndarray, align: np.int64) -> tuple[np.ndarray, ...]:
     """``take_all``'s rows (table g's ``count[g]`` rows one after another, in table order; its
     ``ids``, ``sums`` and ``stats``, rows of ``dims[g]`` and of as many columns as ``kinds[g]``
-    names) grouped by their ``shards`` and laid out as each shard's push payload. ``src`` empty:
-    the rows' sums one after another in ``sums``; else row r's at ``sums[src[r]:]``, or at
-    ``unheld[-src[r] - 1:]`` where negative (``with_unheld``'s merge, copied here once). Returns per
+    names) grouped by their ``shards`` and laid out as each shard's push payload. Returns per
     table the rows' positions in the table's part grouped by shard (shard order, each group in
     row order: ``protos.partition.split_ids``'s positions) and where each shard's group starts
     (``bounds[g, s]``; ``bounds[g, num_shards]`` the table's count); the ids in that order (table
@@ -97,18 +94,11 @@ def pack_push(shards: np.ndarray, count: np.ndarray, num_shards: np.int64, ids: 
             fill[sh] += 1
             order[at + q] = r - at
             gids[at + q] = ids[r]
-            dst = starts[sh] + voff[t, sh] + (q - bounds[t, sh]) * d
-            if len(src) == 0:
-                a = flat + (r - at) * d
-                copy_row(payload[dst: dst + d], sums[a: a + d])  # through slices: vectorised (``copy_row``)
-            elif src[r] >= 0:
-                copy_row(payload[dst: dst + d], sums[src[r]: src[r] + d])
-            else:
-                a = -src[r] - 1
-                copy_row(payload[dst: dst + d], unheld[a: a + d])
+            dst, src = starts[sh] + voff[t, sh] + (q - bounds[t, sh]) * d, flat + (r - at) * d
+            copy_row(payload[dst: dst + d], sums[src: src + d])  # through slices: vectorised (``copy_row``)
             if combined[t]:
-                dst, a = starts[sh] + soff[t, sh] + (q - bounds[t, sh]) * k, sflat + (r - at) * k
-                copy_row(payload[dst: dst + k], stats[a: a + k])
+                dst, src = starts[sh] + soff[t, sh] + (q - bounds[t, sh]) * k, sflat + (r - at) * k
+                copy_row(payload[dst: dst + k], stats[src: src + k])
         at, flat, sflat = at + count[t], flat + count[t] * d, sflat + count[t] * k
     return order, bounds, gids, payload, starts, voff, soff
 

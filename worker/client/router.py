@@ -128,20 +128,20 @@ class ShardedPart(tuple[torch.Tensor, ...]):
 class PackedParts(Mapping[str, tuple[torch.Tensor, ...]]):
     """A push's sparse part that is one ``PackedPush`` and nothing else (the row cache's usual
     push, ``RowCache._taken``): per table of ``packed.tables`` its ``ShardedPart`` ``(ids, sums[,
-    stats])``, made the first time it is read: views of the buffers ``take_all`` wrote (``ids``;
-    ``stats``, table g's rows of ``nstats[g]`` floats, there whether or not its part carries them,
-    which it does where ``packed.combined[g]``), and the sums, ``dims[g]`` floats a row, read back
-    from the payload (the only copy made of them). ``Router.push_requests`` and
-    ``TrafficMeter.pushed`` read the layout (``layout``) and make none of them."""
+    stats])``, views of the buffers ``take_all`` wrote (``ids``; ``sums``, table g's rows of
+    ``dims[g]`` floats; ``stats``, table g's rows of ``nstats[g]`` floats, there whether or not its
+    part carries them, which it does where ``packed.combined[g]``), made the first time it is
+    read. ``Router.push_requests`` and ``TrafficMeter.pushed`` read the layout (``layout``) and
+    make none of them."""
 
-    def __init__(self, packed: PackedPush, ids: np.ndarray, stats: np.ndarray, dims: Sequence[int], nstats: Sequence[int],
+    def __init__(self, packed: PackedPush, ids: np.ndarray, sums: np.ndarray, stats: np.ndarray, dims: Sequence[int], nstats: Sequence[int],
                  order: np.ndarray, bounds: np.ndarray, groups: Sequence[int]) -> None:
         self.packed, self.order, self.bounds = packed, order, bounds
-        self._ids, self._stats = ids, stats
+        self._ids, self._sums, self._stats = ids, sums, stats
         self._groups = dict(zip(packed.tables, groups, strict=True))  # table -> its index g
         self._dims, self._nstats = dims, nstats
         self._made: dict[str, ShardedPart] = {}
-        self._offsets: dict[str, int] = {}  # per table: where its statistics start
+        self._offsets: dict[str, tuple[int, int]] = {}  # per table: where its sums and statistics start
         self._layout: list[tuple[str, int, int, int, int]] | None = None
 
     def __getitem__(self, table: str) -> ShardedPart:
@@ -149,31 +149,18 @@ class PackedParts(Mapping[str, tuple[torch.Tensor, ...]]):
         if got is None:
             g = self._groups[table]  # KeyError for a table not in the push, as a dict's
             if not self._offsets:
-                q = 0
+                f = q = 0
                 for t, h in self._groups.items():  # every table's statistics, combined or not, have their place
-                    self._offsets[t] = q
-                    q += int(self.packed.at[h + 1] - self.packed.at[h]) * self._nstats[h]
+                    n = int(self.packed.at[h + 1] - self.packed.at[h])
+                    self._offsets[t] = (f, q)
+                    f, q = f + n * self._dims[h], q + n * self._nstats[h]
             a, b = int(self.packed.at[g]), int(self.packed.at[g + 1])
-            q, n, k = self._offsets[table], b - a, self._nstats[g]
-            part: tuple[torch.Tensor, ...] = (torch.from_numpy(self._ids[a:b]), torch.from_numpy(self._sums(g, n, self._dims[g])))
+            (f, q), n, d, k = self._offsets[table], b - a, self._dims[g], self._nstats[g]
+            part: tuple[torch.Tensor, ...] = (torch.from_numpy(self._ids[a:b]), torch.from_numpy(self._sums[f: f + n * d].reshape(n, d)))
             if self.packed.combined[g]:
                 part = (*part, torch.from_numpy(self._stats[q: q + n * k].reshape(n, k)))
             got = self._made[table] = ShardedPart(part, self.order[a:b], self.bounds[g], self.packed, g)
         return got
-
-    def _sums(self, g: int, n: int, d: int) -> np.ndarray:
-        """Table g's ``n`` rows of sums in its rows' order, from the payload: a view where one
-        shard has them all (a shard's group is in row order), else gathered by ``order``."""
-        p, bounds, at = self.packed, self.bounds[g].tolist(), int(self.packed.at[g])
-        groups = [(s, bounds[s], bounds[s + 1]) for s in range(len(bounds) - 1) if bounds[s + 1] > bounds[s]]
-        if len(groups) == 1:
-            v = int(p.starts[groups[0][0]] + p.voff[g, groups[0][0]])
-            return p.payload[v: v + n * d].reshape(n, d)
-        out = np.empty((n, d), np.float32)
-        for s, lo, hi in groups:
-            v = int(p.starts[s] + p.voff[g, s])
-            out[self.order[at + lo: at + hi]] = p.payload[v: v + (hi - lo) * d].reshape(hi - lo, d)
-        return out
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.packed.tables)
