@@ -15,11 +15,17 @@ wall time: on a shared machine the other processes' load changes wall time far m
     python bench/traffic.py                      # default CTR job, MovieLens-format, Criteo-format
     python bench/traffic.py --steps 200 --bounds 1,5,20 --source ctr
     python bench/traffic.py --preset gpu --steps 150 --bounds 1,5,20 --no-timing   # the CTR job at --preset gpu's sizes
+    python bench/traffic.py --source ctr --bounds 20 --admission recurring --passes  # and the cache's compiled passes one by one
+
+``--passes`` adds, under the table, each timed bound's compiled passes (``tether.worker.cache.batch``,
+``split.pack_push``, ``slots.coalesce``): thread CPU ms a step of each, the median of the same 3 runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -32,6 +38,7 @@ import torch
 
 from tether.common.choices import CACHE_ADMISSIONS
 from tether.protos.specs import TableConfig
+from tether.worker.cache import device, row_cache
 from tether.worker.cache.client import CachedClient
 from tether.worker.cache.config import RowCacheConfig
 from tether.worker.cache.slots import warm_up
@@ -107,14 +114,50 @@ def run(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: Ro
     return meter
 
 
-def _ms(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: RowCacheConfig) -> float:
+# The cache's compiled passes (``--passes``), by the module that calls each.
+PASSES = {row_cache: ("plan_all", "store_all", "hold_all", "take_all", "with_unheld", "later_all", "pack_push", "group_ids", "coalesce"),
+          device: ("store_all", "hold_all", "later_all", "coalesce")}
+
+
+@contextlib.contextmanager
+def _timing_passes(spent: collections.Counter[str]) -> Iterator[None]:
+    """The cache's passes timed (thread CPU seconds into ``spent`` by name) inside the block."""
+    real = {(mod, name): getattr(mod, name) for mod, names in PASSES.items() for name in names}
+
+    def timed(name: str, fn: Any) -> Any:
+        def call(*args: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                spent[name] += time.thread_time() - t0
+        return call
+
+    for (mod, name), fn in real.items():
+        setattr(mod, name, timed(name, fn))
+    try:
+        yield
+    finally:
+        for (mod, name), fn in real.items():
+            setattr(mod, name, fn)
+
+
+def _ms(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: RowCacheConfig,
+        passes: dict[str, float] | None = None) -> float:
     """Worker-side ms per step of these steps' calls (no reuse counting, as a worker without
-    metrics): the median of 3 runs."""
-    times = []
+    metrics): the median of 3 runs; with ``passes``, each compiled pass's thread CPU ms a step
+    (the median of the same runs) put there."""
+    times, per_pass = [], collections.defaultdict(list)
     for _ in range(3):
-        t0 = time.process_time()
-        run(steps, dims, cache, reuse=False)
-        times.append((time.process_time() - t0) / len(steps) * 1e3)
+        spent: collections.Counter[str] = collections.Counter()
+        with _timing_passes(spent) if passes is not None else contextlib.nullcontext():
+            t0 = time.process_time()
+            run(steps, dims, cache, reuse=False)
+            times.append((time.process_time() - t0) / len(steps) * 1e3)
+        for name, seconds in spent.items():
+            per_pass[name].append(seconds / len(steps) * 1e3)
+    if passes is not None:
+        passes.update({name: statistics.median(v) for name, v in per_pass.items()})
     return statistics.median(times)
 
 
@@ -161,7 +204,7 @@ def criteo_steps(n: int, folder: Path) -> tuple[list[dict[str, torch.Tensor]], d
 
 def report(name: str, steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], bounds: Sequence[tuple[int, int]], rows: int,
            policy: str, batch: int = BATCH, timed: bool = True, on_device: bool = False,
-           admissions: Sequence[str] = ("all",)) -> list[str]:
+           admissions: Sequence[str] = ("all",), show_passes: bool = False) -> list[str]:
     samples = len(steps) * batch
     base = run(steps, dims, RowCacheConfig())
     ms0 = _ms(steps, dims, RowCacheConfig()) if timed else float("nan")
@@ -184,15 +227,21 @@ def report(name: str, steps: list[dict[str, torch.Tensor]], dims: Mapping[str, i
               "worker-side CPU ms/step (the client's calls, no shard, no reuse counting; process CPU, median of 3) |",
               "|---|---|---|---|---|---|",
               f"| no cache | {moved0 / samples:.3f} | - | {bytes0 / samples:.0f} | - | {ms0:.2f} |"]
+    passes: list[str] = []
     for (r, w), admission in ((b, adm) for b in bounds for adm in admissions):
         config = RowCacheConfig(rows=rows, bound=r, write_bound=w, policy=policy, on_device=on_device or None, admission=admission)
         m = run(steps, dims, config, reuse=False).totals()
-        ms = _ms(steps, dims, config) if timed else float("nan")
+        times: dict[str, float] | None = {} if show_passes and timed else None
+        ms = _ms(steps, dims, config, times) if timed else float("nan")
         moved = sum(v["pulled_rows"] + v["pushed_rows"] for v in m.values())
         nbytes = sum(v["pulled_bytes"] + v["pushed_bytes"] for v in m.values())
         label = f"{r}/{w}" + ("" if admission == "all" else f", admission {admission}")
         lines.append(f"| {label} | {moved / samples:.3f} | {1 - moved / moved0:.0%} | {nbytes / samples:.0f} | {1 - nbytes / bytes0:.0%} | {ms:.2f} |")
-    return [*lines, ""]
+        if times is not None:
+            ranked = sorted(times.items(), key=lambda kv: -kv[1])
+            passes.append(f"- {label}: the compiled passes {sum(times.values()):.3f} ms a step (thread CPU, median of 3): "
+                          + ", ".join(f"{name} {v:.3f}" for name, v in ranked))
+    return [*lines, *(["", *passes] if passes else []), ""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -207,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--admission", default="all,recurring",
                    help="the cache's admission (--cache-admission) at each bound: all and/or recurring, comma list (default both)")
     p.add_argument("--no-timing", action="store_true", help="leave out the ms/step column (3 more runs per bound)")
+    p.add_argument("--passes", action="store_true", help="also time the cache's compiled passes one by one (with the ms/step column)")
     p.add_argument("--preset", choices=tuple(PRESETS), default="default",
                    help="the CTR job's sizes (tether worker --preset): gpu is batch 8,192, 26 fields, 128-wide rows (implies --source ctr)")
     a = p.parse_args(argv)
@@ -219,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(len(b) > 2 or min(b) < 0 for b in parsed):
         p.error(f"--bounds must be a comma list of R or R/W integers >= 0, got {a.bounds!r}")
     bounds = [(b[0], b[-1]) for b in parsed]
+    if a.passes and a.no_timing:
+        p.error("--passes times the passes in the timed runs: drop --no-timing")
     admissions = [x.strip() for x in a.admission.split(",") if x.strip()]
     if not admissions or any(x not in CACHE_ADMISSIONS for x in admissions):
         p.error(f"--admission must be a comma list of {', '.join(CACHE_ADMISSIONS)}, got {a.admission!r}")
@@ -232,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps, dims, name = makers[source]()
             batch = PRESETS[a.preset][0] if source == "ctr" else BATCH
             print("\n".join(report(name, steps, dims, bounds, a.cache_rows, a.cache_policy, batch, not a.no_timing, a.on_device,
-                                    admissions)),
+                                    admissions, a.passes)),
                   flush=True)
     return 0
 
