@@ -14,7 +14,10 @@
 # 3. the default model on cuda once, against the figures of 572805c in bench/RESULTS.md;
 # and, after the tests (which add tests/test_pinned_regions.py), bench/region_pull.py: whether the
 #    platform registers a shard's shared region as pinned memory, and a preset gpu pull onto the
-#    GPU straight from the region against one copy into pinned memory first (ms and worker CPU ms).
+#    GPU straight from the region against one copy into pinned memory first (ms and worker CPU ms);
+# last, with CACHE set, bench/traffic.py --preset gpu --on-device --device cuda --passes: the row
+#    cache on the GPU behind a stand-in client (no shard), its calls' host CPU a step (a CUDA sync
+#    spins, so waits on the GPU count) and its compiled host passes one by one.
 # Each part is bounded by `timeout`, and its output goes to OUTDIR (default: runs/gpu-check).
 # On a machine with no package index, wheels in .whl/ (grpcio, protobuf, grpcio-health-checking)
 # are installed into /tmp/site first.
@@ -51,3 +54,9 @@ done
 
 echo "== default model on cuda"
 timeout "${DEFAULT_BENCH_S:-90}" $PY bench/model_throughput.py --device cuda --steps "${DEFAULT_STEPS:-1000}" 2>&1 | tee "$OUTDIR/default-cuda.log"
+
+if [ -n "$CACHE" ]; then
+    echo "== the row cache on the GPU at preset gpu: its calls' host CPU a step and its host passes"
+    timeout "${CACHE_PASSES_S:-90}" $PY bench/traffic.py --preset gpu --steps 40 --bounds "$CACHE" --on-device --device cuda \
+        --admission "${CACHE_ADMISSION:-recurring}" --passes 2>&1 | tee "$OUTDIR/cache-passes.log"
+fi

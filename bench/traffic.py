@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "movie
 from movielens import rating_batches, read_ratings, write_ratings
 
 WORKERS, RANK, BATCH, SHARDS = 4, 0, 256, 2
+CPU = torch.device("cpu")
 
 
 class _Done:
@@ -95,17 +96,19 @@ class StandIn:
         return self.pull(pull_sparse)
 
 
-def run(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: RowCacheConfig, reuse: bool = True) -> TrafficMeter:
+def run(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: RowCacheConfig, reuse: bool = True,
+        device: torch.device = CPU) -> TrafficMeter:
     """The async loop's calls for these steps (table -> unique ids each) through a CachedClient
-    (``reuse``: the meter counts the rows wanted within S steps, as a worker with metrics does)."""
+    (``reuse``: the meter counts the rows wanted within S steps, as a worker with metrics does),
+    the gradients on ``device`` (the training device: with ``on_device`` the cache's rows live
+    there too, ``tether.worker.cache.device``)."""
     meter = TrafficMeter(dims, 4, reuse=reuse)
-    # ``on_device``: the cache on the training device (tether.worker.cache.device), here the CPU's tensors.
-    client = CachedClient(StandIn(dims), cache, dims, meter, device=torch.device("cpu"))  # type: ignore[arg-type]
+    client = CachedClient(StandIn(dims), cache, dims, meter, device=device)  # type: ignore[arg-type]
     client.use_tables([TableConfig(name=t, dim=d) for t, d in dims.items()])  # the cache's local updates (default rule: adagrad)
     pending = [client.pull(steps[0]), client.pull(steps[1])] if len(steps) > 1 else [client.pull(steps[0])]
     for t in range(len(steps)):
         pulled = pending.pop(0).result()
-        grads = {table: (ids, torch.zeros(len(ids), dims[table])) for table, ids in steps[t].items()}
+        grads = {table: (ids, torch.zeros(len(ids), dims[table], device=device)) for table, ids in steps[t].items()}
         if t + 2 < len(steps):
             pending.append(client.push_pull(grads, None, steps[t + 2], clock=t + 1, versions=pulled))
         else:
@@ -143,7 +146,7 @@ def _timing_passes(spent: collections.Counter[str]) -> Iterator[None]:
 
 
 def _ms(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: RowCacheConfig,
-        passes: dict[str, float] | None = None) -> float:
+        passes: dict[str, float] | None = None, device: torch.device = CPU) -> float:
     """Worker-side ms per step of these steps' calls (no reuse counting, as a worker without
     metrics): the median of 3 runs; with ``passes``, each compiled pass's thread CPU ms a step
     (the median of the same runs) put there."""
@@ -152,7 +155,7 @@ def _ms(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: Ro
         spent: collections.Counter[str] = collections.Counter()
         with _timing_passes(spent) if passes is not None else contextlib.nullcontext():
             t0 = time.process_time()
-            run(steps, dims, cache, reuse=False)
+            run(steps, dims, cache, reuse=False, device=device)
             times.append((time.process_time() - t0) / len(steps) * 1e3)
         for name, seconds in spent.items():
             per_pass[name].append(seconds / len(steps) * 1e3)
@@ -204,10 +207,10 @@ def criteo_steps(n: int, folder: Path) -> tuple[list[dict[str, torch.Tensor]], d
 
 def report(name: str, steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], bounds: Sequence[tuple[int, int]], rows: int,
            policy: str, batch: int = BATCH, timed: bool = True, on_device: bool = False,
-           admissions: Sequence[str] = ("all",), show_passes: bool = False) -> list[str]:
+           admissions: Sequence[str] = ("all",), show_passes: bool = False, device: torch.device = CPU) -> list[str]:
     samples = len(steps) * batch
-    base = run(steps, dims, RowCacheConfig())
-    ms0 = _ms(steps, dims, RowCacheConfig()) if timed else float("nan")
+    base = run(steps, dims, RowCacheConfig(), device=device)
+    ms0 = _ms(steps, dims, RowCacheConfig(), device=device) if timed else float("nan")
     tot = base.totals()
     lines = [f"## {name}", f"worker {RANK} of {WORKERS}, batch {batch}, {len(steps)} steps, float32 wire", "",
              "| table | dim | rows pulled/sample | rows pushed/sample | bytes pulled/sample | bytes pushed/sample | "
@@ -223,16 +226,16 @@ def report(name: str, steps: list[dict[str, torch.Tensor]], dims: Mapping[str, i
     bytes0 = sum(v["pulled_bytes"] + v["pushed_bytes"] for v in tot.values())
     lines += ["", "all tables: ceiling (rows wanted within S steps) " + ", ".join(f"S={w} {c:.0%}" for w, c in ceiling.items()),
               "", f"| bound R/W (read/write) | rows moved/sample (pull + push) | saved | bytes/sample | saved | cache rows/table {rows}, {policy}"
-              f"{' (on the device: CPU tensors)' if on_device else ''}: "
+              f"{f' (on the device: {device.type} tensors)' if on_device else ''}: "
               "worker-side CPU ms/step (the client's calls, no shard, no reuse counting; process CPU, median of 3) |",
               "|---|---|---|---|---|---|",
               f"| no cache | {moved0 / samples:.3f} | - | {bytes0 / samples:.0f} | - | {ms0:.2f} |"]
     passes: list[str] = []
     for (r, w), admission in ((b, adm) for b in bounds for adm in admissions):
         config = RowCacheConfig(rows=rows, bound=r, write_bound=w, policy=policy, on_device=on_device or None, admission=admission)
-        m = run(steps, dims, config, reuse=False).totals()
+        m = run(steps, dims, config, reuse=False, device=device).totals()
         times: dict[str, float] | None = {} if show_passes and timed else None
-        ms = _ms(steps, dims, config, times) if timed else float("nan")
+        ms = _ms(steps, dims, config, times, device) if timed else float("nan")
         moved = sum(v["pulled_rows"] + v["pushed_rows"] for v in m.values())
         nbytes = sum(v["pulled_bytes"] + v["pushed_bytes"] for v in m.values())
         label = f"{r}/{w}" + ("" if admission == "all" else f", admission {admission}")
@@ -251,7 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cache-rows", type=int, default=100_000, help="cache capacity per table (default 100000)")
     p.add_argument("--cache-policy", default="lru", choices=("lru", "lfu"))
     p.add_argument("--on-device", action="store_true",
-                   help="the cache a GPU worker uses (rows in device tensors: tether.worker.cache.device), here on the CPU's tensors")
+                   help="the cache a GPU worker uses (rows in device tensors: tether.worker.cache.device), on --device")
+    p.add_argument("--device", default="cpu", help="the training device: the gradients' (and with --on-device the cache's rows'); "
+                   "default cpu (the CPU's tensors stand in for a GPU's)")
     p.add_argument("--source", action="append", choices=("ctr", "movielens", "criteo"), help="repeatable; default all three")
     p.add_argument("--admission", default="all,recurring",
                    help="the cache's admission (--cache-admission) at each bound: all and/or recurring, comma list (default both)")
@@ -269,6 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(len(b) > 2 or min(b) < 0 for b in parsed):
         p.error(f"--bounds must be a comma list of R or R/W integers >= 0, got {a.bounds!r}")
     bounds = [(b[0], b[-1]) for b in parsed]
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA GPU (torch.cuda.is_available() is False here)")
     if a.passes and a.no_timing:
         p.error("--passes times the passes in the timed runs: drop --no-timing")
     admissions = [x.strip() for x in a.admission.split(",") if x.strip()]
@@ -284,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps, dims, name = makers[source]()
             batch = PRESETS[a.preset][0] if source == "ctr" else BATCH
             print("\n".join(report(name, steps, dims, bounds, a.cache_rows, a.cache_policy, batch, not a.no_timing, a.on_device,
-                                    admissions, a.passes)),
+                                    admissions, a.passes, device)),
                   flush=True)
     return 0
 
