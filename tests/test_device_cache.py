@@ -259,8 +259,10 @@ def test_a_gpu_workers_steps_of_cached_rows_copy_no_row_values(monkeypatch: pyte
         # Float copies other than the dense part's and each batch's 32 ratings (the main thread's, 128 bytes).
         rows = [c for c in fake.copies if c.dtype.is_floating_point and c.nbytes > 8  # type: ignore[attr-defined]
                 and not (c.direction == "h2d" and c.thread == "MainThread" and c.nbytes == 4 * 32)]
-    # The first pull's rows up (one copy), the flush's sums down (one copy: one bank of 8-wide rows).
-    assert [c.direction for c in rows] == ["h2d", "d2h"], rows
+    # The first pull's rows up (one copy); the flush's sums down (one bank of 8-wide rows), split
+    # from their held columns on the device: the sums, then their mean squares, one float a row.
+    assert [c.direction for c in rows] == ["h2d", "d2h", "d2h"], rows
+    assert rows[1].nbytes == 8 * rows[2].nbytes > 0, rows
     assert record.steps == 12  # type: ignore[attr-defined]
 
 

@@ -446,7 +446,7 @@ class DeviceRowCache(RowCache):
             if grads:
                 self._hold(grads, clock, versions, due)
             for t, e_ids, e_grads, e_shards, e_read in self._evicted:
-                due.setdefault(t, []).append((e_ids, _host(e_grads), e_shards, e_read))
+                due.setdefault(t, []).append((e_ids, _host(e_grads)[0], e_shards, e_read))
             self._evicted.clear()
             taken, oldest = self._take(clock, flush)
         return coalesce(due, taken, oldest, self._names, self.tables)
@@ -490,7 +490,7 @@ class DeviceRowCache(RowCache):
                 _add_rows(bank.pend, sent[s], add)
                 self._local_steps(bank, sent[s], g, tabs, clock)
             if len(sent[m]):
-                lost[b] = _host(rows.index_select(0, sent[m])).numpy()
+                lost[b] = _host(rows.index_select(0, sent[m]))[0].numpy()
         if len(missing):  # pushed with this step's take, each row one gradient (``with_unheld``), as the host cache's
             self._unheld_now = self._unheld(parts, ids, offs, missing, missing_shards, read, lost)
 
@@ -550,17 +550,21 @@ class DeviceRowCache(RowCache):
         send = _Indexes(self.device)
         jobs = [(b, send.add(rows[banks == b])) for b in np.unique(banks).tolist()]
         sent = send.send()
-        held: dict[int, np.ndarray] = {}
+        gathered: dict[int, torch.Tensor] = {}
         for b, i in jobs:
             bank = self.banks[b]
-            held[b] = _host(bank.pend.index_select(0, sent[i])).numpy()
+            gathered[b] = bank.pend.index_select(0, sent[i])  # read before the fills below, in the stream's order
             bank.pend.index_fill_(0, sent[i], 0.0)
             bank.mine.index_fill_(0, sent[i], 0.0)
-        if len(held) == 1:
-            (b, h), = held.items()
+        if len(gathered) == 1:
+            # One row width: the sums and their mean squares split on the device, each copied to
+            # the host as the take needs it (no host copy of the held columns, one wait).
+            (b, got), = gathered.items()
             w = self.banks[b].width
-            sums, square = np.ascontiguousarray(h[:, :w]).reshape(-1), np.ascontiguousarray(h[:, w])
+            host_sums, host_square = _host(got[:, :w].contiguous(), got[:, w].contiguous())
+            sums, square = host_sums.numpy().reshape(-1), host_square.numpy()
         else:
+            held = {b: _host(got)[0].numpy() for b, got in gathered.items()}
             parts_s, parts_q, at = [], [], dict.fromkeys(held, 0)
             for g, n in enumerate(count.tolist()):
                 if n:
@@ -607,13 +611,19 @@ def _add_rows(t: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
     t.index_copy_(0, idx, t.index_select(0, idx).add_(rows))
 
 
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """A device tensor's values on the host (through pinned memory on CUDA, one wait)."""
-    if t.device.type == "cpu":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
+def _host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Device tensors' values on the host (through pinned memory on CUDA, one wait for them all)."""
+    on_device = [t for t in tensors if t.device.type != "cpu"]
+    if not on_device:
+        return list(tensors)
+    out = []
+    for t in tensors:
+        if t.device.type != "cpu":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            t = host
+        out.append(t)
     done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(t.device))
+    done.record(torch.cuda.current_stream(on_device[0].device))
     done.synchronize()
-    return host
+    return out
