@@ -131,3 +131,57 @@ def test_the_other_parts_of_a_push_are_summed_per_id_in_the_order_they_came() ->
         got_ids, sums = grads["a"][0], grads["a"][1]
         assert np.array_equal(got_ids.numpy(), want_ids) and sums.numpy().tobytes() == np.ascontiguousarray(want[:, :4]).tobytes()
         assert versions == {(0, "a"): 7, (1, "a"): 4}
+
+
+def test_a_rows_mean_square_is_computed_where_its_statistics_send_it_and_on_demand_elsewhere() -> None:
+    """``with_unheld`` computes a row of one gradient's mean square only where its table's
+    statistics carry it past the first column (Adam's count, then mean square); elsewhere
+    (Adagrad's one column, -1 for such a row) it leaves -1, and ``coalesce`` computes it from the
+    row when it sums that row with another of the same id: bit for bit the value it would have
+    been."""
+    from tether.worker.cache.batch import with_unheld
+    from tether.worker.cache.kernels import mean_squares
+    from tether.worker.cache.slots import Taken, coalesce
+
+    rng = np.random.default_rng(3)
+    d, n = 5, 7
+    step_ids = np.sort(rng.choice(1000, n, replace=False)).astype(np.int64)
+    g = rng.standard_normal(n * d).astype(np.float32)
+    empty_f, empty_i = np.zeros(0, np.float32), np.zeros(0, np.int64)
+    want = np.array([np.float32(sum((np.float32(x * x) for x in row), np.float32(0.0))) / np.float32(d)
+                     for row in g.reshape(n, d)], np.float32)
+    out = {}
+    for name, kinds in (("adagrad", [[0, -1]]), ("adam", [[1, 0]])):
+        out[name] = with_unheld(empty_i, empty_f, empty_f, empty_f, empty_f, empty_i, np.zeros(1, np.int64), np.ones(1, np.bool_),
+                                np.full((1, 1), np.iinfo(np.int64).max, np.int64), np.array([d], np.int64), np.array(kinds, np.int64),
+                                np.zeros(1, np.int64), step_ids, np.array([0, n], np.int64), g, np.array([0, n * d], np.int64),
+                                np.arange(n, dtype=np.int64), np.zeros(n, np.int64), np.zeros((1, 1), np.int64))
+    assert (out["adagrad"][3] == -1).all()  # not computed: Adagrad sends -1 for a row of one gradient
+    assert np.array_equal(out["adam"][3], want)  # Adam sends it beside the count
+    assert np.array_equal(out["adam"][2].reshape(n, 2), np.stack([np.full(n, -1, np.float32), want], 1))
+    assert np.array_equal(mean_squares(g.reshape(n, d)), want)  # computed later, the same bits
+
+    # coalesce's slow path (a table's part summed again: another part of the same table due, or
+    # its ids out of order): where the square is -1 it is computed from the row. Adam's statistics
+    # send it for a row of one gradient, so a wrong one shows.
+    cache = _cache({"a": "adam", "b": "adam"})
+    ids = {"a": torch.tensor([3, 8]), "b": torch.tensor([1])}
+    pulled = _pull(cache, ids)
+    gen = torch.Generator().manual_seed(5)
+    cache.accumulate({t: (i, torch.randn(len(i), _DIMS[t], generator=gen)) for t, i in ids.items()}, 1, pulled)
+    got, _ = cache._take(99, True)  # every held row, one gradient each
+    assert got is not None and (got.counts == 1).all() and (got.square > 0).all()
+    late = got.square.copy()
+    late[:2] = -1.0  # as with_unheld leaves them: table a's two rows
+    none = np.zeros(0, np.int64)
+
+    def evicted() -> dict[str, list[tuple[np.ndarray, torch.Tensor, np.ndarray, np.ndarray]]]:
+        # Held sums of id 3 of table a evicted and due with this push: its two parts are summed
+        # into one row of two gradients, whose statistics carry the sum of their mean squares.
+        return {"a": [(np.array([3]), torch.tensor([[0.5, -1.0, 2.0, 0.25, 1.578125, 1.0]]), none, none)]}
+
+    a, _ = coalesce(evicted(), Taken(got.parts, got.ascending, late, got.counts), None, list(_DIMS), cache.tables)
+    b, _ = coalesce(evicted(), Taken(got.parts, got.ascending, got.square, got.counts), None, list(_DIMS), cache.tables)
+    assert len(b["a"]) == 3 and b["a"][2][0].tolist() == [2.0, float(np.float32(1.578125) + got.square[0])]
+    for t in b:
+        assert all(torch.equal(x, y) for x, y in zip(a[t], b[t], strict=True)), t

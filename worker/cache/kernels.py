@@ -19,8 +19,8 @@ from tether.rules.index_kernels import cell_from, mix64, prefetch
 from tether.rules.kernel_cache import compiled
 
 __all__ = ["FLOATS", "HELD", "IDS", "LU", "META", "NONE", "PS", "PV", "RC", "RV", "SHARD", "USES", "VALS", "Columns", "columns",
-           "copy_row", "fetch_part", "fetch_row", "loads", "oldest_per_shard", "probe_from", "set_cells", "shard_of", "slot_of",
-           "typed_list", "warm_up", "zero_row"]
+           "copy_row", "fetch_part", "fetch_row", "loads", "mean_square", "mean_squares", "oldest_per_shard", "probe_from", "set_cells",
+           "shard_of", "slot_of", "typed_list", "warm_up", "zero_row"]
 
 _jit = compiled()
 NONE = np.iinfo(np.int64).max
@@ -135,6 +135,28 @@ def copy_row(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 @compiled(inline="always")
+def mean_square(row: np.ndarray) -> np.float32:
+    """mean(row * row) in float32, summed in order (what ``hold_all`` holds for a gradient, and
+    ``Table.combined`` sends; 0 for an empty row)."""
+    sq = np.float32(0.0)
+    for j in range(len(row)):
+        x = row[j]
+        sq += x * x
+    if len(row) > 0:
+        sq = sq / np.float32(len(row))
+    return sq
+
+
+@_jit
+def mean_squares(rows: np.ndarray) -> np.ndarray:
+    """``mean_square`` of each row of ``rows`` [n, d] (float32)."""
+    out = np.empty(rows.shape[0], np.float32)
+    for i in range(rows.shape[0]):
+        out[i] = mean_square(rows[i])
+    return out
+
+
+@compiled(inline="always")
 def zero_row(dst: np.ndarray) -> None:
     """``dst[:] = 0`` for a row's floats (as ``copy_row``)."""
     for j in range(len(dst)):
@@ -166,6 +188,7 @@ def loads() -> list[Callable[[], object]]:
     examples = (np.zeros((1, 2), np.int64), np.zeros(1, np.int64), np.zeros((1, 1), np.float32), np.zeros(1, np.bool_))
     return [
         lambda: oldest_per_shard(ids, ids, np.int64(1)),
+        lambda: mean_squares(np.zeros((0, 1), np.float32)),
         # A typed list of each kind of column (``columns``).
         *[(lambda e=e: typed_list([e, e])) for e in examples],
         lambda: set_cells(typed_list([np.zeros((1, 2), np.int64)] * 2), np.int64(0), np.zeros((1, 2), np.int64)),

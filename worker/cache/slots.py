@@ -29,7 +29,7 @@ from tether.rules.index_kernels import EMPTY_SLOT, REMOVED_SLOT, index_cells, in
 from tether.rules.kernel_cache import load_kernels
 from tether.rules.optimizers import rule
 from tether.worker.cache.batch import loads as batch_loads
-from tether.worker.cache.kernels import META, oldest_per_shard
+from tether.worker.cache.kernels import META, mean_squares, oldest_per_shard
 from tether.worker.cache.kernels import loads as cache_loads
 from tether.worker.client.router import PackedParts
 
@@ -275,7 +275,8 @@ class Taken(NamedTuple):
     """The held sums taken for a push (``cache_batch.take_all``, ``RowCache._taken``): the push's
     parts as laid out for the shards (per table ``(ids, sums)`` or ``(ids, sums, stats)``,
     ``Table.combined``'s), per table (index g) whether its ids ascend, and each row's sum of
-    mean(g * g) and count of gradients (table g's rows at ``parts.packed.at[g]``)."""
+    mean(g * g) (-1 where a row of one gradient's was not computed: ``with_unheld``) and count of
+    gradients (table g's rows at ``parts.packed.at[g]``)."""
 
     parts: PackedParts
     ascending: np.ndarray
@@ -304,7 +305,12 @@ def coalesce(due: Due, taken: Taken | None, oldest: np.ndarray | None, names: Se
             if t in due or not taken.ascending[g]:
                 a, b = at[g], at[g + 1]
                 part = taken.parts[t]
-                held = np.concatenate([part[1].numpy(), taken.square[a:b, None], taken.counts[a:b, None]], 1)
+                square = taken.square[a:b]
+                if len(square) and square.min() < 0:  # rows of one gradient whose mean square was not needed until now
+                    square = square.copy()
+                    late = square < 0
+                    square[late] = mean_squares(np.ascontiguousarray(part[1].numpy()[late]))
+                held = np.concatenate([part[1].numpy(), square[:, None], taken.counts[a:b, None]], 1)
                 due.setdefault(t, []).append((part[0].numpy(), torch.from_numpy(held), _NO_IDS, _NO_IDS))
             else:
                 grads[t] = taken.parts[t]
