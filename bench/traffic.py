@@ -38,7 +38,8 @@ import torch
 
 from tether.common.choices import CACHE_ADMISSIONS
 from tether.protos.specs import TableConfig
-from tether.worker.cache import device, row_cache
+from tether.worker.cache import device as device_cache
+from tether.worker.cache import row_cache
 from tether.worker.cache.client import CachedClient
 from tether.worker.cache.config import RowCacheConfig
 from tether.worker.cache.slots import warm_up
@@ -119,7 +120,7 @@ def run(steps: list[dict[str, torch.Tensor]], dims: Mapping[str, int], cache: Ro
 
 # The cache's compiled passes (``--passes``), by the module that calls each.
 PASSES = {row_cache: ("plan_all", "store_all", "hold_all", "take_all", "with_unheld", "later_all", "pack_push", "group_ids", "coalesce"),
-          device: ("store_all", "hold_all", "later_all", "coalesce")}
+          device_cache: ("store_all", "hold_all", "later_all", "coalesce")}
 
 
 @contextlib.contextmanager

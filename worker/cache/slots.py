@@ -309,7 +309,7 @@ def coalesce(due: Due, taken: Taken | None, oldest: np.ndarray | None, names: Se
                 if len(square) and square.min() < 0:  # rows of one gradient whose mean square was not needed until now
                     square = square.copy()
                     late = square < 0
-                    square[late] = mean_squares(np.ascontiguousarray(part[1].numpy()[late]))
+                    square[late] = mean_squares(part[1].numpy()[late])  # a boolean pick: a new C-contiguous array
                 held = np.concatenate([part[1].numpy(), square[:, None], taken.counts[a:b, None]], 1)
                 due.setdefault(t, []).append((part[0].numpy(), torch.from_numpy(held), _NO_IDS, _NO_IDS))
             else:
