@@ -35,7 +35,7 @@ from tether.deploy.job import run_job, staleness_summary
 from tether.deploy.launch import Program
 from tether.deploy.plot import write_plot
 from tether.protos.errors import UsageError
-from tether.worker.config import WorkerConfig
+from tether.worker.config import CACHE_FIELDS, WorkerConfig
 from tether.worker.training.mode import Mode
 from tether.worker.training.run_record import RunRecord
 from tether.worker.training.stragglers import StragglerSpec, parse_straggler
@@ -154,7 +154,7 @@ def _run_one(
     remedies: dict[str, Any] = {"delay_compensation": 0.0, "dc_adaptive": False, "gap_aware": False} if mode == "sync" else {}
     # Nor with the row cache: sync reads every row fresh (the option refuses it); the run's line says so.
     no_cache = mode == "sync" and template.cache_rows > 0
-    cache: dict[str, Any] = {"cache_rows": 0, "cache_bound": 0, "cache_write_bound": None, "cache_policy": "lru"} if no_cache else {}
+    cache: dict[str, Any] = template.without_cache() if no_cache else {}
     # Pushes in flight (--push-window, or --preset gpu's 2) are async's: ssp:S and sync land every
     # push before the next pull (the option refuses more there), so their runs push one at a time.
     window: dict[str, Any] = {"push_window": 1} if template.push_window > 1 and Mode.of(mode).kind != "async" else {}
@@ -420,7 +420,7 @@ def _add_difference_to_sync(results: Sequence[dict[str, Any]]) -> None:
 
 def cache_settings(template: WorkerConfig) -> dict[str, Any]:
     """The row cache settings every run of a sweep used (``cache_rows`` 0: no cache)."""
-    return {k: getattr(template, k) for k in ("cache_rows", "cache_bound", "cache_write_bound", "cache_policy")}
+    return {k: getattr(template, k) for k in CACHE_FIELDS}
 
 
 def sweep(

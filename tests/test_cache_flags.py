@@ -52,14 +52,19 @@ def test_compare_runs_sync_without_the_cache_and_says_so(monkeypatch: pytest.Mon
         raise _Stop
 
     monkeypatch.setattr(compare_module, "run_job", fake_run_job)
-    template = WorkerConfig(shards=("pending:0",), steps=10, cache_rows=100, cache_bound=3, cache_policy="lfu")
+    # Every cache setting given: `tether compare --modes async,sync ... --cache-admission all` (or
+    # --cache-hot K) crashed at the sync run with "--cache-admission without --cache-rows", after
+    # the async run, when the baseline reset only the rows, bounds and policy.
+    template = WorkerConfig(shards=("pending:0",), steps=10, cache_rows=100, cache_bound=3, cache_write_bound=4, cache_policy="lfu",
+                            cache_hot=2, cache_admission="all")
     lines: list[str] = []
     for mode in ("sync", "async"):
         with pytest.raises(_Stop):
             compare_module.compare(template, [mode], 1, tmp_path / mode, printer=lines.append)
     sync, async_ = ran
-    assert (sync.mode.kind, sync.cache_rows, sync.cache_bound, sync.cache_policy) == ("sync", 0, 0, "lru")
-    assert (async_.mode.kind, async_.cache_rows, async_.cache_bound, async_.cache_policy) == ("async", 100, 3, "lfu")
+    cache = ("cache_rows", "cache_bound", "cache_write_bound", "cache_policy", "cache_hot", "cache_admission")
+    assert sync.mode.kind == "sync" and [getattr(sync, k) for k in cache] == [0, 0, None, "lru", 0, "recurring"]
+    assert async_.mode.kind == "async" and [getattr(async_, k) for k in cache] == [100, 3, 4, "lfu", 2, "all"]
     assert "no row cache" in lines[0] and "no row cache" not in lines[1], lines
 
 

@@ -25,11 +25,12 @@ def test_sweeps_summary_records_the_cache_settings(tmp_path: Path, monkeypatch: 
         return {"target_loss": target, "modes": results}
 
     monkeypatch.setattr(compare_module, "compare", compare)
-    template = WorkerConfig(num_workers=2, steps=4, shards=("127.0.0.1:1",), cache_rows=500, cache_bound=3, cache_policy="lru")
+    template = WorkerConfig(num_workers=2, steps=4, shards=("127.0.0.1:1",), cache_rows=500, cache_bound=3, cache_policy="lru",
+                            cache_hot=4)
     compare_module.sweep(template, [1, 4], 1, tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert {k: summary[k] for k in ("cache_rows", "cache_bound", "cache_write_bound", "cache_policy")} == {
-        "cache_rows": 500, "cache_bound": 3, "cache_write_bound": None, "cache_policy": "lru"}
+    assert {k: summary[k] for k in ("cache_rows", "cache_bound", "cache_write_bound", "cache_policy", "cache_hot", "cache_admission")} == {
+        "cache_rows": 500, "cache_bound": 3, "cache_write_bound": None, "cache_policy": "lru", "cache_hot": 4, "cache_admission": "recurring"}
     assert summary["recommended_staleness"] == (None if target is None else 1)
 
 

@@ -48,7 +48,11 @@ if TYPE_CHECKING:
 
 T = TypeVar("T", bound="TrainingConfig")
 
-__all__ = ["JOB", "MODEL", "MODEL_PRESETS", "PLACE", "PROCESS", "TrainingConfig", "WorkerConfig"]
+# The row cache's fields (``TrainingConfig.row_cache``): cache_rows first, then the settings that
+# mean something only with it.
+CACHE_FIELDS = ("cache_rows", "cache_bound", "cache_write_bound", "cache_policy", "cache_hot", "cache_admission")
+
+__all__ = ["CACHE_FIELDS", "JOB", "MODEL", "MODEL_PRESETS", "PLACE", "PROCESS", "TrainingConfig", "WorkerConfig"]
 
 
 def parse_entries(text: str) -> tuple[str, ...]:
@@ -411,14 +415,16 @@ class TrainingConfig:
         if self.push_window != 1:  # refused here, at launch, not when the workers have joined
             check_window(self.push_window, self.prefetch and self.mode.kind == "async", self.mode)
 
+    @classmethod
+    def without_cache(cls) -> dict[str, Any]:
+        """Every row cache field (``CACHE_FIELDS``) at its default: no cache (what ``tether
+        compare`` gives its sync baseline)."""
+        return {name: default_of(cls, name) for name in CACHE_FIELDS}
+
     def _check_cache_flags(self) -> None:
         """The cache bounds and policy mean something only with a cache, and a cache only outside sync."""
-        given = [flag for flag, value, default in (("--cache-bound", self.cache_bound, 0),
-                                                   ("--cache-write-bound", self.cache_write_bound, None),
-                                                   ("--cache-policy", self.cache_policy, choices.CACHE_POLICIES[0]),
-                                                   ("--cache-hot", self.cache_hot, 0),
-                                                   ("--cache-admission", self.cache_admission, choices.CACHE_ADMISSIONS[0]))
-                 if value != default]
+        flags = {f.name: decl.flag for f, decl in fields.declared(type(self))}
+        given = [flags[name] for name, default in self.without_cache().items() if name != "cache_rows" and getattr(self, name) != default]
         if given and not self.cache_rows:
             raise ValueError(f"{', '.join(given)} without --cache-rows (cache_rows=0: no row cache) would do nothing: "
                              "give --cache-rows N, or leave them out")
