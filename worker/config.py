@@ -423,7 +423,7 @@ class TrainingConfig:
 
     def _check_cache_flags(self) -> None:
         """The cache bounds and policy mean something only with a cache, and a cache only outside sync."""
-        flags = {f.name: decl.flag for f, decl in fields.declared(type(self))}
+        flags = {f.name: decl.flag or f.name for f, decl in fields.declared(type(self))}
         given = [flags[name] for name, default in self.without_cache().items() if name != "cache_rows" and getattr(self, name) != default]
         if given and not self.cache_rows:
             raise ValueError(f"{', '.join(given)} without --cache-rows (cache_rows=0: no row cache) would do nothing: "
