@@ -136,11 +136,11 @@ def _groups(pythonpath: str | None, keep: Path) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pythonpath", help="another build of tether (pip install --no-deps --target DIR), timed first as the baseline")
-    p.add_argument("--cache-rows", type=int, default=None, help="pass --cache-rows N to both runs")
+    p.add_argument("--cache-rows", type=int, default=None, help="pass --cache-rows N --cache-bound 20 to both runs")
     p.add_argument("--groups", action="store_true", help="also time each kernel group's compile alone")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
-    extra = [] if args.cache_rows is None else ["--cache-rows", str(args.cache_rows)]
+    extra = [] if args.cache_rows is None else ["--cache-rows", str(args.cache_rows), "--cache-bound", "20"]
     keep = Path(tempfile.mkdtemp(prefix="tether-first-run-"))
     result: dict[str, object] = {"cpus": os.cpu_count(), "extra": extra}
     try:

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--cache-bound", "3"], "--cache-bound without --cache-rows"),
         (["--cache-write-bound", "2", "--cache-policy", "lfu"], "--cache-write-bound, --cache-policy without --cache-rows"),
         (["--mode", "sync", "--cache-rows", "100"], "--cache-rows is for async and ssp:S"),
+        (["--cache-rows", "100"], "--cache-rows without --cache-bound would cache nothing"),
     ],
 )
 def test_launch_refuses_cache_flags_that_would_do_nothing(tmp_path: Path, args: list[str], says: str) -> None:
@@ -38,6 +39,22 @@ def test_the_defaults_and_a_cache_with_its_flags_are_accepted() -> None:
     assert not WorkerConfig(shards=("h:1",)).row_cache.active
     config = WorkerConfig(shards=("h:1",), mode="ssp:2", cache_rows=10, cache_bound=2, cache_write_bound=1, cache_policy="lfu")
     assert (config.row_cache.rows, config.row_cache.bound, config.row_cache.writes) == (10, 2, 1)
+    # A write bound alone holds gradients and reads every row fresh; a read bound of 0 given on
+    # purpose is the baseline of a series of bounds (exactly no cache, tests/test_row_cache.py).
+    assert (lambda c: (c.bound, c.writes))(WorkerConfig(shards=("h:1",), cache_rows=10, cache_write_bound=3).row_cache) == (0, 3)
+    assert (lambda c: (c.bound, c.writes))(WorkerConfig(shards=("h:1",), cache_rows=10, cache_bound=0).row_cache) == (0, 0)
+
+
+def test_a_cache_without_a_bound_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tether launch --cache-rows 1000` (no bound) trained with a cache that pulled and pushed
+    every row every step, at ~1 ms of the worker's CPU a step, and said so only in its last line
+    ("0% of the rows ... not moved")."""
+    with pytest.raises(ValueError, match="--cache-rows without --cache-bound"):
+        TrainingConfig(local=True, cache_rows=1000)
+    with pytest.raises(ValueError, match="--cache-rows without --cache-bound"):
+        for name, value in {"TETHER_LOCAL": "1", "TETHER_CACHE_ROWS": "1000", "TETHER_CACHE_BOUND": ""}.items():
+            monkeypatch.setenv(name, value)
+        TrainingConfig.from_env()
 
 
 class _Stop(Exception):
@@ -63,7 +80,7 @@ def test_compare_runs_sync_without_the_cache_and_says_so(monkeypatch: pytest.Mon
             compare_module.compare(template, [mode], 1, tmp_path / mode, printer=lines.append)
     sync, async_ = ran
     cache = ("cache_rows", "cache_bound", "cache_write_bound", "cache_policy", "cache_hot", "cache_admission")
-    assert sync.mode.kind == "sync" and [getattr(sync, k) for k in cache] == [0, 0, None, "lru", 0, "recurring"]
+    assert sync.mode.kind == "sync" and [getattr(sync, k) for k in cache] == [0, None, None, "lru", 0, "recurring"]
     assert async_.mode.kind == "async" and [getattr(async_, k) for k in cache] == [100, 3, 4, "lfu", 2, "all"]
     assert "no row cache" in lines[0] and "no row cache" not in lines[1], lines
 

@@ -402,8 +402,7 @@ def test_a_launched_worker_reads_every_field_from_its_config_file(
     assert worker_flags.load_config(unnamed).worker_id == "inherited"
     # Sync: one file for torchrun's ranks (each takes its rank from torchrun).
     sync = _start_workers(tmp_path, monkeypatch, dataclasses.replace(cfg, mode="sync", delay_compensation=0.0, dc_adaptive=False,
-                                                                 gap_aware=False, cache_rows=0, cache_bound=0,
-                                                                 cache_write_bound=None, cache_policy="lru", cache_hot=0, cache_admission="recurring"), addresses)
+                                                                 gap_aware=False, **cfg.without_cache()), addresses)
     assert (lambda m: (m.kind, m.bound))(worker_flags.load_config(sync["torchrun"]).mode) == ("sync", None)
 
 

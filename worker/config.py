@@ -218,9 +218,10 @@ class TrainingConfig:
     # The row cache (docs/choosing-a-consistency-mode.md, "Worker row cache"); off in sync.
     cache_rows: int = setting(0, flag="--cache-rows", group=JOB,
                               help="cache up to N embedding rows per table on the worker (0: no cache; not in sync)")
-    cache_bound: int = setting(0, flag="--cache-bound", group=JOB,
-                               help="read bound: a cached row read at most N of this worker's clocks ago is used without a pull "
-                               "(0: every row pulled every step, exactly as without a cache)")
+    cache_bound: int | None = setting(None, flag="--cache-bound", parse=optional_int, group=JOB,
+                                      help="read bound, which --cache-rows needs (or --cache-write-bound): a cached row read at "
+                                      "most N of this worker's clocks ago is used without a pull (0: every row pulled every "
+                                      "step, exactly as without a cache; docs/choosing-a-consistency-mode.md measures 5 and 20)")
     cache_write_bound: int | None = setting(None, flag="--cache-write-bound", parse=optional_int, group=JOB,
                                             help="write bound: a cached row's gradients are summed and pushed once the oldest is N "
                                             "clocks old, or the row is evicted (default: --cache-bound)")
@@ -313,8 +314,8 @@ class TrainingConfig:
     @property
     def row_cache(self) -> RowCacheConfig:
         """The row cache the cache_* fields describe."""
-        return RowCacheConfig(rows=self.cache_rows, bound=self.cache_bound, write_bound=self.cache_write_bound, policy=self.cache_policy,
-                              hot=self.cache_hot, admission=self.cache_admission)
+        return RowCacheConfig(rows=self.cache_rows, bound=self.cache_bound or 0, write_bound=self.cache_write_bound,
+                              policy=self.cache_policy, hot=self.cache_hot, admission=self.cache_admission)
 
     @property
     def worker_name(self) -> str:
@@ -431,6 +432,10 @@ class TrainingConfig:
         if self.cache_rows and not self.local and self.mode.kind == "sync":
             raise ValueError("--cache-rows is for async and ssp:S: sync reads every row fresh each step, so it has no "
                              "row cache (leave it at 0)")
+        if self.cache_rows and self.cache_bound is None and self.cache_write_bound is None:
+            raise ValueError("--cache-rows without --cache-bound would cache nothing (both bounds 0: every row pulled and pushed "
+                             "each step, as without a cache): give --cache-bound R (at 20 the cache saved 40-75% of the "
+                             "bytes: docs/choosing-a-consistency-mode.md), or leave --cache-rows out")
 
     @functools.cached_property
     def table_rules(self) -> TableRules:
