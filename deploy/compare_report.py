@@ -134,7 +134,9 @@ def format_against_sync(summary: dict[str, Any]) -> list[str]:
     if not others:
         return []
     if not any(r["mode"] == "sync" for r in modes):
-        return ["final loss against sync: no sync run in this comparison (add sync to --modes)"]
+        # A sweep (of bounds, or of a remedy's strength) runs no sync and has no --modes to add it to:
+        # its recommendation line compares its runs.
+        return [] if "recommendation" in summary else ["final loss against sync: no sync run in this comparison (add sync to --modes)"]
     lines = ["final loss against sync: difference of the means, 95% interval from both standard errors (Student's t, Welch)"]
     for r in others:
         d = r.get("vs_sync")

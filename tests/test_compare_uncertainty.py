@@ -96,6 +96,10 @@ def test_the_table_says_when_no_uncertainty_or_no_sync_can_be_given() -> None:
     _add_difference_to_sync(alone)
     text = format_table({"target_loss": 0.55, "baseline_loss": 0.6, "straggler": "none", "repeats": 3, "modes": alone})
     assert text.splitlines()[-1] == "final loss against sync: no sync run in this comparison (add sync to --modes)"
+    # A sweep has no --modes and runs no sync (`tether sweep` printed that hint): its recommendation ends the table.
+    swept = {"target_loss": 0.55, "baseline_loss": 0.6, "straggler": "none", "repeats": 3, "modes": alone,
+             "recommendation": "recommended staleness bound: 4"}
+    assert "against sync" not in format_table(swept) and format_table(swept).splitlines()[-1] == swept["recommendation"]
 
 
 def _t975_at_3_degrees_of_freedom() -> float:
