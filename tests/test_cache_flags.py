@@ -51,10 +51,12 @@ def test_a_cache_without_a_bound_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
     ("0% of the rows ... not moved")."""
     with pytest.raises(ValueError, match="--cache-rows without --cache-bound"):
         TrainingConfig(local=True, cache_rows=1000)
+    for name, value in {"TETHER_LOCAL": "1", "TETHER_CACHE_ROWS": "1000", "TETHER_CACHE_BOUND": ""}.items():
+        monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match="--cache-rows without --cache-bound"):
-        for name, value in {"TETHER_LOCAL": "1", "TETHER_CACHE_ROWS": "1000", "TETHER_CACHE_BOUND": ""}.items():
-            monkeypatch.setenv(name, value)
         TrainingConfig.from_env()
+    monkeypatch.setenv("TETHER_CACHE_BOUND", "0")  # given on purpose: accepted
+    assert TrainingConfig.from_env().row_cache.bound == 0
 
 
 class _Stop(Exception):
