@@ -279,6 +279,7 @@ def _compare(
     for run in runs:
         run["time_to_target_s"] = time_to_target(run["curve"], target_loss) if target_loss is not None else None
     results = [_mode_result(mode, [r for r in runs if r["mode"] == mode]) for mode in modes]
+    _mark_identical_repeats(results)
     _add_difference_to_sync(results)
     _write_curves(out_dir / "curves.csv", runs)
     first = runs[0]["summary"]
@@ -397,6 +398,18 @@ def _final_losses(result: dict[str, Any]) -> list[float] | None:
     """A mode's runs' final losses (None when a run has none)."""
     losses = [r["final_eval_loss"] for r in result["runs"]]
     return None if not losses or any(v is None for v in losses) else [float(v) for v in losses]
+
+
+def _mark_identical_repeats(results: Sequence[dict[str, Any]]) -> None:
+    """``repeats_identical`` on a mode whose repeats, each given its own data seed, ended at the
+    same final loss to the last bit: a deterministic mode (sync) that trained one data order N
+    times, because the program does not seed its order with ``config.data_seed``. (The built-in
+    job's orders always differ; async's runs differ by timing even on one order, so it shows in
+    sync's runs.)"""
+    for result in results:
+        losses = _final_losses(result)
+        if losses is not None and len(losses) > 1 and len(set(losses)) == 1 and len({r["data_seed"] for r in result["runs"]}) > 1:
+            result["repeats_identical"] = True
 
 
 def _add_difference_to_sync(results: Sequence[dict[str, Any]]) -> None:

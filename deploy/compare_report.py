@@ -12,8 +12,8 @@ from tether.deploy.compare_program import format_program_table
 from tether.protos.errors import UsageError
 from tether.worker.training.mode import Mode
 
-__all__ = ["difference_to", "format_against_sync", "format_table", "loss_spread", "paired_difference", "recommend", "recommend_strength",
-           "t_quantile_975"]
+__all__ = ["difference_to", "format_against_sync", "format_identical_repeats", "format_table", "loss_spread", "paired_difference",
+           "recommend", "recommend_strength", "t_quantile_975"]
 
 
 # Student's t, two-sided 95% (the 0.975 quantile) for 1..30 degrees of freedom, then 40, 60, 120.
@@ -123,6 +123,17 @@ def paired_difference(runs: Sequence[dict[str, Any]], reference: Sequence[dict[s
     half = t_quantile_975(df) * float(spread["sem"])  # type: ignore[arg-type]
     return {"pairs": len(seeds), "data_seeds": seeds, "diff": diff, "sd": sd, "relative": diff / ref if ref else None, "ci95": half,
             "relative_ci95": half / ref if ref else None, "df": df, "verdict": _verdict(diff, half)}
+
+
+def format_identical_repeats(summary: dict[str, Any]) -> list[str]:
+    """A line naming the modes whose repeats ended bitwise equal (``repeats_identical``): their
+    runs trained one data order, so a spread or interval drawn from them is of timing alone."""
+    same = [r for r in summary["modes"] if r.get("repeats_identical")]
+    if not same:
+        return []
+    return [f"{', '.join(r['mode'] for r in same)}: the {same[0]['repeats']} repeats ended bitwise equal, though each had its own "
+            "data seed: the program does not seed its data order with config.data_seed (TETHER_DATA_SEED), so they trained one "
+            "order, and the spreads and intervals here are of timing alone (docs/your-model.md, \"Comparing modes on your model\")"]
 
 
 def format_against_sync(summary: dict[str, Any]) -> list[str]:
@@ -274,7 +285,7 @@ def format_table(summary: dict[str, Any]) -> str:
     if "program" in summary:
         text = format_program_table(summary)
         extra = format_against_sync(summary) if summary.get("target_loss") is not None else []
-        return "\n".join([text, *extra])
+        return "\n".join([text, *format_identical_repeats(summary), *extra])
     repeats = int(summary.get("repeats", 1))
     pm = repeats > 1
 
@@ -308,6 +319,7 @@ def format_table(summary: dict[str, Any]) -> str:
             + f" {r['final_eval_auc']:7.4f} {r['samples_per_sec']:10,.0f}"
             f" {r['staleness_p50']:9.0f} {r['staleness_p99']:5.0f} {r['staleness_max']:5.0f}"
         )
+    lines.extend(format_identical_repeats(summary))
     lines.extend(format_against_sync(summary))
     if "recommendation" in summary:
         lines.append(str(summary["recommendation"]))

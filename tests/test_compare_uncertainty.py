@@ -193,3 +193,25 @@ def test_the_docs_example_of_the_paired_lines_is_what_the_table_prints() -> None
     _add_difference_to_sync(modes)
     text = format_table({"target_loss": 0.55, "baseline_loss": 0.6, "straggler": "none", "repeats": 3, "modes": modes})
     assert [line.strip() for line in block.strip().splitlines()] == text.splitlines()[-4:]
+
+
+def test_repeats_that_trained_one_order_are_named() -> None:
+    """`tether compare --repeats 2 --script s.py` where s.py seeds its order with config.seed only:
+    sync's two runs ended at the same loss to the last bit, and the table gave sync a spread of 0
+    and async a paired difference with an interval, as if two orders had been trained."""
+    from tether.deploy.compare import _mark_identical_repeats
+
+    one_order = [_result("sync", [0.5125, 0.5125]), _result("async", [0.5127, 0.5131])]
+    _mark_identical_repeats(one_order)
+    _add_difference_to_sync(one_order)
+    assert one_order[0]["repeats_identical"] is True and "repeats_identical" not in one_order[1]
+    text = format_table({"target_loss": 0.55, "baseline_loss": 0.6, "straggler": "none", "repeats": 2, "modes": one_order})
+    said = [line for line in text.splitlines() if "bitwise equal" in line]
+    assert len(said) == 1 and said[0].startswith("sync: the 2 repeats ended bitwise equal") and "config.data_seed" in said[0]
+    # Two orders, or one run a mode, or repeats given one seed on purpose: nothing to say.
+    for modes in ([_result("sync", [0.5125, 0.5126]), _result("async", [0.5127, 0.5131])], [_result("sync", [0.5125])],
+                  [_result("sync", [0.5125, 0.5125], seeds=[3, 3])]):
+        _mark_identical_repeats(modes)
+        assert not any("repeats_identical" in m for m in modes)
+        assert "bitwise equal" not in format_table({"target_loss": 0.55, "baseline_loss": 0.6, "straggler": "none", "repeats": 2,
+                                                    "modes": modes})
