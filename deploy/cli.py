@@ -301,7 +301,8 @@ def _run_comparison(a: argparse.Namespace, sweep: bool) -> int:
             texts = [m.strip() for m in a.modes.split(",") if m.strip()]
         tolerance = 0.01 if not sweep or a.tolerance is None else a.tolerance
         # Each mode parsed here, once: compare and sweep hand these on to every run's config.
-        modes = check_arguments(texts, straggler=a.straggler, tolerance=tolerance if sweep else 0.0, repeats=a.repeats)
+        modes = check_arguments(texts, straggler=a.straggler, tolerance=tolerance if sweep else 0.0, repeats=a.repeats,
+                                flag="--bounds" if sweep and not remedy else "--modes")
         program = _program(a)
         if a.metric is not None and program is None:
             raise ValueError(f"--metric {a.metric}: is for --script or --entry (the built-in job compares its log loss)")

@@ -87,14 +87,16 @@ def _mode_dir(mode: str) -> str:
 
 
 def check_arguments(
-    modes: Sequence[str], straggler: object = None, target_fraction: float = 0.9, tolerance: float = 0.0, repeats: int = 1
+    modes: Sequence[str], straggler: object = None, target_fraction: float = 0.9, tolerance: float = 0.0, repeats: int = 1,
+    flag: str = "--modes",
 ) -> list[Mode]:
     """Check what ``compare`` and ``sweep`` are asked before any process starts; returns the modes
     parsed (each text once: a ``Mode`` given is kept as it is, and every run's config shares it).
+    ``flag``: where the modes came from, for the messages (``--bounds``: a sweep's, named by bound).
 
     Raises:
-        UsageError: a bad mode, an empty mode list, a bad straggler spec, a target fraction
-            outside (0, 1], a negative tolerance or fewer than 1 repeat.
+        UsageError: a bad mode, an empty mode list, a mode given twice, a bad straggler spec, a
+            target fraction outside (0, 1], a negative tolerance or fewer than 1 repeat.
     """
     if not modes:
         raise UsageError("at least one mode is needed")
@@ -102,6 +104,11 @@ def check_arguments(
         parsed = [Mode.of(m) for m in modes]
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    keys = [(m.kind, m.bound) for m in parsed]  # ssp:2 and ssp:02 are one mode
+    for m, key in zip(parsed, keys, strict=True):
+        if keys.count(key) > 1:  # its runs would share one folder and one row of the table
+            name = str(m.bound) if flag == "--bounds" else m.kind if m.bound is None else f"{m.kind}:{m.bound}"
+            raise UsageError(f"{flag}: {name} is given twice (each runs once a repeat: --repeats N runs each N times)")
     if not 0 < target_fraction <= 1:
         raise UsageError(f"target_fraction must be in (0, 1], got {target_fraction!r}")
     try:
@@ -448,7 +455,7 @@ def sweep(
     ``recommended_staleness`` is None when the runs show no significant difference."""
     if not bounds or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in bounds):
         raise UsageError(f"--bounds must be a non-empty list of integers >= 0, got {list(bounds)!r}")
-    modes = check_arguments([Mode.ssp(b) for b in bounds], tolerance=tolerance)
+    modes = check_arguments([Mode.ssp(b) for b in bounds], tolerance=tolerance, flag="--bounds")
     summary = compare(template, modes, num_shards, out, **kwargs)
     if summary["target_loss"] is None:  # a script whose runs report no eval loss
         summary.update(recommended_staleness=None, recommendation="no staleness bound recommended (it needs an eval loss)",

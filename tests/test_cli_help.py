@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 
@@ -232,6 +233,21 @@ def test_compare_and_sweep_refuse_mode(command: str, argv: list[str]) -> None:
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith(f"tether {command}: error: --mode "), lines[0]
     assert ("--bounds" if command == "sweep" else "--modes") in lines[0]
+
+
+@pytest.mark.parametrize("command, argv, said", [
+    ("compare", ["--modes", "async,async"], "--modes: async is given twice"),
+    ("compare", ["--modes", "ssp:2,sync,ssp:02"], "--modes: ssp:2 is given twice"),
+    ("sweep", ["--bounds", "2,1,2"], "--bounds: 2 is given twice"),
+])
+def test_compare_and_sweep_refuse_a_mode_given_twice(tmp_path: Path, command: str, argv: list[str], said: str) -> None:
+    """`tether compare --modes async,async` ran async twice into one folder and printed two
+    identical rows, each claiming both runs as its repeats."""
+    out = tmp_path / "out"
+    proc = _tether([command, *argv, "--steps", "2", "--num-workers", "1", "--num-shards", "1", "--out", str(out)])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"tether {command}: error: {said}"), proc.stderr
+    assert "--repeats N" in lines[0] and not out.exists()
 
 
 def test_compare_and_sweep_help_have_no_mode(monkeypatch: pytest.MonkeyPatch, clean_env: None) -> None:
