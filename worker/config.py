@@ -424,11 +424,11 @@ class TrainingConfig:
 
     def _check_cache_flags(self) -> None:
         """The cache bounds and policy mean something only with a cache, and a cache only outside sync."""
-        flags = {f.name: decl.flag or f.name for f, decl in fields.declared(type(self))}
-        given = [flags[name] for name, default in self.without_cache().items() if name != "cache_rows" and getattr(self, name) != default]
+        given = [name for name, default in self.without_cache().items() if name != "cache_rows" and getattr(self, name) != default]
         if given and not self.cache_rows:
-            raise ValueError(f"{', '.join(given)} without --cache-rows (cache_rows=0: no row cache) would do nothing: "
-                             "give --cache-rows N, or leave them out")
+            flags = {f.name: decl.flag or f.name for f, decl in fields.declared(type(self))}  # only for the message
+            raise ValueError(f"{', '.join(flags[name] for name in given)} without --cache-rows (cache_rows=0: no row cache) would do "
+                             "nothing: give --cache-rows N, or leave them out")
         if self.cache_rows and not self.local and self.mode.kind == "sync":
             raise ValueError("--cache-rows is for async and ssp:S: sync reads every row fresh each step, so it has no "
                              "row cache (leave it at 0)")
